@@ -1,0 +1,230 @@
+// ubnext kernels: element types, 16-byte vectors, reduction ops, memory primitives.
+//
+// No CUDA headers are included: the sources compile with plain NVRTC (CI, no GPU),
+// with cupy.RawModule (run time) and with nvcc (CMakeLists.txt) alike.
+// Every memory primitive names its memory order and scope in its contract.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef UB_MAX_RANKS
+#define UB_MAX_RANKS 8     // ranks of one node served by the kernels (host: ubnext._algorithms.MAX_RANKS)
+#endif
+#ifndef UB_MAX_BLOCKS
+#define UB_MAX_BLOCKS 256  // blocks per launch with their own barrier flags
+#endif
+
+// ---------------------------------------------------------------------------------
+// Element types: stored as raw bits, reduced in fp32.
+// ---------------------------------------------------------------------------------
+struct bf16 {};
+struct f16 {};
+
+template <class T> struct Elem;
+
+template <> struct Elem<bf16> {
+  static constexpr int kBytes = 2;
+  __device__ static float load(u32 bits) { return __uint_as_float(bits << 16); }
+  __device__ static u32 store(float f) {  // round to nearest even
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+  }
+};
+
+template <> struct Elem<f16> {
+  static constexpr int kBytes = 2;
+  __device__ static float load(u32 bits) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)bits));
+    return f;
+  }
+  __device__ static u32 store(float f) {  // round to nearest even
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+  }
+};
+
+template <> struct Elem<float> {
+  static constexpr int kBytes = 4;
+  __device__ static float load(u32 bits) { return __uint_as_float(bits); }
+  __device__ static u32 store(float f) { return __float_as_uint(f); }
+};
+
+// ---------------------------------------------------------------------------------
+// 16-byte vectors: kPer elements of T in four 32-bit words, element 0 in the low bits.
+// ---------------------------------------------------------------------------------
+template <class T> struct Vec {
+  static constexpr int kPer = 16 / Elem<T>::kBytes;
+  static constexpr int kBits = 8 * Elem<T>::kBytes;
+  static constexpr u32 kMask = kBits == 32 ? 0xffffffffu : 0xffffu;
+
+  __device__ static u32 word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+  }
+  __device__ static u32 bits(const uint4& v, int e) {
+    return kBits == 32 ? word(v, e) : (word(v, e >> 1) >> (16 * (e & 1))) & 0xffffu;
+  }
+  __device__ static void unpack(const uint4& v, float (&f)[kPer]) {
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) f[e] = Elem<T>::load(bits(v, e));
+  }
+  __device__ static uint4 pack(const float (&f)[kPer]) {
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (kBits == 32) {
+        w[i] = Elem<T>::store(f[i]);
+      } else {
+        w[i] = Elem<T>::store(f[2 * i]) | (Elem<T>::store(f[2 * i + 1]) << 16);
+      }
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+// ---------------------------------------------------------------------------------
+// Reduction ops: combine in fp32; finish() runs once on the fully reduced value.
+// ---------------------------------------------------------------------------------
+struct OpSum {
+  __device__ static float combine(float a, float b) { return a + b; }
+  __device__ static float finish(float a, int) { return a; }
+};
+struct OpAvg {
+  __device__ static float combine(float a, float b) { return a + b; }
+  __device__ static float finish(float a, int n) { return a / (float)n; }
+};
+struct OpMax {
+  __device__ static float combine(float a, float b) { return fmaxf(a, b); }
+  __device__ static float finish(float a, int) { return a; }
+};
+struct OpMin {
+  __device__ static float combine(float a, float b) { return fminf(a, b); }
+  __device__ static float finish(float a, int) { return a; }
+};
+
+// ---------------------------------------------------------------------------------
+// Memory primitives. "weak" = ordinary access; "strong" ones bypass the L1 cache.
+// ---------------------------------------------------------------------------------
+
+// Weak 16-byte load (ordinary global load, may be cached in L1).
+__device__ __forceinline__ uint4 ld_weak(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// Weak 16-byte store.
+__device__ __forceinline__ void st_weak(void* p, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// Relaxed, system-scope 16-byte load: sees peers' stores that reached this memory (no L1).
+__device__ __forceinline__ uint4 ld_relaxed_sys(const void* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.sys.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// Volatile 16-byte load for polling: re-read from memory on every call.
+__device__ __forceinline__ uint4 ld_volatile(const void* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+// Volatile 16-byte store: issued as written, not merged or elided.
+__device__ __forceinline__ void st_volatile(void* p, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// Volatile 32-bit load.
+__device__ __forceinline__ u32 ld_volatile_u32(const void* p) {
+  u32 v;
+  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Acquire, system scope: later accesses of this thread are ordered after the load.
+__device__ __forceinline__ u32 ld_acquire_sys(const void* p) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Release, system scope: earlier accesses of this thread are ordered before the store.
+__device__ __forceinline__ void st_release_sys(void* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+// Sequentially consistent fence at system scope (cumulative over what the thread observed).
+__device__ __forceinline__ void fence_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+
+// Nanoseconds from the GPU's global timer.
+__device__ __forceinline__ u64 globaltimer() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ---------------------------------------------------------------------------------
+// Partial vectors: the last vector of a message may hold fewer than kPer elements.
+// ---------------------------------------------------------------------------------
+
+// Loads `valid` (1..kPer-1) elements at p; missing elements read as +0.0 bits.
+template <class T> __device__ uint4 ld_partial(const void* p, int valid) {
+  constexpr int P = Vec<T>::kPer;
+  u32 w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int e = 0; e < P; ++e) {
+    if (e < valid) {
+      if (Elem<T>::kBytes == 4) {
+        w[e] = ((const volatile u32*)p)[e];
+      } else {
+        w[e >> 1] |= (u32)((const volatile u16*)p)[e] << (16 * (e & 1));
+      }
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Stores the first `valid` (1..kPer-1) elements of v at p, element by element.
+template <class T> __device__ void st_partial(void* p, const uint4& v, int valid) {
+#pragma unroll
+  for (int e = 0; e < Vec<T>::kPer; ++e) {
+    if (e < valid) {
+      if (Elem<T>::kBytes == 4) {
+        ((volatile u32*)p)[e] = Vec<T>::bits(v, e);
+      } else {
+        ((volatile u16*)p)[e] = (u16)Vec<T>::bits(v, e);
+      }
+    }
+  }
+}
+
+// Geometry of a message of n elements cut into 16-byte vectors.
+template <class T> struct Span {
+  u64 nvec;   // vectors, the last one possibly partial
+  int tail;   // elements in the last vector when partial, else 0
+  __device__ explicit Span(u64 n) {
+    nvec = (n + Vec<T>::kPer - 1) / Vec<T>::kPer;
+    tail = (int)(n % Vec<T>::kPer);
+  }
+  __device__ bool partial(u64 i) const { return tail != 0 && i == nvec - 1; }
+  // Loads vector i of a local array; a partial vector is padded with +0.0.
+  __device__ uint4 load(const char* a, u64 i) const {
+    return partial(i) ? ld_partial<T>(a + i * 16, tail) : ld_weak(a + i * 16);
+  }
+  // Stores vector i of a local or peer array; never writes past element n.
+  __device__ void store(char* a, u64 i, const uint4& v) const {
+    if (partial(i)) st_partial<T>(a + i * 16, v, tail); else st_weak(a + i * 16, v);
+  }
+};

@@ -1,0 +1,114 @@
+// ubnext kernels: bounded waits, timeout reports, cross-rank block barriers, launch state.
+//
+// Every spin-wait is bounded by a timeout. On timeout the waiting thread writes who
+// waited for whom into host-mapped memory (read by the host without synchronizing) and
+// traps, so a dead peer becomes an error, never a silent hang.
+#pragma once
+#include "common.cuh"
+
+// Where a wait timed out (host: ubnext._errors_where in _kernels.py maps these to text).
+enum WaitSite : u32 {
+  kSiteLamportPoll = 1,
+  kSiteEntryBarrier = 2,
+  kSiteExitBarrier = 3,
+};
+
+// One per communicator, in host-mapped pinned memory. `flag` is written last.
+struct ErrorRecord {
+  u32 flag;   // 0 = no error; 1 = a wait timed out
+  u32 rank;   // the rank that waited
+  u32 peer;   // the rank it waited for
+  u32 site;   // WaitSite
+  u64 epoch;  // launch epoch of the waiting kernel
+};
+
+// Per rank and per kernel family, in the rank's own segment of the pool.
+// All blocks read it at entry; the last block to finish advances it, so the next launch
+// on the stream (which starts after this one completes) sees the new values. The kernel
+// advances it itself, so a launch captured in a CUDA graph stays correct on every replay.
+struct LaunchState {
+  u32 epoch;      // launches completed
+  u32 done;       // blocks of the running launch that finished
+  u32 prev_vecs;  // vectors moved by the previous launch (Lamport: what to re-poison)
+  u32 pad;
+};
+
+// Context every kernel carries for its waits.
+struct WaitCtx {
+  ErrorRecord* err;
+  u64 timeout_ns;
+  int rank;
+  u32 epoch;
+};
+
+// Records the timeout in host memory (flag last, system-scope fences) and traps.
+__device__ __noinline__ void fail_timeout(const WaitCtx& c, int peer, u32 site) {
+  volatile ErrorRecord* r = c.err;
+  r->rank = (u32)c.rank;
+  r->peer = (u32)peer;
+  r->site = site;
+  r->epoch = c.epoch;
+  __threadfence_system();
+  r->flag = 1u;
+  __threadfence_system();
+  __trap();
+}
+
+// True while flag value `v` has not reached `target` (wrap-around safe).
+__device__ __forceinline__ bool before(u32 v, u32 target) { return (int)(v - target) < 0; }
+
+// Waits until *flag (written by `peer` with st_release_sys) reaches `target`.
+// Acquire at system scope: the caller's later accesses see what the peer wrote before.
+__device__ __forceinline__ void wait_flag(const u32* flag, u32 target, const WaitCtx& c,
+                                          int peer, u32 site) {
+  if (!before(ld_acquire_sys(flag), target)) return;
+  const u64 t0 = globaltimer();
+  while (before(ld_acquire_sys(flag), target)) {
+    if (globaltimer() - t0 > c.timeout_ns) fail_timeout(c, peer, site);
+  }
+}
+
+// Barrier flags in every rank's segment: u32 flags[2 phases][UB_MAX_BLOCKS][UB_MAX_RANKS];
+// slot [phase][b][s] of rank r is written by block b of rank s.
+__device__ __forceinline__ u64 flag_offset(int phase, int block, int src) {
+  return 4ull * (((u64)phase * UB_MAX_BLOCKS + block) * UB_MAX_RANKS + src);
+}
+
+// Barrier of block blockIdx.x with the same block on every rank. Release/acquire at
+// system scope: everything this block wrote before is visible to those blocks after,
+// and everything they wrote before is visible to this block after. `value` must grow
+// by one per launch (the launch epoch), so flags are never reset.
+// tp.seg(r) gives the base of rank r's segment; flags_off locates the flag array in it.
+template <int N, class Tp>
+__device__ void block_barrier(const Tp& tp, u64 flags_off, int phase, u32 value,
+                              const WaitCtx& c, u32 site) {
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < N) {
+    fence_sys();
+    st_release_sys(tp.seg(t) + flags_off + flag_offset(phase, blockIdx.x, c.rank), value);
+    wait_flag((const u32*)(tp.seg(c.rank) + flags_off + flag_offset(phase, blockIdx.x, t)), value,
+              c, t, site);
+  }
+  __syncthreads();
+}
+
+// Reads the launch epoch and the previous launch's vector count at kernel entry.
+__device__ __forceinline__ void read_launch_state(LaunchState* s, u32& epoch, u32& prev_vecs) {
+  epoch = ld_volatile_u32(&s->epoch);
+  prev_vecs = ld_volatile_u32(&s->prev_vecs);
+}
+
+// Called by every block at its end: the last block to finish advances the state.
+__device__ void finish_launch(LaunchState* s, u32 epoch, u32 vecs) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(&s->done, 1u) == gridDim.x - 1) {
+      s->done = 0u;
+      s->prev_vecs = vecs;
+      __threadfence();
+      s->epoch = epoch + 1u;
+    }
+  }
+}

@@ -1,0 +1,123 @@
+"""Shared test machinery: the ``gpu`` skip and the ``run_mpi`` fixture.
+
+* Tests marked ``@pytest.mark.gpu`` are skipped, with the reason, when no CUDA
+  device is usable (checked once, lazily, without creating a CUDA context).
+* ``run_mpi(script, n, args=(), timeout=...)`` runs ``mpiexec -n N python
+  script`` and fails the test with the output when the job fails or hangs.
+  Tests that use it carry ``@pytest.mark.mpi``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Set by the launchers when this pytest itself runs as an MPI rank.
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    # pyproject.toml sets a default per-test `timeout` for pytest-timeout (a
+    # test extra). Declare the option when the plugin is absent so a bare
+    # pytest does not warn about an unknown setting.
+    if not pluginmanager.hasplugin("timeout"):
+        parser.addini("timeout", "per-test timeout in seconds (needs pytest-timeout)")
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_unavailable_reason() -> str | None:
+    """Why no CUDA device is usable, or None if one is."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no cupy, no driver, no device: all mean "skip"
+        return f"no usable CUDA device ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "no CUDA device"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None:
+        reason = _gpu_unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+
+
+def _find_mpiexec() -> str | None:
+    """``mpiexec`` next to the Python executable (a venv with the mpich wheel), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec")
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_flags(mpiexec: str) -> tuple[str, ...]:
+    """Extra flags Open MPI needs to run 4 ranks on 2 cores, as root; none for MPICH."""
+    try:
+        version = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    if "Open MPI" not in version and "OpenRTE" not in version:
+        return ()
+    flags = ["--oversubscribe"]
+    if os.geteuid() == 0:
+        flags.append("--allow-run-as-root")
+    return tuple(flags)
+
+
+def _report(title: str, out: str, err: str) -> str:
+    return f"{title}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
+
+
+@pytest.fixture
+def run_mpi() -> Callable[..., subprocess.CompletedProcess]:
+    """Return ``run(script, n, args=(), timeout=300.0) -> CompletedProcess``.
+
+    The job runs in its own process group with the repository on
+    ``PYTHONPATH``; on timeout the whole group is killed. A non-zero exit or
+    a timeout fails the test, showing stdout and stderr. Skips when no
+    ``mpiexec`` is found, or when pytest itself runs under an MPI launcher.
+    """
+    mpiexec = _find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("mpiexec not found next to the Python executable or on PATH")
+    if any(var in os.environ for var in _MPI_RANK_VARS):
+        pytest.skip("pytest already runs under an MPI launcher; not nesting mpiexec")
+
+    def run(
+        script: str | os.PathLike, n: int, args: Sequence[str] = (), timeout: float = 300.0
+    ) -> subprocess.CompletedProcess:
+        cmd = [mpiexec, *_launcher_flags(mpiexec), "-n", str(n), sys.executable, os.fspath(script), *args]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a rank escaped the group and holds the pipes
+                out, err = "", ""
+            pytest.fail(_report(f"{' '.join(cmd)} timed out after {timeout} s", out, err))
+        if proc.returncode != 0:
+            pytest.fail(_report(f"{' '.join(cmd)} exited with {proc.returncode}", out, err))
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    return run

@@ -1,0 +1,29 @@
+"""ubnext: fast intra-node all-reduce on NVLink GPUs, for CuPy and PyTorch users.
+
+    import ubnext
+    with ubnext.Communicator() as comm:          # collective over MPI COMM_WORLD
+        y = comm.all_reduce(x)                    # x: torch.Tensor or cupy.ndarray
+
+See the README for configuration (``UBNEXT_*``) and the algorithms.
+"""
+
+from . import bootstrap
+from ._algorithms import ALGORITHMS, DTYPES, OPS
+from ._comm import Communicator
+from ._config import Config
+from ._errors import ClosedError, CollectiveTimeoutError, CudaError, UbnextError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALGORITHMS",
+    "DTYPES",
+    "OPS",
+    "ClosedError",
+    "CollectiveTimeoutError",
+    "Communicator",
+    "Config",
+    "CudaError",
+    "UbnextError",
+    "bootstrap",
+]

@@ -1,0 +1,172 @@
+"""Interop with the caller's arrays: CuPy, PyTorch, and anything with DLPack or CAI.
+
+Fast paths read torch tensors and CuPy arrays directly; other objects go through
+``__cuda_array_interface__`` or ``__dlpack__`` (via CuPy). torch is optional and
+imported lazily: it is only touched when the caller passes a tensor or asks for one.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from ._algorithms import DTYPES
+from ._errors import UbnextError
+
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+_TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A validated view of a caller's device array.
+
+    Attributes:
+        obj: the caller's object (returned to the caller as is).
+        framework: ``"torch"`` or ``"cupy"`` (other inputs are wrapped as CuPy).
+        ptr: device address of element 0.
+        count: number of elements.
+        dtype: a key of ``DTYPES``.
+        device: CUDA device ordinal.
+        shape: the array's shape.
+    """
+
+    obj: object
+    framework: str
+    ptr: int
+    count: int
+    dtype: str
+    device: int
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * DTYPES[self.dtype][1]
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _is_torch(x) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _dtype_name(name: str, op: str) -> str:
+    if name not in DTYPES:
+        raise UbnextError(f"{op}: unsupported dtype {name}; ubnext reduces {', '.join(DTYPES)}")
+    return name
+
+
+def describe(x, op: str) -> Buffer:
+    """Validates ``x`` and returns its Buffer view.
+
+    Args:
+        x: a CUDA torch.Tensor, cupy.ndarray, or object with ``__cuda_array_interface__``
+            or ``__dlpack__``.
+        op: operation name for error messages (e.g. ``"all_reduce"``).
+
+    Raises:
+        UbnextError: host memory, non-contiguous data, unsupported dtype.
+    """
+    if _is_torch(x):
+        if not x.is_cuda:
+            raise UbnextError(f"{op}: tensor is in host memory ({x.device}); ubnext reduces CUDA device memory")
+        if not x.is_contiguous():
+            raise UbnextError(f"{op}: tensor is not contiguous; call .contiguous() first")
+        dtype = _dtype_name(str(x.dtype).replace("torch.", ""), op)
+        return Buffer(x, "torch", x.data_ptr(), x.numel(), dtype, x.device.index, tuple(x.shape))
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        if hasattr(x, "__cuda_array_interface__"):
+            x = cupy.asarray(x)
+        elif hasattr(x, "__dlpack__"):
+            device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else None
+            if device_type not in _DLPACK_CUDA:
+                raise UbnextError(f"{op}: {type(x).__name__} is not in CUDA device memory (DLPack device "
+                                  f"type {device_type}); host memory is not supported")
+            try:
+                x = cupy.from_dlpack(x)
+            except Exception as e:  # host arrays, unknown devices
+                raise UbnextError(f"{op}: cannot view {type(x).__name__} as CUDA memory: {e}") from e
+        else:
+            raise UbnextError(
+                f"{op}: expected a CUDA array (torch.Tensor, cupy.ndarray, __cuda_array_interface__ "
+                f"or __dlpack__), got {type(x).__name__} (host memory is not supported)"
+            )
+    if not x.flags.c_contiguous:
+        raise UbnextError(f"{op}: array is not C-contiguous; call cupy.ascontiguousarray first")
+    dtype = _dtype_name(x.dtype.name, op)
+    return Buffer(x, "cupy", x.data.ptr, x.size, dtype, x.device.id, tuple(x.shape))
+
+
+def check_out(x: Buffer, out, op: str) -> Buffer:
+    """Validates ``out`` against ``x``: same count, dtype and device; no partial overlap."""
+    o = describe(out, op)
+    if o.count != x.count or o.dtype != x.dtype:
+        raise UbnextError(
+            f"{op}: out has {o.count} {o.dtype} elements, input has {x.count} {x.dtype}; they must match"
+        )
+    if o.device != x.device:
+        raise UbnextError(f"{op}: out is on device {o.device}, input on device {x.device}")
+    if o.ptr != x.ptr and o.ptr < x.ptr + x.nbytes and x.ptr < o.ptr + o.nbytes:
+        raise UbnextError(f"{op}: out partially overlaps the input; pass out=x for in place, or a separate array")
+    return o
+
+
+def empty_like(x: Buffer):
+    """A new array of x's framework, shape and dtype (the framework's allocator)."""
+    if x.framework == "torch":
+        return _torch().empty_like(x.obj)
+    import cupy
+
+    return cupy.empty_like(x.obj)
+
+
+def stream_handle(stream, x: Buffer) -> int:
+    """The raw cudaStream_t to launch on: ``stream`` if given, else the current one of x's framework."""
+    if stream is None:
+        if x.framework == "torch":
+            return _torch().cuda.current_stream(x.device).cuda_stream
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy Stream
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    raise UbnextError(f"stream: expected a torch/cupy stream or an int handle, got {type(stream).__name__}")
+
+
+def wrap(ptr: int, shape: tuple, dtype: str, device: int, framework: str, owner):
+    """An array of ``framework`` over device memory at ``ptr`` kept alive by ``owner``.
+
+    The array (and anything viewing it) holds a reference to ``owner``, so the
+    memory is released only after the last view is gone.
+    """
+    import cupy
+
+    count = 1
+    for d in shape:
+        count *= d
+    nbytes = count * DTYPES[dtype][1]
+    mem = cupy.cuda.UnownedMemory(ptr, max(nbytes, 1), owner, device_id=device)
+    if framework == "cupy":
+        return cupy.ndarray(shape, dtype=_cupy_dtype(dtype), memptr=cupy.cuda.MemoryPointer(mem, 0))
+    if framework == "torch":
+        import torch
+
+        raw = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        return torch.from_dlpack(raw).view(getattr(torch, _TORCH_DTYPES[dtype])).view(shape)
+    raise UbnextError(f"empty: framework must be 'cupy' or 'torch', got {framework!r}")
+
+
+def _cupy_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return dtype

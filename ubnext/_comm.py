@@ -1,0 +1,310 @@
+"""The Communicator: ubnext's public, collective API."""
+
+from __future__ import annotations
+
+import pickle
+
+from . import _arrays
+from ._algorithms import ALGORITHMS, DTYPES, MAX_RANKS, OPS
+from ._config import Config
+from ._errors import ClosedError, UbnextError
+from ._log import get_logger, log_once
+from ._node import Node
+from ._select import Selector
+
+_D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+class Communicator:
+    """A group of ranks that all-reduce together.
+
+    Creating one is collective over ``bootstrap``: every rank of it must construct
+    its Communicator at the same time. On one node whose GPUs reach each other
+    (P2P), ubnext's kernels run on a symmetric memory pool; otherwise, and for what
+    the kernels do not cover, the work goes to NCCL (logged once with the reason).
+
+    Args:
+        bootstrap: a ``ubnext.bootstrap.Bootstrap`` (default: MPI ``COMM_WORLD``).
+        device: CUDA device ordinal; default: the current device if the caller set
+            one (non-zero), else the local rank.
+        config: a ``Config``; default ``Config.from_env(**overrides)``.
+        **overrides: Config fields that win over the ``UBNEXT_*`` environment.
+
+    Raises:
+        UbnextError: invalid configuration, or a setup step failed on this rank.
+    """
+
+    def __init__(self, bootstrap=None, device=None, config: Config | None = None, **overrides):
+        import cupy
+
+        if config is None:
+            config = Config.from_env(**overrides)
+        elif overrides:
+            raise TypeError("Communicator: pass either config= or keyword overrides, not both")
+        if config.nvls == "1":
+            raise UbnextError("Communicator: UBNEXT_NVLS=1 asks for NVLink multicast kernels, which this "
+                              "version does not provide; use UBNEXT_NVLS=auto or 0")
+        self.config = config
+        if bootstrap is None:
+            from .bootstrap import default
+
+            bootstrap = default()
+        self.bootstrap = bootstrap
+        self.rank, self.size = bootstrap.rank, bootstrap.size
+        self._log = get_logger(config, self.rank)
+        self._closed = False
+        self._nccl = None
+        self._local = bootstrap.split_local()
+        self.device = _choose_device(device, self._local.rank)
+        cupy.cuda.Device(self.device).use()
+        self._node = self._setup_node()
+        usable = ["nccl"] + ([] if self._node is None else ["lamport", "twoshot"])
+        self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable)
+
+    def _setup_node(self) -> Node | None:
+        """The node's kernel resources, or None when every rank must use NCCL."""
+        reason = None
+        if self._local.size != self.size:
+            reason = f"ranks span several nodes ({self._local.size} of {self.size} on this one)"
+        elif self.size > MAX_RANKS:
+            reason = f"{self.size} ranks on one node; the kernels serve at most {MAX_RANKS}"
+        elif self.config.algorithm == "nccl":
+            reason = "UBNEXT_ALGO=nccl"
+        node, error = None, None
+        if reason is None:
+            try:
+                node = Node(self._local, self.device, self.config)
+            except UbnextError as e:
+                error = str(e)
+        # Every rank must take the same path: agree on the outcome.
+        errors = [e for e in self._local.allgather_obj(error) if e]
+        if reason is None and errors:
+            reason = f"symmetric memory setup failed: {errors[0]}"
+        if reason is not None:
+            if node is not None:
+                node.close()
+                node = None
+            log_once(f"node:{reason}", f"Communicator: using NCCL for every call: {reason}")
+        return node
+
+    # -- public API -------------------------------------------------------------------
+    def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
+        """All-reduces ``x`` over the ranks. Collective; never blocks the host.
+
+        Args:
+            x: CUDA array (torch.Tensor, cupy.ndarray, ``__cuda_array_interface__`` or
+                ``__dlpack__``), contiguous, bfloat16/float16/float32, on this
+                communicator's device. Arrays from ``empty()`` are reduced without
+                copies (in place, or into an ``out`` from ``empty()``); a buffer from
+                ``empty()`` must then be used on every rank alike.
+            out: where to write the result (same count and dtype; may be ``x``);
+                default: a new array of x's framework.
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+            algorithm: ``"auto"`` or one of ``algorithms()``.
+            stream: torch/CuPy stream or raw handle; default: the current stream of x's
+                framework.
+
+        Returns:
+            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
+
+        Raises:
+            UbnextError: invalid arguments (before anything is launched), closed
+                communicator; CollectiveTimeoutError if an earlier launch timed out.
+
+        Can be captured in a CUDA graph (after a first eager call per dtype/op/algorithm,
+        which compiles the kernel).
+        """
+        name = "all_reduce"
+        self._check_open(name)
+        xb = _arrays.describe(x, name)
+        if xb.device != self.device:
+            raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
+        if op not in OPS:
+            raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
+        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype)
+        if out is None:
+            ob = _arrays.describe(_arrays.empty_like(xb), name)
+        else:
+            ob = _arrays.check_out(xb, out, name)
+        if xb.count == 0:
+            return ob.obj
+        if self.config.debug:
+            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
+        handle = _arrays.stream_handle(stream, xb)
+        if algo == "nccl":
+            self._nccl_comm().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, handle)
+        elif algo == "lamport":
+            self._lamport(xb, ob, op, handle)
+        else:
+            self._twoshot(xb, ob, op, handle)
+        return ob.obj
+
+    def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
+        """A new array in symmetric memory. Collective (same shapes on every rank).
+
+        All-reduce on it (in place, or with it as ``out``) moves no extra copies.
+        The memory returns to the pool when the array and all its views are gone.
+        Not available when the communicator runs on NCCL only.
+
+        Args:
+            shape: int or tuple of ints.
+            dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+            framework: ``"cupy"`` or ``"torch"``.
+
+        Raises:
+            UbnextError: pool exhausted (on every rank alike), no symmetric pool,
+                bad dtype/framework.
+        """
+        name = "empty"
+        self._check_open(name)
+        if dtype not in DTYPES:
+            raise UbnextError(f"{name}: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        if framework not in ("cupy", "torch"):
+            raise UbnextError(f"{name}: framework must be 'cupy' or 'torch', got {framework!r}")
+        if self._node is None:
+            raise UbnextError(f"{name}: this communicator has no symmetric memory pool (it uses NCCL)")
+        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+        count = 1
+        for d in shape:
+            count *= d
+        block = self._node.alloc(count * DTYPES[dtype][1])
+        return _arrays.wrap(block.ptr, shape, dtype, self.device, framework, block)
+
+    def algorithms(self) -> list[str]:
+        """Names of the algorithms this communicator can run."""
+        return [name for name in ALGORITHMS if self._selector.fits(name, 0)]
+
+    def select(self, nbytes: int, dtype: str) -> str:
+        """The algorithm ``"auto"`` picks for a message of ``nbytes`` bytes."""
+        return self._resolve("select", "auto", nbytes, dtype)
+
+    def synchronize(self, stream=None) -> None:
+        """Waits for the device (or ``stream``), turning a kernel timeout into CollectiveTimeoutError."""
+        import cupy
+
+        self._check_open("synchronize")
+        try:
+            if stream is None:
+                cupy.cuda.Device(self.device).synchronize()
+            else:
+                cupy.cuda.ExternalStream(_arrays.stream_handle(stream, None)).synchronize()
+        except cupy.cuda.runtime.CUDARuntimeError:
+            self._check_timeouts("synchronize")
+            raise
+
+    def close(self) -> None:
+        """Releases the pool and the NCCL communicator. Collective; idempotent.
+
+        Waits for this device's work, then for every rank, so no peer still reads
+        this rank's memory. Arrays from ``empty()`` must not be used afterwards.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        node, self._node = self._node, None
+        nccl, self._nccl = self._nccl, None
+        try:
+            if node is not None:
+                node.close()
+        finally:
+            if nccl is not None:
+                nccl.close()
+            self._local.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            import warnings
+
+            warnings.warn("ubnext.Communicator was not closed", ResourceWarning, stacklevel=2)
+
+    # -- internals --------------------------------------------------------------------
+    def _check_open(self, name: str) -> None:
+        if self._closed:
+            raise ClosedError(f"{name}: the communicator is closed")
+        self._check_timeouts(name)
+
+    def _check_timeouts(self, name: str) -> None:
+        if self._node is not None:
+            self._node.timeouts.check(name, self.config.timeout_s)
+
+    def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str) -> str:
+        if algorithm == "auto" and self.config.algorithm != "auto":
+            algorithm = self.config.algorithm
+        if algorithm == "auto":
+            return self._selector.select(nbytes, dtype)
+        if algorithm not in ALGORITHMS:
+            raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(ALGORITHMS)}")
+        if not self._selector.fits(algorithm, nbytes):
+            raise UbnextError(f"{name}: algorithm {algorithm!r} cannot take {nbytes} bytes on this communicator "
+                              f"(usable: {', '.join(self.algorithms())}; Lamport up to {self.config.lamport_max_kb} KiB)")
+        return algorithm
+
+    def _compare_across_ranks(self, name: str, call: tuple) -> None:
+        calls = [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(call))]
+        if any(c != calls[0] for c in calls):
+            rows = "; ".join(f"rank {r}: count={c[0]} dtype={c[1]} op={c[2]} algorithm={c[3]}"
+                             for r, c in enumerate(calls))
+            raise UbnextError(f"{name}: ranks disagree on the call ({rows})")
+
+    def _nccl_comm(self):
+        if self._nccl is None:
+            from ._nccl import NcclComm
+
+            self._nccl = NcclComm(self.bootstrap, self.device)
+        return self._nccl
+
+    def _lamport(self, xb, ob, op, stream):
+        eng = self._node.engine
+        if xb.ptr % 16 == 0 and ob.ptr % 16 == 0:
+            eng.lamport(xb.dtype, op, xb.ptr, ob.ptr, xb.count, stream)
+            return
+        staging = self._node.pool.local_ptr(eng.plan.offset("staging"))
+        _copy(staging, xb.ptr, xb.nbytes, stream)
+        eng.lamport(xb.dtype, op, staging, staging, xb.count, stream)
+        _copy(ob.ptr, staging, xb.nbytes, stream)
+
+    def _twoshot(self, xb, ob, op, stream):
+        eng, pool = self._node.engine, self._node.pool
+        aligned = xb.ptr % 16 == 0 and ob.ptr % 16 == 0
+        out_off = pool.contains(ob.ptr, ob.nbytes)
+        if out_off is not None and aligned:  # the result lands in out's symmetric buffer
+            eng.twoshot(xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, stream)
+            return
+        width = DTYPES[xb.dtype][1]
+        staging_off = eng.plan.offset("staging")
+        staging = pool.local_ptr(staging_off)
+        chunk = eng.staging_bytes // width
+        for start in range(0, xb.count, chunk):
+            n = min(chunk, xb.count - start)
+            src, dst = xb.ptr + start * width, ob.ptr + start * width
+            if aligned:
+                eng.twoshot(xb.dtype, op, staging_off, src, dst, n, stream)
+            else:
+                _copy(staging, src, n * width, stream)
+                eng.twoshot(xb.dtype, op, staging_off, 0, 0, n, stream)
+                _copy(dst, staging, n * width, stream)
+
+
+def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:
+    from cupy.cuda import runtime
+
+    runtime.memcpyAsync(dst, src, nbytes, _D2D, stream)
+
+
+def _choose_device(device, local_rank: int) -> int:
+    """``device`` if given; else the caller's current device if not 0; else the local rank."""
+    from cupy.cuda import runtime
+
+    count = runtime.getDeviceCount()
+    if device is None:
+        current = runtime.getDevice()
+        device = current if current != 0 else local_rank % count
+    if not 0 <= device < count:
+        raise UbnextError(f"Communicator: device {device} does not exist ({count} visible)")
+    return int(device)

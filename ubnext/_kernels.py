@@ -1,0 +1,94 @@
+"""Kernel sources and their compilation.
+
+Sources live in ``kernels/`` (shipped in the wheel as ``ubnext/kernels``). Local
+``#include "x.cuh"`` lines are expanded here, so the compiled text is one string:
+CuPy's on-disk cache key then covers the headers too, and NVRTC needs no include
+path. At run time kernels compile through ``cupy.RawModule`` for the current
+device; in CI the same text compiles for sm_90a through NVRTC without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+from ._algorithms import ALGORITHMS, compile_defines
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
+#: Options shared by every compiler path.
+BASE_OPTIONS = ("--std=c++17",)
+
+
+def kernel_dir() -> Path:
+    """Directory of the CUDA sources: the installed copy, else the source tree's."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"ubnext: CUDA sources not found next to {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def source(name: str) -> str:
+    """Text of ``kernels/<name>`` with its local includes expanded once each."""
+    seen: set[str] = set()
+
+    def expand(fname: str) -> str:
+        if fname in seen:
+            return ""
+        seen.add(fname)
+        text = _PRAGMA_ONCE.sub("", (kernel_dir() / fname).read_text())
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+def options(algorithm: str, dtype: str, op: str, nranks: int) -> tuple[str, ...]:
+    """Compiler options that instantiate ``algorithm`` for (dtype, op, nranks)."""
+    if not ALGORITHMS[algorithm].is_kernel:
+        raise ValueError(f"kernels: algorithm {algorithm!r} has no kernel")
+    defs = compile_defines(dtype, op, nranks)
+    return BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(defs.items()))
+
+
+def compile_cubin(algorithm: str, dtype: str, op: str, nranks: int, arch: str = "sm_90a") -> bytes:
+    """Compiles one instantiation with NVRTC, no GPU needed (CI's compile gate).
+
+    Raises:
+        CudaError: with the compiler log, if compilation fails.
+    """
+    from ._cuda import nvrtc_compile
+
+    alg = ALGORITHMS[algorithm]
+    opts = list(options(algorithm, dtype, op, nranks)) + [f"--gpu-architecture={arch}"]
+    return nvrtc_compile(source(alg.source), alg.source, opts)
+
+
+class KernelCache:
+    """Compiled entry points of one communicator, keyed by instantiation.
+
+    Not thread-safe; one per communicator. Compiling is local (no collective).
+    """
+
+    def __init__(self):
+        self._fns: dict[tuple, object] = {}
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._fns
+
+    def get(self, algorithm: str, dtype: str, op: str, nranks: int):
+        """The ``cupy.RawKernel`` for this instantiation, compiled on first use."""
+        key = (algorithm, dtype, op, nranks)
+        fn = self._fns.get(key)
+        if fn is None:
+            import cupy
+
+            alg = ALGORITHMS[algorithm]
+            module = cupy.RawModule(code=source(alg.source),
+                                    options=options(algorithm, dtype, op, nranks))
+            fn = module.get_function(alg.entry)
+            fn.compile()
+            self._fns[key] = fn
+        return fn

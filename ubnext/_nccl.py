@@ -1,0 +1,218 @@
+"""The NCCL library as an all-reduce engine, through ``cupy.cuda.nccl``.
+
+:class:`NcclComm` is what ``algorithm="nccl"`` runs and what the communicator
+falls back to (several nodes, no P2P, a message the pool cannot hold). The
+benchmarks also use it directly to measure NCCL on the same buffers as ubnext.
+
+The NCCL communicator is created on first use, over a ubnext bootstrap: rank 0
+asks NCCL for a unique id and broadcasts it, then every rank joins. That first
+use is therefore collective and blocks the host (``ncclCommInitRank``); it must
+not happen while a stream is being captured into a CUDA graph. Call
+:meth:`NcclComm.connect` beforehand to choose when it happens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._errors import ClosedError, UbnextError
+
+__all__ = ["NcclComm"]
+
+#: ncclBfloat16 and ncclAvg, for a cupy that does not name them.
+_NCCL_BFLOAT16 = 9
+_NCCL_AVG = 4
+
+
+def _load_nccl(op: str) -> Any:
+    """Import ``cupy.cuda.nccl``, raising a ubnext error when NCCL is missing."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise UbnextError(f"{op}: cupy is not importable ({exc})") from exc
+    if not nccl.available:
+        raise UbnextError(
+            f"{op}: cupy cannot load the NCCL library; install it with "
+            "'pip install nvidia-nccl-cu13' (or the wheel matching your CUDA)"
+        )
+    return nccl
+
+
+def _tables(nccl: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """ubnext dtype and op names -> NCCL enum values."""
+    dtypes = {
+        "bfloat16": getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16),
+        "float16": nccl.NCCL_FLOAT16,
+        "float32": nccl.NCCL_FLOAT32,
+    }
+    ops = {
+        "sum": nccl.NCCL_SUM,
+        "avg": getattr(nccl, "NCCL_AVG", _NCCL_AVG),
+        "max": nccl.NCCL_MAX,
+        "min": nccl.NCCL_MIN,
+    }
+    return dtypes, ops
+
+
+class NcclComm:
+    """One NCCL communicator over the ranks of a ubnext bootstrap.
+
+    Constructing it is local and cheap; the NCCL communicator is created by
+    :meth:`connect` or by the first :meth:`all_reduce`, whichever comes first.
+
+    Collective: no (construction); see :meth:`connect`.
+
+    Args:
+        bootstrap: a :class:`ubnext.bootstrap.Bootstrap`; it must stay open
+            until the NCCL communicator exists. It is not owned.
+        device: CUDA device ordinal this rank uses.
+    """
+
+    def __init__(self, bootstrap: Any, device: int) -> None:
+        self._bootstrap = bootstrap
+        self.device = int(device)
+        self._comm: Any = None
+        self._closed = False
+        self._nccl: Any = None
+        self._dtypes: dict[str, int] = {}
+        self._ops: dict[str, int] = {}
+
+    @property
+    def rank(self) -> int:
+        """This rank in the bootstrap (and in NCCL)."""
+        return self._bootstrap.rank
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return self._bootstrap.size
+
+    @property
+    def connected(self) -> bool:
+        """Whether the NCCL communicator exists."""
+        return self._comm is not None
+
+    def connect(self, op: str = "nccl.connect") -> None:
+        """Create the NCCL communicator now; does nothing if it exists.
+
+        Collective: yes, over the bootstrap, the first time. Blocks the host
+        until every rank has joined. Not capturable in a CUDA graph.
+
+        Args:
+            op: operation name that starts error messages.
+
+        Raises:
+            ClosedError: :meth:`close` was called.
+            UbnextError: NCCL is missing, rank 0 could not make a unique id,
+                or ``ncclCommInitRank`` failed.
+        """
+        if self._closed:
+            raise ClosedError(f"{op}: the NCCL communicator is closed")
+        if self._comm is not None:
+            return
+        nccl = self._module(op)
+        uid = self._unique_id(nccl, op)
+        import cupy
+
+        try:
+            with cupy.cuda.Device(self.device):
+                self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        except nccl.NcclError as exc:
+            raise UbnextError(
+                f"{op}: ncclCommInitRank failed on rank {self.rank} "
+                f"(device {self.device}): {exc}"
+            ) from exc
+
+    def all_reduce(
+        self,
+        send_ptr: int,
+        recv_ptr: int,
+        count: int,
+        dtype: str,
+        op: str,
+        stream_ptr: int,
+    ) -> None:
+        """Enqueue ``ncclAllReduce`` on a stream.
+
+        In place when ``send_ptr == recv_ptr``. The first call creates the
+        communicator (see :meth:`connect`).
+
+        Collective: yes; every rank calls it with the same count, dtype and op.
+        Does not block the host after the first call. Capturable in a CUDA
+        graph once connected.
+
+        Args:
+            send_ptr: device address of ``count`` input elements.
+            recv_ptr: device address of ``count`` output elements.
+            count: number of elements (0 is allowed).
+            dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+            stream_ptr: ``cudaStream_t`` handle as an int (0: legacy default).
+
+        Raises:
+            ValueError: unknown dtype or op, or a negative count.
+            ClosedError: :meth:`close` was called.
+            UbnextError: NCCL reported an error.
+        """
+        name = "nccl.all_reduce"
+        nccl = self._module(name)
+        if dtype not in self._dtypes:
+            raise ValueError(f"{name}: unsupported dtype {dtype!r}; expected one of {sorted(self._dtypes)}")
+        if op not in self._ops:
+            raise ValueError(f"{name}: unsupported op {op!r}; expected one of {sorted(self._ops)}")
+        if count < 0:
+            raise ValueError(f"{name}: count must be >= 0, got {count}")
+        self.connect(name)
+        try:
+            self._comm.allReduce(
+                send_ptr, recv_ptr, count, self._dtypes[dtype], self._ops[op], stream_ptr
+            )
+        except nccl.NcclError as exc:
+            raise UbnextError(f"{name}: {exc}") from exc
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator; idempotent.
+
+        ``ncclCommDestroy`` waits for this rank's outstanding NCCL work and
+        may wait for the other ranks of the node: call it on every rank.
+
+        Collective: yes (in practice, see above). Blocks the host.
+        """
+        self._closed = True
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.destroy()
+
+    def __enter__(self) -> NcclComm:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self._comm is not None else "lazy")
+        return f"<NcclComm rank={self.rank} size={self.size} device={self.device} {state}>"
+
+    def _module(self, op: str) -> Any:
+        """``cupy.cuda.nccl``, loaded once, with the name tables built from it."""
+        if self._closed:
+            raise ClosedError(f"{op}: the NCCL communicator is closed")
+        if self._nccl is None:
+            nccl = _load_nccl(op)
+            self._dtypes, self._ops = _tables(nccl)
+            self._nccl = nccl
+        return self._nccl
+
+    def _unique_id(self, nccl: Any, op: str) -> bytes:
+        """Rank 0's NCCL unique id, on every rank (empty payload = rank 0 failed)."""
+        if self.rank != 0:
+            uid = self._bootstrap.bcast(None, 0)
+            if not uid:
+                raise UbnextError(f"{op}: rank 0 could not create an NCCL unique id")
+            return uid
+        try:
+            uid = nccl.get_unique_id()  # bytes since cupy 14
+        except nccl.NcclError as exc:
+            self._bootstrap.bcast(b"", 0)
+            raise UbnextError(f"{op}: ncclGetUniqueId failed: {exc}") from exc
+        return self._bootstrap.bcast(uid, 0)

@@ -1,0 +1,110 @@
+"""The node's kernel resources: descriptor channel, symmetric pool, timeout record,
+engine and user heap, created transactionally and released together."""
+
+from __future__ import annotations
+
+import warnings
+
+from ._engine import Engine, plan_layout
+from ._errors import UbnextError
+from ._fdpass import FdChannel
+from ._heap import UserHeap
+from ._pool import SymmetricPool
+from ._timeouts import TimeoutRecord
+
+
+class Block:
+    """Owner of one user allocation (``Communicator.empty``); frees it when collected.
+
+    The finalizer only returns the range to the heap (pure Python, no driver call).
+    """
+
+    __slots__ = ("ptr", "_heap", "_offset", "__weakref__")
+
+    def __init__(self, heap: UserHeap, offset: int, ptr: int):
+        self.ptr, self._heap, self._offset = ptr, heap, offset
+
+    def __del__(self):
+        self._heap.free(self._offset)
+
+
+class Node:
+    """Everything ubnext's kernels need on this node. Construction is collective over
+    ``local`` (the node's ranks) and undoes itself on failure.
+
+    Args:
+        local: bootstrap of this node's ranks.
+        device: this rank's CUDA device (current).
+        config: the communicator's Config.
+
+    Raises:
+        UbnextError: the pool is too small for the library slots, or a setup step failed.
+    """
+
+    def __init__(self, local, device: int, config):
+        self._local = local
+        lamport_bytes = config.lamport_max_kb << 10
+        plan = plan_layout(local.size, lamport_bytes, max(config.staging_mb << 20, lamport_bytes))
+        pool_bytes = config.pool_mb << 20
+        if plan.end >= pool_bytes:
+            raise UbnextError(f"Communicator: UBNEXT_POOL_MB={config.pool_mb} leaves no room for user buffers; "
+                              f"the library slots alone take {plan.end / 2**20:.1f} MiB")
+        undo = []
+        try:
+            self.fds = FdChannel(local, config.timeout_s)
+            undo.append(self.fds.close)
+            self.pool = self._create_pool(device, pool_bytes)
+            undo.append(self.pool.close)
+            self.timeouts = TimeoutRecord()
+            undo.append(self.timeouts.close)
+            self.engine = Engine(self.pool, plan, lamport_bytes, self.timeouts.device_ptr,
+                                 config.timeout_s, config.max_blocks, on_first_use=local.barrier)
+            self.engine.initialize()
+            self.heap = UserHeap(plan.end, self.pool.size)
+        except BaseException:
+            for fn in reversed(undo):
+                try:
+                    fn()
+                except Exception as e:  # keep the original error
+                    warnings.warn(f"Communicator: cleanup after a failed setup: {e}", RuntimeWarning)
+            raise
+
+    def _create_pool(self, device: int, nbytes: int) -> SymmetricPool:
+        # Ranks agree that every segment was created before exchanging descriptors, so
+        # a rank that failed early never leaves its peers waiting on the channel.
+        exchanged = False
+
+        def exchange(fd: int) -> list[int]:
+            nonlocal exchanged
+            exchanged = True
+            if not all(self._local.allgather_obj(True)):
+                raise UbnextError("Communicator: a peer failed to create its pool segment")
+            return self.fds.allgather_fds(fd)
+
+        try:
+            return SymmetricPool(device, nbytes, self._local.rank, self._local.size, exchange)
+        except BaseException:
+            if not exchanged:
+                self._local.allgather_obj(False)
+            raise
+
+    def alloc(self, nbytes: int) -> Block:
+        """A user block of at least ``nbytes`` (collective over the node's ranks)."""
+        offset = self.heap.alloc(max(nbytes, 16), self._local.allgather)
+        return Block(self.heap, offset, self.pool.local_ptr(offset))
+
+    def close(self) -> None:
+        """Waits for the device and for every local rank, then releases everything.
+
+        Collective over the node's ranks.
+        """
+        import cupy
+
+        if self.heap.used:
+            warnings.warn("Communicator.close: arrays from empty() are still alive; they must not be used "
+                          "after close", ResourceWarning, stacklevel=3)
+        cupy.cuda.Device(self.pool.device).synchronize()
+        self._local.barrier()
+        self.pool.close()
+        self.timeouts.close()
+        self.fds.close()

@@ -1,0 +1,51 @@
+"""Algorithm selection for ``algorithm="auto"``.
+
+The choice is a pure function of (message bytes, dtype, world size, what the node
+can run), identical on every rank, so every rank launches the same kernel. The
+size thresholds come from a table (per world size: ascending ``[max_bytes, name]``
+rows); the shipped defaults are first measurements and ``python -m ubnext.tune``
+writes a replacement table for the machine at hand (``UBNEXT_TUNE_FILE``).
+"""
+
+from __future__ import annotations
+
+from ._algorithms import ALGORITHMS, DTYPES
+
+#: world size -> ascending (largest message in bytes, algorithm); the last row is open-ended.
+DEFAULT_TABLE: dict[int, list[tuple[int, str]]] = {
+    0: [(256 << 10, "lamport"), (1 << 62, "twoshot")],  # 0: any world size without its own row
+}
+
+
+class Selector:
+    """Picks the algorithm for one message.
+
+    Args:
+        nranks: ranks of the node.
+        lamport_max: largest message the Lamport buffers hold (bytes).
+        usable: algorithm names this communicator can run (e.g. only "nccl").
+        table: thresholds (``DEFAULT_TABLE`` format); the default when None.
+    """
+
+    def __init__(self, nranks: int, lamport_max: int, usable: list[str], table=None):
+        table = table or DEFAULT_TABLE
+        self._rows = table.get(nranks, table[0])
+        self._lamport_max = lamport_max
+        self._usable = set(usable)
+
+    def fits(self, name: str, nbytes: int) -> bool:
+        """Whether ``name`` can take a message of ``nbytes`` on this communicator."""
+        if name not in self._usable:
+            return False
+        return not ALGORITHMS[name].one_shot or nbytes <= self._lamport_max
+
+    def select(self, nbytes: int, dtype: str) -> str:
+        """The algorithm for a message of ``nbytes`` bytes of ``dtype``."""
+        assert dtype in DTYPES
+        for limit, name in self._rows:
+            if nbytes <= limit and self.fits(name, nbytes):
+                return name
+        for name in ("twoshot", "nccl"):  # preference order past the table
+            if self.fits(name, nbytes):
+                return name
+        raise AssertionError("selector: no usable algorithm")  # "nccl" is always usable
