@@ -63,3 +63,21 @@ def test_default_table_rows_ascend_and_name_known_algorithms():
         limits = [limit for limit, _ in rows]
         assert limits == sorted(limits)
         assert all(name in ALGORITHMS for _, name in rows)
+
+
+def test_tune_file_round_trip_and_validation(tmp_path):
+    import json
+
+    from ubnext import UbnextError
+    from ubnext._select import load_table
+
+    good = tmp_path / "t.json"
+    good.write_text(json.dumps({"4": [[65536, "lamport"], [1 << 40, "nccl"]]}))
+    table = load_table(str(good))
+    sel = Selector(4, lamport_max=1 << 20, usable=["lamport", "twoshot", "nccl"], table=table)
+    assert sel.select(1024, "bfloat16") == "lamport"
+    assert sel.select(1 << 20, "bfloat16") == "nccl"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"4": [[10, "ring"]]}))
+    with pytest.raises(UbnextError, match="unknown algorithm"):
+        load_table(str(bad))

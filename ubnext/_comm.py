@@ -10,7 +10,7 @@ from ._config import Config
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
-from ._select import Selector
+from ._select import Selector, load_table
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
@@ -59,7 +59,8 @@ class Communicator:
         cupy.cuda.Device(self.device).use()
         self._node = self._setup_node()
         usable = ["nccl"] + ([] if self._node is None else ["lamport", "twoshot"])
-        self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable)
+        table = load_table(config.tune_file) if config.tune_file else None
+        self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table)
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""

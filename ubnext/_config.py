@@ -170,8 +170,8 @@ class Config:
     )
     tune_file: str = _field(
         "UBNEXT_TUNE_FILE", "", _PATH,
-        "JSON selector table measured by `python -m ubnext.tune`; empty means "
-        "the shipped defaults.",
+        "JSON selector table `{\"<world size>\": [[max_bytes, algorithm], ...]}` "
+        "(ascending rows); empty means the shipped defaults.",
     )
 
     def __post_init__(self) -> None:

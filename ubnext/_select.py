@@ -3,18 +3,43 @@
 The choice is a pure function of (message bytes, dtype, world size, what the node
 can run), identical on every rank, so every rank launches the same kernel. The
 size thresholds come from a table (per world size: ascending ``[max_bytes, name]``
-rows); the shipped defaults are first measurements and ``python -m ubnext.tune``
-writes a replacement table for the machine at hand (``UBNEXT_TUNE_FILE``).
+rows); the shipped defaults are first measurements on 4xH200, and a table for the
+machine at hand can be given in ``UBNEXT_TUNE_FILE``.
 """
 
 from __future__ import annotations
 
+import json
+
 from ._algorithms import ALGORITHMS, DTYPES
+from ._errors import UbnextError
 
 #: world size -> ascending (largest message in bytes, algorithm); the last row is open-ended.
 DEFAULT_TABLE: dict[int, list[tuple[int, str]]] = {
     0: [(256 << 10, "lamport"), (1 << 62, "twoshot")],  # 0: any world size without its own row
 }
+
+
+def load_table(path: str) -> dict[int, list[tuple[int, str]]]:
+    """Reads a ``{"<world size>": [[max_bytes, algorithm], ...]}`` JSON table.
+
+    Raises:
+        UbnextError: unreadable file, unknown algorithm, rows not ascending.
+    """
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        table = {int(k): [(int(limit), str(name)) for limit, name in rows] for k, rows in raw.items()}
+    except (OSError, ValueError, TypeError) as e:
+        raise UbnextError(f"selector: cannot read UBNEXT_TUNE_FILE {path}: {e}") from e
+    for world, rows in table.items():
+        if [r[0] for r in rows] != sorted(r[0] for r in rows) or not rows:
+            raise UbnextError(f"selector: {path}: rows of world size {world} must ascend")
+        unknown = {name for _, name in rows} - set(ALGORITHMS)
+        if unknown:
+            raise UbnextError(f"selector: {path}: unknown algorithm(s) {sorted(unknown)}")
+    table.setdefault(0, DEFAULT_TABLE[0])
+    return table
 
 
 class Selector:
