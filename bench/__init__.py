@@ -1,0 +1,1 @@
+"""ubnext benchmarks: ``all_reduce_perf`` (nccl-tests flags and table), ``compare``, ``plot``."""

@@ -1,0 +1,549 @@
+"""Shared pieces of the ubnext benchmarks, in the language of nccl-tests.
+
+What ``common.cu`` is to nccl-tests: size lists (``-b/-e/-i/-f``), the
+collective record, exactly checkable input data, the result table, the timing
+harness, the combination of times over ranks (``-a``) and the JSON report
+(``-J``). ``all_reduce_perf.py`` and ``compare.py`` are built from these.
+
+The pure helpers need only numpy and ml_dtypes; everything that touches a
+GPU (``device_bits``, ``upload``, ``poison``, ``download``, ``capture_graph``,
+``elapsed_per_op``, ``device_line``) imports cupy when called, so the helpers
+can be tested on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# --------------------------------------------------------------------------- dtypes and ops
+
+
+@dataclass(frozen=True)
+class DType:
+    """A floating-point type under its nccl-tests name.
+
+    Attributes:
+        name: nccl-tests name (``-d`` value and ``type`` column).
+        ubnext: ubnext / NCCL-engine name.
+        itemsize: bytes per element.
+        bits: numpy unsigned type of the same width (bitwise checks).
+        nan: a quiet NaN bit pattern (poisons outputs before a check).
+        digits: significand bits, implicit bit included.
+    """
+
+    name: str
+    ubnext: str
+    itemsize: int
+    bits: str
+    nan: int
+    digits: int
+
+    @property
+    def numpy(self) -> np.dtype:
+        """numpy dtype (``ml_dtypes.bfloat16`` for bfloat16, as cupy uses)."""
+        if self.ubnext == "bfloat16":
+            import ml_dtypes
+
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(self.ubnext)
+
+
+#: nccl-tests type names, in nccl-tests order ("-d all"), that ubnext implements.
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("half", "float16", 2, "uint16", 0x7E00, 11),
+        DType("float", "float32", 4, "uint32", 0x7FC00000, 24),
+        DType("bfloat16", "bfloat16", 2, "uint16", 0x7FC0, 8),
+    )
+}
+_DTYPE_ALIASES = {"float16": "half", "fp16": "half", "float32": "float", "fp32": "float", "bf16": "bfloat16"}
+
+#: nccl-tests op names, in nccl-tests order ("-o all"), that ubnext implements.
+OPS = ("sum", "max", "min", "avg")
+_NCCL_TESTS_ONLY_OPS = ("prod", "mulsum")
+
+
+def parse_dtypes(text: str) -> list[DType]:
+    """``-d`` value -> dtypes: a nccl-tests name (or alias such as ``bf16``) or ``all``.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if text == "all":
+        return list(DTYPES.values())
+    name = _DTYPE_ALIASES.get(text, text)
+    if name not in DTYPES:
+        raise ValueError(f"datatype {text!r} is not supported; use one of {', '.join(DTYPES)} or all")
+    return [DTYPES[name]]
+
+
+def parse_ops(text: str) -> list[str]:
+    """``-o`` value -> op names: ``sum``, ``max``, ``min``, ``avg`` or ``all``.
+
+    Raises:
+        ValueError: unknown op, or a nccl-tests op ubnext does not implement.
+    """
+    if text == "all":
+        return list(OPS)
+    if text in _NCCL_TESTS_ONLY_OPS:
+        raise ValueError(f"op {text!r} is not implemented by ubnext; use one of {', '.join(OPS)} or all")
+    if text not in OPS:
+        raise ValueError(f"op {text!r} is not supported; use one of {', '.join(OPS)} or all")
+    return [text]
+
+
+# --------------------------------------------------------------------------- sizes
+
+_SIZE = re.compile(r"^\s*((?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count as nccl-tests does: a number and an optional K, M or G (powers of 1024).
+
+    ``"8"`` -> 8, ``"1K"`` -> 1024, ``"256M"`` -> 268435456, ``"1.5k"`` -> 1536.
+    A trailing ``B``/``iB`` is accepted too (``"2KiB"``). Fractions of a byte
+    are dropped, as nccl-tests' ``(size_t)`` cast does.
+
+    Raises:
+        ValueError: not a size.
+    """
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"invalid size {text!r}; expected a number with an optional K, M or G suffix")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def size_arg(text: str) -> int:
+    """:func:`parse_size` for ``argparse`` (``type=size_arg``)."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_list(minbytes: int, maxbytes: int, stepbytes: int, stepfactor: int) -> list[int]:
+    """The message sizes nccl-tests visits: multiply by ``stepfactor`` when it is > 1, else add ``stepbytes``.
+
+    Raises:
+        ValueError: ``minbytes > maxbytes``, or a step that never grows the size.
+    """
+    if minbytes < 0 or minbytes > maxbytes:
+        raise ValueError(f"invalid sizes: minbytes {minbytes} must be in [0, maxbytes {maxbytes}]")
+    if stepfactor > 1 and minbytes == 0 and maxbytes > 0:
+        raise ValueError("minbytes 0 never grows with a step factor; use -b 1 or larger")
+    if stepfactor <= 1 and stepbytes <= 0 and maxbytes > minbytes:
+        raise ValueError(f"stepbytes must be > 0 without a step factor, got {stepbytes}")
+    sizes, size = [], minbytes
+    while size <= maxbytes:
+        sizes.append(size)
+        if size == maxbytes:
+            break
+        size = size * stepfactor if stepfactor > 1 else size + stepbytes
+    return sizes
+
+
+def human_bytes(nbytes: int) -> str:
+    """``2048`` -> ``"2 KiB"``, ``268435456`` -> ``"256 MiB"`` (labels of tables and plots)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+# --------------------------------------------------------------------------- the collective record
+
+
+@dataclass(frozen=True)
+class Collective:
+    """What a benchmark needs to know about one collective (nccl-tests' ``testColl``).
+
+    Attributes:
+        name: display name, e.g. ``"AllReduce"``.
+        count: ``(nbytes, itemsize, nranks) -> elements`` per rank for a message of ``nbytes``.
+        bus_factor: ``nranks -> busbw / algbw``.
+        run: ``(engine, send, recv, dtype, op, stream) -> None`` enqueues one operation.
+    """
+
+    name: str
+    count: Callable[[int, int, int], int]
+    bus_factor: Callable[[int], float]
+    run: Callable[..., None]
+
+    def bandwidths(self, nbytes: int, seconds: float, nranks: int) -> tuple[float, float]:
+        """``(algbw, busbw)`` in GB/s (10^9 bytes) for ``nbytes`` moved in ``seconds``."""
+        algbw = nbytes / 1e9 / seconds if seconds > 0 else 0.0
+        return algbw, algbw * self.bus_factor(nranks)
+
+
+# --------------------------------------------------------------------------- exactly checkable data
+
+
+def value_range(nranks: int) -> int:
+    """Largest input magnitude ``m`` such that every partial sum over ranks is exact in bfloat16.
+
+    Inputs are integers in ``[-m, m]``; any sum of up to ``nranks`` of them is
+    an integer of magnitude <= 256, which bfloat16 (8 significant bits), half
+    and float all represent exactly, in any reduction order.
+    """
+    return max(1, min(16, 256 // max(nranks, 1)))
+
+
+def make_input(rank: int, nranks: int, count: int, seed: int) -> np.ndarray:
+    """Rank ``rank``'s input: ``count`` integers in ``[-m, m]`` (int8), depending on rank, index and seed.
+
+    The high bits of a Weyl sequence ``index * golden + offset(rank, seed)``
+    spread the values, so a chunk that lands at the wrong offset or comes
+    from the wrong rank is wrong with high probability. No value is -0.0 once
+    converted to floating point. Costs a few passes over ``count`` uint32.
+    """
+    m = value_range(nranks)
+    offset = (rank * 0x85EBCA6B + seed * 0xC2B2AE35 + 0x27D4EB2F) & 0xFFFFFFFF
+    key = np.arange(count, dtype=np.uint32)
+    key *= np.uint32(0x9E3779B1)  # wraps modulo 2**32, as intended
+    key += np.uint32(offset)
+    key >>= np.uint32(16)
+    key *= np.uint32(2 * m + 1)  # (high 16 bits) * (2m + 1) / 2**16 is uniform in [0, 2m]
+    key >>= np.uint32(16)
+    values = key.astype(np.int8)
+    values -= np.int8(m)
+    return values
+
+
+def expected_output(nranks: int, count: int, seed: int, op: str) -> np.ndarray:
+    """The exact all-reduce of every rank's :func:`make_input`, in float64."""
+    inputs = (make_input(r, nranks, count, seed) for r in range(nranks))
+    if op in ("sum", "avg"):
+        total = np.zeros(count, dtype=np.int16)
+        for x in inputs:
+            total += x
+        result = total.astype(np.float64)
+        if op == "avg":
+            result /= nranks
+        return result
+    reduce = np.maximum if op == "max" else np.minimum
+    result = next(inputs)
+    for x in inputs:
+        reduce(result, x, out=result)
+    return result.astype(np.float64)
+
+
+def tolerance(op: str, nranks: int, dtype: DType) -> float:
+    """Allowed absolute error of one output element: 0 (bitwise) unless the op rounds.
+
+    Only ``avg`` over a world size that is not a power of two rounds: ``1/n``
+    is not representable, and NCCL pre-multiplies each input by it. The bound
+    is ``nranks`` roundings of the largest input.
+    """
+    if op != "avg" or nranks & (nranks - 1) == 0:
+        return 0.0
+    return nranks * value_range(nranks) * 2.0 ** (1 - dtype.digits)
+
+
+def encode(values: np.ndarray, dtype: DType) -> np.ndarray:
+    """Numbers (small integers, or float64 results) -> their bit patterns in ``dtype`` (unsigned ints).
+
+    Converts through float32, which holds the inputs and every exact result
+    here exactly (``avg`` over a world size that is not a power of two rounds;
+    see :func:`tolerance`).
+    """
+    return values.astype(np.float32).astype(dtype.numpy).view(dtype.bits)
+
+
+def count_wrong(got_bits: np.ndarray, want_bits: np.ndarray, dtype: DType, tol: float = 0.0) -> int:
+    """Number of elements of ``got_bits`` that differ from ``want_bits``.
+
+    With ``tol == 0`` the comparison is bitwise (NaN, -0.0 and every last bit
+    count); otherwise values may differ by at most ``tol`` and NaN is wrong.
+    """
+    if tol == 0.0:
+        return int(np.count_nonzero(got_bits != want_bits))
+    got = got_bits.view(dtype.numpy).astype(np.float64)
+    want = want_bits.view(dtype.numpy).astype(np.float64)
+    return int(np.count_nonzero(~(np.abs(got - want) <= tol)))
+
+
+# --------------------------------------------------------------------------- the nccl-tests table
+
+
+def format_float(value: float, width: int) -> str:
+    """A number in ``width`` columns with as many decimals as fit (nccl-tests' ``getFloatStr``)."""
+    if not np.isfinite(value):
+        return f"{value:>{width}}"
+    power, bound = 0, 1
+    while value >= bound:
+        power += 1
+        bound *= 10
+    if power < width - 2:
+        return f"{value:{width}.2f}"
+    if power < width - 1:
+        return f"{value:{width}.1f}"
+    if power < width + 1:
+        return f"{value:{width}.0f}"
+    return f"{value:{width}.1e}" if width >= 7 else f"{value:{width}.0e}"
+
+
+def table_header(time_label: str = "time") -> list[str]:
+    """The lines above the table: a ``#`` spacer, the placement line, column names, units."""
+    blank = f"# {'':>10}  {'':>12}  {'':>8}  {'':>6}  {'':>6}"
+    names = ("size", "count", "type", "redop", "root")
+    units = ("(B)", "(elements)", "", "", "")
+
+    def columns(first: Sequence[str], a: str, b: str, c: str, d: str) -> str:
+        lead = f"# {first[0]:>10}  {first[1]:>12}  {first[2]:>8}  {first[3]:>6}  {first[4]:>6}"
+        half = f"  {a:>7}  {b:>6}  {c:>6}  {d:>6}"
+        return lead + half + half + " "
+
+    return [
+        "#",
+        blank + "           out-of-place                       in-place          ",
+        columns(names, time_label, "algbw", "busbw", "#wrong"),
+        columns(units, "(us)", "(GB/s)", "(GB/s)", ""),
+    ]
+
+
+def row_prefix(nbytes: int, count: int, type_name: str, op: str, root: int = -1) -> str:
+    """The ``size count type redop root`` columns of one row."""
+    return f"{nbytes:12d}  {count:12d}  {type_name:>8}  {op:>6}  {root:6d}"
+
+
+def row_result(time_us: float, algbw: float, busbw: float, wrong: int | None) -> str:
+    """The ``time algbw busbw #wrong`` columns of one placement (``wrong=None``: not checked)."""
+    cells = f"  {format_float(time_us, 7)}  {format_float(algbw, 6)}  {format_float(busbw, 6)}"
+    return cells + ("    N/A" if wrong is None else f"  {wrong:6g}")
+
+
+def footer(failed_tests: int, avg_busbw: float, program: str) -> list[str]:
+    """The summary lines below the table."""
+    return [
+        f"# {'Out of bounds values':<20} : {failed_tests} {'FAILED' if failed_tests else 'OK'}",
+        f"# {'Avg bus bandwidth':<20} : {avg_busbw:g} ",
+        "#",
+        f"# Collective test concluded: {program}",
+    ]
+
+
+def device_properties(device: int) -> dict[str, Any]:
+    """``cudaGetDeviceProperties`` of ``device`` (through cupy), with ``name`` as str."""
+    import cupy
+
+    props = dict(cupy.cuda.runtime.getDeviceProperties(device))
+    if isinstance(props["name"], bytes):
+        props["name"] = props["name"].decode()
+    return props
+
+
+def device_line(rank: int, device: int, group: int = 0) -> str:
+    """``#  Rank  0 Group  0 Pid 123 on host device  0 [0000:18:00] NVIDIA H200`` for this process."""
+    import socket
+
+    props = device_properties(device)
+    pci = f"{props['pciDomainID']:04x}:{props['pciBusID']:02x}:{props['pciDeviceID']:02x}"
+    host = socket.gethostname()
+    return (f"#  Rank {rank:2d} Group {group:2d} Pid {os.getpid():6d} on {host:>10} "
+            f"device {device:2d} [{pci}] {props['name']}")
+
+
+_DEVICE_LINE = re.compile(
+    r"#  Rank\s+(\d+) Group\s+(\d+) Pid\s+(\d+) on\s+(\S+) device\s+(\d+) \[([^\]]*)\] (.*)"
+)
+
+
+def parse_device_line(line: str) -> dict[str, Any]:
+    """A :func:`device_line` as the JSON ``devices`` record nccl-tests writes."""
+    rank, group, pid, host, device, pci, info = _DEVICE_LINE.match(line).groups()
+    return {"rank": int(rank), "group": int(group), "pid": int(pid), "hostname": host,
+            "device": int(device), "device_hex": pci, "device_info": info}
+
+
+# --------------------------------------------------------------------------- combining over ranks
+
+#: ``-a`` values, as in nccl-tests.
+AVERAGE_MODES = {0: "rank 0", 1: "average", 2: "minimum", 3: "maximum"}
+
+
+def combine(values: Sequence[float], mode: int) -> float:
+    """One number from every rank's number, per nccl-tests' ``-a``: 0 rank 0, 1 mean, 2 min, 3 max."""
+    if mode == 0:
+        return float(values[0])
+    if mode == 1:
+        return float(sum(values) / len(values))
+    if mode == 2:
+        return float(min(values))
+    if mode == 3:
+        return float(max(values))
+    raise ValueError(f"average mode must be one of {sorted(AVERAGE_MODES)}, got {mode}")
+
+
+def allgather_float(bootstrap: Any, value: float) -> list[float]:
+    """Every rank's ``value``. Collective over ``bootstrap``; blocks the host."""
+    return [struct.unpack("<d", b)[0] for b in bootstrap.allgather(struct.pack("<d", value))]
+
+
+# --------------------------------------------------------------------------- device harness
+
+
+def device_bits(array: Any, count: int, dtype: DType) -> Any:
+    """A cupy view of the first ``count`` elements of a cupy array or torch tensor, as unsigned bits."""
+    import cupy
+
+    if isinstance(array, cupy.ndarray):
+        ptr, device = array.data.ptr, array.device.id
+    else:  # a torch tensor
+        ptr, device = array.data_ptr(), array.device.index
+    mem = cupy.cuda.UnownedMemory(ptr, max(count * dtype.itemsize, 1), array, device_id=device)
+    return cupy.ndarray((count,), dtype=dtype.bits, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+def upload(array: Any, values: np.ndarray, dtype: DType, stream: Any) -> None:
+    """Write float64 ``values`` into ``array`` (converted to ``dtype``), ordered on ``stream``."""
+    device_bits(array, values.size, dtype).set(encode(values, dtype), stream=stream)
+
+
+def poison(array: Any, count: int, dtype: DType, stream: Any) -> None:
+    """Fill the first ``count`` elements of ``array`` with NaN, ordered on ``stream``."""
+    with stream:
+        device_bits(array, count, dtype).fill(dtype.nan)
+
+
+def download(array: Any, count: int, dtype: DType, stream: Any) -> np.ndarray:
+    """The bits of the first ``count`` elements of ``array`` after ``stream``'s work. Blocks the host."""
+    host = device_bits(array, count, dtype).get(stream=stream)
+    stream.synchronize()
+    return host
+
+
+def capture_graph(launch: Callable[[], None], stream: Any, calls: int) -> Any:
+    """Capture ``calls`` calls of ``launch`` on ``stream`` into one CUDA graph (cupy ``Graph``).
+
+    Raises:
+        Whatever ``launch`` raises; the capture is ended and discarded first.
+    """
+    stream.begin_capture()
+    try:
+        for _ in range(calls):
+            launch()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:  # the capture is already invalid; the original error matters
+            pass
+        raise
+    return stream.end_capture()
+
+
+def elapsed_per_op(body: Callable[[], None], stream: Any, ops: int, barrier: Callable[[], None]) -> float:
+    """Seconds per operation of ``body`` (which enqueues ``ops`` operations on ``stream``).
+
+    Waits for ``stream``, meets the other ranks at ``barrier``, then times
+    ``body`` with CUDA events recorded on ``stream`` before and after it.
+    Blocks the host until the work is done.
+    """
+    import cupy
+
+    stream.synchronize()
+    barrier()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    body()
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / 1e3 / max(ops, 1)
+
+
+def timer(launch: Callable[[], None], stream: Any, iters: int, graph_launches: int,
+          barrier: Callable[[], None]) -> Callable[[], float]:
+    """A function that times ``launch`` once and returns seconds per call on this rank.
+
+    Eager (``graph_launches == 0``): ``iters`` back-to-back calls between two
+    CUDA events. Graph: ``iters`` calls are captured into one CUDA graph now,
+    launched once (untimed: uploads it), and each timing launches it
+    ``graph_launches`` times. Capturing is local; timing meets the other ranks
+    at ``barrier`` first.
+    """
+    if graph_launches:
+        graph = capture_graph(launch, stream, iters)
+        graph.launch(stream)
+
+        def body() -> None:
+            for _ in range(graph_launches):
+                graph.launch(stream)
+
+        ops = iters * graph_launches
+    else:
+
+        def body() -> None:
+            for _ in range(iters):
+                launch()
+
+        ops = iters
+    return lambda: elapsed_per_op(body, stream, ops, barrier)
+
+
+# --------------------------------------------------------------------------- JSON and process control
+
+
+def environment_subset(environ: dict[str, str] | None = None) -> list[str]:
+    """``NAME=value`` for the variables that shape a run (NCCL_*, UBNEXT_*, CUDA_*, TORCH_*).
+
+    nccl-tests writes the whole environment; a results file committed to a
+    repository should not, so only these prefixes are kept.
+    """
+    environ = os.environ if environ is None else environ
+    keep = ("NCCL_", "UBNEXT_", "CUDA_", "TORCH_")
+    return sorted(f"{k}={v}" for k, v in environ.items() if k.startswith(keep))
+
+
+def now_string() -> str:
+    """Local time as nccl-tests writes it: ``YYYY-MM-DD HH:MM:SS``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def write_json(path: str, document: dict[str, Any], overwrite: bool = False) -> str:
+    """Write ``document`` to ``path``; returns the path written.
+
+    Like nccl-tests, an existing file is never overwritten unless asked:
+    ``path.0``, ``path.1``, ... are tried instead.
+    """
+    candidate, n = path, 0
+    while True:
+        try:
+            with open(candidate, "w" if overwrite else "x", encoding="utf-8") as f:
+                json.dump(document, f, indent=1)
+                f.write("\n")
+            return candidate
+        except FileExistsError:
+            candidate, n = f"{path}.{n}", n + 1
+
+
+def run_or_abort(main: Callable[[], int]) -> int:
+    """Run ``main``; on an exception, print it and abort the whole MPI job so no rank hangs.
+
+    A benchmark rank that fails while the others wait in a collective would
+    otherwise hang the job; ``MPI_Abort`` ends every rank.
+    """
+    try:
+        return main()
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
+            mpi.COMM_WORLD.Abort(1)
+        return 1

@@ -1,0 +1,396 @@
+"""All-reduce benchmark with nccl-tests' flags, table and JSON: ubnext next to NCCL.
+
+    mpirun -n 4 python bench/all_reduce_perf.py -b 8 -e 256M -f 2
+    mpirun -n 4 python bench/all_reduce_perf.py -b 8 -e 256M -f 2 --backend nccl
+    mpirun -n 4 python bench/all_reduce_perf.py -b 2K -e 1M -f 2 -d bfloat16 -G 10 --algo lamport
+
+Every size is checked before it is timed: inputs are small integers whose sums
+are exact in every dtype, outputs are poisoned with NaN first, and the result
+is compared bit for bit (``#wrong``). The time is measured with CUDA events
+around ``-n`` back-to-back calls (eager), or around ``-G`` launches of a CUDA
+graph holding ``-n`` calls, and combined over ranks per ``-a`` (as nccl-tests:
+0 rank 0, 1 average, 2 minimum, 3 maximum). busbw = algbw * 2(n-1)/n.
+
+``--backend nccl`` runs the real NCCL (``ubnext._nccl.NcclComm``) on the same
+kind of buffers, measured the same way, so both can be compared in one job.
+The exit status is 1 when any element was wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: python bench/all_reduce_perf.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import _common as common  # noqa: E402
+
+PROGRAM = "all_reduce_perf"
+
+#: The all-reduce, as nccl-tests' all_reduce.cu describes it.
+ALL_REDUCE = common.Collective(
+    name="AllReduce",
+    count=lambda nbytes, itemsize, nranks: nbytes // itemsize,
+    bus_factor=lambda nranks: 2.0 * (nranks - 1) / nranks,
+    run=lambda engine, send, recv, dtype, op, stream: engine.all_reduce(send, recv, dtype, op, stream),
+)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: nccl-tests' flags and defaults, plus ubnext's own."""
+    p = argparse.ArgumentParser(
+        prog=PROGRAM,
+        description="ubnext all-reduce benchmark (nccl-tests flags and output).",
+    )
+    p.add_argument("-b", "--minbytes", type=common.size_arg, default=32 << 20, help="smallest size (default 32M)")
+    p.add_argument("-e", "--maxbytes", type=common.size_arg, default=32 << 20, help="largest size (default 32M)")
+    p.add_argument("-i", "--stepbytes", type=common.size_arg, default=1 << 20, help="size increment (default 1M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=1, help="size multiplier; > 1 overrides -i (default 1)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed calls per size (default 20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed calls before timing (default 5)")
+    p.add_argument("-c", "--check", type=int, default=1, help="check rounds per size; 0 = no check (default 1)")
+    p.add_argument("-d", "--datatype", default="float", help="half, float, bfloat16 or all (default float)")
+    p.add_argument("-o", "--op", default="sum", help="sum, max, min, avg or all (default sum)")
+    p.add_argument("-G", "--cudagraph", type=int, default=0,
+                   help="launches of a CUDA graph of -n calls; 0 = eager (default 0)")
+    p.add_argument("-a", "--average", type=int, default=1, choices=sorted(common.AVERAGE_MODES),
+                   help="time over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 1)")
+    p.add_argument("-J", "--output_file", default="", help="write results as nccl-tests JSON to this file")
+    p.add_argument("--backend", choices=("ubnext", "nccl"), default="ubnext",
+                   help="ubnext, or the real NCCL through ubnext._nccl.NcclComm (default ubnext)")
+    p.add_argument("--algo", choices=("auto", "lamport", "twoshot", "nccl"), default="auto",
+                   help="ubnext algorithm (backend ubnext only; default auto)")
+    p.add_argument("--symmetric", type=int, choices=(0, 1), default=None,
+                   help="1: buffers from comm.empty (symmetric memory), 0: plain cupy buffers "
+                        "(default 1 for ubnext, 0 for nccl)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate ``argv``; adds ``dtypes``, ``ops`` and ``sizes`` and resolves ``symmetric``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.dtypes = common.parse_dtypes(args.datatype)
+        args.ops = common.parse_ops(args.op)
+        args.sizes = common.size_list(args.minbytes, args.maxbytes, args.stepbytes, args.stepfactor)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for flag in ("iters", "warmup_iters", "check", "cudagraph"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag} must be >= 0")
+    if args.iters == 0:
+        parser.error("--iters must be >= 1")
+    if args.symmetric is None:
+        args.symmetric = int(args.backend == "ubnext")
+    if args.backend == "nccl" and args.algo != "auto":
+        parser.error("--algo applies to --backend ubnext only")
+    if args.output_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.output_file))):
+        parser.error(f"-J: the directory of {args.output_file} does not exist")
+    return args
+
+
+# --------------------------------------------------------------------------- engines
+
+
+class UbnextEngine:
+    """``comm.all_reduce`` with a fixed algorithm."""
+
+    def __init__(self, comm: Any, algorithm: str) -> None:
+        self.comm = comm
+        self.algorithm = algorithm
+
+    def all_reduce(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        self.comm.all_reduce(send, out=recv, op=op, algorithm=self.algorithm, stream=stream)
+
+
+class NcclEngine:
+    """The real NCCL on the raw pointers of cupy arrays."""
+
+    def __init__(self, nccl: Any) -> None:
+        self.nccl = nccl
+
+    def all_reduce(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        self.nccl.all_reduce(send.data.ptr, recv.data.ptr, send.size, dtype.ubnext, op, stream.ptr)
+
+
+@dataclass
+class World:
+    """What a benchmark process holds: the ubnext communicator, its engine, a stream, two buffers.
+
+    ``allocate(count, dtype)`` makes one 1-D cupy array; :meth:`buffers` keeps
+    one send and one receive buffer of the current dtype, sized for ``-e``.
+    """
+
+    comm: Any
+    engine: Any
+    stream: Any
+    allocate: Any
+    notes: list[str]
+    send: Any = None
+    recv: Any = None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    def buffers(self, dtype: common.DType, maxbytes: int) -> None:
+        """Make ``send`` and ``recv`` hold ``maxbytes`` of ``dtype``, dropping the previous pair first.
+
+        Collective when ``allocate`` is (``comm.empty``).
+        """
+        count = max(1, maxbytes // dtype.itemsize)
+        if self.send is None or self.send.dtype != dtype.numpy or self.send.size < count:
+            self.send = self.recv = None  # symmetric memory returns to the pool
+            self.send, self.recv = self.allocate(count, dtype), self.allocate(count, dtype)
+
+    def views(self, count: int, in_place: bool) -> tuple[Any, Any]:
+        """``(send, recv)`` views of the first ``count`` elements; in place, both are ``recv``."""
+        recv = self.recv[:count]
+        return (recv if in_place else self.send[:count]), recv
+
+    def close(self) -> None:
+        """Collective: closes the NCCL engine (if any) and the communicator."""
+        if isinstance(self.engine, NcclEngine):
+            self.engine.nccl.close()
+        self.comm.close()
+
+
+def pool_mb_for(nbytes: int) -> dict[str, int]:
+    """Config overrides giving the pool room for ``nbytes`` of user buffers, unless ``UBNEXT_POOL_MB`` is set."""
+    if "UBNEXT_POOL_MB" in os.environ:
+        return {}
+    return {"pool_mb": max(1024, math.ceil(nbytes / (1 << 20)) + 512)}
+
+
+def open_world(args: argparse.Namespace) -> World:
+    """Create the communicator, the engine, a stream and the buffers. Collective."""
+    import cupy
+
+    import ubnext
+    from ubnext._nccl import NcclComm
+
+    if args.symmetric:
+        overrides = pool_mb_for(2 * args.maxbytes)
+    else:  # no pool needed; with --backend nccl, ubnext sets up no kernels at all
+        overrides = {"algorithm": "nccl"} if args.backend == "nccl" else {}
+    comm = ubnext.Communicator(**overrides)
+    cupy.cuda.Device(comm.device).use()
+    notes = []
+    if args.backend == "nccl":
+        nccl = NcclComm(comm.bootstrap, comm.device)
+        nccl.connect()
+        engine: Any = NcclEngine(nccl)
+    else:
+        engine = UbnextEngine(comm, args.algo)
+    if args.symmetric:
+        def allocate(count: int, dtype: common.DType) -> Any:
+            return comm.empty((count,), dtype.ubnext)
+
+        notes.append("# Buffers: symmetric memory (comm.empty)")
+    else:
+        def allocate(count: int, dtype: common.DType) -> Any:
+            return cupy.empty((count,), dtype=dtype.numpy)
+
+        notes.append("# Buffers: cupy.empty (not symmetric)")
+    return World(comm, engine, cupy.cuda.Stream(non_blocking=True), allocate, notes)
+
+
+# --------------------------------------------------------------------------- one size
+
+
+def _launcher(world: World, send: Any, recv: Any, dtype: common.DType, op: str):
+    return lambda: ALL_REDUCE.run(world.engine, send, recv, dtype, op, world.stream)
+
+
+def warm_up(world: World, args: argparse.Namespace, dtype: common.DType, op: str) -> None:
+    """Eager calls at the smallest and largest size before anything is checked or captured.
+
+    Lazy set-up (NCCL communicator creation, kernel compilation) thus never
+    happens inside a CUDA graph capture. Collective; blocks the host.
+    """
+    for nbytes in sorted({args.sizes[0], args.sizes[-1]}):
+        send, recv = world.views(ALL_REDUCE.count(nbytes, dtype.itemsize, world.size), False)
+        launch = _launcher(world, send, recv, dtype, op)
+        for _ in range(max(1, args.warmup_iters)):
+            launch()
+    world.stream.synchronize()
+
+
+def check(world: World, args: argparse.Namespace, dtype: common.DType, op: str, count: int,
+          in_place: bool, seed: int) -> int:
+    """Run one all-reduce on known data and count wrong output elements, summed over ranks.
+
+    Out-of-place outputs are poisoned with NaN first. With ``-G`` the checked
+    call is launched from a CUDA graph, as the timed calls are.
+    Collective; blocks the host.
+    """
+    send, recv = world.views(count, in_place)
+    common.upload(send, common.make_input(world.rank, world.size, count, seed), dtype, world.stream)
+    if not in_place:
+        common.poison(recv, count, dtype, world.stream)
+    launch = _launcher(world, send, recv, dtype, op)
+    if args.cudagraph:
+        graph = common.capture_graph(launch, world.stream, 1)
+        graph.launch(world.stream)
+    else:
+        launch()
+    got = common.download(recv, count, dtype, world.stream)
+    want = common.encode(common.expected_output(world.size, count, seed, op), dtype)
+    wrong = common.count_wrong(got, want, dtype, common.tolerance(op, world.size, dtype))
+    return int(sum(common.allgather_float(world.comm.bootstrap, float(wrong))))
+
+
+def measure(world: World, args: argparse.Namespace, dtype: common.DType, op: str, count: int,
+            in_place: bool) -> float:
+    """Seconds per all-reduce, combined over ranks per ``-a``. Collective; blocks the host."""
+    send, recv = world.views(count, in_place)
+    launch = _launcher(world, send, recv, dtype, op)
+    for _ in range(args.warmup_iters):
+        launch()
+    sample = common.timer(launch, world.stream, args.iters, args.cudagraph, world.comm.bootstrap.barrier)
+    seconds = sample()
+    return common.combine(common.allgather_float(world.comm.bootstrap, seconds), args.average)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def header_lines(args: argparse.Namespace, world: World, device_lines: list[str]) -> list[str]:
+    """Everything printed above the table."""
+    step = f"{args.stepfactor}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
+    algo = "-" if args.backend == "nccl" else args.algo
+    return [
+        f"# ubnext {PROGRAM}: backend {args.backend} algorithm {algo} nccl-library={nccl_version()}",
+        f"# Collective test starting: {PROGRAM}",
+        f"# nThread 1 nGpus 1 minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} "
+        f"warmup iters: {args.warmup_iters} iters: {args.iters} agg iters: 1 "
+        f"validation: {args.check} graph: {args.cudagraph}",
+        "#",
+        "# Using devices",
+        *device_lines,
+        *world.notes,
+        f"# Time: CUDA events, {common.AVERAGE_MODES[args.average]} over ranks (-a {args.average})",
+    ]
+
+
+def nccl_version() -> int:
+    """The NCCL library version code, or 0 where cupy cannot load NCCL."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError:
+        return 0
+    return nccl.get_version() if nccl.available else 0
+
+
+def json_document(args: argparse.Namespace, argv: list[str], device_lines: list[str],
+                  world: World, start: str) -> dict[str, Any]:
+    """The nccl-tests (version 2) JSON document, before results are added."""
+    config = {
+        "nthreads": 1, "ngpus": 1, "minimum_bytes": args.minbytes, "maximum_bytes": args.maxbytes,
+        "warmup_iters": args.warmup_iters, "iterations": args.iters, "aggregated_iterations": 1,
+        "validation": args.check, "graph": args.cudagraph, "blocking_collectives": "false",
+        "parallel_init": "false", "devices": [common.parse_device_line(line) for line in device_lines],
+    }
+    config["step_factor" if args.stepfactor > 1 else "step_bytes"] = (
+        args.stepfactor if args.stepfactor > 1 else args.stepbytes
+    )
+    return {
+        "version": 2, "start_time": start, "args": [PROGRAM, *argv], "env": common.environment_subset(),
+        "nccl_version": nccl_version(), "config": config,
+        "ubnext": {"backend": args.backend, "algorithm": args.algo, "symmetric": bool(args.symmetric),
+                   "world_size": world.size, "average": args.average, "timer": "cuda events"},
+        "results": [],
+    }
+
+
+def bench_size(world: World, args: argparse.Namespace, dtype: common.DType, op: str, nbytes: int,
+               seeds: Iterator[int]) -> tuple[str, dict[str, Any], int, list[float]]:
+    """Check and time one size out of place and in place. Collective.
+
+    Returns:
+        The table row, its JSON record, how many placements had wrong
+        elements, and the two bus bandwidths.
+    """
+    count = ALL_REDUCE.count(nbytes, dtype.itemsize, world.size)
+    nbytes = count * dtype.itemsize
+    line = common.row_prefix(nbytes, count, dtype.name, op)
+    record: dict[str, Any] = {"size": nbytes, "count": count, "type": dtype.name, "redop": op, "root": f"{-1:6d}"}
+    failed, busbws = 0, []
+    for in_place in (False, True):
+        wrong = None
+        for _ in range(args.check):
+            wrong = check(world, args, dtype, op, count, in_place, next(seeds))
+            if wrong:
+                break
+        failed += bool(wrong)
+        seconds = measure(world, args, dtype, op, count, in_place)
+        algbw, busbw = ALL_REDUCE.bandwidths(nbytes, seconds, world.size)
+        busbws.append(busbw)
+        line += common.row_result(seconds * 1e6, algbw, busbw, wrong)
+        record["in_place" if in_place else "out_of_place"] = {
+            "time": seconds * 1e6, "alg_bw": algbw, "bus_bw": busbw, "nwrong": wrong}
+    record.update(actual_iterations=args.iters, experiment_name="")
+    return line, record, failed, busbws
+
+
+def run(args: argparse.Namespace, world: World, argv: list[str]) -> int:
+    """Sweep dtypes × ops × sizes; rank 0 prints the table. Collective. Returns the exit status."""
+    start = common.now_string()
+    say = print if world.rank == 0 else (lambda *a, **k: None)
+    device_lines = [b.decode() for b in world.comm.bootstrap.allgather(
+        common.device_line(world.rank, world.comm.device).encode())]
+    for line in header_lines(args, world, device_lines) + common.table_header():
+        say(line, flush=True)
+    doc = json_document(args, argv, device_lines, world, start)
+    failed, busbws, seeds = 0, [], itertools.count(1)
+    for dtype in args.dtypes:
+        world.buffers(dtype, args.maxbytes)
+        for op in args.ops:
+            warm_up(world, args, dtype, op)
+            for nbytes in args.sizes:
+                line, record, wrong_tests, bws = bench_size(world, args, dtype, op, nbytes, seeds)
+                say(line, flush=True)
+                doc["results"].append(record)
+                failed += wrong_tests
+                busbws += bws
+    avg_busbw = sum(busbws) / len(busbws) if busbws else 0.0
+    for line in common.footer(failed, avg_busbw, PROGRAM):
+        say(line, flush=True)
+    if args.output_file and world.rank == 0:
+        doc.update({
+            "out_of_bounds": {"count": failed, "okay": "true" if not failed else "false"},
+            "average_bus_bandwidth": {"bandwidth": avg_busbw, "okay": "unchecked"},
+            "errors": [], "end_time": common.now_string(),
+        })
+        say(f"# Wrote JSON output to {common.write_json(args.output_file, doc)}", flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; ``argv`` defaults to ``sys.argv[1:]``. Collective over ``MPI.COMM_WORLD``."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    world = open_world(args)
+    try:
+        return run(args, world, argv)
+    finally:
+        world.close()
+
+
+if __name__ == "__main__":
+    sys.exit(common.run_or_abort(main))

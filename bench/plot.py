@@ -1,0 +1,117 @@
+"""PNG plots from a ``bench/compare.py`` JSON report; runs on a machine without a GPU.
+
+    python bench/plot.py bench/results/compare_NVIDIA-H200_4gpu_bfloat16_20260101-120000.json
+
+writes, next to the JSON (or into ``-o DIR``):
+
+* ``<stem>_latency.png``: median µs per all-reduce vs message size, log-log,
+  one panel per mode (eager, graph), one line per candidate;
+* ``<stem>_busbw.png``: bus bandwidth (GB/s) vs message size.
+
+Only results with status "ok" are drawn; refused sizes leave gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: python bench/plot.py
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench._common import human_bytes  # noqa: E402
+
+#: (file suffix, record key, y label, log y axis)
+METRICS = (
+    ("latency", "median_us", "median time per all-reduce (us)", True),
+    ("busbw", "busbw_GBps", "bus bandwidth (GB/s)", False),
+)
+
+
+def series(doc: dict[str, Any], mode: str, key: str) -> dict[str, tuple[list[int], list[float]]]:
+    """``candidate -> (sizes, values)`` of the "ok" results of ``mode``, in candidate order."""
+    out: dict[str, tuple[list[int], list[float]]] = {c["name"]: ([], []) for c in doc["candidates"]}
+    rows = sorted((r for r in doc["results"] if r["mode"] == mode and r["status"] == "ok"),
+                  key=lambda r: r["bytes"])
+    for r in rows:
+        xs, ys = out.setdefault(r["candidate"], ([], []))
+        xs.append(r["bytes"])
+        ys.append(r[key])
+    return {name: xy for name, xy in out.items() if xy[0]}
+
+
+def title(doc: dict[str, Any]) -> str:
+    """``all-reduce, bfloat16 sum, 4 x NVIDIA H200 (host), 2026-01-01``."""
+    m = doc["machine"]
+    return (f"all-reduce, {doc['dtype']} {doc.get('op', 'sum')}, {doc['world_size']} x {m['gpu']} "
+            f"({m['hostname']}), {doc['date'][:10]}")
+
+
+def plot_document(doc: dict[str, Any], prefix: str) -> list[str]:
+    """Write ``<prefix>_latency.png`` and ``<prefix>_busbw.png``; returns their paths.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    modes = list(doc["config"]["modes"])
+    paths = []
+    for suffix, key, ylabel, logy in METRICS:
+        fig, axes = plt.subplots(1, len(modes), figsize=(7 * len(modes), 5), squeeze=False)
+        for ax, mode in zip(axes[0], modes, strict=True):
+            for name, (xs, ys) in series(doc, mode, key).items():
+                ax.plot(xs, ys, marker="o", markersize=3, label=name)
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_locator(LogLocator(base=2, numticks=64))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: human_bytes(int(round(v)))))
+            ax.tick_params(axis="x", labelrotation=60, labelsize=7)
+            if logy:
+                ax.set_yscale("log")
+            ax.set_xlabel("message size")
+            ax.set_ylabel(ylabel)
+            ax.set_title(mode)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(title(doc), fontsize=10)
+        fig.tight_layout()
+        path = f"{prefix}_{suffix}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_file(path: str, outdir: str | None = None) -> list[str]:
+    """Plot the JSON report at ``path`` into ``outdir`` (default: beside it); returns the PNG paths.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return plot_document(doc, os.path.join(outdir or os.path.dirname(os.path.abspath(path)), stem))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python bench/plot.py REPORT.json [...] [-o DIR]``."""
+    p = argparse.ArgumentParser(prog="plot", description="PNG plots from bench/compare.py JSON reports.")
+    p.add_argument("reports", nargs="+", help="JSON files written by bench/compare.py")
+    p.add_argument("-o", "--outdir", default=None, help="where PNGs go (default: beside each JSON)")
+    args = p.parse_args(argv)
+    for report in args.reports:
+        for png in plot_file(report, args.outdir):
+            print(png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,457 @@
+"""CPU tests of the benchmarks: nccl-tests sizes and table, exact data, arguments, plots,
+and the whole all_reduce_perf / compare flow on a numpy stand-in for the GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # bench/ is not part of the installed package
+
+import bench_fakes as fakes  # noqa: E402
+from bench import _common as common  # noqa: E402
+from bench import all_reduce_perf as arp  # noqa: E402
+from bench import compare, plot  # noqa: E402
+
+SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
+BF16, HALF, FLOAT = common.DTYPES["bfloat16"], common.DTYPES["half"], common.DTYPES["float"]
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("text, value", [
+    ("8", 8), ("1K", 1024), ("1k", 1024), ("256M", 256 << 20), ("2G", 2 << 30),
+    ("1.5K", 1536), ("2KiB", 2048), ("0", 0), ("1e3", 1000), (" 4M ", 4 << 20),
+])
+def test_parse_size_like_nccl_tests(text, value):
+    assert common.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "K", "-1", "1T", "1 K B x", "abc"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="invalid size"):
+        common.parse_size(text)
+
+
+def test_size_list_factor_and_step():
+    assert common.size_list(8, 64, 1 << 20, 2) == [8, 16, 32, 64]
+    assert common.size_list(8, 100, 1 << 20, 2) == [8, 16, 32, 64]  # stops below maxbytes, as nccl-tests
+    assert common.size_list(1 << 20, 3 << 20, 1 << 20, 1) == [1 << 20, 2 << 20, 3 << 20]
+    assert common.size_list(32 << 20, 32 << 20, 1 << 20, 1) == [32 << 20]  # nccl-tests defaults: one size
+    assert len(common.size_list(8, 256 << 20, 0, 2)) == 26
+
+
+@pytest.mark.parametrize("args, message", [
+    ((64, 8, 1, 2), "minbytes"), ((0, 64, 1, 2), "never grows"), ((8, 64, 0, 1), "stepbytes"),
+])
+def test_size_list_rejects(args, message):
+    with pytest.raises(ValueError, match=message):
+        common.size_list(*args)
+
+
+def test_human_bytes():
+    assert [common.human_bytes(n) for n in (8, 2048, 3 << 20, 1 << 30, 1500)] == [
+        "8 B", "2 KiB", "3 MiB", "1 GiB", "1500 B"]
+
+
+# --------------------------------------------------------------------------- collective record
+
+
+@pytest.mark.parametrize("nranks, factor", [(1, 0.0), (2, 1.0), (4, 1.5), (8, 1.75)])
+def test_all_reduce_bus_factor(nranks, factor):
+    assert arp.ALL_REDUCE.bus_factor(nranks) == pytest.approx(factor)
+
+
+def test_bandwidths_and_count():
+    algbw, busbw = arp.ALL_REDUCE.bandwidths(256 << 20, 1181e-6, 4)
+    assert algbw == pytest.approx((256 << 20) / 1e9 / 1181e-6)
+    assert busbw == pytest.approx(algbw * 1.5)
+    assert arp.ALL_REDUCE.count(8, 4, 4) == 2
+    assert arp.ALL_REDUCE.count(7, 2, 4) == 3  # partial elements are dropped, as nccl-tests does
+
+
+# --------------------------------------------------------------------------- table
+
+
+def test_header_columns_and_widths():
+    lines = common.table_header()
+    assert lines[0] == "#"
+    assert lines[1].split() == ["#", "out-of-place", "in-place"]
+    assert lines[2].split() == ["#", "size", "count", "type", "redop", "root",
+                                "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong"]
+    assert lines[3].split() == ["#", "(B)", "(elements)", "(us)", "(GB/s)", "(GB/s)", "(us)", "(GB/s)", "(GB/s)"]
+    # Column ends line up between the names line and a data row.
+    half = common.row_result(5.0, 0.2, 0.3, 0)
+    row = common.row_prefix(1024, 256, "float", "sum") + half + half
+    ends = [m.end() for m in re.finditer(r"\S+", row)]
+    assert ends == [m.end() for m in re.finditer(r"\S+", lines[2])][1:]
+    assert common.table_header("cputime")[2].split()[6] == "cputime"
+
+
+def test_row_format_matches_nccl_tests():
+    prefix = common.row_prefix(8, 2, "float", "sum")
+    assert prefix == "           8             2     float     sum      -1"
+    assert common.row_result(12.5, 0.0, 0.0, 0) == "    12.50    0.00    0.00       0"
+    assert common.row_result(1234.5, 200.25, 350.5, None) == "  1234.50  200.25  350.50    N/A"
+    assert len(prefix) == 52 and len(common.row_result(1.0, 1.0, 1.0, 3)) == 33
+
+
+@pytest.mark.parametrize("value, width, text", [
+    (0.0, 7, "   0.00"), (12.25, 7, "  12.25"), (99999.0, 7, "99999.0"), (123456.0, 7, " 123456"),
+    (1e9, 7, "1.0e+09"), (341.2, 6, "341.20"), (1234.0, 6, "1234.0"), (12345.0, 6, " 12345"),
+    (1e8, 6, " 1e+08"), (float("nan"), 6, "   nan"),
+])
+def test_format_float_like_get_float_str(value, width, text):
+    assert common.format_float(value, width) == text
+
+
+def test_footer():
+    assert common.footer(0, 123.456, "all_reduce_perf")[:2] == [
+        "# Out of bounds values : 0 OK", "# Avg bus bandwidth    : 123.456 "]
+    assert common.footer(2, 0.5, "x")[0] == "# Out of bounds values : 2 FAILED"
+
+
+# --------------------------------------------------------------------------- exact data
+
+
+def _reduce_in_dtype(parts: list[np.ndarray], op: str, order: list[int], premul: float | None) -> np.ndarray:
+    """Reduce arrays of the dtype in a given rank order with the dtype's own arithmetic."""
+    if premul is not None:  # NCCL's avg: scale every input by 1/n, then sum
+        scale = np.array(premul, dtype=parts[0].dtype)
+        parts = [(p * scale).astype(p.dtype) for p in parts]
+    acc = parts[order[0]]
+    for r in order[1:]:
+        acc = {"max": np.maximum, "min": np.minimum}.get(op, np.add)(acc, parts[r]).astype(acc.dtype)
+    if op == "avg" and premul is None:
+        acc = (acc / np.array(len(parts), dtype=acc.dtype)).astype(acc.dtype)
+    return acc
+
+
+def _tree_sum(parts: list[np.ndarray]) -> np.ndarray:
+    while len(parts) > 1:
+        parts = [(parts[i] + parts[i + 1]).astype(parts[i].dtype) if i + 1 < len(parts) else parts[i]
+                 for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+@pytest.mark.parametrize("dtype", [BF16, HALF, FLOAT], ids=lambda d: d.name)
+@pytest.mark.parametrize("nranks", [2, 4, 8])
+@pytest.mark.parametrize("op", common.OPS)
+def test_reductions_are_bit_exact_in_every_order(dtype, nranks, op):
+    count, seed = 4099, 7
+    parts = [common.encode(common.make_input(r, nranks, count, seed), dtype).view(dtype.numpy)
+             for r in range(nranks)]
+    want = common.encode(common.expected_output(nranks, count, seed, op), dtype)
+    orders = [list(range(nranks)), list(reversed(range(nranks))), [(r * 3 + 1) % nranks for r in range(nranks)]]
+    if nranks == 8:
+        orders = [o for o in orders if sorted(o) == list(range(8))]
+    results = [_reduce_in_dtype(parts, op, o, None) for o in orders]
+    if op == "sum":
+        results.append(_tree_sum(parts))
+    if op == "avg":
+        results += [_reduce_in_dtype(parts, op, o, 1.0 / nranks) for o in orders]
+    assert common.tolerance(op, nranks, dtype) == 0.0
+    for got in results:
+        assert common.count_wrong(got.view(dtype.bits), want, dtype) == 0
+
+
+def test_inputs_are_small_distinct_and_never_negative_zero():
+    for nranks in (2, 4, 8):
+        m = common.value_range(nranks)
+        assert nranks * m <= 256
+        xs = [common.make_input(r, nranks, 10000, seed=3) for r in range(nranks)]
+        for x in xs:
+            assert x.min() >= -m and x.max() <= m
+            assert len(np.unique(x)) == 2 * m + 1
+            for dtype in (BF16, HALF):
+                assert not np.any(common.encode(x, dtype) == 0x8000)  # no -0.0: the Lamport sentinel
+        assert not np.array_equal(xs[0], xs[1])
+    assert not np.array_equal(common.make_input(0, 4, 100, 1), common.make_input(0, 4, 100, 2))
+
+
+def test_avg_over_three_ranks_is_within_tolerance():
+    dtype, nranks, count = BF16, 3, 2000
+    parts = [common.encode(common.make_input(r, nranks, count, 5), dtype).view(dtype.numpy) for r in range(nranks)]
+    want = common.encode(common.expected_output(nranks, count, 5, "avg"), dtype)
+    got = _reduce_in_dtype(parts, "avg", [0, 1, 2], 1.0 / nranks).view(dtype.bits)
+    tol = common.tolerance("avg", nranks, dtype)
+    assert tol > 0 and common.count_wrong(got, want, dtype, tol) == 0
+
+
+def test_count_wrong_is_bitwise():
+    want = common.encode(np.array([0.0, 1.0, -2.0, 3.0]), BF16)
+    got = want.copy()
+    assert common.count_wrong(got, want, BF16) == 0
+    got[0] = common.encode(np.array([-0.0]), BF16)[0]  # -0.0 == 0.0 as floats, not as bits
+    got[3] = BF16.nan
+    assert common.count_wrong(got, want, BF16) == 2
+    assert common.count_wrong(got, want, BF16, tol=0.5) == 1  # NaN is wrong under any tolerance
+
+
+def test_nan_patterns_are_nan():
+    for dtype in common.DTYPES.values():
+        value = np.array([dtype.nan], dtype=dtype.bits).view(dtype.numpy).astype(np.float64)
+        assert np.isnan(value[0]), dtype.name
+    assert BF16.numpy == np.dtype(ml_dtypes.bfloat16)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def test_all_reduce_perf_defaults_are_nccl_tests_defaults():
+    a = arp.parse_args([])
+    assert (a.minbytes, a.maxbytes, a.stepbytes, a.stepfactor) == (32 << 20, 32 << 20, 1 << 20, 1)
+    assert (a.iters, a.warmup_iters, a.check, a.cudagraph, a.average) == (20, 5, 1, 0, 1)
+    assert (a.datatype, a.op, a.output_file) == ("float", "sum", "")
+    assert (a.backend, a.algo, a.symmetric) == ("ubnext", "auto", 1)
+    assert [d.name for d in a.dtypes] == ["float"] and a.ops == ["sum"] and a.sizes == [32 << 20]
+
+
+def test_all_reduce_perf_flags():
+    a = arp.parse_args(["-b", "8", "-e", "256M", "-f", "2", "-d", "all", "-o", "all", "-G", "10",
+                        "-a", "3", "-J", "out.json", "--backend", "nccl", "-n", "50", "-w", "1", "-c", "0"])
+    assert a.sizes[0] == 8 and a.sizes[-1] == 256 << 20
+    assert [d.name for d in a.dtypes] == ["half", "float", "bfloat16"]
+    assert a.ops == ["sum", "max", "min", "avg"]
+    assert (a.cudagraph, a.average, a.output_file, a.symmetric) == (10, 3, "out.json", 0)
+    assert arp.parse_args(["-d", "bf16"]).dtypes == [BF16]
+
+
+@pytest.mark.parametrize("argv", [
+    ["-b", "1M", "-e", "1K"], ["-d", "double"], ["-o", "prod"], ["-o", "mulsum"], ["-a", "4"],
+    ["--backend", "nccl", "--algo", "lamport"], ["-n", "0"], ["-b", "huge"], ["--algo", "fast"],
+    ["-J", "/nonexistent-dir/out.json"],
+])
+def test_all_reduce_perf_rejects(argv, capsys):
+    with pytest.raises(SystemExit):
+        arp.parse_args(argv)
+
+
+def test_compare_defaults():
+    a = compare.parse_args([])
+    assert (a.minbytes, a.maxbytes, a.stepfactor, a.dtype, a.op) == (2 << 10, 256 << 20, 2, BF16, "sum")
+    assert (a.average, a.mode_list, a.iters, a.repeats, a.torch) == (3, ["eager", "graph"], 20, 5, "auto")
+    with pytest.raises(SystemExit):
+        compare.parse_args(["-d", "all"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--modes", "eager,fast"])
+
+
+def test_combine_over_ranks():
+    times = [3.0, 1.0, 2.0, 6.0]
+    assert [common.combine(times, m) for m in (0, 1, 2, 3)] == [3.0, 3.0, 1.0, 6.0]
+    with pytest.raises(ValueError):
+        common.combine(times, 4)
+
+
+def test_multicast_opt_outs():
+    assert compare.multicast_disabled({"NCCL_NVLS_ENABLE": "0"})
+    assert compare.multicast_disabled({"UBNEXT_NVLS": "0"})
+    assert not compare.multicast_disabled({"NCCL_NVLS_ENABLE": "1"})
+    env = {"NCCL_NVLS_ENABLE": "0"}
+    compare.keep_multicast_off(env)
+    assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = {}
+    compare.keep_multicast_off(env)
+    assert env == {}
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def test_write_json_never_overwrites(tmp_path):
+    path = str(tmp_path / "r.json")
+    assert common.write_json(path, {"a": 1}) == path
+    assert common.write_json(path, {"a": 2}) == path + ".0"
+    assert common.write_json(path, {"a": 3}) == path + ".1"
+    assert json.loads(Path(path).read_text()) == {"a": 1}
+
+
+def test_environment_subset_keeps_only_run_settings():
+    env = {"NCCL_NVLS_ENABLE": "0", "UBNEXT_POOL_MB": "64", "HOME": "/root", "SECRET_TOKEN": "x",
+           "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert common.environment_subset(env) == ["CUDA_VISIBLE_DEVICES=0,1", "NCCL_NVLS_ENABLE=0", "UBNEXT_POOL_MB=64"]
+
+
+def test_device_line_round_trip(monkeypatch):
+    fakes.install(monkeypatch)
+    line = common.device_line(3, 2)
+    assert re.fullmatch(r"#  Rank  3 Group  0 Pid +\d+ on +\S+ device  2 \[0000:1a:00\] Fake GPU", line)
+    record = common.parse_device_line(line)
+    assert (record["rank"], record["device"], record["device_hex"], record["device_info"]) == (
+        3, 2, "0000:1a:00", "Fake GPU")
+
+
+# --------------------------------------------------------------------------- whole runs on the fake GPU
+
+
+def _world(args, faults=False):
+    boot = fakes.Bootstrap()
+    import cupy  # the fake, installed by the caller
+
+    return arp.World(fakes.Comm(boot), fakes.ReduceEngine(boot, faults), cupy.cuda.Stream(),
+                     lambda count, dtype: cupy.empty((count,), dtype.numpy), ["# Buffers: fake"])
+
+
+@pytest.mark.parametrize("graph", ["0", "2"])
+def test_all_reduce_perf_run_on_fake_gpu(monkeypatch, tmp_path, capsys, graph):
+    fakes.install(monkeypatch)
+    out = str(tmp_path / "r.json")
+    argv = ["-b", "8", "-e", "64K", "-f", "8", "-d", "all", "-o", "all", "-n", "3", "-w", "1",
+            "-G", graph, "-J", out]
+    args = arp.parse_args(argv)
+    assert arp.run(args, _world(args), argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if not line.startswith("#")]
+    assert len(rows) == 3 * 4 * len(args.sizes)
+    for row in rows:
+        cells = row.split()
+        assert len(cells) == 13 and cells[4] == "-1" and cells[8] == "0" and cells[12] == "0"
+    assert "# Out of bounds values : 0 OK" in lines
+    assert any(line.startswith("#  Rank  0 Group  0 Pid") for line in lines)
+    doc = json.loads(Path(out).read_text())
+    assert doc["version"] == 2 and len(doc["results"]) == len(rows)
+    first = doc["results"][0]
+    assert (first["size"], first["count"], first["type"], first["redop"]) == (8, 4, "half", "sum")
+    assert set(first["out_of_place"]) == {"time", "alg_bw", "bus_bw", "nwrong"}
+    assert doc["out_of_bounds"] == {"count": 0, "okay": "true"}
+    assert doc["config"]["devices"][0]["device_info"] == "Fake GPU"
+
+
+def test_all_reduce_perf_counts_wrong_elements(monkeypatch, capsys):
+    fakes.install(monkeypatch)
+    argv = ["-b", "1K", "-e", "2K", "-f", "2", "-n", "1", "-c", "2", "-G", "1"]
+    args = arp.parse_args(argv)
+    assert arp.run(args, _world(args, faults=True), argv) == 1
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+    assert [(r[8], r[12]) for r in rows] == [("1", "1"), ("1", "1")]
+    assert "# Out of bounds values : 4 FAILED" in out
+
+
+def test_all_reduce_perf_without_check_prints_na(monkeypatch, capsys):
+    fakes.install(monkeypatch)
+    args = arp.parse_args(["-b", "64", "-e", "64", "-c", "0", "-n", "1"])
+    assert arp.run(args, _world(args, faults=True), []) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")][0]
+    assert row.split()[8] == "N/A" and row.split()[12] == "N/A"
+
+
+def _compare_session(args):
+    import cupy
+
+    boot = fakes.Bootstrap()
+    engine = fakes.ReduceEngine(boot)
+    count = args.maxbytes // args.dtype.itemsize
+
+    class Limited:
+        def __init__(self, limit):
+            self.limit = limit
+
+        def all_reduce(self, send, recv, dtype, op, stream):
+            if self.limit is not None and send.size * dtype.itemsize > self.limit:
+                raise ValueError("too large")
+            engine.all_reduce(send, recv, dtype, op, stream)
+
+    def candidate(name, limit=None):
+        buf = cupy.empty((count,), dtype=args.dtype.numpy)
+        return compare.Candidate(name, "in-place", buf, buf, Limited(limit), lambda e: isinstance(e, ValueError))
+
+    class Nccl:
+        def close(self):
+            pass
+
+    return compare.Session(fakes.Comm(boot), Nccl(), cupy.cuda.Stream(),
+                           [candidate("ubnext-auto"), candidate("ubnext-lamport", 4096), candidate("nccl")], False)
+
+
+def test_compare_run_on_fake_gpu(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="compare's plots need matplotlib")
+    fakes.install(monkeypatch)
+    argv = ["-b", "1K", "-e", "16K", "-n", "2", "--repeats", "3", "-G", "2", "--outdir", str(tmp_path),
+            "--name", "t"]
+    args = compare.parse_args(argv)
+    session = _compare_session(args)
+    compare.sweep(session, args, lambda text: None)
+    compare.report(session, args, argv)
+    out = capsys.readouterr().out
+    assert "# eager: median us per all-reduce" in out and "# graph: median us" in out
+    lamport_cells = [line for line in out.splitlines() if line.strip().startswith("16 KiB")]
+    assert all("—" in line for line in lamport_cells)
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["world_size"] == 1 and doc["dtype"] == "bfloat16" and doc["machine"]["gpu"] == "Fake GPU"
+    skipped = [r for r in doc["results"] if r["status"] == "skipped"]
+    assert {(r["candidate"], r["bytes"]) for r in skipped} == {("ubnext-lamport", 8192), ("ubnext-lamport", 16384)}
+    ok = [r for r in doc["results"] if r["status"] == "ok"]
+    assert all(r["wrong"] == 0 and len(r["times_us"]) == 3 for r in ok)
+    assert (tmp_path / "t_latency.png").stat().st_size > 0 and (tmp_path / "t_busbw.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------- plots from JSON
+
+
+def _synthetic_report() -> dict:
+    sizes = [2 << 10 << i for i in range(8)]
+    results = []
+    for cand, base in (("ubnext-auto", 5.0), ("nccl", 14.0), ("torch-twoshot", 7.0)):
+        for mode in ("eager", "graph"):
+            for n in sizes:
+                us = base + n / 2e5
+                results.append({"candidate": cand, "placement": "in-place", "mode": mode, "bytes": n,
+                                "count": n // 2, "status": "ok", "wrong": 0, "reason": "",
+                                "times_us": [us, us * 1.1], "median_us": us,
+                                "busbw_GBps": n / us / 1e3 * 1.5})
+    results.append({**results[0], "bytes": 1 << 30, "status": "skipped", "reason": "too large", "times_us": []})
+    return {"kind": "ubnext.compare", "version": 1, "date": "2026-01-01T12:00:00+0000",
+            "machine": {"hostname": "h", "gpu": "NVIDIA H200"}, "world_size": 4, "dtype": "bfloat16",
+            "op": "sum", "config": {"modes": ["eager", "graph"]},
+            "candidates": [{"name": n, "placement": "in-place"} for n in ("ubnext-auto", "nccl", "torch-twoshot")],
+            "results": results}
+
+
+def test_plot_series_skips_refused_sizes():
+    series = plot.series(_synthetic_report(), "eager", "median_us")
+    assert list(series) == ["ubnext-auto", "nccl", "torch-twoshot"]
+    assert series["ubnext-auto"][0] == sorted(series["ubnext-auto"][0]) and (1 << 30) not in series["ubnext-auto"][0]
+
+
+def test_plot_png_from_synthetic_json(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
+    report = tmp_path / "synthetic.json"
+    report.write_text(json.dumps(_synthetic_report()))
+    (tmp_path / "png").mkdir()
+    assert plot.main([str(report), "-o", str(tmp_path / "png")]) == 0
+    for suffix in ("latency", "busbw"):
+        png = tmp_path / "png" / f"synthetic_{suffix}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- several ranks
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_all_reduce_perf_over_mpi_on_fake_gpus(run_mpi, nranks):
+    result = run_mpi(SCRIPTS / "bench_fake_gpus.py", nranks, timeout=240)
+    lines = result.stdout.splitlines()
+    assert sum(line.startswith("#  Rank ") for line in lines) == nranks
+    rows = [line.split() for line in lines if line and not line.startswith("#")]
+    assert len(rows) == 3 * 4 * 8 and all(r[8] == "0" and r[12] == "0" for r in rows)
+    assert "# Out of bounds values : 0 OK" in lines
+
+
+def test_benchmarks_import_without_gpu_modules():
+    """Importing the benchmarks must not import cupy, torch, mpi4py or ubnext (CPU-only use)."""
+    code = ("import sys; import bench._common, bench.all_reduce_perf, bench.compare, bench.plot; "
+            "print(sorted(m for m in ('cupy', 'torch', 'mpi4py', 'ubnext', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
