@@ -50,7 +50,9 @@ def test_compile_defines_cover_the_table():
 def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
     sel = Selector(4, lamport_max=1 << 20, usable=["lamport", "twoshot", "nccl"])
     assert sel.select(2048, "bfloat16") == "lamport"
-    assert sel.select(64 << 20, "bfloat16") == "twoshot"
+    assert sel.select(16 << 20, "bfloat16") == "twoshot"
+    assert sel.select(256 << 20, "bfloat16") == "nccl"  # measured: NCCL wins there at 4 ranks
+    assert Selector(2, 1 << 20, ["lamport", "twoshot", "nccl"]).select(256 << 20, "bfloat16") == "twoshot"
     small_lamport = Selector(4, lamport_max=1024, usable=["lamport", "twoshot", "nccl"])
     assert small_lamport.select(4096, "float32") == "twoshot"
     nccl_only = Selector(8, lamport_max=1 << 20, usable=["nccl"])

@@ -14,9 +14,15 @@ import json
 from ._algorithms import ALGORITHMS, DTYPES
 from ._errors import UbnextError
 
+_OPEN = 1 << 62
 #: world size -> ascending (largest message in bytes, algorithm); the last row is open-ended.
+#: Measured on 2x and 4xH200 (NVLink, bf16, CUDA graphs; bench/results/compare_h200x*_bf16.json):
+#: at 4 ranks NCCL wins from 64 MiB on (1-7 %), so "auto" hands those sizes to NCCL.
+#: World sizes without a row (3, 5-8) use the 4-rank row until measured.
 DEFAULT_TABLE: dict[int, list[tuple[int, str]]] = {
-    0: [(256 << 10, "lamport"), (1 << 62, "twoshot")],  # 0: any world size without its own row
+    2: [(1 << 20, "lamport"), (_OPEN, "twoshot")],
+    4: [(512 << 10, "lamport"), (32 << 20, "twoshot"), (_OPEN, "nccl")],
+    0: [(256 << 10, "lamport"), (32 << 20, "twoshot"), (_OPEN, "nccl")],
 }
 
 
