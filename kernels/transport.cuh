@@ -15,9 +15,14 @@ template <int N> struct Unicast {
 
   __device__ char* seg(int r) const { return base + (u64)r * stride; }
 
-  // For each u with ok[u]: reduces the vectors at byte offset off[u] of every segment in
-  // rank order 0..N-1 (fp32, identical bits on every rank) into out[u], packed as T.
-  // All U*N loads are issued before the first is used. Loads are relaxed, system scope.
+  // Rank visited k-th: starting with the next rank spreads the traffic of all ranks over
+  // all links instead of every rank reaching rank 0 first.
+  __device__ int peer(int k) const { return rank + k < N ? rank + k : rank + k - N; }
+
+  // For each u with ok[u]: reduces the vectors at byte offset off[u] of every segment into
+  // out[u], packed as T (fp32 accumulation). The order is peer(0..N-1): fixed for a given
+  // rank, so the rank that owns an element always computes the same bits. All U*N loads
+  // are issued before the first is used. Loads are relaxed, system scope.
   template <class T, class Op, int U>
   __device__ void load_reduce(const u64 (&off)[U], const bool (&ok)[U], uint4 (&out)[U]) const {
     constexpr int P = Vec<T>::kPer;
@@ -26,7 +31,7 @@ template <int N> struct Unicast {
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int r = 0; r < N; ++r) {
-        if (ok[u]) v[u][r] = ld_relaxed_sys(seg(r) + off[u]);
+        if (ok[u]) v[u][r] = ld_relaxed_sys(seg(peer(r)) + off[u]);
       }
     }
 #pragma unroll
@@ -45,12 +50,13 @@ template <int N> struct Unicast {
     }
   }
 
-  // Stores v at byte offset off of every segment (weak stores), all of it when valid == 0,
-  // else only its first `valid` elements.
+  // Stores v at byte offset off of every segment, in peer() order (weak stores), all of it
+  // when valid == 0, else only its first `valid` elements.
   template <class T> __device__ void store_all(u64 off, const uint4& v, int valid) const {
 #pragma unroll
-    for (int r = 0; r < N; ++r) {
-      if (valid == 0) st_weak(seg(r) + off, v); else st_partial<T>(seg(r) + off, v, valid);
+    for (int k = 0; k < N; ++k) {
+      char* p = seg(peer(k)) + off;
+      if (valid == 0) st_weak(p, v); else st_partial<T>(p, v, valid);
     }
   }
 };

@@ -8,7 +8,7 @@
 // every rank:
 //   1. copy-in     part b of every slice, src -> own buffer              (if src)
 //   2. barrier     block b of every rank has its part b in place
-//   3. RS + AG     part b of own slice: load from every rank, reduce in rank order,
+//   3. RS + AG     part b of own slice: load from every rank, reduce (fixed order),
 //                  store the result into every rank's buffer ("UB in place")
 //   4. barrier     block b of every rank has stored its part b everywhere
 //   5. copy-out    part b of every slice, own buffer -> dst               (if dst)

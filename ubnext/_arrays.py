@@ -8,7 +8,7 @@ imported lazily: it is only touched when the caller passes a tensor or asks for 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._algorithms import DTYPES
 from ._errors import UbnextError
@@ -17,8 +17,7 @@ _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 _TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
-@dataclass(frozen=True)
-class Buffer:
+class Buffer(NamedTuple):
     """A validated view of a caller's device array.
 
     Attributes:
@@ -50,7 +49,15 @@ def _torch():
 
 def _is_torch(x) -> bool:
     torch = _torch()
-    return torch is not None and isinstance(x, torch.Tensor)
+    if torch is None or not isinstance(x, torch.Tensor):
+        return False
+    if not _TORCH_NAMES:
+        _TORCH_NAMES.update({getattr(torch, n): n for n in DTYPES})
+    return True
+
+
+#: torch.dtype -> dtype name, filled on first use of a tensor
+_TORCH_NAMES: dict = {}
 
 
 def _dtype_name(name: str, op: str) -> str:
@@ -75,8 +82,8 @@ def describe(x, op: str) -> Buffer:
             raise UbnextError(f"{op}: tensor is in host memory ({x.device}); ubnext reduces CUDA device memory")
         if not x.is_contiguous():
             raise UbnextError(f"{op}: tensor is not contiguous; call .contiguous() first")
-        dtype = _dtype_name(str(x.dtype).replace("torch.", ""), op)
-        return Buffer(x, "torch", x.data_ptr(), x.numel(), dtype, x.device.index, tuple(x.shape))
+        dtype = _TORCH_NAMES.get(x.dtype) or _dtype_name(str(x.dtype).replace("torch.", ""), op)
+        return Buffer(x, "torch", x.data_ptr(), x.numel(), dtype, x.get_device(), x.shape)
     import cupy
 
     if not isinstance(x, cupy.ndarray):
@@ -129,7 +136,7 @@ def stream_handle(stream, x: Buffer) -> int:
     """The raw cudaStream_t to launch on: ``stream`` if given, else the current one of x's framework."""
     if stream is None:
         if x.framework == "torch":
-            return _torch().cuda.current_stream(x.device).cuda_stream
+            return _torch()._C._cuda_getCurrentRawStream(x.device)
         import cupy
 
         return cupy.cuda.get_current_stream().ptr

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._algorithms import DTYPES, MAX_BLOCKS, MAX_RANKS, ALGORITHMS
+from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS
 from ._heap import SlotPlan
 from ._kernels import KernelCache
+from ._launch import I32, U64, Launcher
+
+#: parameters of ub_lamport and ub_twoshot: base, stride, rank, then eight 64-bit values
+_PARAMS = (U64, U64, I32) + (U64,) * 8
 
 _STATE_BYTES = 16                      # kernels/sync.cuh LaunchState
 _FLAG_BYTES = 4 * 2 * MAX_BLOCKS * MAX_RANKS
@@ -66,8 +70,15 @@ class Engine:
         sms = cupy.cuda.Device(pool.device).attributes["MultiProcessorCount"]
         self._blocks = min(max_blocks or sms, sms, MAX_BLOCKS)
         self._kernels = KernelCache()
+        self._launchers: dict[tuple, Launcher] = {}
         self._on_first_use = on_first_use
-        self._streams: dict[int, object] = {}
+        base, stride = pool.base, pool.stride
+        # constant arguments and addresses, computed once
+        self._fixed = (base, stride, self.rank)
+        self._flags = plan.offset("flags")
+        self._lamport = {w: (plan.offset(f"lamport{w}"), pool.local_ptr(plan.offset(f"lamport{w}.state")))
+                         for w in (2, 4)}
+        self._twoshot_state = pool.local_ptr(plan.offset("twoshot.state"))
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
@@ -91,24 +102,14 @@ class Engine:
         return cupy.ndarray((nbytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- launches -------------------------------------------------------------------
-    def _kernel(self, algorithm: str, dtype: str, op: str):
-        key = (algorithm, dtype, op, self.nranks)
-        first = key not in self._kernels
-        fn = self._kernels.get(*key)
-        if first:
+    def _kernel(self, algorithm: str, dtype: str, op: str) -> Launcher:
+        key = (algorithm, dtype, op)
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            fn = self._kernels.get(algorithm, dtype, op, self.nranks)
+            launcher = self._launchers[key] = Launcher(fn, _PARAMS)
             self._on_first_use()
-        return fn
-
-    def _stream(self, handle: int):
-        s = self._streams.get(handle)
-        if s is None:
-            import cupy
-
-            s = self._streams[handle] = cupy.cuda.ExternalStream(handle, self.pool.device)
-        return s
-
-    def _common_args(self):
-        return (np.uint64(self.pool.base), np.uint64(self.pool.stride), np.int32(self.rank))
+        return launcher
 
     def lamport(self, dtype: str, op: str, x: int, out: int, count: int, stream: int) -> None:
         """One-shot all-reduce of ``count`` elements from local ``x`` into local ``out``.
@@ -119,12 +120,10 @@ class Engine:
         nvec = -(-count * width // _ALIGN)
         threads = ALGORITHMS["lamport"].threads
         blocks = max(1, min(self._blocks, -(-nvec // threads)))
-        fn = self._kernel("lamport", dtype, op)
-        fn((blocks,), (threads,), self._common_args() + (
-            np.uint64(self.plan.offset(f"lamport{width}")), np.uint64(self.lamport_bytes),
-            np.uint64(x), np.uint64(out), np.uint64(count),
-            np.uint64(self.pool.local_ptr(self.plan.offset(f"lamport{width}.state"))),
-            np.uint64(self._timeout_ptr), np.uint64(self._timeout_ns)), stream=self._stream(stream))
+        set_off, state = self._lamport[width]
+        self._kernel("lamport", dtype, op)(
+            blocks, threads, stream, *self._fixed, set_off, self.lamport_bytes, x, out, count, state,
+            self._timeout_ptr, self._timeout_ns)
 
     def twoshot(self, dtype: str, op: str, buf_off: int, src: int, dst: int, count: int,
                 stream: int) -> None:
@@ -138,8 +137,6 @@ class Engine:
         threads = ALGORITHMS["twoshot"].threads
         slice_vecs = -(-nvec // self.nranks)
         blocks = max(1, min(self._blocks, -(-slice_vecs // threads)))
-        fn = self._kernel("twoshot", dtype, op)
-        fn((blocks,), (threads,), self._common_args() + (
-            np.uint64(buf_off), np.uint64(self.plan.offset("flags")), np.uint64(src), np.uint64(dst),
-            np.uint64(count), np.uint64(self.pool.local_ptr(self.plan.offset("twoshot.state"))),
-            np.uint64(self._timeout_ptr), np.uint64(self._timeout_ns)), stream=self._stream(stream))
+        self._kernel("twoshot", dtype, op)(
+            blocks, threads, stream, *self._fixed, buf_off, self._flags, src, dst, count,
+            self._twoshot_state, self._timeout_ptr, self._timeout_ns)
