@@ -16,6 +16,19 @@ typedef unsigned long long u64;
 #define UB_MAX_BLOCKS 256  // blocks per launch with their own barrier flags
 #endif
 
+// Instantiation of the entry points: element type, reduction op, ranks of the node. The
+// host passes all three (ubnext._algorithms.compile_defines); these defaults only serve
+// a bare compile check (CMakeLists.txt).
+#ifndef UB_T
+#define UB_T bf16
+#endif
+#ifndef UB_OP
+#define UB_OP OpSum
+#endif
+#ifndef UB_NRANKS
+#define UB_NRANKS 4
+#endif
+
 // ---------------------------------------------------------------------------------
 // Element types: stored as raw bits, reduced in fp32.
 // ---------------------------------------------------------------------------------

@@ -112,15 +112,6 @@ __device__ void lamport_allreduce(const Tp& tp, u64 set_off, u64 slot_bytes, con
 }
 
 // ---- entry point, instantiated per (UB_T, UB_OP, UB_NRANKS) by the host ----------
-#ifndef UB_T
-#define UB_T bf16
-#endif
-#ifndef UB_OP
-#define UB_OP OpSum
-#endif
-#ifndef UB_NRANKS
-#define UB_NRANKS 4
-#endif
 
 extern "C" __global__ void __launch_bounds__(UB_LAMPORT_THREADS)
 ub_lamport(char* base, u64 stride, int rank, u64 set_off, u64 slot_bytes, const char* x,

@@ -83,15 +83,6 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
 }
 
 // ---- entry point, instantiated per (UB_T, UB_OP, UB_NRANKS) by the host ----------
-#ifndef UB_T
-#define UB_T bf16
-#endif
-#ifndef UB_OP
-#define UB_OP OpSum
-#endif
-#ifndef UB_NRANKS
-#define UB_NRANKS 4
-#endif
 
 extern "C" __global__ void __launch_bounds__(UB_TWOSHOT_THREADS)
 ub_twoshot(char* base, u64 stride, int rank, u64 buf_off, u64 flags_off, const char* src,
