@@ -14,7 +14,6 @@ from ._algorithms import DTYPES
 from ._errors import UbnextError
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
-_TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
 class Buffer(NamedTuple):
@@ -167,7 +166,7 @@ def wrap(ptr: int, shape: tuple, dtype: str, device: int, framework: str, owner)
         import torch
 
         raw = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-        return torch.from_dlpack(raw).view(getattr(torch, _TORCH_DTYPES[dtype])).view(shape)
+        return torch.from_dlpack(raw).view(getattr(torch, dtype)).view(shape)
     raise UbnextError(f"empty: framework must be 'cupy' or 'torch', got {framework!r}")
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS
 from ._heap import SlotPlan
-from ._kernels import KernelCache
+from ._kernels import compile_kernel
 from ._launch import I32, U64, Launcher
 
 #: parameters of ub_lamport and ub_twoshot: base, stride, rank, then eight 64-bit values
@@ -69,7 +69,6 @@ class Engine:
         self._timeout_ns = int(timeout_s * 1e9)
         sms = cupy.cuda.Device(pool.device).attributes["MultiProcessorCount"]
         self._blocks = min(max_blocks or sms, sms, MAX_BLOCKS)
-        self._kernels = KernelCache()
         self._launchers: dict[tuple, Launcher] = {}
         self._on_first_use = on_first_use
         base, stride = pool.base, pool.stride
@@ -106,7 +105,7 @@ class Engine:
         key = (algorithm, dtype, op)
         launcher = self._launchers.get(key)
         if launcher is None:
-            fn = self._kernels.get(algorithm, dtype, op, self.nranks)
+            fn = compile_kernel(algorithm, dtype, op, self.nranks)
             launcher = self._launchers[key] = Launcher(fn, _PARAMS)
             self._on_first_use()
         return launcher

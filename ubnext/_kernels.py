@@ -66,29 +66,15 @@ def compile_cubin(algorithm: str, dtype: str, op: str, nranks: int, arch: str = 
     return nvrtc_compile(source(alg.source), alg.source, opts)
 
 
-class KernelCache:
-    """Compiled entry points of one communicator, keyed by instantiation.
+def compile_kernel(algorithm: str, dtype: str, op: str, nranks: int):
+    """Compiles one instantiation for the current device through ``cupy.RawModule``.
 
-    Not thread-safe; one per communicator. Compiling is local (no collective).
+    Local (no collective); CuPy caches the result on disk. Returns the ``cupy.RawKernel``.
     """
+    import cupy
 
-    def __init__(self):
-        self._fns: dict[tuple, object] = {}
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._fns
-
-    def get(self, algorithm: str, dtype: str, op: str, nranks: int):
-        """The ``cupy.RawKernel`` for this instantiation, compiled on first use."""
-        key = (algorithm, dtype, op, nranks)
-        fn = self._fns.get(key)
-        if fn is None:
-            import cupy
-
-            alg = ALGORITHMS[algorithm]
-            module = cupy.RawModule(code=source(alg.source),
-                                    options=options(algorithm, dtype, op, nranks))
-            fn = module.get_function(alg.entry)
-            fn.compile()
-            self._fns[key] = fn
-        return fn
+    alg = ALGORITHMS[algorithm]
+    module = cupy.RawModule(code=source(alg.source), options=options(algorithm, dtype, op, nranks))
+    fn = module.get_function(alg.entry)
+    fn.compile()
+    return fn

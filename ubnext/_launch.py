@@ -51,8 +51,8 @@ class Launcher:
             slot.value = value
         rc = self._launch(self._func, blocks, 1, 1, threads, 1, 1, 0, stream, self._pack, None)
         if rc:
-            from ._cuda import check
             from cuda.bindings import driver
 
-            check((driver.CUresult(rc),), "cuLaunchKernel")
-            raise CudaError("cuLaunchKernel", rc, f"error {rc}")
+            from ._cuda import describe
+
+            raise CudaError("cuLaunchKernel", rc, describe(driver.CUresult(rc)))
