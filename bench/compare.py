@@ -41,13 +41,11 @@ if __package__ in (None, ""):  # run as a script: python bench/compare.py
 
 from bench import _common as common  # noqa: E402
 from bench import plot  # noqa: E402
+from bench._torchbench import init_distributed, keep_multicast_off  # noqa: E402
 from bench.all_reduce_perf import ALL_REDUCE, NcclEngine, UbnextEngine, nccl_version, pool_mb_for  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODES = ("eager", "graph")
-#: Variables that switch NVLink multicast off (DESIGN.md, "Safety: NVLink multicast").
-_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                  "NVSHMEM_DISABLE_NVLS": "1", "UBNEXT_NVLS": "0"}
 
 
 # --------------------------------------------------------------------------- arguments
@@ -154,22 +152,6 @@ def nccl_candidate(nccl: Any, dtype: common.DType, count: int) -> Candidate:
     return Candidate("nccl", "in-place", buf, buf, NcclEngine(nccl), lambda exc: isinstance(exc, ValueError))
 
 
-def multicast_disabled(environ: dict[str, str]) -> bool:
-    """Whether any of the documented opt-out variables switches NVLink multicast off."""
-    return any(environ.get(k) == v for k, v in _MULTICAST_OFF.items())
-
-
-def keep_multicast_off(environ: Any = os.environ) -> None:
-    """Where one opt-out variable switches multicast off, set torch's and NVSHMEM's too.
-
-    Must run before torch is imported, so torch's symmetric memory creates no
-    multicast object on a host that asked for none (e.g. ``NCCL_NVLS_ENABLE=0``).
-    """
-    if multicast_disabled(environ):
-        environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-        environ["NVSHMEM_DISABLE_NVLS"] = "1"
-
-
 def torch_candidates(bootstrap: Any, device: int, dtype: common.DType, count: int, stream: Any) -> list[Candidate]:
     """``torch-oneshot`` and ``torch-twoshot`` over torch.distributed (NCCL backend). Collective.
 
@@ -182,12 +164,7 @@ def torch_candidates(bootstrap: Any, device: int, dtype: common.DType, count: in
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    torch.cuda.set_device(device)
-    port = bootstrap.bcast_obj(_free_port() if bootstrap.rank == 0 else None)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    os.environ.update(RANK=str(bootstrap.rank), WORLD_SIZE=str(bootstrap.size), LOCAL_RANK=str(device))
-    dist.init_process_group("nccl", rank=bootstrap.rank, world_size=bootstrap.size)
+    init_distributed(bootstrap, device)
     group = dist.group.WORLD.group_name
     torch.cuda.set_stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", device)))
     tdtype = getattr(torch, dtype.ubnext)
@@ -223,12 +200,6 @@ class TorchEngine:
 def _torch_refuses(exc: BaseException) -> bool:
     """torch reports unsupported sizes and dtypes as RuntimeError (NotImplementedError included)."""
     return isinstance(exc, RuntimeError)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torch_wanted(choice: str) -> bool:

@@ -4,14 +4,19 @@
 //   seg(r)              base of rank r's segment of the symmetric pool (local view)
 //   load_reduce(...)    reduce 16-byte vectors at one offset of every segment
 //   store_all(...)      store one 16-byte vector at one offset of every segment
-// Unicast goes through every peer's mapped pointer (any P2P NVLink machine).
+//   barrier(...)        block b of every rank waits for block b of every other rank
+// Unicast goes through every peer's mapped pointer (any P2P NVLink machine). Multicast
+// (NVLS) goes through the multicast mapping of the pool: one multimem access at mc + off
+// reaches offset off of every rank's segment, reduced or broadcast by the NVSwitch.
+// The host picks one with UB_TRANSPORT (ubnext._algorithms.compile_defines).
 #pragma once
-#include "common.cuh"
+#include "sync.cuh"
 
 template <int N> struct Unicast {
   char* base;   // segment 0; segment r starts at base + r * stride
   u64 stride;
   int rank;
+  char* mc;     // multicast mapping of the pool (Multicast only; null for Unicast)
 
   __device__ char* seg(int r) const { return base + (u64)r * stride; }
 
@@ -59,4 +64,100 @@ template <int N> struct Unicast {
       if (valid == 0) st_weak(p, v); else st_partial<T>(p, v, valid);
     }
   }
+
+  // Barrier of block blockIdx.x with the same block on every rank (sync.cuh).
+  __device__ void barrier(u64 flags_off, int phase, u32 value, const WaitCtx& c, u32 site) const {
+    block_barrier<N>(*this, flags_off, phase, value, c, site);
+  }
 };
+
+// ---- NVLink multicast (sm_90+) ----------------------------------------------------
+
+// multimem.ld_reduce of one 16-byte vector: the sum (fp32 accumulation for 16-bit types),
+// max or min over every rank's copy. Relaxed, system scope.
+template <class T, class Op> struct MultimemReduce;
+
+#define UB_MULTIMEM_LD_REDUCE(T, OP, SUFFIX)                                                  \
+  template <> struct MultimemReduce<T, OP> {                                                 \
+    __device__ static uint4 load(const char* p) {                                            \
+      uint4 v;                                                                               \
+      asm volatile("multimem.ld_reduce.relaxed.sys.global." SUFFIX " {%0,%1,%2,%3}, [%4];"  \
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");       \
+      return v;                                                                              \
+    }                                                                                        \
+  };
+#define UB_MULTIMEM_SUM_AVG(T, SUFFIX) \
+  UB_MULTIMEM_LD_REDUCE(T, OpSum, SUFFIX) UB_MULTIMEM_LD_REDUCE(T, OpAvg, SUFFIX)
+UB_MULTIMEM_SUM_AVG(bf16, "add.acc::f32.v4.bf16x2")
+UB_MULTIMEM_SUM_AVG(f16, "add.acc::f32.v4.f16x2")
+UB_MULTIMEM_SUM_AVG(float, "add.v4.f32")
+UB_MULTIMEM_LD_REDUCE(bf16, OpMax, "max.v4.bf16x2")
+UB_MULTIMEM_LD_REDUCE(bf16, OpMin, "min.v4.bf16x2")
+UB_MULTIMEM_LD_REDUCE(f16, OpMax, "max.v4.f16x2")
+UB_MULTIMEM_LD_REDUCE(f16, OpMin, "min.v4.f16x2")
+#undef UB_MULTIMEM_SUM_AVG
+#undef UB_MULTIMEM_LD_REDUCE
+
+// multimem.st of one 16-byte vector into every rank's copy (weak: ordered by barriers).
+__device__ __forceinline__ void multimem_st(char* p, const uint4& v) {
+  asm volatile("multimem.st.weak.global.v4.f32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// multimem.red.add of a 32-bit counter on every rank, release at system scope.
+__device__ __forceinline__ void multimem_red_release(char* p, u32 v) {
+  asm volatile("multimem.red.release.sys.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+template <int N> struct Multicast : Unicast<N> {
+  using Unicast<N>::seg;
+
+  // One multimem.ld_reduce per vector: the switch reads and reduces every rank's copy.
+  // Identical on every rank (one reduction, done in the switch).
+  template <class T, class Op, int U>
+  __device__ void load_reduce(const u64 (&off)[U], const bool (&ok)[U], uint4 (&out)[U]) const {
+    constexpr int P = Vec<T>::kPer;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (ok[u]) out[u] = MultimemReduce<T, Op>::load(this->mc + off[u]);
+    }
+    if (Op::finish(2.f, 2) != 2.f) {  // average: divide the sum once
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float f[P];
+        Vec<T>::unpack(out[u], f);
+#pragma unroll
+        for (int e = 0; e < P; ++e) f[e] = Op::finish(f[e], N);
+        out[u] = Vec<T>::pack(f);
+      }
+    }
+  }
+
+  // One multimem.st per vector; a partial vector goes element by element through the
+  // unicast path.
+  template <class T> __device__ void store_all(u64 off, const uint4& v, int valid) const {
+    if (valid == 0) {
+      multimem_st(this->mc + off, v);
+    } else {
+      Unicast<N>::template store_all<T>(off, v, valid);
+    }
+  }
+
+  // Counter barrier: one multimem.red adds 1 to this block's counter on every rank; the
+  // block waits until its own counter shows all N arrivals of this launch (value * N).
+  // Counters live in slot [phase][block][0] of the flag array and only grow.
+  __device__ void barrier(u64 flags_off, int phase, u32 value, const WaitCtx& c, u32 site) const {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const u64 off = flags_off + flag_offset(phase, blockIdx.x, 0);
+      fence_sys();
+      multimem_red_release(this->mc + off, 1u);
+      wait_flag((const u32*)(seg(c.rank) + off), value * (u32)N, c, -1, site);
+    }
+    __syncthreads();
+  }
+};
+
+#ifndef UB_TRANSPORT
+#define UB_TRANSPORT Unicast
+#endif

@@ -14,7 +14,7 @@
 //   5. copy-out    part b of every slice, own buffer -> dst               (if dst)
 // Per-block flags carry the launch epoch (monotonic, never reset); release/acquire at
 // system scope. The grid must not exceed what the GPU runs at once (host: <= SM count).
-#include "sync.cuh"
+#include "rmsnorm.cuh"
 #include "transport.cuh"
 
 #ifndef UB_TWOSHOT_THREADS
@@ -45,7 +45,7 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
       }
     }
   }
-  block_barrier<N>(tp, flags_off, 0, epoch + 1u, c, kSiteEntryBarrier);
+  tp.barrier(flags_off, 0, epoch + 1u, c, kSiteEntryBarrier);
 
   // 3. reduce-scatter by loads, all-gather by stores
   for (u64 j0 = lo + threadIdx.x; j0 < hi; j0 += (u64)blockDim.x * U) {
@@ -68,7 +68,7 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
       }
     }
   }
-  block_barrier<N>(tp, flags_off, 1, epoch + 1u, c, kSiteExitBarrier);
+  tp.barrier(flags_off, 1, epoch + 1u, c, kSiteExitBarrier);
 
   // 5. copy-out
   if (dst != nullptr) {
@@ -82,12 +82,87 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
   finish_launch(state, epoch, (u32)span.nvec);
 }
 
-// ---- entry point, instantiated per (UB_T, UB_OP, UB_NRANKS) by the host ----------
+// Fused all-reduce + residual add + RMSNorm (rmsnorm.cuh) of `rows` rows of a.hidden
+// elements (a multiple of the vector width). Rows are split among ranks: rank r owns rows
+// [r * rpr, (r + 1) * rpr). The input is copied into buffer `buf_off`; between the
+// barriers each rank reduces its own rows, normalizes them once, and stores the normed
+// rows into every rank's `buf_off` and the residual sums into every rank's `res_off`;
+// after the exit barrier every rank copies both out. Block b handles local row j of every
+// rank's share for j = b, b + gridDim.x, ..., in every phase, so again each barrier
+// only joins block b of every rank.
+template <class T, int N, class Tp>
+__device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 flags_off,
+                                    const char* src, u64 rows, const NormArgs& a,
+                                    LaunchState* state, ErrorRecord* err, u64 timeout_ns) {
+  const u64 vpr = a.hidden / Vec<T>::kPer;
+  const u64 rpr = (rows + N - 1) / N;
+  u32 epoch, prev_vecs;
+  read_launch_state(state, epoch, prev_vecs);
+  const WaitCtx c{err, timeout_ns, tp.rank, epoch};
+  char* buf = tp.seg(tp.rank) + buf_off;
+  char* res = tp.seg(tp.rank) + res_off;
+
+  for (int s = 0; s < N; ++s) {  // 1. copy-in
+    for (u64 row = s * rpr + blockIdx.x; row < rows && row < (s + 1) * rpr; row += gridDim.x) {
+      for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
+        st_weak(buf + (row * vpr + v) * 16, ld_weak(src + (row * vpr + v) * 16));
+      }
+    }
+  }
+  tp.barrier(flags_off, 0, epoch + 1u, c, kSiteEntryBarrier);
+
+  // 2. reduce my rows, add, normalize, store both results into every rank
+  const u64 end = (tp.rank + 1) * rpr < rows ? (tp.rank + 1) * rpr : rows;
+  for (u64 row = tp.rank * rpr + blockIdx.x; row < end; row += gridDim.x) {
+    float ss = 0.f;
+    for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
+      const u64 off = (row * vpr + v) * 16;
+      const u64 at[1] = {buf_off + off};
+      const bool ok[1] = {true};
+      uint4 ar[1];
+      tp.template load_reduce<T, OpSum, 1>(at, ok, ar);
+      const uint4 r = add_residual<T>(a, row, v, ar[0]);
+      tp.template store_all<T>(res_off + off, r, 0);
+      ss += sum_squares<T>(r);
+    }
+    const float scale = rms_scale(block_sum(ss), a.hidden, a.eps);
+    for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
+      const u64 off = (row * vpr + v) * 16;
+      tp.template store_all<T>(buf_off + off, normalize<T>(a, v, ld_weak(res + off), scale), 0);
+    }
+  }
+  tp.barrier(flags_off, 1, epoch + 1u, c, kSiteExitBarrier);
+
+  for (int s = 0; s < N; ++s) {  // 3. copy-out
+    for (u64 row = s * rpr + blockIdx.x; row < rows && row < (s + 1) * rpr; row += gridDim.x) {
+      for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
+        const u64 off = (row * vpr + v) * 16;
+        st_weak(a.normed + off, ld_relaxed_sys(buf + off));
+        st_weak(a.res_out + off, ld_relaxed_sys(res + off));
+      }
+    }
+  }
+  finish_launch(state, epoch, (u32)(rows * vpr));
+}
+
+// ---- entry points, instantiated per (UB_T, UB_OP, UB_NRANKS, UB_TRANSPORT) ---------
 
 extern "C" __global__ void __launch_bounds__(UB_TWOSHOT_THREADS)
-ub_twoshot(char* base, u64 stride, int rank, u64 buf_off, u64 flags_off, const char* src,
-           char* dst, u64 n, LaunchState* state, ErrorRecord* err, u64 timeout_ns) {
-  const Unicast<UB_NRANKS> tp{base, stride, rank};
+ub_twoshot(char* base, u64 stride, int rank, char* mc, u64 buf_off, u64 flags_off,
+           const char* src, char* dst, u64 n, LaunchState* state, ErrorRecord* err,
+           u64 timeout_ns) {
+  const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   twoshot_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, buf_off, flags_off, src, dst, n, state, err,
                                             timeout_ns);
+}
+
+extern "C" __global__ void __launch_bounds__(UB_NORM_THREADS)
+ub_twoshot_norm(char* base, u64 stride, int rank, char* mc, u64 buf_off, u64 res_off,
+                u64 flags_off, const char* x, u64 rows, u64 hidden, const char* residual,
+                const char* bias, const char* weight, char* normed, char* res_out, float eps,
+                LaunchState* state, ErrorRecord* err, u64 timeout_ns) {
+  const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
+  const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
+  twoshot_add_rmsnorm<UB_T, UB_NRANKS>(tp, buf_off, res_off, flags_off, x, rows, a, state, err,
+                                       timeout_ns);
 }

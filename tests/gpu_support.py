@@ -81,7 +81,7 @@ def check_close(out, ref, dtype: str, tol: dict = TOL) -> None:
     """‖out−ref‖/‖ref‖ over finite reference entries within ``tol``; specials equal."""
     import torch
 
-    out = out.double().flatten()
+    out, ref = out.double().flatten(), ref.flatten()
     finite = torch.isfinite(ref)
     o, r = out[finite], ref[finite]
     assert torch.isfinite(o).all(), "output has non-finite values where the reference is finite (unwritten?)"

@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO_ROOT))  # bench/ is not part of the installed packag
 import bench_fakes as fakes  # noqa: E402
 from bench import _common as common  # noqa: E402
 from bench import all_reduce_perf as arp  # noqa: E402
-from bench import compare, plot  # noqa: E402
+from bench import _torchbench, compare, plot  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
 BF16, HALF, FLOAT = common.DTYPES["bfloat16"], common.DTYPES["half"], common.DTYPES["float"]
@@ -254,14 +254,14 @@ def test_combine_over_ranks():
 
 
 def test_multicast_opt_outs():
-    assert compare.multicast_disabled({"NCCL_NVLS_ENABLE": "0"})
-    assert compare.multicast_disabled({"UBNEXT_NVLS": "0"})
-    assert not compare.multicast_disabled({"NCCL_NVLS_ENABLE": "1"})
+    assert _torchbench.multicast_disabled({"NCCL_NVLS_ENABLE": "0"})
+    assert _torchbench.multicast_disabled({"UBNEXT_NVLS": "0"})
+    assert not _torchbench.multicast_disabled({"NCCL_NVLS_ENABLE": "1"})
     env = {"NCCL_NVLS_ENABLE": "0"}
-    compare.keep_multicast_off(env)
+    _torchbench.keep_multicast_off(env)
     assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     env = {}
-    compare.keep_multicast_off(env)
+    _torchbench.keep_multicast_off(env)
     assert env == {}
 
 

@@ -28,8 +28,10 @@ class Algorithm:
     Attributes:
         name: public name (``algorithm=`` argument, ``UBNEXT_ALGO``).
         source: kernel file in ``kernels/``, or None for the NCCL engine.
-        entry: ``extern "C"`` entry point in ``source``.
-        threads: threads per block the entry point is built for.
+        entry: ``extern "C"`` all-reduce entry point in ``source``.
+        norm_entry: entry point of the fused all-reduce + residual add + RMSNorm.
+        transport: ``"unicast"`` (peer pointers), ``"multicast"`` (NVLS), or None.
+        threads: threads per block of ``entry``.
         one_shot: every rank reads every rank's whole message (latency-bound
             sizes); its largest message is ``Config.lamport_max_kb``.
         summary: one line for ``python -m ubnext info``.
@@ -38,6 +40,8 @@ class Algorithm:
     name: str
     source: str | None
     entry: str | None
+    norm_entry: str | None
+    transport: str | None
     threads: int
     one_shot: bool
     summary: str
@@ -46,35 +50,61 @@ class Algorithm:
     def is_kernel(self) -> bool:
         return self.source is not None
 
+    @property
+    def multicast(self) -> bool:
+        return self.transport == "multicast"
+
+    def supports(self, dtype: str, op: str) -> bool:
+        """Whether the kernel reduces ``dtype`` with ``op`` (NVLS has no fp32 max/min)."""
+        return not (self.multicast and dtype == "float32" and op in ("max", "min"))
+
 
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
         Algorithm(
-            "lamport", "lamport.cu", "ub_lamport", 256, True,
+            "lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "unicast", 256, True,
             "one-shot push into every rank, sentinel-polled, no barrier (small messages)",
         ),
         Algorithm(
-            "twoshot", "twoshot.cu", "ub_twoshot", 512, False,
+            "twoshot", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "unicast", 512, False,
             "reduce-scatter by loads + all-gather by stores, in place on the pool (large messages)",
         ),
         Algorithm(
-            "nccl", None, None, 0, False,
+            "nvls_lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "multicast", 256, True,
+            "Lamport one-shot with one multimem.st per vector (NVLink multicast; small messages)",
+        ),
+        Algorithm(
+            "nvls", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "multicast", 512, False,
+            "NVLS simple two-shot: multimem.ld_reduce + multimem.st, multimem.red barrier",
+        ),
+        Algorithm(
+            "nccl", None, None, None, None, 0, False,
             "the NCCL library (fallback engine: several nodes, no P2P, other cases)",
         ),
     )
 }
 
+#: the unicast algorithm each multicast one falls back to
+UNICAST_OF = {"nvls_lamport": "lamport", "nvls": "twoshot"}
 
-def compile_defines(dtype: str, op: str, nranks: int) -> dict[str, str]:
+#: the separate residual add + RMSNorm kernel (unfused path): source, entry point
+NORM_SOURCE, NORM_ENTRY = "rmsnorm.cu", "ub_add_rmsnorm"
+#: threads per block of every row kernel (kernels/rmsnorm.cuh: UB_NORM_THREADS)
+NORM_THREADS = 1024
+
+
+def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast") -> dict[str, str]:
     """Preprocessor definitions that instantiate a kernel entry point.
 
     Args:
         dtype: a key of ``DTYPES``.
         op: a key of ``OPS``.
         nranks: ranks of the node, 1..MAX_RANKS.
+        transport: ``"unicast"`` or ``"multicast"``.
 
     Returns:
-        ``{"UB_T": ..., "UB_OP": ..., "UB_NRANKS": ...}``.
+        ``{"UB_T": ..., "UB_OP": ..., "UB_NRANKS": ..., "UB_TRANSPORT": ...}``.
     """
-    return {"UB_T": DTYPES[dtype][0], "UB_OP": OPS[op], "UB_NRANKS": str(nranks)}
+    return {"UB_T": DTYPES[dtype][0], "UB_OP": OPS[op], "UB_NRANKS": str(nranks),
+            "UB_TRANSPORT": {"unicast": "Unicast", "multicast": "Multicast"}[transport]}

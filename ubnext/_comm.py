@@ -54,6 +54,7 @@ class Communicator:
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._nccl = None
+        self._add_rmsnorm = None
         self._local = bootstrap.split_local()
         self.device = _choose_device(device, self._local.rank)
         cupy.cuda.Device(self.device).use()
@@ -132,13 +133,100 @@ class Communicator:
         if self.config.debug:
             self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
         handle = _arrays.stream_handle(stream, xb)
-        if algo == "nccl":
-            self._nccl_comm().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, handle)
-        elif algo == "lamport":
-            self._lamport(xb, ob, op, handle)
-        else:
-            self._twoshot(xb, ob, op, handle)
+        self._all_reduce(algo, xb, ob, op, handle)
         return ob.obj
+
+    def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
+                               residual_out=None, algorithm: str = "auto", stream=None):
+        """All-reduce, residual add and RMSNorm in one kernel. Collective; never blocks the host.
+
+        For ``x`` of shape (tokens, hidden)::
+
+            residual_out = all_reduce(x) + bias + residual
+            normed = residual_out / sqrt(mean(residual_out ** 2, axis=-1) + eps) * weight
+
+        in fp32 arithmetic, with the all-reduced values and ``residual_out`` rounded to
+        x's dtype first (as the unfused sequence would). ``residual``, ``weight`` and
+        ``bias`` must hold the same values on every rank (as in tensor parallelism); every
+        rank then gets the same bits. Hidden sizes that are a multiple of 8 with 16-byte
+        aligned arrays take the fused kernels; anything else runs the all-reduce, then
+        ubnext's separate add + RMSNorm kernel (logged once).
+
+        Args:
+            x: 2-D CUDA array (tokens x hidden), bfloat16/float16/float32.
+            residual: same shape and dtype as x, or None (plain all-reduce + RMSNorm).
+            weight: 1-D, hidden elements, x's dtype.
+            eps: finite, >= 0.
+            bias: 1-D, hidden elements, x's dtype, or None.
+            out: where to write ``normed`` (x's shape and dtype, not overlapping x);
+                default: new.
+            residual_out: where to write the residual sum (may be ``residual`` for in
+                place, must not be ``out``); default: new.
+            algorithm: ``"auto"`` or one of ``algorithms()`` (picked by x's bytes).
+            stream: torch/CuPy stream or raw handle; default: x's framework's current one.
+
+        Returns:
+            ``(normed, residual_out)``, in x's framework.
+
+        Raises:
+            UbnextError: invalid arguments (before anything is launched), closed
+                communicator; CollectiveTimeoutError if an earlier launch timed out.
+        """
+        import math
+
+        name = "all_reduce_add_rmsnorm"
+        self._check_open(name)
+        xb = _arrays.describe(x, name)
+        if len(xb.shape) != 2:
+            raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
+        if xb.device != self.device:
+            raise UbnextError(f"{name}: x is on device {xb.device}, communicator on device {self.device}")
+        rows, hidden = (int(d) for d in xb.shape)
+        try:
+            eps = float(eps)
+        except (TypeError, ValueError):
+            raise UbnextError(f"{name}: eps must be a number, got {type(eps).__name__}") from None
+        if not math.isfinite(eps) or eps < 0:
+            raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
+
+        def operand(arr, what, shape):
+            b = _arrays.describe(arr, name)
+            if tuple(b.shape) != shape or b.dtype != xb.dtype or b.device != xb.device:
+                raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape} on device {xb.device}, "
+                                  f"got {b.dtype} of shape {tuple(b.shape)} on device {b.device}")
+            return b
+
+        shape = (rows, hidden)
+        rb = None if residual is None else operand(residual, "residual", shape)
+        wb = operand(weight, "weight", (hidden,))
+        bb = None if bias is None else operand(bias, "bias", (hidden,))
+        nb = operand(_arrays.empty_like(xb) if out is None else out, "out", shape)
+        ob = operand(_arrays.empty_like(xb) if residual_out is None else residual_out, "residual_out", shape)
+        if _overlap(nb, ob):
+            raise UbnextError(f"{name}: out and residual_out overlap; they must be separate arrays")
+        for b, what in ((nb, "out"), (ob, "residual_out")):
+            if _overlap(b, xb):
+                raise UbnextError(f"{name}: {what} overlaps x; the outputs must be separate arrays")
+        if rb is not None and _overlap(ob, rb) and ob.ptr != rb.ptr:
+            raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
+                              f"for in place, or a separate array")
+        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype)
+        if xb.count == 0:
+            return nb.obj, ob.obj
+        if self.config.debug:
+            self._compare_across_ranks(name, (xb.count, xb.dtype, "add_rmsnorm", algo))
+        handle = _arrays.stream_handle(stream, xb)
+        norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
+        aligned = all(p % 16 == 0 for p in (xb.ptr, *norm))
+        if ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned:
+            self._fused(algo, xb, rows, hidden, norm, eps, handle)
+        else:
+            why = ("the NCCL engine" if algo == "nccl" else
+                   f"hidden={hidden} is not a multiple of 8" if hidden % 8 else "arrays not 16-byte aligned")
+            log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
+            self._all_reduce(algo, xb, nb, "sum", handle)
+            self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
+        return nb.obj, ob.obj
 
     def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
         """A new array in symmetric memory. Collective (same shapes on every rank).
@@ -260,36 +348,73 @@ class Communicator:
             self._nccl = NcclComm(self.bootstrap, self.device)
         return self._nccl
 
-    def _lamport(self, xb, ob, op, stream):
+    def _epilogue(self):
+        if self._add_rmsnorm is None:
+            import cupy
+
+            from ._epilogue import AddRmsNorm
+
+            sms = cupy.cuda.Device(self.device).attributes["MultiProcessorCount"]
+            self._add_rmsnorm = AddRmsNorm(blocks=4 * sms)
+        return self._add_rmsnorm
+
+    def _all_reduce(self, algo, xb, ob, op, stream):
+        if algo == "nccl":
+            self._nccl_comm().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
+        elif ALGORITHMS[algo].one_shot:
+            self._lamport(algo, xb, ob, op, stream)
+        else:
+            self._twoshot(algo, xb, ob, op, stream)
+
+    def _fused(self, algo, xb, rows, hidden, norm, eps, stream):
+        eng = self._node.engine
+        if ALGORITHMS[algo].one_shot:
+            eng.lamport_norm(algo, xb.dtype, xb.ptr, rows, hidden, norm, eps, stream)
+            return
+        row_bytes = hidden * DTYPES[xb.dtype][1]
+        chunk = eng.twoshot_norm_rows(xb.dtype, hidden)
+        if chunk == 0:
+            raise UbnextError(f"all_reduce_add_rmsnorm: one row of {row_bytes} bytes does not fit the staging slot "
+                              f"(UBNEXT_STAGING_MB={self.config.staging_mb})")
+        for r0 in range(0, rows, chunk):
+            off = r0 * row_bytes
+            residual, bias, weight, normed, res_out = norm
+            part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
+            eng.twoshot_norm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, stream)
+
+    def _lamport(self, algo, xb, ob, op, stream):
         eng = self._node.engine
         if xb.ptr % 16 == 0 and ob.ptr % 16 == 0:
-            eng.lamport(xb.dtype, op, xb.ptr, ob.ptr, xb.count, stream)
+            eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, stream)
             return
-        staging = self._node.pool.local_ptr(eng.plan.offset("staging"))
+        staging = self._node.pool.local_ptr(eng.staging_off)
         _copy(staging, xb.ptr, xb.nbytes, stream)
-        eng.lamport(xb.dtype, op, staging, staging, xb.count, stream)
+        eng.lamport(algo, xb.dtype, op, staging, staging, xb.count, stream)
         _copy(ob.ptr, staging, xb.nbytes, stream)
 
-    def _twoshot(self, xb, ob, op, stream):
+    def _twoshot(self, algo, xb, ob, op, stream):
         eng, pool = self._node.engine, self._node.pool
         aligned = xb.ptr % 16 == 0 and ob.ptr % 16 == 0
         out_off = pool.contains(ob.ptr, ob.nbytes)
         if out_off is not None and aligned:  # the result lands in out's symmetric buffer
-            eng.twoshot(xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, stream)
+            eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, stream)
             return
         width = DTYPES[xb.dtype][1]
-        staging_off = eng.plan.offset("staging")
-        staging = pool.local_ptr(staging_off)
+        staging = pool.local_ptr(eng.staging_off)
         chunk = eng.staging_bytes // width
         for start in range(0, xb.count, chunk):
             n = min(chunk, xb.count - start)
             src, dst = xb.ptr + start * width, ob.ptr + start * width
             if aligned:
-                eng.twoshot(xb.dtype, op, staging_off, src, dst, n, stream)
+                eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, stream)
             else:
                 _copy(staging, src, n * width, stream)
-                eng.twoshot(xb.dtype, op, staging_off, 0, 0, n, stream)
+                eng.twoshot(algo, xb.dtype, op, eng.staging_off, 0, 0, n, stream)
                 _copy(dst, staging, n * width, stream)
+
+
+def _overlap(a, b) -> bool:
+    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
 def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS
+from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS, compile_defines
 from ._heap import SlotPlan
-from ._kernels import compile_kernel
-from ._launch import I32, U64, Launcher
+from ._kernels import compile_module
+from ._launch import F32, I32, U64, Launcher
 
-#: parameters of ub_lamport and ub_twoshot: base, stride, rank, then eight 64-bit values
-_PARAMS = (U64, U64, I32) + (U64,) * 8
+#: parameters of each entry point (kernels/lamport.cu, kernels/twoshot.cu): base, stride,
+#: rank, mc, then 64-bit values; the fused ones take eps (fp32) before the last three.
+_PARAMS = {
+    "ub_lamport": (U64, U64, I32) + (U64,) * 9,
+    "ub_twoshot": (U64, U64, I32) + (U64,) * 9,
+    "ub_lamport_norm": (U64, U64, I32) + (U64,) * 11 + (F32,) + (U64,) * 3,
+    "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32,) + (U64,) * 3,
+}
 
 _STATE_BYTES = 16                      # kernels/sync.cuh LaunchState
 _FLAG_BYTES = 4 * 2 * MAX_BLOCKS * MAX_RANKS
@@ -28,17 +34,26 @@ def plan_layout(nranks: int, lamport_bytes: int, staging_bytes: int) -> SlotPlan
     """The library slots of every segment, identical on every rank.
 
     One Lamport set (3 receive buffers x nranks slots) per element width, since the
-    sentinel's bit pattern depends on it; one launch state per kernel family.
+    sentinel's bit pattern depends on it, shared by the unicast and multicast one-shot
+    kernels (same protocol, same rotation). The two-shot kernels have a launch state and
+    barrier flags per transport: the unicast barrier stores epochs per source rank, the
+    multicast one counts arrivals.
     """
     plan = SlotPlan()
     for width in (2, 4):
         plan.add(f"lamport{width}.state", _STATE_BYTES)
-    plan.add("twoshot.state", _STATE_BYTES)
-    plan.add("flags", _FLAG_BYTES)
+    for transport in ("unicast", "multicast"):
+        plan.add(f"twoshot.{transport}.state", _STATE_BYTES)
+        plan.add(f"flags.{transport}", _FLAG_BYTES)
     for width in (2, 4):
         plan.add(f"lamport{width}", 3 * nranks * lamport_bytes)
     plan.add("staging", staging_bytes)
     return plan
+
+
+def row_threads(vectors: int) -> int:
+    """Threads per block of a row kernel: one per vector of a row, in warps, <= NORM_THREADS."""
+    return max(32, min(NORM_THREADS, -(-vectors // 32) * 32))
 
 
 class Engine:
@@ -53,10 +68,11 @@ class Engine:
         max_blocks: blocks per launch (0 = SM count).
         on_first_use: called (collectively, same order on every rank) after a kernel
             instantiation is compiled for the first time, before its first launch.
+        mc_base: device address of the pool's multicast mapping, 0 without NVLS.
     """
 
     def __init__(self, pool, plan: SlotPlan, lamport_bytes: int, timeout_ptr: int,
-                 timeout_s: float, max_blocks: int, on_first_use):
+                 timeout_s: float, max_blocks: int, on_first_use, mc_base: int = 0):
         import cupy
 
         self.pool = pool
@@ -69,15 +85,17 @@ class Engine:
         self._timeout_ns = int(timeout_s * 1e9)
         sms = cupy.cuda.Device(pool.device).attributes["MultiProcessorCount"]
         self._blocks = min(max_blocks or sms, sms, MAX_BLOCKS)
+        self._modules: dict[tuple, object] = {}
         self._launchers: dict[tuple, Launcher] = {}
         self._on_first_use = on_first_use
-        base, stride = pool.base, pool.stride
+        self._mc_base = mc_base
         # constant arguments and addresses, computed once
-        self._fixed = (base, stride, self.rank)
-        self._flags = plan.offset("flags")
+        self._fixed = (pool.base, pool.stride, self.rank, mc_base)
         self._lamport = {w: (plan.offset(f"lamport{w}"), pool.local_ptr(plan.offset(f"lamport{w}.state")))
                          for w in (2, 4)}
-        self._twoshot_state = pool.local_ptr(plan.offset("twoshot.state"))
+        self._twoshot = {t: (plan.offset(f"flags.{t}"), pool.local_ptr(plan.offset(f"twoshot.{t}.state")))
+                         for t in ("unicast", "multicast")}
+        self.staging_off = plan.offset("staging")
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
@@ -88,7 +106,7 @@ class Engine:
         """
         import cupy
 
-        self._words(0, self.plan.offset("staging")).fill(0)
+        self._words(0, self.staging_off).fill(0)
         for width, word in _SENTINEL_WORD.items():
             name = f"lamport{width}"
             self._words(self.plan.offset(name), self.plan.nbytes(name)).fill(np.uint32(word))
@@ -101,41 +119,95 @@ class Engine:
         return cupy.ndarray((nbytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- launches -------------------------------------------------------------------
-    def _kernel(self, algorithm: str, dtype: str, op: str) -> Launcher:
-        key = (algorithm, dtype, op)
+    def _kernel(self, algorithm: str, dtype: str, op: str, fused: bool = False) -> Launcher:
+        alg = ALGORITHMS[algorithm]
+        entry = alg.norm_entry if fused else alg.entry
+        key = (alg.source, alg.transport, dtype, op, entry)
         launcher = self._launchers.get(key)
         if launcher is None:
-            fn = compile_kernel(algorithm, dtype, op, self.nranks)
-            launcher = self._launchers[key] = Launcher(fn, _PARAMS)
+            if alg.multicast and not self._mc_base:
+                raise AssertionError(f"engine: {algorithm} needs the multicast mapping")
+            mkey = key[:-1]
+            module = self._modules.get(mkey)
+            if module is None:
+                defines = compile_defines(dtype, op, self.nranks, alg.transport)
+                module = self._modules[mkey] = compile_module(alg.source, defines)
+            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry])
             self._on_first_use()
         return launcher
 
-    def lamport(self, dtype: str, op: str, x: int, out: int, count: int, stream: int) -> None:
+    def lamport(self, algorithm: str, dtype: str, op: str, x: int, out: int, count: int,
+                stream: int) -> None:
         """One-shot all-reduce of ``count`` elements from local ``x`` into local ``out``.
 
-        Both 16-byte aligned; ``x`` may equal ``out``; bytes <= lamport_bytes.
+        ``algorithm``: "lamport" or "nvls_lamport". Both 16-byte aligned; ``x`` may
+        equal ``out``; bytes <= lamport_bytes.
         """
         width = DTYPES[dtype][1]
         nvec = -(-count * width // _ALIGN)
-        threads = ALGORITHMS["lamport"].threads
+        threads = ALGORITHMS[algorithm].threads
         blocks = max(1, min(self._blocks, -(-nvec // threads)))
         set_off, state = self._lamport[width]
-        self._kernel("lamport", dtype, op)(
+        self._kernel(algorithm, dtype, op)(
             blocks, threads, stream, *self._fixed, set_off, self.lamport_bytes, x, out, count, state,
             self._timeout_ptr, self._timeout_ns)
 
-    def twoshot(self, dtype: str, op: str, buf_off: int, src: int, dst: int, count: int,
-                stream: int) -> None:
+    def twoshot(self, algorithm: str, dtype: str, op: str, buf_off: int, src: int, dst: int,
+                count: int, stream: int) -> None:
         """Two-shot all-reduce in place on the buffer at ``buf_off`` of every segment.
 
-        ``src``/``dst``: local 16-byte aligned addresses to copy in from / out to, or 0
-        when the buffer already holds the input / is the output.
+        ``algorithm``: "twoshot" or "nvls". ``src``/``dst``: local 16-byte aligned
+        addresses to copy in from / out to, or 0 when the buffer already holds the
+        input / is the output.
         """
         width = DTYPES[dtype][1]
         nvec = -(-count * width // _ALIGN)
-        threads = ALGORITHMS["twoshot"].threads
+        alg = ALGORITHMS[algorithm]
         slice_vecs = -(-nvec // self.nranks)
-        blocks = max(1, min(self._blocks, -(-slice_vecs // threads)))
-        self._kernel("twoshot", dtype, op)(
-            blocks, threads, stream, *self._fixed, buf_off, self._flags, src, dst, count,
-            self._twoshot_state, self._timeout_ptr, self._timeout_ns)
+        blocks = self._grid(alg, -(-slice_vecs // alg.threads))
+        flags, state = self._twoshot[alg.transport]
+        self._kernel(algorithm, dtype, op)(
+            blocks, alg.threads, stream, *self._fixed, buf_off, flags, src, dst, count, state,
+            self._timeout_ptr, self._timeout_ns)
+
+    def _grid(self, alg, wanted: int) -> int:
+        # The multicast barrier counts arrivals per block, so every launch of it must
+        # have the same grid; the unicast one stores epochs and takes any grid.
+        return self._blocks if alg.multicast else max(1, min(self._blocks, wanted))
+
+    def lamport_norm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
+                     eps: float, stream: int) -> None:
+        """Fused one-shot all-reduce + residual add + RMSNorm of ``rows`` x ``hidden``.
+
+        ``norm``: local addresses (residual or 0, bias or 0, weight, normed, res_out),
+        all 16-byte aligned, outputs not overlapping ``x``; hidden a multiple of 8;
+        rows * hidden bytes <= lamport_bytes.
+        """
+        width = DTYPES[dtype][1]
+        vpr = hidden * width // _ALIGN
+        set_off, state = self._lamport[width]
+        # enough blocks for every row, and for the push at ~256 vectors per block
+        blocks = max(1, min(self._blocks, max(rows, -(-rows * vpr // ALGORITHMS[algorithm].threads))))
+        self._kernel(algorithm, dtype, "sum", fused=True)(
+            blocks, row_threads(vpr), stream, *self._fixed, set_off,
+            self.lamport_bytes, x, rows, hidden, *norm, eps, state, self._timeout_ptr, self._timeout_ns)
+
+    def twoshot_norm_rows(self, dtype: str, hidden: int) -> int:
+        """Rows one fused two-shot launch takes (two staging halves: input/normed, residual)."""
+        return max(0, (self.staging_bytes // 2 // _ALIGN * _ALIGN) // (hidden * DTYPES[dtype][1]))
+
+    def twoshot_norm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
+                     eps: float, stream: int) -> None:
+        """Fused two-shot all-reduce + residual add + RMSNorm through the staging slot.
+
+        Same arguments as ``lamport_norm``; rows <= ``twoshot_norm_rows``.
+        """
+        width = DTYPES[dtype][1]
+        vpr = hidden * width // _ALIGN
+        alg = ALGORITHMS[algorithm]
+        half = self.staging_bytes // 2 // _ALIGN * _ALIGN
+        flags, state = self._twoshot[alg.transport]
+        self._kernel(algorithm, dtype, "sum", fused=True)(
+            self._grid(alg, -(-rows // self.nranks)), row_threads(vpr), stream, *self._fixed,
+            self.staging_off, self.staging_off + half, flags, x, rows, hidden, *norm, eps, state,
+            self._timeout_ptr, self._timeout_ns)

@@ -30,14 +30,16 @@ class CollectiveTimeoutError(UbnextError):
 
     Attributes:
         rank: the rank that waited.
-        peer: the rank that did not arrive.
+        peer: the rank that did not arrive, or None when the wait counts arrivals
+            (the NVLS barrier) and cannot tell which rank is missing.
         where: which wait timed out (e.g. ``"lamport poll"``, ``"twoshot entry barrier"``).
     """
 
-    def __init__(self, op: str, rank: int, peer: int, where: str, timeout_s: float):
+    def __init__(self, op: str, rank: int, peer: int | None, where: str, timeout_s: float):
+        who = "another rank" if peer is None else f"rank {peer}"
         super().__init__(
-            f"{op}: rank {rank} waited more than {timeout_s:g} s for rank {peer} "
-            f"({where}); rank {peer} did not arrive (dead, hung, or called a different collective)"
+            f"{op}: rank {rank} waited more than {timeout_s:g} s for {who} "
+            f"({where}); {who} did not arrive (dead, hung, or called a different collective)"
         )
         self.rank = rank
         self.peer = peer

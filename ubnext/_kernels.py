@@ -13,7 +13,6 @@ import functools
 import re
 from pathlib import Path
 
-from ._algorithms import ALGORITHMS, compile_defines
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
@@ -45,36 +44,30 @@ def source(name: str) -> str:
     return expand(name)
 
 
-def options(algorithm: str, dtype: str, op: str, nranks: int) -> tuple[str, ...]:
-    """Compiler options that instantiate ``algorithm`` for (dtype, op, nranks)."""
-    if not ALGORITHMS[algorithm].is_kernel:
-        raise ValueError(f"kernels: algorithm {algorithm!r} has no kernel")
-    defs = compile_defines(dtype, op, nranks)
-    return BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(defs.items()))
+def options(defines: dict[str, str]) -> tuple[str, ...]:
+    """Compiler options for one instantiation (``_algorithms.compile_defines``)."""
+    return BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
 
 
-def compile_cubin(algorithm: str, dtype: str, op: str, nranks: int, arch: str = "sm_90a") -> bytes:
-    """Compiles one instantiation with NVRTC, no GPU needed (CI's compile gate).
+def compile_cubin(name: str, defines: dict[str, str], arch: str = "sm_90a") -> bytes:
+    """Compiles ``kernels/<name>`` with NVRTC, no GPU needed (CI's compile gate).
 
     Raises:
         CudaError: with the compiler log, if compilation fails.
     """
     from ._cuda import nvrtc_compile
 
-    alg = ALGORITHMS[algorithm]
-    opts = list(options(algorithm, dtype, op, nranks)) + [f"--gpu-architecture={arch}"]
-    return nvrtc_compile(source(alg.source), alg.source, opts)
+    return nvrtc_compile(source(name), name, list(options(defines)) + [f"--gpu-architecture={arch}"])
 
 
-def compile_kernel(algorithm: str, dtype: str, op: str, nranks: int):
-    """Compiles one instantiation for the current device through ``cupy.RawModule``.
+def compile_module(name: str, defines: dict[str, str]):
+    """Compiles ``kernels/<name>`` for the current device through ``cupy.RawModule``.
 
-    Local (no collective); CuPy caches the result on disk. Returns the ``cupy.RawKernel``.
+    Local (no collective); CuPy caches the result on disk. Returns the module; its
+    entry points are ``module.get_function(entry)``.
     """
     import cupy
 
-    alg = ALGORITHMS[algorithm]
-    module = cupy.RawModule(code=source(alg.source), options=options(algorithm, dtype, op, nranks))
-    fn = module.get_function(alg.entry)
-    fn.compile()
-    return fn
+    module = cupy.RawModule(code=source(name), options=options(defines))
+    module.compile()
+    return module

@@ -12,7 +12,7 @@ import ctypes
 
 from ._errors import CudaError
 
-U64, I32 = ctypes.c_uint64, ctypes.c_int32
+U64, I32, F32 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_float
 
 _cuLaunchKernel = None
 

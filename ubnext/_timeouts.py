@@ -23,6 +23,10 @@ class _Record(ctypes.Structure):
                 ("site", ctypes.c_uint32), ("epoch", ctypes.c_uint64)]
 
 
+#: ErrorRecord.peer of a counting wait (kernels/transport.cuh, Multicast::barrier)
+_ANY_PEER = 0xFFFFFFFF
+
+
 class TimeoutRecord:
     """Host-mapped pinned memory holding one kernels/sync.cuh ``ErrorRecord``.
 
@@ -46,7 +50,8 @@ class TimeoutRecord:
         rec = self._rec
         if rec is not None and rec.flag:
             where = SITES.get(rec.site, f"site {rec.site}")
-            raise CollectiveTimeoutError(op, rec.rank, rec.peer, f"{where}, launch {rec.epoch}", timeout_s)
+            peer = None if rec.peer == _ANY_PEER else rec.peer
+            raise CollectiveTimeoutError(op, rec.rank, peer, f"{where}, launch {rec.epoch}", timeout_s)
 
     def close(self) -> None:
         """Frees the pinned memory. Idempotent."""

@@ -1,0 +1,43 @@
+// Residual add + RMSNorm on an already all-reduced array (rmsnorm.cuh): the epilogue of
+// the unfused path, for what the fused kernels do not take (hidden sizes that are not a
+// multiple of the vector width, unaligned arrays, the NCCL engine). One block per row,
+// element by element; `x` may alias `normed` (a row is read completely before the
+// block writes its normed values) and `residual` may alias `res_out`.
+#include "rmsnorm.cuh"
+
+template <class T>
+__device__ float load_elem(const char* p, u64 i) {
+  return Elem<T>::load(Elem<T>::kBytes == 4 ? ((const u32*)p)[i] : (u32)((const u16*)p)[i]);
+}
+template <class T>
+__device__ void store_elem(char* p, u64 i, float f) {
+  if (Elem<T>::kBytes == 4) ((u32*)p)[i] = Elem<T>::store(f); else ((u16*)p)[i] = (u16)Elem<T>::store(f);
+}
+
+template <class T>
+__device__ void add_rmsnorm_rows(const char* x, u64 rows, const NormArgs& a) {
+  for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    float ss = 0.f;
+    for (u64 k = threadIdx.x; k < a.hidden; k += blockDim.x) {
+      const u64 i = row * a.hidden + k;
+      const float ar = load_elem<T>(x, i);  // as rounded by the all-reduce
+      const float b = a.bias != nullptr ? load_elem<T>(a.bias, k) : 0.f;
+      const float r = a.residual != nullptr ? load_elem<T>(a.residual, i) : 0.f;
+      store_elem<T>(a.res_out, i, residual_sum(ar, b, r));
+      const float s = load_elem<T>(a.res_out, i);
+      ss += s * s;
+    }
+    const float scale = rms_scale(block_sum(ss), a.hidden, a.eps);
+    for (u64 k = threadIdx.x; k < a.hidden; k += blockDim.x) {
+      const u64 i = row * a.hidden + k;
+      store_elem<T>(a.normed, i, normalized(load_elem<T>(a.res_out, i), scale, load_elem<T>(a.weight, k)));
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(UB_NORM_THREADS)
+ub_add_rmsnorm(const char* x, u64 rows, u64 hidden, const char* residual, const char* bias,
+               const char* weight, char* normed, char* res_out, float eps) {
+  const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
+  add_rmsnorm_rows<UB_T>(x, rows, a);
+}

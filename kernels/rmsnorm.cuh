@@ -1,0 +1,88 @@
+// ubnext kernels: the residual add + RMSNorm epilogue, shared by the fused all-reduce
+// kernels and the separate add + RMSNorm kernel (rmsnorm.cu).
+//
+// For one row of `hidden` elements, with `a` the all-reduced row rounded to T:
+//   res    = round_T((a + bias) + residual)                   (fp32 arithmetic)
+//   scale  = rsqrt(sum(res * res) / hidden + eps)             (fp32 statistics of res)
+//   normed = round_T((res * scale) * weight)
+// bias and residual are optional (null). Every rank runs the same arithmetic in the same
+// order (block_sum is a fixed tree), so ranks that normalize the same row get the same bits.
+#pragma once
+#include "common.cuh"
+
+// Thread-block size of the row kernels (multiple of 32, <= 1024).
+#ifndef UB_NORM_THREADS
+#define UB_NORM_THREADS 1024
+#endif
+
+// The epilogue's operands: local arrays of the caller, rows x hidden, row-major.
+struct NormArgs {
+  const char* residual;  // may be null
+  const char* bias;      // hidden elements; may be null
+  const char* weight;    // hidden elements
+  char* normed;
+  char* res_out;
+  u64 hidden;
+  float eps;
+};
+
+__device__ __forceinline__ float residual_sum(float a, float bias, float residual) {
+  return (a + bias) + residual;
+}
+__device__ __forceinline__ float rms_scale(float sumsq, u64 hidden, float eps) {
+  return rsqrtf(sumsq / (float)hidden + eps);
+}
+__device__ __forceinline__ float normalized(float v, float scale, float w) { return (v * scale) * w; }
+
+// Sum of v over the block, the same value in every thread, the same bits on every launch
+// with the same block size: warp butterflies, then warp totals added in warp order.
+// Every thread of the block must call it; blockDim.x is a multiple of 32.
+__device__ float block_sum(float v) {
+  __shared__ float warp_total[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();  // a previous call's readers are done with warp_total
+  if ((threadIdx.x & 31) == 0) warp_total[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += warp_total[w];
+  return t;
+}
+
+// Vector form, for rows whose vectors are all full (hidden % kPer == 0, 16-byte aligned).
+// Vector `col` of row `row`; `ar`: the all-reduced vector, packed as T.
+template <class T>
+__device__ uint4 add_residual(const NormArgs& a, u64 row, u64 col, const uint4& ar) {
+  constexpr int P = Vec<T>::kPer;
+  const u64 vpr = a.hidden / P;
+  float f[P], g[P] = {}, r[P] = {};
+  Vec<T>::unpack(ar, f);
+  if (a.bias != nullptr) Vec<T>::unpack(ld_weak(a.bias + col * 16), g);
+  if (a.residual != nullptr) Vec<T>::unpack(ld_weak(a.residual + (row * vpr + col) * 16), r);
+#pragma unroll
+  for (int e = 0; e < P; ++e) f[e] = residual_sum(f[e], g[e], r[e]);
+  return Vec<T>::pack(f);
+}
+
+// Sum of squares of the elements of a packed vector (as stored, i.e. rounded to T).
+template <class T> __device__ float sum_squares(const uint4& v) {
+  constexpr int P = Vec<T>::kPer;
+  float f[P];
+  Vec<T>::unpack(v, f);
+  float s = 0.f;
+#pragma unroll
+  for (int e = 0; e < P; ++e) s += f[e] * f[e];
+  return s;
+}
+
+// normed vector `col` from the residual-sum vector `res` and the row's scale.
+template <class T>
+__device__ uint4 normalize(const NormArgs& a, u64 col, const uint4& res, float scale) {
+  constexpr int P = Vec<T>::kPer;
+  float f[P], w[P];
+  Vec<T>::unpack(res, f);
+  Vec<T>::unpack(ld_weak(a.weight + col * 16), w);
+#pragma unroll
+  for (int e = 0; e < P; ++e) f[e] = normalized(f[e], scale, w[e]);
+  return Vec<T>::pack(f);
+}
