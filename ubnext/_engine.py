@@ -53,13 +53,16 @@ class Engine:
         max_blocks: blocks per launch (0 = SM count).
         on_first_use: called (collectively, same order on every rank) after a kernel
             instantiation is compiled for the first time, before its first launch.
+        mc_base: device address of the pool's multicast mapping (``MulticastRange.ptr``:
+            byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
     """
 
     def __init__(self, pool, plan: SlotPlan, lamport_bytes: int, timeout_ptr: int,
-                 timeout_s: float, max_blocks: int, on_first_use):
+                 timeout_s: float, max_blocks: int, on_first_use, mc_base: int = 0):
         import cupy
 
         self.pool = pool
+        self._mc_base = mc_base
         self.plan = plan
         self.nranks = pool.local_size
         self.rank = pool.local_rank
