@@ -70,6 +70,11 @@ class Communicator:
         usable = ["nccl"] + ([] if self._node is None else ["lamport", "twoshot"])
         table = load_table(config.tune_file) if config.tune_file else None
         self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table)
+        for name, limit in self._selector.capped():
+            log_once(f"select:{name}:{config.lamport_max_kb}:{limit}",
+                     f"Communicator: messages above {config.lamport_max_kb} KiB up to {limit} bytes, which the "
+                     f"selector table gives to {name}, go to the next algorithm: UBNEXT_LAMPORT_MAX_KB="
+                     f"{config.lamport_max_kb} sizes the {name} buffers below the table's limit")
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""
