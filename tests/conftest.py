@@ -1,10 +1,11 @@
-"""Shared test machinery: the ``gpu`` skip and the ``run_mpi`` fixture.
+"""Shared test machinery: the ``gpu`` skip, the ``run_mpi`` fixture, the multicast guard.
 
 * Tests marked ``@pytest.mark.gpu`` are skipped, with the reason, when no CUDA
   device is usable (checked once, lazily, without creating a CUDA context).
 * ``run_mpi(script, n, args=(), timeout=...)`` runs ``mpiexec -n N python
   script`` and fails the test with the output when the job fails or hangs.
   Tests that use it carry ``@pytest.mark.mpi``.
+* No test process can call a real ``cuMulticast*`` function (``nvls_guard``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+
+import nvls_guard
+
+nvls_guard.install()
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,6 +13,8 @@ Every call is recorded in :attr:`FakeDriver.calls`, in order. A failure can be
 injected at the N-th call (:meth:`fail_at`) or at the k-th call of a name
 (:meth:`fail_on`); the failing call is recorded too. :meth:`leaks` lists what
 is still alive (handles, mappings, reservations, exported descriptors).
+:class:`MulticastFakeDriver` is such a subclass: it adds the multicast calls and
+is thread-safe, for ranks simulated as threads.
 
 Shareable handles are real file descriptors (``os.memfd_create``): exporting
 returns a fresh memfd; importing looks the allocation up by the descriptor's
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -280,3 +284,156 @@ def fd_is_open(fd: int, inode: int | None = None) -> bool:
     except OSError:
         return False
     return inode is None or st.st_ino == inode
+
+
+@dataclass
+class _MulticastObject:
+    """A fake multicast object: its size, team size, added devices and bindings."""
+
+    size: int
+    num_devices: int
+    devices: set
+    bindings: dict  # device -> (mc offset, bytes, memory handle)
+
+
+class MulticastFakeDriver(FakeDriver):
+    """:class:`FakeDriver` plus ``cuDeviceGetAttribute`` and the ``cuMulticast*`` calls.
+
+    Thread-safe, so the N ranks of a node can run as N threads sharing one
+    fake: each call is recorded with the name of its thread in
+    :attr:`threads` (parallel to ``calls``); :meth:`fail_in` injects a failure
+    into one thread's call. Like the real driver, it refuses to bind or map a
+    multicast object before all ``numDevices`` devices were added (the real
+    one blocks), to bind memory of a device that was not added, and to bind
+    or map sizes that are not multiples of the minimum multicast granularity.
+    A multicast handle exports and imports like an allocation's.
+
+    Args:
+        mc_granularity_min, mc_granularity_recommended: what
+            ``cuMulticastGetGranularity`` returns.
+        unsupported: device ordinals that report no multicast support.
+        add_device_delay: device ordinal -> seconds ``cuMulticastAddDevice``
+            sleeps first (outside the lock), to expose missing barriers.
+        **kwargs: as for :class:`FakeDriver`.
+    """
+
+    STUBS = {
+        **FakeDriver.STUBS,
+        "cuDeviceGetAttribute": 1,
+        "cuMulticastGetGranularity": 1,
+        "cuMulticastCreate": 1,
+        "cuMulticastAddDevice": 0,
+        "cuMulticastBindMem": 0,
+        "cuMulticastUnbind": 0,
+    }
+
+    def __init__(self, mc_granularity_min: int = 2 * MIB, mc_granularity_recommended: int = 2 * MIB,
+                 unsupported: frozenset = frozenset(), add_device_delay: dict | None = None, **kwargs):
+        super().__init__(**kwargs)
+        option = _real.CUmulticastGranularity_flags
+        self.mc_granularity = {
+            option.CU_MULTICAST_GRANULARITY_MINIMUM: mc_granularity_min,
+            option.CU_MULTICAST_GRANULARITY_RECOMMENDED: mc_granularity_recommended,
+        }
+        self.unsupported = set(unsupported)
+        self.add_device_delay = dict(add_device_delay or {})
+        self.threads: list[str] = []  # thread name of each recorded call
+        self.multicast: dict[int, _MulticastObject] = {}  # allocation id -> object
+        self.device_of: dict[int, int] = {}  # allocation id -> device (cuMemCreate)
+        self._lock = threading.RLock()
+        self._fail_thread: dict[tuple[str, str], CUresult] = {}
+
+    def fail_in(self, thread: str, name: str, error: CUresult = CUresult.CUDA_ERROR_OUT_OF_MEMORY) -> None:
+        """Make the first call of ``name`` from thread ``thread`` return ``error``."""
+        self._fail_thread[(thread, name)] = error
+
+    def calls_of(self, thread: str) -> list[Call]:
+        """The calls made by thread ``thread``, in order."""
+        with self._lock:
+            return [c for c, t in zip(self.calls, self.threads) if t == thread]
+
+    def leaks(self) -> list[str]:
+        out = super().leaks()
+        for allocation, mc in self.multicast.items():
+            out += [f"multicast {allocation} binding on device {dev}" for dev in mc.bindings]
+        return out
+
+    def _dispatch(self, name: str, args: tuple) -> tuple:
+        if name == "cuMulticastAddDevice":
+            time.sleep(self.add_device_delay.get(int(args[1]), 0.0))
+        thread = threading.current_thread().name
+        with self._lock:
+            error = self._fail_thread.pop((thread, name), None)
+            if error is not None:
+                self.fail_at(len(self.calls), error)
+            self.threads.append(thread)
+            return super()._dispatch(name, args)
+
+    def _mc(self, handle: Any) -> _MulticastObject | None:
+        return self.multicast.get(self.handles.get(int(handle), -1))
+
+    def _mc_aligned(self, *values: int) -> bool:
+        minimum = min(self.mc_granularity.values())
+        return all(int(v) % minimum == 0 for v in values)
+
+    # -- stubs ------------------------------------------------------------
+
+    def _cuDeviceGetAttribute(self, attrib: Any, dev: Any) -> tuple:
+        if attrib != _real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED:
+            return self._error(1)
+        return (SUCCESS, int(int(dev) not in self.unsupported))
+
+    def _cuMemCreate(self, size: int, prop: Any, flags: int) -> tuple:
+        result = super()._cuMemCreate(size, prop, flags)
+        if result[0] == SUCCESS:
+            self.device_of[self.handles[int(result[1])]] = prop.location.id
+        return result
+
+    def _cuMulticastGetGranularity(self, prop: Any, option: Any) -> tuple:
+        return (SUCCESS, self.mc_granularity[option])
+
+    def _cuMulticastCreate(self, prop: Any) -> tuple:
+        fd_type = _real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        if (prop.size <= 0 or not self._mc_aligned(prop.size) or prop.numDevices < 1
+                or prop.handleTypes != fd_type):
+            return self._error(1)
+        allocation = next(self._ids)
+        self.allocations[allocation] = prop.size
+        self.multicast[allocation] = _MulticastObject(prop.size, prop.numDevices, set(), {})
+        return (SUCCESS, self._new_handle(allocation))
+
+    def _cuMulticastAddDevice(self, handle: Any, dev: Any) -> tuple:
+        mc = self._mc(handle)
+        if mc is None or int(dev) in mc.devices or len(mc.devices) == mc.num_devices:
+            return self._error(0)
+        mc.devices.add(int(dev))
+        return (SUCCESS,)
+
+    def _cuMulticastBindMem(self, handle: Any, mc_offset: int, mem: Any, mem_offset: int, size: int,
+                            flags: int) -> tuple:
+        mc = self._mc(handle)
+        allocation = self.handles.get(int(mem))
+        if mc is None or allocation is None or not self._mc_aligned(mc_offset, mem_offset, size):
+            return self._error(0)
+        if len(mc.devices) != mc.num_devices:
+            return (CUresult.CUDA_ERROR_NOT_PERMITTED,)  # the real driver would block here
+        device = self.device_of.get(allocation)
+        if device not in mc.devices or device in mc.bindings:
+            return (CUresult.CUDA_ERROR_INVALID_DEVICE,)
+        if mem_offset + size > self.allocations[allocation] or mc_offset + size > mc.size:
+            return self._error(0)
+        mc.bindings[device] = (mc_offset, size, int(mem))
+        return (SUCCESS,)
+
+    def _cuMulticastUnbind(self, handle: Any, dev: Any, mc_offset: int, size: int) -> tuple:
+        mc = self._mc(handle)
+        if mc is None or mc.bindings.get(int(dev), (None, None))[:2] != (mc_offset, size):
+            return self._error(0)
+        del mc.bindings[int(dev)]
+        return (SUCCESS,)
+
+    def _cuMemMap(self, ptr: Any, size: int, offset: int, handle: Any, flags: int) -> tuple:
+        mc = self._mc(handle)
+        if mc is not None and (len(mc.devices) != mc.num_devices or not self._mc_aligned(size, offset)):
+            return (CUresult.CUDA_ERROR_NOT_PERMITTED,)
+        return super()._cuMemMap(ptr, size, offset, handle, flags)

@@ -106,9 +106,12 @@ def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
     assert Selector(2, 1 << 20, ["lamport", "twoshot", "nccl"]).select(256 << 20, "bfloat16") == "twoshot"
     small_lamport = Selector(4, lamport_max=1024, usable=["lamport", "twoshot", "nccl"])
     assert small_lamport.select(4096, "float32") == "twoshot"
+    assert small_lamport.capped() == [("lamport", 512 << 10)]  # the table's Lamport row is cut short
+    assert sel.capped() == []
     nccl_only = Selector(8, lamport_max=1 << 20, usable=["nccl"])
     assert nccl_only.select(16, "float16") == "nccl"
     assert not nccl_only.fits("lamport", 16)
+    assert nccl_only.capped() == []
 
 
 def test_default_table_rows_ascend_and_name_known_algorithms():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
 
-from . import _arrays
+from . import _arrays, _gate
 from ._algorithms import ALGORITHMS, DTYPES, MAX_RANKS, OPS
 from ._config import Config
 from ._errors import ClosedError, UbnextError
@@ -41,9 +43,6 @@ class Communicator:
             config = Config.from_env(**overrides)
         elif overrides:
             raise TypeError("Communicator: pass either config= or keyword overrides, not both")
-        if config.nvls == "1":
-            raise UbnextError("Communicator: UBNEXT_NVLS=1 asks for NVLink multicast kernels, which this "
-                              "version does not provide; use UBNEXT_NVLS=auto or 0")
         self.config = config
         if bootstrap is None:
             from .bootstrap import default
@@ -56,12 +55,27 @@ class Communicator:
         self._nccl = None
         self._add_rmsnorm = None
         self._local = bootstrap.split_local()
-        self.device = _choose_device(device, self._local.rank)
-        cupy.cuda.Device(self.device).use()
-        self._node = self._setup_node()
+        try:
+            self.device = _choose_device(device, self._local.rank)
+            cupy.cuda.Device(self.device).use()
+            self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
+            allowed = self._nvls.enabled
+            self._node = self._setup_node()
+        except BaseException:
+            self._closed = True
+            self._local.close()
+            raise
+        # Off by the gate is expected (INFO); allowed but then not set up is a fallback (WARNING).
+        log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}",
+                 logging.WARNING if allowed and not self._nvls.enabled else logging.INFO)
         usable = ["nccl"] + ([] if self._node is None else ["lamport", "twoshot"])
         table = load_table(config.tune_file) if config.tune_file else None
         self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table)
+        for name, limit in self._selector.capped():
+            log_once(f"select:{name}:{config.lamport_max_kb}:{limit}",
+                     f"Communicator: messages above {config.lamport_max_kb} KiB up to {limit} bytes, which the "
+                     f"selector table gives to {name}, go to the next algorithm: UBNEXT_LAMPORT_MAX_KB="
+                     f"{config.lamport_max_kb} sizes the {name} buffers below the table's limit")
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""
@@ -75,7 +89,7 @@ class Communicator:
         node, error = None, None
         if reason is None:
             try:
-                node = Node(self._local, self.device, self.config)
+                node = Node(self._local, self.device, self.config, self._nvls)
             except UbnextError as e:
                 error = str(e)
         # Every rank must take the same path: agree on the outcome.
@@ -87,9 +101,18 @@ class Communicator:
                 node.close()
                 node = None
             log_once(f"node:{reason}", f"Communicator: using NCCL for every call: {reason}")
+            if self._nvls.enabled:
+                self._nvls = _gate.fallback(self.config.nvls, f"there is no symmetric memory pool ({reason})")
+        else:
+            self._nvls = node.nvls
         return node
 
     # -- public API -------------------------------------------------------------------
+    @property
+    def nvls(self) -> _gate.NvlsDecision:
+        """Whether this communicator uses NVLink multicast, and why (``enabled``, ``reason``)."""
+        return self._nvls
+
     def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
         """All-reduces ``x`` over the ranks. Collective; never blocks the host.
 

@@ -68,7 +68,8 @@ class Engine:
         max_blocks: blocks per launch (0 = SM count).
         on_first_use: called (collectively, same order on every rank) after a kernel
             instantiation is compiled for the first time, before its first launch.
-        mc_base: device address of the pool's multicast mapping, 0 without NVLS.
+        mc_base: device address of the pool's multicast mapping (``MulticastRange.ptr``:
+            byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
     """
 
     def __init__(self, pool, plan: SlotPlan, lamport_bytes: int, timeout_ptr: int,

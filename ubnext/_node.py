@@ -1,5 +1,6 @@
-"""The node's kernel resources: descriptor channel, symmetric pool, timeout record,
-engine and user heap, created transactionally and released together."""
+"""The node's kernel resources: descriptor channel, symmetric pool, multicast range
+(where the NVLS gate allows), timeout record, engine and user heap, created
+transactionally and released together."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import warnings
 from ._engine import Engine, plan_layout
 from ._errors import UbnextError
 from ._fdpass import FdChannel
+from ._gate import NvlsDecision
 from ._heap import UserHeap
+from ._multicast import MulticastRange
 from ._pool import SymmetricPool
 from ._timeouts import TimeoutRecord
 
@@ -36,13 +39,23 @@ class Node:
         local: bootstrap of this node's ranks.
         device: this rank's CUDA device (current).
         config: the communicator's Config.
+        nvls: the NVLS gate's decision; when enabled, the pool is also mapped through
+            a multicast object (:attr:`multicast`).
+        driver: the ``cuda.bindings.driver`` module (default) or a fake, for tests.
+
+    Attributes:
+        multicast: the MulticastRange, or None.
+        nvls: the decision in effect: ``nvls``, or off with the reason when the
+            multicast setup failed (mode ``auto``).
 
     Raises:
-        UbnextError: the pool is too small for the library slots, or a setup step failed.
+        UbnextError: the pool is too small for the library slots, or a setup step failed
+            (including the multicast setup in mode ``UBNEXT_NVLS=1``).
     """
 
-    def __init__(self, local, device: int, config):
+    def __init__(self, local, device: int, config, nvls: NvlsDecision, driver=None):
         self._local = local
+        self._driver = driver
         lamport_bytes = config.lamport_max_kb << 10
         plan = plan_layout(local.size, lamport_bytes, max(config.staging_mb << 20, lamport_bytes))
         pool_bytes = config.pool_mb << 20
@@ -55,10 +68,16 @@ class Node:
             undo.append(self.fds.close)
             self.pool = self._create_pool(device, pool_bytes)
             undo.append(self.pool.close)
+            self.multicast, self.nvls = None, nvls
+            if nvls.enabled:
+                self.multicast = self._create_multicast(config.nvls)
+            if self.multicast is not None:
+                undo.append(self.multicast.close)
             self.timeouts = TimeoutRecord()
             undo.append(self.timeouts.close)
             self.engine = Engine(self.pool, plan, lamport_bytes, self.timeouts.device_ptr,
-                                 config.timeout_s, config.max_blocks, on_first_use=local.barrier)
+                                 config.timeout_s, config.max_blocks, on_first_use=local.barrier,
+                                 mc_base=0 if self.multicast is None else self.multicast.ptr)
             self.engine.initialize()
             self.heap = UserHeap(plan.end, self.pool.size)
         except BaseException:
@@ -82,11 +101,25 @@ class Node:
             return self.fds.allgather_fds(fd)
 
         try:
-            return SymmetricPool(device, nbytes, self._local.rank, self._local.size, exchange)
+            return SymmetricPool(device, nbytes, self._local.rank, self._local.size, exchange,
+                                 driver=self._driver)
         except BaseException:
             if not exchanged:
                 self._local.allgather_obj(False)
             raise
+
+    def _create_multicast(self, mode: str) -> MulticastRange | None:
+        """The multicast range; None (and :attr:`nvls` off) when it fails in mode ``auto``.
+
+        Its failures are agreed across the node's ranks, so every rank takes the same path.
+        """
+        try:
+            return MulticastRange(self.pool, self._local, self.fds, driver=self._driver)
+        except UbnextError as e:
+            if mode == "1":
+                raise
+            self.nvls = NvlsDecision(False, f"multicast setup failed: {e}")
+            return None
 
     def alloc(self, nbytes: int) -> Block:
         """A user block of at least ``nbytes`` (collective over the node's ranks)."""
@@ -105,6 +138,8 @@ class Node:
                           "after close", ResourceWarning, stacklevel=3)
         cupy.cuda.Device(self.pool.device).synchronize()
         self._local.barrier()
+        if self.multicast is not None:
+            self.multicast.close()  # unbinds the segments: before the pool releases them
         self.pool.close()
         self.timeouts.close()
         self.fds.close()

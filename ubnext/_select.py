@@ -70,6 +70,12 @@ class Selector:
             return False
         return not ALGORITHMS[name].one_shot or nbytes <= self._lamport_max
 
+    def capped(self) -> list[tuple[str, int]]:
+        """``(algorithm, table limit)`` of the usable one-shot rows whose limit exceeds the
+        largest one-shot message: sizes in between go to the next row that fits."""
+        return [(name, limit) for limit, name in self._rows
+                if name in self._usable and ALGORITHMS[name].one_shot and limit > self._lamport_max]
+
     def select(self, nbytes: int, dtype: str) -> str:
         """The algorithm for a message of ``nbytes`` bytes of ``dtype``."""
         assert dtype in DTYPES

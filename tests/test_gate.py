@@ -1,0 +1,233 @@
+"""The NVLS gate (CPU only): environment blockers, device support, modes auto/0/1, and
+the node path making no multicast call unless the gate allows it.
+
+Ranks run as threads (``thread_ranks``) sharing one recording fake driver.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fake_driver import MulticastFakeDriver
+from thread_ranks import raise_first, run_ranks
+from ubnext._config import Config
+from ubnext._errors import UbnextError
+from ubnext._gate import ENV_BLOCKERS, NvlsDecision, decide, env_blockers, fallback, verdict
+
+BLOCKERS = [f"{var}={value}" for var, value in ENV_BLOCKERS]
+
+
+def gate(fake, mode, environs):
+    """Run ``decide`` on len(environs) ranks (rank r sees environs[r], device r)."""
+    return run_ranks(len(environs), lambda boot: decide(mode, environs[boot.rank], boot, boot.rank, driver=fake))
+
+
+def multicast_calls(fake):
+    return [n for n in fake.names() if n.startswith("cuMulticast")]
+
+
+# -- the pure parts ----------------------------------------------------------------
+
+def test_the_four_blockers():
+    assert BLOCKERS == ["NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
+                        "NVSHMEM_DISABLE_NVLS=1", "UBNEXT_NVLS=0"]
+
+
+@pytest.mark.parametrize("var, value", ENV_BLOCKERS)
+def test_env_blockers_is_a_pure_function_of_the_mapping(var, value):
+    assert env_blockers({var: value}) == [f"{var}={value}"]
+    assert env_blockers({var: f" {value}\n"}) == [f"{var}={value}"]
+    other = "1" if value == "0" else "0"
+    assert env_blockers({var: other}) == []
+    assert env_blockers({var: ""}) == []
+    assert env_blockers({}) == []
+
+
+def test_all_blockers_are_reported_in_order():
+    assert env_blockers(dict(ENV_BLOCKERS) | {"UNRELATED": "0"}) == BLOCKERS
+
+
+def test_verdict_and_fallback():
+    ok = ([], True)
+    assert verdict("auto", [ok, ok]).enabled
+    assert verdict("1", [ok]).enabled
+    assert verdict("0", [ok, ok]) == NvlsDecision(False, "UBNEXT_NVLS=0")
+    assert not verdict("auto", [ok, ([], None)]).enabled
+    assert fallback("auto", "why") == NvlsDecision(False, "why")
+    with pytest.raises(UbnextError, match="^Communicator: UBNEXT_NVLS=1 requires NVLink multicast, but why"):
+        fallback("1", "why")
+    assert str(NvlsDecision(False, "why")) == "off (why)"
+    assert str(NvlsDecision(True, "yes")) == "on (yes)"
+
+
+# -- decide: collective over the node's ranks ----------------------------------------
+
+@pytest.mark.parametrize("mode", ["auto", "0", "1"])
+@pytest.mark.parametrize("blocker", BLOCKERS)
+def test_every_blocker_in_every_mode(blocker, mode):
+    var, value = blocker.split("=")
+    fake = MulticastFakeDriver()  # the devices do support multicast
+    results = gate(fake, mode, [{var: value}, {var: value}])
+    if mode == "1":
+        for exc in results:
+            assert isinstance(exc, UbnextError)
+            assert blocker in str(exc) and "UBNEXT_NVLS=1 requires NVLink multicast" in str(exc)
+    else:
+        decisions = raise_first(results)
+        assert decisions[0] == decisions[1] and not decisions[0].enabled
+        assert ("UBNEXT_NVLS=0" if mode == "0" else blocker) in decisions[0].reason
+    # the environment is checked first: no device was even queried
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_a_blocker_on_one_rank_decides_for_every_rank(mode):
+    fake = MulticastFakeDriver()
+    results = gate(fake, mode, [{}, {}, {"NVSHMEM_DISABLE_NVLS": "1"}])
+    if mode == "1":
+        assert all(isinstance(r, UbnextError) and "NVSHMEM_DISABLE_NVLS=1" in str(r) for r in results)
+    else:
+        assert {d.enabled for d in raise_first(results)} == {False}
+    assert multicast_calls(fake) == []
+
+
+def test_auto_is_on_when_every_device_supports_it_and_nothing_forbids_it():
+    fake = MulticastFakeDriver()
+    decisions = raise_first(gate(fake, "auto", [{"NCCL_NVLS_ENABLE": "1"}] * 3))
+    assert all(d.enabled for d in decisions) and "all 3 local devices" in decisions[0].reason
+    queries = [c for c in fake.calls if c.name == "cuDeviceGetAttribute"]
+    attr = fake.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
+    assert len(queries) == 3 and all(c.args[0] == attr for c in queries)
+    assert multicast_calls(fake) == []  # deciding never touches a multicast object
+
+
+def test_mode_0_queries_nothing():
+    fake = MulticastFakeDriver()
+    decisions = raise_first(gate(fake, "0", [{}, {}]))
+    assert decisions == [NvlsDecision(False, "UBNEXT_NVLS=0")] * 2
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_a_device_without_multicast_support(mode):
+    fake = MulticastFakeDriver(unsupported={1})
+    results = gate(fake, mode, [{}, {}, {}])
+    if mode == "1":
+        assert all(isinstance(r, UbnextError) and "local rank(s) 1 does not report" in str(r) for r in results)
+    else:
+        decisions = raise_first(results)
+        assert not decisions[0].enabled and "local rank(s) 1" in decisions[0].reason
+        assert decisions.count(decisions[0]) == 3
+    assert multicast_calls(fake) == []
+
+
+def test_an_unreadable_attribute_counts_as_unsupported():
+    fake = MulticastFakeDriver()
+    fake.fail_on("cuDeviceGetAttribute", error=fake.CUresult.CUDA_ERROR_INVALID_DEVICE)
+    decisions = raise_first(gate(fake, "auto", [{}, {}]))
+    assert not decisions[0].enabled and decisions[0] == decisions[1]
+
+
+# -- the node path -----------------------------------------------------------------
+
+class StubEngine:
+    """Stands in for the Engine (which needs a GPU); keeps what the node passed."""
+
+    def __init__(self, pool, *args, on_first_use, mc_base):
+        self.mc_base = mc_base
+
+    def initialize(self):
+        pass
+
+
+class StubTimeoutRecord:
+    device_ptr = 0
+
+    def close(self):
+        pass
+
+
+class StubDevice:
+    def __init__(self, device):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def node_path(monkeypatch):
+    """``run(fake, mode, environ, n=2)``: gate + Node on n thread ranks, GPU parts stubbed.
+
+    Returns per rank (gate decision, node.nvls, node.multicast ptr or None, engine mc_base),
+    or the exception; every node is closed again.
+    """
+    import cupy
+
+    import ubnext._node as node_module
+
+    monkeypatch.setattr(node_module, "Engine", StubEngine)
+    monkeypatch.setattr(node_module, "TimeoutRecord", StubTimeoutRecord)
+    monkeypatch.setattr(cupy.cuda, "Device", StubDevice)
+    config_args = dict(pool_mb=16, staging_mb=1, lamport_max_kb=64, timeout_s=10)
+
+    def run(fake, mode, environ, n=2):
+        config = Config(nvls=mode, **config_args)
+
+        def rank(boot):
+            decision = decide(config.nvls, environ, boot, boot.rank, driver=fake)
+            node = node_module.Node(boot, boot.rank, config, decision, driver=fake)
+            try:
+                ptr = None if node.multicast is None else node.multicast.ptr
+                return decision, node.nvls, ptr, node.engine.mc_base
+            finally:
+                node.close()
+
+        return run_ranks(n, rank)
+
+    return run
+
+
+def test_node_path_with_nccl_nvls_off_makes_no_multicast_call(node_path):
+    fake = MulticastFakeDriver()  # devices that would support it
+    for decision, effective, ptr, mc_base in raise_first(node_path(fake, "auto", {"NCCL_NVLS_ENABLE": "0"})):
+        assert not decision.enabled and "NCCL_NVLS_ENABLE=0" in decision.reason
+        assert effective == decision and ptr is None and mc_base == 0
+    assert "cuMemCreate" in fake.names()  # the pool was built
+    assert multicast_calls(fake) == []
+    assert "cuDeviceGetAttribute" not in fake.names()
+    assert fake.leaks() == []
+
+
+def test_node_path_with_nvls_allowed_maps_multicast_and_closes_it_before_the_pool(node_path):
+    fake = MulticastFakeDriver()
+    for decision, effective, ptr, mc_base in raise_first(node_path(fake, "auto", {})):
+        assert decision.enabled and effective == decision
+        assert ptr and mc_base == ptr
+    assert multicast_calls(fake).count("cuMulticastCreate") == 1
+    for r in range(2):
+        names = [c.name for c in fake.calls_of(f"rank{r}")]
+        unbind = names.index("cuMulticastUnbind")
+        pool_teardown = len(names) - 5  # 2 unmaps, 2 releases, 1 address free
+        assert names[pool_teardown:] == ["cuMemUnmap"] * 2 + ["cuMemRelease"] * 2 + ["cuMemAddressFree"]
+        assert names[unbind - 2:pool_teardown] == ["cuMemUnmap", "cuMemAddressFree", "cuMulticastUnbind",
+                                                   "cuMemRelease"]
+    assert fake.leaks() == []
+
+
+def test_node_path_multicast_failure_in_auto_keeps_the_unicast_pool(node_path):
+    fake = MulticastFakeDriver()
+    fake.fail_in("rank1", "cuMulticastBindMem")
+    for decision, effective, ptr, mc_base in raise_first(node_path(fake, "auto", {})):
+        assert decision.enabled and not effective.enabled
+        assert effective.reason.startswith("multicast setup failed: MulticastRange: binding and mapping failed")
+        assert ptr is None and mc_base == 0
+    assert fake.leaks() == []
+
+
+def test_node_path_multicast_failure_in_mode_1_fails_the_node(node_path):
+    fake = MulticastFakeDriver()
+    fake.fail_in("rank0", "cuMulticastCreate")
+    results = node_path(fake, "1", {})
+    assert all(isinstance(r, UbnextError) and "local rank 0: cuMulticastCreate" in str(r) for r in results)
+    assert fake.leaks() == []
