@@ -10,7 +10,8 @@ from ._config import Config
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
-from ._select import Selector, load_table
+from ._select import Selector
+from ._table import agreed_table
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
@@ -51,6 +52,7 @@ class Communicator:
             bootstrap = default()
         self.bootstrap = bootstrap
         self.rank, self.size = bootstrap.rank, bootstrap.size
+        table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._nccl = None
@@ -59,8 +61,7 @@ class Communicator:
         cupy.cuda.Device(self.device).use()
         self._node = self._setup_node()
         usable = ["nccl"] + ([] if self._node is None else ["lamport", "twoshot"])
-        table = load_table(config.tune_file) if config.tune_file else None
-        self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table)
+        self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table, self._nccl_reason)
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""
@@ -86,6 +87,7 @@ class Communicator:
                 node.close()
                 node = None
             log_once(f"node:{reason}", f"Communicator: using NCCL for every call: {reason}")
+        self._nccl_reason = reason
         return node
 
     # -- public API -------------------------------------------------------------------
