@@ -7,6 +7,7 @@ import pickle
 from . import _arrays
 from ._algorithms import ALGORITHMS, DTYPES, MAX_RANKS, OPS
 from ._config import Config
+from ._describe import Description, describe
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
@@ -180,6 +181,17 @@ class Communicator:
     def select(self, nbytes: int, dtype: str) -> str:
         """The algorithm ``"auto"`` picks for a message of ``nbytes`` bytes."""
         return self._resolve("select", "auto", nbytes, dtype)
+
+    def describe(self) -> Description:
+        """What this communicator runs and why: ranks, device, kernels or NCCL only (and why),
+        pool, NVLink multicast, configuration, selector tables, and the algorithm ``"auto"``
+        takes for 1 KiB to 1 GiB per dtype with the reason. Local (not collective).
+
+        Returns:
+            A dict (JSON-ready); ``print(comm.describe())`` shows it as a report.
+        """
+        self._check_open("describe")
+        return describe(self)
 
     def synchronize(self, stream=None) -> None:
         """Waits for the device (or ``stream``), turning a kernel timeout into CollectiveTimeoutError."""

@@ -37,6 +37,7 @@ from typing import Any
 from ._algorithms import ALGORITHMS, DTYPES
 from ._cli import human_bytes, run_or_abort, size_arg, size_list
 from ._errors import CollectiveTimeoutError, CudaError, UbnextError
+from ._info import device_name
 from ._table import FORMAT, load_table, parse_table
 
 #: times of one size: algorithm -> µs, or None where the communicator refused the size
@@ -227,14 +228,6 @@ def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) 
     return rows
 
 
-def machine_name(device: int) -> str:
-    """The GPU's name, e.g. ``"NVIDIA H200"``."""
-    import cupy
-
-    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
-    return name.decode() if isinstance(name, bytes) else name
-
-
 def existing_document(path: str) -> dict[str, Any] | None:
     """The valid table already at ``path``, or None when there is none.
 
@@ -277,7 +270,7 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
     if error:
         say(error, file=sys.stderr)
         return 2
-    machine = machine_name(comm.device)
+    machine = device_name(comm.device)
     stream = cupy.cuda.Stream(non_blocking=True)
 
     def progress(text: str) -> None:
