@@ -17,14 +17,14 @@ import json
 import os
 import re
 import struct
-import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ubnext import _cli, _timing
 
 # --------------------------------------------------------------------------- dtypes and ops
 
@@ -104,65 +104,12 @@ def parse_ops(text: str) -> list[str]:
     return [text]
 
 
-# --------------------------------------------------------------------------- sizes
+# --------------------------------------------------------------------------- sizes and timing
+# They live in ubnext (python -m ubnext.tune uses them too); the benchmarks use them from here.
 
-_SIZE = re.compile(r"^\s*((?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*$")
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """Parse a byte count as nccl-tests does: a number and an optional K, M or G (powers of 1024).
-
-    ``"8"`` -> 8, ``"1K"`` -> 1024, ``"256M"`` -> 268435456, ``"1.5k"`` -> 1536.
-    A trailing ``B``/``iB`` is accepted too (``"2KiB"``). Fractions of a byte
-    are dropped, as nccl-tests' ``(size_t)`` cast does.
-
-    Raises:
-        ValueError: not a size.
-    """
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"invalid size {text!r}; expected a number with an optional K, M or G suffix")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def size_arg(text: str) -> int:
-    """:func:`parse_size` for ``argparse`` (``type=size_arg``)."""
-    import argparse
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def size_list(minbytes: int, maxbytes: int, stepbytes: int, stepfactor: int) -> list[int]:
-    """The message sizes nccl-tests visits: multiply by ``stepfactor`` when it is > 1, else add ``stepbytes``.
-
-    Raises:
-        ValueError: ``minbytes > maxbytes``, or a step that never grows the size.
-    """
-    if minbytes < 0 or minbytes > maxbytes:
-        raise ValueError(f"invalid sizes: minbytes {minbytes} must be in [0, maxbytes {maxbytes}]")
-    if stepfactor > 1 and minbytes == 0 and maxbytes > 0:
-        raise ValueError("minbytes 0 never grows with a step factor; use -b 1 or larger")
-    if stepfactor <= 1 and stepbytes <= 0 and maxbytes > minbytes:
-        raise ValueError(f"stepbytes must be > 0 without a step factor, got {stepbytes}")
-    sizes, size = [], minbytes
-    while size <= maxbytes:
-        sizes.append(size)
-        if size == maxbytes:
-            break
-        size = size * stepfactor if stepfactor > 1 else size + stepbytes
-    return sizes
-
-
-def human_bytes(nbytes: int) -> str:
-    """``2048`` -> ``"2 KiB"``, ``268435456`` -> ``"256 MiB"`` (labels of tables and plots)."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
+parse_size, size_arg, size_list, human_bytes = _cli.parse_size, _cli.size_arg, _cli.size_list, _cli.human_bytes
+capture_graph, elapsed_per_op, timer = _timing.capture_graph, _timing.elapsed_per_op, _timing.timer
+run_or_abort = _cli.run_or_abort
 
 
 # --------------------------------------------------------------------------- the collective record
@@ -427,73 +374,6 @@ def download(array: Any, count: int, dtype: DType, stream: Any) -> np.ndarray:
     return host
 
 
-def capture_graph(launch: Callable[[], None], stream: Any, calls: int) -> Any:
-    """Capture ``calls`` calls of ``launch`` on ``stream`` into one CUDA graph (cupy ``Graph``).
-
-    Raises:
-        Whatever ``launch`` raises; the capture is ended and discarded first.
-    """
-    stream.begin_capture()
-    try:
-        for _ in range(calls):
-            launch()
-    except BaseException:
-        try:
-            stream.end_capture()
-        except Exception:  # the capture is already invalid; the original error matters
-            pass
-        raise
-    return stream.end_capture()
-
-
-def elapsed_per_op(body: Callable[[], None], stream: Any, ops: int, barrier: Callable[[], None]) -> float:
-    """Seconds per operation of ``body`` (which enqueues ``ops`` operations on ``stream``).
-
-    Waits for ``stream``, meets the other ranks at ``barrier``, then times
-    ``body`` with CUDA events recorded on ``stream`` before and after it.
-    Blocks the host until the work is done.
-    """
-    import cupy
-
-    stream.synchronize()
-    barrier()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    body()
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / 1e3 / max(ops, 1)
-
-
-def timer(launch: Callable[[], None], stream: Any, iters: int, graph_launches: int,
-          barrier: Callable[[], None]) -> Callable[[], float]:
-    """A function that times ``launch`` once and returns seconds per call on this rank.
-
-    Eager (``graph_launches == 0``): ``iters`` back-to-back calls between two
-    CUDA events. Graph: ``iters`` calls are captured into one CUDA graph now,
-    launched once (untimed: uploads it), and each timing launches it
-    ``graph_launches`` times. Capturing is local; timing meets the other ranks
-    at ``barrier`` first.
-    """
-    if graph_launches:
-        graph = capture_graph(launch, stream, iters)
-        graph.launch(stream)
-
-        def body() -> None:
-            for _ in range(graph_launches):
-                graph.launch(stream)
-
-        ops = iters * graph_launches
-    else:
-
-        def body() -> None:
-            for _ in range(iters):
-                launch()
-
-        ops = iters
-    return lambda: elapsed_per_op(body, stream, ops, barrier)
-
-
 # --------------------------------------------------------------------------- JSON and process control
 
 
@@ -528,22 +408,3 @@ def write_json(path: str, document: dict[str, Any], overwrite: bool = False) -> 
             return candidate
         except FileExistsError:
             candidate, n = f"{path}.{n}", n + 1
-
-
-def run_or_abort(main: Callable[[], int]) -> int:
-    """Run ``main``; on an exception, print it and abort the whole MPI job so no rank hangs.
-
-    A benchmark rank that fails while the others wait in a collective would
-    otherwise hang the job; ``MPI_Abort`` ends every rank.
-    """
-    try:
-        return main()
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
-            mpi.COMM_WORLD.Abort(1)
-        return 1

@@ -8,8 +8,10 @@ For each size (``-b``..``-e``, times ``-f``) and each candidate:
   in place on symmetric memory (``comm.empty``, the zero-copy path);
 * ``nccl``: the real NCCL (``ubnext._nccl.NcclComm``), in place on plain cupy memory;
 * when torch imports: ``torch-oneshot`` (``torch.ops.symm_mem.one_shot_all_reduce_out``,
-  symmetric input, plain output) and ``torch-twoshot``
-  (``torch.ops.symm_mem.two_shot_all_reduce_``, in place on symmetric memory);
+  symmetric input, plain output), ``torch-twoshot``
+  (``torch.ops.symm_mem.two_shot_all_reduce_``, in place on symmetric memory) and
+  ``torch-nccl`` (``torch.distributed.all_reduce``, in place on a plain tensor: the
+  eager reference of a PyTorch user);
 
 the result is checked once (exact sums, compared bit for bit), then timed
 eagerly (``-n`` back-to-back calls between CUDA events) and from a CUDA graph
@@ -174,12 +176,15 @@ def torch_candidates(bootstrap: Any, device: int, dtype: common.DType, count: in
     for t in (one_in, two):
         symm_mem.rendezvous(t, group)
 
+    plain = torch.empty(count, dtype=tdtype, device=f"cuda:{device}")
     ops = torch.ops.symm_mem
     one_shot = TorchEngine(lambda send, recv, op: ops.one_shot_all_reduce_out(send, op, group, out=recv))
     two_shot = TorchEngine(lambda send, recv, op: ops.two_shot_all_reduce_(send, op, group))
+    nccl = TorchEngine(lambda send, recv, op: dist.all_reduce(send))
     return [
         Candidate("torch-oneshot", "out-of-place", one_in, one_out, one_shot, _torch_refuses, ("sum",)),
         Candidate("torch-twoshot", "in-place", two, two, two_shot, _torch_refuses, ("sum",)),
+        Candidate("torch-nccl", "in-place", plain, plain, nccl, _torch_refuses, ("sum",)),
     ]
 
 

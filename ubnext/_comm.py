@@ -7,12 +7,14 @@ import os
 import pickle
 
 from . import _arrays, _gate
-from ._algorithms import ALGORITHMS, DTYPES, MAX_RANKS, OPS
+from ._algorithms import ALGORITHMS, DTYPES, MAX_RANKS, OPS, UNICAST_OF
 from ._config import Config
+from ._describe import Description, describe
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
-from ._select import Selector, load_table
+from ._select import Selector
+from ._table import agreed_table
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 
@@ -50,6 +52,7 @@ class Communicator:
             bootstrap = default()
         self.bootstrap = bootstrap
         self.rank, self.size = bootstrap.rank, bootstrap.size
+        table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._nccl = None
@@ -68,9 +71,10 @@ class Communicator:
         # Off by the gate is expected (INFO); allowed but then not set up is a fallback (WARNING).
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}",
                  logging.WARNING if allowed and not self._nvls.enabled else logging.INFO)
-        usable = ["nccl"] + ([] if self._node is None else ["lamport", "twoshot"])
-        table = load_table(config.tune_file) if config.tune_file else None
-        self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table)
+        usable = ["nccl"]
+        if self._node is not None:
+            usable += ["lamport", "twoshot"] + (["nvls_lamport", "nvls"] if self._node.multicast else [])
+        self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table, self._nccl_reason)
         for name, limit in self._selector.capped():
             log_once(f"select:{name}:{config.lamport_max_kb}:{limit}",
                      f"Communicator: messages above {config.lamport_max_kb} KiB up to {limit} bytes, which the "
@@ -105,6 +109,7 @@ class Communicator:
                 self._nvls = _gate.fallback(self.config.nvls, f"there is no symmetric memory pool ({reason})")
         else:
             self._nvls = node.nvls
+        self._nccl_reason = reason
         return node
 
     # -- public API -------------------------------------------------------------------
@@ -146,9 +151,11 @@ class Communicator:
             raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype)
+        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
         if out is None:
             ob = _arrays.describe(_arrays.empty_like(xb), name)
+        elif out is x:  # in place: nothing more to check
+            ob = xb
         else:
             ob = _arrays.check_out(xb, out, name)
         if xb.count == 0:
@@ -290,6 +297,17 @@ class Communicator:
         """The algorithm ``"auto"`` picks for a message of ``nbytes`` bytes."""
         return self._resolve("select", "auto", nbytes, dtype)
 
+    def describe(self) -> Description:
+        """What this communicator runs and why: ranks, device, kernels or NCCL only (and why),
+        pool, NVLink multicast, configuration, selector tables, and the algorithm ``"auto"``
+        takes for 1 KiB to 1 GiB per dtype with the reason. Local (not collective).
+
+        Returns:
+            A dict (JSON-ready); ``print(comm.describe())`` shows it as a report.
+        """
+        self._check_open("describe")
+        return describe(self)
+
     def synchronize(self, stream=None) -> None:
         """Waits for the device (or ``stream``), turning a kernel timeout into CollectiveTimeoutError."""
         import cupy
@@ -345,16 +363,21 @@ class Communicator:
         if self._node is not None:
             self._node.timeouts.check(name, self.config.timeout_s)
 
-    def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str) -> str:
+    def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str = "sum") -> str:
         if algorithm == "auto" and self.config.algorithm != "auto":
             algorithm = self.config.algorithm
         if algorithm == "auto":
-            return self._selector.select(nbytes, dtype)
+            algo = self._selector.select(nbytes, dtype)
+            if not ALGORITHMS[algo].supports(dtype, op):  # NVLS reduces no fp32 max/min
+                algo = UNICAST_OF[algo]
+            return algo
         if algorithm not in ALGORITHMS:
             raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(ALGORITHMS)}")
         if not self._selector.fits(algorithm, nbytes):
             raise UbnextError(f"{name}: algorithm {algorithm!r} cannot take {nbytes} bytes on this communicator "
                               f"(usable: {', '.join(self.algorithms())}; Lamport up to {self.config.lamport_max_kb} KiB)")
+        if not ALGORITHMS[algorithm].supports(dtype, op):
+            raise UbnextError(f"{name}: algorithm {algorithm!r} does not reduce {dtype} with op {op!r}")
         return algorithm
 
     def _compare_across_ranks(self, name: str, call: tuple) -> None:

@@ -170,8 +170,9 @@ class Config:
     )
     tune_file: str = _field(
         "UBNEXT_TUNE_FILE", "", _PATH,
-        "JSON selector table `{\"<world size>\": [[max_bytes, algorithm], ...]}` "
-        "(ascending rows); empty means the shipped defaults.",
+        "Selector table (JSON: world size × dtype × size → algorithm) written by "
+        "`python -m ubnext.tune`; world sizes it lacks, and an empty value, use the "
+        "table shipped for H200.",
     )
 
     def __post_init__(self) -> None:

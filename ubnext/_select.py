@@ -1,51 +1,22 @@
 """Algorithm selection for ``algorithm="auto"``.
 
-The choice is a pure function of (message bytes, dtype, world size, what the node
-can run), identical on every rank, so every rank launches the same kernel. The
-size thresholds come from a table (per world size: ascending ``[max_bytes, name]``
-rows); the shipped defaults are first measurements on 4xH200, and a table for the
-machine at hand can be given in ``UBNEXT_TUNE_FILE``.
+The choice is a pure function of (message bytes, dtype, world size, what the
+communicator can run), identical on every rank, so every rank launches the same
+kernel. The size thresholds come from a selector table (``_table``): a tune
+file (``UBNEXT_TUNE_FILE``, written by ``python -m ubnext.tune``) first, for the
+world sizes it covers, then the table shipped in the package.
 """
 
 from __future__ import annotations
 
-import json
+from ._algorithms import ALGORITHMS, DTYPES, UNICAST_OF
+from ._cli import human_bytes
+from ._table import Row, Table, default_table
 
-from ._algorithms import ALGORITHMS, DTYPES
-from ._errors import UbnextError
-
-_OPEN = 1 << 62
-#: world size -> ascending (largest message in bytes, algorithm); the last row is open-ended.
-#: Measured on 2x and 4xH200 (NVLink, bf16, CUDA graphs; bench/results/compare_h200x*_bf16.json):
-#: at 4 ranks NCCL wins from 64 MiB on (1-7 %), so "auto" hands those sizes to NCCL.
-#: World sizes without a row (3, 5-8) use the 4-rank row until measured.
-DEFAULT_TABLE: dict[int, list[tuple[int, str]]] = {
-    2: [(1 << 20, "lamport"), (_OPEN, "twoshot")],
-    4: [(512 << 10, "lamport"), (32 << 20, "twoshot"), (_OPEN, "nccl")],
-    0: [(256 << 10, "lamport"), (32 << 20, "twoshot"), (_OPEN, "nccl")],
-}
-
-
-def load_table(path: str) -> dict[int, list[tuple[int, str]]]:
-    """Reads a ``{"<world size>": [[max_bytes, algorithm], ...]}`` JSON table.
-
-    Raises:
-        UbnextError: unreadable file, unknown algorithm, rows not ascending.
-    """
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-        table = {int(k): [(int(limit), str(name)) for limit, name in rows] for k, rows in raw.items()}
-    except (OSError, ValueError, TypeError) as e:
-        raise UbnextError(f"selector: cannot read UBNEXT_TUNE_FILE {path}: {e}") from e
-    for world, rows in table.items():
-        if [r[0] for r in rows] != sorted(r[0] for r in rows) or not rows:
-            raise UbnextError(f"selector: {path}: rows of world size {world} must ascend")
-        unknown = {name for _, name in rows} - set(ALGORITHMS)
-        if unknown:
-            raise UbnextError(f"selector: {path}: unknown algorithm(s) {sorted(unknown)}")
-    table.setdefault(0, DEFAULT_TABLE[0])
-    return table
+#: unicast algorithm -> its multicast instantiation
+MULTICAST_OF = {unicast: mc for mc, unicast in UNICAST_OF.items()}
+#: Past a table's last row (when it has a limit): the first of these that fits.
+_PAST_TABLE = ("twoshot", "nccl")
 
 
 class Selector:
@@ -55,14 +26,20 @@ class Selector:
         nranks: ranks of the node.
         lamport_max: largest message the Lamport buffers hold (bytes).
         usable: algorithm names this communicator can run (e.g. only "nccl").
-        table: thresholds (``DEFAULT_TABLE`` format); the default when None.
+        table: a tune file's table, consulted before the default table; None: the default only.
+        nccl_reason: why only NCCL is usable, when it is (shown by :meth:`explain`).
     """
 
-    def __init__(self, nranks: int, lamport_max: int, usable: list[str], table=None):
-        table = table or DEFAULT_TABLE
-        self._rows = table.get(nranks, table[0])
+    def __init__(self, nranks: int, lamport_max: int, usable: list[str], table: Table | None = None,
+                 nccl_reason: str = ""):
+        self.nranks = nranks
+        self.tables = [t for t in (table, default_table()) if t is not None]
         self._lamport_max = lamport_max
         self._usable = set(usable)
+        self._nccl_reason = nccl_reason
+        #: dtype -> (rows, where they come from); the default table has a "*" entry for every dtype.
+        self._rows = {dtype: next(found for t in self.tables if (found := t.lookup(nranks, dtype)))
+                      for dtype in DTYPES}
 
     def fits(self, name: str, nbytes: int) -> bool:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator."""
@@ -71,18 +48,71 @@ class Selector:
         return not ALGORITHMS[name].one_shot or nbytes <= self._lamport_max
 
     def capped(self) -> list[tuple[str, int]]:
-        """``(algorithm, table limit)`` of the usable one-shot rows whose limit exceeds the
-        largest one-shot message: sizes in between go to the next row that fits."""
-        return [(name, limit) for limit, name in self._rows
-                if name in self._usable and ALGORITHMS[name].one_shot and limit > self._lamport_max]
+        """``(algorithm, table limit)`` of the usable one-shot rows (any dtype) whose limit
+        exceeds the largest one-shot message: sizes in between go to the next row that fits."""
+        return sorted({(name, limit) for rows, _ in self._rows.values() for limit, name in rows
+                       if name in self._usable and ALGORITHMS[name].one_shot and limit is not None
+                       and limit > self._lamport_max})
 
     def select(self, nbytes: int, dtype: str) -> str:
-        """The algorithm for a message of ``nbytes`` bytes of ``dtype``."""
-        assert dtype in DTYPES
-        for limit, name in self._rows:
-            if nbytes <= limit and self.fits(name, nbytes):
-                return name
-        for name in ("twoshot", "nccl"):  # preference order past the table
+        """The algorithm for a message of ``nbytes`` bytes of ``dtype``.
+
+        Where NVLink multicast is usable, a table row's unicast kernel is replaced by its
+        multicast instantiation (the seed's order: multicast -> Lamport -> two-shot -> NCCL).
+        """
+        return self._multicast(self._walk(nbytes, dtype)[0])
+
+    def _multicast(self, name: str) -> str:
+        mc = MULTICAST_OF.get(name)
+        return mc if mc in self._usable else name
+
+    def explain(self, nbytes: int, dtype: str) -> tuple[str, str]:
+        """``(algorithm, why)`` for a message of ``nbytes`` bytes of ``dtype``.
+
+        ``why`` names the table row and its source, e.g. ``"table row ≤ 512 KiB for
+        4 ranks bfloat16 (default table h200)"``, and every row skipped on the way
+        (``"lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256"``).
+        """
+        unicast, index = self._walk(nbytes, dtype)
+        name = self._multicast(unicast)
+        if self._usable == {"nccl"}:
+            return name, f"only NCCL usable: {self._nccl_reason or 'no kernels on this communicator'}"
+        rows, where = self._rows[dtype]
+        skipped = [self._why_not(rows[i][1], nbytes) for i in range(len(rows) if index is None else index)
+                   if _covers(rows[i], nbytes)]
+        if index is None:
+            reason = (f"past the last table row (≤ {human_bytes(rows[-1][0])}) for {where}: "
+                      f"first usable of {', '.join(_PAST_TABLE)}")
+        else:
+            reason = f"table row {_row_label(rows, index)} for {where}"
+        if name != unicast:
+            reason += f"; NVLink multicast instantiation of {unicast}"
+        return name, "; ".join([reason, *dict.fromkeys(skipped)])
+
+    def _walk(self, nbytes: int, dtype: str) -> tuple[str, int | None]:
+        """The algorithm and the index of the table row that gave it (None: past the table)."""
+        rows = self._rows[dtype][0]
+        for i, row in enumerate(rows):
+            if _covers(row, nbytes) and self.fits(row[1], nbytes):
+                return row[1], i
+        for name in _PAST_TABLE:
             if self.fits(name, nbytes):
-                return name
+                return name, None
         raise AssertionError("selector: no usable algorithm")  # "nccl" is always usable
+
+    def _why_not(self, name: str, nbytes: int) -> str:
+        if name not in self._usable:
+            return f"{name} not usable on this communicator"
+        return f"{name} does not fit: > UBNEXT_LAMPORT_MAX_KB={self._lamport_max >> 10}"
+
+
+def _covers(row: Row, nbytes: int) -> bool:
+    return row[0] is None or nbytes <= row[0]
+
+
+def _row_label(rows: tuple[Row, ...], index: int) -> str:
+    """``"≤ 512 KiB"``, or for the open last row ``"> 32 MiB"`` (``"any size"`` when alone)."""
+    limit = rows[index][0]
+    if limit is not None:
+        return f"≤ {human_bytes(limit)}"
+    return f"> {human_bytes(rows[index - 1][0])}" if index else "(any size)"

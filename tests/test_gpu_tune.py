@@ -1,0 +1,60 @@
+"""GPU: comm.describe() agrees with comm.select(), and a short python -m ubnext.tune
+run measures, writes and merges a table that a communicator then loads.
+
+Runs at any world size (``mpirun -n N python -m pytest tests/test_gpu_tune.py``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def comm():
+    import ubnext
+
+    c = ubnext.Communicator(pool_mb=64, staging_mb=8, lamport_max_kb=256)
+    yield c
+    c.close()
+
+
+def test_describe_matches_select_and_is_the_same_on_every_rank(comm):
+    d = comm.describe()
+    json.dumps(d)
+    assert d["ranks"] == comm.size and d["device"] == comm.device
+    for dtype, rows in d["selection"].items():
+        for nbytes, name, why in rows:
+            assert name == comm.select(nbytes, dtype), (nbytes, dtype, why)
+    text = str(d)
+    assert text.startswith(f"ubnext communicator: rank {comm.rank} of {comm.size}")
+    selections = comm.bootstrap.allgather_obj(d["selection"])
+    assert all(s == selections[0] for s in selections)
+
+
+def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
+    import ubnext
+    from ubnext import tune
+    from ubnext._table import load_table
+
+    path = comm.bootstrap.bcast_obj(str(tmp_path / "tune.json") if comm.rank == 0 else None)
+    argv = ["-o", path, "-b", "4K", "-e", "1M", "-f", "16", "-n", "4", "-G", "2", "--repeats", "3",
+            "--dtype", "bfloat16,float32"]
+    assert tune.run(comm, tune.parse_args(argv), argv) == 0
+    if comm.rank == 0:
+        assert f"export UBNEXT_TUNE_FILE={path}" in capsys.readouterr().out
+    comm.bootstrap.barrier()
+    table = load_table(path)
+    assert set(table.rows[str(comm.size)]) == {"bfloat16", "float32"}
+    record = table.document["measured"][str(comm.size)]["bfloat16"]
+    assert record["sizes"] == [4 << 10, 64 << 10, 1 << 20]
+    assert all(t is None or t > 0 for times in record["us"].values() for t in times)
+    with ubnext.Communicator(pool_mb=64, staging_mb=8, tune_file=path) as tuned:
+        assert tuned.describe()["tables"][0] == f"tune file {path}"
+        winners = dict(zip(record["sizes"], record["winners"]))
+        for nbytes, name in winners.items():
+            if tuned._selector.fits(name, nbytes):
+                assert tuned.select(nbytes, "bfloat16") == name

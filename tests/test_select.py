@@ -1,0 +1,210 @@
+"""Selector tables (format, validation, the shipped defaults) and the selector's
+choices and explanations: world size × dtype × size, limits, NCCL-only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ubnext import UbnextError
+from ubnext._algorithms import ALGORITHMS, DTYPES
+from ubnext._select import Selector
+from ubnext._table import ANY_WORLD, agreed_table, default_table, load_table, parse_table
+
+ALL = ["lamport", "twoshot", "nccl"]
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def write(tmp_path, document, name="t.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(document) if not isinstance(document, str) else document)
+    return str(path)
+
+
+def doc(tables, **extra):
+    return {"format": 1, "machine": "test GPU", "tables": tables, **extra}
+
+
+# --------------------------------------------------------------------------- the shipped table
+
+
+def test_default_table_matches_the_measurements():
+    t = default_table()
+    assert t.source == "default table h200"
+    for world in ("2", "4", ANY_WORLD):
+        assert set(t.rows[world]) == set(DTYPES)  # every dtype spelled out
+        assert t.rows[world]["float16"] == t.rows[world]["bfloat16"] == t.rows[world]["float32"]
+    assert t.rows["2"]["bfloat16"] == ((1 * MiB, "lamport"), (None, "twoshot"))
+    assert t.rows["4"]["bfloat16"] == ((512 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
+    assert t.rows[ANY_WORLD]["bfloat16"] == ((256 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
+
+
+def test_default_table_ships_in_the_wheel():
+    """pyproject's package-data must list the file the loader opens."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    setuptools = pyproject["tool"]["setuptools"]
+    assert "ubnext.tables" in setuptools["packages"]
+    assert "*.json" in setuptools["package-data"]["ubnext.tables"]
+
+
+def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
+    sel = Selector(4, lamport_max=1 * MiB, usable=ALL)
+    assert sel.select(2048, "bfloat16") == "lamport"
+    assert sel.select(512 * KiB, "bfloat16") == "lamport"
+    assert sel.select(512 * KiB + 2, "bfloat16") == "twoshot"
+    assert sel.select(16 * MiB, "bfloat16") == "twoshot"
+    assert sel.select(256 * MiB, "bfloat16") == "nccl"  # measured: NCCL wins there at 4 ranks
+    assert Selector(2, 1 * MiB, ALL).select(256 * MiB, "bfloat16") == "twoshot"
+    assert Selector(8, 1 * MiB, ALL).select(300 * KiB, "float32") == "twoshot"  # row "*"
+    assert Selector(4, lamport_max=1024, usable=ALL).select(4096, "float32") == "twoshot"
+    nccl_only = Selector(8, lamport_max=1 * MiB, usable=["nccl"])
+    assert nccl_only.select(16, "float16") == "nccl"
+    assert not nccl_only.fits("lamport", 16)
+
+
+# --------------------------------------------------------------------------- explain
+
+
+def test_explain_names_the_row_and_the_table():
+    sel = Selector(4, 1 * MiB, ALL)
+    assert sel.explain(2048, "bfloat16") == (
+        "lamport", "table row ≤ 512 KiB for 4 ranks bfloat16 (default table h200)")
+    assert sel.explain(1 * MiB, "float16") == (
+        "twoshot", "table row ≤ 32 MiB for 4 ranks float16 (default table h200)")
+    assert sel.explain(1 << 30, "float32") == (
+        "nccl", "table row > 32 MiB for 4 ranks float32 (default table h200)")
+    name, why = Selector(6, 1 * MiB, ALL).explain(1024, "bfloat16")
+    assert (name, why) == ("lamport", "table row ≤ 256 KiB for 6 ranks (via '*') bfloat16 (default table h200)")
+
+
+def test_explain_says_why_a_row_was_skipped():
+    sel = Selector(4, 256 * KiB, ALL)
+    assert sel.explain(300 * KiB, "bfloat16") == (
+        "twoshot", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
+                   "lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256")
+    assert sel.select(300 * KiB, "bfloat16") == "twoshot"
+
+
+def test_explain_nccl_only_gives_the_reason():
+    sel = Selector(4, 1 * MiB, ["nccl"], nccl_reason="ranks span several nodes (4 of 8 on this one)")
+    assert sel.explain(1024, "bfloat16") == (
+        "nccl", "only NCCL usable: ranks span several nodes (4 of 8 on this one)")
+    assert Selector(4, 1 * MiB, ["nccl"]).explain(1024, "float32")[1].startswith("only NCCL usable: ")
+
+
+def test_past_the_last_row_falls_back_in_preference_order(tmp_path):
+    table = load_table(write(tmp_path, doc({"4": {"bfloat16": [[64 * KiB, "lamport"]]}})))
+    sel = Selector(4, 1 * MiB, ALL, table)
+    name, why = sel.explain(1 * MiB, "bfloat16")
+    assert name == "twoshot"
+    assert why.startswith("past the last table row (≤ 64 KiB) for 4 ranks bfloat16 (tune file ")
+    assert why.endswith("first usable of twoshot, nccl")
+
+
+# --------------------------------------------------------------------------- tune files
+
+
+def test_tune_file_round_trip_and_fallback_to_the_default(tmp_path):
+    path = write(tmp_path, doc({"4": {"bfloat16": [[64 * KiB, "lamport"], [None, "nccl"]],
+                                      "float32": [[32 * KiB, "lamport"], [None, "twoshot"]]}}))
+    table = load_table(path)
+    assert table.source == f"tune file {path}" and table.machine == "test GPU"
+    sel = Selector(4, 1 * MiB, ALL, table)
+    assert sel.select(1024, "bfloat16") == "lamport"
+    assert sel.select(1 * MiB, "bfloat16") == "nccl"
+    assert sel.select(48 * KiB, "float32") == "twoshot"  # the dtype dimension
+    assert sel.select(1 * MiB, "float32") == "twoshot"
+    name, why = sel.explain(1 * MiB, "float16")  # no float16 rows: bfloat16's (same width)
+    assert name == "nccl" and f"4 ranks bfloat16 (no float16 rows) (tune file {path})" in why
+    # A world size the file lacks uses the shipped table.
+    assert Selector(2, 1 * MiB, ALL, table).explain(1024, "bfloat16")[1].endswith("(default table h200)")
+
+
+def test_tune_file_star_entry_covers_other_world_sizes(tmp_path):
+    table = load_table(write(tmp_path, doc({"*": {"float32": [[None, "nccl"]]}})))
+    name, why = Selector(2, 1 * MiB, ALL, table).explain(1024, "bfloat16")
+    assert name == "nccl"
+    assert why == f"table row (any size) for 2 ranks (via '*') float32 (no bfloat16 rows) ({table.source})"
+
+
+@pytest.mark.parametrize("document, message", [
+    ("{not json", "cannot read tune file"),
+    ([1, 2], "expected a JSON object"),
+    ({"4": [[65536, "lamport"]]}, "missing key(s) format, machine, tables"),
+    (doc({"4": {"bfloat16": [[None, "nccl"]]}}, extra=1), "unknown key(s) extra"),
+    ({"format": 2, "machine": "", "tables": {}}, "format 2 is not supported"),
+    (doc({}), "tables must be a non-empty object"),
+    (doc({"four": {"bfloat16": [[None, "nccl"]]}}), "tables key 'four' is not a world size"),
+    (doc({"0": {"bfloat16": [[None, "nccl"]]}}), "tables key '0' is not a world size"),
+    (doc({"4": []}), "tables['4'] must be a non-empty object"),
+    (doc({"4": {"int8": [[None, "nccl"]]}}), "tables['4']: unknown dtype 'int8'"),
+    (doc({"4": {"bfloat16": []}}), "tables['4']['bfloat16']: rows must be a non-empty list"),
+    (doc({"4": {"bfloat16": [[10, "ring"]]}}), "row 1: unknown algorithm 'ring'"),
+    (doc({"4": {"bfloat16": [[10]]}}), "row 1 is [10], not [max_bytes, algorithm]"),
+    (doc({"4": {"bfloat16": [[None, "lamport"], [10, "nccl"]]}}), "row 1: null (no limit) is allowed on the last"),
+    (doc({"4": {"bfloat16": [[-1, "lamport"]]}}), "row 1: max_bytes -1 is not a positive integer"),
+    (doc({"4": {"bfloat16": [[1.5, "lamport"]]}}), "row 1: max_bytes 1.5 is not a positive integer"),
+    (doc({"4": {"bfloat16": [[100, "lamport"], [100, "nccl"]]}}), "row 2: max_bytes 100 is not above"),
+])
+def test_bad_tune_files_are_refused_with_the_file_and_the_problem(tmp_path, document, message):
+    path = write(tmp_path, document)
+    with pytest.raises(UbnextError) as info:
+        load_table(path)
+    text = str(info.value)
+    assert text.startswith("selector: ") and path in text
+    assert message in text
+
+
+def test_missing_tune_file(tmp_path):
+    with pytest.raises(UbnextError, match=r"cannot read tune file .*nope\.json"):
+        load_table(str(tmp_path / "nope.json"))
+
+
+def test_parse_table_keeps_the_document():
+    d = doc({"2": {"float16": [[None, "twoshot"]]}}, note="n", measured={})
+    t = parse_table(d, "x")
+    assert t.document is d and t.rows == {"2": {"float16": ((None, "twoshot"),)}}
+    assert all(name in ALGORITHMS for rows in t.rows["2"].values() for _, name in rows)
+
+
+class _Ranks:
+    """``allgather_obj`` over pretend ranks: each one's value comes from ``values``."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def allgather_obj(self, obj):
+        return [obj if v is None else v for v in self.values]
+
+
+def test_agreed_table_raises_on_every_rank_when_one_rank_fails(tmp_path):
+    path = write(tmp_path, doc({"4": {"bfloat16": [[None, "nccl"]]}}))
+    assert agreed_table(path, _Ranks([None, None])).rows["4"]
+    with pytest.raises(UbnextError, match=r"UBNEXT_TUNE_FILE \(rank 1\): selector: cannot read"):
+        agreed_table(path, _Ranks([None, ("selector: cannot read tune file x: gone", None)]))
+    with pytest.raises(UbnextError, match="the ranks read different tables"):
+        agreed_table(path, _Ranks([None, (None, "other digest")]))
+
+
+def test_capped_lists_one_shot_rows_cut_short_by_the_buffers():
+    assert Selector(4, lamport_max=1024, usable=ALL).capped() == [("lamport", 512 * KiB)]
+    assert Selector(4, lamport_max=1 * MiB, usable=ALL).capped() == []
+    assert Selector(4, lamport_max=1024, usable=["nccl"]).capped() == []
+
+
+def test_multicast_instantiations_replace_their_unicast_rows():
+    """The seed's preference: multicast kernels, then Lamport, two-shot, NCCL."""
+    with_mc = ALL + ["nvls_lamport", "nvls"]
+    sel = Selector(4, lamport_max=1 * MiB, usable=with_mc)
+    assert sel.select(2048, "bfloat16") == "nvls_lamport"
+    assert sel.select(16 * MiB, "bfloat16") == "nvls"
+    assert sel.select(256 * MiB, "bfloat16") == "nccl"
+    assert sel.explain(16 * MiB, "bfloat16") == (
+        "nvls", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
+                "NVLink multicast instantiation of twoshot")
+    assert Selector(4, lamport_max=1024, usable=with_mc).select(4096, "float32") == "nvls"

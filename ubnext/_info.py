@@ -1,0 +1,186 @@
+"""``python -m ubnext info``: versions, GPUs, configuration, selector tables and,
+with a communicator, ``comm.describe()``.
+
+Everything that can be missing (cupy, a driver, a GPU, MPI) is reported as a
+line of text, never as a traceback, so the command is the first thing to run
+on a machine that does not work yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+from collections.abc import Callable, Mapping
+from importlib import metadata
+
+from ._algorithms import ALGORITHMS
+from ._config import Config, _env_text
+from ._errors import UbnextError
+from ._table import default_table, load_table
+
+#: Distributions whose versions matter (metadata only: nothing is imported).
+_PACKAGES = ("numpy", "cupy-cuda13x", "cuda-bindings", "mpi4py", "ml_dtypes", "torch")
+
+
+def _cuda_version(code: int) -> str:
+    """13020 -> ``"13.2"``."""
+    return f"{code // 1000}.{code % 1000 // 10}" if code else "none"
+
+
+def _nccl_version(code: int) -> str:
+    """22809 -> ``"2.28.9"``."""
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+
+
+def versions() -> list[str]:
+    """``name: version`` lines: ubnext, Python, the packages, CUDA driver and runtime, NCCL."""
+    from . import __version__
+
+    lines = [f"ubnext: {__version__}", f"python: {platform.python_version()} ({sys.executable})"]
+    for name in _PACKAGES:
+        try:
+            lines.append(f"{name}: {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{name}: not installed")
+    try:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        lines.append(f"CUDA runtime: {_cuda_version(runtime.runtimeGetVersion())}")
+        lines.append(f"CUDA driver: {_cuda_version(runtime.driverGetVersion())}")
+        from cupy.cuda import nccl
+
+        lines.append(f"NCCL: {_nccl_version(nccl.get_version()) if nccl.available else 'not loadable by cupy'}")
+    except Exception as exc:  # no cupy, no driver library
+        lines.append(f"CUDA: unavailable ({type(exc).__name__}: {exc})")
+    return lines
+
+
+def device_name(device: int) -> str:
+    """The name of CUDA device ``device``, e.g. ``"NVIDIA H200"``."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def gpu_count() -> tuple[int, str]:
+    """``(visible CUDA devices, "")``, or ``(0, why there are none)``."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no cupy, no driver, no device
+        return 0, f"{type(exc).__name__}: {exc}"
+    return count, "" if count else "the driver reports none"
+
+
+def gpus(count: int) -> list[str]:
+    """One line per visible GPU (name, compute capability, SMs, memory) and the P2P matrix."""
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    lines = []
+    for d in range(count):
+        p = runtime.getDeviceProperties(d)
+        lines.append(f"GPU {d}: {device_name(d)}, sm_{p['major']}{p['minor']}, {p['multiProcessorCount']} SMs, "
+                     f"{p['totalGlobalMem'] / (1 << 30):.1f} GiB")
+    if count > 1:
+        lines.append("P2P access (row: from, column: to): " + " ".join(f"{j:>3}" for j in range(count)))
+        for i in range(count):
+            cells = ("  -" if i == j else (" ok" if runtime.deviceCanAccessPeer(i, j) else " NO") for j in range(count))
+            lines.append(f"{'GPU ' + str(i):>36} " + " ".join(cells))
+    return lines
+
+
+def config_lines(environ: Mapping[str, str]) -> list[str]:
+    """Each ``UBNEXT_*`` setting with its value and where it comes from (environment or default)."""
+    try:
+        config = Config.from_env(environ)
+    except ValueError as exc:
+        return [f"invalid configuration: {exc}"]
+    lines = []
+    for f in dataclasses.fields(config):
+        env = f.metadata["env"]
+        source = "environment" if env in environ else "default"
+        lines.append(f"{env:<22} {_env_text(getattr(config, f.name)) or '(empty)':<10} {source}")
+    return lines
+
+
+def table_lines(environ: Mapping[str, str]) -> list[str]:
+    """The shipped table and the tune file (checked: it loads, or why not)."""
+    def summary(table) -> str:
+        worlds = ", ".join(f"{w} ({'/'.join(table.rows[w])})" for w in table.rows)
+        return f"{table.machine}; world sizes {worlds}"
+
+    lines = [f"{default_table().source}: {summary(default_table())}"]
+    path = environ.get("UBNEXT_TUNE_FILE", "").strip()
+    if not path:
+        lines.append("UBNEXT_TUNE_FILE: not set (the default table serves every world size)")
+    else:
+        try:
+            table = load_table(path)
+            lines.append(f"{table.source} (UBNEXT_TUNE_FILE): {summary(table)}; consulted first")
+        except UbnextError as exc:
+            lines.append(f"UBNEXT_TUNE_FILE is not usable: {exc}")
+    return lines
+
+
+def report(environ: Mapping[str, str], mpi: str) -> list[str]:
+    """Everything ``info`` prints before any communicator exists; ``mpi`` describes the MPI job."""
+    count, why = gpu_count()
+    sections = [
+        ("versions", [*versions(), f"MPI: {mpi}"]),
+        ("GPUs", gpus(count) if count else [f"no CUDA device ({why})"]),
+        ("configuration (UBNEXT_*)", config_lines(environ)),
+        ("selector tables", table_lines(environ)),
+        ("algorithms", [f"{a.name}: {a.summary}" for a in ALGORITHMS.values()]),
+    ]
+    lines = []
+    for title, body in sections:
+        lines += [f"# {title}", *(f"  {line}" for line in body)]
+    return lines
+
+
+def _mpi_world() -> tuple[int, int, str]:
+    """``(rank, size, description)`` of ``MPI.COMM_WORLD``; ``(0, 1, why not)`` without MPI."""
+    try:
+        from mpi4py import MPI
+    except Exception as exc:  # mpi4py or the MPI library missing
+        return 0, 1, f"unavailable ({type(exc).__name__}: {exc})"
+    world = MPI.COMM_WORLD
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    return world.Get_rank(), world.Get_size(), f"{world.Get_size()} rank(s); {library}"
+
+
+def info(with_comm: bool, out: Callable[[str], None] = print, environ: Mapping[str, str] | None = None) -> int:
+    """Print the report on rank 0; with ``with_comm`` or more than one MPI rank, also ``comm.describe()``.
+
+    Collective over ``MPI.COMM_WORLD`` when a communicator is created. Returns the exit status.
+    """
+    environ = os.environ if environ is None else environ
+    rank, size, mpi = _mpi_world()
+    say = out if rank == 0 else (lambda line: None)
+    for line in report(environ, mpi):
+        say(line)
+    if not (with_comm or size > 1):
+        return 0
+    say("# communicator")
+    if gpu_count()[0] == 0:
+        say("  no CUDA device: no communicator to describe")
+        return 0 if not with_comm else 1
+    from ._comm import Communicator
+
+    try:
+        comm = Communicator()
+    except UbnextError as exc:
+        say(f"  Communicator() failed: {exc}")
+        return 1
+    try:
+        for line in str(comm.describe()).splitlines():
+            say(f"  {line}")
+    finally:
+        comm.close()
+    return 0

@@ -1,0 +1,327 @@
+"""Measure where each all-reduce algorithm wins on this machine; write a selector table.
+
+    mpirun -n 4 python -m ubnext.tune -o tune.json
+    mpirun -n 2 python -m ubnext.tune -o tune.json      # adds 2 ranks to the same file
+    export UBNEXT_TUNE_FILE=$PWD/tune.json
+
+For each dtype (``--dtype``) and message size (``-b`` to ``-e``, times ``-f``),
+every algorithm the communicator can run (``comm.algorithms()``) is timed on
+plain cupy arrays (what callers pass; out of place): ``-n`` calls captured in a
+CUDA graph, the graph launched ``-G`` times between CUDA events per sample,
+each sample the maximum over ranks, the median of ``--repeats`` samples. The
+winner of a size is the fastest algorithm, but a ubnext kernel wins over NCCL
+only when it is at least ``--margin`` percent faster. Adjacent sizes with the
+same winner become one table row; the last row has no upper limit.
+
+Rank 0 prints the timings and writes the table (``-o``, format of
+``ubnext._table``). A file that already exists is merged into: the measured
+world size and dtypes are replaced, every other entry is kept. All ranks see the
+same (max over ranks) times, and rank 0's outcome is broadcast, so every rank
+exits alike; a failing rank aborts the whole MPI job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shlex
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ._algorithms import ALGORITHMS, DTYPES
+from ._cli import human_bytes, run_or_abort, size_arg, size_list
+from ._errors import CollectiveTimeoutError, CudaError, UbnextError
+from ._info import device_name
+from ._table import FORMAT, load_table, parse_table
+
+#: times of one size: algorithm -> µs, or None where the communicator refused the size
+Times = dict[str, float | None]
+
+
+# --------------------------------------------------------------------------- decisions (pure)
+
+
+def winner(times: Times, margin: float) -> str:
+    """The algorithm a size should use.
+
+    The fastest measured algorithm, except that a ubnext kernel replaces NCCL
+    only when ``t_kernel * (1 + margin / 100) <= t_nccl``. Ties go to the
+    algorithm listed first in ``ALGORITHMS``.
+
+    Raises:
+        ValueError: nothing was measured.
+    """
+    measured = [(t, list(ALGORITHMS).index(name), name) for name, t in times.items() if t is not None]
+    if not measured:
+        raise ValueError("tune: no algorithm was measured at this size")
+    kernels = [m for m in measured if m[2] != "nccl"]
+    nccl = times.get("nccl")
+    if not kernels:
+        return "nccl"
+    best_time, _, best = min(kernels)
+    if nccl is None or best_time * (1 + margin / 100) <= nccl:
+        return best
+    return "nccl"
+
+
+def table_rows(sizes: Sequence[int], winners: Sequence[str]) -> list[list]:
+    """Rows ``[[max_bytes, algorithm], ..., [None, algorithm]]`` from the winner of each ascending size.
+
+    Adjacent sizes with the same winner merge; a row ends at the largest size
+    its algorithm won, and the last row has no limit (it also serves sizes
+    beyond the largest measured).
+    """
+    if not sizes or len(sizes) != len(winners):
+        raise ValueError("tune: need one winner per size, and at least one size")
+    rows: list[list] = []
+    for nbytes, name in zip(sizes, winners):
+        if rows and rows[-1][1] == name:
+            rows[-1][0] = nbytes
+        else:
+            rows.append([nbytes, name])
+    rows[-1][0] = None
+    return rows
+
+
+def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
+                    rows: dict[str, list], measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The table document after tuning ``world`` ranks for the dtypes in ``rows``.
+
+    Args:
+        existing: the document already in the output file, or None.
+        machine: this machine, e.g. ``"NVIDIA H200"``.
+        world: the measured world size.
+        rows: dtype -> table rows (:func:`table_rows`).
+        measured: dtype -> the record of the measurement (kept under ``measured``).
+
+    Returns:
+        A new document: ``existing`` with ``tables[world][dtype]`` and
+        ``measured[world][dtype]`` replaced; other world sizes and dtypes kept.
+    """
+    doc = copy.deepcopy(existing) if existing else {"format": FORMAT, "machine": machine, "tables": {}}
+    machines = [m for m in doc["machine"].split("; ") if m]
+    doc["machine"] = "; ".join(dict.fromkeys([*machines, machine]))
+    doc["tables"].setdefault(str(world), {}).update(rows)
+    doc.setdefault("measured", {}).setdefault(str(world), {}).update(measured)
+    parse_table(doc, "the table being written")  # never write what ubnext cannot read
+    return doc
+
+
+def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Sequence[Times],
+           winners: Sequence[str], args: argparse.Namespace) -> list[str]:
+    """The lines rank 0 prints for one dtype: µs per size and algorithm, the winner, the rows."""
+    names = [n for n in ALGORITHMS if any(t.get(n) is not None for t in times)]
+    lines = [f"# ubnext.tune: {world} ranks, {dtype}, {machine}; CUDA graphs of {args.iters} calls, "
+             f"{args.launches} launches per sample, median of {args.repeats} samples, max over ranks",
+             f"# µs per all-reduce (plain arrays, out of place); a kernel beats NCCL only when "
+             f"{args.margin:g}% faster",
+             f"{'size':>10}" + "".join(f"{n:>12}" for n in names) + "  winner"]
+    for nbytes, row, win in zip(sizes, times, winners):
+        cells = "".join(f"{'—' if row.get(n) is None else f'{row[n]:.2f}':>12}" for n in names)
+        lines.append(f"{human_bytes(nbytes):>10}{cells}  {win}")
+    rows = table_rows(sizes, winners)
+    text = ", ".join(f"≤ {human_bytes(limit)} {name}" if limit else f"then {name}" for limit, name in rows)
+    lines.append(f"# rows for {world} ranks {dtype}: {text}")
+    return lines
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ubnext.tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="bfloat16",
+                   help=f"comma-separated dtypes to tune, or all ({', '.join(DTYPES)}; default bfloat16)")
+    p.add_argument("-b", "--minbytes", type=size_arg, default=1 << 10, help="smallest size (default 1K)")
+    p.add_argument("-e", "--maxbytes", type=size_arg, default=256 << 20, help="largest size (default 256M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (default 2)")
+    p.add_argument("--margin", type=float, default=3.0,
+                   help="percent by which a ubnext kernel must beat NCCL to be chosen (default 3)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="calls captured in the CUDA graph (default 20)")
+    p.add_argument("-G", "--launches", type=int, default=5, help="graph launches per sample (default 5)")
+    p.add_argument("--repeats", type=int, default=7, help="samples per size and algorithm; median (default 7)")
+    p.add_argument("-w", "--warmup", type=int, default=3, help="eager calls before capturing (default 3)")
+    p.add_argument("-o", "--output", default="ubnext_tune.json",
+                   help="table file to write or merge into (default ubnext_tune.json)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; adds ``dtypes`` and ``sizes``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.dtypes = list(DTYPES) if args.dtype == "all" else [d for d in args.dtype.split(",") if d]
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown or not args.dtypes:
+        parser.error(f"--dtype: unknown {', '.join(unknown) or '(none)'}; use {', '.join(DTYPES)} or all")
+    if args.stepfactor < 2:
+        parser.error("-f must be >= 2")
+    if args.minbytes < 16:
+        parser.error("-b must be >= 16 (one 16-byte vector)")
+    try:
+        args.sizes = size_list(args.minbytes, args.maxbytes, 0, args.stepfactor)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if min(args.iters, args.launches, args.repeats) < 1 or args.warmup < 0 or args.margin < 0:
+        parser.error("-n, -G and --repeats must be >= 1; -w and --margin >= 0")
+    args.output = os.path.abspath(args.output)
+    if not os.path.isdir(os.path.dirname(args.output)):
+        parser.error(f"-o: the directory of {args.output} does not exist")
+    return args
+
+
+# --------------------------------------------------------------------------- measuring (GPU, collective)
+
+
+def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace) -> float | None:
+    """µs per ``comm.all_reduce(send, out=recv, algorithm=name)``, or None when refused. Collective.
+
+    Eager warm-up calls come first (compiling the kernel, connecting NCCL,
+    outside any capture); a refusal there (the size exceeds the algorithm's
+    limit) is the same on every rank, and the ranks check that it is.
+    """
+    from ._timing import timer
+
+    def launch() -> None:
+        comm.all_reduce(send, out=recv, algorithm=name, stream=stream)
+
+    refused = None
+    try:
+        for _ in range(max(1, args.warmup)):
+            launch()
+    except UbnextError as exc:
+        if isinstance(exc, (CudaError, CollectiveTimeoutError)):
+            raise
+        refused = str(exc)
+    verdicts = comm.bootstrap.allgather_obj(refused)
+    if any(verdicts):
+        if not all(verdicts):
+            raise UbnextError(f"tune: ranks disagree whether {name} takes {send.size} elements: {verdicts}")
+        return None
+    sample = timer(launch, stream, args.iters, args.launches, comm.bootstrap.barrier)
+    return statistics.median(max(comm.bootstrap.allgather_obj(sample())) for _ in range(args.repeats)) * 1e6
+
+
+def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) -> list[Times]:
+    """Times of every usable algorithm at every size, for one dtype. Collective."""
+    import cupy
+
+    from ._arrays import _cupy_dtype
+
+    width = DTYPES[dtype][1]
+    send = cupy.zeros((args.sizes[-1] // width,), dtype=_cupy_dtype(dtype))
+    recv = cupy.empty_like(send)
+    rows = []
+    for nbytes in args.sizes:
+        count = nbytes // width
+        row: Times = {}
+        for name in comm.algorithms():
+            progress(f"{dtype} {human_bytes(nbytes):>8} {name}")
+            row[name] = time_algorithm(comm, stream, name, send[:count], recv[:count], args)
+        rows.append(row)
+    return rows
+
+
+def existing_document(path: str) -> dict[str, Any] | None:
+    """The valid table already at ``path``, or None when there is none.
+
+    Raises:
+        UbnextError: the file exists but is not a valid table (it is not overwritten).
+    """
+    if not os.path.exists(path):
+        return None
+    try:
+        return load_table(path).document
+    except UbnextError as exc:
+        raise UbnextError(f"tune: {path} exists and is not a valid table, so it is not merged into or "
+                          f"overwritten; move it away or choose another -o ({exc})") from exc
+
+
+def write_atomically(path: str, document: dict[str, Any]) -> None:
+    """Write ``document`` as JSON through a temporary file, so readers never see half a table."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Measure, print, write (rank 0). Collective. Returns the exit status (the same on every rank)."""
+    import cupy
+
+    rank0 = comm.rank == 0
+    say = print if rank0 else (lambda *a, **k: None)
+    error = None
+    if rank0:
+        try:
+            existing_document(args.output)
+        except UbnextError as exc:
+            error = str(exc)
+    if comm.algorithms() == ["nccl"]:
+        error = f"tune: this communicator runs NCCL only ({comm._nccl_reason}); there is nothing to choose"
+    error = comm.bootstrap.bcast_obj(error)
+    if error:
+        say(error, file=sys.stderr)
+        return 2
+    machine = device_name(comm.device)
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def progress(text: str) -> None:
+        """Rank 0 shows what is being measured on one stderr line; "" clears it."""
+        if rank0:
+            sys.stderr.write(f"\r# ubnext.tune {text:<46}" if text else f"\r{'':<60}\r")
+            sys.stderr.flush()
+
+    rows, measured = {}, {}
+    for dtype in args.dtypes:
+        times = measure_dtype(comm, stream, dtype, args, progress)
+        winners = [winner(t, args.margin) for t in times]
+        progress("")
+        for line in report(comm.size, dtype, machine, args.sizes, times, winners, args):
+            say(line, flush=True)
+        rows[dtype] = table_rows(args.sizes, winners)
+        measured[dtype] = {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "machine": machine,
+            "command": shlex.join([sys.executable, "-m", "ubnext.tune", *argv]),
+            "margin_percent": args.margin, "graph_calls": args.iters, "graph_launches": args.launches,
+            "repeats": args.repeats, "sizes": args.sizes, "winners": winners,
+            "us": {n: [t.get(n) for t in times] for n in ALGORITHMS if any(n in t for t in times)},
+        }
+    outcome = None
+    if rank0:
+        try:
+            doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured)
+            write_atomically(args.output, doc)
+            outcome = (f"# wrote {args.output} (world sizes {', '.join(doc['tables'])})\n"
+                       f"export UBNEXT_TUNE_FILE={shlex.quote(args.output)}")
+        except (OSError, UbnextError) as exc:
+            outcome = f"tune: cannot write {args.output}: {exc}"
+    outcome = comm.bootstrap.bcast_obj(outcome)
+    ok = outcome.startswith("# wrote")
+    say(outcome, file=sys.stdout if ok else sys.stderr, flush=True)
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; ``argv`` defaults to ``sys.argv[1:]``. Collective over ``MPI.COMM_WORLD``."""
+    from ._comm import Communicator
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    # Measure every algorithm whatever UBNEXT_ALGO / UBNEXT_TUNE_FILE say; only a table is written.
+    comm = Communicator(algorithm="auto", tune_file="")
+    try:
+        return run(comm, args, argv)
+    finally:
+        comm.close()
+
+
+if __name__ == "__main__":
+    sys.exit(run_or_abort(main))
