@@ -159,8 +159,8 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
     float ss = 0.f;
     for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
       const u64 i = row * vpr + v;
-      const uint4 ar = lamport_reduce<T, OpSum, N>(mine + l.cur, slot_bytes, i, c);
-      const uint4 res = add_residual<T>(a, row, v, ar);
+      const RowOperands o = load_operands<T>(a, row, v);
+      const uint4 res = add_residual<T>(o, lamport_reduce<T, OpSum, N>(mine + l.cur, slot_bytes, i, c));
       st_weak(a.res_out + i * 16, res);
       ss += sum_squares<T>(res);
     }

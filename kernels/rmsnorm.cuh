@@ -50,17 +50,30 @@ __device__ float block_sum(float v) {
 }
 
 // Vector form, for rows whose vectors are all full (hidden % kPer == 0, 16-byte aligned).
-// Vector `col` of row `row`; `ar`: the all-reduced vector, packed as T.
+// The operands of vector `col` of row `row`; a missing bias or residual reads as +0.0.
+// Kernels load them before they wait for the reduction, so their latency is hidden; the
+// weight is loaded too, so that normalize() finds it in cache after the row's reduction.
+struct RowOperands {
+  uint4 residual, bias, weight;
+};
 template <class T>
-__device__ uint4 add_residual(const NormArgs& a, u64 row, u64 col, const uint4& ar) {
+__device__ RowOperands load_operands(const NormArgs& a, u64 row, u64 col) {
+  const u64 vpr = a.hidden / Vec<T>::kPer;
+  RowOperands o{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), ld_weak(a.weight + col * 16)};
+  if (a.residual != nullptr) o.residual = ld_weak(a.residual + (row * vpr + col) * 16);
+  if (a.bias != nullptr) o.bias = ld_weak(a.bias + col * 16);
+  return o;
+}
+
+// The residual sum of one vector, packed as T; `ar`: the all-reduced vector.
+template <class T> __device__ uint4 add_residual(const RowOperands& o, const uint4& ar) {
   constexpr int P = Vec<T>::kPer;
-  const u64 vpr = a.hidden / P;
-  float f[P], g[P] = {}, r[P] = {};
+  float f[P], b[P], r[P];
   Vec<T>::unpack(ar, f);
-  if (a.bias != nullptr) Vec<T>::unpack(ld_weak(a.bias + col * 16), g);
-  if (a.residual != nullptr) Vec<T>::unpack(ld_weak(a.residual + (row * vpr + col) * 16), r);
+  Vec<T>::unpack(o.bias, b);
+  Vec<T>::unpack(o.residual, r);
 #pragma unroll
-  for (int e = 0; e < P; ++e) f[e] = residual_sum(f[e], g[e], r[e]);
+  for (int e = 0; e < P; ++e) f[e] = residual_sum(f[e], b[e], r[e]);
   return Vec<T>::pack(f);
 }
 
