@@ -35,8 +35,8 @@ def test_default_table_matches_the_measurements():
     for world in ("2", "4", ANY_WORLD):
         assert set(t.rows[world]) == set(DTYPES)  # every dtype spelled out
         assert t.rows[world]["float16"] == t.rows[world]["bfloat16"] == t.rows[world]["float32"]
-    assert t.rows["2"]["bfloat16"] == ((1 * MiB, "lamport"), (None, "twoshot"))
-    assert t.rows["4"]["bfloat16"] == ((512 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
+    for world in ("2", "4"):  # measured by python -m ubnext.tune (bench/results/tune_h200x*.txt)
+        assert t.rows[world]["bfloat16"] == ((1 * MiB, "lamport"), (8 * MiB, "twoshot"), (None, "nccl"))
     assert t.rows[ANY_WORLD]["bfloat16"] == ((256 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
 
 
@@ -55,11 +55,11 @@ def test_default_table_ships_in_the_wheel():
 def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
     sel = Selector(4, lamport_max=1 * MiB, usable=ALL)
     assert sel.select(2048, "bfloat16") == "lamport"
-    assert sel.select(512 * KiB, "bfloat16") == "lamport"
-    assert sel.select(512 * KiB + 2, "bfloat16") == "twoshot"
-    assert sel.select(16 * MiB, "bfloat16") == "twoshot"
-    assert sel.select(256 * MiB, "bfloat16") == "nccl"  # measured: NCCL wins there at 4 ranks
-    assert Selector(2, 1 * MiB, ALL).select(256 * MiB, "bfloat16") == "twoshot"
+    assert sel.select(1 * MiB, "bfloat16") == "lamport"
+    assert sel.select(1 * MiB + 2, "bfloat16") == "twoshot"
+    assert sel.select(8 * MiB, "bfloat16") == "twoshot"
+    assert sel.select(16 * MiB, "bfloat16") == "nccl"  # measured: NCCL wins there on plain arrays
+    assert Selector(2, 1 * MiB, ALL).select(256 * MiB, "bfloat16") == "nccl"
     assert Selector(8, 1 * MiB, ALL).select(300 * KiB, "float32") == "twoshot"  # row "*"
     assert Selector(4, lamport_max=1024, usable=ALL).select(4096, "float32") == "twoshot"
     nccl_only = Selector(8, lamport_max=1 * MiB, usable=["nccl"])
@@ -73,11 +73,11 @@ def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
 def test_explain_names_the_row_and_the_table():
     sel = Selector(4, 1 * MiB, ALL)
     assert sel.explain(2048, "bfloat16") == (
-        "lamport", "table row ≤ 512 KiB for 4 ranks bfloat16 (default table h200)")
-    assert sel.explain(1 * MiB, "float16") == (
-        "twoshot", "table row ≤ 32 MiB for 4 ranks float16 (default table h200)")
+        "lamport", "table row ≤ 1 MiB for 4 ranks bfloat16 (default table h200)")
+    assert sel.explain(2 * MiB, "float16") == (
+        "twoshot", "table row ≤ 8 MiB for 4 ranks float16 (default table h200)")
     assert sel.explain(1 << 30, "float32") == (
-        "nccl", "table row > 32 MiB for 4 ranks float32 (default table h200)")
+        "nccl", "table row > 8 MiB for 4 ranks float32 (default table h200)")
     name, why = Selector(6, 1 * MiB, ALL).explain(1024, "bfloat16")
     assert (name, why) == ("lamport", "table row ≤ 256 KiB for 6 ranks (via '*') bfloat16 (default table h200)")
 
@@ -85,7 +85,7 @@ def test_explain_names_the_row_and_the_table():
 def test_explain_says_why_a_row_was_skipped():
     sel = Selector(4, 256 * KiB, ALL)
     assert sel.explain(300 * KiB, "bfloat16") == (
-        "twoshot", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
+        "twoshot", "table row ≤ 8 MiB for 4 ranks bfloat16 (default table h200); "
                    "lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256")
     assert sel.select(300 * KiB, "bfloat16") == "twoshot"
 
@@ -192,7 +192,7 @@ def test_agreed_table_raises_on_every_rank_when_one_rank_fails(tmp_path):
 
 
 def test_capped_lists_one_shot_rows_cut_short_by_the_buffers():
-    assert Selector(4, lamport_max=1024, usable=ALL).capped() == [("lamport", 512 * KiB)]
+    assert Selector(4, lamport_max=1024, usable=ALL).capped() == [("lamport", 1 * MiB)]
     assert Selector(4, lamport_max=1 * MiB, usable=ALL).capped() == []
     assert Selector(4, lamport_max=1024, usable=["nccl"]).capped() == []
 
@@ -202,9 +202,9 @@ def test_multicast_instantiations_replace_their_unicast_rows():
     with_mc = ALL + ["nvls_lamport", "nvls"]
     sel = Selector(4, lamport_max=1 * MiB, usable=with_mc)
     assert sel.select(2048, "bfloat16") == "nvls_lamport"
-    assert sel.select(16 * MiB, "bfloat16") == "nvls"
+    assert sel.select(4 * MiB, "bfloat16") == "nvls"
     assert sel.select(256 * MiB, "bfloat16") == "nccl"
-    assert sel.explain(16 * MiB, "bfloat16") == (
-        "nvls", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
+    assert sel.explain(4 * MiB, "bfloat16") == (
+        "nvls", "table row ≤ 8 MiB for 4 ranks bfloat16 (default table h200); "
                 "NVLink multicast instantiation of twoshot")
     assert Selector(4, lamport_max=1024, usable=with_mc).select(4096, "float32") == "nvls"
