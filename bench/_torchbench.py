@@ -14,9 +14,11 @@ MODES = ("eager", "graph")
 
 
 def multicast_disabled(environ: Any = os.environ) -> bool:
-    """True when any of the host's opt-out variables asks for no NVLink multicast."""
-    return (environ.get("NCCL_NVLS_ENABLE") == "0" or environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
-            or environ.get("NVSHMEM_DISABLE_NVLS") == "1" or environ.get("UBNEXT_NVLS") == "0")
+    """True when any of the host's opt-out variables asks for no NVLink multicast
+    (the same list as ubnext's own gate)."""
+    from ubnext._gate import env_blockers
+
+    return bool(env_blockers(environ))
 
 
 def keep_multicast_off(environ: Any = os.environ) -> None:
@@ -52,6 +54,17 @@ def init_distributed(bootstrap: Any, device: int) -> None:
     os.environ.update(RANK=str(bootstrap.rank), WORLD_SIZE=str(bootstrap.size), LOCAL_RANK=str(device))
     dist.init_process_group("nccl", rank=bootstrap.rank, world_size=bootstrap.size,
                             device_id=torch.device("cuda", device))
+
+
+def open_communicator():
+    """A ubnext Communicator over MPI plus torch.distributed over the same ranks, with
+    multicast kept off where the host asked for that. Collective."""
+    keep_multicast_off()
+    import ubnext
+
+    comm = ubnext.Communicator()
+    init_distributed(comm.bootstrap, comm.device)
+    return comm
 
 
 def time_us(fn: Callable[[], None], mode: str, bootstrap: Any, iters: int = 50, launches: int = 10,

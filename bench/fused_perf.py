@@ -93,13 +93,9 @@ def check(comm, fns, out, rout, dtype: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    tb.keep_multicast_off()
+    comm = tb.open_communicator()
     import torch
 
-    import ubnext
-
-    comm = ubnext.Communicator()
-    tb.init_distributed(comm.bootstrap, comm.device)
     rank0 = comm.bootstrap.rank == 0
     modes = args.modes.split(",")
     records, bad = [], False

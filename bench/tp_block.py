@@ -110,13 +110,9 @@ class Block:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    tb.keep_multicast_off()
+    comm = tb.open_communicator()
     import torch
 
-    import ubnext
-
-    comm = ubnext.Communicator()
-    tb.init_distributed(comm.bootstrap, comm.device)
     rank0 = comm.bootstrap.rank == 0
     dtype = getattr(torch, args.dtype)
     records, bad = [], False
