@@ -56,8 +56,8 @@ def env_blockers(environ: Mapping[str, str]) -> list[str]:
     """The ``VAR=value`` settings in ``environ`` that forbid multicast (pure).
 
     A variable counts when its value, stripped, equals the blocking value of
-    :data:`ENV_BLOCKERS` (e.g. ``NCCL_NVLS_ENABLE=0``; ``NCCL_NVLS_ENABLE=1``
-    does not block).
+    :data:`ENV_BLOCKERS` (e.g. ``NCCL_NVLS_ENABLE=0``); any other value of the
+    same variable does not count.
     """
     return [f"{var}={value}" for var, value in ENV_BLOCKERS
             if environ.get(var, "").strip() == value]
