@@ -102,22 +102,45 @@ template <class T> struct Vec {
 // ---------------------------------------------------------------------------------
 // Reduction ops: combine in fp32; finish() runs once on the fully reduced value.
 // ---------------------------------------------------------------------------------
+// kFinishes: finish() changes the value (a reduction done elsewhere, e.g. in the NVSwitch,
+// still needs it).
 struct OpSum {
+  static constexpr bool kFinishes = false;
   __device__ static float combine(float a, float b) { return a + b; }
   __device__ static float finish(float a, int) { return a; }
 };
 struct OpAvg {
+  static constexpr bool kFinishes = true;
   __device__ static float combine(float a, float b) { return a + b; }
   __device__ static float finish(float a, int n) { return a / (float)n; }
 };
 struct OpMax {
+  static constexpr bool kFinishes = false;
   __device__ static float combine(float a, float b) { return fmaxf(a, b); }
   __device__ static float finish(float a, int) { return a; }
 };
 struct OpMin {
+  static constexpr bool kFinishes = false;
   __device__ static float combine(float a, float b) { return fminf(a, b); }
   __device__ static float finish(float a, int) { return a; }
 };
+
+// Reduces N packed vectors of T in array order (fp32), finishes, packs the result as T.
+// A fixed order gives the same bits wherever the same vectors are reduced.
+template <class T, class Op, int N> __device__ uint4 reduce_vectors(const uint4 (&v)[N]) {
+  constexpr int P = Vec<T>::kPer;
+  float acc[P], f[P];
+  Vec<T>::unpack(v[0], acc);
+#pragma unroll
+  for (int r = 1; r < N; ++r) {
+    Vec<T>::unpack(v[r], f);
+#pragma unroll
+    for (int e = 0; e < P; ++e) acc[e] = Op::combine(acc[e], f[e]);
+  }
+#pragma unroll
+  for (int e = 0; e < P; ++e) acc[e] = Op::finish(acc[e], N);
+  return Vec<T>::pack(acc);
+}
 
 // ---------------------------------------------------------------------------------
 // Memory primitives. "weak" = ordinary access; "strong" ones bypass the L1 cache.

@@ -81,7 +81,6 @@ __device__ void lamport_repoison(char* mine, const LamportLaunch& l, u64 slot_by
 // arrived, then reduces the slots in rank order 0..N-1 and packs the result as T.
 template <class T, class Op, int N>
 __device__ uint4 lamport_reduce(const char* buf, u64 slot_bytes, u64 i, const WaitCtx& c) {
-  constexpr int P = Vec<T>::kPer;
   uint4 v[N];
 #pragma unroll
   for (int r = 0; r < N; ++r) v[r] = ld_volatile(buf + r * slot_bytes + i * 16);
@@ -95,17 +94,7 @@ __device__ uint4 lamport_reduce(const char* buf, u64 slot_bytes, u64 i, const Wa
       } while (has_sentinel<T>(v[r]));
     }
   }
-  float acc[P], f[P];
-  Vec<T>::unpack(v[0], acc);
-#pragma unroll
-  for (int r = 1; r < N; ++r) {
-    Vec<T>::unpack(v[r], f);
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = Op::combine(acc[e], f[e]);
-  }
-#pragma unroll
-  for (int e = 0; e < P; ++e) acc[e] = Op::finish(acc[e], N);
-  return Vec<T>::pack(acc);
+  return reduce_vectors<T, Op, N>(v);
 }
 
 template <class T, class Op, int N, class Tp>

@@ -30,7 +30,6 @@ template <int N> struct Unicast {
   // are issued before the first is used. Loads are relaxed, system scope.
   template <class T, class Op, int U>
   __device__ void load_reduce(const u64 (&off)[U], const bool (&ok)[U], uint4 (&out)[U]) const {
-    constexpr int P = Vec<T>::kPer;
     uint4 v[U][N];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -40,19 +39,7 @@ template <int N> struct Unicast {
       }
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float acc[P], f[P];
-      Vec<T>::unpack(v[u][0], acc);
-#pragma unroll
-      for (int r = 1; r < N; ++r) {
-        Vec<T>::unpack(v[u][r], f);
-#pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] = Op::combine(acc[e], f[e]);
-      }
-#pragma unroll
-      for (int e = 0; e < P; ++e) acc[e] = Op::finish(acc[e], N);
-      out[u] = Vec<T>::pack(acc);
-    }
+    for (int u = 0; u < U; ++u) out[u] = reduce_vectors<T, Op, N>(v[u]);
   }
 
   // Stores v at byte offset off of every segment, in peer() order (weak stores), all of it
@@ -121,7 +108,7 @@ template <int N> struct Multicast : Unicast<N> {
     for (int u = 0; u < U; ++u) {
       if (ok[u]) out[u] = MultimemReduce<T, Op>::load(this->mc + off[u]);
     }
-    if (Op::finish(2.f, 2) != 2.f) {  // average: divide the sum once
+    if (Op::kFinishes) {  // average: divide the sum once
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         float f[P];
