@@ -94,6 +94,12 @@ NORM_SOURCE, NORM_ENTRY = "rmsnorm.cu", "ub_add_rmsnorm"
 NORM_THREADS = 1024
 
 
+def row_threads(vectors: int) -> int:
+    """Threads per block of a row kernel: one per 16-byte vector of a row, in whole
+    warps, at most NORM_THREADS."""
+    return max(32, min(NORM_THREADS, -(-vectors // 32) * 32))
+
+
 def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast") -> dict[str, str]:
     """Preprocessor definitions that instantiate a kernel entry point.
 

@@ -117,9 +117,14 @@ def check_out(x: Buffer, out, op: str) -> Buffer:
         )
     if o.device != x.device:
         raise UbnextError(f"{op}: out is on device {o.device}, input on device {x.device}")
-    if o.ptr != x.ptr and o.ptr < x.ptr + x.nbytes and x.ptr < o.ptr + o.nbytes:
+    if o.ptr != x.ptr and overlap(o, x):
         raise UbnextError(f"{op}: out partially overlaps the input; pass out=x for in place, or a separate array")
     return o
+
+
+def overlap(a: Buffer, b: Buffer) -> bool:
+    """Whether the bytes of ``a`` and ``b`` intersect."""
+    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
 def empty_like(x: Buffer):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 
@@ -71,9 +72,9 @@ class Communicator:
         # Off by the gate is expected (INFO); allowed but then not set up is a fallback (WARNING).
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}",
                  logging.WARNING if allowed and not self._nvls.enabled else logging.INFO)
-        usable = ["nccl"]
-        if self._node is not None:
-            usable += ["lamport", "twoshot"] + (["nvls_lamport", "nvls"] if self._node.multicast else [])
+        node = self._node
+        usable = [name for name, alg in ALGORITHMS.items()  # NCCL always; kernels need the pool
+                  if not alg.is_kernel or (node is not None and (not alg.multicast or node.multicast))]
         self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table, self._nccl_reason)
         for name, limit in self._selector.capped():
             log_once(f"select:{name}:{config.lamport_max_kb}:{limit}",
@@ -202,8 +203,6 @@ class Communicator:
             UbnextError: invalid arguments (before anything is launched), closed
                 communicator; CollectiveTimeoutError if an earlier launch timed out.
         """
-        import math
-
         name = "all_reduce_add_rmsnorm"
         self._check_open(name)
         xb = _arrays.describe(x, name)
@@ -232,12 +231,12 @@ class Communicator:
         bb = None if bias is None else operand(bias, "bias", (hidden,))
         nb = operand(_arrays.empty_like(xb) if out is None else out, "out", shape)
         ob = operand(_arrays.empty_like(xb) if residual_out is None else residual_out, "residual_out", shape)
-        if _overlap(nb, ob):
+        if _arrays.overlap(nb, ob):
             raise UbnextError(f"{name}: out and residual_out overlap; they must be separate arrays")
         for b, what in ((nb, "out"), (ob, "residual_out")):
-            if _overlap(b, xb):
+            if _arrays.overlap(b, xb):
                 raise UbnextError(f"{name}: {what} overlaps x; the outputs must be separate arrays")
-        if rb is not None and _overlap(ob, rb) and ob.ptr != rb.ptr:
+        if rb is not None and _arrays.overlap(ob, rb) and ob.ptr != rb.ptr:
             raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
                               f"for in place, or a separate array")
         algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype)
@@ -422,9 +421,9 @@ class Communicator:
         if chunk == 0:
             raise UbnextError(f"all_reduce_add_rmsnorm: one row of {row_bytes} bytes does not fit the staging slot "
                               f"(UBNEXT_STAGING_MB={self.config.staging_mb})")
+        residual, bias, weight, normed, res_out = norm
         for r0 in range(0, rows, chunk):
             off = r0 * row_bytes
-            residual, bias, weight, normed, res_out = norm
             part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
             eng.twoshot_norm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, stream)
 
@@ -457,10 +456,6 @@ class Communicator:
                 _copy(staging, src, n * width, stream)
                 eng.twoshot(algo, xb.dtype, op, eng.staging_off, 0, 0, n, stream)
                 _copy(dst, staging, n * width, stream)
-
-
-def _overlap(a, b) -> bool:
-    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
 def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:

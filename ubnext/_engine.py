@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS, compile_defines
+from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, compile_defines, row_threads
 from ._heap import SlotPlan
 from ._kernels import compile_module
 from ._launch import F32, I32, U64, Launcher
@@ -49,11 +49,6 @@ def plan_layout(nranks: int, lamport_bytes: int, staging_bytes: int) -> SlotPlan
         plan.add(f"lamport{width}", 3 * nranks * lamport_bytes)
     plan.add("staging", staging_bytes)
     return plan
-
-
-def row_threads(vectors: int) -> int:
-    """Threads per block of a row kernel: one per vector of a row, in warps, <= NORM_THREADS."""
-    return max(32, min(NORM_THREADS, -(-vectors // 32) * 32))
 
 
 class Engine:

@@ -4,7 +4,7 @@ all-reduce by any engine, NCCL included). Local to this rank: no pool, no peers.
 
 from __future__ import annotations
 
-from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, compile_defines
+from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, compile_defines, row_threads
 from ._kernels import compile_module
 from ._launch import F32, U64, Launcher
 
@@ -33,5 +33,5 @@ class AddRmsNorm:
         if launcher is None:
             module = compile_module(NORM_SOURCE, compile_defines(dtype, "sum", 1))
             launcher = self._launchers[dtype] = Launcher(module.get_function(NORM_ENTRY), _PARAMS)
-        threads = max(32, min(1024, -(-hidden // (16 // DTYPES[dtype][1]) // 32) * 32))
-        launcher(max(1, min(self._blocks, rows)), threads, stream, x, rows, hidden, *norm, eps)
+        vectors = -(-hidden * DTYPES[dtype][1] // 16)  # a thread per 16 bytes of a row
+        launcher(max(1, min(self._blocks, rows)), row_threads(vectors), stream, x, rows, hidden, *norm, eps)
