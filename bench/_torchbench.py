@@ -5,10 +5,16 @@ first imported."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import socket
 import statistics
+import sys
+import time
 from typing import Any, Callable
+
+from bench import _common as common
 
 MODES = ("eager", "graph")
 
@@ -56,15 +62,45 @@ def init_distributed(bootstrap: Any, device: int) -> None:
                             device_id=torch.device("cuda", device))
 
 
-def open_communicator():
+@contextlib.contextmanager
+def session():
     """A ubnext Communicator over MPI plus torch.distributed over the same ranks, with
-    multicast kept off where the host asked for that. Collective."""
+    multicast kept off where the host asked for that; both torn down at the end.
+    Collective."""
     keep_multicast_off()
     import ubnext
 
     comm = ubnext.Communicator()
-    init_distributed(comm.bootstrap, comm.device)
-    return comm
+    try:
+        init_distributed(comm.bootstrap, comm.device)
+        yield comm
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        comm.close()
+
+
+def save_report(comm: Any, kind: str, prefix: str, args: Any, argv: list[str], fields: dict[str, Any],
+                tags: tuple[str, ...] = ()) -> tuple[str, dict]:
+    """Rank 0: writes ``<args.outdir>/<stem>.json`` (kind ``ubnext.<kind>``, machine, date,
+    world size, command, environment, then ``fields``); returns the path without
+    ``.json`` and the document.
+
+    The stem is ``args.name``, else ``<prefix>_<gpu>_<n>gpu[_<tags>]_<date>``.
+    """
+    gpu = common.device_properties(comm.device)["name"]
+    stem = args.name or "_".join([prefix, "-".join(gpu.split()), f"{comm.size}gpu", *tags,
+                                  time.strftime("%Y%m%d-%H%M%S")])
+    os.makedirs(args.outdir, exist_ok=True)
+    doc = {"kind": f"ubnext.{kind}", "version": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "machine": {"hostname": socket.gethostname(), "gpu": gpu}, "world_size": comm.size,
+           "command": shlex.join([sys.executable, *sys.argv[:1], *argv]), "env": common.environment_subset(),
+           **fields}
+    path = os.path.join(args.outdir, stem)
+    print(f"# wrote {common.write_json(path + '.json', doc, overwrite=True)}")
+    return path, doc
 
 
 def time_us(fn: Callable[[], None], mode: str, bootstrap: Any, iters: int = 50, launches: int = 10,

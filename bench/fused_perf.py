@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a script: python bench/fused_perf.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,7 +76,7 @@ def candidates(comm, x, res, weight, eps):
     return fns, out, rout
 
 
-def check(comm, fns, out, rout, dtype: str) -> float:
+def check(comm, fns, out, rout) -> float:
     """Relative difference of the fused outputs from the NCCL + torch ones (max over ranks)."""
     import torch
 
@@ -93,41 +92,40 @@ def check(comm, fns, out, rout, dtype: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    comm = tb.open_communicator()
+    with tb.session() as comm:
+        return run(comm, args, argv)
+
+
+def run(comm, args, argv) -> int:
+    """Measures and reports (rank 0); returns the exit status. Collective."""
     import torch
 
     rank0 = comm.bootstrap.rank == 0
     modes = args.modes.split(",")
     records, bad = [], False
     tdtype = getattr(torch, args.dtype)
-    try:
-        for hidden in args.hidden:
-            shared = torch.Generator(device="cuda").manual_seed(hidden)  # the same weight on every rank
-            weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=shared)).to(tdtype)
-            for tokens in args.tokens:
-                g = torch.Generator(device="cuda").manual_seed(tokens * 7919 + hidden)
-                res = torch.randn(tokens, hidden, device="cuda", generator=g).to(tdtype)  # same on every rank
-                mine = torch.Generator(device="cuda").manual_seed(comm.rank + 1)
-                x = torch.randn(tokens, hidden, device="cuda", generator=mine).to(tdtype)
-                fns, out, rout = candidates(comm, x, res, weight, 1e-6)
-                err = check(comm, fns, out, rout, args.dtype)
-                bad |= err > 2e-2
-                for name, fn in fns.items():
-                    for mode in modes:
-                        if rank0:
-                            sys.stderr.write(f"\r{hidden:>6} x {tokens:<5} {name:<18} {mode:<6}")
-                        times = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
-                        records.append({"candidate": name, "mode": mode, "tokens": tokens, "hidden": hidden,
-                                        "bytes": x.numel() * x.element_size(), "times_us": times,
-                                        "median_us": tb.median(times), "rel_err_vs_nccl": err})
-        if rank0:
-            sys.stderr.write("\n")
-            report(comm, args, argv, records)
-    finally:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-        comm.close()
+    for hidden in args.hidden:
+        shared = torch.Generator(device="cuda").manual_seed(hidden)  # the same weight on every rank
+        weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=shared)).to(tdtype)
+        for tokens in args.tokens:
+            g = torch.Generator(device="cuda").manual_seed(tokens * 7919 + hidden)
+            res = torch.randn(tokens, hidden, device="cuda", generator=g).to(tdtype)  # same on every rank
+            mine = torch.Generator(device="cuda").manual_seed(comm.rank + 1)
+            x = torch.randn(tokens, hidden, device="cuda", generator=mine).to(tdtype)
+            fns, out, rout = candidates(comm, x, res, weight, 1e-6)
+            err = check(comm, fns, out, rout)
+            bad |= err > 2e-2
+            for name, fn in fns.items():
+                for mode in modes:
+                    if rank0:
+                        sys.stderr.write(f"\r{hidden:>6} x {tokens:<5} {name:<18} {mode:<6}")
+                    times = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
+                    records.append({"candidate": name, "mode": mode, "tokens": tokens, "hidden": hidden,
+                                    "bytes": x.numel() * x.element_size(), "times_us": times,
+                                    "median_us": tb.median(times), "rel_err_vs_nccl": err})
+    if rank0:
+        sys.stderr.write("\n")
+        report(comm, args, argv, records)
     return 1 if bad else 0
 
 
@@ -146,25 +144,12 @@ def table(records, mode: str) -> list[str]:
 
 
 def report(comm, args, argv, records) -> None:
-    import json
-    import shlex
-    import socket
-
     for mode in args.modes.split(","):
         print("\n".join(table(records, mode)), flush=True)
-    gpu = common.device_properties(comm.device)["name"]
-    name = args.name or f"fused_{'-'.join(gpu.split())}_{comm.size}gpu_{args.dtype}_{time.strftime('%Y%m%d-%H%M%S')}"
-    os.makedirs(args.outdir, exist_ok=True)
-    doc = {"kind": "ubnext.fused_perf", "version": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "machine": {"hostname": socket.gethostname(), "gpu": gpu}, "world_size": comm.size,
-           "dtype": args.dtype, "command": shlex.join([sys.executable, *sys.argv[:1], *argv]),
-           "env": common.environment_subset(),
-           "config": {"iters": args.iters, "graph_launches": args.graph_launches, "repeats": args.repeats},
-           "results": records}
-    path = os.path.join(args.outdir, name + ".json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    print(f"# wrote {path}")
+    path, doc = tb.save_report(comm, "fused_perf", "fused", args, argv, {
+        "dtype": args.dtype,
+        "config": {"iters": args.iters, "graph_launches": args.graph_launches, "repeats": args.repeats},
+        "results": records}, tags=(args.dtype,))
     panels = {}
     for mode in args.modes.split(","):
         for hidden in args.hidden:
@@ -175,8 +160,9 @@ def report(comm, args, argv, records) -> None:
                 lines[c] = ([t for t, _ in rows], [u for _, u in rows])
             panels[f"{mode}, hidden {hidden}"] = lines
     try:
-        png = tb.plot_lines(os.path.join(args.outdir, name + ".png"),
-                            f"all-reduce + add + RMSNorm, {args.dtype}, {comm.size} x {gpu}, {doc['date'][:10]}",
+        png = tb.plot_lines(path + ".png",
+                            f"all-reduce + add + RMSNorm, {args.dtype}, {comm.size} x {doc['machine']['gpu']}, "
+                            f"{doc['date'][:10]}",
                             panels, "tokens", "median us per step")
         print(f"# wrote {png}")
     except ImportError:

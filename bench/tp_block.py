@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a script: python bench/tp_block.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -110,52 +109,47 @@ class Block:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    comm = tb.open_communicator()
+    with tb.session() as comm:
+        return run(comm, args, argv)
+
+
+def run(comm, args, argv) -> int:
+    """Measures and reports (rank 0); returns the exit status. Collective."""
     import torch
 
     rank0 = comm.bootstrap.rank == 0
     dtype = getattr(torch, args.dtype)
     records, bad = [], False
-    try:
-        block = Block(comm, args.hidden, args.intermediate, dtype)
-        for tokens in args.tokens:
-            g = torch.Generator(device="cuda").manual_seed(tokens)  # the same activations on every rank
-            h = torch.randn(tokens, args.hidden, device="cuda", generator=g).to(dtype)
-            residual = torch.randn(tokens, args.hidden, device="cuda", generator=g).to(dtype)
-            fns, out, rout = block.steps(h, residual)
-            ref_out, ref_r = block.reference(h, residual)
-            errors = {}
-            for name, fn in fns.items():
-                out.fill_(float("nan"))
-                fn()
-                torch.cuda.synchronize()
-                err = max((a.double() - b.double()).norm().item() / b.double().norm().item()
-                          for a, b in ((out, ref_out), (rout, ref_r)))
-                errors[name] = max(comm.bootstrap.allgather_obj(err))
-                bad |= not errors[name] < 2e-2
-            for name, fn in fns.items():
-                for mode in args.modes.split(","):
-                    if rank0:
-                        sys.stderr.write(f"\r{tokens:<5} {name:<12} {mode:<6}")
-                    times = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
-                    records.append({"path": name, "mode": mode, "tokens": tokens, "times_us": times,
-                                    "median_us": tb.median(times), "rel_err_vs_1gpu": errors[name]})
-        if rank0:
-            sys.stderr.write("\n")
-            report(comm, args, argv, records)
-    finally:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-        comm.close()
+    block = Block(comm, args.hidden, args.intermediate, dtype)
+    for tokens in args.tokens:
+        g = torch.Generator(device="cuda").manual_seed(tokens)  # the same activations on every rank
+        h = torch.randn(tokens, args.hidden, device="cuda", generator=g).to(dtype)
+        residual = torch.randn(tokens, args.hidden, device="cuda", generator=g).to(dtype)
+        fns, out, rout = block.steps(h, residual)
+        ref_out, ref_r = block.reference(h, residual)
+        errors = {}
+        for name, fn in fns.items():
+            out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            err = max((a.double() - b.double()).norm().item() / b.double().norm().item()
+                      for a, b in ((out, ref_out), (rout, ref_r)))
+            errors[name] = max(comm.bootstrap.allgather_obj(err))
+            bad |= not errors[name] < 2e-2
+        for name, fn in fns.items():
+            for mode in args.modes.split(","):
+                if rank0:
+                    sys.stderr.write(f"\r{tokens:<5} {name:<12} {mode:<6}")
+                times = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
+                records.append({"path": name, "mode": mode, "tokens": tokens, "times_us": times,
+                                "median_us": tb.median(times), "rel_err_vs_1gpu": errors[name]})
+    if rank0:
+        sys.stderr.write("\n")
+        report(comm, args, argv, records)
     return 1 if bad else 0
 
 
 def report(comm, args, argv, records) -> None:
-    import json
-    import shlex
-    import socket
-
     modes = args.modes.split(",")
     for mode in modes:
         by = {(r["tokens"], r["path"]): r for r in records if r["mode"] == mode}
@@ -166,24 +160,15 @@ def report(comm, args, argv, records) -> None:
             u, n = by[(t, "ubnext")], by[(t, "nccl+torch")]
             print(f"{t:>7}{u['median_us']:>12.1f}{n['median_us']:>12.1f}{n['median_us'] / u['median_us']:>10.2f}"
                   f"{u['rel_err_vs_1gpu']:>12.1e}{n['rel_err_vs_1gpu']:>10.1e}")
-    gpu = common.device_properties(comm.device)["name"]
-    name = args.name or f"tp_block_{'-'.join(gpu.split())}_{comm.size}gpu_{time.strftime('%Y%m%d-%H%M%S')}"
-    os.makedirs(args.outdir, exist_ok=True)
-    doc = {"kind": "ubnext.tp_block", "version": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "machine": {"hostname": socket.gethostname(), "gpu": gpu}, "world_size": comm.size,
-           "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate,
-           "command": shlex.join([sys.executable, *sys.argv[:1], *argv]), "env": common.environment_subset(),
-           "results": records}
-    path = os.path.join(args.outdir, name + ".json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    print(f"# wrote {path}")
+    path, doc = tb.save_report(comm, "tp_block", "tp_block", args, argv, {
+        "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "results": records})
     panels = {mode: {p: ([r["tokens"] for r in records if r["mode"] == mode and r["path"] == p],
                          [r["median_us"] for r in records if r["mode"] == mode and r["path"] == p]) for p in PATHS}
               for mode in modes}
     try:
-        print("# wrote " + tb.plot_lines(os.path.join(args.outdir, name + ".png"),
-                                         f"TP MLP block, hidden {args.hidden}, {args.dtype}, {comm.size} x {gpu}",
+        print("# wrote " + tb.plot_lines(path + ".png",
+                                         f"TP MLP block, hidden {args.hidden}, {args.dtype}, "
+                                         f"{comm.size} x {doc['machine']['gpu']}",
                                          panels, "tokens", "median us per block"))
     except ImportError:
         print("# matplotlib not installed: no PNG")
