@@ -41,12 +41,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-G", "--graph-launches", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--modes", default="eager,graph")
+    p.add_argument("-a", "--algo", default="auto", help="ubnext algorithm of the fused call and the all-reduce")
     p.add_argument("--name", default=None, help="file stem (default: fused_<gpu>_<n>gpu_<dtype>_<date>)")
     p.add_argument("--outdir", default=RESULTS_DIR)
     return p.parse_args(argv)
 
 
-def candidates(comm, x, res, weight, eps):
+def candidates(comm, x, res, weight, eps, algo="auto"):
     """name -> callable that runs one fused or unfused step on torch's current stream."""
     import torch
     import torch.distributed as dist
@@ -56,13 +57,13 @@ def candidates(comm, x, res, weight, eps):
     out, rout, y = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
 
     def fused():
-        comm.all_reduce_add_rmsnorm(x, res, weight, eps=eps, out=out, residual_out=rout)
+        comm.all_reduce_add_rmsnorm(x, res, weight, eps=eps, out=out, residual_out=rout, algorithm=algo)
 
     def allreduce():
-        comm.all_reduce(x, out=y)
+        comm.all_reduce(x, out=y, algorithm=algo)
 
     def ubnext_torch():
-        comm.all_reduce(x, out=y)
+        comm.all_reduce(x, out=y, algorithm=algo)
         torch.add(y, res, out=rout)
         out.copy_(F.rms_norm(rout, (hidden,), weight, eps))
 
@@ -112,7 +113,7 @@ def run(comm, args, argv) -> int:
             res = torch.randn(tokens, hidden, device="cuda", generator=g).to(tdtype)  # same on every rank
             mine = torch.Generator(device="cuda").manual_seed(comm.rank + 1)
             x = torch.randn(tokens, hidden, device="cuda", generator=mine).to(tdtype)
-            fns, out, rout = candidates(comm, x, res, weight, 1e-6)
+            fns, out, rout = candidates(comm, x, res, weight, 1e-6, args.algo)
             err = check(comm, fns, out, rout)
             bad |= err > 2e-2
             for name, fn in fns.items():
@@ -148,7 +149,8 @@ def report(comm, args, argv, records) -> None:
         print("\n".join(table(records, mode)), flush=True)
     path, doc = tb.save_report(comm, "fused_perf", "fused", args, argv, {
         "dtype": args.dtype,
-        "config": {"iters": args.iters, "graph_launches": args.graph_launches, "repeats": args.repeats},
+        "config": {"iters": args.iters, "graph_launches": args.graph_launches, "repeats": args.repeats,
+                   "algo": args.algo},
         "results": records}, tags=(args.dtype,))
     panels = {}
     for mode in args.modes.split(","):

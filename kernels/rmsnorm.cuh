@@ -14,6 +14,11 @@
 #ifndef UB_NORM_THREADS
 #define UB_NORM_THREADS 1024
 #endif
+// Vectors of a row each thread keeps in registers between the two passes of finish_row
+// (hidden 16384 fp32 with 1024 threads); vectors beyond are read back from res_out.
+#ifndef UB_ROW_KEEP
+#define UB_ROW_KEEP 4
+#endif
 
 // The epilogue's operands: local arrays of the caller, rows x hidden, row-major.
 struct NormArgs {
@@ -98,4 +103,41 @@ __device__ uint4 normalize(const NormArgs& a, u64 col, const uint4& res, float s
 #pragma unroll
   for (int e = 0; e < P; ++e) f[e] = normalized(f[e], scale, w[e]);
   return Vec<T>::pack(f);
+}
+
+// Finishes row `row`: res = fetch(v), the residual sum of vector v packed as T, for every
+// vector of the row, stored to res_out; then normed from res and the row's scale. The
+// vectors are spread over the block's threads in a fixed pattern (the same bits on every
+// rank). Every thread of the block calls it.
+template <class T, class Fetch>
+__device__ void finish_row(const NormArgs& a, u64 row, Fetch fetch) {
+  const u64 vpr = a.hidden / Vec<T>::kPer;
+  char* res_out = a.res_out + row * vpr * 16;
+  char* normed = a.normed + row * vpr * 16;
+  const u64 kept = (u64)UB_ROW_KEEP * blockDim.x;
+  uint4 keep[UB_ROW_KEEP];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < UB_ROW_KEEP; ++k) {
+    const u64 v = threadIdx.x + (u64)k * blockDim.x;
+    if (v < vpr) {
+      keep[k] = fetch(v);
+      st_weak(res_out + v * 16, keep[k]);
+      ss += sum_squares<T>(keep[k]);
+    }
+  }
+  for (u64 v = threadIdx.x + kept; v < vpr; v += blockDim.x) {
+    const uint4 r = fetch(v);
+    st_weak(res_out + v * 16, r);
+    ss += sum_squares<T>(r);
+  }
+  const float scale = rms_scale(block_sum(ss), a.hidden, a.eps);
+#pragma unroll
+  for (int k = 0; k < UB_ROW_KEEP; ++k) {
+    const u64 v = threadIdx.x + (u64)k * blockDim.x;
+    if (v < vpr) st_weak(normed + v * 16, normalize<T>(a, v, keep[k], scale));
+  }
+  for (u64 v = threadIdx.x + kept; v < vpr; v += blockDim.x) {
+    st_weak(normed + v * 16, normalize<T>(a, v, ld_weak(res_out + v * 16), scale));
+  }
 }

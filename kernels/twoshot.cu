@@ -149,7 +149,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
 // ---- entry points, instantiated per (UB_T, UB_OP, UB_NRANKS, UB_TRANSPORT) ---------
 
 extern "C" __global__ void __launch_bounds__(UB_TWOSHOT_THREADS)
-ub_twoshot(char* base, u64 stride, int rank, char* mc, u64 buf_off, u64 flags_off,
+ub_twoshot(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 buf_off,
            const char* src, char* dst, u64 n, LaunchState* state, ErrorRecord* err,
            u64 timeout_ns) {
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};

@@ -21,6 +21,7 @@ DEFAULTS = {
     "pool_mb": 1024,
     "staging_mb": 128,
     "lamport_max_kb": 1024,
+    "lamport_twoshot_max_kb": 16384,
     "algorithm": "auto",
     "timeout_s": 60.0,
     "nvls": "auto",
@@ -54,6 +55,7 @@ def test_frozen():
         ("UBNEXT_POOL_MB", " 512 ", "pool_mb", 512),
         ("UBNEXT_STAGING_MB", "64", "staging_mb", 64),
         ("UBNEXT_LAMPORT_MAX_KB", "256", "lamport_max_kb", 256),
+        ("UBNEXT_LAMPORT_TWOSHOT_MAX_KB", "4096", "lamport_twoshot_max_kb", 4096),
         ("UBNEXT_ALGO", "TwoShot", "algorithm", "twoshot"),
         ("UBNEXT_ALGO", "nccl", "algorithm", "nccl"),
         ("UBNEXT_TIMEOUT_S", "2.5", "timeout_s", 2.5),
@@ -103,7 +105,7 @@ def test_unknown_override_is_type_error():
         ("UBNEXT_POOL_MB", "1.5", "an integer >= 1"),
         ("UBNEXT_POOL_MB", "lots", "an integer >= 1"),
         ("UBNEXT_MAX_BLOCKS", "-1", "an integer >= 0"),
-        ("UBNEXT_ALGO", "ring", "one of auto|lamport|twoshot|nccl"),
+        ("UBNEXT_ALGO", "ring", "one of auto|lamport|lamport_twoshot|twoshot|nccl"),
         ("UBNEXT_TIMEOUT_S", "0", "a finite number > 0"),
         ("UBNEXT_TIMEOUT_S", "-3", "a finite number > 0"),
         ("UBNEXT_TIMEOUT_S", "inf", "a finite number > 0"),
@@ -163,9 +165,9 @@ def test_markdown_table_lists_every_field():
     assert len(rows) == len(dataclasses.fields(Config))
     for row, f in zip(rows, dataclasses.fields(Config)):
         assert row.startswith(f"| `{f.metadata['env']}` | ")
-    assert "| `UBNEXT_TIMEOUT_S` | `60` |" in rows[4]
-    assert "| `UBNEXT_DEBUG` | `0` |" in rows[8]
-    assert "| `UBNEXT_TUNE_FILE` | (empty) |" in rows[9]
+    assert "| `UBNEXT_TIMEOUT_S` | `60` |" in rows[5]
+    assert "| `UBNEXT_DEBUG` | `0` |" in rows[9]
+    assert "| `UBNEXT_TUNE_FILE` | (empty) |" in rows[10]
 
 
 def test_readme_table_matches_config():

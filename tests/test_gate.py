@@ -169,7 +169,7 @@ def node_path(monkeypatch):
     monkeypatch.setattr(node_module, "Engine", StubEngine)
     monkeypatch.setattr(node_module, "TimeoutRecord", StubTimeoutRecord)
     monkeypatch.setattr(cupy.cuda, "Device", StubDevice)
-    config_args = dict(pool_mb=16, staging_mb=1, lamport_max_kb=64, timeout_s=10)
+    config_args = dict(pool_mb=16, staging_mb=1, lamport_max_kb=64, lamport_twoshot_max_kb=512, timeout_s=10)
 
     def run(fake, mode, environ, n=2):
         config = Config(nvls=mode, **config_args)

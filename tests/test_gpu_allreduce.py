@@ -21,6 +21,13 @@ DTYPES = ("bfloat16", "float16", "float32")
 WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
 # element counts: 1, 7, 4096, 1M+3, and 64 MiB / 256 MiB of data
 SIZES = ("1", "7", "4096", "1M+3", "64MiB", "256MiB")
+#: largest message of the algorithms with bounded buffers (the default Config)
+LIMIT = {"lamport": MIB, "lamport_twoshot": 16 * MIB}
+KERNELS = ("lamport", "lamport_twoshot", "twoshot")
+
+
+def too_big(algo: str, nbytes: int) -> bool:
+    return nbytes > LIMIT.get(algo, nbytes)
 
 
 def count_of(size: str, dtype: str) -> int:
@@ -39,11 +46,11 @@ def comm():
 
 
 def cases():
-    for algo in ("lamport", "twoshot", "nccl", "auto"):
+    for algo in (*KERNELS, "nccl", "auto"):
         for dtype in DTYPES:
             for size in SIZES:
                 nbytes = count_of(size, dtype) * WIDTH[dtype]
-                if algo == "lamport" and nbytes > MIB:
+                if too_big(algo, nbytes):
                     continue
                 if algo == "auto" and size == "256MiB":
                     continue  # auto takes twoshot there, tested above
@@ -76,7 +83,7 @@ def test_all_reduce_sum(comm, algo, dtype, size, place, fw):
     assert_same_bits_everywhere(comm, got)
 
 
-@pytest.mark.parametrize("algo", ["lamport", "twoshot"])
+@pytest.mark.parametrize("algo", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("size", ["7", "4096", "1M+3", "64MiB"])
 @pytest.mark.parametrize("place", ["in", "out"])
@@ -85,8 +92,8 @@ def test_symmetric_buffers(comm, algo, dtype, size, place):
     import torch
 
     count = count_of(size, dtype)
-    if algo == "lamport" and count * WIDTH[dtype] > MIB:
-        pytest.skip("larger than the Lamport buffers")
+    if too_big(algo, count * WIDTH[dtype]):
+        pytest.skip(f"larger than the {algo} buffers")
     seed = 7 + count
     x = comm.empty((count,), dtype, framework="torch")
     x.copy_(make_input(count, dtype, comm.rank, seed, specials=True))
@@ -99,7 +106,7 @@ def test_symmetric_buffers(comm, algo, dtype, size, place):
 
 
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
-@pytest.mark.parametrize("algo", ["lamport", "twoshot", "nccl"])
+@pytest.mark.parametrize("algo", [*KERNELS, "nccl"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ops(comm, op, algo, dtype):
     import torch
@@ -112,7 +119,7 @@ def test_ops(comm, op, algo, dtype):
     check_close(got, reference(count, dtype, comm.size, 3, specials=False, op=op), dtype, tol)
 
 
-@pytest.mark.parametrize("algo", ["lamport", "twoshot"])
+@pytest.mark.parametrize("algo", KERNELS)
 def test_misaligned_arrays_take_the_staging_copy(comm, algo):
     """A view starting 2 bytes into an allocation cannot use 16-byte vectors directly."""
     import torch
@@ -134,3 +141,19 @@ def test_2d_input_keeps_its_shape(comm):
     assert got.shape == (64, 96)
     torch.cuda.synchronize()
     check_close(got, reference(64 * 96, "float32", comm.size, 5, specials=False), "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("extra", [0, -1, -8])
+def test_lamport_twoshot_at_its_limit(comm, dtype, extra):
+    """The largest messages its buffers take, with slices that do not divide evenly;
+    then a small one, so the next launch re-poisons a full previous buffer."""
+    import torch
+
+    for count in (LIMIT["lamport_twoshot"] // WIDTH[dtype] + extra, 1000):
+        x = make_input(count, dtype, comm.rank, 21 + count, specials=True)
+        out = torch.full_like(x, float("nan"))
+        comm.all_reduce(x, out=out, algorithm="lamport_twoshot")
+        torch.cuda.synchronize()
+        check_close(out, reference(count, dtype, comm.size, 21 + count, specials=True), dtype)
+        assert_same_bits_everywhere(comm, out)

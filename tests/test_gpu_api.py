@@ -12,7 +12,7 @@ from gpu_support import check_close, make_input, reference, require_gpu_and_torc
 
 pytestmark = pytest.mark.gpu
 
-SMALL = dict(pool_mb=64, staging_mb=8, lamport_max_kb=256)
+SMALL = dict(pool_mb=64, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,9 @@ def test_back_to_back_calls_with_changing_sizes_and_algorithms(comm):
     pending = []
     for call in range(10_000):
         n = int(rng.choice(sizes))
-        lamport_ok = n * 4 <= SMALL["lamport_max_kb"] << 10
-        algo = "lamport" if lamport_ok and call % 2 == 0 else "twoshot"
+        algo = ("lamport", "lamport_twoshot", "twoshot")[call % 3]
+        if not comm._selector.fits(algo, n * 4):  # larger than its buffers
+            algo = "twoshot"
         k = call % batch
         outs[k][:n].fill_(float("nan"))
         comm.all_reduce(x_all[:n], out=outs[k][:n], algorithm=algo)
@@ -111,31 +112,33 @@ def test_back_to_back_calls_with_changing_sizes_and_algorithms(comm):
 
 
 def test_cuda_graph_replay(comm):
-    """One graph holding a Lamport and a two-shot all-reduce, replayed 100 times with new inputs."""
+    """One graph holding a Lamport one-shot, a Lamport two-shot and a two-shot all-reduce,
+    replayed 100 times with new inputs."""
     import torch
 
-    n_small, n_big = 2000, 300_000
+    n_small, n_mid, n_big = 2000, 100_003, 300_000
     xs = torch.empty(n_small, device="cuda", dtype=torch.bfloat16)
+    xm = torch.empty(n_mid, device="cuda", dtype=torch.bfloat16)
     xb = torch.empty(n_big, device="cuda", dtype=torch.bfloat16)
-    ys, yb = torch.empty_like(xs), torch.empty_like(xb)
+    ys, ym, yb = torch.empty_like(xs), torch.empty_like(xm), torch.empty_like(xb)
+    calls = ((xs, ys, "lamport"), (xm, ym, "lamport_twoshot"), (xb, yb, "twoshot"))
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):  # warm up: compiles the kernels outside capture
-        comm.all_reduce(xs, out=ys, algorithm="lamport")
-        comm.all_reduce(xb, out=yb, algorithm="twoshot")
+        for x, y, algo in calls:
+            comm.all_reduce(x, out=y, algorithm=algo)
     s.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
-        comm.all_reduce(xs, out=ys, algorithm="lamport")
-        comm.all_reduce(xb, out=yb, algorithm="twoshot")
+        for x, y, algo in calls:
+            comm.all_reduce(x, out=y, algorithm=algo)
     for it in range(100):
-        xs.copy_(make_input(n_small, "bfloat16", comm.rank, it, specials=False))
-        xb.copy_(make_input(n_big, "bfloat16", comm.rank, 1000 + it, specials=False))
-        ys.fill_(float("nan"))
-        yb.fill_(float("nan"))
+        for k, (x, y, _) in enumerate(calls):
+            x.copy_(make_input(x.numel(), "bfloat16", comm.rank, 1000 * k + it, specials=False))
+            y.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        check_close(ys, reference(n_small, "bfloat16", comm.size, it, specials=False), "bfloat16")
-        check_close(yb, reference(n_big, "bfloat16", comm.size, 1000 + it, specials=False), "bfloat16")
+        for k, (x, y, _) in enumerate(calls):
+            check_close(y, reference(x.numel(), "bfloat16", comm.size, 1000 * k + it, specials=False), "bfloat16")
 
 
 def test_empty_returns_symmetric_arrays_and_frees_them(comm):

@@ -25,7 +25,7 @@ from ubnext.bootstrap._base import _SubsetBootstrap
 
 pytestmark = pytest.mark.gpu
 
-SMALL = dict(pool_mb=64, staging_mb=8, lamport_max_kb=256)
+SMALL = dict(pool_mb=64, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
 #: what the lent GPU machines set: NVLink multicast is off there
 GPU_MACHINE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SIZES = (1, 1000, 70_000, 1 << 20)  # elements
@@ -158,18 +158,25 @@ def test_c_ranks_on_two_nodes_use_nccl(logged):
     logged_once(logged, "using NCCL for every call", "ranks span several nodes")
 
 
-def test_d_lamport_sized_message_above_lamport_max_goes_to_twoshot(logged):
+def test_d_lamport_sized_message_above_lamport_max_goes_to_twoshot(logged, tmp_path):
+    import json
+
     import torch
 
     import ubnext
 
-    with communicator(pool_mb=64, staging_mb=8, lamport_max_kb=1) as comm:
-        assert comm.algorithms() == ["lamport", "twoshot", "nccl"]
+    # a table giving Lamport 1 MiB, then two-shot (the shipped one has Lamport two-shot between)
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"format": 1, "machine": "test", "tables": {
+        "*": {"bfloat16": [[1 << 20, "lamport"], [None, "twoshot"]]}}}))
+    with communicator(pool_mb=64, staging_mb=8, lamport_max_kb=1, lamport_twoshot_max_kb=1,
+                      tune_file=str(table)) as comm:
+        assert comm.algorithms() == ["lamport", "lamport_twoshot", "twoshot", "nccl"]
         check_all_reduce(comm, "lamport", "float32", sizes=(1, 256))  # up to 1 KiB
         check_all_reduce(comm, "twoshot", "float32", sizes=(257, 2048, 16_000), seed=10)  # Lamport-sized
         with pytest.raises(ubnext.UbnextError, match="cannot take"):
             comm.all_reduce(torch.ones(2048, device="cuda"), algorithm="lamport")
-    logged_once(logged, "above 1 KiB", "go to the next algorithm", "UBNEXT_LAMPORT_MAX_KB=1")
+    logged_once(logged, "gives lamport messages up to", "go to the next algorithm", "UBNEXT_LAMPORT_MAX_KB=1")
 
 
 @pytest.fixture
@@ -208,7 +215,7 @@ def test_e_gpu_machine_env_keeps_multicast_off(monkeypatch, logged, multicast_fo
         assert not comm.nvls.enabled
         assert "NCCL_NVLS_ENABLE=0" in comm.nvls.reason
         assert comm._node.multicast is None and comm._node.engine._mc_base == 0
-        assert comm.algorithms() == ["lamport", "twoshot", "nccl"]  # the unicast kernels still run
+        assert comm.algorithms() == ["lamport", "lamport_twoshot", "twoshot", "nccl"]  # the unicast kernels still run
         check_all_reduce(comm, "lamport", sizes=(1000,))
         check_all_reduce(comm, "twoshot", sizes=(70_000,), seed=1, algorithm="twoshot")
     assert multicast_forbidden == []

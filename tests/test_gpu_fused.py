@@ -83,21 +83,25 @@ def run_and_check(comm, tokens, hidden, dtype, algo="auto", residual=True, bias=
     assert_same_bits_everywhere(comm, to_torch(rsum))
 
 
-def lamport_fits(comm, tokens, hidden, dtype):
-    return tokens * hidden * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype] <= comm.config.lamport_max_kb << 10
+KERNELS = ("lamport", "lamport_twoshot", "twoshot")
+
+
+def fits(comm, algo, tokens, hidden, dtype):
+    """Whether the selector lets ``algo`` take the message (bounded buffers)."""
+    return comm._selector.fits(algo, tokens * hidden * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [128, 4096, 8192, 12288])
 @pytest.mark.parametrize("tokens", [1, 3, 64, 1000])
-@pytest.mark.parametrize("algo", ["lamport", "twoshot"])
+@pytest.mark.parametrize("algo", KERNELS)
 def test_fused_matches_fp64(comm, algo, tokens, hidden, dtype):
-    if algo == "lamport" and not lamport_fits(comm, tokens, hidden, dtype):
-        pytest.skip("larger than the Lamport buffers")
+    if not fits(comm, algo, tokens, hidden, dtype):
+        pytest.skip(f"larger than the {algo} buffers")
     run_and_check(comm, tokens, hidden, dtype, algo)
 
 
-@pytest.mark.parametrize("algo", ["lamport", "twoshot", "auto"])
+@pytest.mark.parametrize("algo", [*KERNELS, "auto"])
 @pytest.mark.parametrize("residual,bias", [(True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("place", ["in", "out"])
 @pytest.mark.parametrize("fw", ["torch", "cupy"])
@@ -109,9 +113,10 @@ def test_fused_variants(comm, algo, residual, bias, place, fw):
 def test_large_hidden(comm, hidden):
     run_and_check(comm, 5, hidden, "float32", "twoshot")
     run_and_check(comm, 5, hidden, "bfloat16", "lamport")
+    run_and_check(comm, 5, hidden, "float32", "lamport_twoshot")
 
 
-@pytest.mark.parametrize("algo", ["lamport", "twoshot", "nccl"])
+@pytest.mark.parametrize("algo", [*KERNELS, "nccl"])
 @pytest.mark.parametrize("hidden", [100, 4099])
 def test_unfused_fallback_for_odd_hidden(comm, algo, hidden):
     """Hidden sizes that are not a multiple of 8: all-reduce + the separate kernel."""
@@ -151,10 +156,10 @@ def test_fused_matches_unfused_closely(comm):
 
 
 def test_graph_capture_and_replay(comm):
-    """Fused Lamport and fused two-shot in one graph, replayed with new inputs."""
+    """Every fused kernel in one graph, replayed with new inputs."""
     import torch
 
-    cases = [(2, 4096, "lamport"), (300, 2048, "twoshot")]
+    cases = [(2, 4096, "lamport"), (130, 4096, "lamport_twoshot"), (300, 2048, "twoshot")]
     bufs = []
     for tokens, hidden, _ in cases:
         x, res, weight, b = operands(comm, tokens, hidden, "bfloat16", 0)
@@ -186,13 +191,13 @@ def test_graph_capture_and_replay(comm):
 
 
 def test_interleaves_with_plain_all_reduce(comm):
-    """Fused and plain launches share the Lamport rotation and the two-shot epochs."""
+    """Fused and plain launches share the Lamport rotations and the two-shot epochs."""
     import torch
 
     from gpu_support import reference as ar_reference
 
     for it in range(40):
-        algo = ("lamport", "twoshot")[it % 2]
+        algo = KERNELS[it % 3]
         run_and_check(comm, 1 + it % 5, 512, "bfloat16", algo, seed=it)
         n = 1000 + 37 * it
         y = comm.all_reduce(make_input(n, "float32", comm.rank, it, False), algorithm=algo)

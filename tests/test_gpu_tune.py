@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 def comm():
     import ubnext
 
-    c = ubnext.Communicator(pool_mb=64, staging_mb=8, lamport_max_kb=256)
+    c = ubnext.Communicator(pool_mb=64, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
     yield c
     c.close()
 
@@ -52,7 +52,7 @@ def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
     record = table.document["measured"][str(comm.size)]["bfloat16"]
     assert record["sizes"] == [4 << 10, 64 << 10, 1 << 20]
     assert all(t is None or t > 0 for times in record["us"].values() for t in times)
-    with ubnext.Communicator(pool_mb=64, staging_mb=8, tune_file=path) as tuned:
+    with ubnext.Communicator(pool_mb=64, staging_mb=8, lamport_twoshot_max_kb=2048, tune_file=path) as tuned:
         assert tuned.describe()["tables"][0] == f"tune file {path}"
         winners = dict(zip(record["sizes"], record["winners"]))
         for nbytes, name in winners.items():

@@ -237,3 +237,28 @@ def test_heap_range_is_aligned_and_validated():
         UserHeap(1024, 0)
     with pytest.raises(ValueError, match="negative size"):
         heap.alloc(-1, lambda payload: [payload])
+
+
+# --------------------------------------------------------------------------- the engine's library slots
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
+def test_library_slots_cover_every_lamport_family(nranks):
+    """Every Lamport family of the algorithm table has a launch state and a set of three
+    buffers per element width (Engine.initialize poisons exactly these), and a Lamport
+    two-shot area holds every rank's whole slice of its largest message."""
+    from ubnext._algorithms import ALGORITHMS
+    from ubnext._engine import plan_layout
+
+    one, two = 64 << 10, (1 << 20) + 48
+    plan = plan_layout(nranks, one, two, 8 << 20)
+    families = {a.family for a in ALGORITHMS.values() if a.pushed}
+    assert families == {"lamport", "lamport_twoshot"}
+    for width in (2, 4):
+        assert plan.nbytes(f"lamport{width}") == 3 * nranks * one
+        area = plan.nbytes(f"lamport_twoshot{width}") // 6
+        vectors = -(-two // 16)
+        assert nranks * -(-vectors // nranks) * 16 <= area
+        for family in families:
+            assert plan.nbytes(f"{family}{width}.state") == 16
+    assert plan.offset("staging") + plan.nbytes("staging") == plan.end

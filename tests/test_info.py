@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from ubnext import Config, _describe, _info
-from ubnext._select import Selector
+from ubnext._select import Selector, buffer_limits
 from ubnext._table import load_table
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def test_version_codes():
 
 def fake_comm(usable=("lamport", "twoshot", "nccl"), nccl_reason=None, table=None, nvls=None, **config):
     cfg = Config.from_env({}, **config)
-    selector = Selector(4, cfg.lamport_max_kb << 10, list(usable), table, nccl_reason or "")
+    selector = Selector(4, buffer_limits(cfg), list(usable), table, nccl_reason or "")
     node = None
     if "lamport" in usable:
         node = SimpleNamespace(pool=SimpleNamespace(size=1024 * MiB),
@@ -109,8 +109,8 @@ def test_describe_reports_path_pool_tables_and_selection():
     assert "pool: 1024.0 MiB per rank; user heap 700.0 MiB, 600.0 MiB free" in text
     assert "NVLink multicast: off (not available in this build)" in text
     assert "  UBNEXT_LAMPORT_MAX_KB  1024" in text
-    assert "       4 KiB  lamport  table row ≤ 1 MiB for 4 ranks bfloat16 (default table h200)" in text
-    assert "       1 GiB  nccl     table row > 8 MiB for 4 ranks float32 (default table h200)" in text
+    assert "       4 KiB  lamport  table row ≤ 256 KiB for 4 ranks bfloat16 (default table h200)" in text
+    assert "       1 GiB  nccl     table row > 16 MiB for 4 ranks float32 (default table h200)" in text
 
 
 def test_describe_nccl_only_forced_algorithm_nvls_and_tune_file(tmp_path):

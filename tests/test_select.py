@@ -12,8 +12,14 @@ from ubnext._algorithms import ALGORITHMS, DTYPES
 from ubnext._select import Selector
 from ubnext._table import ANY_WORLD, agreed_table, default_table, load_table, parse_table
 
-ALL = ["lamport", "twoshot", "nccl"]
+ALL = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
 KiB, MiB = 1 << 10, 1 << 20
+
+
+def lim(lamport: int, lamport_twoshot: int = 16 * MiB) -> dict:
+    """Selector limits as ``buffer_limits`` builds them from a Config."""
+    return {"lamport": (lamport, f"UBNEXT_LAMPORT_MAX_KB={lamport >> 10}"),
+            "lamport_twoshot": (lamport_twoshot, f"UBNEXT_LAMPORT_TWOSHOT_MAX_KB={lamport_twoshot >> 10}")}
 
 
 def write(tmp_path, document, name="t.json"):
@@ -36,7 +42,9 @@ def test_default_table_matches_the_measurements():
         assert set(t.rows[world]) == set(DTYPES)  # every dtype spelled out
         assert t.rows[world]["float16"] == t.rows[world]["bfloat16"] == t.rows[world]["float32"]
     for world in ("2", "4"):  # measured by python -m ubnext.tune (bench/results/tune_h200x*.txt)
-        assert t.rows[world]["bfloat16"] == ((1 * MiB, "lamport"), (8 * MiB, "twoshot"), (None, "nccl"))
+        assert t.rows[world]["bfloat16"][1:] == ((16 * MiB, "lamport_twoshot"), (None, "nccl"))
+    assert t.rows["2"]["bfloat16"][0] == (1 * MiB, "lamport")
+    assert t.rows["4"]["bfloat16"][0] == (256 * KiB, "lamport")
     assert t.rows[ANY_WORLD]["bfloat16"] == ((256 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
 
 
@@ -53,16 +61,17 @@ def test_default_table_ships_in_the_wheel():
 
 
 def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
-    sel = Selector(4, lamport_max=1 * MiB, usable=ALL)
+    sel = Selector(4, lim(1 * MiB), usable=ALL)
     assert sel.select(2048, "bfloat16") == "lamport"
-    assert sel.select(1 * MiB, "bfloat16") == "lamport"
-    assert sel.select(1 * MiB + 2, "bfloat16") == "twoshot"
-    assert sel.select(8 * MiB, "bfloat16") == "twoshot"
-    assert sel.select(16 * MiB, "bfloat16") == "nccl"  # measured: NCCL wins there on plain arrays
-    assert Selector(2, 1 * MiB, ALL).select(256 * MiB, "bfloat16") == "nccl"
-    assert Selector(8, 1 * MiB, ALL).select(300 * KiB, "float32") == "twoshot"  # row "*"
-    assert Selector(4, lamport_max=1024, usable=ALL).select(4096, "float32") == "twoshot"
-    nccl_only = Selector(8, lamport_max=1 * MiB, usable=["nccl"])
+    assert sel.select(256 * KiB, "bfloat16") == "lamport"
+    assert sel.select(256 * KiB + 2, "bfloat16") == "lamport_twoshot"
+    assert sel.select(16 * MiB, "bfloat16") == "lamport_twoshot"
+    assert sel.select(16 * MiB + 2, "bfloat16") == "nccl"  # measured: NCCL wins there on plain arrays
+    assert Selector(4, lim(1 * MiB), ["lamport", "twoshot", "nccl"]).select(1 * MiB, "bfloat16") == "nccl"
+    assert Selector(2, lim(1 * MiB), ALL).select(256 * MiB, "bfloat16") == "nccl"
+    assert Selector(8, lim(1 * MiB), ALL).select(300 * KiB, "float32") == "twoshot"  # row "*"
+    assert Selector(4, lim(1024), usable=ALL).select(4096, "float32") == "lamport_twoshot"
+    nccl_only = Selector(8, lim(1 * MiB), usable=["nccl"])
     assert nccl_only.select(16, "float16") == "nccl"
     assert not nccl_only.fits("lamport", 16)
 
@@ -71,35 +80,35 @@ def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
 
 
 def test_explain_names_the_row_and_the_table():
-    sel = Selector(4, 1 * MiB, ALL)
+    sel = Selector(4, lim(1 * MiB), ALL)
     assert sel.explain(2048, "bfloat16") == (
-        "lamport", "table row ≤ 1 MiB for 4 ranks bfloat16 (default table h200)")
+        "lamport", "table row ≤ 256 KiB for 4 ranks bfloat16 (default table h200)")
     assert sel.explain(2 * MiB, "float16") == (
-        "twoshot", "table row ≤ 8 MiB for 4 ranks float16 (default table h200)")
+        "lamport_twoshot", "table row ≤ 16 MiB for 4 ranks float16 (default table h200)")
     assert sel.explain(1 << 30, "float32") == (
-        "nccl", "table row > 8 MiB for 4 ranks float32 (default table h200)")
-    name, why = Selector(6, 1 * MiB, ALL).explain(1024, "bfloat16")
+        "nccl", "table row > 16 MiB for 4 ranks float32 (default table h200)")
+    name, why = Selector(6, lim(1 * MiB), ALL).explain(1024, "bfloat16")
     assert (name, why) == ("lamport", "table row ≤ 256 KiB for 6 ranks (via '*') bfloat16 (default table h200)")
 
 
 def test_explain_says_why_a_row_was_skipped():
-    sel = Selector(4, 256 * KiB, ALL)
-    assert sel.explain(300 * KiB, "bfloat16") == (
-        "twoshot", "table row ≤ 8 MiB for 4 ranks bfloat16 (default table h200); "
-                   "lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256")
-    assert sel.select(300 * KiB, "bfloat16") == "twoshot"
+    sel = Selector(4, lim(128 * KiB), ALL)
+    assert sel.explain(200 * KiB, "bfloat16") == (
+        "lamport_twoshot", "table row ≤ 16 MiB for 4 ranks bfloat16 (default table h200); "
+                           "lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=128")
+    assert sel.select(200 * KiB, "bfloat16") == "lamport_twoshot"
 
 
 def test_explain_nccl_only_gives_the_reason():
-    sel = Selector(4, 1 * MiB, ["nccl"], nccl_reason="ranks span several nodes (4 of 8 on this one)")
+    sel = Selector(4, lim(1 * MiB), ["nccl"], nccl_reason="ranks span several nodes (4 of 8 on this one)")
     assert sel.explain(1024, "bfloat16") == (
         "nccl", "only NCCL usable: ranks span several nodes (4 of 8 on this one)")
-    assert Selector(4, 1 * MiB, ["nccl"]).explain(1024, "float32")[1].startswith("only NCCL usable: ")
+    assert Selector(4, lim(1 * MiB), ["nccl"]).explain(1024, "float32")[1].startswith("only NCCL usable: ")
 
 
 def test_past_the_last_row_falls_back_in_preference_order(tmp_path):
     table = load_table(write(tmp_path, doc({"4": {"bfloat16": [[64 * KiB, "lamport"]]}})))
-    sel = Selector(4, 1 * MiB, ALL, table)
+    sel = Selector(4, lim(1 * MiB), ALL, table)
     name, why = sel.explain(1 * MiB, "bfloat16")
     assert name == "twoshot"
     assert why.startswith("past the last table row (≤ 64 KiB) for 4 ranks bfloat16 (tune file ")
@@ -114,7 +123,7 @@ def test_tune_file_round_trip_and_fallback_to_the_default(tmp_path):
                                       "float32": [[32 * KiB, "lamport"], [None, "twoshot"]]}}))
     table = load_table(path)
     assert table.source == f"tune file {path}" and table.machine == "test GPU"
-    sel = Selector(4, 1 * MiB, ALL, table)
+    sel = Selector(4, lim(1 * MiB), ALL, table)
     assert sel.select(1024, "bfloat16") == "lamport"
     assert sel.select(1 * MiB, "bfloat16") == "nccl"
     assert sel.select(48 * KiB, "float32") == "twoshot"  # the dtype dimension
@@ -122,12 +131,12 @@ def test_tune_file_round_trip_and_fallback_to_the_default(tmp_path):
     name, why = sel.explain(1 * MiB, "float16")  # no float16 rows: bfloat16's (same width)
     assert name == "nccl" and f"4 ranks bfloat16 (no float16 rows) (tune file {path})" in why
     # A world size the file lacks uses the shipped table.
-    assert Selector(2, 1 * MiB, ALL, table).explain(1024, "bfloat16")[1].endswith("(default table h200)")
+    assert Selector(2, lim(1 * MiB), ALL, table).explain(1024, "bfloat16")[1].endswith("(default table h200)")
 
 
 def test_tune_file_star_entry_covers_other_world_sizes(tmp_path):
     table = load_table(write(tmp_path, doc({"*": {"float32": [[None, "nccl"]]}})))
-    name, why = Selector(2, 1 * MiB, ALL, table).explain(1024, "bfloat16")
+    name, why = Selector(2, lim(1 * MiB), ALL, table).explain(1024, "bfloat16")
     assert name == "nccl"
     assert why == f"table row (any size) for 2 ranks (via '*') float32 (no bfloat16 rows) ({table.source})"
 
@@ -191,20 +200,30 @@ def test_agreed_table_raises_on_every_rank_when_one_rank_fails(tmp_path):
         agreed_table(path, _Ranks([None, (None, "other digest")]))
 
 
-def test_capped_lists_one_shot_rows_cut_short_by_the_buffers():
-    assert Selector(4, lamport_max=1024, usable=ALL).capped() == [("lamport", 1 * MiB)]
-    assert Selector(4, lamport_max=1 * MiB, usable=ALL).capped() == []
-    assert Selector(4, lamport_max=1024, usable=["nccl"]).capped() == []
+def test_an_open_last_row_whose_buffers_are_too_small_falls_past_the_table():
+    table = parse_table(doc({"4": {"bfloat16": [[256 * KiB, "lamport"], [None, "lamport_twoshot"]]}}), "tune file t")
+    sel = Selector(4, lim(1 * MiB, lamport_twoshot=2 * MiB), ALL + ["lamport_twoshot"], table)
+    assert sel.select(2 * MiB, "bfloat16") == "lamport_twoshot"
+    name, why = sel.explain(4 * MiB, "bfloat16")
+    assert name == "twoshot"
+    assert why.startswith("no table row fits for 4 ranks bfloat16 (tune file t): first usable of twoshot, nccl")
+    assert "lamport_twoshot does not fit: > UBNEXT_LAMPORT_TWOSHOT_MAX_KB=2048" in why
+
+
+def test_capped_lists_rows_cut_short_by_the_buffers():
+    assert Selector(4, lim(1024), usable=ALL).capped() == [("lamport", 256 * KiB, "UBNEXT_LAMPORT_MAX_KB=1")]
+    assert Selector(4, lim(1 * MiB), usable=ALL).capped() == []
+    assert Selector(4, lim(1024), usable=["nccl"]).capped() == []
 
 
 def test_multicast_instantiations_replace_their_unicast_rows():
     """The seed's preference: multicast kernels, then Lamport, two-shot, NCCL."""
     with_mc = ALL + ["nvls_lamport", "nvls"]
-    sel = Selector(4, lamport_max=1 * MiB, usable=with_mc)
+    sel = Selector(4, lim(1 * MiB), usable=with_mc)
     assert sel.select(2048, "bfloat16") == "nvls_lamport"
     assert sel.select(4 * MiB, "bfloat16") == "nvls"
     assert sel.select(256 * MiB, "bfloat16") == "nccl"
     assert sel.explain(4 * MiB, "bfloat16") == (
-        "nvls", "table row ≤ 8 MiB for 4 ranks bfloat16 (default table h200); "
-                "NVLink multicast instantiation of twoshot")
-    assert Selector(4, lamport_max=1024, usable=with_mc).select(4096, "float32") == "nvls"
+        "nvls", "table row ≤ 16 MiB for 4 ranks bfloat16 (default table h200); "
+                "NVLink multicast: nvls in place of lamport_twoshot")
+    assert Selector(4, lim(1024), usable=with_mc).select(4096, "float32") == "nvls"

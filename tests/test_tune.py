@@ -173,9 +173,10 @@ def test_run_measures_writes_merges_and_prints_the_export_line(cupy, monkeypatch
     assert tune.run(FakeComm(2), args2, []) == 0
     table = load_table(str(out))
     assert set(table.rows) == {"4", "2"} and set(table.rows["2"]) == {"float32"}
-    sel = Selector(4, 1 * MiB, ALL, table)
+    limits = {"lamport": (1 * MiB, "UBNEXT_LAMPORT_MAX_KB=1024")}
+    sel = Selector(4, limits, ALL, table)
     assert sel.select(256 * KiB, "bfloat16") == "lamport" and sel.select(1 << 30, "bfloat16") == "nccl"
-    assert Selector(2, 1 * MiB, ALL, table).explain(64, "bfloat16")[1].startswith(
+    assert Selector(2, limits, ALL, table).explain(64, "bfloat16")[1].startswith(
         "table row ≤ 512 KiB for 2 ranks float32 (no bfloat16 rows) (tune file ")
 
 

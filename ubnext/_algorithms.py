@@ -32,8 +32,13 @@ class Algorithm:
         norm_entry: entry point of the fused all-reduce + residual add + RMSNorm.
         transport: ``"unicast"`` (peer pointers), ``"multicast"`` (NVLS), or None.
         threads: threads per block of ``entry``.
-        one_shot: every rank reads every rank's whole message (latency-bound
-            sizes); its largest message is ``Config.lamport_max_kb``.
+        family: the kernel family, shared by a unicast algorithm and its multicast
+            instantiation; it names their pool slots. ``"lamport"`` and
+            ``"lamport_twoshot"`` push into sentinel-polled receive buffers (no
+            barrier); ``"twoshot"`` works in place on the pool between cross-rank
+            block barriers; ``"nccl"`` is the NCCL engine.
+        limit: the ``Config`` field (KiB) that sizes the receive buffers and so
+            bounds the message, or None (no bound: larger messages go in chunks).
         summary: one line for ``python -m ubnext info``.
     """
 
@@ -43,12 +48,18 @@ class Algorithm:
     norm_entry: str | None
     transport: str | None
     threads: int
-    one_shot: bool
+    family: str
+    limit: str | None
     summary: str
 
     @property
     def is_kernel(self) -> bool:
         return self.source is not None
+
+    @property
+    def pushed(self) -> bool:
+        """Whether it uses the Lamport protocol (receive buffers bounded by ``limit``)."""
+        return self.family in ("lamport", "lamport_twoshot")
 
     @property
     def multicast(self) -> bool:
@@ -63,23 +74,30 @@ ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
         Algorithm(
-            "lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "unicast", 256, True,
+            "lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "unicast", 256,
+            "lamport", "lamport_max_kb",
             "one-shot push into every rank, sentinel-polled, no barrier (small messages)",
         ),
         Algorithm(
-            "twoshot", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "unicast", 512, False,
+            "lamport_twoshot", "lamport_twoshot.cu", "ub_lamport_twoshot", "ub_lamport_twoshot_norm",
+            "unicast", 256, "lamport_twoshot", "lamport_twoshot_max_kb",
+            "reduce-scatter + all-gather by pushes into sentinel-polled buffers, no barrier (mid sizes)",
+        ),
+        Algorithm(
+            "twoshot", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "unicast", 512, "twoshot", None,
             "reduce-scatter by loads + all-gather by stores, in place on the pool (large messages)",
         ),
         Algorithm(
-            "nvls_lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "multicast", 256, True,
+            "nvls_lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "multicast", 256,
+            "lamport", "lamport_max_kb",
             "Lamport one-shot with one multimem.st per vector (NVLink multicast; small messages)",
         ),
         Algorithm(
-            "nvls", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "multicast", 512, False,
+            "nvls", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "multicast", 512, "twoshot", None,
             "NVLS simple two-shot: multimem.ld_reduce + multimem.st, multimem.red barrier",
         ),
         Algorithm(
-            "nccl", None, None, None, None, 0, False,
+            "nccl", None, None, None, None, 0, "nccl", None,
             "the NCCL library (fallback engine: several nodes, no P2P, other cases)",
         ),
     )

@@ -77,12 +77,13 @@ def describe(x, op: str) -> Buffer:
         UbnextError: host memory, non-contiguous data, unsupported dtype.
     """
     if _is_torch(x):
-        if not x.is_cuda:
+        device = x.get_device()  # -1: host memory
+        if device < 0:
             raise UbnextError(f"{op}: tensor is in host memory ({x.device}); ubnext reduces CUDA device memory")
         if not x.is_contiguous():
             raise UbnextError(f"{op}: tensor is not contiguous; call .contiguous() first")
         dtype = _TORCH_NAMES.get(x.dtype) or _dtype_name(str(x.dtype).replace("torch.", ""), op)
-        return Buffer(x, "torch", x.data_ptr(), x.numel(), dtype, x.get_device(), x.shape)
+        return Buffer(x, "torch", x.data_ptr(), x.numel(), dtype, device, x.shape)
     import cupy
 
     if not isinstance(x, cupy.ndarray):

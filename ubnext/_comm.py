@@ -14,10 +14,11 @@ from ._describe import Description, describe
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
-from ._select import Selector
+from ._select import Selector, buffer_limits
 from ._table import agreed_table
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
+_RESOLVED_MAX = 4096  # calls whose algorithm a communicator remembers (cleared when full)
 
 
 class Communicator:
@@ -56,6 +57,7 @@ class Communicator:
         table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
         self._log = get_logger(config, self.rank)
         self._closed = False
+        self._resolved: dict[tuple, str] = {}
         self._nccl = None
         self._add_rmsnorm = None
         self._local = bootstrap.split_local()
@@ -75,12 +77,11 @@ class Communicator:
         node = self._node
         usable = [name for name, alg in ALGORITHMS.items()  # NCCL always; kernels need the pool
                   if not alg.is_kernel or (node is not None and (not alg.multicast or node.multicast))]
-        self._selector = Selector(self._local.size, config.lamport_max_kb << 10, usable, table, self._nccl_reason)
-        for name, limit in self._selector.capped():
-            log_once(f"select:{name}:{config.lamport_max_kb}:{limit}",
-                     f"Communicator: messages above {config.lamport_max_kb} KiB up to {limit} bytes, which the "
-                     f"selector table gives to {name}, go to the next algorithm: UBNEXT_LAMPORT_MAX_KB="
-                     f"{config.lamport_max_kb} sizes the {name} buffers below the table's limit")
+        self._selector = Selector(self._local.size, buffer_limits(config), usable, table, self._nccl_reason)
+        for name, limit, setting in self._selector.capped():
+            log_once(f"select:{name}:{setting}:{limit}",
+                     f"Communicator: the selector table gives {name} messages up to {limit} bytes, but "
+                     f"{setting} sizes its buffers for fewer; larger ones go to the next algorithm")
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""
@@ -363,6 +364,16 @@ class Communicator:
             self._node.timeouts.check(name, self.config.timeout_s)
 
     def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str = "sum") -> str:
+        """The algorithm that runs a call (a pure function of its arguments: cached)."""
+        key = (algorithm, nbytes, dtype, op)
+        algo = self._resolved.get(key)
+        if algo is None:
+            if len(self._resolved) >= _RESOLVED_MAX:
+                self._resolved.clear()
+            algo = self._resolved[key] = self._resolve_uncached(name, algorithm, nbytes, dtype, op)
+        return algo
+
+    def _resolve_uncached(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str) -> str:
         if algorithm == "auto" and self.config.algorithm != "auto":
             algorithm = self.config.algorithm
         if algorithm == "auto":
@@ -373,8 +384,10 @@ class Communicator:
         if algorithm not in ALGORITHMS:
             raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(ALGORITHMS)}")
         if not self._selector.fits(algorithm, nbytes):
+            bounds = "; ".join(f"{n} up to {setting}" for n, (_, setting) in buffer_limits(self.config).items()
+                               if n in self.algorithms())
             raise UbnextError(f"{name}: algorithm {algorithm!r} cannot take {nbytes} bytes on this communicator "
-                              f"(usable: {', '.join(self.algorithms())}; Lamport up to {self.config.lamport_max_kb} KiB)")
+                              f"(usable: {', '.join(self.algorithms())}; {bounds})")
         if not ALGORITHMS[algorithm].supports(dtype, op):
             raise UbnextError(f"{name}: algorithm {algorithm!r} does not reduce {dtype} with op {op!r}")
         return algorithm
@@ -404,28 +417,28 @@ class Communicator:
         return self._add_rmsnorm
 
     def _all_reduce(self, algo, xb, ob, op, stream):
-        if algo == "nccl":
+        alg = ALGORITHMS[algo]
+        if alg.family == "nccl":
             self._nccl_comm().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
-        elif ALGORITHMS[algo].one_shot:
+        elif alg.pushed:
             self._lamport(algo, xb, ob, op, stream)
         else:
             self._twoshot(algo, xb, ob, op, stream)
 
     def _fused(self, algo, xb, rows, hidden, norm, eps, stream):
         eng = self._node.engine
-        if ALGORITHMS[algo].one_shot:
-            eng.lamport_norm(algo, xb.dtype, xb.ptr, rows, hidden, norm, eps, stream)
-            return
         row_bytes = hidden * DTYPES[xb.dtype][1]
-        chunk = eng.twoshot_norm_rows(xb.dtype, hidden)
+        chunk = eng.norm_rows(algo, xb.dtype, hidden, rows)
         if chunk == 0:
-            raise UbnextError(f"all_reduce_add_rmsnorm: one row of {row_bytes} bytes does not fit the staging slot "
-                              f"(UBNEXT_STAGING_MB={self.config.staging_mb})")
+            staging = (0, f"UBNEXT_STAGING_MB={self.config.staging_mb}")
+            setting = buffer_limits(self.config).get(algo, staging)[1]
+            raise UbnextError(f"all_reduce_add_rmsnorm: one launch of {algo} cannot take {min(rows, self.size)} "
+                              f"rows of {row_bytes} bytes ({setting})")
         residual, bias, weight, normed, res_out = norm
         for r0 in range(0, rows, chunk):
             off = r0 * row_bytes
             part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
-            eng.twoshot_norm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, stream)
+            eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, stream)
 
     def _lamport(self, algo, xb, ob, op, stream):
         eng = self._node.engine

@@ -140,9 +140,14 @@ class Config:
         "Largest message (KiB) the Lamport one-shot kernel takes; sizes its "
         "receive buffers.",
     )
+    lamport_twoshot_max_kb: int = _field(
+        "UBNEXT_LAMPORT_TWOSHOT_MAX_KB", 16384, _int_at_least(1),
+        "Largest message (KiB) the Lamport two-shot kernel takes in one launch; "
+        "sizes its receive buffers (6x this per element width).",
+    )
     algorithm: str = _field(
-        "UBNEXT_ALGO", "auto", _choice("auto", "lamport", "twoshot", "nccl"),
-        "All-reduce algorithm: `auto`, `lamport`, `twoshot` or `nccl`.",
+        "UBNEXT_ALGO", "auto", _choice("auto", "lamport", "lamport_twoshot", "twoshot", "nccl"),
+        "All-reduce algorithm: `auto`, `lamport`, `lamport_twoshot`, `twoshot` or `nccl`.",
     )
     timeout_s: float = _field(
         "UBNEXT_TIMEOUT_S", 60.0, _POSITIVE_FLOAT,

@@ -19,8 +19,10 @@ from ._launch import F32, I32, U64, Launcher
 #: rank, mc, then 64-bit values; the fused ones take eps (fp32) before the last three.
 _PARAMS = {
     "ub_lamport": (U64, U64, I32) + (U64,) * 9,
+    "ub_lamport_twoshot": (U64, U64, I32) + (U64,) * 9,
     "ub_twoshot": (U64, U64, I32) + (U64,) * 9,
     "ub_lamport_norm": (U64, U64, I32) + (U64,) * 11 + (F32,) + (U64,) * 3,
+    "ub_lamport_twoshot_norm": (U64, U64, I32) + (U64,) * 11 + (F32,) + (U64,) * 3,
     "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32,) + (U64,) * 3,
 }
 
@@ -30,25 +32,35 @@ _SENTINEL_WORD = {2: 0x80008000, 4: 0x80000000}  # -0.0 in every element of a 32
 _ALIGN = 16                            # kernels move 16-byte vectors
 
 
-def plan_layout(nranks: int, lamport_bytes: int, staging_bytes: int) -> SlotPlan:
+def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, staging_bytes: int) -> SlotPlan:
     """The library slots of every segment, identical on every rank.
 
-    One Lamport set (3 receive buffers x nranks slots) per element width, since the
-    sentinel's bit pattern depends on it, shared by the unicast and multicast one-shot
-    kernels (same protocol, same rotation). The two-shot kernels have a launch state and
-    barrier flags per transport: the unicast barrier stores epochs per source rank, the
-    multicast one counts arrivals.
+    Each Lamport family has one set of 3 receive buffers and a launch state per element
+    width, since the sentinel's bit pattern depends on it; a set is shared by a family's
+    unicast and multicast kernels and by its fused kernel (same protocol, same rotation).
+    A one-shot buffer holds nranks slots of ``lamport_bytes``; a two-shot buffer holds a
+    reduce-scatter and an all-gather area of ``_area(lamport_twoshot_bytes)``. The
+    barrier two-shot kernels have a launch state and barrier flags per transport: the
+    unicast barrier stores epochs per source rank, the multicast one counts arrivals.
     """
     plan = SlotPlan()
     for width in (2, 4):
         plan.add(f"lamport{width}.state", _STATE_BYTES)
+        plan.add(f"lamport_twoshot{width}.state", _STATE_BYTES)
     for transport in ("unicast", "multicast"):
         plan.add(f"twoshot.{transport}.state", _STATE_BYTES)
         plan.add(f"flags.{transport}", _FLAG_BYTES)
     for width in (2, 4):
         plan.add(f"lamport{width}", 3 * nranks * lamport_bytes)
+        plan.add(f"lamport_twoshot{width}", 3 * 2 * _area(lamport_twoshot_bytes))
     plan.add("staging", staging_bytes)
     return plan
+
+
+def _area(max_bytes: int) -> int:
+    """Bytes of a Lamport two-shot area for messages up to ``max_bytes``: the slots of the
+    reduce-scatter area are whole slices, up to a vector per rank more than the message."""
+    return -(-max_bytes // _ALIGN) * _ALIGN + _ALIGN * MAX_RANKS
 
 
 class Engine:
@@ -57,7 +69,6 @@ class Engine:
     Args:
         pool: the node's SymmetricPool.
         plan: its library slots (``plan_layout``).
-        lamport_bytes: size of one Lamport slot (largest one-shot message).
         timeout_ptr: device address of the TimeoutRecord.
         timeout_s: bound on every device wait.
         max_blocks: blocks per launch (0 = SM count).
@@ -67,15 +78,14 @@ class Engine:
             byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
     """
 
-    def __init__(self, pool, plan: SlotPlan, lamport_bytes: int, timeout_ptr: int,
-                 timeout_s: float, max_blocks: int, on_first_use, mc_base: int = 0):
+    def __init__(self, pool, plan: SlotPlan, timeout_ptr: int, timeout_s: float, max_blocks: int,
+                 on_first_use, mc_base: int = 0):
         import cupy
 
         self.pool = pool
         self.plan = plan
         self.nranks = pool.local_size
         self.rank = pool.local_rank
-        self.lamport_bytes = lamport_bytes
         self.staging_bytes = plan.nbytes("staging")
         self._timeout_ptr = timeout_ptr
         self._timeout_ns = int(timeout_s * 1e9)
@@ -87,15 +97,19 @@ class Engine:
         self._mc_base = mc_base
         # constant arguments and addresses, computed once
         self._fixed = (pool.base, pool.stride, self.rank, mc_base)
-        self._lamport = {w: (plan.offset(f"lamport{w}"), pool.local_ptr(plan.offset(f"lamport{w}.state")))
-                         for w in (2, 4)}
+        # (family, width) -> (set offset, launch state, the kernels' buffer size argument:
+        # one-shot slot bytes, two-shot area bytes)
+        units = {"lamport": 3 * self.nranks, "lamport_twoshot": 3 * 2}
+        self._sets = {(f, w): (plan.offset(f"{f}{w}"), pool.local_ptr(plan.offset(f"{f}{w}.state")),
+                               plan.nbytes(f"{f}{w}") // units[f])
+                      for f in units for w in (2, 4)}
         self._twoshot = {t: (plan.offset(f"flags.{t}"), pool.local_ptr(plan.offset(f"twoshot.{t}.state")))
                          for t in ("unicast", "multicast")}
         self.staging_off = plan.offset("staging")
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
-        """Zeroes states and flags, fills the Lamport buffers with the sentinel.
+        """Zeroes states and flags, fills every Lamport family's buffers with the sentinel.
 
         Blocks the host until done; the caller then runs a barrier so that no peer
         pushes into a buffer that is still being filled.
@@ -103,9 +117,9 @@ class Engine:
         import cupy
 
         self._words(0, self.staging_off).fill(0)
-        for width, word in _SENTINEL_WORD.items():
-            name = f"lamport{width}"
-            self._words(self.plan.offset(name), self.plan.nbytes(name)).fill(np.uint32(word))
+        for family, width in self._sets:
+            name = f"{family}{width}"
+            self._words(self.plan.offset(name), self.plan.nbytes(name)).fill(np.uint32(_SENTINEL_WORD[width]))
         cupy.cuda.Device(self.pool.device).synchronize()
 
     def _words(self, offset: int, nbytes: int):
@@ -128,25 +142,33 @@ class Engine:
             if module is None:
                 defines = compile_defines(dtype, op, self.nranks, alg.transport)
                 module = self._modules[mkey] = compile_module(alg.source, defines)
-            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry])
+            prefix, state = self._constants(alg, DTYPES[dtype][1], fused)
+            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix,
+                                                       (state, self._timeout_ptr, self._timeout_ns))
             self._on_first_use()
         return launcher
 
+    def _constants(self, alg, width: int, fused: bool) -> tuple[tuple, int]:
+        """The leading parameters of ``alg``'s entry points that never change, and its launch state."""
+        if alg.family == "twoshot":
+            flags, state = self._twoshot[alg.transport]
+            slots = (self.staging_off, self.staging_off + self._staging_half(), flags) if fused else (flags,)
+            return self._fixed + slots, state
+        set_off, state, unit = self._sets[alg.family, width]
+        return self._fixed + (set_off, unit), state
+
     def lamport(self, algorithm: str, dtype: str, op: str, x: int, out: int, count: int,
                 stream: int) -> None:
-        """One-shot all-reduce of ``count`` elements from local ``x`` into local ``out``.
+        """All-reduce of ``count`` elements from local ``x`` into local ``out`` by a Lamport
+        family kernel (``lamport``, ``lamport_twoshot``, ``nvls_lamport``).
 
-        ``algorithm``: "lamport" or "nvls_lamport". Both 16-byte aligned; ``x`` may
-        equal ``out``; bytes <= lamport_bytes.
+        Both 16-byte aligned; ``x`` may equal ``out``; bytes within the algorithm's limit.
         """
-        width = DTYPES[dtype][1]
-        nvec = -(-count * width // _ALIGN)
-        threads = ALGORITHMS[algorithm].threads
-        blocks = max(1, min(self._blocks, -(-nvec // threads)))
-        set_off, state = self._lamport[width]
-        self._kernel(algorithm, dtype, op)(
-            blocks, threads, stream, *self._fixed, set_off, self.lamport_bytes, x, out, count, state,
-            self._timeout_ptr, self._timeout_ns)
+        alg = ALGORITHMS[algorithm]
+        nvec = -(-count * DTYPES[dtype][1] // _ALIGN)
+        # a block per `threads` vectors (the two-shot kernel gives each block a part of every slice)
+        blocks = max(1, min(self._blocks, -(-nvec // alg.threads)))
+        self._kernel(algorithm, dtype, op)(blocks, alg.threads, stream, x, out, count)
 
     def twoshot(self, algorithm: str, dtype: str, op: str, buf_off: int, src: int, dst: int,
                 count: int, stream: int) -> None:
@@ -156,54 +178,44 @@ class Engine:
         addresses to copy in from / out to, or 0 when the buffer already holds the
         input / is the output.
         """
-        width = DTYPES[dtype][1]
-        nvec = -(-count * width // _ALIGN)
         alg = ALGORITHMS[algorithm]
+        nvec = -(-count * DTYPES[dtype][1] // _ALIGN)
         slice_vecs = -(-nvec // self.nranks)
         blocks = self._grid(alg, -(-slice_vecs // alg.threads))
-        flags, state = self._twoshot[alg.transport]
-        self._kernel(algorithm, dtype, op)(
-            blocks, alg.threads, stream, *self._fixed, buf_off, flags, src, dst, count, state,
-            self._timeout_ptr, self._timeout_ns)
+        self._kernel(algorithm, dtype, op)(blocks, alg.threads, stream, buf_off, src, dst, count)
 
     def _grid(self, alg, wanted: int) -> int:
         # The multicast barrier counts arrivals per block, so every launch of it must
         # have the same grid; the unicast one stores epochs and takes any grid.
         return self._blocks if alg.multicast else max(1, min(self._blocks, wanted))
 
-    def lamport_norm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
-                     eps: float, stream: int) -> None:
-        """Fused one-shot all-reduce + residual add + RMSNorm of ``rows`` x ``hidden``.
+    def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:
+        """Rows one fused launch of ``algorithm`` takes (of ``rows``; 0: not even one)."""
+        alg = ALGORITHMS[algorithm]
+        row_bytes = hidden * DTYPES[dtype][1]
+        if alg.family == "lamport":  # the selector checked that the message fits
+            return rows
+        if alg.family == "lamport_twoshot":  # every rank's slot holds ceil(rows / nranks) rows
+            area = self._sets[alg.family, DTYPES[dtype][1]][2]
+            return (area // row_bytes) // self.nranks * self.nranks
+        return self._staging_half() // row_bytes  # two staging halves: input/normed, residual
+
+    def _staging_half(self) -> int:
+        return self.staging_bytes // 2 // _ALIGN * _ALIGN
+
+    def add_rmsnorm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
+                    eps: float, stream: int) -> None:
+        """Fused all-reduce + residual add + RMSNorm of ``rows`` x ``hidden`` elements.
 
         ``norm``: local addresses (residual or 0, bias or 0, weight, normed, res_out),
         all 16-byte aligned, outputs not overlapping ``x``; hidden a multiple of 8;
-        rows * hidden bytes <= lamport_bytes.
+        rows <= ``norm_rows``.
         """
-        width = DTYPES[dtype][1]
-        vpr = hidden * width // _ALIGN
-        set_off, state = self._lamport[width]
-        # enough blocks for every row, and for the push at ~256 vectors per block
-        blocks = max(1, min(self._blocks, max(rows, -(-rows * vpr // ALGORITHMS[algorithm].threads))))
-        self._kernel(algorithm, dtype, "sum", fused=True)(
-            blocks, row_threads(vpr), stream, *self._fixed, set_off,
-            self.lamport_bytes, x, rows, hidden, *norm, eps, state, self._timeout_ptr, self._timeout_ns)
-
-    def twoshot_norm_rows(self, dtype: str, hidden: int) -> int:
-        """Rows one fused two-shot launch takes (two staging halves: input/normed, residual)."""
-        return max(0, (self.staging_bytes // 2 // _ALIGN * _ALIGN) // (hidden * DTYPES[dtype][1]))
-
-    def twoshot_norm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
-                     eps: float, stream: int) -> None:
-        """Fused two-shot all-reduce + residual add + RMSNorm through the staging slot.
-
-        Same arguments as ``lamport_norm``; rows <= ``twoshot_norm_rows``.
-        """
-        width = DTYPES[dtype][1]
-        vpr = hidden * width // _ALIGN
         alg = ALGORITHMS[algorithm]
-        half = self.staging_bytes // 2 // _ALIGN * _ALIGN
-        flags, state = self._twoshot[alg.transport]
+        vpr = hidden * DTYPES[dtype][1] // _ALIGN
+        if alg.family == "twoshot":  # a block per owned row
+            blocks = self._grid(alg, -(-rows // self.nranks))
+        else:  # enough blocks for every row, and for the pushes at ~`threads` vectors per block
+            blocks = max(1, min(self._blocks, max(rows, -(-rows * vpr // alg.threads))))
         self._kernel(algorithm, dtype, "sum", fused=True)(
-            self._grid(alg, -(-rows // self.nranks)), row_threads(vpr), stream, *self._fixed,
-            self.staging_off, self.staging_off + half, flags, x, rows, hidden, *norm, eps, state,
-            self._timeout_ptr, self._timeout_ns)
+            blocks, row_threads(vpr), stream, x, rows, hidden, *norm, eps)

@@ -1,9 +1,10 @@
 """Low-overhead kernel launches: one driver call with a prebuilt argument pack.
 
 A ``Launcher`` holds, for one compiled entry point, a ctypes buffer per parameter
-and the array of pointers to them that ``cuLaunchKernel`` takes. A call writes the
-values into the buffers and calls the driver directly: no per-call allocation and
-no conversion of Python objects beyond the integers themselves.
+and the array of pointers to them that ``cuLaunchKernel`` takes. The parameters that
+never change (pool addresses, library slots, the timeout record) are written once; a
+call writes the others into their buffers and calls the driver directly: no per-call
+allocation and no conversion of Python objects beyond the integers themselves.
 """
 
 from __future__ import annotations
@@ -34,20 +35,27 @@ class Launcher:
     Args:
         kernel: the compiled ``cupy.RawKernel`` (its CUfunction is used).
         types: one ctypes type per kernel parameter, in order.
+        prefix: values of the leading parameters, the same on every launch.
+        suffix: values of the trailing parameters, the same on every launch.
 
-    Not thread-safe (the argument pack is reused); one per communicator and kernel.
+    A call passes the values of the parameters in between. Not thread-safe (the
+    argument pack is reused); one per communicator and kernel.
     """
 
-    def __init__(self, kernel, types):
+    def __init__(self, kernel, types, prefix=(), suffix=()):
         self.kernel = kernel  # keeps the module loaded
         self._func = ctypes.c_void_p(kernel.kernel.ptr)
         self._args = [t() for t in types]
         self._pack = (ctypes.c_void_p * len(types))(*[ctypes.addressof(a) for a in self._args])
+        end = len(types) - len(suffix)
+        for slot, value in zip(self._args[:len(prefix)] + self._args[end:], (*prefix, *suffix)):
+            slot.value = value
+        self._varying = self._args[len(prefix):end]
         self._launch = _driver_launch()
 
     def __call__(self, blocks: int, threads: int, stream: int, *values) -> None:
         """Launches a 1-D grid on ``stream``; raises CudaError if the launch fails."""
-        for slot, value in zip(self._args, values):
+        for slot, value in zip(self._varying, values):
             slot.value = value
         rc = self._launch(self._func, blocks, 1, 1, threads, 1, 1, 0, stream, self._pack, None)
         if rc:

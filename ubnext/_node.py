@@ -56,8 +56,10 @@ class Node:
     def __init__(self, local, device: int, config, nvls: NvlsDecision, driver=None):
         self._local = local
         self._driver = driver
-        lamport_bytes = config.lamport_max_kb << 10
-        plan = plan_layout(local.size, lamport_bytes, max(config.staging_mb << 20, lamport_bytes))
+        lamport_bytes, lamport_twoshot_bytes = config.lamport_max_kb << 10, config.lamport_twoshot_max_kb << 10
+        # unaligned arrays go through the staging slot, whatever the algorithm
+        staging_bytes = max(config.staging_mb << 20, lamport_bytes, lamport_twoshot_bytes)
+        plan = plan_layout(local.size, lamport_bytes, lamport_twoshot_bytes, staging_bytes)
         pool_bytes = config.pool_mb << 20
         if plan.end >= pool_bytes:
             raise UbnextError(f"Communicator: UBNEXT_POOL_MB={config.pool_mb} leaves no room for user buffers; "
@@ -75,7 +77,7 @@ class Node:
                 undo.append(self.multicast.close)
             self.timeouts = TimeoutRecord()
             undo.append(self.timeouts.close)
-            self.engine = Engine(self.pool, plan, lamport_bytes, self.timeouts.device_ptr,
+            self.engine = Engine(self.pool, plan, self.timeouts.device_ptr,
                                  config.timeout_s, config.max_blocks, on_first_use=local.barrier,
                                  mc_base=0 if self.multicast is None else self.multicast.ptr)
             self.engine.initialize()

@@ -9,14 +9,28 @@ world sizes it covers, then the table shipped in the package.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ._algorithms import ALGORITHMS, DTYPES, UNICAST_OF
 from ._cli import human_bytes
 from ._table import Row, Table, default_table
 
-#: unicast algorithm -> its multicast instantiation
-MULTICAST_OF = {unicast: mc for mc, unicast in UNICAST_OF.items()}
+#: unicast algorithm -> the multicast kernel that replaces it: its own multicast
+#: instantiation, and NVLS two-shot for the Lamport two-shot (the seed's order puts
+#: multicast kernels first; tables are measured where multicast is off)
+MULTICAST_OF = {**{unicast: mc for mc, unicast in UNICAST_OF.items()}, "lamport_twoshot": "nvls"}
 #: Past a table's last row (when it has a limit): the first of these that fits.
 _PAST_TABLE = ("twoshot", "nccl")
+
+#: algorithm -> (largest message in bytes, the setting that sizes its buffers, as text)
+Limits = dict[str, tuple[int, str]]
+
+
+def buffer_limits(config) -> Limits:
+    """The message bound of every algorithm with bounded receive buffers, from ``config``."""
+    env = {f.name: f.metadata["env"] for f in dataclasses.fields(config)}
+    return {name: (getattr(config, alg.limit) << 10, f"{env[alg.limit]}={getattr(config, alg.limit)}")
+            for name, alg in ALGORITHMS.items() if alg.limit is not None}
 
 
 class Selector:
@@ -24,17 +38,17 @@ class Selector:
 
     Args:
         nranks: ranks of the node.
-        lamport_max: largest message the Lamport buffers hold (bytes).
+        limits: the bound of every algorithm with bounded buffers (``buffer_limits``).
         usable: algorithm names this communicator can run (e.g. only "nccl").
         table: a tune file's table, consulted before the default table; None: the default only.
         nccl_reason: why only NCCL is usable, when it is (shown by :meth:`explain`).
     """
 
-    def __init__(self, nranks: int, lamport_max: int, usable: list[str], table: Table | None = None,
+    def __init__(self, nranks: int, limits: Limits, usable: list[str], table: Table | None = None,
                  nccl_reason: str = ""):
         self.nranks = nranks
         self.tables = [t for t in (table, default_table()) if t is not None]
-        self._lamport_max = lamport_max
+        self._limits = limits
         self._usable = set(usable)
         self._nccl_reason = nccl_reason
         #: dtype -> (rows, where they come from); the default table has a "*" entry for every dtype.
@@ -45,14 +59,15 @@ class Selector:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator."""
         if name not in self._usable:
             return False
-        return not ALGORITHMS[name].one_shot or nbytes <= self._lamport_max
+        return name not in self._limits or nbytes <= self._limits[name][0]
 
-    def capped(self) -> list[tuple[str, int]]:
-        """``(algorithm, table limit)`` of the usable one-shot rows (any dtype) whose limit
-        exceeds the largest one-shot message: sizes in between go to the next row that fits."""
-        return sorted({(name, limit) for rows, _ in self._rows.values() for limit, name in rows
-                       if name in self._usable and ALGORITHMS[name].one_shot and limit is not None
-                       and limit > self._lamport_max})
+    def capped(self) -> list[tuple[str, int, str]]:
+        """``(algorithm, table limit, setting)`` of the usable rows (any dtype) whose limit
+        exceeds what the algorithm's buffers hold: sizes in between go to the next row that fits."""
+        return sorted({(name, limit, self._limits[name][1]) for rows, _ in self._rows.values()
+                       for limit, name in rows
+                       if name in self._usable and name in self._limits and limit is not None
+                       and limit > self._limits[name][0]})
 
     def select(self, nbytes: int, dtype: str) -> str:
         """The algorithm for a message of ``nbytes`` bytes of ``dtype``.
@@ -81,12 +96,13 @@ class Selector:
         skipped = [self._why_not(rows[i][1], nbytes) for i in range(len(rows) if index is None else index)
                    if _covers(rows[i], nbytes)]
         if index is None:
-            reason = (f"past the last table row (≤ {human_bytes(rows[-1][0])}) for {where}: "
-                      f"first usable of {', '.join(_PAST_TABLE)}")
+            last = rows[-1][0]
+            past = "no table row fits" if last is None else f"past the last table row (≤ {human_bytes(last)})"
+            reason = f"{past} for {where}: first usable of {', '.join(_PAST_TABLE)}"
         else:
             reason = f"table row {_row_label(rows, index)} for {where}"
         if name != unicast:
-            reason += f"; NVLink multicast instantiation of {unicast}"
+            reason += f"; NVLink multicast: {name} in place of {unicast}"
         return name, "; ".join([reason, *dict.fromkeys(skipped)])
 
     def _walk(self, nbytes: int, dtype: str) -> tuple[str, int | None]:
@@ -103,7 +119,7 @@ class Selector:
     def _why_not(self, name: str, nbytes: int) -> str:
         if name not in self._usable:
             return f"{name} not usable on this communicator"
-        return f"{name} does not fit: > UBNEXT_LAMPORT_MAX_KB={self._lamport_max >> 10}"
+        return f"{name} does not fit: > {self._limits[name][1]}"
 
 
 def _covers(row: Row, nbytes: int) -> bool:

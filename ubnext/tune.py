@@ -113,6 +113,11 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
     return doc
 
 
+def _width(name: str) -> int:
+    """Column width of an algorithm in the report: its name and a space, at least 12."""
+    return max(12, len(name) + 1)
+
+
 def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Sequence[Times],
            winners: Sequence[str], args: argparse.Namespace) -> list[str]:
     """The lines rank 0 prints for one dtype: µs per size and algorithm, the winner, the rows."""
@@ -121,9 +126,9 @@ def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Se
              f"{args.launches} launches per sample, median of {args.repeats} samples, max over ranks",
              f"# µs per all-reduce (plain arrays, out of place); a kernel beats NCCL only when "
              f"{args.margin:g}% faster",
-             f"{'size':>10}" + "".join(f"{n:>12}" for n in names) + "  winner"]
+             f"{'size':>10}" + "".join(f"{n:>{_width(n)}}" for n in names) + "  winner"]
     for nbytes, row, win in zip(sizes, times, winners):
-        cells = "".join(f"{'—' if row.get(n) is None else f'{row[n]:.2f}':>12}" for n in names)
+        cells = "".join(f"{'—' if row.get(n) is None else f'{row[n]:.2f}':>{_width(n)}}" for n in names)
         lines.append(f"{human_bytes(nbytes):>10}{cells}  {win}")
     rows = table_rows(sizes, winners)
     text = ", ".join(f"≤ {human_bytes(limit)} {name}" if limit else f"then {name}" for limit, name in rows)
