@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 SCRIPT = Path(__file__).parent / "mpi_scripts" / "timeout_check.py"
 
 
-@pytest.mark.parametrize("algo", ["lamport", "twoshot"])
+@pytest.mark.parametrize("algo", ["lamport", "lamport_twoshot", "twoshot"])
 def test_missing_peer_times_out_with_its_rank(run_mpi, algo):
     if gpu_count() < 2:
         pytest.skip("needs 2 GPUs")

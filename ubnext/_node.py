@@ -63,7 +63,8 @@ class Node:
         pool_bytes = config.pool_mb << 20
         if plan.end >= pool_bytes:
             raise UbnextError(f"Communicator: UBNEXT_POOL_MB={config.pool_mb} leaves no room for user buffers; "
-                              f"the library slots alone take {plan.end / 2**20:.1f} MiB")
+                              f"the library slots alone take {plan.end / 2**20:.1f} MiB (UBNEXT_STAGING_MB, "
+                              f"UBNEXT_LAMPORT_MAX_KB and UBNEXT_LAMPORT_TWOSHOT_MAX_KB size them)")
         undo = []
         try:
             self.fds = FdChannel(local, config.timeout_s)

@@ -17,7 +17,8 @@ from mpi4py import MPI  # noqa: E402
 import ubnext  # noqa: E402
 
 algo = sys.argv[1]
-comm = ubnext.Communicator(timeout_s=2, pool_mb=64, staging_mb=8, lamport_max_kb=256)
+comm = ubnext.Communicator(timeout_s=2, pool_mb=64, staging_mb=8, lamport_max_kb=256,
+                           lamport_twoshot_max_kb=2048)
 x = cupy.ones(1000, dtype=cupy.float32)
 comm.all_reduce(x, out=x, algorithm=algo)
 comm.synchronize()
