@@ -82,6 +82,16 @@ def session():
         comm.close()
 
 
+def main(parse_args: Callable[[list[str]], Any], run: Callable[[Any, Any, list[str]], int],
+         argv: list[str] | None = None) -> int:
+    """Entry point of the torch-level benchmarks: parse ``argv`` (default: the command
+    line), then ``run(comm, args, argv)`` inside a :func:`session`. Collective."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    with session() as comm:
+        return run(comm, args, argv)
+
+
 def save_report(comm: Any, kind: str, prefix: str, args: Any, argv: list[str], fields: dict[str, Any],
                 tags: tuple[str, ...] = ()) -> tuple[str, dict]:
     """Rank 0: writes ``<args.outdir>/<stem>.json`` (kind ``ubnext.<kind>``, machine, date,

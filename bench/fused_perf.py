@@ -91,10 +91,7 @@ def check(comm, fns, out, rout) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    with tb.session() as comm:
-        return run(comm, args, argv)
+    return tb.main(parse_args, run, argv)
 
 
 def run(comm, args, argv) -> int:

@@ -107,10 +107,7 @@ class Block:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    with tb.session() as comm:
-        return run(comm, args, argv)
+    return tb.main(parse_args, run, argv)
 
 
 def run(comm, args, argv) -> int:
