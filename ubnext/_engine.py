@@ -51,10 +51,16 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
         plan.add(f"twoshot.{transport}.state", _STATE_BYTES)
         plan.add(f"flags.{transport}", _FLAG_BYTES)
     for width in (2, 4):
-        plan.add(f"lamport{width}", 3 * nranks * lamport_bytes)
-        plan.add(f"lamport_twoshot{width}", 3 * 2 * _area(lamport_twoshot_bytes))
+        plan.add(f"lamport{width}", _set_units("lamport", nranks) * lamport_bytes)
+        plan.add(f"lamport_twoshot{width}", _set_units("lamport_twoshot", nranks) * _area(lamport_twoshot_bytes))
     plan.add("staging", staging_bytes)
     return plan
+
+
+def _set_units(family: str, nranks: int) -> int:
+    """Units of a Lamport family's set: 3 buffers of nranks slots (one-shot) or of a
+    reduce-scatter and an all-gather area (two-shot). The kernels take the unit's size."""
+    return 3 * (nranks if family == "lamport" else 2)
 
 
 def _area(max_bytes: int) -> int:
@@ -99,10 +105,9 @@ class Engine:
         self._fixed = (pool.base, pool.stride, self.rank, mc_base)
         # (family, width) -> (set offset, launch state, the kernels' buffer size argument:
         # one-shot slot bytes, two-shot area bytes)
-        units = {"lamport": 3 * self.nranks, "lamport_twoshot": 3 * 2}
         self._sets = {(f, w): (plan.offset(f"{f}{w}"), pool.local_ptr(plan.offset(f"{f}{w}.state")),
-                               plan.nbytes(f"{f}{w}") // units[f])
-                      for f in units for w in (2, 4)}
+                               plan.nbytes(f"{f}{w}") // _set_units(f, self.nranks))
+                      for f in ("lamport", "lamport_twoshot") for w in (2, 4)}
         self._twoshot = {t: (plan.offset(f"flags.{t}"), pool.local_ptr(plan.offset(f"twoshot.{t}.state")))
                          for t in ("unicast", "multicast")}
         self.staging_off = plan.offset("staging")
@@ -192,11 +197,12 @@ class Engine:
     def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:
         """Rows one fused launch of ``algorithm`` takes (of ``rows``; 0: not even one)."""
         alg = ALGORITHMS[algorithm]
-        row_bytes = hidden * DTYPES[dtype][1]
+        width = DTYPES[dtype][1]
+        row_bytes = hidden * width
         if alg.family == "lamport":  # the selector checked that the message fits
             return rows
         if alg.family == "lamport_twoshot":  # every rank's slot holds ceil(rows / nranks) rows
-            area = self._sets[alg.family, DTYPES[dtype][1]][2]
+            area = self._sets[alg.family, width][2]
             return (area // row_bytes) // self.nranks * self.nranks
         return self._staging_half() // row_bytes  # two staging halves: input/normed, residual
 
