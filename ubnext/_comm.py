@@ -384,7 +384,7 @@ class Communicator:
         if algorithm not in ALGORITHMS:
             raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(ALGORITHMS)}")
         if not self._selector.fits(algorithm, nbytes):
-            bounds = "; ".join(f"{n} up to {setting}" for n, (_, setting) in buffer_limits(self.config).items()
+            bounds = "; ".join(f"{n} up to {setting}" for n, (_, setting) in self._selector.limits.items()
                                if n in self.algorithms())
             raise UbnextError(f"{name}: algorithm {algorithm!r} cannot take {nbytes} bytes on this communicator "
                               f"(usable: {', '.join(self.algorithms())}; {bounds})")
@@ -431,7 +431,7 @@ class Communicator:
         chunk = eng.norm_rows(algo, xb.dtype, hidden, rows)
         if chunk == 0:
             staging = (0, f"UBNEXT_STAGING_MB={self.config.staging_mb}")
-            setting = buffer_limits(self.config).get(algo, staging)[1]
+            setting = self._selector.limits.get(algo, staging)[1]
             raise UbnextError(f"all_reduce_add_rmsnorm: one launch of {algo} cannot take {min(rows, self.size)} "
                               f"rows of {row_bytes} bytes ({setting})")
         residual, bias, weight, normed, res_out = norm

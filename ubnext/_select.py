@@ -38,7 +38,8 @@ class Selector:
 
     Args:
         nranks: ranks of the node.
-        limits: the bound of every algorithm with bounded buffers (``buffer_limits``).
+        limits: the bound of every algorithm with bounded buffers (``buffer_limits``);
+            kept as :attr:`limits`.
         usable: algorithm names this communicator can run (e.g. only "nccl").
         table: a tune file's table, consulted before the default table; None: the default only.
         nccl_reason: why only NCCL is usable, when it is (shown by :meth:`explain`).
@@ -48,7 +49,7 @@ class Selector:
                  nccl_reason: str = ""):
         self.nranks = nranks
         self.tables = [t for t in (table, default_table()) if t is not None]
-        self._limits = limits
+        self.limits = limits
         self._usable = set(usable)
         self._nccl_reason = nccl_reason
         #: dtype -> (rows, where they come from); the default table has a "*" entry for every dtype.
@@ -59,15 +60,15 @@ class Selector:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator."""
         if name not in self._usable:
             return False
-        return name not in self._limits or nbytes <= self._limits[name][0]
+        return name not in self.limits or nbytes <= self.limits[name][0]
 
     def capped(self) -> list[tuple[str, int, str]]:
         """``(algorithm, table limit, setting)`` of the usable rows (any dtype) whose limit
         exceeds what the algorithm's buffers hold: sizes in between go to the next row that fits."""
-        return sorted({(name, limit, self._limits[name][1]) for rows, _ in self._rows.values()
+        return sorted({(name, limit, self.limits[name][1]) for rows, _ in self._rows.values()
                        for limit, name in rows
-                       if name in self._usable and name in self._limits and limit is not None
-                       and limit > self._limits[name][0]})
+                       if name in self._usable and name in self.limits and limit is not None
+                       and limit > self.limits[name][0]})
 
     def select(self, nbytes: int, dtype: str) -> str:
         """The algorithm for a message of ``nbytes`` bytes of ``dtype``.
@@ -119,7 +120,7 @@ class Selector:
     def _why_not(self, name: str, nbytes: int) -> str:
         if name not in self._usable:
             return f"{name} not usable on this communicator"
-        return f"{name} does not fit: > {self._limits[name][1]}"
+        return f"{name} does not fit: > {self.limits[name][1]}"
 
 
 def _covers(row: Row, nbytes: int) -> bool:
