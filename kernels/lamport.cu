@@ -49,7 +49,8 @@ __device__ void lamport_allreduce(const Tp& tp, u64 set_off, u64 slot_bytes, con
 // Fused all-reduce + residual add + RMSNorm (rmsnorm.cuh) of `rows` rows of a.hidden
 // elements (a multiple of the vector width): every rank reduces and normalizes every row.
 // The push is spread over every block in contiguous parts (a few tokens still use many
-// SMs' store bandwidth); block b then reduces and normalizes rows b, b + gridDim.x, ...
+// SMs' store bandwidth); each row group (rmsnorm.cuh: a block, or a cluster when the host
+// launches few rows in clusters) then reduces and normalizes its rows.
 // The outputs must not overlap x (another block may still be pushing it).
 template <class T, int N, class Tp>
 __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, const char* x,
@@ -68,12 +69,14 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
   }
   char* mine = tp.seg(tp.rank);
   lamport_repoison_slots<T, N>(mine, l, slot_bytes);
-  for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    finish_row<T>(a, row, [&](u64 v) {
+  RowGroup g = row_group();
+  for (u64 row = g.id; row < rows; row += g.count) {
+    finish_row<T>(a, row, g, [&](u64 v) {
       const RowOperands o = load_operands<T>(a, row, v);
       return add_residual<T>(o, lamport_reduce<T, OpSum, N>(mine + l.cur, slot_bytes, row * vpr + v, c));
     });
   }
+  row_group_done(g);
   finish_launch(state, l.epoch, (u32)nvec);
 }
 

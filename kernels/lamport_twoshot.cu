@@ -18,7 +18,7 @@
 #include "transport.cuh"
 
 #ifndef UB_LAMPORT_TWOSHOT_THREADS
-#define UB_LAMPORT_TWOSHOT_THREADS 256
+#define UB_LAMPORT_TWOSHOT_THREADS 512
 #endif
 
 // Block b handles part b of every slice in every step, so it only waits for block b of
@@ -88,7 +88,7 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
 // elements (a multiple of the vector width). Rank r owns rows [r * rpr, (r + 1) * rpr).
 // Steps 1 and 3 are spread over every block by vectors; in step 3 the owner adds bias and
 // residual to its reduced rows and pushes the residual sums (not normalized) to every
-// rank; in step 4 every rank normalizes every row (block b: rows b, b + gridDim.x, ...),
+// rank; in step 4 every rank normalizes every row (by row groups, rmsnorm.cuh),
 // the same arithmetic on the same data, so every rank gets the same bits. Slot r of the
 // reduce-scatter area holds rpr rows: N * rpr * hidden * sizeof(T) <= area_bytes. The
 // outputs must not overlap x (another block may still be pushing it).
@@ -138,11 +138,13 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
     tp.template store_all<T>(ag + (row * vpr + v) * 16, clear_sentinel<T>(sum), 0);
   }
   // 4. Every row: residual sums from my all-gather area, then the norm.
-  for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+  RowGroup g = row_group();
+  for (u64 row = g.id; row < rows; row += g.count) {
     const char* sums = mine + ag + row * vpr * 16;
     const int owner = (int)(row / rpr);
-    finish_row<T>(a, row, [&](u64 v) { return lamport_poll<T>(sums + v * 16, c, owner); });
+    finish_row<T>(a, row, g, [&](u64 v) { return lamport_poll<T>(sums + v * 16, c, owner); });
   }
+  row_group_done(g);
   finish_launch(state, l.epoch, (u32)(N * rpr * vpr));
 }
 

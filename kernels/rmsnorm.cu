@@ -16,6 +16,7 @@ __device__ void store_elem(char* p, u64 i, float f) {
 
 template <class T>
 __device__ void add_rmsnorm_rows(const char* x, u64 rows, const NormArgs& a) {
+  RowGroup g = row_group();  // launched without clusters: the block
   for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
     float ss = 0.f;
     for (u64 k = threadIdx.x; k < a.hidden; k += blockDim.x) {
@@ -27,7 +28,7 @@ __device__ void add_rmsnorm_rows(const char* x, u64 rows, const NormArgs& a) {
       const float s = load_elem<T>(a.res_out, i);
       ss += s * s;
     }
-    const float scale = rms_scale(block_sum(ss), a.hidden, a.eps);
+    const float scale = rms_scale(row_sum(g, ss), a.hidden, a.eps);
     for (u64 k = threadIdx.x; k < a.hidden; k += blockDim.x) {
       const u64 i = row * a.hidden + k;
       store_elem<T>(a.normed, i, normalized(load_elem<T>(a.res_out, i), scale, load_elem<T>(a.weight, k)));

@@ -6,7 +6,7 @@
 //   scale  = rsqrt(sum(res * res) / hidden + eps)             (fp32 statistics of res)
 //   normed = round_T((res * scale) * weight)
 // bias and residual are optional (null). Every rank runs the same arithmetic in the same
-// order (block_sum is a fixed tree), so ranks that normalize the same row get the same bits.
+// order (row_sum is a fixed tree), so ranks that normalize the same row get the same bits.
 #pragma once
 #include "common.cuh"
 
@@ -38,21 +38,6 @@ __device__ __forceinline__ float rms_scale(float sumsq, u64 hidden, float eps) {
   return rsqrtf(sumsq / (float)hidden + eps);
 }
 __device__ __forceinline__ float normalized(float v, float scale, float w) { return (v * scale) * w; }
-
-// Sum of v over the block, the same value in every thread, the same bits on every launch
-// with the same block size: warp butterflies, then warp totals added in warp order.
-// Every thread of the block must call it; blockDim.x is a multiple of 32.
-__device__ float block_sum(float v) {
-  __shared__ float warp_total[32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();  // a previous call's readers are done with warp_total
-  if ((threadIdx.x & 31) == 0) warp_total[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float t = 0.f;
-  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += warp_total[w];
-  return t;
-}
 
 // Vector form, for rows whose vectors are all full (hidden % kPer == 0, 16-byte aligned).
 // The operands of vector `col` of row `row`; a missing bias or residual reads as +0.0.
@@ -105,39 +90,116 @@ __device__ uint4 normalize(const NormArgs& a, u64 col, const uint4& res, float s
   return Vec<T>::pack(f);
 }
 
+// ---- row groups --------------------------------------------------------------------
+// The blocks that finish a row together: the blocks of a thread-block cluster (sm_90;
+// the host launches a kernel with clusters when a few rows would leave SMs idle), else
+// one block. Group g of G finishes rows g, g + G, ...; its threads are numbered
+// rank * blockDim.x + threadIdx.x, rank being the block's rank in the group.
+struct RowGroup {
+  u32 id, count, rank, blocks;
+  u32 parity;  // which of the two partial-sum slots the next row_sum uses
+};
+
+__device__ __forceinline__ RowGroup row_group() {
+  RowGroup g{blockIdx.x, gridDim.x, 0u, 1u, 0u};
+#if __CUDA_ARCH__ >= 900
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(g.id));
+  asm("mov.u32 %0, %%nclusterid.x;" : "=r"(g.count));
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(g.rank));
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(g.blocks));
+#endif
+  return g;
+}
+
+#if __CUDA_ARCH__ >= 900
+// Every thread of every block of the cluster arrives, then waits for all (release/acquire).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+// The float at p in the shared memory of block `rank` of this cluster.
+__device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
+  u64 local;
+  u32 remote;
+  float v;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(local) : "l"(p));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((u32)local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+#endif
+
+// Sum of v over the group, the same value in every thread and the same bits on every
+// launch with the same group shape: warp sums (butterfly), then lane l of every warp
+// adds up warp total l of the group (warps in block-rank order, at most 32: the host
+// gives a group at most 1024 threads) by another butterfly. Two slots of warp totals
+// used in turn: a block writes a slot again only after the next call's barrier, which
+// every thread reaches after reading this call's slot. Every thread of the group calls it.
+__device__ float row_sum(RowGroup& g, float v) {
+  __shared__ float warp_total[2][32];
+  const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) warp_total[g.parity][threadIdx.x >> 5] = v;
+  float t = 0.f;
+#if __CUDA_ARCH__ >= 900
+  if (g.blocks > 1) {
+    cluster_sync();
+    if (lane < g.blocks * warps) t = ld_cluster(&warp_total[g.parity][lane % warps], lane / warps);
+  } else
+#endif
+  {
+    __syncthreads();
+    if (lane < warps) t = warp_total[g.parity][lane];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  g.parity ^= 1u;
+  return t;
+}
+
+// Called by every thread at the end of a kernel launched in clusters that used row_sum:
+// no block leaves while another may still read its shared memory.
+__device__ __forceinline__ void row_group_done(const RowGroup& g) {
+#if __CUDA_ARCH__ >= 900
+  if (g.blocks > 1) cluster_sync();
+#endif
+}
+
 // Finishes row `row`: res = fetch(v), the residual sum of vector v packed as T, for every
 // vector of the row, stored to res_out; then normed from res and the row's scale. The
-// vectors are spread over the block's threads in a fixed pattern (the same bits on every
-// rank). Every thread of the block calls it.
+// vectors are spread over the group's threads in a fixed pattern (the same bits on every
+// rank that uses the same group shape). Every thread of the group calls it.
 template <class T, class Fetch>
-__device__ void finish_row(const NormArgs& a, u64 row, Fetch fetch) {
+__device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch) {
   const u64 vpr = a.hidden / Vec<T>::kPer;
   char* res_out = a.res_out + row * vpr * 16;
   char* normed = a.normed + row * vpr * 16;
-  const u64 kept = (u64)UB_ROW_KEEP * blockDim.x;
+  const u64 first = (u64)g.rank * blockDim.x + threadIdx.x;
+  const u64 step = (u64)g.blocks * blockDim.x;
+  const u64 kept = (u64)UB_ROW_KEEP * step;
   uint4 keep[UB_ROW_KEEP];
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < UB_ROW_KEEP; ++k) {
-    const u64 v = threadIdx.x + (u64)k * blockDim.x;
+    const u64 v = first + (u64)k * step;
     if (v < vpr) {
       keep[k] = fetch(v);
       st_weak(res_out + v * 16, keep[k]);
       ss += sum_squares<T>(keep[k]);
     }
   }
-  for (u64 v = threadIdx.x + kept; v < vpr; v += blockDim.x) {
+  for (u64 v = first + kept; v < vpr; v += step) {
     const uint4 r = fetch(v);
     st_weak(res_out + v * 16, r);
     ss += sum_squares<T>(r);
   }
-  const float scale = rms_scale(block_sum(ss), a.hidden, a.eps);
+  const float scale = rms_scale(row_sum(g, ss), a.hidden, a.eps);
 #pragma unroll
   for (int k = 0; k < UB_ROW_KEEP; ++k) {
-    const u64 v = threadIdx.x + (u64)k * blockDim.x;
+    const u64 v = first + (u64)k * step;
     if (v < vpr) st_weak(normed + v * 16, normalize<T>(a, v, keep[k], scale));
   }
-  for (u64 v = threadIdx.x + kept; v < vpr; v += blockDim.x) {
+  for (u64 v = first + kept; v < vpr; v += step) {
     st_weak(normed + v * 16, normalize<T>(a, v, ld_weak(res_out + v * 16), scale));
   }
 }

@@ -113,6 +113,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
 
   // 2. reduce my rows, add, normalize, store both results into every rank
   const u64 end = (tp.rank + 1) * rpr < rows ? (tp.rank + 1) * rpr : rows;
+  RowGroup g = row_group();  // launched without clusters: the block
   for (u64 row = tp.rank * rpr + blockIdx.x; row < end; row += gridDim.x) {
     float ss = 0.f;
     for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
@@ -126,7 +127,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
       tp.template store_all<T>(res_off + off, r, 0);
       ss += sum_squares<T>(r);
     }
-    const float scale = rms_scale(block_sum(ss), a.hidden, a.eps);
+    const float scale = rms_scale(row_sum(g, ss), a.hidden, a.eps);
     for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
       const u64 off = (row * vpr + v) * 16;
       tp.template store_all<T>(buf_off + off, normalize<T>(a, v, ld_weak(res + off), scale), 0);

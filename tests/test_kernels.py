@@ -96,3 +96,68 @@ def test_compile_defines_cover_the_table():
     assert compile_defines("float32", "sum", 4, "multicast")["UB_TRANSPORT"] == "Multicast"
     assert _kernels.options({"B": "2", "A": "1"})[-2:] == ("-DA=1", "-DB=2")
 
+
+
+def test_separate_norm_kernel_compiles_without_clusters_for_sm80():
+    """The row groups' cluster code is guarded by the architecture: the separate norm
+    kernel (every NVLink GPU's unfused path) still compiles for sm_80."""
+    cubin = _kernels.compile_cubin(NORM_SOURCE, compile_defines("bfloat16", "sum", 1), arch="sm_80")
+    assert NORM_ENTRY.encode() in cubin
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 33, 66, 67, 1000])
+@pytest.mark.parametrize("vectors", [16, 64, 100, 1024, 2048, 8192])
+def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors):
+    """A fused one-shot launch of a few rows too long for one block's threads splits each
+    row over a cluster of blocks, never more blocks than the launch may use, never less than
+    4 warps of vectors per block,
+    and never more than 32 warps per cluster (kernels/rmsnorm.cuh: row_sum)."""
+    from ubnext._algorithms import NORM_THREADS, row_threads
+    from ubnext._engine import CLUSTER_BLOCK_VECTORS, MAX_CLUSTER, row_cluster
+
+    blocks = 132
+    cluster = row_cluster(rows, vectors, blocks)
+    assert cluster in (1, 2, 4, 8) and cluster <= MAX_CLUSTER
+    if cluster > 1:
+        assert rows * cluster <= blocks and vectors >= max(cluster * CLUSTER_BLOCK_VECTORS, NORM_THREADS)
+    else:  # a block covers the row with a vector per thread, or no larger cluster fits
+        assert vectors < NORM_THREADS or rows * 2 > blocks
+    threads = row_threads(vectors, cluster)
+    assert threads % 32 == 0 and cluster * threads <= NORM_THREADS
+    assert cluster * threads >= min(vectors, NORM_THREADS) or threads == 32
+
+
+def test_row_cluster_examples():
+    from ubnext._engine import row_cluster
+
+    assert row_cluster(1, 1024, 132) == 8  # one token of hidden 8192 bf16: 8 SMs
+    assert row_cluster(16, 1024, 132) == 8
+    assert row_cluster(17, 1024, 132) == 4
+    assert row_cluster(1, 512, 132) == 1  # hidden 4096 bf16: a block's threads cover it
+    assert row_cluster(1, 2048, 132) == 8  # hidden 16384 bf16
+    assert row_cluster(1, 16, 132) == 1  # hidden 128 bf16: one block is plenty
+    assert row_cluster(100, 1024, 132) == 1
+
+
+def test_cluster_launch_structures_match_the_driver_abi():
+    """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute (cuda.h) from our ctypes
+    structures: their sizes and field offsets must be the driver's."""
+    import ctypes
+
+    from ubnext._launch import _LaunchAttribute, _LaunchConfig
+
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert [getattr(_LaunchConfig, f).offset for f in ("sharedMemBytes", "hStream", "attrs", "numAttrs")] \
+        == [24, 32, 40, 48]
+    assert ctypes.sizeof(_LaunchConfig) == 56
+
+
+@pytest.mark.parametrize("algorithm", KERNEL_ALGOS)
+def test_launch_bounds_admit_the_tables_block_size(algorithm):
+    """The engine launches ``threads`` per block; the entry point's __launch_bounds__ must allow it."""
+    import re
+
+    alg = ALGORITHMS[algorithm]
+    text = _kernels.source(alg.source)
+    bound = re.search(r"__launch_bounds__\((\w+)\)\s*\n\s*" + alg.entry + r"\(", text).group(1)
+    assert int(re.search(rf"#define {bound} (\d+)", text).group(1)) == alg.threads

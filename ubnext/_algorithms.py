@@ -80,7 +80,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         ),
         Algorithm(
             "lamport_twoshot", "lamport_twoshot.cu", "ub_lamport_twoshot", "ub_lamport_twoshot_norm",
-            "unicast", 256, "lamport_twoshot", "lamport_twoshot_max_kb",
+            "unicast", 512, "lamport_twoshot", "lamport_twoshot_max_kb",
             "reduce-scatter + all-gather by pushes into sentinel-polled buffers, no barrier (mid sizes)",
         ),
         Algorithm(
@@ -112,10 +112,11 @@ NORM_SOURCE, NORM_ENTRY = "rmsnorm.cu", "ub_add_rmsnorm"
 NORM_THREADS = 1024
 
 
-def row_threads(vectors: int) -> int:
-    """Threads per block of a row kernel: one per 16-byte vector of a row, in whole
-    warps, at most NORM_THREADS."""
-    return max(32, min(NORM_THREADS, -(-vectors // 32) * 32))
+def row_threads(vectors: int, cluster: int = 1) -> int:
+    """Threads per block of a row kernel whose rows are split over ``cluster`` blocks: one
+    per 16-byte vector of the block's share, in whole warps, at most NORM_THREADS per
+    cluster (kernels/rmsnorm.cuh: row_sum adds at most 32 warp totals)."""
+    return max(32, min(NORM_THREADS // cluster, -(-vectors // (32 * cluster)) * 32))
 
 
 def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast") -> dict[str, str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, compile_defines, row_threads
+from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS, compile_defines, row_threads
 from ._heap import SlotPlan
 from ._kernels import compile_module
 from ._launch import F32, I32, U64, Launcher
@@ -30,6 +30,8 @@ _STATE_BYTES = 16                      # kernels/sync.cuh LaunchState
 _FLAG_BYTES = 4 * 2 * MAX_BLOCKS * MAX_RANKS
 _SENTINEL_WORD = {2: 0x80008000, 4: 0x80000000}  # -0.0 in every element of a 32-bit word
 _ALIGN = 16                            # kernels move 16-byte vectors
+MAX_CLUSTER = 8                        # portable thread-block cluster size
+CLUSTER_BLOCK_VECTORS = 128            # least vectors of a row per block of a cluster
 
 
 def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, staging_bytes: int) -> SlotPlan:
@@ -61,6 +63,22 @@ def _set_units(family: str, nranks: int) -> int:
     """Units of a Lamport family's set: 3 buffers of nranks slots (one-shot) or of a
     reduce-scatter and an all-gather area (two-shot). The kernels take the unit's size."""
     return 3 * (nranks if family == "lamport" else 2)
+
+
+def row_cluster(rows: int, vectors: int, blocks: int) -> int:
+    """Blocks per cluster that finish one row of ``vectors`` 16-byte vectors when a launch
+    of ``rows`` rows may use ``blocks`` blocks: a power of two up to MAX_CLUSTER, with a
+    cluster for every row and at least CLUSTER_BLOCK_VECTORS vectors per block. Rows that
+    one block covers with a vector per thread stay on one block. Measured on 4×H200:
+    hidden 8192 bf16 (1024 vectors) over 8 blocks is 7 % faster at 1 token and 16 % at
+    32; hidden 4096 (512 vectors) over 2 to 8 blocks was 4-10 % slower."""
+    if vectors < NORM_THREADS:
+        return 1
+    cluster = 1
+    while (cluster * 2 <= MAX_CLUSTER and rows * cluster * 2 <= blocks
+           and vectors >= cluster * 2 * CLUSTER_BLOCK_VECTORS):
+        cluster *= 2
+    return cluster
 
 
 def _area(max_bytes: int) -> int:
@@ -95,8 +113,11 @@ class Engine:
         self.staging_bytes = plan.nbytes("staging")
         self._timeout_ptr = timeout_ptr
         self._timeout_ns = int(timeout_s * 1e9)
-        sms = cupy.cuda.Device(pool.device).attributes["MultiProcessorCount"]
+        device = cupy.cuda.Device(pool.device)
+        sms = device.attributes["MultiProcessorCount"]
         self._blocks = min(max_blocks or sms, sms, MAX_BLOCKS)
+        # thread-block clusters (sm_90+) for the fused one-shot's few-row launches
+        self._cluster_rows = int(device.compute_capability) >= 90
         self._modules: dict[tuple, object] = {}
         self._launchers: dict[tuple, Launcher] = {}
         self._on_first_use = on_first_use
@@ -219,9 +240,13 @@ class Engine:
         """
         alg = ALGORITHMS[algorithm]
         vpr = hidden * DTYPES[dtype][1] // _ALIGN
+        # few rows: a cluster per row, so a row's polls and passes run on several SMs
+        cluster = row_cluster(rows, vpr, self._blocks) if alg.family == "lamport" and self._cluster_rows else 1
         if alg.family == "twoshot":  # a block per owned row
             blocks = self._grid(alg, -(-rows // self.nranks))
+        elif cluster > 1:
+            blocks = cluster * rows
         else:  # enough blocks for every row, and for the pushes at ~`threads` vectors per block
             blocks = max(1, min(self._blocks, max(rows, -(-rows * vpr // alg.threads))))
         self._kernel(algorithm, dtype, "sum", fused=True)(
-            blocks, row_threads(vpr), stream, x, rows, hidden, *norm, eps)
+            blocks, row_threads(vpr, cluster), stream, x, rows, hidden, *norm, eps, cluster=cluster)
