@@ -97,7 +97,6 @@ def test_compile_defines_cover_the_table():
     assert _kernels.options({"B": "2", "A": "1"})[-2:] == ("-DA=1", "-DB=2")
 
 
-
 def test_separate_norm_kernel_compiles_without_clusters_for_sm80():
     """The row groups' cluster code is guarded by the architecture: the separate norm
     kernel (every NVLink GPU's unfused path) still compiles for sm_80."""
@@ -109,9 +108,9 @@ def test_separate_norm_kernel_compiles_without_clusters_for_sm80():
 @pytest.mark.parametrize("vectors", [16, 64, 100, 1024, 2048, 8192])
 def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors):
     """A fused one-shot launch of a few rows too long for one block's threads splits each
-    row over a cluster of blocks, never more blocks than the launch may use, never less than
-    4 warps of vectors per block,
-    and never more than 32 warps per cluster (kernels/rmsnorm.cuh: row_sum)."""
+    row over a cluster of blocks: never more blocks than the launch may use, never less
+    than 4 warps of vectors per block, never more than 32 warps per cluster
+    (kernels/rmsnorm.cuh: row_sum)."""
     from ubnext._algorithms import NORM_THREADS, row_threads
     from ubnext._engine import CLUSTER_BLOCK_VECTORS, MAX_CLUSTER, row_cluster
 
