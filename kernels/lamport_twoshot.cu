@@ -5,9 +5,9 @@
 // Rank r owns slice r of the message. Every rank
 //   1. pushes slice s of its input into slot [rank] of rank s's reduce-scatter area,
 //   2. re-poisons the previous launch's buffer in its own segment,
-//   3. polls the N slots of its own slice, reduces them in rank order, and pushes the
-//      result into every rank's all-gather area,
-//   4. polls its all-gather area and writes the whole result to `out`.
+//   3. polls the N slots of its own slice, reduces them in rank order, pushes the result
+//      into every other rank's all-gather area and writes it to `out`,
+//   4. polls the other slices in its all-gather area and writes them to `out`.
 // A peer needs this rank's step-3 data of a launch to finish that launch, so it is at
 // most one launch ahead, as in the one-shot kernel.
 //
@@ -24,6 +24,14 @@
 // Block b handles part b of every slice in every step, so it only waits for block b of
 // every rank. The reduce-scatter area holds N slots of `slice` vectors (slot r: pushed by
 // rank r); the all-gather area holds the message. N * slice * 16 <= area_bytes.
+// Slices and parts are whole multiples of kAlignVecs vectors, so that every warp's
+// 512-byte access covers whole 128-byte lines (a shifted warp touches 5 lines instead of
+// 4, and a partial line costs an NVLink write as a whole one does). A thread handles the
+// same index j of every slice in every step: its step-3 and step-4 writes to `out` hit
+// only elements it read from `x` in step 1, so `out` may be `x`.
+constexpr u64 kAlignVecs = 32;
+__device__ __forceinline__ u64 round_up(u64 v, u64 to) { return (v + to - 1) / to * to; }
+
 template <class T, class Op, int N, class Tp>
 __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_bytes,
                                           const char* x, char* out, u64 n, LaunchState* state,
@@ -31,8 +39,8 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
   const Span<T> span(n);
   const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
   const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
-  const u64 slice = (span.nvec + N - 1) / N;
-  const u64 part = (slice + gridDim.x - 1) / gridDim.x;
+  const u64 slice = round_up((span.nvec + N - 1) / N, kAlignVecs);
+  const u64 part = round_up((slice + gridDim.x - 1) / gridDim.x, kAlignVecs);
   const u64 lo = blockIdx.x * part;
   const u64 hi = lo + part < slice ? lo + part : slice;
   char* mine = tp.seg(tp.rank);
@@ -57,25 +65,27 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
   // 2. Re-poison both areas of the previous launch's buffer.
   lamport_repoison<T>(mine + l.old, l.prev_vecs);
   lamport_repoison<T>(mine + l.old + area_bytes, l.prev_vecs);
-  // 3. Reduce my slice in rank order; push it into every rank's all-gather area.
+  // 3. Reduce my slice in rank order; push it into every other rank's all-gather area,
+  //    write it to `out` (every rank stores the same bits: -0.0 cleared everywhere).
   for (u64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
     const u64 i = tp.rank * slice + j;
     if (i < span.nvec) {
-      const uint4 r = lamport_reduce<T, Op, N>(mine + rs, slice * 16, j, c);
-      tp.template store_all<T>(ag + i * 16, clear_sentinel<T>(r), 0);
+      const uint4 r = clear_sentinel<T>(lamport_reduce<T, Op, N>(mine + rs, slice * 16, j, c));
+      tp.store_peers(ag + i * 16, r);
+      span.store(out, i, r);
     }
   }
-  // 4. Gather every slice from my all-gather area (all N loads before the first wait).
+  // 4. Gather the other slices from my all-gather area (all loads before the first wait).
   for (u64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
     uint4 v[N];
 #pragma unroll
     for (int s = 0; s < N; ++s) {
-      if (s * slice + j < span.nvec) v[s] = ld_volatile(mine + ag + (s * slice + j) * 16);
+      if (s != tp.rank && s * slice + j < span.nvec) v[s] = ld_volatile(mine + ag + (s * slice + j) * 16);
     }
 #pragma unroll
     for (int s = 0; s < N; ++s) {
       const u64 i = s * slice + j;
-      if (i < span.nvec) {
+      if (s != tp.rank && i < span.nvec) {
         lamport_wait<T>(mine + ag + i * 16, v[s], c, s);
         span.store(out, i, v[s]);
       }

@@ -158,10 +158,13 @@ __device__ float row_sum(RowGroup& g, float v) {
 }
 
 // Called by every thread at the end of a kernel launched in clusters that used row_sum:
-// no block leaves while another may still read its shared memory.
+// no block leaves while another may still read its shared memory. Execution only: a
+// block's reads of the others' shared memory have returned before it arrives (row_sum
+// uses their values), so the arrive is relaxed; a release would first wait for the
+// block's output stores (measured: 0.4 µs of a 1-token hidden-8192 call on 4xH200).
 __device__ __forceinline__ void row_group_done(const RowGroup& g) {
 #if __CUDA_ARCH__ >= 900
-  if (g.blocks > 1) cluster_sync();
+  if (g.blocks > 1) asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;" ::: "memory");
 #endif
 }
 

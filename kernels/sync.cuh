@@ -100,15 +100,16 @@ __device__ __forceinline__ void read_launch_state(LaunchState* s, u32& epoch, u3
 }
 
 // Called by every block at its end: the last block to finish advances the state.
+// No fence: the state is read only by this rank's next launch of the family, which the
+// stream starts after this one has completed (its writes are then visible), and the last
+// block reads nothing the others wrote. A fence here would make every block wait for
+// its outstanding NVLink stores before it counts itself done (measured: 0.4-1.5 µs
+// per launch on 4xH200).
 __device__ void finish_launch(LaunchState* s, u32 epoch, u32 vecs) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&s->done, 1u) == gridDim.x - 1) {
-      s->done = 0u;
-      s->prev_vecs = vecs;
-      __threadfence();
-      s->epoch = epoch + 1u;
-    }
+  if (threadIdx.x == 0 && atomicAdd(&s->done, 1u) == gridDim.x - 1) {
+    s->done = 0u;
+    s->prev_vecs = vecs;
+    s->epoch = epoch + 1u;
   }
 }

@@ -4,6 +4,7 @@
 //   seg(r)              base of rank r's segment of the symmetric pool (local view)
 //   load_reduce(...)    reduce 16-byte vectors at one offset of every segment
 //   store_all(...)      store one 16-byte vector at one offset of every segment
+//   store_peers(...)    the same into every segment but this rank's (peer pointers)
 //   barrier(...)        block b of every rank waits for block b of every other rank
 // Unicast goes through every peer's mapped pointer (any P2P NVLink machine). Multicast
 // (NVLS) goes through the multicast mapping of the pool: one multimem access at mc + off
@@ -50,6 +51,12 @@ template <int N> struct Unicast {
       char* p = seg(peer(k)) + off;
       if (valid == 0) st_weak(p, v); else st_partial<T>(p, v, valid);
     }
+  }
+
+  // Stores v at byte offset off of every other rank's segment, in peer() order (weak).
+  __device__ void store_peers(u64 off, const uint4& v) const {
+#pragma unroll
+    for (int k = 1; k < N; ++k) st_weak(seg(peer(k)) + off, v);
   }
 
   // Barrier of block blockIdx.x with the same block on every rank (sync.cuh).

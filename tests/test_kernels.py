@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext import _kernels
+from ubnext import _engine, _kernels
 from ubnext._algorithms import (ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_ENTRY, NORM_SOURCE, OPS,
                                 compile_defines)
 
@@ -86,6 +86,19 @@ def test_sources_are_self_contained_and_limits_match_the_headers():
     assert "#include" not in text
     assert f"#define UB_MAX_RANKS {MAX_RANKS}" in text
     assert f"#define UB_MAX_BLOCKS {MAX_BLOCKS}" in text
+    assert f"constexpr u64 kAlignVecs = {_engine._TWOSHOT_ALIGN_VECS};" in _kernels.source("lamport_twoshot.cu")
+
+
+@pytest.mark.parametrize("max_kb", [1, 7, 64, 16384])
+def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
+    # kernels/lamport_twoshot.cu: N slots of round_up(ceil(nvec / N), kAlignVecs) vectors
+    unit = _engine._TWOSHOT_ALIGN_VECS
+    area = _engine._area(max_kb * 1024)
+    for nranks in range(1, MAX_RANKS + 1):
+        for nbytes in {b for b in (1, 16, 17, 4096, max_kb * 1024 - 2, max_kb * 1024) if b <= max_kb * 1024}:
+            nvec = -(-nbytes // 16)
+            slice_vecs = -(-(-(-nvec // nranks)) // unit) * unit
+            assert nranks * slice_vecs * 16 <= area, (nranks, nbytes)
 
 
 def test_compile_defines_cover_the_table():

@@ -30,6 +30,7 @@ _STATE_BYTES = 16                      # kernels/sync.cuh LaunchState
 _FLAG_BYTES = 4 * 2 * MAX_BLOCKS * MAX_RANKS
 _SENTINEL_WORD = {2: 0x80008000, 4: 0x80000000}  # -0.0 in every element of a 32-bit word
 _ALIGN = 16                            # kernels move 16-byte vectors
+_TWOSHOT_ALIGN_VECS = 32               # Lamport two-shot slices: multiples of 32 vectors
 MAX_CLUSTER = 8                        # portable thread-block cluster size
 CLUSTER_BLOCK_VECTORS = 128            # least vectors of a row per block of a cluster
 
@@ -83,8 +84,9 @@ def row_cluster(rows: int, vectors: int, blocks: int) -> int:
 
 def _area(max_bytes: int) -> int:
     """Bytes of a Lamport two-shot area for messages up to ``max_bytes``: the slots of the
-    reduce-scatter area are whole slices, up to a vector per rank more than the message."""
-    return -(-max_bytes // _ALIGN) * _ALIGN + _ALIGN * MAX_RANKS
+    reduce-scatter area are whole slices of whole 32-vector units (kernels/lamport_twoshot.cu:
+    kAlignVecs), up to 32 vectors per rank more than the message."""
+    return -(-max_bytes // _ALIGN) * _ALIGN + _ALIGN * _TWOSHOT_ALIGN_VECS * MAX_RANKS
 
 
 class Engine:
