@@ -454,7 +454,18 @@ def test_benchmarks_import_without_gpu_modules():
 
     They do import ubnext, for the size and timing helpers they share with ``ubnext.tune``.
     """
-    code = ("import sys; import bench._common, bench.all_reduce_perf, bench.compare, bench.plot; "
+    code = ("import sys; import bench._common, bench.all_reduce_perf, bench.compare, bench.plot, bench.link_ceiling; "
             "print(sorted(m for m in ('cupy', 'torch', 'mpi4py', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_link_ceiling_defaults_and_kernels_compile():
+    from bench import link_ceiling
+    from ubnext._cuda import nvrtc_compile
+
+    args = link_ceiling.parse_args([])
+    assert args.bytes == [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+    assert link_ceiling.parse_args(["--bytes", "2M,8M"]).bytes == [2 << 20, 8 << 20]
+    cubin = nvrtc_compile(link_ceiling._SOURCE, "link_ceiling.cu", ["--gpu-architecture=sm_90a"])
+    assert b"push" in cubin and b"pull" in cubin
