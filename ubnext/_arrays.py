@@ -57,6 +57,8 @@ def _is_torch(x) -> bool:
 
 #: torch.dtype -> dtype name, filled on first use of a tensor
 _TORCH_NAMES: dict = {}
+#: numpy dtype of a CuPy array -> dtype name, filled as dtypes are seen (supported ones only)
+_CUPY_NAMES: dict = {}
 
 
 def _dtype_name(name: str, op: str) -> str:
@@ -105,7 +107,9 @@ def describe(x, op: str) -> Buffer:
             )
     if not x.flags.c_contiguous:
         raise UbnextError(f"{op}: array is not C-contiguous; call cupy.ascontiguousarray first")
-    dtype = _dtype_name(x.dtype.name, op)
+    dtype = _CUPY_NAMES.get(x.dtype)
+    if dtype is None:  # numpy's dtype.name is slow (a few µs per call): look it up once per dtype
+        dtype = _CUPY_NAMES[x.dtype] = _dtype_name(x.dtype.name, op)
     return Buffer(x, "cupy", x.data.ptr, x.size, dtype, x.device.id, tuple(x.shape))
 
 
