@@ -164,6 +164,20 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def plot_candidates(path: str, title: str, records: list[dict[str, Any]], candidates: tuple[str, ...],
+                    metrics: tuple[tuple[str, str], ...], xlabel: str, ylabel: str) -> None:
+    """One PNG of ``records`` (dicts with ``bytes``, ``candidate`` and the metric keys): a
+    panel per ``(title, key)`` of ``metrics``, a line per candidate over bytes. Prints
+    where it went, or why there is no plot (matplotlib missing)."""
+    panels = {what: {c: ([r["bytes"] for r in records if r["candidate"] == c],
+                         [r[key] for r in records if r["candidate"] == c]) for c in candidates}
+              for what, key in metrics}
+    try:
+        print(f"# wrote {plot_lines(path, title, panels, xlabel, ylabel)}")
+    except ImportError as exc:
+        print(f"# no plot ({exc})")
+
+
 def plot_lines(path: str, title: str, panels: dict[str, dict[str, tuple[list, list]]], xlabel: str,
                ylabel: str, logx: bool = True) -> str:
     """One PNG, one panel per key of ``panels``, one line per series ``name -> (xs, ys)``.

@@ -107,14 +107,9 @@ def run(comm, args, argv) -> int:
     path, _ = tb.save_report(comm, "host_overhead", "host_overhead", args, argv, {
         "dtype": args.dtype, "config": {"iters": args.iters, "repeats": args.repeats}, "results": records},
         tags=(args.dtype,))
-    panels = {what: {c: ([r["bytes"] for r in records if r["candidate"] == c],
-                         [r[key] for r in records if r["candidate"] == c]) for c in CANDIDATES}
-              for what, key in (("host time per call", "host_us"), ("host + GPU time per call", "total_us"))}
-    try:
-        title = f"eager all-reduce, {args.dtype}, {comm.size} GPUs"
-        print(f"# wrote {tb.plot_lines(path + '.png', title, panels, 'bytes', 'µs per call')}")
-    except ImportError as exc:
-        print(f"# no plot ({exc})")
+    tb.plot_candidates(path + ".png", f"eager all-reduce, {args.dtype}, {comm.size} GPUs", records, CANDIDATES,
+                       (("host time per call", "host_us"), ("host + GPU time per call", "total_us")),
+                       "bytes", "µs per call")
     return 0
 
 

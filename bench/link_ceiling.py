@@ -157,14 +157,9 @@ def run(comm, args, argv) -> int:
     path, _ = tb.save_report(comm, "link_ceiling", "link_ceiling", args, argv, {
         "config": {"iters": args.iters, "launches": args.launches, "repeats": args.repeats, "threads": THREADS},
         "results": records})
-    panels = {what: {c: ([r["bytes"] for r in records if r["candidate"] == c],
-                         [r[key] for r in records if r["candidate"] == c]) for c in CANDIDATES}
-              for what, key in (("time", "time_us"), ("bus bandwidth", "busbw_gbs"))}
-    try:
-        title = f"link ceiling vs all-reduce, {comm.size} GPUs"
-        print(f"# wrote {tb.plot_lines(path + '.png', title, panels, 'message bytes S', 'µs | GB/s')}")
-    except ImportError as exc:
-        print(f"# no plot ({exc})")
+    tb.plot_candidates(path + ".png", f"link ceiling vs all-reduce, {comm.size} GPUs", records, CANDIDATES,
+                       (("time (µs)", "time_us"), ("bus bandwidth (GB/s)", "busbw_gbs")),
+                       "message bytes S", "µs | GB/s")
     return 0
 
 

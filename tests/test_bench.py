@@ -469,3 +469,13 @@ def test_link_ceiling_defaults_and_kernels_compile():
     assert link_ceiling.parse_args(["--bytes", "2M,8M"]).bytes == [2 << 20, 8 << 20]
     cubin = nvrtc_compile(link_ceiling._SOURCE, "link_ceiling.cu", ["--gpu-architecture=sm_90a"])
     assert b"push" in cubin and b"pull" in cubin
+
+
+def test_plot_candidates_draws_one_line_per_candidate(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    records = [{"bytes": b, "candidate": c, "time_us": t} for c, t0 in (("a", 1.0), ("b", 2.0))
+               for b, t in ((1024, t0), (4096, 3 * t0))]
+    path = tmp_path / "p.png"
+    _torchbench.plot_candidates(str(path), "title", records, ("a", "b"), (("time", "time_us"),), "bytes", "µs")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out == f"# wrote {path}\n"
