@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: python bench/link_ceiling.py
 
 from bench import _common as common  # noqa: E402
 from bench import _torchbench as tb  # noqa: E402
+from bench.all_reduce_perf import ALL_REDUCE  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CANDIDATES = ("push", "pull", "ubnext auto", "ubnext twoshot", "NCCL")
@@ -142,8 +143,8 @@ def run(comm, args, argv) -> int:
             fn()  # first call outside the capture: compiles, connects NCCL
             times = tb.time_us(fn, "graph", comm.bootstrap, args.iters, args.launches, args.repeats)
             us = tb.median(times)
-            moved = 2 * (comm.size - 1) / comm.size * nbytes
-            records.append({"bytes": nbytes, "candidate": name, "time_us": us, "busbw_gbs": moved / us / 1e3,
+            busbw = ALL_REDUCE.bandwidths(nbytes, us * 1e-6, comm.size)[1]
+            records.append({"bytes": nbytes, "candidate": name, "time_us": us, "busbw_gbs": busbw,
                             "samples_us": times})
         del calls
     if comm.rank != 0:
