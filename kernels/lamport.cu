@@ -74,7 +74,7 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
     finish_row<T>(a, row, g, [&](u64 v) {
       const RowOperands o = load_operands<T>(a, row, v);
       return add_residual<T>(o, lamport_reduce<T, OpSum, N>(mine + l.cur, slot_bytes, row * vpr + v, c));
-    });
+    }, [](float) {});
   }
   row_group_done(g);
   finish_launch(state, l.epoch, (u32)nvec);

@@ -171,9 +171,10 @@ __device__ __forceinline__ void row_group_done(const RowGroup& g) {
 // Finishes row `row`: res = fetch(v), the residual sum of vector v packed as T, for every
 // vector of the row, stored to res_out; then normed from res and the row's scale. The
 // vectors are spread over the group's threads in a fixed pattern (the same bits on every
-// rank that uses the same group shape). Every thread of the group calls it.
-template <class T, class Fetch>
-__device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch) {
+// rank that uses the same group shape). Every thread of the group calls it; each calls
+// on_scale(scale) once the row's scale is known, before the normed pass.
+template <class T, class Fetch, class OnScale>
+__device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch, OnScale on_scale) {
   const u64 vpr = a.hidden / Vec<T>::kPer;
   char* res_out = a.res_out + row * vpr * 16;
   char* normed = a.normed + row * vpr * 16;
@@ -197,6 +198,7 @@ __device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch)
     ss += sum_squares<T>(r);
   }
   const float scale = rms_scale(row_sum(g, ss), a.hidden, a.eps);
+  on_scale(scale);
 #pragma unroll
   for (int k = 0; k < UB_ROW_KEEP; ++k) {
     const u64 v = first + (u64)k * step;

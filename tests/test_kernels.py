@@ -101,6 +101,20 @@ def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
             assert nranks * slice_vecs * 16 <= area, (nranks, nbytes)
 
 
+@pytest.mark.parametrize("max_kb", [64, 2048, 16384])
+@pytest.mark.parametrize("row_bytes", [1024, 8192, 16384, 65536])
+def test_fused_lamport_twoshot_takes_its_largest_message_in_one_launch(max_kb, row_bytes):
+    # rows of >= 1 KiB: the all-gather area has room for their scales at the full message
+    rows = max_kb * 1024 // row_bytes
+    area = _engine._area(max_kb * 1024)
+    for nranks in range(1, MAX_RANKS + 1):
+        whole = rows // nranks * nranks
+        took = _engine.twoshot_norm_rows(area, row_bytes, nranks)
+        assert took >= whole and took % nranks == 0, (nranks, took, whole)
+        # the kernel's bound: nranks slots of took / nranks rows, each with a 16-byte scale
+        assert took * (row_bytes + 16) <= area
+
+
 def test_compile_defines_cover_the_table():
     for dtype in DTYPES:
         for op in OPS:

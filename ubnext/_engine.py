@@ -31,6 +31,7 @@ _FLAG_BYTES = 4 * 2 * MAX_BLOCKS * MAX_RANKS
 _SENTINEL_WORD = {2: 0x80008000, 4: 0x80000000}  # -0.0 in every element of a 32-bit word
 _ALIGN = 16                            # kernels move 16-byte vectors
 _TWOSHOT_ALIGN_VECS = 32               # Lamport two-shot slices: multiples of 32 vectors
+_SCALE_ROW_VECS = 64                   # fused Lamport two-shot: a 16-byte scale per row of >= 64 vectors
 MAX_CLUSTER = 8                        # portable thread-block cluster size
 CLUSTER_BLOCK_VECTORS = 128            # least vectors of a row per block of a cluster
 
@@ -85,8 +86,18 @@ def row_cluster(rows: int, vectors: int, blocks: int) -> int:
 def _area(max_bytes: int) -> int:
     """Bytes of a Lamport two-shot area for messages up to ``max_bytes``: the slots of the
     reduce-scatter area are whole slices of whole 32-vector units (kernels/lamport_twoshot.cu:
-    kAlignVecs), up to 32 vectors per rank more than the message."""
-    return -(-max_bytes // _ALIGN) * _ALIGN + _ALIGN * _TWOSHOT_ALIGN_VECS * MAX_RANKS
+    kAlignVecs), up to 32 vectors per rank more than the message; the all-gather area of
+    the fused kernel also holds a 16-byte scale per row: room for them at the full message
+    when rows have at least _SCALE_ROW_VECS vectors (1 KiB)."""
+    vecs = -(-max_bytes // _ALIGN)
+    return _ALIGN * (vecs + vecs // _SCALE_ROW_VECS + _TWOSHOT_ALIGN_VECS * MAX_RANKS)
+
+
+def twoshot_norm_rows(area: int, row_bytes: int, nranks: int) -> int:
+    """Rows of ``row_bytes`` one fused Lamport two-shot launch takes with areas of ``area``
+    bytes (kernels/lamport_twoshot.cu): every rank's slot holds ceil(rows / nranks) rows,
+    the all-gather area also a 16-byte scale per row."""
+    return (area // (row_bytes + _ALIGN)) // nranks * nranks
 
 
 class Engine:
@@ -224,9 +235,8 @@ class Engine:
         row_bytes = hidden * width
         if alg.family == "lamport":  # the selector checked that the message fits
             return rows
-        if alg.family == "lamport_twoshot":  # every rank's slot holds ceil(rows / nranks) rows
-            area = self._sets[alg.family, width][2]
-            return (area // row_bytes) // self.nranks * self.nranks
+        if alg.family == "lamport_twoshot":
+            return twoshot_norm_rows(self._sets[alg.family, width][2], row_bytes, self.nranks)
         return self._staging_half() // row_bytes  # two staging halves: input/normed, residual
 
     def _staging_half(self) -> int:
@@ -242,13 +252,16 @@ class Engine:
         """
         alg = ALGORITHMS[algorithm]
         vpr = hidden * DTYPES[dtype][1] // _ALIGN
-        # few rows: a cluster per row, so a row's polls and passes run on several SMs
-        cluster = row_cluster(rows, vpr, self._blocks) if alg.family == "lamport" and self._cluster_rows else 1
+        # rows that each rank normalizes: all (one-shot) or its own (two-shot kernels)
+        owned = rows if alg.family == "lamport" else -(-rows // self.nranks)
+        # few of them: a cluster per row, so a row's polls and passes run on several SMs
+        cluster = row_cluster(owned, vpr, self._blocks) if alg.pushed and self._cluster_rows else 1
         if alg.family == "twoshot":  # a block per owned row
-            blocks = self._grid(alg, -(-rows // self.nranks))
-        elif cluster > 1:
+            blocks = self._grid(alg, owned)
+        elif alg.family == "lamport" and cluster > 1:
             blocks = cluster * rows
         else:  # enough blocks for every row, and for the pushes at ~`threads` vectors per block
-            blocks = max(1, min(self._blocks, max(rows, -(-rows * vpr // alg.threads))))
+            wanted = max(rows, -(-rows * vpr // alg.threads))
+            blocks = max(cluster, min(self._blocks, wanted) // cluster * cluster)
         self._kernel(algorithm, dtype, "sum", fused=True)(
             blocks, row_threads(vpr, cluster), stream, x, rows, hidden, *norm, eps, cluster=cluster)
