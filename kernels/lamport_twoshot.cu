@@ -127,10 +127,10 @@ __device__ __forceinline__ float unpack_scale(const uint4& v) {
 // reduce its rows, add bias and residual, push the residual sums to every other rank,
 // finish the rows (res_out, row_sum, normed) and push each row's scale; in step 4 every
 // rank finishes the other rows vector by vector (normed from the pushed residual sum and
-// scale: the owner's bits), with no row-wide step. Slot r of the reduce-scatter area holds rpr rows; the all-gather
-// area holds N * rpr rows, then N * rpr scales (a vector each):
-// N * rpr * (hidden * sizeof(T) + 16) <= area_bytes. The outputs must not overlap x
-// (another block may still be pushing it).
+// scale: the owner's bits), with no row-wide step. Slot r of the reduce-scatter area
+// holds rpr rows; the all-gather area holds N * rpr rows, then N * rpr scales (a vector
+// each): N * rpr * (hidden * sizeof(T) + 16) <= area_bytes. The outputs must not overlap
+// x (another block may still be pushing it).
 template <class T, int N, class Tp>
 __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_bytes,
                                             const char* x, u64 rows, const NormArgs& a,
@@ -172,20 +172,20 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   //    polling both at once kept every thread of a row spinning on one address (measured
   //    +1.2 to +1.7 us at 512 and 1000 tokens of hidden 8192 on 4xH200).
   const u64 others = (rows - (last - first)) * vpr;
+  // vector i of the message that is vector q of the other rows (mine skipped)
+  const auto other = [&](u64 q) { return q < first * vpr ? q : q + (last - first) * vpr; };
   for (u64 q0 = (u64)blockIdx.x * blockDim.x + threadIdx.x; q0 < others; q0 += kBatch * step) {
     uint4 sum[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const u64 q = q0 + u * step, k = q / vpr, row = k < first ? k : k + (last - first);
-      if (q < others) {
-        sum[u] = ld_volatile(mine + ag + (row * vpr + q - k * vpr) * 16);
-      }
+      const u64 q = q0 + u * step;
+      if (q < others) sum[u] = ld_volatile(mine + ag + other(q) * 16);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      const u64 q = q0 + u * step, k = q / vpr, row = k < first ? k : k + (last - first);
+      const u64 q = q0 + u * step;
       if (q < others) {
-        const u64 v = q - k * vpr, i = row * vpr + v;
+        const u64 i = other(q), row = i / vpr, v = i - row * vpr;
         const int owner = (int)(row / rpr);
         lamport_wait<T>(mine + ag + i * 16, sum[u], c, owner);
         const float scale = unpack_scale(lamport_poll<T>(mine + scales + row * 16, c, owner));
