@@ -86,19 +86,35 @@ def run_and_check(comm, tokens, hidden, dtype, algo="auto", residual=True, bias=
 KERNELS = ("lamport", "lamport_twoshot", "twoshot")
 
 
-def fits(comm, algo, tokens, hidden, dtype):
-    """Whether the selector lets ``algo`` take the message (bounded buffers)."""
-    return comm._selector.fits(algo, tokens * hidden * {"bfloat16": 2, "float16": 2, "float32": 4}[dtype])
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [128, 4096, 8192, 12288])
 @pytest.mark.parametrize("tokens", [1, 3, 64, 1000])
 @pytest.mark.parametrize("algo", KERNELS)
 def test_fused_matches_fp64(comm, algo, tokens, hidden, dtype):
-    if not fits(comm, algo, tokens, hidden, dtype):
-        pytest.skip(f"larger than the {algo} buffers")
+    """Messages larger than a kernel's buffers go in launches of whole rows."""
     run_and_check(comm, tokens, hidden, dtype, algo)
+
+
+def test_auto_past_the_lamport_twoshot_buffers_takes_it_in_launches():
+    """Where plain all-reduces of the size go to NCCL because the Lamport two-shot's
+    buffers (here 2 MiB) are too small, the fused call takes the two-shot in launches."""
+    import ubnext
+
+    with ubnext.Communicator(lamport_twoshot_max_kb=2048) as c:
+        nbytes = 1000 * 4096 * 2
+        assert (c.select(nbytes, "bfloat16"), c.select(nbytes, "bfloat16", fused=True)) == ("nccl", "lamport_twoshot")
+        run_and_check(c, 1000, 4096, "bfloat16")
+        run_and_check(c, 1000, 4096, "bfloat16", place="in", bias=False)
+
+
+def test_rows_larger_than_one_launch_take_the_unfused_path():
+    """A row that one fused launch of the chosen kernel cannot hold: all-reduce + the
+    separate kernel, with the algorithm the plain all-reduce would take."""
+    import ubnext
+
+    with ubnext.Communicator(lamport_max_kb=16, lamport_twoshot_max_kb=64) as c:
+        assert c.select(3 * 12288 * 4, "float32", fused=True) == "lamport_twoshot"
+        run_and_check(c, 3, 12288, "float32")
 
 
 @pytest.mark.parametrize("algo", [*KERNELS, "auto"])

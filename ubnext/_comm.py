@@ -240,7 +240,7 @@ class Communicator:
         if rb is not None and _arrays.overlap(ob, rb) and ob.ptr != rb.ptr:
             raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
                               f"for in place, or a separate array")
-        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype)
+        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, fused=True)
         if xb.count == 0:
             return nb.obj, ob.obj
         if self.config.debug:
@@ -248,13 +248,19 @@ class Communicator:
         handle = _arrays.stream_handle(stream, xb)
         norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
         aligned = all(p % 16 == 0 for p in (xb.ptr, *norm))
+        chunk = 0  # rows per fused launch
         if ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned:
-            self._fused(algo, xb, rows, hidden, norm, eps, handle)
+            chunk = self._node.engine.norm_rows(algo, xb.dtype, hidden, rows)
+        if chunk:
+            self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle)
         else:
             why = ("the NCCL engine" if algo == "nccl" else
-                   f"hidden={hidden} is not a multiple of 8" if hidden % 8 else "arrays not 16-byte aligned")
+                   f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
+                   "arrays not 16-byte aligned" if not aligned else
+                   f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
+            plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
             log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
-            self._all_reduce(algo, xb, nb, "sum", handle)
+            self._all_reduce(plain, xb, nb, "sum", handle)
             self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
         return nb.obj, ob.obj
 
@@ -293,9 +299,10 @@ class Communicator:
         """Names of the algorithms this communicator can run."""
         return [name for name in ALGORITHMS if self._selector.fits(name, 0)]
 
-    def select(self, nbytes: int, dtype: str) -> str:
-        """The algorithm ``"auto"`` picks for a message of ``nbytes`` bytes."""
-        return self._resolve("select", "auto", nbytes, dtype)
+    def select(self, nbytes: int, dtype: str, fused: bool = False) -> str:
+        """The algorithm ``"auto"`` picks for a message of ``nbytes`` bytes: of
+        ``all_reduce``, or with ``fused`` of ``all_reduce_add_rmsnorm``."""
+        return self._resolve("select", "auto", nbytes, dtype, fused=fused)
 
     def describe(self) -> Description:
         """What this communicator runs and why: ranks, device, kernels or NCCL only (and why),
@@ -363,27 +370,31 @@ class Communicator:
         if self._node is not None:
             self._node.timeouts.check(name, self.config.timeout_s)
 
-    def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str = "sum") -> str:
-        """The algorithm that runs a call (a pure function of its arguments: cached)."""
-        key = (algorithm, nbytes, dtype, op)
+    def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str = "sum",
+                 fused: bool = False) -> str:
+        """The algorithm that runs a call (a pure function of its arguments: cached).
+        ``fused``: a fused add + RMSNorm call, which the kernels take in launches of
+        whole rows, so that any size fits them."""
+        key = (algorithm, nbytes, dtype, op, fused)
         algo = self._resolved.get(key)
         if algo is None:
             if len(self._resolved) >= _RESOLVED_MAX:
                 self._resolved.clear()
-            algo = self._resolved[key] = self._resolve_uncached(name, algorithm, nbytes, dtype, op)
+            algo = self._resolved[key] = self._resolve_uncached(name, algorithm, nbytes, dtype, op, fused)
         return algo
 
-    def _resolve_uncached(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str) -> str:
+    def _resolve_uncached(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str,
+                          fused: bool) -> str:
         if algorithm == "auto" and self.config.algorithm != "auto":
             algorithm = self.config.algorithm
         if algorithm == "auto":
-            algo = self._selector.select(nbytes, dtype)
+            algo = self._selector.select_fused(nbytes, dtype) if fused else self._selector.select(nbytes, dtype)
             if not ALGORITHMS[algo].supports(dtype, op):  # NVLS reduces no fp32 max/min
                 algo = UNICAST_OF[algo]
             return algo
         if algorithm not in ALGORITHMS:
             raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(ALGORITHMS)}")
-        if not self._selector.fits(algorithm, nbytes):
+        if not self._selector.fits(algorithm, 0 if fused else nbytes):  # 0: usable at all
             bounds = "; ".join(f"{n} up to {setting}" for n, (_, setting) in self._selector.limits.items()
                                if n in self.algorithms())
             raise UbnextError(f"{name}: algorithm {algorithm!r} cannot take {nbytes} bytes on this communicator "
@@ -425,15 +436,10 @@ class Communicator:
         else:
             self._twoshot(algo, xb, ob, op, stream)
 
-    def _fused(self, algo, xb, rows, hidden, norm, eps, stream):
+    def _fused(self, algo, xb, rows, chunk, hidden, norm, eps, stream):
+        """Fused launches of ``chunk`` rows (the last one the rest)."""
         eng = self._node.engine
         row_bytes = hidden * DTYPES[xb.dtype][1]
-        chunk = eng.norm_rows(algo, xb.dtype, hidden, rows)
-        if chunk == 0:
-            staging = (0, f"UBNEXT_STAGING_MB={self.config.staging_mb}")
-            setting = self._selector.limits.get(algo, staging)[1]
-            raise UbnextError(f"all_reduce_add_rmsnorm: one launch of {algo} cannot take {min(rows, self.size)} "
-                              f"rows of {row_bytes} bytes ({setting})")
         residual, bias, weight, normed, res_out = norm
         for r0 in range(0, rows, chunk):
             off = r0 * row_bytes

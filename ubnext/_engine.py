@@ -233,8 +233,8 @@ class Engine:
         alg = ALGORITHMS[algorithm]
         width = DTYPES[dtype][1]
         row_bytes = hidden * width
-        if alg.family == "lamport":  # the selector checked that the message fits
-            return rows
+        if alg.family == "lamport":  # a message of whole rows that fits a slot
+            return min(rows, self._sets[alg.family, width][2] // row_bytes)
         if alg.family == "lamport_twoshot":
             return twoshot_norm_rows(self._sets[alg.family, width][2], row_bytes, self.nranks)
         return self._staging_half() // row_bytes  # two staging halves: input/normed, residual
