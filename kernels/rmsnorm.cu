@@ -1,8 +1,9 @@
 // Residual add + RMSNorm on an already all-reduced array (rmsnorm.cuh): the epilogue of
 // the unfused path, for what the fused kernels do not take (hidden sizes that are not a
-// multiple of the vector width, unaligned arrays, the NCCL engine). One block per row,
-// element by element; `x` may alias `normed` (a row is read completely before the
-// block writes its normed values) and `residual` may alias `res_out`.
+// multiple of the vector width, unaligned arrays, the NCCL engine). One block per row:
+// by 16-byte vectors through finish_row when the rows allow it, else element by element.
+// `x` may alias `normed` (a row is read completely before the block writes its normed
+// values) and `residual` may alias `res_out`.
 #include "rmsnorm.cuh"
 
 template <class T>
@@ -14,9 +15,26 @@ __device__ void store_elem(char* p, u64 i, float f) {
   if (Elem<T>::kBytes == 4) ((u32*)p)[i] = Elem<T>::store(f); else ((u16*)p)[i] = (u16)Elem<T>::store(f);
 }
 
+// Whether the rows can move as 16-byte vectors: hidden a multiple of the vector width,
+// every array 16-byte aligned.
+template <class T>
+__device__ bool by_vectors(const char* x, const NormArgs& a) {
+  const u64 any = (u64)x | (u64)a.residual | (u64)a.bias | (u64)a.weight | (u64)a.normed | (u64)a.res_out;
+  return a.hidden % Vec<T>::kPer == 0 && any % 16 == 0;
+}
+
 template <class T>
 __device__ void add_rmsnorm_rows(const char* x, u64 rows, const NormArgs& a) {
   RowGroup g = row_group();  // launched without clusters: the block
+  if (by_vectors<T>(x, a)) {
+    const u64 vpr = a.hidden / Vec<T>::kPer;
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+      finish_row<T>(a, row, g, [&](u64 v) {
+        return add_residual<T>(load_operands<T>(a, row, v), ld_weak(x + (row * vpr + v) * 16));
+      }, [](float) {});
+    }
+    return;
+  }
   for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
     float ss = 0.f;
     for (u64 k = threadIdx.x; k < a.hidden; k += blockDim.x) {

@@ -117,7 +117,7 @@ def test_rows_larger_than_one_launch_take_the_unfused_path():
         run_and_check(c, 3, 12288, "float32")
 
 
-@pytest.mark.parametrize("algo", [*KERNELS, "auto"])
+@pytest.mark.parametrize("algo", [*KERNELS, "nccl", "auto"])
 @pytest.mark.parametrize("residual,bias", [(True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("place", ["in", "out"])
 @pytest.mark.parametrize("fw", ["torch", "cupy"])
