@@ -221,7 +221,7 @@ class Communicator:
 
         def operand(arr, what, shape):
             b = _arrays.describe(arr, name)
-            if tuple(b.shape) != shape or b.dtype != xb.dtype or b.device != xb.device:
+            if b.shape != shape or b.dtype != xb.dtype or b.device != xb.device:  # torch.Size is a tuple
                 raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape} on device {xb.device}, "
                                   f"got {b.dtype} of shape {tuple(b.shape)} on device {b.device}")
             return b
@@ -247,7 +247,7 @@ class Communicator:
             self._compare_across_ranks(name, (xb.count, xb.dtype, "add_rmsnorm", algo))
         handle = _arrays.stream_handle(stream, xb)
         norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
-        aligned = all(p % 16 == 0 for p in (xb.ptr, *norm))
+        aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
         chunk = 0  # rows per fused launch
         if ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned:
             chunk = self._node.engine.norm_rows(algo, xb.dtype, hidden, rows)

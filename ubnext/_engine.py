@@ -32,6 +32,7 @@ _SENTINEL_WORD = {2: 0x80008000, 4: 0x80000000}  # -0.0 in every element of a 32
 _ALIGN = 16                            # kernels move 16-byte vectors
 _TWOSHOT_ALIGN_VECS = 32               # Lamport two-shot slices: multiples of 32 vectors
 _SCALE_ROW_VECS = 64                   # fused Lamport two-shot: a 16-byte scale per row of >= 64 vectors
+_NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
 MAX_CLUSTER = 8                        # portable thread-block cluster size
 CLUSTER_BLOCK_VECTORS = 128            # least vectors of a row per block of a cluster
 
@@ -133,6 +134,8 @@ class Engine:
         self._cluster_rows = int(device.compute_capability) >= 90
         self._modules: dict[tuple, object] = {}
         self._launchers: dict[tuple, Launcher] = {}
+        #: (algorithm, dtype, rows, hidden) -> a fused launch's (launcher, blocks, threads, cluster)
+        self._norm_launches: dict[tuple, tuple] = {}
         self._on_first_use = on_first_use
         self._mc_base = mc_base
         # constant arguments and addresses, computed once
@@ -250,6 +253,18 @@ class Engine:
         all 16-byte aligned, outputs not overlapping ``x``; hidden a multiple of 8;
         rows <= ``norm_rows``.
         """
+        key = (algorithm, dtype, rows, hidden)
+        launch = self._norm_launches.get(key)
+        if launch is None:
+            if len(self._norm_launches) >= _NORM_LAUNCHES_MAX:
+                self._norm_launches.clear()
+            launch = self._norm_launches[key] = self._norm_launch(algorithm, dtype, rows, hidden)
+        launcher, blocks, threads, cluster = launch
+        launcher(blocks, threads, stream, x, rows, hidden, *norm, eps, cluster=cluster)
+
+    def _norm_launch(self, algorithm: str, dtype: str, rows: int, hidden: int) -> tuple:
+        """The kernel and grid of a fused launch of ``rows`` x ``hidden``: (launcher,
+        blocks, threads per block, blocks per cluster)."""
         alg = ALGORITHMS[algorithm]
         vpr = hidden * DTYPES[dtype][1] // _ALIGN
         # rows that each rank normalizes: all (one-shot) or its own (two-shot kernels)
@@ -263,5 +278,4 @@ class Engine:
         else:  # enough blocks for every row, and for the pushes at ~`threads` vectors per block
             wanted = max(rows, -(-rows * vpr // alg.threads))
             blocks = max(cluster, min(self._blocks, wanted) // cluster * cluster)
-        self._kernel(algorithm, dtype, "sum", fused=True)(
-            blocks, row_threads(vpr, cluster), stream, x, rows, hidden, *norm, eps, cluster=cluster)
+        return self._kernel(algorithm, dtype, "sum", fused=True), blocks, row_threads(vpr, cluster), cluster
