@@ -143,6 +143,14 @@ def test_nccl_engine_takes_the_separate_kernel(comm):
     run_and_check(comm, 33, 4096, "bfloat16", "nccl")
 
 
+@pytest.mark.parametrize("tokens,hidden,dtype", [(1000, 8192, "bfloat16"), (1000, 4099, "float16"),
+                                                 (300, 12288, "float32")])
+def test_separate_kernel_on_many_rows(comm, tokens, hidden, dtype):
+    """Arrays larger than a full block on every SM covers: the separate kernel keeps
+    several vectors per thread (by vectors, and element by element for odd hidden)."""
+    run_and_check(comm, tokens, hidden, dtype, "nccl")
+
+
 def test_misaligned_arrays_take_the_unfused_path(comm):
     import torch
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ubnext import _engine, _kernels
-from ubnext._algorithms import (ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_ENTRY, NORM_SOURCE, OPS,
-                                compile_defines)
+from ubnext._algorithms import (ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_ENTRY, NORM_SOURCE, NORM_THREADS,
+                                OPS, ROW_KEEP, compile_defines)
 
 KERNEL_ALGOS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
 
@@ -87,6 +87,8 @@ def test_sources_are_self_contained_and_limits_match_the_headers():
     assert f"#define UB_MAX_RANKS {MAX_RANKS}" in text
     assert f"#define UB_MAX_BLOCKS {MAX_BLOCKS}" in text
     assert f"constexpr u64 kAlignVecs = {_engine._TWOSHOT_ALIGN_VECS};" in _kernels.source("lamport_twoshot.cu")
+    norm = _kernels.source("rmsnorm.cu")
+    assert f"#define UB_NORM_THREADS {NORM_THREADS}" in norm and f"#define UB_ROW_KEEP {ROW_KEEP}" in norm
 
 
 @pytest.mark.parametrize("max_kb", [1, 7, 64, 16384])

@@ -110,6 +110,8 @@ UNICAST_OF = {"nvls_lamport": "lamport", "nvls": "twoshot"}
 NORM_SOURCE, NORM_ENTRY = "rmsnorm.cu", "ub_add_rmsnorm"
 #: threads per block of every row kernel (kernels/rmsnorm.cuh: UB_NORM_THREADS)
 NORM_THREADS = 1024
+#: vectors of a row each thread keeps in registers (kernels/rmsnorm.cuh: UB_ROW_KEEP)
+ROW_KEEP = 4
 
 
 def row_threads(vectors: int, cluster: int = 1) -> int:

@@ -423,8 +423,7 @@ class Communicator:
 
             from ._epilogue import AddRmsNorm
 
-            sms = cupy.cuda.Device(self.device).attributes["MultiProcessorCount"]
-            self._add_rmsnorm = AddRmsNorm(blocks=4 * sms)
+            self._add_rmsnorm = AddRmsNorm(cupy.cuda.Device(self.device).attributes["MultiProcessorCount"])
         return self._add_rmsnorm
 
     def _all_reduce(self, algo, xb, ob, op, stream):

@@ -4,22 +4,25 @@ all-reduce by any engine, NCCL included). Local to this rank: no pool, no peers.
 
 from __future__ import annotations
 
-from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, compile_defines, row_threads
+from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, NORM_THREADS, ROW_KEEP, compile_defines, row_threads
 from ._kernels import compile_module
 from ._launch import F32, U64, Launcher
 
 _PARAMS = (U64,) * 8 + (F32,)  # x, rows, hidden, residual, bias, weight, normed, res_out, eps
+_SM_THREADS = 2048  # threads resident on one SM (sm_90)
 
 
 class AddRmsNorm:
     """Launches ``ub_add_rmsnorm`` (kernels/rmsnorm.cu); one compiled kernel per dtype.
 
     Args:
-        blocks: most blocks per launch (one row per block, grid-stride beyond).
+        sms: the device's multiprocessors. A launch has one row per block (grid-stride
+            beyond) and as many blocks as the SMs hold at once.
     """
 
-    def __init__(self, blocks: int):
-        self._blocks = blocks
+    def __init__(self, sms: int):
+        self._sms = sms
+        self._one_each = sms * NORM_THREADS  # vectors that a full block on every SM covers a thread each
         self._launchers: dict[str, Launcher] = {}
 
     def __call__(self, dtype: str, x: int, rows: int, hidden: int, norm: tuple, eps: float,
@@ -33,5 +36,12 @@ class AddRmsNorm:
         if launcher is None:
             module = compile_module(NORM_SOURCE, compile_defines(dtype, "sum", 1))
             launcher = self._launchers[dtype] = Launcher(module.get_function(NORM_ENTRY), _PARAMS)
-        vectors = -(-hidden * DTYPES[dtype][1] // 16)  # a thread per 16 bytes of a row
-        launcher(max(1, min(self._blocks, rows)), row_threads(vectors), stream, x, rows, hidden, *norm, eps)
+        vectors = -(-hidden * DTYPES[dtype][1] // 16)
+        # A thread per 16 bytes of a row while a full block on every SM covers the array
+        # (a row's passes on the most threads); larger arrays: ROW_KEEP vectors per thread,
+        # so that more, smaller blocks share an SM. H200, bf16, hidden 8192: 132 rows
+        # 3.99 µs against 4.59, 200 rows 6.06 against 5.20, 2048 rows 45.1 against 37.6.
+        per_thread = 1 if rows * vectors <= self._one_each else ROW_KEEP
+        threads = row_threads(-(-vectors // per_thread))
+        blocks = max(1, min(rows, self._sms * (_SM_THREADS // threads)))
+        launcher(blocks, threads, stream, x, rows, hidden, *norm, eps)
