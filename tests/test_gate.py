@@ -142,6 +142,7 @@ class StubEngine:
 
 class StubTimeoutRecord:
     device_ptr = 0
+    tripped = False
 
     def close(self):
         pass
@@ -153,6 +154,19 @@ class StubDevice:
 
     def synchronize(self):
         pass
+
+
+class TrappedDevice(StubDevice):
+    """Device 0's context is gone (a kernel trapped): every wait on it fails."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def synchronize(self):
+        import cupy
+
+        if self.device == 0:
+            raise cupy.cuda.runtime.CUDARuntimeError(719)  # cudaErrorLaunchFailure
 
 
 @pytest.fixture
@@ -230,4 +244,37 @@ def test_node_path_multicast_failure_in_mode_1_fails_the_node(node_path):
     fake.fail_in("rank0", "cuMulticastCreate")
     results = node_path(fake, "1", {})
     assert all(isinstance(r, UbnextError) and "local rank 0: cuMulticastCreate" in str(r) for r in results)
+    assert fake.leaks() == []
+
+
+@pytest.mark.parametrize("timed_out", [True, False])
+def test_node_close_with_a_dead_device_meets_the_other_ranks_and_releases_everything(monkeypatch, timed_out):
+    """Rank 0's device wait fails: it still joins the closing barrier (or rank 1 would
+    wait forever) and releases the pool. After a recorded timeout close only logs;
+    otherwise the device error is raised, after every release step."""
+    import cupy
+
+    import ubnext._node as node_module
+
+    monkeypatch.setattr(node_module, "Engine", StubEngine)
+    monkeypatch.setattr(node_module, "TimeoutRecord", StubTimeoutRecord)
+    monkeypatch.setattr(StubTimeoutRecord, "tripped", timed_out)
+    monkeypatch.setattr(cupy.cuda, "Device", TrappedDevice)
+    fake = MulticastFakeDriver()
+    config = Config(nvls="0", pool_mb=16, staging_mb=1, lamport_max_kb=64, lamport_twoshot_max_kb=512)
+
+    def rank(boot):
+        node = node_module.Node(boot, boot.rank, config, NvlsDecision(False, "UBNEXT_NVLS=0"), driver=fake)
+        try:
+            node.close()
+            return "closed"
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            return e
+
+    results = run_ranks(2, rank)
+    assert results[1] == "closed"
+    if timed_out:
+        assert results[0] == "closed"
+    else:
+        assert "cudaErrorLaunchFailure" in str(results[0])
     assert fake.leaks() == []

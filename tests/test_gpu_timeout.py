@@ -20,3 +20,4 @@ def test_missing_peer_times_out_with_its_rank(run_mpi, algo):
     out = proc.stdout
     assert "TIMEOUT-OK peer=1 rank=0" in out, out
     assert "NEXT-CALL raises" in out, out
+    assert "CLOSE-OK rank=0" in out and "CLOSE-OK rank=1" in out, out  # no hang, no error from cleanup

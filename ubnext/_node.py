@@ -11,8 +11,9 @@ from ._errors import UbnextError
 from ._fdpass import FdChannel
 from ._gate import NvlsDecision
 from ._heap import UserHeap
+from ._log import get_logger
 from ._multicast import MulticastRange
-from ._pool import SymmetricPool
+from ._pool import SymmetricPool, _UndoStack
 from ._timeouts import TimeoutRecord
 
 
@@ -132,17 +133,36 @@ class Node:
     def close(self) -> None:
         """Waits for the device and for every local rank, then releases everything.
 
-        Collective over the node's ranks.
+        Collective over the node's ranks. Every step runs even when one fails. A rank
+        whose device failed (a kernel that timed out traps, which ends the CUDA
+        context) still meets the others, so that none waits for it, and releases what
+        the host holds; the device's resources go with the context.
+
+        Raises:
+            The first error of the device wait or of a release step, unless a kernel
+            of this rank timed out: every ubnext call since (``synchronize`` too)
+            raises CollectiveTimeoutError, and close only logs what failed.
         """
         import cupy
 
         if self.heap.used:
             warnings.warn("Communicator.close: arrays from empty() are still alive; they must not be used "
                           "after close", ResourceWarning, stacklevel=3)
-        cupy.cuda.Device(self.pool.device).synchronize()
+        errors = []
+        try:
+            cupy.cuda.Device(self.pool.device).synchronize()
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            errors.append(e)
         self._local.barrier()
+        timed_out = self.timeouts.tripped
+        steps = _UndoStack()  # run newest first
+        for close in (self.fds.close, self.timeouts.close, self.pool.close):
+            steps.push(close)
         if self.multicast is not None:
-            self.multicast.close()  # unbinds the segments: before the pool releases them
-        self.pool.close()
-        self.timeouts.close()
-        self.fds.close()
+            steps.push(self.multicast.close)  # unbinds the segments: before the pool releases them
+        errors += steps.unwind()
+        if errors and not timed_out:
+            raise errors[0]
+        if errors:
+            get_logger().warning("close after a kernel timeout: the CUDA context is gone; host resources "
+                                 "released, %d device call(s) failed (first: %s)", len(errors), errors[0])

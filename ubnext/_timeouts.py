@@ -45,10 +45,15 @@ class TimeoutRecord:
         self._rec = _Record.from_address(self._host)
         self.device_ptr = int(check(cudart.cudaHostGetDevicePointer(self._host, 0), "cudaHostGetDevicePointer"))
 
+    @property
+    def tripped(self) -> bool:
+        """Whether a kernel recorded a timeout. Never blocks."""
+        return self._rec is not None and bool(self._rec.flag)
+
     def check(self, op: str, timeout_s: float) -> None:
         """Raises CollectiveTimeoutError if a kernel recorded a timeout. Never blocks."""
-        rec = self._rec
-        if rec is not None and rec.flag:
+        if self.tripped:
+            rec = self._rec
             where = SITES.get(rec.site, f"site {rec.site}")
             peer = None if rec.peer == _ANY_PEER else rec.peer
             raise CollectiveTimeoutError(op, rec.rank, peer, f"{where}, launch {rec.epoch}", timeout_s)

@@ -3,6 +3,7 @@
 Run with 2 ranks: ``mpiexec -n 2 python timeout_check.py lamport|twoshot``. Both ranks
 run one all-reduce together (compiles the kernel), then only rank 0 calls again; its
 kernel must time out (UBNEXT_TIMEOUT_S=2) and trap, and ``synchronize`` must name rank 1.
+Then both close the communicator: rank 0 with its CUDA context gone.
 """
 
 import os
@@ -39,6 +40,12 @@ if comm.rank == 0:
     except ubnext.CollectiveTimeoutError:
         with_next_call = "raises"
     print(f"NEXT-CALL {with_next_call}", flush=True)
+rank = comm.rank
+try:  # collective: rank 0's device is gone, rank 1 must not wait for it forever
+    comm.close()
+    print(f"CLOSE-OK rank={rank}", flush=True)
+except Exception as e:
+    print(f"CLOSE-RAISES rank={rank} {type(e).__name__}: {e}", flush=True)
 MPI.COMM_WORLD.Barrier()
 MPI.Finalize()
 os._exit(0)  # rank 0's CUDA context is dead after the trap: skip the CUDA teardown
