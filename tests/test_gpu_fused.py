@@ -95,26 +95,23 @@ def test_fused_matches_fp64(comm, algo, tokens, hidden, dtype):
     run_and_check(comm, tokens, hidden, dtype, algo)
 
 
-def test_auto_past_the_lamport_twoshot_buffers_takes_it_in_launches():
+def test_auto_past_the_lamport_twoshot_buffers_takes_it_in_launches(comm):
     """Where plain all-reduces of the size go to NCCL because the Lamport two-shot's
-    buffers (here 2 MiB) are too small, the fused call takes the two-shot in launches."""
-    import ubnext
-
-    with ubnext.Communicator(lamport_twoshot_max_kb=2048) as c:
-        nbytes = 1000 * 4096 * 2
-        assert (c.select(nbytes, "bfloat16"), c.select(nbytes, "bfloat16", fused=True)) == ("nccl", "lamport_twoshot")
-        run_and_check(c, 1000, 4096, "bfloat16")
-        run_and_check(c, 1000, 4096, "bfloat16", place="in", bias=False)
+    buffers (16 MiB) are too small, the fused call takes the two-shot in launches."""
+    nbytes = 2100 * 4096 * 2
+    assert (comm.select(nbytes, "bfloat16"), comm.select(nbytes, "bfloat16", fused=True)) == ("nccl",
+                                                                                              "lamport_twoshot")
+    run_and_check(comm, 2100, 4096, "bfloat16")
+    run_and_check(comm, 2100, 4096, "bfloat16", place="in", bias=False)
 
 
 def test_rows_larger_than_one_launch_take_the_unfused_path():
-    """A row that one fused launch of the chosen kernel cannot hold: all-reduce + the
-    separate kernel, with the algorithm the plain all-reduce would take."""
+    """A row that one fused launch cannot hold: all-reduce + the separate kernel, the
+    all-reduce by the same algorithm when it takes the message."""
     import ubnext
 
-    with ubnext.Communicator(lamport_max_kb=16, lamport_twoshot_max_kb=64) as c:
-        assert c.select(3 * 12288 * 4, "float32", fused=True) == "lamport_twoshot"
-        run_and_check(c, 3, 12288, "float32")
+    with ubnext.Communicator(lamport_twoshot_max_kb=64) as c:
+        run_and_check(c, 1, 12288, "float32", "lamport_twoshot")
 
 
 @pytest.mark.parametrize("algo", [*KERNELS, "nccl", "auto"])

@@ -83,7 +83,9 @@ def test_fused_calls_past_the_lamport_twoshot_buffers_take_it_in_launches(tmp_pa
     for nbytes, plain, fused in [(2048, "lamport", "lamport"), (16 * MiB, "lamport_twoshot", "lamport_twoshot"),
                                  (16 * MiB + 2, "nccl", "lamport_twoshot"), (1 << 30, "nccl", "lamport_twoshot")]:
         assert (sel.select(nbytes, "bfloat16"), sel.select_fused(nbytes, "bfloat16")) == (plain, fused), nbytes
-    assert Selector(2, lim(1 * MiB, 2 * MiB), ALL).select_fused(8 * MiB, "bfloat16") == "lamport_twoshot"
+    assert Selector(2, lim(1 * MiB), ALL).select_fused(32 * MiB, "bfloat16") == "lamport_twoshot"
+    # buffers smaller than the table's row: launches smaller than what it measured
+    assert Selector(4, lim(1 * MiB, 2 * MiB), ALL).select_fused(8 * MiB, "bfloat16") == "nccl"
     assert Selector(4, lim(1 * MiB), ALL + ["nvls_lamport", "nvls"]).select_fused(64 * MiB, "bfloat16") == "nvls"
     # NCCL stays where the table prefers it at the buffers' size, or the two-shot is not usable
     table = load_table(write(tmp_path, doc({"4": {"bfloat16": [[8 * MiB, "lamport_twoshot"], [None, "nccl"]]}})))

@@ -88,15 +88,18 @@ class Selector:
         """The algorithm for a fused all-reduce + add + RMSNorm of ``nbytes`` bytes.
 
         As :meth:`select`, except past the Lamport two-shot's buffers: a fused call runs
-        as launches of whole rows, so where the table gives the Lamport two-shot for a
-        message of the buffers' size and NCCL only past it, the call takes the Lamport
-        two-shot (or its multicast replacement) in launches of at most that size.
+        as launches of whole rows, so where the table gives the Lamport two-shot up to
+        exactly the buffers' size and NCCL past it, the call takes the Lamport two-shot
+        (or its multicast replacement) in launches of at most that size. Buffers smaller
+        than the table's row would mean smaller launches than the table measured, which
+        cost more per byte: those calls keep the table's choice.
         """
         name = self._walk(nbytes, dtype)[0]
         bound = self.limits.get(_FUSED_IN_LAUNCHES, (None,))[0]
-        if (not ALGORITHMS[name].is_kernel and bound is not None and nbytes > bound
-                and self._walk(bound, dtype)[0] == _FUSED_IN_LAUNCHES):
-            name = _FUSED_IN_LAUNCHES
+        if not ALGORITHMS[name].is_kernel and bound is not None and nbytes > bound:
+            at, row = self._walk(bound, dtype)
+            if at == _FUSED_IN_LAUNCHES and self._rows[dtype][0][row][0] == bound:
+                name = _FUSED_IN_LAUNCHES
         return self._multicast(name)
 
     def _multicast(self, name: str) -> str:
