@@ -66,30 +66,29 @@ class Node:
             raise UbnextError(f"Communicator: UBNEXT_POOL_MB={config.pool_mb} leaves no room for user buffers; "
                               f"the library slots alone take {plan.end / 2**20:.1f} MiB (UBNEXT_STAGING_MB, "
                               f"UBNEXT_LAMPORT_MAX_KB and UBNEXT_LAMPORT_TWOSHOT_MAX_KB size them)")
-        undo = []
+        # the release steps, run newest first on a failed setup and by close (the
+        # multicast range unbinds the segments before the pool releases them)
+        undo = self._teardown = _UndoStack()
         try:
             self.fds = FdChannel(local, config.timeout_s)
-            undo.append(self.fds.close)
+            undo.push(self.fds.close)
             self.pool = self._create_pool(device, pool_bytes)
-            undo.append(self.pool.close)
+            undo.push(self.pool.close)
             self.multicast, self.nvls = None, nvls
             if nvls.enabled:
                 self.multicast = self._create_multicast(config.nvls)
             if self.multicast is not None:
-                undo.append(self.multicast.close)
+                undo.push(self.multicast.close)
             self.timeouts = TimeoutRecord()
-            undo.append(self.timeouts.close)
+            undo.push(self.timeouts.close)
             self.engine = Engine(self.pool, plan, self.timeouts.device_ptr,
                                  config.timeout_s, config.max_blocks, on_first_use=local.barrier,
                                  mc_base=0 if self.multicast is None else self.multicast.ptr)
             self.engine.initialize()
             self.heap = UserHeap(plan.end, self.pool.size)
         except BaseException:
-            for fn in reversed(undo):
-                try:
-                    fn()
-                except Exception as e:  # keep the original error
-                    warnings.warn(f"Communicator: cleanup after a failed setup: {e}", RuntimeWarning)
+            for e in undo.unwind():  # keep the original error
+                warnings.warn(f"Communicator: cleanup after a failed setup: {e}", RuntimeWarning)
             raise
 
     def _create_pool(self, device: int, nbytes: int) -> SymmetricPool:
@@ -155,12 +154,7 @@ class Node:
             errors.append(e)
         self._local.barrier()
         timed_out = self.timeouts.tripped
-        steps = _UndoStack()  # run newest first
-        for close in (self.fds.close, self.timeouts.close, self.pool.close):
-            steps.push(close)
-        if self.multicast is not None:
-            steps.push(self.multicast.close)  # unbinds the segments: before the pool releases them
-        errors += steps.unwind()
+        errors += self._teardown.unwind()
         if errors and not timed_out:
             raise errors[0]
         if errors:
