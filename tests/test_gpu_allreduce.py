@@ -21,8 +21,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
 # element counts: 1, 7, 4096, 1M+3, and 64 MiB / 256 MiB of data
 SIZES = ("1", "7", "4096", "1M+3", "64MiB", "256MiB")
-#: largest message of the algorithms with bounded buffers (the default Config)
-LIMIT = {"lamport": MIB, "lamport_twoshot": 16 * MIB}
+#: largest message of the algorithms bounded by their buffers (the default Config); the
+#: Lamport two-shot takes larger ones in launches of its buffers' size (16 MiB)
+LIMIT = {"lamport": MIB}
+TWOSHOT_LAUNCH = 16 * MIB
 KERNELS = ("lamport", "lamport_twoshot", "twoshot")
 
 
@@ -133,6 +135,23 @@ def test_misaligned_arrays_take_the_staging_copy(comm, algo):
     check_close(out, reference(count + 1, "bfloat16", comm.size, 11, specials=False)[1:], "bfloat16")
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+def test_lamport_twoshot_in_launches_from_any_address(comm, offset):
+    """Past its buffers, aligned arrays go launch by launch and misaligned ones through
+    the staging slot launch by launch; out of place, with a poisoned guard after out."""
+    import torch
+
+    count = TWOSHOT_LAUNCH // 2 + 12345  # bf16: a full launch, then a part
+    base = make_input(count + offset, "bfloat16", comm.rank, 13, specials=False)
+    x = base[offset:]
+    out = torch.full((count + offset + 8,), float("nan"), dtype=torch.bfloat16, device="cuda")
+    comm.all_reduce(x, out=out[offset:offset + count], algorithm="lamport_twoshot")
+    torch.cuda.synchronize()
+    check_close(out[offset:offset + count], reference(count + offset, "bfloat16", comm.size, 13,
+                                                      specials=False)[offset:], "bfloat16")
+    assert torch.isnan(out[offset + count:].float()).all(), "wrote past the end of out"
+
+
 def test_2d_input_keeps_its_shape(comm):
     import torch
 
@@ -145,12 +164,14 @@ def test_2d_input_keeps_its_shape(comm):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("extra", [0, -1, -8])
-def test_lamport_twoshot_at_its_limit(comm, dtype, extra):
+def test_lamport_twoshot_at_and_past_its_limit(comm, dtype, extra):
     """The largest messages its buffers take, with slices that do not divide evenly;
-    then a small one, so the next launch re-poisons a full previous buffer."""
+    two launches of full buffers and a tiny third one; then a small message, so the next
+    launch re-poisons a full previous buffer."""
     import torch
 
-    for count in (LIMIT["lamport_twoshot"] // WIDTH[dtype] + extra, 1000):
+    per_launch = TWOSHOT_LAUNCH // WIDTH[dtype]
+    for count in (per_launch + extra, 2 * per_launch - extra, 1000):
         x = make_input(count, dtype, comm.rank, 21 + count, specials=True)
         out = torch.full_like(x, float("nan"))
         comm.all_reduce(x, out=out, algorithm="lamport_twoshot")

@@ -110,7 +110,7 @@ def test_describe_reports_path_pool_tables_and_selection():
     assert "NVLink multicast: off (not available in this build)" in text
     assert "  UBNEXT_LAMPORT_MAX_KB  1024" in text
     assert "       4 KiB  lamport  table row ≤ 256 KiB for 4 ranks bfloat16 (default table h200)" in text
-    assert "       1 GiB  nccl     table row > 16 MiB for 4 ranks float32 (default table h200)" in text
+    assert "       1 GiB  nccl     table row > 32 MiB for 4 ranks float32 (default table h200)" in text
 
 
 def test_describe_nccl_only_forced_algorithm_nvls_and_tune_file(tmp_path):

@@ -41,10 +41,10 @@ def test_default_table_matches_the_measurements():
     for world in ("2", "4", ANY_WORLD):
         assert set(t.rows[world]) == set(DTYPES)  # every dtype spelled out
         assert t.rows[world]["float16"] == t.rows[world]["bfloat16"] == t.rows[world]["float32"]
-    for world in ("2", "4"):  # measured by python -m ubnext.tune (bench/results/tune_h200x*.txt)
-        assert t.rows[world]["bfloat16"][1:] == ((16 * MiB, "lamport_twoshot"), (None, "nccl"))
-    assert t.rows["2"]["bfloat16"][0] == (1 * MiB, "lamport")
-    assert t.rows["4"]["bfloat16"][0] == (256 * KiB, "lamport")
+    # measured by python -m ubnext.tune (bench/results/tune_h200x*.txt); past 16 MiB the
+    # Lamport two-shot runs in launches
+    assert t.rows["4"]["bfloat16"] == ((256 * KiB, "lamport"), (32 * MiB, "lamport_twoshot"), (None, "nccl"))
+    assert t.rows["2"]["bfloat16"] == ((1 * MiB, "lamport"), (None, "lamport_twoshot"))
     assert t.rows[ANY_WORLD]["bfloat16"] == ((256 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
 
 
@@ -66,9 +66,11 @@ def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
     assert sel.select(256 * KiB, "bfloat16") == "lamport"
     assert sel.select(256 * KiB + 2, "bfloat16") == "lamport_twoshot"
     assert sel.select(16 * MiB, "bfloat16") == "lamport_twoshot"
-    assert sel.select(16 * MiB + 2, "bfloat16") == "nccl"  # measured: NCCL wins there on plain arrays
+    assert sel.select(32 * MiB, "bfloat16") == "lamport_twoshot"  # in 2 launches
+    assert sel.select(32 * MiB + 2, "bfloat16") == "nccl"  # measured: NCCL wins there on plain arrays
+    assert Selector(2, lim(1 * MiB), ALL).select(1 << 30, "bfloat16") == "lamport_twoshot"
     assert Selector(4, lim(1 * MiB), ["lamport", "twoshot", "nccl"]).select(1 * MiB, "bfloat16") == "nccl"
-    assert Selector(2, lim(1 * MiB), ALL).select(256 * MiB, "bfloat16") == "nccl"
+    assert Selector(2, lim(1 * MiB, 8 * MiB), ALL).select(256 * MiB, "bfloat16") == "twoshot"  # past the table
     assert Selector(8, lim(1 * MiB), ALL).select(300 * KiB, "float32") == "twoshot"  # row "*"
     assert Selector(4, lim(1024), usable=ALL).select(4096, "float32") == "lamport_twoshot"
     nccl_only = Selector(8, lim(1 * MiB), usable=["nccl"])
@@ -80,10 +82,10 @@ def test_fused_calls_past_the_lamport_twoshot_buffers_take_it_in_launches(tmp_pa
     """Where the table says NCCL only because the message is larger than the Lamport
     two-shot's buffers, a fused call takes the two-shot (in launches of whole rows)."""
     sel = Selector(4, lim(1 * MiB), usable=ALL)
-    for nbytes, plain, fused in [(2048, "lamport", "lamport"), (16 * MiB, "lamport_twoshot", "lamport_twoshot"),
-                                 (16 * MiB + 2, "nccl", "lamport_twoshot"), (1 << 30, "nccl", "lamport_twoshot")]:
+    for nbytes, plain, fused in [(2048, "lamport", "lamport"), (32 * MiB, "lamport_twoshot", "lamport_twoshot"),
+                                 (32 * MiB + 2, "nccl", "lamport_twoshot"), (1 << 30, "nccl", "lamport_twoshot")]:
         assert (sel.select(nbytes, "bfloat16"), sel.select_fused(nbytes, "bfloat16")) == (plain, fused), nbytes
-    assert Selector(2, lim(1 * MiB), ALL).select_fused(32 * MiB, "bfloat16") == "lamport_twoshot"
+    assert Selector(2, lim(1 * MiB), ALL).select_fused(1 << 30, "bfloat16") == "lamport_twoshot"
     # buffers smaller than the table's row: launches smaller than what it measured
     assert Selector(4, lim(1 * MiB, 2 * MiB), ALL).select_fused(8 * MiB, "bfloat16") == "nccl"
     assert Selector(4, lim(1 * MiB), ALL + ["nvls_lamport", "nvls"]).select_fused(64 * MiB, "bfloat16") == "nvls"
@@ -95,6 +97,42 @@ def test_fused_calls_past_the_lamport_twoshot_buffers_take_it_in_launches(tmp_pa
     assert Selector(4, lim(1 * MiB), ["nccl"]).select_fused(32 * MiB, "bfloat16") == "nccl"
 
 
+def test_a_row_past_the_lamport_twoshot_buffers_runs_it_in_launches(tmp_path):
+    """A table row may give the Lamport two-shot more than its buffers hold: it then runs
+    in launches of the buffers' size, if they are at least the default (what the tables
+    measured); smaller buffers send those sizes to the next row, and say why."""
+    table = load_table(write(tmp_path, doc({"4": {"bfloat16": [
+        [256 * KiB, "lamport"], [32 * MiB, "lamport_twoshot"], [None, "nccl"]]}})))
+    sel = Selector(4, lim(1 * MiB), ALL, table)
+    assert [sel.select(n, "bfloat16") for n in (16 * MiB, 16 * MiB + 2, 32 * MiB, 32 * MiB + 2)] == [
+        "lamport_twoshot", "lamport_twoshot", "lamport_twoshot", "nccl"]
+    assert sel.explain(32 * MiB, "bfloat16")[1] == (
+        f"table row ≤ 32 MiB for 4 ranks bfloat16 (tune file {tmp_path / 't.json'}); "
+        "in launches of 16 MiB (UBNEXT_LAMPORT_TWOSHOT_MAX_KB=16384)")
+    assert sel.capped() == []
+    bigger = Selector(4, lim(1 * MiB, 64 * MiB), ALL, table)
+    assert bigger.select(32 * MiB, "bfloat16") == "lamport_twoshot"
+    assert "in launches" not in bigger.explain(32 * MiB, "bfloat16")[1]
+    small = Selector(4, lim(1 * MiB, 8 * MiB), ALL, table)
+    assert small.select(8 * MiB, "bfloat16") == "lamport_twoshot"
+    name, why = small.explain(8 * MiB + 2, "bfloat16")
+    assert name == "nccl"
+    assert why.endswith("lamport_twoshot does not fit: > UBNEXT_LAMPORT_TWOSHOT_MAX_KB=8192 "
+                        "(launches past its buffers need at least 16 MiB of them)")
+    assert small.capped() == [("lamport_twoshot", 32 * MiB, "UBNEXT_LAMPORT_TWOSHOT_MAX_KB=8192")]
+    # fused calls past the row still take it in launches of whole rows
+    assert sel.select_fused(64 * MiB, "bfloat16") == "lamport_twoshot"
+    assert small.select_fused(64 * MiB, "bfloat16") == "nccl"
+
+
+def test_an_explicit_lamport_twoshot_takes_any_size_and_the_one_shot_its_buffers():
+    sel = Selector(4, lim(1 * MiB, 2 * MiB), ALL)
+    assert sel.fits("lamport_twoshot", 1 << 30)  # in launches, whatever the buffers
+    assert sel.fits("lamport", 1 * MiB) and not sel.fits("lamport", 1 * MiB + 2)
+    assert sel.fits("twoshot", 1 << 30) and sel.fits("nccl", 1 << 30)
+    assert not Selector(4, lim(1 * MiB), ["lamport", "twoshot", "nccl"]).fits("lamport_twoshot", 16)
+
+
 # --------------------------------------------------------------------------- explain
 
 
@@ -103,9 +141,9 @@ def test_explain_names_the_row_and_the_table():
     assert sel.explain(2048, "bfloat16") == (
         "lamport", "table row ≤ 256 KiB for 4 ranks bfloat16 (default table h200)")
     assert sel.explain(2 * MiB, "float16") == (
-        "lamport_twoshot", "table row ≤ 16 MiB for 4 ranks float16 (default table h200)")
+        "lamport_twoshot", "table row ≤ 32 MiB for 4 ranks float16 (default table h200)")
     assert sel.explain(1 << 30, "float32") == (
-        "nccl", "table row > 16 MiB for 4 ranks float32 (default table h200)")
+        "nccl", "table row > 32 MiB for 4 ranks float32 (default table h200)")
     name, why = Selector(6, lim(1 * MiB), ALL).explain(1024, "bfloat16")
     assert (name, why) == ("lamport", "table row ≤ 256 KiB for 6 ranks (via '*') bfloat16 (default table h200)")
 
@@ -113,7 +151,7 @@ def test_explain_names_the_row_and_the_table():
 def test_explain_says_why_a_row_was_skipped():
     sel = Selector(4, lim(128 * KiB), ALL)
     assert sel.explain(200 * KiB, "bfloat16") == (
-        "lamport_twoshot", "table row ≤ 16 MiB for 4 ranks bfloat16 (default table h200); "
+        "lamport_twoshot", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
                            "lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=128")
     assert sel.select(200 * KiB, "bfloat16") == "lamport_twoshot"
 
@@ -243,6 +281,6 @@ def test_multicast_instantiations_replace_their_unicast_rows():
     assert sel.select(4 * MiB, "bfloat16") == "nvls"
     assert sel.select(256 * MiB, "bfloat16") == "nccl"
     assert sel.explain(4 * MiB, "bfloat16") == (
-        "nvls", "table row ≤ 16 MiB for 4 ranks bfloat16 (default table h200); "
+        "nvls", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
                 "NVLink multicast: nvls in place of lamport_twoshot")
     assert Selector(4, lim(1024), usable=with_mc).select(4096, "float32") == "nvls"

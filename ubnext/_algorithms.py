@@ -38,8 +38,11 @@ class Algorithm:
             barrier); ``"twoshot"`` works in place on the pool between cross-rank
             block barriers; ``"nccl"`` is the NCCL engine.
         limit: the ``Config`` field (KiB) that sizes the receive buffers and so
-            bounds the message, or None (no bound: larger messages go in chunks).
+            bounds one launch's message, or None (no bound: larger messages go in chunks).
         summary: one line for ``python -m ubnext info``.
+        in_launches: whether an all-reduce larger than the buffers runs as launches of
+            the buffers' size (a bandwidth kernel whose cost per byte hardly grows with
+            the launch count); otherwise ``limit`` bounds the message.
     """
 
     name: str
@@ -51,6 +54,7 @@ class Algorithm:
     family: str
     limit: str | None
     summary: str
+    in_launches: bool = False
 
     @property
     def is_kernel(self) -> bool:
@@ -82,6 +86,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             "lamport_twoshot", "lamport_twoshot.cu", "ub_lamport_twoshot", "ub_lamport_twoshot_norm",
             "unicast", 512, "lamport_twoshot", "lamport_twoshot_max_kb",
             "reduce-scatter + all-gather by pushes into sentinel-polled buffers, no barrier (mid sizes)",
+            in_launches=True,
         ),
         Algorithm(
             "twoshot", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "unicast", 512, "twoshot", None,

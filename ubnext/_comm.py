@@ -446,33 +446,48 @@ class Communicator:
             eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, stream)
 
     def _lamport(self, algo, xb, ob, op, stream):
+        """A Lamport family kernel, in launches of at most its buffers' size (past them
+        only an ``in_launches`` kernel is chosen)."""
         eng = self._node.engine
-        if xb.ptr % 16 == 0 and ob.ptr % 16 == 0:
+        bound = self._selector.limits[algo][0]
+        if xb.nbytes <= bound and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:
             eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, stream)
             return
         staging = self._node.pool.local_ptr(eng.staging_off)
-        _copy(staging, xb.ptr, xb.nbytes, stream)
-        eng.lamport(algo, xb.dtype, op, staging, staging, xb.count, stream)
-        _copy(ob.ptr, staging, xb.nbytes, stream)
+
+        def launch(src, dst, n):  # 0: the chunk is in the staging slot
+            eng.lamport(algo, xb.dtype, op, src or staging, dst or staging, n, stream)
+
+        self._in_chunks(xb, ob, bound, launch, stream)
 
     def _twoshot(self, algo, xb, ob, op, stream):
         eng, pool = self._node.engine, self._node.pool
-        aligned = xb.ptr % 16 == 0 and ob.ptr % 16 == 0
         out_off = pool.contains(ob.ptr, ob.nbytes)
-        if out_off is not None and aligned:  # the result lands in out's symmetric buffer
+        if out_off is not None and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:  # the result lands in out's buffer
             eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, stream)
             return
+
+        def launch(src, dst, n):  # through the staging slot; 0: it holds the input / is the output
+            eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, stream)
+
+        self._in_chunks(xb, ob, eng.staging_bytes, launch, stream)
+
+    def _in_chunks(self, xb, ob, chunk_bytes, launch, stream):
+        """``launch(src, dst, n)`` for each chunk of at most ``chunk_bytes`` of x into out.
+        Arrays that are not 16-byte aligned are copied through the staging slot (which
+        holds any chunk): ``launch(0, 0, n)`` reduces the chunk there, in place."""
         width = DTYPES[xb.dtype][1]
-        staging = pool.local_ptr(eng.staging_off)
-        chunk = eng.staging_bytes // width
+        chunk = chunk_bytes // width
+        aligned = xb.ptr % 16 == 0 and ob.ptr % 16 == 0
+        staging = self._node.pool.local_ptr(self._node.engine.staging_off)
         for start in range(0, xb.count, chunk):
             n = min(chunk, xb.count - start)
             src, dst = xb.ptr + start * width, ob.ptr + start * width
             if aligned:
-                eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, stream)
+                launch(src, dst, n)
             else:
                 _copy(staging, src, n * width, stream)
-                eng.twoshot(algo, xb.dtype, op, eng.staging_off, 0, 0, n, stream)
+                launch(0, 0, n)
                 _copy(dst, staging, n * width, stream)
 
 

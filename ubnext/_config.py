@@ -142,7 +142,8 @@ class Config:
     )
     lamport_twoshot_max_kb: int = _field(
         "UBNEXT_LAMPORT_TWOSHOT_MAX_KB", 16384, _int_at_least(1),
-        "Largest message (KiB) the Lamport two-shot kernel takes in one launch; "
+        "Largest message (KiB) the Lamport two-shot kernel takes in one launch (larger "
+        "ones run in launches of this size; `auto` does so only from the default up); "
         "sizes its receive buffers (6x this per element width).",
     )
     algorithm: str = _field(

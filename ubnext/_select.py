@@ -13,6 +13,7 @@ import dataclasses
 
 from ._algorithms import ALGORITHMS, DTYPES, UNICAST_OF
 from ._cli import human_bytes
+from ._config import Config
 from ._table import Row, Table, default_table
 
 #: unicast algorithm -> the multicast kernel that replaces it: its own multicast
@@ -21,10 +22,10 @@ from ._table import Row, Table, default_table
 MULTICAST_OF = {**{unicast: mc for mc, unicast in UNICAST_OF.items()}, "lamport_twoshot": "nvls"}
 #: Past a table's last row (when it has a limit): the first of these that fits.
 _PAST_TABLE = ("twoshot", "nccl")
-#: The kernel that a fused call larger than its buffers runs in launches of whole rows,
-#: where the table would hand the message to NCCL for that reason alone. It moves
-#: 2(n-1)/n of the data per rank like NCCL, so launches of its largest message cost per
-#: byte about what NCCL does, and the fused kernel saves NCCL's separate add + RMSNorm
+#: The kernel that a fused call past its buffers runs in launches of whole rows, where
+#: the table would hand the message to NCCL because it is larger than those buffers. It
+#: moves 2(n-1)/n of the data per rank like NCCL, so launches of its largest message cost
+#: per byte about what NCCL does, and the fused kernel saves NCCL's separate add + RMSNorm
 #: pass (4xH200, bf16, 32 MiB: 172 µs against 211 for NCCL + the separate kernel).
 _FUSED_IN_LAUNCHES = "lamport_twoshot"
 
@@ -37,6 +38,16 @@ def buffer_limits(config) -> Limits:
     env = {f.name: f.metadata["env"] for f in dataclasses.fields(config)}
     return {name: (getattr(config, alg.limit) << 10, f"{env[alg.limit]}={getattr(config, alg.limit)}")
             for name, alg in ALGORITHMS.items() if alg.limit is not None}
+
+
+def launch_floor(name: str) -> int:
+    """The least buffer bytes with which ``algorithm="auto"`` runs ``name`` (an
+    ``in_launches`` kernel) past its buffers: its default buffers, with which the tables
+    were measured. Smaller buffers mean more and smaller launches than measured, which
+    cost more per byte (4xH200, bf16, Lamport two-shot: 4.9 µs per MiB in launches of
+    16 MiB, 5.9 in launches of 4 MiB; NCCL at 32 MiB 5.3)."""
+    default = {f.name: f.default for f in dataclasses.fields(Config)}[ALGORITHMS[name].limit]
+    return default << 10
 
 
 class Selector:
@@ -63,18 +74,29 @@ class Selector:
                       for dtype in DTYPES}
 
     def fits(self, name: str, nbytes: int) -> bool:
-        """Whether ``name`` can take a message of ``nbytes`` on this communicator."""
-        if name not in self._usable:
-            return False
+        """Whether ``name`` can take a message of ``nbytes`` on this communicator: in one
+        launch, or in launches of its buffers' size (``in_launches`` kernels)."""
+        return name in self._usable and (self._in_one_launch(name, nbytes) or ALGORITHMS[name].in_launches)
+
+    def _in_one_launch(self, name: str, nbytes: int) -> bool:
         return name not in self.limits or nbytes <= self.limits[name][0]
+
+    def _takes(self, name: str, nbytes: int) -> bool:
+        """Whether ``algorithm="auto"`` may give ``name`` a message of ``nbytes``: as
+        :meth:`fits`, except that launches past the buffers need at least the
+        buffers the tables were measured with (:func:`launch_floor`)."""
+        return name in self._usable and (self._in_one_launch(name, nbytes) or self._launches_ok(name))
+
+    def _launches_ok(self, name: str) -> bool:
+        return ALGORITHMS[name].in_launches and self.limits[name][0] >= launch_floor(name)
 
     def capped(self) -> list[tuple[str, int, str]]:
         """``(algorithm, table limit, setting)`` of the usable rows (any dtype) whose limit
-        exceeds what the algorithm's buffers hold: sizes in between go to the next row that fits."""
+        exceeds what the algorithm takes with its buffers: sizes in between go to the next
+        row that fits."""
         return sorted({(name, limit, self.limits[name][1]) for rows, _ in self._rows.values()
                        for limit, name in rows
-                       if name in self._usable and name in self.limits and limit is not None
-                       and limit > self.limits[name][0]})
+                       if name in self._usable and limit is not None and not self._takes(name, limit)})
 
     def select(self, nbytes: int, dtype: str) -> str:
         """The algorithm for a message of ``nbytes`` bytes of ``dtype``.
@@ -88,18 +110,17 @@ class Selector:
         """The algorithm for a fused all-reduce + add + RMSNorm of ``nbytes`` bytes.
 
         As :meth:`select`, except past the Lamport two-shot's buffers: a fused call runs
-        as launches of whole rows, so where the table gives the Lamport two-shot up to
-        exactly the buffers' size and NCCL past it, the call takes the Lamport two-shot
-        (or its multicast replacement) in launches of at most that size. Buffers smaller
-        than the table's row would mean smaller launches than the table measured, which
-        cost more per byte: those calls keep the table's choice.
+        as launches of whole rows, so where the table gives the Lamport two-shot at the
+        buffers' size and NCCL past it, the call takes the Lamport two-shot (or its
+        multicast replacement) in launches of at most that size, if its buffers are
+        those the tables were measured with (:func:`launch_floor`) or larger.
         """
         name = self._walk(nbytes, dtype)[0]
         bound = self.limits.get(_FUSED_IN_LAUNCHES, (None,))[0]
-        if not ALGORITHMS[name].is_kernel and bound is not None and nbytes > bound:
-            at, row = self._walk(bound, dtype)
-            if at == _FUSED_IN_LAUNCHES and self._rows[dtype][0][row][0] == bound:
-                name = _FUSED_IN_LAUNCHES
+        if (not ALGORITHMS[name].is_kernel and bound is not None and nbytes > bound
+                and self._walk(bound, dtype)[0] == _FUSED_IN_LAUNCHES
+                and bound >= launch_floor(_FUSED_IN_LAUNCHES)):
+            name = _FUSED_IN_LAUNCHES
         return self._multicast(name)
 
     def _multicast(self, name: str) -> str:
@@ -126,6 +147,8 @@ class Selector:
             reason = f"{past} for {where}: first usable of {', '.join(_PAST_TABLE)}"
         else:
             reason = f"table row {_row_label(rows, index)} for {where}"
+        if name == unicast and not self._in_one_launch(name, nbytes):
+            reason += f"; in launches of {human_bytes(self.limits[name][0])} ({self.limits[name][1]})"
         if name != unicast:
             reason += f"; NVLink multicast: {name} in place of {unicast}"
         return name, "; ".join([reason, *dict.fromkeys(skipped)])
@@ -134,17 +157,20 @@ class Selector:
         """The algorithm and the index of the table row that gave it (None: past the table)."""
         rows = self._rows[dtype][0]
         for i, row in enumerate(rows):
-            if _covers(row, nbytes) and self.fits(row[1], nbytes):
+            if _covers(row, nbytes) and self._takes(row[1], nbytes):
                 return row[1], i
         for name in _PAST_TABLE:
-            if self.fits(name, nbytes):
+            if self._takes(name, nbytes):
                 return name, None
         raise AssertionError("selector: no usable algorithm")  # "nccl" is always usable
 
     def _why_not(self, name: str, nbytes: int) -> str:
         if name not in self._usable:
             return f"{name} not usable on this communicator"
-        return f"{name} does not fit: > {self.limits[name][1]}"
+        why = f"{name} does not fit: > {self.limits[name][1]}"
+        if ALGORITHMS[name].in_launches:
+            why += f" (launches past its buffers need at least {human_bytes(launch_floor(name))} of them)"
+        return why
 
 
 def _covers(row: Row, nbytes: int) -> bool:
