@@ -180,6 +180,43 @@ def test_cluster_launch_structures_match_the_driver_abi():
     assert ctypes.sizeof(_LaunchConfig) == 56
 
 
+def test_launcher_packs_every_parameter_where_its_pointer_says(monkeypatch):
+    """Each kernel parameter lives in its own slot, addressed by the pointer array the
+    driver reads: constants written once, the varying ones on every call; a failed
+    launch raises CudaError naming the call."""
+    import ctypes
+    import types
+
+    from ubnext import _launch
+    from ubnext._errors import CudaError
+    from ubnext._launch import F32, I32, U64, Launcher
+
+    class DriverError(Exception):
+        def __init__(self, status):
+            self.status = status
+
+    launches = []
+
+    def launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        pointers = (ctypes.c_void_p * 7).from_address(params)
+        kinds = (U64, I32, U64, I32, F32, U64, U64)
+        launches.append(((func, gx, bx, stream), tuple(k.from_address(p).value for k, p in zip(kinds, pointers))))
+        if stream == 666:
+            raise DriverError(400)
+
+    monkeypatch.setattr(_launch, "_cupy_driver", types.SimpleNamespace(launchKernel=launch_kernel,
+                                                                       CUDADriverError=DriverError))
+    kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00))
+    launcher = Launcher(kernel, (U64, I32, U64, I32, F32, U64, U64), prefix=(1 << 40, -3), suffix=(9, 2**64 - 1))
+    launcher(5, 256, 77, 0xABC0, 12, 0.5)
+    launcher(6, 128, 78, 0xDEF0, 7, -2.25)
+    assert launches == [((0xF00, 5, 256, 77), (1 << 40, -3, 0xABC0, 12, 0.5, 9, 2**64 - 1)),
+                        ((0xF00, 6, 128, 78), (1 << 40, -3, 0xDEF0, 7, -2.25, 9, 2**64 - 1))]
+    with pytest.raises(CudaError, match="cuLaunchKernel") as info:
+        launcher(1, 32, 666, 0, 0, 0.0)
+    assert info.value.code == 400
+
+
 @pytest.mark.parametrize("algorithm", KERNEL_ALGOS)
 def test_launch_bounds_admit_the_tables_block_size(algorithm):
     """The engine launches ``threads`` per block; the entry point's __launch_bounds__ must allow it."""

@@ -27,6 +27,7 @@ class Buffer(NamedTuple):
         dtype: a key of ``DTYPES``.
         device: CUDA device ordinal.
         shape: the array's shape.
+        nbytes: bytes of its elements.
     """
 
     obj: object
@@ -36,10 +37,7 @@ class Buffer(NamedTuple):
     dtype: str
     device: int
     shape: tuple
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * DTYPES[self.dtype][1]
+    nbytes: int
 
 
 def _torch():
@@ -55,6 +53,8 @@ def _is_torch(x) -> bool:
     return True
 
 
+#: dtype name -> bytes per element
+_WIDTH = {name: width for name, (_, width) in DTYPES.items()}
 #: torch.dtype -> dtype name, filled on first use of a tensor
 _TORCH_NAMES: dict = {}
 #: numpy dtype of a CuPy array -> dtype name, filled as dtypes are seen (supported ones only)
@@ -85,7 +85,8 @@ def describe(x, op: str) -> Buffer:
         if not x.is_contiguous():
             raise UbnextError(f"{op}: tensor is not contiguous; call .contiguous() first")
         dtype = _TORCH_NAMES.get(x.dtype) or _dtype_name(str(x.dtype).replace("torch.", ""), op)
-        return Buffer(x, "torch", x.data_ptr(), x.numel(), dtype, device, x.shape)
+        count = x.numel()
+        return Buffer(x, "torch", x.data_ptr(), count, dtype, device, x.shape, count * _WIDTH[dtype])
     import cupy
 
     if not isinstance(x, cupy.ndarray):
@@ -110,7 +111,8 @@ def describe(x, op: str) -> Buffer:
     dtype = _CUPY_NAMES.get(x.dtype)
     if dtype is None:  # numpy's dtype.name is slow (a few µs per call): look it up once per dtype
         dtype = _CUPY_NAMES[x.dtype] = _dtype_name(x.dtype.name, op)
-    return Buffer(x, "cupy", x.data.ptr, x.size, dtype, x.device.id, tuple(x.shape))
+    count = x.size
+    return Buffer(x, "cupy", x.data.ptr, count, dtype, x.device.id, tuple(x.shape), count * _WIDTH[dtype])
 
 
 def check_out(x: Buffer, out, op: str) -> Buffer:

@@ -172,14 +172,14 @@ class Engine:
 
     # -- launches -------------------------------------------------------------------
     def _kernel(self, algorithm: str, dtype: str, op: str, fused: bool = False) -> Launcher:
-        alg = ALGORITHMS[algorithm]
-        entry = alg.norm_entry if fused else alg.entry
-        key = (alg.source, alg.transport, dtype, op, entry)
+        key = (algorithm, dtype, op, fused)
         launcher = self._launchers.get(key)
         if launcher is None:
+            alg = ALGORITHMS[algorithm]
+            entry = alg.norm_entry if fused else alg.entry
             if alg.multicast and not self._mc_base:
                 raise AssertionError(f"engine: {algorithm} needs the multicast mapping")
-            mkey = key[:-1]
+            mkey = (alg.source, alg.transport, dtype, op)
             module = self._modules.get(mkey)
             if module is None:
                 defines = compile_defines(dtype, op, self.nranks, alg.transport)
