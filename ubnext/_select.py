@@ -118,8 +118,7 @@ class Selector:
         name = self._walk(nbytes, dtype)[0]
         bound = self.limits.get(_FUSED_IN_LAUNCHES, (None,))[0]
         if (not ALGORITHMS[name].is_kernel and bound is not None and nbytes > bound
-                and self._walk(bound, dtype)[0] == _FUSED_IN_LAUNCHES
-                and bound >= launch_floor(_FUSED_IN_LAUNCHES)):
+                and self._walk(bound, dtype)[0] == _FUSED_IN_LAUNCHES and self._launches_ok(_FUSED_IN_LAUNCHES)):
             name = _FUSED_IN_LAUNCHES
         return self._multicast(name)
 
