@@ -453,10 +453,9 @@ class Communicator:
         if xb.nbytes <= bound and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:
             eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, stream)
             return
-        staging = self._node.pool.local_ptr(eng.staging_off)
 
         def launch(src, dst, n):  # 0: the chunk is in the staging slot
-            eng.lamport(algo, xb.dtype, op, src or staging, dst or staging, n, stream)
+            eng.lamport(algo, xb.dtype, op, src or eng.staging_ptr, dst or eng.staging_ptr, n, stream)
 
         self._in_chunks(xb, ob, bound, launch, stream)
 
@@ -479,7 +478,7 @@ class Communicator:
         width = DTYPES[xb.dtype][1]
         chunk = chunk_bytes // width
         aligned = xb.ptr % 16 == 0 and ob.ptr % 16 == 0
-        staging = self._node.pool.local_ptr(self._node.engine.staging_off)
+        staging = self._node.engine.staging_ptr
         for start in range(0, xb.count, chunk):
             n = min(chunk, xb.count - start)
             src, dst = xb.ptr + start * width, ob.ptr + start * width

@@ -148,6 +148,7 @@ class Engine:
         self._twoshot = {t: (plan.offset(f"flags.{t}"), pool.local_ptr(plan.offset(f"twoshot.{t}.state")))
                          for t in ("unicast", "multicast")}
         self.staging_off = plan.offset("staging")
+        self.staging_ptr = pool.local_ptr(self.staging_off)
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:

@@ -28,6 +28,8 @@ _PAST_TABLE = ("twoshot", "nccl")
 #: per byte about what NCCL does, and the fused kernel saves NCCL's separate add + RMSNorm
 #: pass (4xH200, bf16, 32 MiB: 172 µs against 211 for NCCL + the separate kernel).
 _FUSED_IN_LAUNCHES = "lamport_twoshot"
+#: Config field -> its default (the buffer sizes the tables were measured with)
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 #: algorithm -> (largest message in bytes, the setting that sizes its buffers, as text)
 Limits = dict[str, tuple[int, str]]
@@ -46,8 +48,7 @@ def launch_floor(name: str) -> int:
     were measured. Smaller buffers mean more and smaller launches than measured, which
     cost more per byte (4xH200, bf16, Lamport two-shot: 4.9 µs per MiB in launches of
     16 MiB, 5.9 in launches of 4 MiB; NCCL at 32 MiB 5.3)."""
-    default = {f.name: f.default for f in dataclasses.fields(Config)}[ALGORITHMS[name].limit]
-    return default << 10
+    return _CONFIG_DEFAULTS[ALGORITHMS[name].limit] << 10
 
 
 class Selector:
