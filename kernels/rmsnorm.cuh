@@ -14,10 +14,14 @@
 #ifndef UB_NORM_THREADS
 #define UB_NORM_THREADS 1024
 #endif
-// Vectors of a row each thread keeps in registers between the two passes of finish_row
-// (hidden 16384 fp32 with 1024 threads); vectors beyond are read back from res_out.
+// Vectors of a row each thread keeps in registers between the two passes of finish_row;
+// vectors beyond are read back from res_out. The fused kernels keep one: under the
+// 1024-thread launch bound (64 registers) four spilled to local memory (4xH200, hidden
+// 8192 bf16: 1 token 5.74 -> 5.45 us, 128 tokens 17.28 -> 16.68 with one). The separate
+// kernel (rmsnorm.cu) keeps four without spilling; the host compiles it with
+// UB_ROW_KEEP = ubnext._algorithms.ROW_KEEP.
 #ifndef UB_ROW_KEEP
-#define UB_ROW_KEEP 4
+#define UB_ROW_KEEP 1
 #endif
 
 // The epilogue's operands: local arrays of the caller, rows x hidden, row-major.
@@ -95,61 +99,119 @@ __device__ uint4 normalize(const NormArgs& a, u64 col, const uint4& res, float s
 // the host launches a kernel with clusters when a few rows would leave SMs idle), else
 // one block. Group g of G finishes rows g, g + G, ...; its threads are numbered
 // rank * blockDim.x + threadIdx.x, rank being the block's rank in the group.
+//
+// In a cluster, row_sum sends each warp's total into every block's shared memory with
+// st.async, which counts the bytes on the receiving block's mbarrier; a block waits on its
+// own mbarrier only. No cluster barrier, whose release would first wait for every store
+// the block issued before it: the row's outputs, and in the two-shot the residual sums
+// just pushed over NVLink (4xH200, hidden 8192: 1 token 5.45 -> 5.07 us, 8 tokens 7.62
+// -> 7.33). Each block inits its mbarriers at the start (row_group) and waits once for
+// the cluster's inits before its first send.
 struct RowGroup {
   u32 id, count, rank, blocks;
-  u32 parity;  // which of the two partial-sum slots the next row_sum uses
+  u32 parity;  // which of the two slots (totals and mbarrier) the next row_sum uses
+  u32 phase;   // bit s: the phase parity the next wait on mbarrier s waits for
+  bool joined; // the cluster's mbarriers are known to be initialized
 };
 
+// One block's shared state of the row sums: per slot, an mbarrier and the group's warp
+// totals (at most 32), in block-rank order.
+struct RowMail {
+  u64 bar[2];
+  float total[2][32];
+};
+__device__ __forceinline__ RowMail& row_mail() {
+  __shared__ RowMail m;
+  return m;
+}
+
+#if __CUDA_ARCH__ >= 900
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u64 a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return (u32)a;
+}
+// The address of this block's shared address `local` in block `rank` of the cluster.
+__device__ __forceinline__ u32 cluster_addr(u32 local, u32 rank) {
+  u32 r;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+  return r;
+}
+// Stores v at *p in block `rank`'s shared memory and counts 4 bytes on its mbarrier *bar
+// (both given as this block's addresses of the same variables).
+__device__ __forceinline__ void send_total(float* p, u64* bar, u32 rank, float v) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               :: "r"(cluster_addr(smem_addr(p), rank)), "f"(v), "r"(cluster_addr(smem_addr(bar), rank))
+               : "memory");
+}
+// Waits for the phase of parity `parity` of this block's mbarrier to complete (acquire,
+// cluster scope: the totals sent by other blocks are visible after it).
+__device__ __forceinline__ void wait_mail(u64* bar, u32 parity) {
+  u32 done = 0;
+  while (!done) {
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  }
+}
+#endif
+
+// Every thread of the group calls it, before the group's first row_sum.
 __device__ __forceinline__ RowGroup row_group() {
-  RowGroup g{blockIdx.x, gridDim.x, 0u, 1u, 0u};
+  RowGroup g{blockIdx.x, gridDim.x, 0u, 1u, 0u, 0u, true};
 #if __CUDA_ARCH__ >= 900
   asm("mov.u32 %0, %%clusterid.x;" : "=r"(g.id));
   asm("mov.u32 %0, %%nclusterid.x;" : "=r"(g.count));
   asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(g.rank));
   asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(g.blocks));
+  if (g.blocks > 1) {
+    if (threadIdx.x == 0) {  // one arrival per phase: thread 0's, with the bytes expected
+      RowMail& m = row_mail();
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&m.bar[0])) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&m.bar[1])) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+    g.joined = false;
+  }
 #endif
   return g;
 }
 
-#if __CUDA_ARCH__ >= 900
-// Every thread of every block of the cluster arrives, then waits for all (release/acquire).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-// The float at p in the shared memory of block `rank` of this cluster.
-__device__ __forceinline__ float ld_cluster(const float* p, u32 rank) {
-  u64 local;
-  u32 remote;
-  float v;
-  asm("cvta.to.shared.u64 %0, %1;" : "=l"(local) : "l"(p));
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((u32)local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-#endif
-
 // Sum of v over the group, the same value in every thread and the same bits on every
 // launch with the same group shape: warp sums (butterfly), then lane l of every warp
 // adds up warp total l of the group (warps in block-rank order, at most 32: the host
-// gives a group at most 1024 threads) by another butterfly. Two slots of warp totals
-// used in turn: a block writes a slot again only after the next call's barrier, which
-// every thread reaches after reading this call's slot. Every thread of the group calls it.
+// gives a group at most 1024 threads) by another butterfly. Two slots used in turn.
+// In a block, a slot is written again only after the next call's __syncthreads, which
+// every thread reaches after reading it. In a cluster, a block sends into slot s for row
+// k + 2 only after its wait for row k + 1, which needs every warp of every block to have
+// sent row k + 1, i.e. to have read slot s of row k. Every thread of the group calls it.
 __device__ float row_sum(RowGroup& g, float v) {
-  __shared__ float warp_total[2][32];
-  const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5;
+  RowMail& m = row_mail();
+  const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+  const u32 s = g.parity;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (lane == 0) warp_total[g.parity][threadIdx.x >> 5] = v;
   float t = 0.f;
 #if __CUDA_ARCH__ >= 900
   if (g.blocks > 1) {
-    cluster_sync();
-    if (lane < g.blocks * warps) t = ld_cluster(&warp_total[g.parity][lane % warps], lane / warps);
+    if (!g.joined) {  // every block's mbarriers are initialized
+      asm volatile("barrier.cluster.wait;" ::: "memory");
+      g.joined = true;
+    }
+    if (lane < g.blocks) send_total(&m.total[s][g.rank * warps + warp], &m.bar[s], lane, v);
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                   :: "r"(smem_addr(&m.bar[s])), "r"(g.blocks * warps * 4u) : "memory");
+    }
+    wait_mail(&m.bar[s], (g.phase >> s) & 1u);
+    g.phase ^= 1u << s;
+    if (lane < g.blocks * warps) t = m.total[s][lane];
   } else
 #endif
   {
+    if (lane == 0) m.total[s][warp] = v;
     __syncthreads();
-    if (lane < warps) t = warp_total[g.parity][lane];
+    if (lane < warps) t = m.total[s][lane];
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
@@ -157,14 +219,13 @@ __device__ float row_sum(RowGroup& g, float v) {
   return t;
 }
 
-// Called by every thread at the end of a kernel launched in clusters that used row_sum:
-// no block leaves while another may still read its shared memory. Execution only: a
-// block's reads of the others' shared memory have returned before it arrives (row_sum
-// uses their values), so the arrive is relaxed; a release would first wait for the
-// block's output stores (measured: 0.4 µs of a 1-token hidden-8192 call on 4xH200).
+// Called by every thread at the end of a kernel that took a row_group(): pairs the
+// start's cluster arrive with a wait where no row_sum did. Blocks may leave without a
+// cluster barrier: a block's last wait saw every total sent to it, and no block reads
+// another's shared memory.
 __device__ __forceinline__ void row_group_done(const RowGroup& g) {
 #if __CUDA_ARCH__ >= 900
-  if (g.blocks > 1) asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;" ::: "memory");
+  if (!g.joined) asm volatile("barrier.cluster.wait;" ::: "memory");
 #endif
 }
 

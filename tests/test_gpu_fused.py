@@ -95,6 +95,24 @@ def test_fused_matches_fp64(comm, algo, tokens, hidden, dtype):
     run_and_check(comm, tokens, hidden, dtype, algo)
 
 
+def test_cluster_row_groups_finish_several_rows_in_turn(comm):
+    """A cluster's row sums use two mailbox slots in turn (kernels/rmsnorm.cuh): the launch
+    whose clusters each finish the most rows in turn (2 ranks: 4, 4 ranks: 2)."""
+    engine = comm._node.engine
+    per_cluster = {}
+    for tokens in range(1, 257):
+        _, blocks, _, cluster = engine._norm_launch("lamport_twoshot", "bfloat16", tokens, 8192)
+        if cluster > 1:
+            owned = -(-tokens // comm.size)
+            per_cluster[tokens] = -(-owned // (blocks // cluster))
+    if not per_cluster or max(per_cluster.values()) < 2:
+        pytest.skip(f"no fused launch at {comm.size} ranks gives a cluster several rows")
+    tokens = max(per_cluster, key=lambda t: (per_cluster[t], -t))
+    for dtype in DTYPES:
+        run_and_check(comm, tokens, 8192, dtype, "lamport_twoshot")
+        run_and_check(comm, tokens, 8192, dtype, "lamport_twoshot", residual=False, place="in")
+
+
 def test_auto_past_the_lamport_twoshot_buffers_takes_it_in_launches(comm):
     """Past the Lamport two-shot's buffers (16 MiB) the fused call takes it in launches
     of whole rows, also where the shipped table gives plain all-reduces of the size to

@@ -7,7 +7,7 @@ import pytest
 
 from ubnext import _engine, _kernels
 from ubnext._algorithms import (ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_ENTRY, NORM_SOURCE, NORM_THREADS,
-                                OPS, ROW_KEEP, compile_defines)
+                                OPS, ROW_KEEP, compile_defines, norm_defines)
 
 KERNEL_ALGOS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
 
@@ -69,7 +69,7 @@ def test_multicast_kernels_compile_for_sm100a_when_nvrtc_knows_it():
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_separate_norm_kernel_compiles(dtype):
-    cubin = _kernels.compile_cubin(NORM_SOURCE, compile_defines(dtype, "sum", 1))
+    cubin = _kernels.compile_cubin(NORM_SOURCE, norm_defines(dtype))
     assert NORM_ENTRY.encode() in cubin
 
 
@@ -88,7 +88,9 @@ def test_sources_are_self_contained_and_limits_match_the_headers():
     assert f"#define UB_MAX_BLOCKS {MAX_BLOCKS}" in text
     assert f"constexpr u64 kAlignVecs = {_engine._TWOSHOT_ALIGN_VECS};" in _kernels.source("lamport_twoshot.cu")
     norm = _kernels.source("rmsnorm.cu")
-    assert f"#define UB_NORM_THREADS {NORM_THREADS}" in norm and f"#define UB_ROW_KEEP {ROW_KEEP}" in norm
+    assert f"#define UB_NORM_THREADS {NORM_THREADS}" in norm
+    # the separate kernel's vectors per thread (ubnext._epilogue) are the ones it keeps
+    assert "#ifndef UB_ROW_KEEP" in norm and norm_defines("bfloat16")["UB_ROW_KEEP"] == str(ROW_KEEP)
 
 
 @pytest.mark.parametrize("max_kb", [1, 7, 64, 16384])
@@ -129,7 +131,7 @@ def test_compile_defines_cover_the_table():
 def test_separate_norm_kernel_compiles_without_clusters_for_sm80():
     """The row groups' cluster code is guarded by the architecture: the separate norm
     kernel (every NVLink GPU's unfused path) still compiles for sm_80."""
-    cubin = _kernels.compile_cubin(NORM_SOURCE, compile_defines("bfloat16", "sum", 1), arch="sm_80")
+    cubin = _kernels.compile_cubin(NORM_SOURCE, norm_defines("bfloat16"), arch="sm_80")
     assert NORM_ENTRY.encode() in cubin
 
 

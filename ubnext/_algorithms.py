@@ -115,7 +115,8 @@ UNICAST_OF = {"nvls_lamport": "lamport", "nvls": "twoshot"}
 NORM_SOURCE, NORM_ENTRY = "rmsnorm.cu", "ub_add_rmsnorm"
 #: threads per block of every row kernel (kernels/rmsnorm.cuh: UB_NORM_THREADS)
 NORM_THREADS = 1024
-#: vectors of a row each thread keeps in registers (kernels/rmsnorm.cuh: UB_ROW_KEEP)
+#: vectors of a row each thread of the separate add + RMSNorm kernel keeps in registers
+#: (compiled in as UB_ROW_KEEP; the fused kernels keep one: kernels/rmsnorm.cuh)
 ROW_KEEP = 4
 
 
@@ -140,3 +141,9 @@ def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast"
     """
     return {"UB_T": DTYPES[dtype][0], "UB_OP": OPS[op], "UB_NRANKS": str(nranks),
             "UB_TRANSPORT": {"unicast": "Unicast", "multicast": "Multicast"}[transport]}
+
+
+def norm_defines(dtype: str) -> dict[str, str]:
+    """Preprocessor definitions of the separate add + RMSNorm kernel (NORM_SOURCE) for
+    ``dtype``: one rank, and ROW_KEEP vectors kept per thread."""
+    return {**compile_defines(dtype, "sum", 1), "UB_ROW_KEEP": str(ROW_KEEP)}

@@ -4,7 +4,7 @@ all-reduce by any engine, NCCL included). Local to this rank: no pool, no peers.
 
 from __future__ import annotations
 
-from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, NORM_THREADS, ROW_KEEP, compile_defines, row_threads
+from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, NORM_THREADS, ROW_KEEP, norm_defines, row_threads
 from ._kernels import compile_module
 from ._launch import F32, U64, Launcher
 
@@ -34,7 +34,7 @@ class AddRmsNorm:
         """
         launcher = self._launchers.get(dtype)
         if launcher is None:
-            module = compile_module(NORM_SOURCE, compile_defines(dtype, "sum", 1))
+            module = compile_module(NORM_SOURCE, norm_defines(dtype))
             launcher = self._launchers[dtype] = Launcher(module.get_function(NORM_ENTRY), _PARAMS)
         vectors = -(-hidden * DTYPES[dtype][1] // 16)
         # A thread per 16 bytes of a row while a full block on every SM covers the array
