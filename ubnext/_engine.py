@@ -130,7 +130,7 @@ class Engine:
         device = cupy.cuda.Device(pool.device)
         sms = device.attributes["MultiProcessorCount"]
         self._blocks = min(max_blocks or sms, sms, MAX_BLOCKS)
-        # thread-block clusters (sm_90+) for the fused one-shot's few-row launches
+        # thread-block clusters (sm_90+) for the Lamport kernels' fused launches of few rows
         self._cluster_rows = int(device.compute_capability) >= 90
         self._modules: dict[tuple, object] = {}
         self._launchers: dict[tuple, Launcher] = {}
