@@ -71,7 +71,7 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
   lamport_repoison_slots<T, N>(mine, l, slot_bytes);
   RowGroup g = row_group();
   for (u64 row = g.id; row < rows; row += g.count) {
-    finish_row<T>(a, row, g, [&](u64 v) {
+    finish_row<T, true>(a, row, g, [&](u64 v) {
       const RowOperands o = load_operands<T>(a, row, v);
       return add_residual<T>(o, lamport_reduce<T, OpSum, N>(mine + l.cur, slot_bytes, row * vpr + v, c));
     }, [](float) {});
