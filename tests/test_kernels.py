@@ -137,28 +137,30 @@ def test_separate_norm_kernel_compiles_without_clusters_for_sm80():
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 33, 66, 67, 1000])
 @pytest.mark.parametrize("vectors", [16, 64, 100, 1024, 2048, 8192])
-def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors):
-    """A fused one-shot launch of a few rows too long for one block's threads splits each
-    row over a cluster of blocks: never more blocks than the launch may use, never less
-    than 4 warps of vectors per block, never more than 32 warps per cluster
-    (kernels/rmsnorm.cuh: row_sum)."""
+@pytest.mark.parametrize("largest", [8, 4])
+def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors, largest):
+    """A fused Lamport launch of a few rows too long for one block's threads splits each
+    row over a cluster of blocks: never more blocks than the launch may use, never more
+    than ``largest`` per cluster (8: one-shot, 4: two-shot), never less than 4 warps of
+    vectors per block, never more than 32 warps per cluster (kernels/rmsnorm.cuh: row_sum)."""
     from ubnext._algorithms import NORM_THREADS, row_threads
-    from ubnext._engine import CLUSTER_BLOCK_VECTORS, MAX_CLUSTER, row_cluster
+    from ubnext._engine import CLUSTER_BLOCK_VECTORS, row_cluster
 
     blocks = 132
-    cluster = row_cluster(rows, vectors, blocks)
-    assert cluster in (1, 2, 4, 8) and cluster <= MAX_CLUSTER
+    cluster = row_cluster(rows, vectors, blocks, largest)
+    assert cluster in (1, 2, 4, 8) and cluster <= largest
     if cluster > 1:
         assert rows * cluster <= blocks and vectors >= max(cluster * CLUSTER_BLOCK_VECTORS, NORM_THREADS)
-    else:  # a block covers the row with a vector per thread, or no larger cluster fits
-        assert vectors < NORM_THREADS or rows * 2 > blocks
+    if cluster < largest:  # a block covers the row with a vector per thread, or no larger cluster fits
+        assert (vectors < NORM_THREADS or rows * cluster * 2 > blocks
+                or vectors < cluster * 2 * CLUSTER_BLOCK_VECTORS)
     threads = row_threads(vectors, cluster)
     assert threads % 32 == 0 and cluster * threads <= NORM_THREADS
     assert cluster * threads >= min(vectors, NORM_THREADS) or threads == 32
 
 
 def test_row_cluster_examples():
-    from ubnext._engine import row_cluster
+    from ubnext._engine import TWOSHOT_MAX_CLUSTER, row_cluster
 
     assert row_cluster(1, 1024, 132) == 8  # one token of hidden 8192 bf16: 8 SMs
     assert row_cluster(16, 1024, 132) == 8
@@ -167,6 +169,8 @@ def test_row_cluster_examples():
     assert row_cluster(1, 2048, 132) == 8  # hidden 16384 bf16
     assert row_cluster(1, 16, 132) == 1  # hidden 128 bf16: one block is plenty
     assert row_cluster(100, 1024, 132) == 1
+    assert row_cluster(8, 1024, 132, TWOSHOT_MAX_CLUSTER) == 4  # 32 tokens over 4 ranks
+    assert row_cluster(34, 1024, 132, TWOSHOT_MAX_CLUSTER) == 2
 
 
 def test_cluster_launch_structures_match_the_driver_abi():
