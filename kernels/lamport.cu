@@ -80,7 +80,9 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
   finish_launch(state, l.epoch, (u32)nvec);
 }
 
-// ---- entry points, instantiated per (UB_T, UB_OP, UB_NRANKS, UB_TRANSPORT) ---------
+// ---- entry points -------------------------------------------------------------------
+// Instantiated per (UB_T, UB_OP, UB_NRANKS, UB_TRANSPORT); the fused one carries the
+// cluster shape UB_CLUSTER too (rmsnorm.cuh).
 
 extern "C" __global__ void __launch_bounds__(UB_LAMPORT_THREADS)
 ub_lamport(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 slot_bytes,
@@ -91,7 +93,7 @@ ub_lamport(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 slot_byt
                                             timeout_ns);
 }
 
-extern "C" __global__ void __launch_bounds__(UB_NORM_THREADS)
+extern "C" __global__ void __launch_bounds__(UB_NORM_BLOCK_THREADS, 1) UB_CLUSTER_DIMS
 ub_lamport_norm(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 slot_bytes,
                 const char* x, u64 rows, u64 hidden, const char* residual, const char* bias,
                 const char* weight, char* normed, char* res_out, float eps,

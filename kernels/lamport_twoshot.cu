@@ -198,9 +198,13 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   finish_launch(state, l.epoch, (u32)(N * rpr * (vpr + 1)));
 }
 
-// ---- entry points, instantiated per (UB_T, UB_OP, UB_NRANKS, UB_TRANSPORT) ---------
+// ---- entry points -------------------------------------------------------------------
+// Instantiated per (UB_T, UB_OP, UB_NRANKS, UB_TRANSPORT); the fused one carries the
+// cluster shape UB_CLUSTER too (rmsnorm.cuh). Both ask for one resident block per SM,
+// which lets ptxas use the registers of a lone block: with the thread bound alone it kept
+// 64 per thread and spilled (16 bytes of spill stores in ub_lamport_twoshot).
 
-extern "C" __global__ void __launch_bounds__(UB_LAMPORT_TWOSHOT_THREADS)
+extern "C" __global__ void __launch_bounds__(UB_LAMPORT_TWOSHOT_THREADS, 1)
 ub_lamport_twoshot(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 area_bytes,
                    const char* x, char* out, u64 n, LaunchState* state, ErrorRecord* err,
                    u64 timeout_ns) {
@@ -209,7 +213,7 @@ ub_lamport_twoshot(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 
                                                     err, timeout_ns);
 }
 
-extern "C" __global__ void __launch_bounds__(UB_NORM_THREADS)
+extern "C" __global__ void __launch_bounds__(UB_NORM_BLOCK_THREADS, 1) UB_CLUSTER_DIMS
 ub_lamport_twoshot_norm(char* base, u64 stride, int rank, char* mc, u64 set_off,
                         u64 area_bytes, const char* x, u64 rows, u64 hidden,
                         const char* residual, const char* bias, const char* weight,

@@ -10,9 +10,28 @@
 #pragma once
 #include "common.cuh"
 
-// Thread-block size of the row kernels (multiple of 32, <= 1024).
+// Threads of a row group (multiple of 32, <= 1024): a block, or a cluster's blocks together.
 #ifndef UB_NORM_THREADS
 #define UB_NORM_THREADS 1024
+#endif
+// Blocks per thread-block cluster of the row groups (1: none, a group is one block). The
+// host compiles the fused Lamport kernels once per cluster size it launches: the entry
+// points carry the cluster shape (UB_CLUSTER_DIMS), so a plain cuLaunchKernel forms the
+// clusters, and the row sums know the group's size at compile time. A cluster's blocks
+// have at most UB_NORM_THREADS threads together (ubnext._algorithms.row_threads), which
+// bounds a block's threads (UB_NORM_BLOCK_THREADS, the entry points' launch bound, with
+// one resident block per SM: ptxas then keeps the fused kernels free of spills).
+#ifndef UB_CLUSTER
+#define UB_CLUSTER 1
+#endif
+#define UB_NORM_BLOCK_THREADS (UB_NORM_THREADS / UB_CLUSTER)
+#if UB_CLUSTER > 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "thread-block clusters (UB_CLUSTER > 1) need sm_90 or newer"
+#endif
+#define UB_CLUSTER_DIMS __cluster_dims__(UB_CLUSTER, 1, 1)
+#else
+#define UB_CLUSTER_DIMS
 #endif
 // Vectors of a row each thread keeps in registers between the two passes of finish_row;
 // vectors beyond are read back from res_out. The fused kernels keep one: under the
@@ -99,10 +118,10 @@ __device__ uint4 normalize(const NormArgs& a, u64 col, const uint4& res, float s
 }
 
 // ---- row groups --------------------------------------------------------------------
-// The blocks that finish a row together: the blocks of a thread-block cluster (sm_90;
-// the host launches a kernel with clusters when a few rows would leave SMs idle), else
-// one block. Group g of G finishes rows g, g + G, ...; its threads are numbered
-// rank * blockDim.x + threadIdx.x, rank being the block's rank in the group.
+// The blocks that finish a row together: the UB_CLUSTER blocks of a thread-block cluster
+// (sm_90; the host compiles and launches a kernel with clusters when a few rows would
+// leave SMs idle), else one block. Group g of G finishes rows g, g + G, ...; its threads
+// are numbered rank * blockDim.x + threadIdx.x, rank being the block's rank in the group.
 //
 // In a cluster, row_sum sends each warp's total into every block's shared memory with
 // st.async, which counts the bytes on the receiving block's mbarrier; a block waits on its
@@ -112,7 +131,7 @@ __device__ uint4 normalize(const NormArgs& a, u64 col, const uint4& res, float s
 // -> 7.33). Each block inits its mbarriers at the start (row_group) and waits once for
 // the cluster's inits before its first send.
 struct RowGroup {
-  u32 id, count, rank, blocks;
+  u32 id, count, rank;
   u32 parity;  // which of the two slots (totals and mbarrier) the next row_sum uses
   u32 phase;   // bit s: the phase parity the next wait on mbarrier s waits for
   bool joined; // the cluster's mbarriers are known to be initialized
@@ -129,7 +148,7 @@ __device__ __forceinline__ RowMail& row_mail() {
   return m;
 }
 
-#if __CUDA_ARCH__ >= 900
+#if UB_CLUSTER > 1
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u64 a;
   asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
@@ -161,22 +180,19 @@ __device__ __forceinline__ void wait_mail(u64* bar, u32 parity) {
 
 // Every thread of the group calls it, before the group's first row_sum.
 __device__ __forceinline__ RowGroup row_group() {
-  RowGroup g{blockIdx.x, gridDim.x, 0u, 1u, 0u, 0u, true};
-#if __CUDA_ARCH__ >= 900
+  RowGroup g{blockIdx.x, gridDim.x, 0u, 0u, 0u, true};
+#if UB_CLUSTER > 1
   asm("mov.u32 %0, %%clusterid.x;" : "=r"(g.id));
   asm("mov.u32 %0, %%nclusterid.x;" : "=r"(g.count));
   asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(g.rank));
-  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(g.blocks));
-  if (g.blocks > 1) {
-    if (threadIdx.x == 0) {  // one arrival per phase: thread 0's, with the bytes expected
-      RowMail& m = row_mail();
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&m.bar[0])) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&m.bar[1])) : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-    g.joined = false;
+  if (threadIdx.x == 0) {  // one arrival per phase: thread 0's, with the bytes expected
+    RowMail& m = row_mail();
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&m.bar[0])) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&m.bar[1])) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+  g.joined = false;
 #endif
   return g;
 }
@@ -202,27 +218,24 @@ __device__ float row_sum(RowGroup& g, float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   float t = 0.f;
-#if __CUDA_ARCH__ >= 900
-  if (g.blocks > 1) {
-    if (!g.joined) {  // every block's mbarriers are initialized
-      asm volatile("barrier.cluster.wait;" ::: "memory");
-      g.joined = true;
-    }
-    if (lane < g.blocks) send_total(&m.total[s][g.rank * warps + warp], &m.bar[s], lane, v);
-    if (threadIdx.x == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                   :: "r"(smem_addr(&m.bar[s])), "r"(g.blocks * warps * 4u) : "memory");
-    }
-    wait_mail(&m.bar[s], (g.phase >> s) & 1u);
-    g.phase ^= 1u << s;
-    if (lane < g.blocks * warps) t = m.total[s][lane];
-  } else
-#endif
-  {
-    if (lane == 0) m.total[s][warp] = v;
-    __syncthreads();
-    if (lane < warps) t = m.total[s][lane];
+#if UB_CLUSTER > 1
+  if (!g.joined) {  // every block's mbarriers are initialized
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+    g.joined = true;
   }
+  if (lane < UB_CLUSTER) send_total(&m.total[s][g.rank * warps + warp], &m.bar[s], lane, v);
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_addr(&m.bar[s])), "r"(UB_CLUSTER * warps * 4u) : "memory");
+  }
+  wait_mail(&m.bar[s], (g.phase >> s) & 1u);
+  g.phase ^= 1u << s;
+  if (lane < UB_CLUSTER * warps) t = m.total[s][lane];
+#else
+  if (lane == 0) m.total[s][warp] = v;
+  __syncthreads();
+  if (lane < warps) t = m.total[s][lane];
+#endif
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
   g.parity ^= 1u;
@@ -234,7 +247,7 @@ __device__ float row_sum(RowGroup& g, float v) {
 // cluster barrier: a block's last wait saw every total sent to it, and no block reads
 // another's shared memory.
 __device__ __forceinline__ void row_group_done(const RowGroup& g) {
-#if __CUDA_ARCH__ >= 900
+#if UB_CLUSTER > 1
   if (!g.joined) asm volatile("barrier.cluster.wait;" ::: "memory");
 #endif
 }
@@ -255,7 +268,7 @@ __device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch,
   char* res_out = a.res_out + row * vpr * 16;
   char* normed = a.normed + row * vpr * 16;
   const u64 first = (u64)g.rank * blockDim.x + threadIdx.x;
-  const u64 step = (u64)g.blocks * blockDim.x;
+  const u64 step = (u64)UB_CLUSTER * blockDim.x;
   const u64 kept = (u64)UB_ROW_KEEP * step;
   uint4 keep[UB_ROW_KEEP];
   float ss = 0.f;

@@ -173,17 +173,31 @@ def test_row_cluster_examples():
     assert row_cluster(34, 1024, 132, TWOSHOT_MAX_CLUSTER) == 2
 
 
-def test_cluster_launch_structures_match_the_driver_abi():
-    """cuLaunchKernelEx reads CUlaunchConfig and CUlaunchAttribute (cuda.h) from our ctypes
-    structures: their sizes and field offsets must be the driver's."""
-    import ctypes
+@pytest.mark.parametrize("algorithm", [name for name in KERNEL_ALGOS if ALGORITHMS[name].pushed])
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+def test_fused_lamport_entry_carries_its_cluster_shape(algorithm, cluster):
+    """The engine launches a fused Lamport kernel in clusters by a plain cuLaunchKernel, so
+    the entry point compiled for ``cluster`` must require that cluster shape; its launch
+    bound is a cluster's share of NORM_THREADS, which row_threads never exceeds (checked
+    with row_cluster below)."""
+    import re
 
-    from ubnext._launch import _LaunchAttribute, _LaunchConfig
+    alg = ALGORITHMS[algorithm]
+    ptx = _kernels.compile_cubin(alg.source, compile_defines("bfloat16", "sum", 4, alg.transport, cluster),
+                                 arch="compute_90a").decode(errors="replace")
+    head = re.search(r"\.entry " + alg.norm_entry + r"\(.*?\)(.*?)\{", ptx, re.S).group(1)
+    assert re.search(r"\.maxntid (\d+)", head).group(1) == str(NORM_THREADS // cluster)
+    required = re.search(r"\.reqnctapercluster (\d+), 1, 1", head)
+    assert (required and int(required.group(1))) == (cluster if cluster > 1 else None)
+    plain = re.search(r"\.entry " + alg.entry + r"\(.*?\)(.*?)\{", ptx, re.S).group(1)
+    assert ".reqnctapercluster" not in plain
 
-    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
-    assert [getattr(_LaunchConfig, f).offset for f in ("sharedMemBytes", "hStream", "attrs", "numAttrs")] \
-        == [24, 32, 40, 48]
-    assert ctypes.sizeof(_LaunchConfig) == 56
+
+def test_cluster_instantiation_refuses_pre_hopper_targets():
+    from ubnext._errors import CudaError
+
+    with pytest.raises(CudaError, match="sm_90 or newer"):
+        _kernels.compile_cubin("lamport.cu", compile_defines("bfloat16", "sum", 4, cluster=8), arch="sm_80")
 
 
 def test_launcher_packs_every_parameter_where_its_pointer_says(monkeypatch):
@@ -230,5 +244,5 @@ def test_launch_bounds_admit_the_tables_block_size(algorithm):
 
     alg = ALGORITHMS[algorithm]
     text = _kernels.source(alg.source)
-    bound = re.search(r"__launch_bounds__\((\w+)\)\s*\n\s*" + alg.entry + r"\(", text).group(1)
+    bound = re.search(r"__launch_bounds__\((\w+)(?:, \d+)?\)\s*\n\s*" + alg.entry + r"\(", text).group(1)
     assert int(re.search(rf"#define {bound} (\d+)", text).group(1)) == alg.threads

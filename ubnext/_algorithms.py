@@ -127,7 +127,8 @@ def row_threads(vectors: int, cluster: int = 1) -> int:
     return max(32, min(NORM_THREADS // cluster, -(-vectors // (32 * cluster)) * 32))
 
 
-def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast") -> dict[str, str]:
+def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast",
+                    cluster: int = 1) -> dict[str, str]:
     """Preprocessor definitions that instantiate a kernel entry point.
 
     Args:
@@ -135,12 +136,15 @@ def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast"
         op: a key of ``OPS``.
         nranks: ranks of the node, 1..MAX_RANKS.
         transport: ``"unicast"`` or ``"multicast"``.
+        cluster: blocks per thread-block cluster of the fused Lamport entry points
+            (kernels/rmsnorm.cuh: UB_CLUSTER; 1: none, more needs sm_90).
 
     Returns:
-        ``{"UB_T": ..., "UB_OP": ..., "UB_NRANKS": ..., "UB_TRANSPORT": ...}``.
+        ``{"UB_T": ..., "UB_OP": ..., "UB_NRANKS": ..., "UB_TRANSPORT": ..., "UB_CLUSTER": ...}``.
     """
     return {"UB_T": DTYPES[dtype][0], "UB_OP": OPS[op], "UB_NRANKS": str(nranks),
-            "UB_TRANSPORT": {"unicast": "Unicast", "multicast": "Multicast"}[transport]}
+            "UB_TRANSPORT": {"unicast": "Unicast", "multicast": "Multicast"}[transport],
+            "UB_CLUSTER": str(cluster)}
 
 
 def norm_defines(dtype: str) -> dict[str, str]:

@@ -176,18 +176,20 @@ class Engine:
         return cupy.ndarray((nbytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- launches -------------------------------------------------------------------
-    def _kernel(self, algorithm: str, dtype: str, op: str, fused: bool = False) -> Launcher:
-        key = (algorithm, dtype, op, fused)
+    def _kernel(self, algorithm: str, dtype: str, op: str, fused: bool = False, cluster: int = 1) -> Launcher:
+        """The launcher of ``algorithm``'s entry point (``fused``: the add + RMSNorm one,
+        compiled for thread-block clusters of ``cluster`` blocks)."""
+        key = (algorithm, dtype, op, fused, cluster)
         launcher = self._launchers.get(key)
         if launcher is None:
             alg = ALGORITHMS[algorithm]
             entry = alg.norm_entry if fused else alg.entry
             if alg.multicast and not self._mc_base:
                 raise AssertionError(f"engine: {algorithm} needs the multicast mapping")
-            mkey = (alg.source, alg.transport, dtype, op)
+            mkey = (alg.source, alg.transport, dtype, op, cluster)
             module = self._modules.get(mkey)
             if module is None:
-                defines = compile_defines(dtype, op, self.nranks, alg.transport)
+                defines = compile_defines(dtype, op, self.nranks, alg.transport, cluster)
                 module = self._modules[mkey] = compile_module(alg.source, defines)
             prefix, state = self._constants(alg, DTYPES[dtype][1], fused)
             launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix,
@@ -264,12 +266,13 @@ class Engine:
             if len(self._norm_launches) >= _NORM_LAUNCHES_MAX:
                 self._norm_launches.clear()
             launch = self._norm_launches[key] = self._norm_launch(algorithm, dtype, rows, hidden)
-        launcher, blocks, threads, cluster = launch
-        launcher(blocks, threads, stream, x, rows, hidden, *norm, eps, cluster=cluster)
+        launcher, blocks, threads, _ = launch
+        launcher(blocks, threads, stream, x, rows, hidden, *norm, eps)
 
     def _norm_launch(self, algorithm: str, dtype: str, rows: int, hidden: int) -> tuple:
         """The kernel and grid of a fused launch of ``rows`` x ``hidden``: (launcher,
-        blocks, threads per block, blocks per cluster)."""
+        blocks, threads per block, blocks per cluster). The launcher's entry point is
+        compiled for its cluster size, so a plain launch forms the clusters."""
         alg = ALGORITHMS[algorithm]
         vpr = hidden * DTYPES[dtype][1] // _ALIGN
         # rows that each rank normalizes: all (one-shot) or its own (two-shot kernels)
@@ -284,4 +287,5 @@ class Engine:
         else:  # enough blocks for every row, and for the pushes at ~`threads` vectors per block
             wanted = max(rows, -(-rows * vpr // alg.threads))
             blocks = max(cluster, min(self._blocks, wanted) // cluster * cluster)
-        return self._kernel(algorithm, dtype, "sum", fused=True), blocks, row_threads(vpr, cluster), cluster
+        launcher = self._kernel(algorithm, dtype, "sum", fused=True, cluster=cluster)
+        return launcher, blocks, row_threads(vpr, cluster), cluster
