@@ -36,7 +36,9 @@
 // Vectors of a row each thread keeps in registers between the two passes of finish_row;
 // vectors beyond are read back from res_out. The fused kernels keep one: under the
 // 1024-thread launch bound (64 registers) four spilled to local memory (4xH200, hidden
-// 8192 bf16: 1 token 5.74 -> 5.45 us, 128 tokens 17.28 -> 16.68 with one). The separate
+// 8192 bf16: 1 token 5.74 -> 5.45 us, 128 tokens 17.28 -> 16.68 with one); the cluster
+// kernels, with more registers under their smaller bounds, were 0.07-0.28 us slower with
+// two (1-16 tokens, and hidden 16384 whose rows give each thread two). The separate
 // kernel (rmsnorm.cu) keeps four without spilling; the host compiles it with
 // UB_ROW_KEEP = ubnext._algorithms.ROW_KEEP.
 #ifndef UB_ROW_KEEP
