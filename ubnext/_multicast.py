@@ -36,7 +36,7 @@ from typing import Any
 
 from ._cuda import default_driver, drv
 from ._errors import ClosedError, UbnextError
-from ._pool import _UndoStack
+from ._undo import UndoStack
 
 __all__ = ["MulticastRange"]
 
@@ -79,8 +79,8 @@ class MulticastRange:
         self.device = pool.device
         self.local_rank = pool.local_rank
         self.size = pool.size
-        self._teardown: _UndoStack | None = None  # set on commit; None when closed
-        undo = _UndoStack()
+        self._teardown: UndoStack | None = None  # set on commit; None when closed
+        undo = UndoStack()
         try:
             self._setup(fds, undo)
         except BaseException:
@@ -90,7 +90,7 @@ class MulticastRange:
             raise
         self._teardown = undo  # commit
 
-    def _setup(self, fds: Any, undo: _UndoStack) -> None:
+    def _setup(self, fds: Any, undo: UndoStack) -> None:
         d, pool = self._driver, self._pool
         fd_type = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         creator = self.local_rank == 0

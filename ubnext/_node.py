@@ -13,8 +13,9 @@ from ._gate import NvlsDecision
 from ._heap import UserHeap
 from ._log import get_logger
 from ._multicast import MulticastRange
-from ._pool import SymmetricPool, _UndoStack
+from ._pool import SymmetricPool
 from ._timeouts import TimeoutRecord
+from ._undo import UndoStack
 
 
 class Block:
@@ -68,7 +69,7 @@ class Node:
                               f"UBNEXT_LAMPORT_MAX_KB and UBNEXT_LAMPORT_TWOSHOT_MAX_KB size them)")
         # the release steps, run newest first on a failed setup and by close (the
         # multicast range unbinds the segments before the pool releases them)
-        undo = self._teardown = _UndoStack()
+        undo = self._teardown = UndoStack()
         try:
             self.fds = FdChannel(local, config.timeout_s)
             undo.push(self.fds.close)

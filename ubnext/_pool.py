@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from ._cuda import drv
 from ._errors import ClosedError, CudaError, UbnextError
+from ._undo import UndoStack
 
 
 class PeerAccessError(CudaError):
@@ -43,27 +44,6 @@ class PeerAccessError(CudaError):
         who = "the peer segments" if peer is None else f"local rank {peer}"
         self.args = (f"SymmetricPool: {call} failed for {who}: {message}",)
         self.peer = peer
-
-
-class _UndoStack:
-    """Undo actions registered by each setup step, run last-in first-out."""
-
-    def __init__(self) -> None:
-        self._actions: list[tuple[Callable[..., Any], tuple]] = []
-
-    def push(self, action: Callable[..., Any], *args: Any) -> None:
-        self._actions.append((action, args))
-
-    def unwind(self) -> list[Exception]:
-        """Run every action, newest first; return the errors (never raises)."""
-        errors = []
-        while self._actions:
-            action, args = self._actions.pop()
-            try:
-                action(*args)
-            except Exception as exc:  # keep undoing: one failure must not leak the rest
-                errors.append(exc)
-        return errors
 
 
 class SymmetricPool:
@@ -127,8 +107,8 @@ class SymmetricPool:
         self.device = device
         self.local_rank = local_rank
         self.local_size = local_size
-        self._teardown: _UndoStack | None = None  # set on commit; None when closed
-        undo = _UndoStack()
+        self._teardown: UndoStack | None = None  # set on commit; None when closed
+        undo = UndoStack()
         try:
             self._setup(size, exchange_fds, undo)
         except BaseException:
@@ -142,7 +122,7 @@ class SymmetricPool:
         self._teardown = undo  # commit
 
     def _setup(
-        self, size: int, exchange_fds: Callable[[int], list[int]], undo: _UndoStack
+        self, size: int, exchange_fds: Callable[[int], list[int]], undo: UndoStack
     ) -> None:
         d = self._driver
         self._call("cuInit", 0)
