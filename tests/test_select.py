@@ -70,7 +70,11 @@ def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
     assert sel.select(32 * MiB + 2, "bfloat16") == "nccl"  # measured: NCCL wins there on plain arrays
     assert Selector(2, lim(1 * MiB), ALL).select(1 << 30, "bfloat16") == "lamport_twoshot"
     assert Selector(4, lim(1 * MiB), ["lamport", "twoshot", "nccl"]).select(1 * MiB, "bfloat16") == "nccl"
-    assert Selector(2, lim(1 * MiB, 8 * MiB), ALL).select(256 * MiB, "bfloat16") == "twoshot"  # past the table
+    # past the table (Lamport two-shot buffers below those it takes launches with)
+    small = Selector(2, lim(1 * MiB, 4 * MiB), ALL)
+    assert small.select(8 * MiB, "bfloat16") == "twoshot"
+    assert small.select(8 * MiB + 2, "bfloat16") == "nccl"  # measured: NCCL ahead of the staged two-shot
+    assert small.select(256 * MiB, "bfloat16") == "nccl"
     assert Selector(8, lim(1 * MiB), ALL).select(300 * KiB, "float32") == "twoshot"  # row "*"
     assert Selector(4, lim(1024), usable=ALL).select(4096, "float32") == "lamport_twoshot"
     nccl_only = Selector(8, lim(1 * MiB), usable=["nccl"])
@@ -163,13 +167,16 @@ def test_explain_nccl_only_gives_the_reason():
     assert Selector(4, lim(1 * MiB), ["nccl"]).explain(1024, "float32")[1].startswith("only NCCL usable: ")
 
 
-def test_past_the_last_row_falls_back_in_preference_order(tmp_path):
+def test_past_the_last_row_falls_back_by_size_in_preference_order(tmp_path):
     table = load_table(write(tmp_path, doc({"4": {"bfloat16": [[64 * KiB, "lamport"]]}})))
     sel = Selector(4, lim(1 * MiB), ALL, table)
     name, why = sel.explain(1 * MiB, "bfloat16")
     assert name == "twoshot"
     assert why.startswith("past the last table row (≤ 64 KiB) for 4 ranks bfloat16 (tune file ")
-    assert why.endswith("first usable of twoshot, nccl")
+    assert why.endswith("first usable of twoshot ≤ 8 MiB, nccl")
+    assert sel.select(8 * MiB, "bfloat16") == "twoshot"
+    assert sel.select(8 * MiB + 2, "bfloat16") == "nccl"
+    assert Selector(4, lim(1 * MiB), ["lamport", "nccl"], table).select(1 * MiB, "bfloat16") == "nccl"
 
 
 # --------------------------------------------------------------------------- tune files
@@ -263,7 +270,7 @@ def test_an_open_last_row_whose_buffers_are_too_small_falls_past_the_table():
     assert sel.select(2 * MiB, "bfloat16") == "lamport_twoshot"
     name, why = sel.explain(4 * MiB, "bfloat16")
     assert name == "twoshot"
-    assert why.startswith("no table row fits for 4 ranks bfloat16 (tune file t): first usable of twoshot, nccl")
+    assert why.startswith("no table row fits for 4 ranks bfloat16 (tune file t): first usable of twoshot ≤ 8 MiB, nccl")
     assert "lamport_twoshot does not fit: > UBNEXT_LAMPORT_TWOSHOT_MAX_KB=2048" in why
 
 

@@ -20,8 +20,13 @@ from ._table import Row, Table, default_table
 #: instantiation, and NVLS two-shot for the Lamport two-shot (the seed's order puts
 #: multicast kernels first; tables are measured where multicast is off)
 MULTICAST_OF = {**{unicast: mc for mc, unicast in UNICAST_OF.items()}, "lamport_twoshot": "nvls"}
-#: Past a table's last row (when it has a limit): the first of these that fits.
-_PAST_TABLE = ("twoshot", "nccl")
+#: Rows after a table's own, for messages that none of its rows takes (past its last
+#: limit, or larger than the buffers of its kernels): the barrier two-shot up to 8 MiB,
+#: NCCL above. On plain arrays (staging copy) the barrier two-shot beats NCCL by 3 % or
+#: more up to 8 MiB and not from 16 MiB (bench/results/tune_h200x{2,4}.txt; 4 ranks,
+#: 16 MiB: 103.8 µs against 96.4, 256 MiB: 1616 against 1179; 2 ranks, 256 MiB: 1147
+#: against 884).
+_PAST_TABLE: tuple[Row, ...] = ((8 << 20, "twoshot"), (None, "nccl"))
 #: The kernel that a fused call past its buffers runs in launches of whole rows, where
 #: the table would hand the message to NCCL because it is larger than those buffers. It
 #: moves 2(n-1)/n of the data per rank like NCCL, so launches of its largest message cost
@@ -144,7 +149,7 @@ class Selector:
         if index is None:
             last = rows[-1][0]
             past = "no table row fits" if last is None else f"past the last table row (≤ {human_bytes(last)})"
-            reason = f"{past} for {where}: first usable of {', '.join(_PAST_TABLE)}"
+            reason = f"{past} for {where}: first usable of {_past_rows()}"
         else:
             reason = f"table row {_row_label(rows, index)} for {where}"
         if name == unicast and not self._in_one_launch(name, nbytes):
@@ -159,8 +164,8 @@ class Selector:
         for i, row in enumerate(rows):
             if _covers(row, nbytes) and self._takes(row[1], nbytes):
                 return row[1], i
-        for name in _PAST_TABLE:
-            if self._takes(name, nbytes):
+        for limit, name in _PAST_TABLE:
+            if _covers((limit, name), nbytes) and self._takes(name, nbytes):
                 return name, None
         raise AssertionError("selector: no usable algorithm")  # "nccl" is always usable
 
@@ -175,6 +180,11 @@ class Selector:
 
 def _covers(row: Row, nbytes: int) -> bool:
     return row[0] is None or nbytes <= row[0]
+
+
+def _past_rows() -> str:
+    """``"twoshot ≤ 8 MiB, nccl"``: the rows after a table's own."""
+    return ", ".join(name if limit is None else f"{name} ≤ {human_bytes(limit)}" for limit, name in _PAST_TABLE)
 
 
 def _row_label(rows: tuple[Row, ...], index: int) -> str:
