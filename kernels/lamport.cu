@@ -26,15 +26,19 @@ __device__ void lamport_allreduce(const Tp& tp, u64 set_off, u64 slot_bytes, con
                                   char* out, u64 n, LaunchState* state, ErrorRecord* err,
                                   u64 timeout_ns) {
   const Span<T> span(n);
-  const LamportLaunch l = lamport_begin(state, set_off, N * slot_bytes);
-  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
   const u64 first = (u64)blockIdx.x * blockDim.x + threadIdx.x;
   const u64 step = (u64)blockDim.x * gridDim.x;
+  // The first vector is loaded before the launch state, so that both loads are in flight
+  // together (the state decides where it goes).
+  uint4 v0 = make_uint4(0u, 0u, 0u, 0u);
+  if (first < span.nvec) v0 = span.load(x, first);
+  const LamportLaunch l = lamport_begin(state, set_off, N * slot_bytes);
+  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
 
   // 1. Push: my input into slot [rank] of the current buffer of every rank.
   for (u64 i = first; i < span.nvec; i += step) {
     tp.template store_all<T>(l.cur + tp.rank * slot_bytes + i * 16,
-                             clear_sentinel<T>(span.load(x, i)), 0);
+                             clear_sentinel<T>(i == first ? v0 : span.load(x, i)), 0);
   }
   // 2. Re-poison the previous launch's buffer in my own segment.
   char* mine = tp.seg(tp.rank);
@@ -57,15 +61,18 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
                                     u64 rows, const NormArgs& a, LaunchState* state,
                                     ErrorRecord* err, u64 timeout_ns) {
   const u64 vpr = a.hidden / Vec<T>::kPer;
-  const LamportLaunch l = lamport_begin(state, set_off, N * slot_bytes);
-  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
-
   const u64 nvec = rows * vpr;
   const u64 part = (nvec + gridDim.x - 1) / gridDim.x;
   const u64 end = (blockIdx.x + 1) * part < nvec ? (blockIdx.x + 1) * part : nvec;
-  for (u64 i = blockIdx.x * part + threadIdx.x; i < end; i += blockDim.x) {
+  const u64 first = blockIdx.x * part + threadIdx.x;
+  uint4 v0 = make_uint4(0u, 0u, 0u, 0u);  // loaded before the launch state, as above
+  if (first < end) v0 = ld_weak(x + first * 16);
+  const LamportLaunch l = lamport_begin(state, set_off, N * slot_bytes);
+  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
+
+  for (u64 i = first; i < end; i += blockDim.x) {
     tp.template store_all<T>(l.cur + tp.rank * slot_bytes + i * 16,
-                             clear_sentinel<T>(ld_weak(x + i * 16)), 0);
+                             clear_sentinel<T>(i == first ? v0 : ld_weak(x + i * 16)), 0);
   }
   char* mine = tp.seg(tp.rank);
   lamport_repoison_slots<T, N>(mine, l, slot_bytes);
