@@ -178,3 +178,30 @@ def test_lamport_twoshot_at_and_past_its_limit(comm, dtype, extra):
         torch.cuda.synchronize()
         check_close(out, reference(count, dtype, comm.size, 21 + count, specials=True), dtype)
         assert_same_bits_everywhere(comm, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_thread", [2, 3])
+def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
+    """Messages whose launches run on the narrow blocks (ubnext._engine.lamport_twoshot_threads):
+    each thread pushes, reduces and gathers 2 or 3 vectors in turn; also with a partial
+    last vector."""
+    import torch
+
+    from ubnext import _engine
+    from ubnext._algorithms import ALGORITHMS
+
+    blocks, wide = comm._node.engine._blocks, ALGORITHMS["lamport_twoshot"].threads
+    per_vec = 16 // WIDTH[dtype]
+    for extra in (0, -3):
+        count = blocks * per_thread * _engine.NARROW_THREADS * comm.size * per_vec + extra
+        nvec = -(-count // per_vec)
+        launch = min(blocks, -(-nvec // wide))
+        assert _engine.lamport_twoshot_threads(nvec, comm.size, launch, wide) == _engine.NARROW_THREADS
+        seed = 31 + per_thread + extra
+        x = make_input(count, dtype, comm.rank, seed, specials=True)
+        out = torch.full_like(x, float("nan"))
+        comm.all_reduce(x, out=out, algorithm="lamport_twoshot")
+        torch.cuda.synchronize()
+        check_close(out, reference(count, dtype, comm.size, seed, specials=True), dtype)
+        assert_same_bits_everywhere(comm, out)

@@ -173,6 +173,30 @@ def test_row_cluster_examples():
     assert row_cluster(34, 1024, 132, TWOSHOT_MAX_CLUSTER) == 2
 
 
+def test_lamport_twoshot_narrow_blocks_where_threads_get_two_or_three_vectors():
+    """Plain Lamport two-shot launches run on NARROW_THREADS threads per block exactly where
+    a block's part of a slice (32-vector units, as kernels/lamport_twoshot.cu's
+    block_part) gives each of them 2 or 3 vectors."""
+    from ubnext._engine import NARROW_THREADS, lamport_twoshot_threads
+
+    mib = (1 << 20) // 16  # vectors per MiB
+    assert lamport_twoshot_threads(2 * mib, 4, 132, 512) == NARROW_THREADS  # 2 MiB, 4 ranks: parts of 256
+    assert lamport_twoshot_threads(3 * mib, 4, 132, 512) == NARROW_THREADS  # parts of 384
+    assert lamport_twoshot_threads(1 * mib, 4, 132, 512) == 512  # parts of 128: a vector per thread
+    assert lamport_twoshot_threads(4 * mib, 4, 132, 512) == 512  # parts of 512
+    assert lamport_twoshot_threads(1 * mib, 2, 132, 512) == NARROW_THREADS  # 2 ranks, 1 MiB: 256
+    assert lamport_twoshot_threads(2 * mib, 2, 132, 512) == 512
+    def up(value, to):
+        return -(-value // to) * to
+
+    for nvec in range(1, 8 * mib, 997):
+        for nranks, blocks in ((2, 132), (4, 132), (8, 100)):
+            part = up(-(-up(-(-nvec // nranks), 32) // blocks), 32)  # one block's part of a slice
+            fewest, most = part // NARROW_THREADS, -(-part // NARROW_THREADS)  # vectors of a thread
+            narrow = lamport_twoshot_threads(nvec, nranks, blocks, 512) == NARROW_THREADS
+            assert narrow == (fewest >= 2 and most <= 3)
+
+
 @pytest.mark.parametrize("algorithm", [name for name in KERNEL_ALGOS if ALGORITHMS[name].pushed])
 @pytest.mark.parametrize("cluster", [1, 2, 4, 8])
 def test_fused_lamport_entry_carries_its_cluster_shape(algorithm, cluster):
