@@ -95,10 +95,12 @@ def lamport_twoshot_threads(nvec: int, nranks: int, blocks: int, threads: int) -
     part of a slice (kernels/lamport_twoshot.cu: block_part) gives each of them 2 or 3
     vectors: a thread's pushes leave in order, so its first vectors are reduced and
     gathered while the later ones still cross NVLink. Measured, bf16, against 512
-    threads: 4xH200 2 MiB (parts of 256 vectors) 15.96 -> 15.57 µs; 2xH200 1 MiB (256)
-    7.20 -> 6.37, 1.5 MiB (384) 8.78 -> 8.25. Where a thread gets 1 vector it is mixed
-    (4xH200 1 MiB -0.24, 2xH200 512 KiB +0.12), from 4 it loses (4xH200 4 MiB +1.1 µs,
-    8 MiB +4.9: fewer pushes in flight)."""
+    threads (same grid): 4xH200 2 MiB (parts of 256 vectors) 15.87 -> 14.73 µs,
+    2.5 MiB (320) 17.86 -> 17.02, 3 MiB (384) 19.72 -> 19.31; 2xH200 1 MiB (256) 7.20 ->
+    6.37, 1.5 MiB (384) 8.78 -> 8.25. With 1 vector per thread it lost (2xH200 512 KiB
+    +0.12, 256 KiB +0.17), with 4 it was even (2xH200 2 MiB -0.09); 128 of 512
+    threads working on 4xH200 lost 1.1 µs at 4 MiB (4 vectors each) and 4.9 at 8 MiB
+    (8 each): fewer pushes in flight."""
     slice_vecs = _round_up(-(-nvec // nranks), _TWOSHOT_ALIGN_VECS)
     part = _round_up(-(-slice_vecs // blocks), _TWOSHOT_ALIGN_VECS)
     return NARROW_THREADS if 2 * NARROW_THREADS <= part <= 3 * NARROW_THREADS else threads

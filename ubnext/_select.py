@@ -164,9 +164,9 @@ class Selector:
         for i, row in enumerate(rows):
             if _covers(row, nbytes) and self._takes(row[1], nbytes):
                 return row[1], i
-        for limit, name in _PAST_TABLE:
-            if _covers((limit, name), nbytes) and self._takes(name, nbytes):
-                return name, None
+        for row in _PAST_TABLE:
+            if _covers(row, nbytes) and self._takes(row[1], nbytes):
+                return row[1], None
         raise AssertionError("selector: no usable algorithm")  # "nccl" is always usable
 
     def _why_not(self, name: str, nbytes: int) -> str:
