@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS, compile_defines, row_threads
-from ._heap import SlotPlan
+from ._heap import SlotPlan, round_up
 from ._kernels import compile_module
 from ._launch import F32, I32, U64, Launcher
 
@@ -101,13 +101,9 @@ def lamport_twoshot_threads(nvec: int, nranks: int, blocks: int, threads: int) -
     +0.12, 256 KiB +0.17), with 4 it was even (2xH200 2 MiB -0.09); 128 of 512
     threads working on 4xH200 lost 1.1 µs at 4 MiB (4 vectors each) and 4.9 at 8 MiB
     (8 each): fewer pushes in flight."""
-    slice_vecs = _round_up(-(-nvec // nranks), _TWOSHOT_ALIGN_VECS)
-    part = _round_up(-(-slice_vecs // blocks), _TWOSHOT_ALIGN_VECS)
+    slice_vecs = round_up(-(-nvec // nranks), _TWOSHOT_ALIGN_VECS)
+    part = round_up(-(-slice_vecs // blocks), _TWOSHOT_ALIGN_VECS)
     return NARROW_THREADS if 2 * NARROW_THREADS <= part <= 3 * NARROW_THREADS else threads
-
-
-def _round_up(value: int, to: int) -> int:
-    return -(-value // to) * to
 
 
 def _area(max_bytes: int) -> int:

@@ -22,7 +22,8 @@ from typing import Callable
 from ._errors import UbnextError
 
 
-def _round_up(value: int, align: int) -> int:
+def round_up(value: int, align: int) -> int:
+    """``value`` rounded up to a multiple of ``align``."""
     return -(-value // align) * align
 
 
@@ -70,7 +71,7 @@ class SlotPlan:
             raise ValueError(f"SlotPlan.add: slot {name!r} already planned")
         if nbytes < 0:
             raise ValueError(f"SlotPlan.add: slot {name!r} has negative size {nbytes}")
-        offset = _round_up(self._end, align)
+        offset = round_up(self._end, align)
         self._slots[name] = (offset, nbytes)
         self._end = offset + nbytes
         return offset
@@ -116,7 +117,7 @@ class UserHeap:
     def __init__(self, start: int, end: int, align: int = 256):
         _check_align("UserHeap", align)
         self._align = align
-        self._start = _round_up(start, align)
+        self._start = round_up(start, align)
         self._end = end // align * align
         if not 0 <= self._start <= self._end:
             raise ValueError(f"UserHeap: empty or negative range [{start}, {end})")
@@ -156,7 +157,7 @@ class UserHeap:
         """
         if nbytes < 0:
             raise ValueError(f"comm.empty: negative size {nbytes}")
-        size = _round_up(max(nbytes, 1), self._align)
+        size = round_up(max(nbytes, 1), self._align)
         self._drain_pending()
         message = array("Q", [size] + [bound for block in self._free for bound in block])
         gathered = [_decode(payload) for payload in agree(message.tobytes())]
