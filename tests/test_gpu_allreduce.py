@@ -168,16 +168,9 @@ def test_lamport_twoshot_at_and_past_its_limit(comm, dtype, extra):
     """The largest messages its buffers take, with slices that do not divide evenly;
     two launches of full buffers and a tiny third one; then a small message, so the next
     launch re-poisons a full previous buffer."""
-    import torch
-
     per_launch = TWOSHOT_LAUNCH // WIDTH[dtype]
     for count in (per_launch + extra, 2 * per_launch - extra, 1000):
-        x = make_input(count, dtype, comm.rank, 21 + count, specials=True)
-        out = torch.full_like(x, float("nan"))
-        comm.all_reduce(x, out=out, algorithm="lamport_twoshot")
-        torch.cuda.synchronize()
-        check_close(out, reference(count, dtype, comm.size, 21 + count, specials=True), dtype)
-        assert_same_bits_everywhere(comm, out)
+        check_lamport_twoshot(comm, count, dtype, 21 + count)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -186,8 +179,6 @@ def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
     """Messages whose launches run on the narrow blocks (ubnext._engine.lamport_twoshot_threads):
     each thread pushes, reduces and gathers 2 or 3 vectors in turn; also with a partial
     last vector."""
-    import torch
-
     from ubnext import _engine
     from ubnext._algorithms import ALGORITHMS
 
@@ -198,10 +189,17 @@ def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
         nvec = -(-count // per_vec)
         launch = min(blocks, -(-nvec // wide))
         assert _engine.lamport_twoshot_threads(nvec, comm.size, launch, wide) == _engine.NARROW_THREADS
-        seed = 31 + per_thread + extra
-        x = make_input(count, dtype, comm.rank, seed, specials=True)
-        out = torch.full_like(x, float("nan"))
-        comm.all_reduce(x, out=out, algorithm="lamport_twoshot")
-        torch.cuda.synchronize()
-        check_close(out, reference(count, dtype, comm.size, seed, specials=True), dtype)
-        assert_same_bits_everywhere(comm, out)
+        check_lamport_twoshot(comm, count, dtype, 31 + per_thread + extra)
+
+
+def check_lamport_twoshot(comm, count: int, dtype: str, seed: int) -> None:
+    """The Lamport two-shot's all-reduce of ``count`` elements (with specials) into a
+    poisoned ``out``: close to fp64, the same bits on every rank."""
+    import torch
+
+    x = make_input(count, dtype, comm.rank, seed, specials=True)
+    out = torch.full_like(x, float("nan"))
+    comm.all_reduce(x, out=out, algorithm="lamport_twoshot")
+    torch.cuda.synchronize()
+    check_close(out, reference(count, dtype, comm.size, seed, specials=True), dtype)
+    assert_same_bits_everywhere(comm, out)
