@@ -182,13 +182,17 @@ def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
     from ubnext import _engine
     from ubnext._algorithms import ALGORITHMS
 
-    blocks, wide = comm._node.engine._blocks, ALGORITHMS["lamport_twoshot"].threads
+    blocks, alg = comm._node.engine._blocks, ALGORITHMS["lamport_twoshot"]
     per_vec = 16 // WIDTH[dtype]
+    # the widest launch whose blocks each get per_thread vectors per narrow thread (at 1
+    # rank, where a launch has a block per 512 vectors, that is a one-block launch)
+    launch = next(b for b in range(blocks, 0, -1)
+                  if _engine.lamport_shape(alg, b * per_thread * _engine.NARROW_THREADS * comm.size, comm.size,
+                                           blocks) == (b, _engine.NARROW_THREADS))
     for extra in (0, -3):
-        count = blocks * per_thread * _engine.NARROW_THREADS * comm.size * per_vec + extra
+        count = launch * per_thread * _engine.NARROW_THREADS * comm.size * per_vec + extra
         nvec = -(-count // per_vec)
-        launch = min(blocks, -(-nvec // wide))
-        assert _engine.lamport_twoshot_threads(nvec, comm.size, launch, wide) == _engine.NARROW_THREADS
+        assert _engine.lamport_shape(alg, nvec, comm.size, blocks) == (launch, _engine.NARROW_THREADS)
         check_lamport_twoshot(comm, count, dtype, 31 + per_thread + extra)
 
 

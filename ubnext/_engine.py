@@ -89,6 +89,18 @@ def row_cluster(rows: int, vectors: int, blocks: int, largest: int = MAX_CLUSTER
     return cluster
 
 
+def lamport_shape(alg, nvec: int, nranks: int, max_blocks: int) -> tuple[int, int]:
+    """(blocks, threads per block) of a plain launch of the Lamport family ``alg`` on
+    ``nvec`` vectors: a block per ``alg.threads`` vectors, at most ``max_blocks`` (the
+    two-shot kernel gives each block a part of every slice), on the narrow blocks of
+    ``lamport_twoshot_threads`` where they apply."""
+    blocks = max(1, min(max_blocks, -(-nvec // alg.threads)))
+    threads = alg.threads
+    if alg.family == "lamport_twoshot":
+        threads = lamport_twoshot_threads(nvec, nranks, blocks, threads)
+    return blocks, threads
+
+
 def lamport_twoshot_threads(nvec: int, nranks: int, blocks: int, threads: int) -> int:
     """Threads per block of a plain Lamport two-shot launch of ``nvec`` vectors on
     ``blocks`` blocks (``threads``: the kernel's own). NARROW_THREADS where a block's
@@ -231,13 +243,8 @@ class Engine:
 
         Both 16-byte aligned; ``x`` may equal ``out``; bytes within the algorithm's limit.
         """
-        alg = ALGORITHMS[algorithm]
         nvec = -(-count * DTYPES[dtype][1] // _ALIGN)
-        # a block per `threads` vectors (the two-shot kernel gives each block a part of every slice)
-        blocks = max(1, min(self._blocks, -(-nvec // alg.threads)))
-        threads = alg.threads
-        if alg.family == "lamport_twoshot":
-            threads = lamport_twoshot_threads(nvec, self.nranks, blocks, threads)
+        blocks, threads = lamport_shape(ALGORITHMS[algorithm], nvec, self.nranks, self._blocks)
         self._kernel(algorithm, dtype, op)(blocks, threads, stream, x, out, count)
 
     def twoshot(self, algorithm: str, dtype: str, op: str, buf_off: int, src: int, dst: int,
