@@ -9,12 +9,9 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#ifndef UB_MAX_RANKS
-#define UB_MAX_RANKS 8     // ranks of one node served by the kernels (host: ubnext._algorithms.MAX_RANKS)
-#endif
-#ifndef UB_MAX_BLOCKS
-#define UB_MAX_BLOCKS 256  // blocks per launch with their own barrier flags
-#endif
+// The constants shared with the host (UB_MAX_RANKS, UB_VEC_BYTES, the sentinel, the launch
+// state and error record layouts, ...): generated from ubnext/_protocol.py.
+#include "protocol.h"
 
 // Instantiation of the entry points: element type, reduction op, ranks of the node. The
 // host passes all three (ubnext._algorithms.compile_defines); these defaults only serve
@@ -70,8 +67,11 @@ template <> struct Elem<float> {
 // ---------------------------------------------------------------------------------
 // 16-byte vectors: kPer elements of T in four 32-bit words, element 0 in the low bits.
 // ---------------------------------------------------------------------------------
+static_assert(sizeof(uint4) == UB_VEC_BYTES, "a vector is one uint4");
+constexpr u64 kVec = UB_VEC_BYTES;  // bytes of a vector: the stride of vector addresses
+
 template <class T> struct Vec {
-  static constexpr int kPer = 16 / Elem<T>::kBytes;
+  static constexpr int kPer = UB_VEC_BYTES / Elem<T>::kBytes;
   static constexpr int kBits = 8 * Elem<T>::kBytes;
   static constexpr u32 kMask = kBits == 32 ? 0xffffffffu : 0xffffu;
 
@@ -257,10 +257,10 @@ template <class T> struct Span {
   __device__ bool partial(u64 i) const { return tail != 0 && i == nvec - 1; }
   // Loads vector i of a local array; a partial vector is padded with +0.0.
   __device__ uint4 load(const char* a, u64 i) const {
-    return partial(i) ? ld_partial<T>(a + i * 16, tail) : ld_weak(a + i * 16);
+    return partial(i) ? ld_partial<T>(a + i * kVec, tail) : ld_weak(a + i * kVec);
   }
   // Stores vector i of a local or peer array; never writes past element n.
   __device__ void store(char* a, u64 i, const uint4& v) const {
-    if (partial(i)) st_partial<T>(a + i * 16, v, tail); else st_weak(a + i * 16, v);
+    if (partial(i)) st_partial<T>(a + i * kVec, v, tail); else st_weak(a + i * kVec, v);
   }
 };

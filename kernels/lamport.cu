@@ -10,10 +10,6 @@
 #include "rmsnorm.cuh"
 #include "transport.cuh"
 
-#ifndef UB_LAMPORT_THREADS
-#define UB_LAMPORT_THREADS 256
-#endif
-
 // Re-poisons the previous launch's slots in this rank's segment.
 template <class T, int N>
 __device__ void lamport_repoison_slots(char* mine, const LamportLaunch& l, u64 slot_bytes) {
@@ -37,7 +33,7 @@ __device__ void lamport_allreduce(const Tp& tp, u64 set_off, u64 slot_bytes, con
 
   // 1. Push: my input into slot [rank] of the current buffer of every rank.
   for (u64 i = first; i < span.nvec; i += step) {
-    tp.template store_all<T>(l.cur + tp.rank * slot_bytes + i * 16,
+    tp.template store_all<T>(l.cur + tp.rank * slot_bytes + i * kVec,
                              clear_sentinel<T>(i == first ? v0 : span.load(x, i)), 0);
   }
   // 2. Re-poison the previous launch's buffer in my own segment.
@@ -66,13 +62,13 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
   const u64 end = (blockIdx.x + 1) * part < nvec ? (blockIdx.x + 1) * part : nvec;
   const u64 first = blockIdx.x * part + threadIdx.x;
   uint4 v0 = make_uint4(0u, 0u, 0u, 0u);  // loaded before the launch state, as above
-  if (first < end) v0 = ld_weak(x + first * 16);
+  if (first < end) v0 = ld_weak(x + first * kVec);
   const LamportLaunch l = lamport_begin(state, set_off, N * slot_bytes);
   const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
 
   for (u64 i = first; i < end; i += blockDim.x) {
-    tp.template store_all<T>(l.cur + tp.rank * slot_bytes + i * 16,
-                             clear_sentinel<T>(i == first ? v0 : ld_weak(x + i * 16)), 0);
+    tp.template store_all<T>(l.cur + tp.rank * slot_bytes + i * kVec,
+                             clear_sentinel<T>(i == first ? v0 : ld_weak(x + i * kVec)), 0);
   }
   char* mine = tp.seg(tp.rank);
   lamport_repoison_slots<T, N>(mine, l, slot_bytes);

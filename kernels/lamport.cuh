@@ -15,7 +15,7 @@
 
 // Bit pattern of four 32-bit words filled with the sentinel (host fills new buffers with it).
 template <class T> __device__ __forceinline__ u32 sentinel_word() {
-  return Elem<T>::kBytes == 4 ? 0x80000000u : 0x80008000u;
+  return Elem<T>::kBytes == 4 ? UB_SENTINEL32 : UB_SENTINEL16 * 0x10001u;
 }
 
 // True if any element of v is the sentinel.
@@ -25,9 +25,9 @@ template <class T> __device__ __forceinline__ bool has_sentinel(const uint4& v) 
   for (int i = 0; i < 4; ++i) {
     const u32 w = Vec<T>::word(v, i);
     if (Elem<T>::kBytes == 4) {
-      hit |= w == 0x80000000u;
+      hit |= w == UB_SENTINEL32;
     } else {
-      hit |= (w & 0xffffu) == 0x8000u || (w >> 16) == 0x8000u;
+      hit |= (w & 0xffffu) == UB_SENTINEL16 || (w >> 16) == UB_SENTINEL16;
     }
   }
   return hit;
@@ -35,9 +35,9 @@ template <class T> __device__ __forceinline__ bool has_sentinel(const uint4& v) 
 
 // Replaces every -0.0 element of v by +0.0 so that it cannot be taken for the sentinel.
 template <class T> __device__ __forceinline__ u32 clear_sentinel_word(u32 w) {
-  if (Elem<T>::kBytes == 4) return w == 0x80000000u ? 0u : w;
-  if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
-  if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+  if (Elem<T>::kBytes == 4) return w == UB_SENTINEL32 ? 0u : w;
+  if ((w & 0xffffu) == UB_SENTINEL16) w &= 0xffff0000u;
+  if ((w >> 16) == UB_SENTINEL16) w &= 0x0000ffffu;
   return w;
 }
 template <class T> __device__ __forceinline__ uint4 clear_sentinel(const uint4& v) {
@@ -65,7 +65,7 @@ template <class T> __device__ void lamport_repoison(char* p, u64 vecs) {
   const u32 s = sentinel_word<T>();
   const uint4 poison = make_uint4(s, s, s, s);
   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < vecs; i += (u64)blockDim.x * gridDim.x) {
-    st_weak(p + i * 16, poison);
+    st_weak(p + i * kVec, poison);
   }
 }
 
@@ -94,8 +94,8 @@ template <class T, class Op, int N>
 __device__ uint4 lamport_reduce(const char* buf, u64 slot_bytes, u64 i, const WaitCtx& c) {
   uint4 v[N];
 #pragma unroll
-  for (int r = 0; r < N; ++r) v[r] = ld_volatile(buf + r * slot_bytes + i * 16);
+  for (int r = 0; r < N; ++r) v[r] = ld_volatile(buf + r * slot_bytes + i * kVec);
 #pragma unroll
-  for (int r = 0; r < N; ++r) lamport_wait<T>(buf + r * slot_bytes + i * 16, v[r], c, r);
+  for (int r = 0; r < N; ++r) lamport_wait<T>(buf + r * slot_bytes + i * kVec, v[r], c, r);
   return reduce_vectors<T, Op, N>(v);
 }

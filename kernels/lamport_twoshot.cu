@@ -17,19 +17,14 @@
 #include "rmsnorm.cuh"
 #include "transport.cuh"
 
-#ifndef UB_LAMPORT_TWOSHOT_THREADS
-#define UB_LAMPORT_TWOSHOT_THREADS 512
-#endif
-
 // Block b handles part b of every slice in every step, so it only waits for block b of
 // every rank. The reduce-scatter area holds N slots of `slice` vectors (slot r: pushed by
-// rank r); the all-gather area holds the message. N * slice * 16 <= area_bytes.
-// Slices and parts are whole multiples of kAlignVecs vectors, so that every warp's
+// rank r); the all-gather area holds the message. N * slice * kVec <= area_bytes.
+// Slices and parts are whole multiples of UB_TWOSHOT_ALIGN_VECS vectors, so that every warp's
 // 512-byte access covers whole 128-byte lines (a shifted warp touches 5 lines instead of
 // 4, and a partial line costs an NVLink write as a whole one does). A thread handles the
 // same index j of every slice in every step: its step-3 and step-4 writes to `out` hit
 // only elements it read from `x` in step 1, so `out` may be `x`.
-constexpr u64 kAlignVecs = 32;
 __device__ __forceinline__ u64 round_up(u64 v, u64 to) { return (v + to - 1) / to * to; }
 
 // Part [lo, hi) of every slice of `slice` vectors that this block handles.
@@ -37,7 +32,7 @@ struct BlockPart {
   u64 lo, hi;
 };
 __device__ __forceinline__ BlockPart block_part(u64 slice) {
-  const u64 part = round_up((slice + gridDim.x - 1) / gridDim.x, kAlignVecs);
+  const u64 part = round_up((slice + gridDim.x - 1) / gridDim.x, UB_TWOSHOT_ALIGN_VECS);
   const u64 lo = blockIdx.x * part;
   return {lo, lo + part < slice ? lo + part : slice};
 }
@@ -58,7 +53,7 @@ __device__ void push_slices(const Tp& tp, u64 rs, u64 slice, u64 nvec, BlockPart
     for (int k = 0; k < N; ++k) {
       const int s = tp.peer(k);
       if (s * slice + j < nvec) {
-        st_weak(tp.seg(s) + rs + ((u64)tp.rank * slice + j) * 16, clear_sentinel<T>(v[k]));
+        st_weak(tp.seg(s) + rs + ((u64)tp.rank * slice + j) * kVec, clear_sentinel<T>(v[k]));
       }
     }
   }
@@ -71,7 +66,7 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
   const Span<T> span(n);
   const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
   const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
-  const u64 slice = round_up((span.nvec + N - 1) / N, kAlignVecs);
+  const u64 slice = round_up((span.nvec + N - 1) / N, UB_TWOSHOT_ALIGN_VECS);
   const BlockPart p = block_part(slice);
   char* mine = tp.seg(tp.rank);
   const u64 rs = l.cur, ag = l.cur + area_bytes;
@@ -86,8 +81,8 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
   for (u64 j = p.lo + threadIdx.x; j < p.hi; j += blockDim.x) {
     const u64 i = tp.rank * slice + j;
     if (i < span.nvec) {
-      const uint4 r = clear_sentinel<T>(lamport_reduce<T, Op, N>(mine + rs, slice * 16, j, c));
-      tp.store_peers(ag + i * 16, r);
+      const uint4 r = clear_sentinel<T>(lamport_reduce<T, Op, N>(mine + rs, slice * kVec, j, c));
+      tp.store_peers(ag + i * kVec, r);
       span.store(out, i, r);
     }
   }
@@ -96,13 +91,13 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
     uint4 v[N];
 #pragma unroll
     for (int s = 0; s < N; ++s) {
-      if (s != tp.rank && s * slice + j < span.nvec) v[s] = ld_volatile(mine + ag + (s * slice + j) * 16);
+      if (s != tp.rank && s * slice + j < span.nvec) v[s] = ld_volatile(mine + ag + (s * slice + j) * kVec);
     }
 #pragma unroll
     for (int s = 0; s < N; ++s) {
       const u64 i = s * slice + j;
       if (s != tp.rank && i < span.nvec) {
-        lamport_wait<T>(mine + ag + i * 16, v[s], c, s);
+        lamport_wait<T>(mine + ag + i * kVec, v[s], c, s);
         span.store(out, i, v[s]);
       }
     }
@@ -141,12 +136,12 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
   const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
   char* mine = tp.seg(tp.rank);
-  const u64 rs = l.cur, ag = l.cur + area_bytes, scales = ag + N * rpr * vpr * 16;
+  const u64 rs = l.cur, ag = l.cur + area_bytes, scales = ag + N * rpr * vpr * kVec;
   const u64 step = (u64)blockDim.x * gridDim.x;
   constexpr int kBatch = 4;
 
   // 1. Push my rows of rank s's slice into slot [rank] of rank s (as the all-reduce does).
-  push_slices<T, N>(tp, rs, rpr * vpr, rows * vpr, block_part(rpr * vpr), [&](u64 i) { return ld_weak(x + i * 16); });
+  push_slices<T, N>(tp, rs, rpr * vpr, rows * vpr, block_part(rpr * vpr), [&](u64 i) { return ld_weak(x + i * kVec); });
   // 2. Re-poison both areas of the previous launch's buffer.
   lamport_repoison<T>(mine + l.old, l.prev_vecs);
   lamport_repoison<T>(mine + l.old + area_bytes, l.prev_vecs);
@@ -158,12 +153,12 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   for (u64 row = first + g.id; row < last; row += g.count) {
     finish_row<T>(a, row, g, [&](u64 v) {
       const RowOperands o = load_operands<T>(a, row, v);
-      const uint4 r = lamport_reduce<T, OpSum, N>(mine + rs, rpr * vpr * 16, (row - first) * vpr + v, c);
+      const uint4 r = lamport_reduce<T, OpSum, N>(mine + rs, rpr * vpr * kVec, (row - first) * vpr + v, c);
       const uint4 sum = clear_sentinel<T>(add_residual<T>(o, r));
-      tp.store_peers(ag + (row * vpr + v) * 16, sum);
+      tp.store_peers(ag + (row * vpr + v) * kVec, sum);
       return sum;
     }, [&](float scale) {
-      if (g.rank == 0 && threadIdx.x == 0) tp.store_peers(scales + row * 16, pack_scale(scale));
+      if (g.rank == 0 && threadIdx.x == 0) tp.store_peers(scales + row * kVec, pack_scale(scale));
     });
   }
   // 4. The other ranks' rows, vector by vector over every thread (kBatch polls issued
@@ -179,7 +174,7 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const u64 q = q0 + u * step;
-      if (q < others) sum[u] = ld_volatile(mine + ag + other(q) * 16);
+      if (q < others) sum[u] = ld_volatile(mine + ag + other(q) * kVec);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
@@ -187,10 +182,10 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
       if (q < others) {
         const u64 i = other(q), row = i / vpr, v = i - row * vpr;
         const int owner = (int)(row / rpr);
-        lamport_wait<T>(mine + ag + i * 16, sum[u], c, owner);
-        const float scale = unpack_scale(lamport_poll<T>(mine + scales + row * 16, c, owner));
-        st_weak(a.res_out + i * 16, sum[u]);
-        st_weak(a.normed + i * 16, normalize<T>(a, v, sum[u], scale));
+        lamport_wait<T>(mine + ag + i * kVec, sum[u], c, owner);
+        const float scale = unpack_scale(lamport_poll<T>(mine + scales + row * kVec, c, owner));
+        st_weak(a.res_out + i * kVec, sum[u]);
+        st_weak(a.normed + i * kVec, normalize<T>(a, v, sum[u], scale));
       }
     }
   }

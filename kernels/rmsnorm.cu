@@ -20,7 +20,7 @@ __device__ void store_elem(char* p, u64 i, float f) {
 template <class T>
 __device__ bool by_vectors(const char* x, const NormArgs& a) {
   const u64 any = (u64)x | (u64)a.residual | (u64)a.bias | (u64)a.weight | (u64)a.normed | (u64)a.res_out;
-  return a.hidden % Vec<T>::kPer == 0 && any % 16 == 0;
+  return a.hidden % Vec<T>::kPer == 0 && any % kVec == 0;
 }
 
 template <class T>
@@ -30,7 +30,7 @@ __device__ void add_rmsnorm_rows(const char* x, u64 rows, const NormArgs& a) {
     const u64 vpr = a.hidden / Vec<T>::kPer;
     for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
       finish_row<T>(a, row, g, [&](u64 v) {
-        return add_residual<T>(load_operands<T>(a, row, v), ld_weak(x + (row * vpr + v) * 16));
+        return add_residual<T>(load_operands<T>(a, row, v), ld_weak(x + (row * vpr + v) * kVec));
       }, [](float) {});
     }
     return;

@@ -10,10 +10,8 @@
 #pragma once
 #include "common.cuh"
 
-// Threads of a row group (multiple of 32, <= 1024): a block, or a cluster's blocks together.
-#ifndef UB_NORM_THREADS
-#define UB_NORM_THREADS 1024
-#endif
+// UB_NORM_THREADS (protocol.h): threads of a row group (a multiple of 32, <= 1024), a
+// block or a cluster's blocks together.
 // Blocks per thread-block cluster of the row groups (1: none, a group is one block). The
 // host compiles the fused Lamport kernels once per cluster size it launches: the entry
 // points carry the cluster shape (UB_CLUSTER_DIMS), so a plain cuLaunchKernel forms the
@@ -74,9 +72,9 @@ struct RowOperands {
 template <class T>
 __device__ RowOperands load_operands(const NormArgs& a, u64 row, u64 col) {
   const u64 vpr = a.hidden / Vec<T>::kPer;
-  RowOperands o{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), ld_weak(a.weight + col * 16)};
-  if (a.residual != nullptr) o.residual = ld_weak(a.residual + (row * vpr + col) * 16);
-  if (a.bias != nullptr) o.bias = ld_weak(a.bias + col * 16);
+  RowOperands o{make_uint4(0u, 0u, 0u, 0u), make_uint4(0u, 0u, 0u, 0u), ld_weak(a.weight + col * kVec)};
+  if (a.residual != nullptr) o.residual = ld_weak(a.residual + (row * vpr + col) * kVec);
+  if (a.bias != nullptr) o.bias = ld_weak(a.bias + col * kVec);
   return o;
 }
 
@@ -116,7 +114,7 @@ template <class T> __device__ uint4 normalize(const uint4& res, const uint4& wv,
 // normed vector `col` from the residual-sum vector `res` and the row's scale.
 template <class T>
 __device__ uint4 normalize(const NormArgs& a, u64 col, const uint4& res, float scale) {
-  return normalize<T>(res, ld_weak(a.weight + col * 16), scale);
+  return normalize<T>(res, ld_weak(a.weight + col * kVec), scale);
 }
 
 // ---- row groups --------------------------------------------------------------------
@@ -267,8 +265,8 @@ __device__ __forceinline__ void row_group_done(const RowGroup& g) {
 template <class T, bool KeepWeight = false, class Fetch, class OnScale>
 __device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch, OnScale on_scale) {
   const u64 vpr = a.hidden / Vec<T>::kPer;
-  char* res_out = a.res_out + row * vpr * 16;
-  char* normed = a.normed + row * vpr * 16;
+  char* res_out = a.res_out + row * vpr * kVec;
+  char* normed = a.normed + row * vpr * kVec;
   const u64 first = (u64)g.rank * blockDim.x + threadIdx.x;
   const u64 step = (u64)UB_CLUSTER * blockDim.x;
   const u64 kept = (u64)UB_ROW_KEEP * step;
@@ -279,20 +277,20 @@ __device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch,
     const u64 v = first + (u64)k * step;
     if (v < vpr) {
       keep[k] = fetch(v);
-      st_weak(res_out + v * 16, keep[k]);
+      st_weak(res_out + v * kVec, keep[k]);
       ss += sum_squares<T>(keep[k]);
     }
   }
   for (u64 v = first + kept; v < vpr; v += step) {
     const uint4 r = fetch(v);
-    st_weak(res_out + v * 16, r);
+    st_weak(res_out + v * kVec, r);
     ss += sum_squares<T>(r);
   }
   uint4 weight[UB_ROW_KEEP];
 #pragma unroll
   for (int k = 0; k < UB_ROW_KEEP; ++k) {
     const u64 v = first + (u64)k * step;
-    if (KeepWeight && v < vpr) weight[k] = ld_weak(a.weight + v * 16);
+    if (KeepWeight && v < vpr) weight[k] = ld_weak(a.weight + v * kVec);
   }
   const float scale = rms_scale(row_sum(g, ss), a.hidden, a.eps);
   on_scale(scale);
@@ -301,10 +299,10 @@ __device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch,
     const u64 v = first + (u64)k * step;
     if (v < vpr) {
       const uint4 r = KeepWeight ? normalize<T>(keep[k], weight[k], scale) : normalize<T>(a, v, keep[k], scale);
-      st_weak(normed + v * 16, r);
+      st_weak(normed + v * kVec, r);
     }
   }
   for (u64 v = first + kept; v < vpr; v += step) {
-    st_weak(normed + v * 16, normalize<T>(a, v, ld_weak(res_out + v * 16), scale));
+    st_weak(normed + v * kVec, normalize<T>(a, v, ld_weak(res_out + v * kVec), scale));
   }
 }

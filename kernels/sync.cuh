@@ -6,32 +6,13 @@
 #pragma once
 #include "common.cuh"
 
-// Where a wait timed out (host: ubnext._errors_where in _kernels.py maps these to text).
-enum WaitSite : u32 {
-  kSiteLamportPoll = 1,
-  kSiteEntryBarrier = 2,
-  kSiteExitBarrier = 3,
-};
-
-// One per communicator, in host-mapped pinned memory. `flag` is written last.
-struct ErrorRecord {
-  u32 flag;   // 0 = no error; 1 = a wait timed out
-  u32 rank;   // the rank that waited
-  u32 peer;   // the rank it waited for
-  u32 site;   // WaitSite
-  u64 epoch;  // launch epoch of the waiting kernel
-};
-
-// Per rank and per kernel family, in the rank's own segment of the pool.
+// WaitSite, ErrorRecord (one per communicator, in host-mapped pinned memory; `flag` is
+// written last) and LaunchState come from protocol.h.
+//
+// LaunchState: per rank and per kernel family, in the rank's own segment of the pool.
 // All blocks read it at entry; the last block to finish advances it, so the next launch
 // on the stream (which starts after this one completes) sees the new values. The kernel
 // advances it itself, so a launch captured in a CUDA graph stays correct on every replay.
-struct LaunchState {
-  u32 epoch;      // launches completed
-  u32 done;       // blocks of the running launch that finished
-  u32 prev_vecs;  // vectors moved by the previous launch (Lamport: what to re-poison)
-  u32 pad;
-};
 
 // Context every kernel carries for its waits.
 struct WaitCtx {
@@ -68,7 +49,7 @@ __device__ __forceinline__ void wait_flag(const u32* flag, u32 target, const Wai
   }
 }
 
-// Barrier flags in every rank's segment: u32 flags[2 phases][UB_MAX_BLOCKS][UB_MAX_RANKS];
+// Barrier flags in every rank's segment: u32 flags[UB_FLAG_PHASES][UB_MAX_BLOCKS][UB_MAX_RANKS];
 // slot [phase][b][s] of rank r is written by block b of rank s.
 __device__ __forceinline__ u64 flag_offset(int phase, int block, int src) {
   return 4ull * (((u64)phase * UB_MAX_BLOCKS + block) * UB_MAX_RANKS + src);

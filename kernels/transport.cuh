@@ -146,7 +146,7 @@ template <int N> struct Multicast : Unicast<N> {
       const u64 off = flags_off + flag_offset(phase, blockIdx.x, 0);
       fence_sys();
       multimem_red_release(this->mc + off, 1u);
-      wait_flag((const u32*)(seg(c.rank) + off), value * (u32)N, c, -1, site);
+      wait_flag((const u32*)(seg(c.rank) + off), value * (u32)N, c, (int)UB_ANY_PEER, site);
     }
     __syncthreads();
   }

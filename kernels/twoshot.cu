@@ -17,10 +17,6 @@
 #include "rmsnorm.cuh"
 #include "transport.cuh"
 
-#ifndef UB_TWOSHOT_THREADS
-#define UB_TWOSHOT_THREADS 512
-#endif
-
 template <class T, class Op, int N, class Tp>
 __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, const char* src,
                                   char* dst, u64 n, LaunchState* state, ErrorRecord* err,
@@ -41,7 +37,7 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
     for (int s = 0; s < N; ++s) {
       for (u64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         const u64 i = s * slice + j;
-        if (i < span.nvec) st_weak(mine + i * 16, span.load(src, i));
+        if (i < span.nvec) st_weak(mine + i * kVec, span.load(src, i));
       }
     }
   }
@@ -56,14 +52,14 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
       const u64 j = j0 + (u64)u * blockDim.x;
       const u64 i = tp.rank * slice + j;
       ok[u] = j < hi && i < span.nvec;
-      off[u] = buf_off + i * 16;
+      off[u] = buf_off + i * kVec;
     }
     uint4 r[U];
     tp.template load_reduce<T, Op, U>(off, ok, r);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (ok[u]) {
-        const u64 i = (off[u] - buf_off) / 16;
+        const u64 i = (off[u] - buf_off) / kVec;
         tp.template store_all<T>(off[u], r[u], span.partial(i) ? span.tail : 0);
       }
     }
@@ -75,7 +71,7 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
     for (int s = 0; s < N; ++s) {
       for (u64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         const u64 i = s * slice + j;
-        if (i < span.nvec) span.store(dst, i, ld_relaxed_sys(mine + i * 16));
+        if (i < span.nvec) span.store(dst, i, ld_relaxed_sys(mine + i * kVec));
       }
     }
   }
@@ -105,7 +101,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
   for (int s = 0; s < N; ++s) {  // 1. copy-in
     for (u64 row = s * rpr + blockIdx.x; row < rows && row < (s + 1) * rpr; row += gridDim.x) {
       for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
-        st_weak(buf + (row * vpr + v) * 16, ld_weak(src + (row * vpr + v) * 16));
+        st_weak(buf + (row * vpr + v) * kVec, ld_weak(src + (row * vpr + v) * kVec));
       }
     }
   }
@@ -117,7 +113,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
   for (u64 row = tp.rank * rpr + blockIdx.x; row < end; row += gridDim.x) {
     float ss = 0.f;
     for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
-      const u64 off = (row * vpr + v) * 16;
+      const u64 off = (row * vpr + v) * kVec;
       const u64 at[1] = {buf_off + off};
       const bool ok[1] = {true};
       const RowOperands o = load_operands<T>(a, row, v);
@@ -129,7 +125,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
     }
     const float scale = rms_scale(row_sum(g, ss), a.hidden, a.eps);
     for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
-      const u64 off = (row * vpr + v) * 16;
+      const u64 off = (row * vpr + v) * kVec;
       tp.template store_all<T>(buf_off + off, normalize<T>(a, v, ld_weak(res + off), scale), 0);
     }
   }
@@ -138,7 +134,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
   for (int s = 0; s < N; ++s) {  // 3. copy-out
     for (u64 row = s * rpr + blockIdx.x; row < rows && row < (s + 1) * rpr; row += gridDim.x) {
       for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
-        const u64 off = (row * vpr + v) * 16;
+        const u64 off = (row * vpr + v) * kVec;
         st_weak(a.normed + off, ld_relaxed_sys(buf + off));
         st_weak(a.res_out + off, ld_relaxed_sys(res + off));
       }

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext import _engine, _kernels
-from ubnext._algorithms import (ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_ENTRY, NORM_SOURCE, NORM_THREADS,
-                                OPS, ROW_KEEP, compile_defines, norm_defines)
+from ubnext import _engine, _kernels, _protocol
+from ubnext._algorithms import ALGORITHMS, DTYPES, NORM_ENTRY, NORM_SOURCE, OPS, ROW_KEEP, compile_defines, norm_defines
+from ubnext._protocol import MAX_RANKS, NORM_THREADS
 
 KERNEL_ALGOS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
 
@@ -81,22 +81,55 @@ def test_compile_error_carries_the_log(monkeypatch):
         _compile("lamport", "float32", "sum", 2)
 
 
-def test_sources_are_self_contained_and_limits_match_the_headers():
-    text = _kernels.source("twoshot.cu")
-    assert "#include" not in text
-    assert f"#define UB_MAX_RANKS {MAX_RANKS}" in text
-    assert f"#define UB_MAX_BLOCKS {MAX_BLOCKS}" in text
-    assert f"constexpr u64 kAlignVecs = {_engine._TWOSHOT_ALIGN_VECS};" in _kernels.source("lamport_twoshot.cu")
-    norm = _kernels.source("rmsnorm.cu")
-    assert f"#define UB_NORM_THREADS {NORM_THREADS}" in norm
+def test_sources_are_self_contained_with_the_generated_protocol_header():
+    header = _protocol.header()
+    for name in (*(a.source for a in ALGORITHMS.values() if a.is_kernel), NORM_SOURCE):
+        text = _kernels.source(name)
+        assert "#include" not in text
+        assert header.split("#pragma once\n")[1] in text, f"{name} lacks the generated protocol header"
+    assert f"#define UB_MAX_RANKS {MAX_RANKS}\n" in header and f"#define UB_NORM_THREADS {NORM_THREADS}\n" in header
+    for source, threads in _protocol.THREADS.items():
+        assert f"#define UB_{source[:-3].upper()}_THREADS {threads}\n" in header
     # the separate kernel's vectors per thread (ubnext._epilogue) are the ones it keeps
+    norm = _kernels.source(NORM_SOURCE)
     assert "#ifndef UB_ROW_KEEP" in norm and norm_defines("bfloat16")["UB_ROW_KEEP"] == str(ROW_KEEP)
+
+
+def test_no_protocol_constant_is_written_in_a_kernel_file():
+    """The kernel files take every protocol constant from the generated header: none defines
+    one of its macros or structs or spells the sentinel's bits."""
+    import re
+
+    header = _protocol.header()
+    macros = re.findall(r"^#define (\w+)", header, re.M)
+    names = macros + ["WaitSite", "LaunchState", "ErrorRecord"] + [n for n, _ in _protocol.WAIT_SITES.values()]
+    for path in _kernels.kernel_dir().iterdir():
+        code = re.sub(r"//[^\n]*", "", path.read_text())  # comments may name them
+        for name in macros:
+            assert not re.search(rf"#\s*(define|ifndef)\s+{name}\b", code), f"{path.name} defines {name}"
+        for name in names[len(macros):]:
+            assert not re.search(rf"\b(struct|enum)\s+{name}\b", code), f"{path.name} declares {name}"
+        for value in _protocol.SENTINEL_BITS.values():
+            assert not re.search(rf"\b{value:#x}u?\b", code, re.I), f"{path.name} spells the sentinel {value:#x}"
+        for code_value, (name, _) in _protocol.WAIT_SITES.items():
+            assert not re.search(rf"{name}\s*=", code), f"{path.name} gives {name} a value"
+
+
+def test_protocol_structs_have_the_host_layout():
+    from ubnext import _timeouts
+
+    assert _protocol.LAUNCH_STATE_BYTES == 16 and _protocol.struct_bytes(_protocol.ERROR_RECORD) == 24
+    assert [f for f, _ in _timeouts._Record._fields_] == [f for _, f, _ in _protocol.ERROR_RECORD]
+    header = _protocol.header()  # the kernels compile it with these sizes asserted
+    assert 'static_assert(sizeof(LaunchState) == 16, "LaunchState layout");' in header
+    assert 'static_assert(sizeof(ErrorRecord) == 24, "ErrorRecord layout");' in header
+    assert _protocol.sentinel_word(2) == 0x80008000 and _protocol.sentinel_word(4) == 0x80000000
 
 
 @pytest.mark.parametrize("max_kb", [1, 7, 64, 16384])
 def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
-    # kernels/lamport_twoshot.cu: N slots of round_up(ceil(nvec / N), kAlignVecs) vectors
-    unit = _engine._TWOSHOT_ALIGN_VECS
+    # kernels/lamport_twoshot.cu: N slots of round_up(ceil(nvec / N), UB_TWOSHOT_ALIGN_VECS) vectors
+    unit = _protocol.TWOSHOT_ALIGN_VECS
     area = _engine._area(max_kb * 1024)
     for nranks in range(1, MAX_RANKS + 1):
         for nbytes in {b for b in (1, 16, 17, 4096, max_kb * 1024 - 2, max_kb * 1024) if b <= max_kb * 1024}:
@@ -143,7 +176,7 @@ def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors, largest):
     row over a cluster of blocks: never more blocks than the launch may use, never more
     than ``largest`` per cluster (8: one-shot, 4: two-shot), never less than 4 warps of
     vectors per block, never more than 32 warps per cluster (kernels/rmsnorm.cuh: row_sum)."""
-    from ubnext._algorithms import NORM_THREADS, row_threads
+    from ubnext._algorithms import row_threads
     from ubnext._engine import CLUSTER_BLOCK_VECTORS, row_cluster
 
     blocks = 132
@@ -270,3 +303,24 @@ def test_launch_bounds_admit_the_tables_block_size(algorithm):
     text = _kernels.source(alg.source)
     bound = re.search(r"__launch_bounds__\((\w+)(?:, \d+)?\)\s*\n\s*" + alg.entry + r"\(", text).group(1)
     assert int(re.search(rf"#define {bound} (\d+)", text).group(1)) == alg.threads
+
+
+def test_cmake_compile_gate_builds_every_kernel(tmp_path):
+    """CMakeLists.txt builds every kernels/*.cu with nvcc, with the protocol header it
+    generates from ubnext/_protocol.py (the compile gate beside NVRTC)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("cmake") is None or shutil.which("nvcc") is None:
+        pytest.skip("needs cmake and nvcc on PATH")
+    root = _kernels.kernel_dir().parent
+    if not (root / "CMakeLists.txt").is_file():
+        pytest.skip("CMakeLists.txt is not beside the kernels (an installed package)")
+    build = tmp_path / "build"
+    for cmd in (["cmake", "-S", str(root), "-B", str(build), "-DUBNEXT_CUDA_ARCHS=90a"],
+                ["cmake", "--build", str(build), "-j", "2"]):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    built = sorted(p.stem for p in (build / "sm_90a").glob("*.cubin"))
+    assert built == sorted(p.stem for p in _kernels.kernel_dir().glob("*.cu"))
+    assert (build / "include" / "protocol.h").read_text() == _protocol.header()

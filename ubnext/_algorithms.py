@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Ranks of one node the kernels serve (kernels/common.cuh: UB_MAX_RANKS).
-MAX_RANKS = 8
-#: Blocks per launch that own barrier flags (kernels/common.cuh: UB_MAX_BLOCKS).
-MAX_BLOCKS = 256
+from ._protocol import NORM_THREADS, THREADS
 
 #: dtype name -> (element type in the kernels, bytes per element)
 DTYPES = {"bfloat16": ("bf16", 2), "float16": ("f16", 2), "float32": ("float", 4)}
@@ -31,7 +28,7 @@ class Algorithm:
         entry: ``extern "C"`` all-reduce entry point in ``source``.
         norm_entry: entry point of the fused all-reduce + residual add + RMSNorm.
         transport: ``"unicast"`` (peer pointers), ``"multicast"`` (NVLS), or None.
-        threads: threads per block of ``entry``.
+        threads: threads per block of ``entry`` (its launch bound: ``_protocol.THREADS``).
         family: the kernel family, shared by a unicast algorithm and its multicast
             instantiation; it names their pool slots. ``"lamport"`` and
             ``"lamport_twoshot"`` push into sentinel-polled receive buffers (no
@@ -78,27 +75,29 @@ ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
         Algorithm(
-            "lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "unicast", 256,
+            "lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "unicast", THREADS["lamport.cu"],
             "lamport", "lamport_max_kb",
             "one-shot push into every rank, sentinel-polled, no barrier (small messages)",
         ),
         Algorithm(
             "lamport_twoshot", "lamport_twoshot.cu", "ub_lamport_twoshot", "ub_lamport_twoshot_norm",
-            "unicast", 512, "lamport_twoshot", "lamport_twoshot_max_kb",
+            "unicast", THREADS["lamport_twoshot.cu"], "lamport_twoshot", "lamport_twoshot_max_kb",
             "reduce-scatter + all-gather by pushes into sentinel-polled buffers, no barrier (mid sizes)",
             in_launches=True,
         ),
         Algorithm(
-            "twoshot", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "unicast", 512, "twoshot", None,
+            "twoshot", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "unicast", THREADS["twoshot.cu"], "twoshot",
+            None,
             "reduce-scatter by loads + all-gather by stores, in place on the pool (large messages)",
         ),
         Algorithm(
-            "nvls_lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "multicast", 256,
+            "nvls_lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "multicast", THREADS["lamport.cu"],
             "lamport", "lamport_max_kb",
             "Lamport one-shot with one multimem.st per vector (NVLink multicast; small messages)",
         ),
         Algorithm(
-            "nvls", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "multicast", 512, "twoshot", None,
+            "nvls", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "multicast", THREADS["twoshot.cu"], "twoshot",
+            None,
             "NVLS simple two-shot: multimem.ld_reduce + multimem.st, multimem.red barrier",
         ),
         Algorithm(
@@ -113,8 +112,6 @@ UNICAST_OF = {"nvls_lamport": "lamport", "nvls": "twoshot"}
 
 #: the separate residual add + RMSNorm kernel (unfused path): source, entry point
 NORM_SOURCE, NORM_ENTRY = "rmsnorm.cu", "ub_add_rmsnorm"
-#: threads per block of every row kernel (kernels/rmsnorm.cuh: UB_NORM_THREADS)
-NORM_THREADS = 1024
 #: vectors of a row each thread of the separate add + RMSNorm kernel keeps in registers
 #: (compiled in as UB_ROW_KEEP; the fused kernels keep one: kernels/rmsnorm.cuh)
 ROW_KEEP = 4

@@ -8,12 +8,13 @@ import os
 import pickle
 
 from . import _arrays, _gate
-from ._algorithms import ALGORITHMS, DTYPES, MAX_RANKS, OPS, UNICAST_OF
+from ._algorithms import ALGORITHMS, DTYPES, OPS, UNICAST_OF
 from ._config import Config
 from ._describe import Description, describe
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
+from ._protocol import MAX_RANKS
 from ._select import Selector, buffer_limits
 from ._table import agreed_table
 

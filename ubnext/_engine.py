@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._algorithms import ALGORITHMS, DTYPES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS, compile_defines, row_threads
+from ._algorithms import ALGORITHMS, DTYPES, compile_defines, row_threads
 from ._heap import SlotPlan, round_up
 from ._kernels import compile_module
 from ._launch import F32, I32, U64, Launcher
+from ._protocol import (FLAG_PHASES, LAUNCH_STATE_BYTES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS, TWOSHOT_ALIGN_VECS,
+                        VEC_BYTES, sentinel_word)
 
 #: parameters of each entry point (kernels/lamport.cu, kernels/twoshot.cu): base, stride,
 #: rank, mc, then 64-bit values; the fused ones take eps (fp32) before the last three.
@@ -26,11 +28,7 @@ _PARAMS = {
     "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32,) + (U64,) * 3,
 }
 
-_STATE_BYTES = 16                      # kernels/sync.cuh LaunchState
-_FLAG_BYTES = 4 * 2 * MAX_BLOCKS * MAX_RANKS
-_SENTINEL_WORD = {2: 0x80008000, 4: 0x80000000}  # -0.0 in every element of a 32-bit word
-_ALIGN = 16                            # kernels move 16-byte vectors
-_TWOSHOT_ALIGN_VECS = 32               # Lamport two-shot slices: multiples of 32 vectors
+_FLAG_BYTES = 4 * FLAG_PHASES * MAX_BLOCKS * MAX_RANKS  # kernels/sync.cuh: flag_offset
 _SCALE_ROW_VECS = 64                   # fused Lamport two-shot: a 16-byte scale per row of >= 64 vectors
 _NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
 MAX_CLUSTER = 8                        # portable thread-block cluster size
@@ -55,10 +53,10 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
     """
     plan = SlotPlan()
     for width in (2, 4):
-        plan.add(f"lamport{width}.state", _STATE_BYTES)
-        plan.add(f"lamport_twoshot{width}.state", _STATE_BYTES)
+        plan.add(f"lamport{width}.state", LAUNCH_STATE_BYTES)
+        plan.add(f"lamport_twoshot{width}.state", LAUNCH_STATE_BYTES)
     for transport in ("unicast", "multicast"):
-        plan.add(f"twoshot.{transport}.state", _STATE_BYTES)
+        plan.add(f"twoshot.{transport}.state", LAUNCH_STATE_BYTES)
         plan.add(f"flags.{transport}", _FLAG_BYTES)
     for width in (2, 4):
         plan.add(f"lamport{width}", _set_units("lamport", nranks) * lamport_bytes)
@@ -113,8 +111,8 @@ def lamport_twoshot_threads(nvec: int, nranks: int, blocks: int, threads: int) -
     +0.12, 256 KiB +0.17), with 4 it was even (2xH200 2 MiB -0.09); 128 of 512
     threads working on 4xH200 lost 1.1 µs at 4 MiB (4 vectors each) and 4.9 at 8 MiB
     (8 each): fewer pushes in flight."""
-    slice_vecs = round_up(-(-nvec // nranks), _TWOSHOT_ALIGN_VECS)
-    part = round_up(-(-slice_vecs // blocks), _TWOSHOT_ALIGN_VECS)
+    slice_vecs = round_up(-(-nvec // nranks), TWOSHOT_ALIGN_VECS)
+    part = round_up(-(-slice_vecs // blocks), TWOSHOT_ALIGN_VECS)
     return NARROW_THREADS if 2 * NARROW_THREADS <= part <= 3 * NARROW_THREADS else threads
 
 
@@ -124,15 +122,15 @@ def _area(max_bytes: int) -> int:
     kAlignVecs), up to 32 vectors per rank more than the message; the all-gather area of
     the fused kernel also holds a 16-byte scale per row: room for them at the full message
     when rows have at least _SCALE_ROW_VECS vectors (1 KiB)."""
-    vecs = -(-max_bytes // _ALIGN)
-    return _ALIGN * (vecs + vecs // _SCALE_ROW_VECS + _TWOSHOT_ALIGN_VECS * MAX_RANKS)
+    vecs = -(-max_bytes // VEC_BYTES)
+    return VEC_BYTES * (vecs + vecs // _SCALE_ROW_VECS + TWOSHOT_ALIGN_VECS * MAX_RANKS)
 
 
 def twoshot_norm_rows(area: int, row_bytes: int, nranks: int) -> int:
     """Rows of ``row_bytes`` one fused Lamport two-shot launch takes with areas of ``area``
     bytes (kernels/lamport_twoshot.cu): every rank's slot holds ceil(rows / nranks) rows,
     the all-gather area also a 16-byte scale per row."""
-    return (area // (row_bytes + _ALIGN)) // nranks * nranks
+    return (area // (row_bytes + VEC_BYTES)) // nranks * nranks
 
 
 class Engine:
@@ -196,7 +194,7 @@ class Engine:
         self._words(0, self.staging_off).fill(0)
         for family, width in self._sets:
             name = f"{family}{width}"
-            self._words(self.plan.offset(name), self.plan.nbytes(name)).fill(np.uint32(_SENTINEL_WORD[width]))
+            self._words(self.plan.offset(name), self.plan.nbytes(name)).fill(np.uint32(sentinel_word(width)))
         cupy.cuda.Device(self.pool.device).synchronize()
 
     def _words(self, offset: int, nbytes: int):
@@ -243,7 +241,7 @@ class Engine:
 
         Both 16-byte aligned; ``x`` may equal ``out``; bytes within the algorithm's limit.
         """
-        nvec = -(-count * DTYPES[dtype][1] // _ALIGN)
+        nvec = -(-count * DTYPES[dtype][1] // VEC_BYTES)
         blocks, threads = lamport_shape(ALGORITHMS[algorithm], nvec, self.nranks, self._blocks)
         self._kernel(algorithm, dtype, op)(blocks, threads, stream, x, out, count)
 
@@ -256,7 +254,7 @@ class Engine:
         input / is the output.
         """
         alg = ALGORITHMS[algorithm]
-        nvec = -(-count * DTYPES[dtype][1] // _ALIGN)
+        nvec = -(-count * DTYPES[dtype][1] // VEC_BYTES)
         slice_vecs = -(-nvec // self.nranks)
         blocks = self._grid(alg, -(-slice_vecs // alg.threads))
         self._kernel(algorithm, dtype, op)(blocks, alg.threads, stream, buf_off, src, dst, count)
@@ -278,7 +276,7 @@ class Engine:
         return self._staging_half() // row_bytes  # two staging halves: input/normed, residual
 
     def _staging_half(self) -> int:
-        return self.staging_bytes // 2 // _ALIGN * _ALIGN
+        return self.staging_bytes // 2 // VEC_BYTES * VEC_BYTES
 
     def add_rmsnorm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
                     eps: float, stream: int) -> None:
@@ -302,7 +300,7 @@ class Engine:
         blocks, threads per block, blocks per cluster). The launcher's entry point is
         compiled for its cluster size, so a plain launch forms the clusters."""
         alg = ALGORITHMS[algorithm]
-        vpr = hidden * DTYPES[dtype][1] // _ALIGN
+        vpr = hidden * DTYPES[dtype][1] // VEC_BYTES
         # rows that each rank normalizes: all (one-shot) or its own (two-shot kernels)
         owned = rows if alg.family == "lamport" else -(-rows // self.nranks)
         # few of them: a cluster per row, so a row's polls and passes run on several SMs

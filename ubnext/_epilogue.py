@@ -4,7 +4,8 @@ all-reduce by any engine, NCCL included). Local to this rank: no pool, no peers.
 
 from __future__ import annotations
 
-from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, NORM_THREADS, ROW_KEEP, norm_defines, row_threads
+from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, ROW_KEEP, norm_defines, row_threads
+from ._protocol import NORM_THREADS
 from ._kernels import compile_module
 from ._launch import F32, U64, Launcher
 

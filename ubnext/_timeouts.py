@@ -2,7 +2,7 @@
 
 Kernels bound every spin-wait (``UBNEXT_TIMEOUT_S``). On timeout the waiting thread
 writes (rank, peer, site, epoch) into this host-mapped pinned record, then traps
-(kernels/sync.cuh: ``ErrorRecord``, ``fail_timeout``). The host reads the record
+(``_protocol.ERROR_RECORD``; kernels/sync.cuh: ``fail_timeout``). The host reads the record
 without synchronizing the device, at the start of every ubnext call and in
 ``Communicator.synchronize``, and raises ``CollectiveTimeoutError``.
 """
@@ -12,23 +12,21 @@ from __future__ import annotations
 import ctypes
 
 from ._errors import CollectiveTimeoutError
+from ._protocol import ANY_PEER, ERROR_RECORD, WAIT_SITES, struct_bytes
 
-#: kernels/sync.cuh WaitSite -> words for the error message
-SITES = {1: "Lamport poll", 2: "two-shot entry barrier", 3: "two-shot exit barrier"}
 _BYTES = 64
+_CTYPES = {"u32": ctypes.c_uint32, "u64": ctypes.c_uint64}
 
 
 class _Record(ctypes.Structure):
-    _fields_ = [("flag", ctypes.c_uint32), ("rank", ctypes.c_uint32), ("peer", ctypes.c_uint32),
-                ("site", ctypes.c_uint32), ("epoch", ctypes.c_uint64)]
+    _fields_ = [(field, _CTYPES[ctype]) for ctype, field, _ in ERROR_RECORD]
 
 
-#: ErrorRecord.peer of a counting wait (kernels/transport.cuh, Multicast::barrier)
-_ANY_PEER = 0xFFFFFFFF
+assert ctypes.sizeof(_Record) == struct_bytes(ERROR_RECORD) <= _BYTES
 
 
 class TimeoutRecord:
-    """Host-mapped pinned memory holding one kernels/sync.cuh ``ErrorRecord``.
+    """Host-mapped pinned memory holding one ``ErrorRecord`` (``_protocol.ERROR_RECORD``).
 
     Attributes:
         device_ptr: the record's address as kernels see it.
@@ -54,8 +52,8 @@ class TimeoutRecord:
         """Raises CollectiveTimeoutError if a kernel recorded a timeout. Never blocks."""
         if self.tripped:
             rec = self._rec
-            where = SITES.get(rec.site, f"site {rec.site}")
-            peer = None if rec.peer == _ANY_PEER else rec.peer
+            where = WAIT_SITES[rec.site][1] if rec.site in WAIT_SITES else f"site {rec.site}"
+            peer = None if rec.peer == ANY_PEER else rec.peer
             raise CollectiveTimeoutError(op, rec.rank, peer, f"{where}, launch {rec.epoch}", timeout_s)
 
     def close(self) -> None:
