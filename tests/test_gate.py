@@ -12,7 +12,7 @@ from fake_driver import MulticastFakeDriver
 from thread_ranks import raise_first, run_ranks
 from ubnext._config import Config
 from ubnext._errors import UbnextError
-from ubnext._gate import ENV_BLOCKERS, NvlsDecision, decide, env_blockers, fallback, verdict
+from ubnext._gate import ENV_BLOCKERS, OPT_IN, NvlsDecision, decide, env_blockers, fallback, verdict
 
 BLOCKERS = [f"{var}={value}" for var, value in ENV_BLOCKERS]
 
@@ -49,10 +49,11 @@ def test_all_blockers_are_reported_in_order():
 
 def test_verdict_and_fallback():
     ok = ([], True)
-    assert verdict("auto", [ok, ok]).enabled
+    assert verdict("auto", [([], None), ([], None)]) == NvlsDecision(False, OPT_IN)
     assert verdict("1", [ok]).enabled
     assert verdict("0", [ok, ok]) == NvlsDecision(False, "UBNEXT_NVLS=0")
-    assert not verdict("auto", [ok, ([], None)]).enabled
+    with pytest.raises(UbnextError, match="local rank.s. 1 does not report"):
+        verdict("1", [ok, ([], False)])
     assert fallback("auto", "why") == NvlsDecision(False, "why")
     with pytest.raises(UbnextError, match="^Communicator: UBNEXT_NVLS=1 requires NVLink multicast, but why"):
         fallback("1", "why")
@@ -91,9 +92,19 @@ def test_a_blocker_on_one_rank_decides_for_every_rank(mode):
     assert multicast_calls(fake) == []
 
 
-def test_auto_is_on_when_every_device_supports_it_and_nothing_forbids_it():
+def test_auto_is_off_until_opted_in_and_queries_no_device():
+    """Multicast is opt-in while its kernels have not run on hardware: ``auto`` leaves it
+    off with the reason, even where every device supports it and nothing forbids it."""
     fake = MulticastFakeDriver()
     decisions = raise_first(gate(fake, "auto", [{"NCCL_NVLS_ENABLE": "1"}] * 3))
+    assert decisions == [NvlsDecision(False, OPT_IN)] * 3
+    assert "UBNEXT_NVLS=1" in OPT_IN and "selftest --nvls" in OPT_IN
+    assert fake.calls == []
+
+
+def test_mode_1_is_on_when_every_device_supports_it_and_nothing_forbids_it():
+    fake = MulticastFakeDriver()
+    decisions = raise_first(gate(fake, "1", [{"NCCL_NVLS_ENABLE": "1"}] * 3))
     assert all(d.enabled for d in decisions) and "all 3 local devices" in decisions[0].reason
     queries = [c for c in fake.calls if c.name == "cuDeviceGetAttribute"]
     attr = fake.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
@@ -108,24 +119,18 @@ def test_mode_0_queries_nothing():
     assert fake.calls == []
 
 
-@pytest.mark.parametrize("mode", ["auto", "1"])
-def test_a_device_without_multicast_support(mode):
+def test_a_device_without_multicast_support_refuses_mode_1():
     fake = MulticastFakeDriver(unsupported={1})
-    results = gate(fake, mode, [{}, {}, {}])
-    if mode == "1":
-        assert all(isinstance(r, UbnextError) and "local rank(s) 1 does not report" in str(r) for r in results)
-    else:
-        decisions = raise_first(results)
-        assert not decisions[0].enabled and "local rank(s) 1" in decisions[0].reason
-        assert decisions.count(decisions[0]) == 3
+    results = gate(fake, "1", [{}, {}, {}])
+    assert all(isinstance(r, UbnextError) and "local rank(s) 1 does not report" in str(r) for r in results)
     assert multicast_calls(fake) == []
 
 
 def test_an_unreadable_attribute_counts_as_unsupported():
     fake = MulticastFakeDriver()
     fake.fail_on("cuDeviceGetAttribute", error=fake.CUresult.CUDA_ERROR_INVALID_DEVICE)
-    decisions = raise_first(gate(fake, "auto", [{}, {}]))
-    assert not decisions[0].enabled and decisions[0] == decisions[1]
+    results = gate(fake, "1", [{}, {}])
+    assert all(isinstance(r, UbnextError) and "does not report" in str(r) for r in results)
 
 
 # -- the node path -----------------------------------------------------------------
@@ -173,7 +178,7 @@ class TrappedDevice(StubDevice):
 def node_path(monkeypatch):
     """``run(fake, mode, environ, n=2)``: gate + Node on n thread ranks, GPU parts stubbed.
 
-    Returns per rank (gate decision, node.nvls, node.multicast ptr or None, engine mc_base),
+    Returns per rank (gate decision, node.multicast ptr or None, engine mc_base),
     or the exception; every node is closed again.
     """
     import cupy
@@ -193,7 +198,7 @@ def node_path(monkeypatch):
             node = node_module.Node(boot, boot.rank, config, decision, driver=fake)
             try:
                 ptr = None if node.multicast is None else node.multicast.ptr
-                return decision, node.nvls, ptr, node.engine.mc_base
+                return decision, ptr, node.engine.mc_base
             finally:
                 node.close()
 
@@ -204,19 +209,27 @@ def node_path(monkeypatch):
 
 def test_node_path_with_nccl_nvls_off_makes_no_multicast_call(node_path):
     fake = MulticastFakeDriver()  # devices that would support it
-    for decision, effective, ptr, mc_base in raise_first(node_path(fake, "auto", {"NCCL_NVLS_ENABLE": "0"})):
+    for decision, ptr, mc_base in raise_first(node_path(fake, "auto", {"NCCL_NVLS_ENABLE": "0"})):
         assert not decision.enabled and "NCCL_NVLS_ENABLE=0" in decision.reason
-        assert effective == decision and ptr is None and mc_base == 0
+        assert ptr is None and mc_base == 0
     assert "cuMemCreate" in fake.names()  # the pool was built
     assert multicast_calls(fake) == []
     assert "cuDeviceGetAttribute" not in fake.names()
     assert fake.leaks() == []
 
 
-def test_node_path_with_nvls_allowed_maps_multicast_and_closes_it_before_the_pool(node_path):
+def test_node_path_in_auto_makes_no_multicast_call(node_path):
+    fake = MulticastFakeDriver()  # devices that would support it, nothing forbids it
+    for decision, ptr, mc_base in raise_first(node_path(fake, "auto", {})):
+        assert decision == NvlsDecision(False, OPT_IN) and ptr is None and mc_base == 0
+    assert multicast_calls(fake) == [] and "cuDeviceGetAttribute" not in fake.names()
+    assert fake.leaks() == []
+
+
+def test_node_path_with_nvls_opted_in_maps_multicast_and_closes_it_before_the_pool(node_path):
     fake = MulticastFakeDriver()
-    for decision, effective, ptr, mc_base in raise_first(node_path(fake, "auto", {})):
-        assert decision.enabled and effective == decision
+    for decision, ptr, mc_base in raise_first(node_path(fake, "1", {})):
+        assert decision.enabled
         assert ptr and mc_base == ptr
     assert multicast_calls(fake).count("cuMulticastCreate") == 1
     for r in range(2):
@@ -226,16 +239,6 @@ def test_node_path_with_nvls_allowed_maps_multicast_and_closes_it_before_the_poo
         assert names[pool_teardown:] == ["cuMemUnmap"] * 2 + ["cuMemRelease"] * 2 + ["cuMemAddressFree"]
         assert names[unbind - 2:pool_teardown] == ["cuMemUnmap", "cuMemAddressFree", "cuMulticastUnbind",
                                                    "cuMemRelease"]
-    assert fake.leaks() == []
-
-
-def test_node_path_multicast_failure_in_auto_keeps_the_unicast_pool(node_path):
-    fake = MulticastFakeDriver()
-    fake.fail_in("rank1", "cuMulticastBindMem")
-    for decision, effective, ptr, mc_base in raise_first(node_path(fake, "auto", {})):
-        assert decision.enabled and not effective.enabled
-        assert effective.reason.startswith("multicast setup failed: MulticastRange: binding and mapping failed")
-        assert ptr is None and mc_base == 0
     assert fake.leaks() == []
 
 
@@ -278,3 +281,33 @@ def test_node_close_with_a_dead_device_meets_the_other_ranks_and_releases_everyt
     else:
         assert "cudaErrorLaunchFailure" in str(results[0])
     assert fake.leaks() == []
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({}, True),
+    ({"NCCL_NVLS_ENABLE": None}, False),
+    ({"NCCL_NVLS_ENABLE": "1"}, False),
+    ({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}, False),
+    ({"NVSHMEM_DISABLE_NVLS": None}, False),
+    ({"UBNEXT_NVLS": "1"}, False),
+    ({"UBNEXT_NVLS": "0"}, True),
+])
+def test_gpu_run_scripts_refuse_to_start_with_multicast_allowed(change, ok):
+    """.ci/gpu_env.sh, sourced by every GPU run script, stops unless the blocking variables
+    are set as the shared hosts require and ubnext is not opted in."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in dict(ENV_BLOCKERS)}
+    env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+    for var, value in change.items():
+        if value is None:
+            env.pop(var)
+        else:
+            env[var] = value
+    script = Path(__file__).resolve().parents[1] / ".ci" / "gpu_env.sh"
+    done = subprocess.run(["bash", "-c", f". {script} && echo started"], env=env, capture_output=True, text=True)
+    assert (done.returncode == 0 and "started" in done.stdout) == ok, done.stderr
+    if not ok:
+        assert done.returncode == 3 and "refusing to run" in done.stderr

@@ -66,15 +66,12 @@ class Communicator:
             self.device = _choose_device(device, self._local.rank)
             cupy.cuda.Device(self.device).use()
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
-            allowed = self._nvls.enabled
             self._node = self._setup_node()
         except BaseException:
             self._closed = True
             self._local.close()
             raise
-        # Off by the gate is expected (INFO); allowed but then not set up is a fallback (WARNING).
-        log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}",
-                 logging.WARNING if allowed and not self._nvls.enabled else logging.INFO)
+        log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
         node = self._node
         usable = [name for name, alg in ALGORITHMS.items()  # NCCL always; kernels need the pool
                   if not alg.is_kernel or (node is not None and (not alg.multicast or node.multicast))]
@@ -110,8 +107,6 @@ class Communicator:
             log_once(f"node:{reason}", f"Communicator: using NCCL for every call: {reason}")
             if self._nvls.enabled:
                 self._nvls = _gate.fallback(self.config.nvls, f"there is no symmetric memory pool ({reason})")
-        else:
-            self._nvls = node.nvls
         self._nccl_reason = reason
         return node
 

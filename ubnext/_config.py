@@ -157,8 +157,9 @@ class Config:
     )
     nvls: str = _field(
         "UBNEXT_NVLS", "auto", _choice("auto", "0", "1"),
-        "NVLink multicast: `auto` (only where supported and allowed), `0` "
-        "(off), `1` (required).",
+        "NVLink multicast: `auto` (off until its kernels have run on hardware: "
+        "opt-in), `0` (off), `1` (opt in: on where supported and allowed, else an "
+        "error).",
     )
     max_blocks: int = _field(
         "UBNEXT_MAX_BLOCKS", 0, _int_at_least(0),

@@ -1,15 +1,16 @@
 """The NVLS gate: whether a communicator may use NVLink multicast.
 
 On shared GPU hosts a multicast object can take the host's GPUs out of service,
-so multicast is opt-in by capability *and* by environment. ``UBNEXT_NVLS``
-(``Config.nvls``) selects the mode:
+and ubnext's multicast kernels have not yet run on hardware (they are compile-checked,
+and their setup is tested against a recording fake driver). So multicast is opt-in.
+``UBNEXT_NVLS`` (``Config.nvls``) selects the mode:
 
-* ``auto``: on only when every local rank's device reports
-  ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`` and no rank's environment holds
-  one of :data:`ENV_BLOCKERS`;
+* ``auto`` (default): off, with the reason; no device is queried for multicast;
 * ``0``: off;
-* ``1``: required; refused with :class:`~ubnext._errors.UbnextError` (naming
-  the variable or the device) where ``auto`` would be off.
+* ``1``: opt in: on when no rank's environment holds one of :data:`ENV_BLOCKERS`
+  and every local rank's device reports ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``;
+  otherwise refused with :class:`~ubnext._errors.UbnextError` naming the variable
+  or the device.
 
 The environment is checked before any device is queried, and the gate itself
 never calls a ``cuMulticast*`` function; a multicast object is only created
@@ -25,7 +26,7 @@ from typing import Any
 from ._cuda import default_driver, drv
 from ._errors import UbnextError
 
-__all__ = ["ENV_BLOCKERS", "NvlsDecision", "decide", "env_blockers", "fallback", "verdict"]
+__all__ = ["ENV_BLOCKERS", "OPT_IN", "NvlsDecision", "decide", "env_blockers", "fallback", "verdict"]
 
 #: (variable, value): any of these set in a rank's environment keeps multicast off.
 ENV_BLOCKERS = (
@@ -34,6 +35,10 @@ ENV_BLOCKERS = (
     ("NVSHMEM_DISABLE_NVLS", "1"),
     ("UBNEXT_NVLS", "0"),
 )
+
+#: why ``auto`` leaves multicast off where nothing forbids it
+OPT_IN = ("opt-in: the multicast kernels have not yet run on hardware; validate them with "
+          "`python -m ubnext selftest --nvls`, then set UBNEXT_NVLS=1")
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,9 @@ def decide(mode: str, environ: Mapping[str, str], local: Any, device: int,
     """The NVLS decision for this node; identical on every local rank.
 
     Each rank checks its own environment first and queries its device's
-    multicast support only when the mode is not ``0`` and nothing blocks;
-    then the ranks gather what they found (one ``allgather`` over ``local``,
-    whatever the mode, so no rank is left waiting).
+    multicast support only in mode ``1`` and when nothing blocks; then the ranks
+    gather what they found (one ``allgather`` over ``local``, whatever the mode,
+    so no rank is left waiting).
 
     Collective: yes, over ``local`` (the node's ranks). Blocks the host.
 
@@ -82,7 +87,7 @@ def decide(mode: str, environ: Mapping[str, str], local: Any, device: int,
         driver: ``cuda.bindings.driver`` (default) or a fake, for tests.
 
     Returns:
-        The decision; ``enabled`` only in modes ``auto`` and ``1``.
+        The decision; ``enabled`` only in mode ``1``.
 
     Raises:
         UbnextError: mode ``1`` on a node where multicast is forbidden or
@@ -90,7 +95,7 @@ def decide(mode: str, environ: Mapping[str, str], local: Any, device: int,
     """
     blockers = env_blockers(environ)
     supported = None
-    if mode != "0" and not blockers:
+    if mode == "1" and not blockers:
         supported = _device_supports_multicast(device, driver)
     reports = local.allgather_obj((blockers, supported))
     return verdict(mode, reports)
@@ -110,6 +115,8 @@ def verdict(mode: str, reports: list[tuple[list[str], bool | None]]) -> NvlsDeci
     if blocked:
         return fallback(mode, f"{', '.join(blocked)} set in the environment (multicast is switched off "
                               "on this machine)")
+    if mode == "auto":
+        return NvlsDecision(False, OPT_IN)
     missing = [r for r, (_, supported) in enumerate(reports) if not supported]
     if missing:
         return fallback(mode, f"the device of local rank(s) {', '.join(map(str, missing))} does not report "

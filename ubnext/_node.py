@@ -9,7 +9,6 @@ import warnings
 from ._engine import Engine, plan_layout
 from ._errors import UbnextError
 from ._fdpass import FdChannel
-from ._gate import NvlsDecision
 from ._heap import UserHeap
 from ._log import get_logger
 from ._multicast import MulticastRange
@@ -41,21 +40,19 @@ class Node:
         local: bootstrap of this node's ranks.
         device: this rank's CUDA device (current).
         config: the communicator's Config.
-        nvls: the NVLS gate's decision; when enabled, the pool is also mapped through
-            a multicast object (:attr:`multicast`).
+        nvls: the NVLS gate's decision; when enabled (mode ``UBNEXT_NVLS=1``), the pool
+            is also mapped through a multicast object (:attr:`multicast`).
         driver: the ``cuda.bindings.driver`` module (default) or a fake, for tests.
 
     Attributes:
         multicast: the MulticastRange, or None.
-        nvls: the decision in effect: ``nvls``, or off with the reason when the
-            multicast setup failed (mode ``auto``).
 
     Raises:
         UbnextError: the pool is too small for the library slots, or a setup step failed
-            (including the multicast setup in mode ``UBNEXT_NVLS=1``).
+            (the multicast setup included).
     """
 
-    def __init__(self, local, device: int, config, nvls: NvlsDecision, driver=None):
+    def __init__(self, local, device: int, config, nvls, driver=None):
         self._local = local
         self._driver = driver
         lamport_bytes, lamport_twoshot_bytes = config.lamport_max_kb << 10, config.lamport_twoshot_max_kb << 10
@@ -75,10 +72,9 @@ class Node:
             undo.push(self.fds.close)
             self.pool = self._create_pool(device, pool_bytes)
             undo.push(self.pool.close)
-            self.multicast, self.nvls = None, nvls
-            if nvls.enabled:
-                self.multicast = self._create_multicast(config.nvls)
-            if self.multicast is not None:
+            self.multicast = None
+            if nvls.enabled:  # its failures are agreed across the node's ranks
+                self.multicast = MulticastRange(self.pool, local, self.fds, driver=driver)
                 undo.push(self.multicast.close)
             self.timeouts = TimeoutRecord()
             undo.push(self.timeouts.close)
@@ -111,19 +107,6 @@ class Node:
             if not exchanged:
                 self._local.allgather_obj(False)
             raise
-
-    def _create_multicast(self, mode: str) -> MulticastRange | None:
-        """The multicast range; None (and :attr:`nvls` off) when it fails in mode ``auto``.
-
-        Its failures are agreed across the node's ranks, so every rank takes the same path.
-        """
-        try:
-            return MulticastRange(self.pool, self._local, self.fds, driver=self._driver)
-        except UbnextError as e:
-            if mode == "1":
-                raise
-            self.nvls = NvlsDecision(False, f"multicast setup failed: {e}")
-            return None
 
     def alloc(self, nbytes: int) -> Block:
         """A user block of at least ``nbytes`` (collective over the node's ranks)."""
