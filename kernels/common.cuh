@@ -176,9 +176,10 @@ __device__ __forceinline__ uint4 ld_volatile(const void* p) {
   return v;
 }
 
-// Volatile 16-byte store: issued as written, not merged or elided.
-__device__ __forceinline__ void st_volatile(void* p, const uint4& v) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};"
+// Relaxed, system-scope 16-byte store: a store another rank polls for (the Lamport
+// pushes and re-poison), issued as written, never merged, cached or elided.
+__device__ __forceinline__ void st_relaxed_sys(void* p, const uint4& v) {
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1,%2,%3,%4};"
                :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 

@@ -14,7 +14,7 @@
 template <class T, int N>
 __device__ void lamport_repoison_slots(char* mine, const LamportLaunch& l, u64 slot_bytes) {
 #pragma unroll
-  for (int r = 0; r < N; ++r) lamport_repoison<T>(mine + l.old + r * slot_bytes, l.prev_vecs);
+  for (int r = 0; r < N; ++r) lamport_repoison<T>(mine + l.old + r * slot_bytes, l.s.prev_vecs);
 }
 
 template <class T, class Op, int N, class Tp>
@@ -29,12 +29,11 @@ __device__ void lamport_allreduce(const Tp& tp, u64 set_off, u64 slot_bytes, con
   uint4 v0 = make_uint4(0u, 0u, 0u, 0u);
   if (first < span.nvec) v0 = span.load(x, first);
   const LamportLaunch l = lamport_begin(state, set_off, N * slot_bytes);
-  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
+  const WaitCtx c{err, timeout_ns, tp.rank, l.s.epoch};
 
   // 1. Push: my input into slot [rank] of the current buffer of every rank.
   for (u64 i = first; i < span.nvec; i += step) {
-    tp.template store_all<T>(l.cur + tp.rank * slot_bytes + i * kVec,
-                             clear_sentinel<T>(i == first ? v0 : span.load(x, i)), 0);
+    tp.push_all(l.cur + tp.rank * slot_bytes + i * kVec, clear_sentinel<T>(i == first ? v0 : span.load(x, i)));
   }
   // 2. Re-poison the previous launch's buffer in my own segment.
   char* mine = tp.seg(tp.rank);
@@ -43,7 +42,7 @@ __device__ void lamport_allreduce(const Tp& tp, u64 set_off, u64 slot_bytes, con
   for (u64 i = first; i < span.nvec; i += step) {
     span.store(out, i, lamport_reduce<T, Op, N>(mine + l.cur, slot_bytes, i, c));
   }
-  finish_launch(state, l.epoch, (u32)span.nvec);
+  finish_launch(state, l.s, (u32)span.nvec);
 }
 
 // Fused all-reduce + residual add + RMSNorm (rmsnorm.cuh) of `rows` rows of a.hidden
@@ -64,11 +63,10 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
   uint4 v0 = make_uint4(0u, 0u, 0u, 0u);  // loaded before the launch state, as above
   if (first < end) v0 = ld_weak(x + first * kVec);
   const LamportLaunch l = lamport_begin(state, set_off, N * slot_bytes);
-  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
+  const WaitCtx c{err, timeout_ns, tp.rank, l.s.epoch};
 
   for (u64 i = first; i < end; i += blockDim.x) {
-    tp.template store_all<T>(l.cur + tp.rank * slot_bytes + i * kVec,
-                             clear_sentinel<T>(i == first ? v0 : ld_weak(x + i * kVec)), 0);
+    tp.push_all(l.cur + tp.rank * slot_bytes + i * kVec, clear_sentinel<T>(i == first ? v0 : ld_weak(x + i * kVec)));
   }
   char* mine = tp.seg(tp.rank);
   lamport_repoison_slots<T, N>(mine, l, slot_bytes);
@@ -80,7 +78,7 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
     }, [](float) {});
   }
   row_group_done(g);
-  finish_launch(state, l.epoch, (u32)nvec);
+  finish_launch(state, l.s, (u32)nvec);
 }
 
 // ---- entry points -------------------------------------------------------------------

@@ -5,8 +5,8 @@
 // compared bitwise) until it arrives; the receiver polls its own memory until no element
 // is the sentinel. Values equal to -0.0 are sent as +0.0. No barrier: a peer can be at
 // most one launch ahead (it needs this rank's data of its previous launch to finish it),
-// so with three buffers used in turn (epoch % 3), while this launch receives into buffer
-// e % 3 and peers may already push into (e + 1) % 3, this launch re-poisons (e + 2) % 3,
+// so with three buffers used in turn (LaunchState.slot s), while this launch receives into
+// buffer s and peers may already push into s + 1 (mod 3), this launch re-poisons s - 1,
 // the one of the previous launch, whose every pushed vector it has already seen arrive.
 // There is one set of three buffers per element width (2 or 4 bytes), since the
 // sentinel's bit pattern depends on it.
@@ -47,16 +47,16 @@ template <class T> __device__ __forceinline__ uint4 clear_sentinel(const uint4& 
 
 // Context of one launch: which buffer it receives into, which one it re-poisons.
 struct LamportLaunch {
-  u32 epoch, prev_vecs;
+  LaunchView s;
   u64 cur, old;  // offsets of the current and the previous launch's buffer
 };
 
 // `buffer_bytes`: size of one of the set's three buffers.
 __device__ LamportLaunch lamport_begin(LaunchState* state, u64 set_off, u64 buffer_bytes) {
   LamportLaunch l;
-  read_launch_state(state, l.epoch, l.prev_vecs);
-  l.cur = set_off + (u64)(l.epoch % 3u) * buffer_bytes;
-  l.old = set_off + (u64)((l.epoch + 2u) % 3u) * buffer_bytes;
+  l.s = read_launch_state(state);
+  l.cur = set_off + (u64)l.s.slot * buffer_bytes;
+  l.old = set_off + (u64)(l.s.slot == 0u ? 2u : l.s.slot - 1u) * buffer_bytes;
   return l;
 }
 
@@ -65,7 +65,7 @@ template <class T> __device__ void lamport_repoison(char* p, u64 vecs) {
   const u32 s = sentinel_word<T>();
   const uint4 poison = make_uint4(s, s, s, s);
   for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < vecs; i += (u64)blockDim.x * gridDim.x) {
-    st_weak(p + i * kVec, poison);
+    st_relaxed_sys(p + i * kVec, poison);
   }
 }
 

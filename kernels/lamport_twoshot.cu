@@ -53,7 +53,7 @@ __device__ void push_slices(const Tp& tp, u64 rs, u64 slice, u64 nvec, BlockPart
     for (int k = 0; k < N; ++k) {
       const int s = tp.peer(k);
       if (s * slice + j < nvec) {
-        st_weak(tp.seg(s) + rs + ((u64)tp.rank * slice + j) * kVec, clear_sentinel<T>(v[k]));
+        st_relaxed_sys(tp.seg(s) + rs + ((u64)tp.rank * slice + j) * kVec, clear_sentinel<T>(v[k]));
       }
     }
   }
@@ -65,7 +65,7 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
                                           ErrorRecord* err, u64 timeout_ns) {
   const Span<T> span(n);
   const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
-  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
+  const WaitCtx c{err, timeout_ns, tp.rank, l.s.epoch};
   const u64 slice = round_up((span.nvec + N - 1) / N, UB_TWOSHOT_ALIGN_VECS);
   const BlockPart p = block_part(slice);
   char* mine = tp.seg(tp.rank);
@@ -74,15 +74,15 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
   // 1. Push slice s of my input into slot [rank] of rank s.
   push_slices<T, N>(tp, rs, slice, span.nvec, p, [&](u64 i) { return span.load(x, i); });
   // 2. Re-poison both areas of the previous launch's buffer.
-  lamport_repoison<T>(mine + l.old, l.prev_vecs);
-  lamport_repoison<T>(mine + l.old + area_bytes, l.prev_vecs);
+  lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
+  lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
   // 3. Reduce my slice in rank order; push it into every other rank's all-gather area,
   //    write it to `out` (every rank stores the same bits: -0.0 cleared everywhere).
   for (u64 j = p.lo + threadIdx.x; j < p.hi; j += blockDim.x) {
     const u64 i = tp.rank * slice + j;
     if (i < span.nvec) {
       const uint4 r = clear_sentinel<T>(lamport_reduce<T, Op, N>(mine + rs, slice * kVec, j, c));
-      tp.store_peers(ag + i * kVec, r);
+      tp.push_peers(ag + i * kVec, r);
       span.store(out, i, r);
     }
   }
@@ -102,7 +102,7 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
       }
     }
   }
-  finish_launch(state, l.epoch, (u32)(N * slice));
+  finish_launch(state, l.s, (u32)(N * slice));
 }
 
 // A row's scale as the fused kernel pushes it: one byte of its fp32 bits per 32-bit word,
@@ -134,7 +134,7 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   const u64 vpr = a.hidden / Vec<T>::kPer;
   const u64 rpr = (rows + N - 1) / N;
   const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
-  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
+  const WaitCtx c{err, timeout_ns, tp.rank, l.s.epoch};
   char* mine = tp.seg(tp.rank);
   const u64 rs = l.cur, ag = l.cur + area_bytes, scales = ag + N * rpr * vpr * kVec;
   const u64 step = (u64)blockDim.x * gridDim.x;
@@ -143,8 +143,8 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   // 1. Push my rows of rank s's slice into slot [rank] of rank s (as the all-reduce does).
   push_slices<T, N>(tp, rs, rpr * vpr, rows * vpr, block_part(rpr * vpr), [&](u64 i) { return ld_weak(x + i * kVec); });
   // 2. Re-poison both areas of the previous launch's buffer.
-  lamport_repoison<T>(mine + l.old, l.prev_vecs);
-  lamport_repoison<T>(mine + l.old + area_bytes, l.prev_vecs);
+  lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
+  lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
   // 3. My rows, by row groups: reduce, add bias and residual, push the sums, finish the
   //    row here, pushing its scale as soon as it is known.
   const u64 first = (u64)tp.rank * rpr < rows ? (u64)tp.rank * rpr : rows;
@@ -155,10 +155,10 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
       const RowOperands o = load_operands<T>(a, row, v);
       const uint4 r = lamport_reduce<T, OpSum, N>(mine + rs, rpr * vpr * kVec, (row - first) * vpr + v, c);
       const uint4 sum = clear_sentinel<T>(add_residual<T>(o, r));
-      tp.store_peers(ag + (row * vpr + v) * kVec, sum);
+      tp.push_peers(ag + (row * vpr + v) * kVec, sum);
       return sum;
     }, [&](float scale) {
-      if (g.rank == 0 && threadIdx.x == 0) tp.store_peers(scales + row * kVec, pack_scale(scale));
+      if (g.rank == 0 && threadIdx.x == 0) tp.push_peers(scales + row * kVec, pack_scale(scale));
     });
   }
   // 4. The other ranks' rows, vector by vector over every thread (kBatch polls issued
@@ -190,7 +190,7 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
     }
   }
   row_group_done(g);
-  finish_launch(state, l.epoch, (u32)(N * rpr * (vpr + 1)));
+  finish_launch(state, l.s, (u32)(N * rpr * (vpr + 1)));
 }
 
 // ---- entry points -------------------------------------------------------------------

@@ -74,10 +74,15 @@ __device__ void block_barrier(const Tp& tp, u64 flags_off, int phase, u32 value,
   __syncthreads();
 }
 
-// Reads the launch epoch and the previous launch's vector count at kernel entry.
-__device__ __forceinline__ void read_launch_state(LaunchState* s, u32& epoch, u32& prev_vecs) {
-  epoch = ld_volatile_u32(&s->epoch);
-  prev_vecs = ld_volatile_u32(&s->prev_vecs);
+// What a launch reads of its family's LaunchState at entry.
+struct LaunchView {
+  u32 epoch;      // launches completed: barrier flag values grow with it (wrap-around safe)
+  u32 prev_vecs;  // vectors of the previous launch
+  u32 slot;       // Lamport receive buffer of this launch; the rotation is kept apart from
+                  // the epoch, since 2^32 is not a multiple of 3
+};
+__device__ __forceinline__ LaunchView read_launch_state(LaunchState* s) {
+  return {ld_volatile_u32(&s->epoch), ld_volatile_u32(&s->prev_vecs), ld_volatile_u32(&s->slot)};
 }
 
 // Called by every block at its end: the last block to finish advances the state.
@@ -86,11 +91,12 @@ __device__ __forceinline__ void read_launch_state(LaunchState* s, u32& epoch, u3
 // block reads nothing the others wrote. A fence here would make every block wait for
 // its outstanding NVLink stores before it counts itself done (measured: 0.4-1.5 µs
 // per launch on 4xH200).
-__device__ void finish_launch(LaunchState* s, u32 epoch, u32 vecs) {
+__device__ void finish_launch(LaunchState* s, const LaunchView& l, u32 vecs) {
   __syncthreads();
   if (threadIdx.x == 0 && atomicAdd(&s->done, 1u) == gridDim.x - 1) {
     s->done = 0u;
     s->prev_vecs = vecs;
-    s->epoch = epoch + 1u;
+    s->slot = l.slot == 2u ? 0u : l.slot + 1u;
+    s->epoch = l.epoch + 1u;
   }
 }

@@ -3,8 +3,10 @@
 // The algorithms are written once over a transport:
 //   seg(r)              base of rank r's segment of the symmetric pool (local view)
 //   load_reduce(...)    reduce 16-byte vectors at one offset of every segment
-//   store_all(...)      store one 16-byte vector at one offset of every segment
-//   store_peers(...)    the same into every segment but this rank's (peer pointers)
+//   store_all(...)      store one 16-byte vector at one offset of every segment (weak:
+//                       ordered by the barriers of the two-shot kernel)
+//   push_all(...)       the same as a Lamport push, which the receiver polls for
+//   push_peers(...)     a Lamport push into every segment but this rank's (peer pointers)
 //   barrier(...)        block b of every rank waits for block b of every other rank
 // Unicast goes through every peer's mapped pointer (any P2P NVLink machine). Multicast
 // (NVLS) goes through the multicast mapping of the pool: one multimem access at mc + off
@@ -53,10 +55,17 @@ template <int N> struct Unicast {
     }
   }
 
-  // Stores v at byte offset off of every other rank's segment, in peer() order (weak).
-  __device__ void store_peers(u64 off, const uint4& v) const {
+  // Pushes v to byte offset off of every segment, in peer() order (relaxed, system scope).
+  __device__ void push_all(u64 off, const uint4& v) const {
 #pragma unroll
-    for (int k = 1; k < N; ++k) st_weak(seg(peer(k)) + off, v);
+    for (int k = 0; k < N; ++k) st_relaxed_sys(seg(peer(k)) + off, v);
+  }
+
+  // Pushes v to byte offset off of every other rank's segment, in peer() order (relaxed,
+  // system scope).
+  __device__ void push_peers(u64 off, const uint4& v) const {
+#pragma unroll
+    for (int k = 1; k < N; ++k) st_relaxed_sys(seg(peer(k)) + off, v);
   }
 
   // Barrier of block blockIdx.x with the same block on every rank (sync.cuh).
@@ -98,6 +107,12 @@ __device__ __forceinline__ void multimem_st(char* p, const uint4& v) {
                :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// multimem.st of one 16-byte vector that every rank polls for (relaxed, system scope).
+__device__ __forceinline__ void multimem_push(char* p, const uint4& v) {
+  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // multimem.red.add of a 32-bit counter on every rank, release at system scope.
 __device__ __forceinline__ void multimem_red_release(char* p, u32 v) {
   asm volatile("multimem.red.release.sys.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
@@ -126,6 +141,9 @@ template <int N> struct Multicast : Unicast<N> {
       }
     }
   }
+
+  // One multimem.st per vector, a Lamport push into every rank's copy.
+  __device__ void push_all(u64 off, const uint4& v) const { multimem_push(this->mc + off, v); }
 
   // One multimem.st per vector; a partial vector goes element by element through the
   // unicast path.

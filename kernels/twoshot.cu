@@ -23,9 +23,8 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
                                   u64 timeout_ns) {
   constexpr int U = N >= 8 ? 2 : 4;  // vectors in flight per thread: U * N loads
   const Span<T> span(n);
-  u32 epoch, prev_vecs;
-  read_launch_state(state, epoch, prev_vecs);
-  const WaitCtx c{err, timeout_ns, tp.rank, epoch};
+  const LaunchView l = read_launch_state(state);
+  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
   const u64 slice = (span.nvec + N - 1) / N;
   const u64 part = (slice + gridDim.x - 1) / gridDim.x;
   const u64 lo = blockIdx.x * part;
@@ -37,11 +36,11 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
     for (int s = 0; s < N; ++s) {
       for (u64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         const u64 i = s * slice + j;
-        if (i < span.nvec) st_weak(mine + i * kVec, span.load(src, i));
+        if (i < span.nvec) span.store(mine, i, span.load(src, i));  // never past element n
       }
     }
   }
-  tp.barrier(flags_off, 0, epoch + 1u, c, kSiteEntryBarrier);
+  tp.barrier(flags_off, 0, l.epoch + 1u, c, kSiteEntryBarrier);
 
   // 3. reduce-scatter by loads, all-gather by stores
   for (u64 j0 = lo + threadIdx.x; j0 < hi; j0 += (u64)blockDim.x * U) {
@@ -64,7 +63,7 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
       }
     }
   }
-  tp.barrier(flags_off, 1, epoch + 1u, c, kSiteExitBarrier);
+  tp.barrier(flags_off, 1, l.epoch + 1u, c, kSiteExitBarrier);
 
   // 5. copy-out
   if (dst != nullptr) {
@@ -75,7 +74,7 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
       }
     }
   }
-  finish_launch(state, epoch, (u32)span.nvec);
+  finish_launch(state, l, (u32)span.nvec);
 }
 
 // Fused all-reduce + residual add + RMSNorm (rmsnorm.cuh) of `rows` rows of a.hidden
@@ -92,9 +91,8 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
                                     LaunchState* state, ErrorRecord* err, u64 timeout_ns) {
   const u64 vpr = a.hidden / Vec<T>::kPer;
   const u64 rpr = (rows + N - 1) / N;
-  u32 epoch, prev_vecs;
-  read_launch_state(state, epoch, prev_vecs);
-  const WaitCtx c{err, timeout_ns, tp.rank, epoch};
+  const LaunchView l = read_launch_state(state);
+  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
   char* buf = tp.seg(tp.rank) + buf_off;
   char* res = tp.seg(tp.rank) + res_off;
 
@@ -105,7 +103,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
       }
     }
   }
-  tp.barrier(flags_off, 0, epoch + 1u, c, kSiteEntryBarrier);
+  tp.barrier(flags_off, 0, l.epoch + 1u, c, kSiteEntryBarrier);
 
   // 2. reduce my rows, add, normalize, store both results into every rank
   const u64 end = (tp.rank + 1) * rpr < rows ? (tp.rank + 1) * rpr : rows;
@@ -129,7 +127,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
       tp.template store_all<T>(buf_off + off, normalize<T>(a, v, ld_weak(res + off), scale), 0);
     }
   }
-  tp.barrier(flags_off, 1, epoch + 1u, c, kSiteExitBarrier);
+  tp.barrier(flags_off, 1, l.epoch + 1u, c, kSiteExitBarrier);
 
   for (int s = 0; s < N; ++s) {  // 3. copy-out
     for (u64 row = s * rpr + blockIdx.x; row < rows && row < (s + 1) * rpr; row += gridDim.x) {
@@ -140,7 +138,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
       }
     }
   }
-  finish_launch(state, epoch, (u32)(rows * vpr));
+  finish_launch(state, l, (u32)(rows * vpr));
 }
 
 // ---- entry points, instantiated per (UB_T, UB_OP, UB_NRANKS, UB_TRANSPORT) ---------

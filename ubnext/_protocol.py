@@ -42,7 +42,7 @@ LAUNCH_STATE = (
     ("u32", "epoch", "launches completed"),
     ("u32", "done", "blocks of the running launch that finished"),
     ("u32", "prev_vecs", "vectors moved by the previous launch (Lamport: what to re-poison)"),
-    ("u32", "pad", "unused"),
+    ("u32", "slot", "Lamport: the receive buffer (0, 1, 2) of the next launch"),
 )
 #: One per communicator, in host-mapped pinned memory: (type, field, meaning). ``flag``
 #: is written last.
