@@ -68,9 +68,10 @@ template <int N> struct Unicast {
     for (int k = 1; k < N; ++k) st_relaxed_sys(seg(peer(k)) + off, v);
   }
 
-  // Barrier of block blockIdx.x with the same block on every rank (sync.cuh).
-  __device__ void barrier(u64 flags_off, int phase, u32 value, const WaitCtx& c, u32 site) const {
-    block_barrier<N>(*this, flags_off, phase, value, c, site);
+  // Barrier of block blockIdx.x with the same block on every rank, exchanging call
+  // signatures when `sig` is nonzero (sync.cuh); whether it held in every thread of the block.
+  __device__ bool barrier(u64 flags_off, int phase, u32 value, u64 sig, WaitCtx& c, u32 site) const {
+    return block_barrier<N>(*this, flags_off, phase, value, sig, c, site);
   }
 };
 
@@ -157,16 +158,28 @@ template <int N> struct Multicast : Unicast<N> {
 
   // Counter barrier: one multimem.red adds 1 to this block's counter on every rank; the
   // block waits until its own counter shows all N arrivals of this launch (value * N).
-  // Counters live in slot [phase][block][0] of the flag array and only grow.
-  __device__ void barrier(u64 flags_off, int phase, u32 value, const WaitCtx& c, u32 site) const {
+  // Counters live in slot [phase][block][0] of the flag array and only grow. Signatures
+  // (sig nonzero) go to every rank by unicast stores before the arrival, as in
+  // block_barrier.
+  // Whether it held, in every thread of the block; a block that failed before does not
+  // arrive (sync.cuh: block_barrier).
+  __device__ bool barrier(u64 flags_off, int phase, u32 value, u64 sig, WaitCtx& c, u32 site) const {
+    if (__syncthreads_or(c.failed)) return c.failed = true, false;
+    const int t = threadIdx.x;
+    if (sig != 0 && t < N) *(volatile u64*)(seg(t) + flags_off + signature_offset(blockIdx.x, c.rank)) = sig;
     __syncthreads();
-    if (threadIdx.x == 0) {
+    bool ok = true;
+    if (t == 0) {
       const u64 off = flags_off + flag_offset(phase, blockIdx.x, 0);
       fence_sys();
       multimem_red_release(this->mc + off, 1u);
-      wait_flag((const u32*)(seg(c.rank) + off), value * (u32)N, c, (int)UB_ANY_PEER, site);
+      ok = wait_flag((const u32*)(seg(c.rank) + off), value * (u32)N, c, (int)UB_ANY_PEER, site);
     }
-    __syncthreads();
+    ok = __syncthreads_and(ok);
+    if (ok && sig != 0 && t < N) ok = signature_agrees(seg(c.rank), flags_off, t, sig, c);
+    ok = __syncthreads_and(ok);
+    c.failed |= !ok;
+    return ok;
   }
 };
 

@@ -7,7 +7,7 @@ import math
 import os
 import pickle
 
-from . import _arrays, _gate
+from . import _arrays, _gate, _signature
 from ._algorithms import ALGORITHMS, DTYPES, OPS, UNICAST_OF
 from ._config import Config
 from ._describe import Description, describe
@@ -17,9 +17,11 @@ from ._node import Node
 from ._protocol import MAX_RANKS
 from ._select import Selector, buffer_limits
 from ._table import agreed_table
+from ._watchdog import Watchdog
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 _RESOLVED_MAX = 4096  # calls whose algorithm a communicator remembers (cleared when full)
+_WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
 
 
 class Communicator:
@@ -80,6 +82,10 @@ class Communicator:
             log_once(f"select:{name}:{setting}:{limit}",
                      f"Communicator: the selector table gives {name} messages up to {limit} bytes, but "
                      f"{setting} sizes its buffers for fewer; larger ones go to the next algorithm")
+        self._watchdog = None
+        if node is not None:
+            self._watchdog = Watchdog(lambda: node.failure("watchdog", config.timeout_s),
+                                      lambda e: self._log.error("%s", e), _WATCHDOG_S, f"ubnext-watchdog-{self.rank}")
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""
@@ -137,7 +143,9 @@ class Communicator:
 
         Raises:
             UbnextError: invalid arguments (before anything is launched), closed
-                communicator; CollectiveTimeoutError if an earlier launch timed out.
+                communicator. BrokenCommunicatorError (CollectiveTimeoutError,
+                CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
+                communicator failed; its outputs hold NaN where results were not computed.
 
         Can be captured in a CUDA graph (after a first eager call per dtype/op/algorithm,
         which compiles the kernel).
@@ -161,7 +169,7 @@ class Communicator:
         if self.config.debug:
             self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
         handle = _arrays.stream_handle(stream, xb)
-        self._all_reduce(algo, xb, ob, op, handle)
+        self._all_reduce(algo, xb, ob, op, handle, _signature.encode(name, xb.dtype, op, xb.count))
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
@@ -198,7 +206,9 @@ class Communicator:
 
         Raises:
             UbnextError: invalid arguments (before anything is launched), closed
-                communicator; CollectiveTimeoutError if an earlier launch timed out.
+                communicator. BrokenCommunicatorError (CollectiveTimeoutError,
+                CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
+                communicator failed; its outputs hold NaN where results were not computed.
         """
         name = "all_reduce_add_rmsnorm"
         self._check_open(name)
@@ -248,7 +258,8 @@ class Communicator:
         if ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned:
             chunk = self._node.engine.norm_rows(algo, xb.dtype, hidden, rows)
         if chunk:
-            self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle)
+            self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle,
+                        _signature.encode_fused(xb.dtype, rows, hidden))
         else:
             why = ("the NCCL engine" if algo == "nccl" else
                    f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
@@ -256,7 +267,7 @@ class Communicator:
                    f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
             plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
             log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
-            self._all_reduce(plain, xb, nb, "sum", handle)
+            self._all_reduce(plain, xb, nb, "sum", handle, _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
             self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
         return nb.obj, ob.obj
 
@@ -312,36 +323,64 @@ class Communicator:
         return describe(self)
 
     def synchronize(self, stream=None) -> None:
-        """Waits for the device (or ``stream``), turning a kernel timeout into CollectiveTimeoutError."""
+        """Waits for the device (or ``stream``); raises what a kernel recorded meanwhile.
+
+        Blocks the host. Not collective.
+
+        Raises:
+            CollectiveTimeoutError, CollectiveMismatchError, ConcurrentUseError or
+            BrokenCommunicatorError: a collective of this communicator failed (then every
+            later call raises too).
+        """
         import cupy
 
         self._check_open("synchronize")
-        try:
-            if stream is None:
-                cupy.cuda.Device(self.device).synchronize()
-            else:
-                cupy.cuda.ExternalStream(_arrays.stream_handle(stream, None)).synchronize()
-        except cupy.cuda.runtime.CUDARuntimeError:
-            self._check_timeouts("synchronize")
-            raise
+        if stream is None:
+            cupy.cuda.Device(self.device).synchronize()
+        else:
+            cupy.cuda.ExternalStream(_arrays.stream_handle(stream, None)).synchronize()
+        self._check_failures("synchronize")
 
     def close(self) -> None:
-        """Releases the pool and the NCCL communicator. Collective; idempotent.
+        """Releases the pool and the NCCL communicator. Idempotent.
 
-        Waits for this device's work, then for every rank, so no peer still reads
-        this rank's memory. Arrays from ``empty()`` must not be used afterwards.
+        Collective: waits for this device's work, then for every rank. On a broken
+        communicator (a collective failed, see BrokenCommunicatorError) it is local and
+        bounded: it waits for no other rank, since a failed peer may never come. Arrays
+        from ``empty()`` must not be used afterwards.
         """
+        self._release(local=False)
+
+    def abort(self) -> None:
+        """Gives the communicator up at once. Local (not collective), like ``ncclCommAbort``;
+        idempotent; safe in error handlers and elastic restarts.
+
+        Marks the communicator broken on every rank of the node (their waiting kernels
+        give up, and their next call raises BrokenCommunicatorError), waits for this
+        device (its kernels give up their waits too), then releases everything without
+        waiting for any other rank. The process can create a new communicator.
+        """
+        if not self._closed and self._node is not None:
+            from ._protocol import FAIL_KINDS
+
+            aborted = next(code for code, (name, _) in FAIL_KINDS.items() if name == "kFailAborted")
+            self._node.announce(aborted, self._local.rank)
+        self._release(local=True)
+
+    def _release(self, local: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         node, self._node = self._node, None
         nccl, self._nccl = self._nccl, None
         try:
             if node is not None:
-                node.close()
+                node.close(local=local)
         finally:
             if nccl is not None:
-                nccl.close()
+                nccl.abort() if local else nccl.close()
             self._local.close()
 
     def __enter__(self):
@@ -360,11 +399,12 @@ class Communicator:
     def _check_open(self, name: str) -> None:
         if self._closed:
             raise ClosedError(f"{name}: the communicator is closed")
-        self._check_timeouts(name)
+        self._check_failures(name)
 
-    def _check_timeouts(self, name: str) -> None:
-        if self._node is not None:
-            self._node.timeouts.check(name, self.config.timeout_s)
+    def _check_failures(self, name: str) -> None:
+        error = None if self._node is None else self._node.failure(name, self.config.timeout_s)
+        if error is not None:
+            raise error
 
     def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str = "sum",
                  fused: bool = False) -> str:
@@ -422,16 +462,16 @@ class Communicator:
             self._add_rmsnorm = AddRmsNorm(cupy.cuda.Device(self.device).attributes["MultiProcessorCount"])
         return self._add_rmsnorm
 
-    def _all_reduce(self, algo, xb, ob, op, stream):
+    def _all_reduce(self, algo, xb, ob, op, stream, sig):
         alg = ALGORITHMS[algo]
         if alg.family == "nccl":
             self._nccl_comm().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
         elif alg.pushed:
-            self._lamport(algo, xb, ob, op, stream)
+            self._lamport(algo, xb, ob, op, stream, sig)
         else:
-            self._twoshot(algo, xb, ob, op, stream)
+            self._twoshot(algo, xb, ob, op, stream, sig)
 
-    def _fused(self, algo, xb, rows, chunk, hidden, norm, eps, stream):
+    def _fused(self, algo, xb, rows, chunk, hidden, norm, eps, stream, sig):
         """Fused launches of ``chunk`` rows (the last one the rest)."""
         eng = self._node.engine
         row_bytes = hidden * DTYPES[xb.dtype][1]
@@ -439,31 +479,31 @@ class Communicator:
         for r0 in range(0, rows, chunk):
             off = r0 * row_bytes
             part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
-            eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, stream)
+            eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, sig, stream)
 
-    def _lamport(self, algo, xb, ob, op, stream):
+    def _lamport(self, algo, xb, ob, op, stream, sig):
         """A Lamport family kernel, in launches of at most its buffers' size (past them
         only an ``in_launches`` kernel is chosen)."""
         eng = self._node.engine
         bound = self._selector.limits[algo][0]
         if xb.nbytes <= bound and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:
-            eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, stream)
+            eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, sig, stream)
             return
 
         def launch(src, dst, n):  # 0: the chunk is in the staging slot
-            eng.lamport(algo, xb.dtype, op, src or eng.staging_ptr, dst or eng.staging_ptr, n, stream)
+            eng.lamport(algo, xb.dtype, op, src or eng.staging_ptr, dst or eng.staging_ptr, n, sig, stream)
 
         self._in_chunks(xb, ob, bound, launch, stream)
 
-    def _twoshot(self, algo, xb, ob, op, stream):
+    def _twoshot(self, algo, xb, ob, op, stream, sig):
         eng, pool = self._node.engine, self._node.pool
         out_off = pool.contains(ob.ptr, ob.nbytes)
         if out_off is not None and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:  # the result lands in out's buffer
-            eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, stream)
+            eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, sig, stream)
             return
 
         def launch(src, dst, n):  # through the staging slot; 0: it holds the input / is the output
-            eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, stream)
+            eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, sig, stream)
 
         self._in_chunks(xb, ob, eng.staging_bytes, launch, stream)
 

@@ -183,6 +183,14 @@ class NcclComm:
         if comm is not None:
             comm.destroy()
 
+    def abort(self) -> None:
+        """Abort the NCCL communicator (``ncclCommAbort``): local, waits for no rank;
+        idempotent."""
+        self._closed = True
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort()
+
     def __enter__(self) -> NcclComm:
         return self
 
