@@ -5,32 +5,21 @@ installed, StoreBootstrap over a real TCPStore in several processes and under to
 
 from __future__ import annotations
 
-import os
-import socket
+import re
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-import ubnext.bootstrap as bootstrap
+from launch_support import LAUNCH_VARS, REPO, SCRIPTS, clean_env, free_port, run_all
 from thread_ranks import raise_first, run_ranks
+from ubnext import bootstrap
 from ubnext._errors import UbnextError
 from ubnext.bootstrap import SelfBootstrap, StoreBootstrap, TorchBootstrap
-from ubnext.bootstrap._launch import Launch, detect
-
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent / "launch_scripts"
+from ubnext.bootstrap._launch import detect
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
-#: Every variable detect() reads, cleared before a test fakes its own.
-LAUNCH_VARS = (
-    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "PMIX_RANK",
-    "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_NTASKS",
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT",
-)
 
 
 # -- detect(): a pure function of the environment --------------------------------------
@@ -328,46 +317,17 @@ def test_store_connect_without_torch(monkeypatch):
 
 # -- real processes -------------------------------------------------------------------
 
-def _clean_env(**extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return {**env, **extra}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_real_mpi_sees_one_rank_where_the_launcher_announced_two():
     """A process whose environment says Open MPI started 2 ranks, while mpi4py's MPI
     (here MPICH, which ignores Open MPI's variables) starts a 1-rank world."""
     pytest.importorskip("mpi4py", reason="needs mpi4py")
     code = "import ubnext.bootstrap as b; b.default()"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=_clean_env(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="1"))
+                          env=clean_env(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="1"))
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ubnext._errors.UbnextError: bootstrap.default: the launcher started 2 ranks "
                            "(OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=1) but MPI sees rank 0 of 1"), proc.stderr
-
-
-def _run_all(cmds, envs, timeout=180):
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
-                              start_new_session=True) for c, e in zip(cmds, envs)]
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"{cmds[0]} timed out")
-        outs.append((p.returncode, out, err))
-    for rc, out, err in outs:
-        assert rc == 0, f"exit {rc}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
-    return [out for _, out, _ in outs]
 
 
 @pytest.mark.parametrize("nranks", [2, 4])
@@ -375,10 +335,10 @@ def test_store_bootstrap_in_processes(nranks):
     """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as a launcher without an agent sets them:
     rank 0 hosts the store; a later init_process_group shares its port."""
     pytest.importorskip("torch.distributed", reason="needs torch")
-    port = str(_free_port())
-    envs = [_clean_env(RANK=str(r), WORLD_SIZE=str(nranks), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+    port = str(free_port())
+    envs = [clean_env(RANK=str(r), WORLD_SIZE=str(nranks), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=port) for r in range(nranks)]
-    outs = _run_all([[sys.executable, str(SCRIPTS / "store_check.py")]] * nranks, envs)
+    outs = run_all([[sys.executable, str(SCRIPTS / "store_check.py")]] * nranks, envs)
     assert [o.strip().splitlines()[-1] for o in outs] == [f"store_check OK rank={r} size={nranks}"
                                                           for r in range(nranks)]
 
@@ -388,6 +348,14 @@ def test_store_bootstrap_under_torchrun():
     pytest.importorskip("torch.distributed", reason="needs torch")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(SCRIPTS / "store_check.py")]
-    (out,) = _run_all([cmd], [_clean_env()])
-    assert sorted(line for line in out.splitlines() if "store_check OK" in line) == [
+    (out,) = run_all([cmd], [clean_env()])
+    # the ranks share torchrun's stdout, so their lines may run together
+    assert sorted(re.findall(r"store_check OK rank=\d+ size=\d+", out)) == [
         "store_check OK rank=0 size=2", "store_check OK rank=1 size=2"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks", [1, 3])
+def test_mpiexec_is_detected_before_mpi_starts(run_mpi, nranks):
+    result = run_mpi(REPO / "tests" / "mpi_scripts" / "launch_check.py", nranks, timeout=120)
+    assert result.stdout.strip().splitlines()[-1] == f"launch_check OK size={nranks}"
