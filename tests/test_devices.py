@@ -53,16 +53,16 @@ class UuidDriver:
     def __init__(self, uuids: list[bytes]) -> None:
         self.uuids = uuids
 
-    def cuInit(self, flags):  # noqa: N802 - the driver's names
+    def cuInit(self, flags):
         return (0,)
 
-    def cuDeviceGetCount(self):  # noqa: N802
+    def cuDeviceGetCount(self):
         return 0, len(self.uuids)
 
-    def cuDeviceGet(self, ordinal):  # noqa: N802
+    def cuDeviceGet(self, ordinal):
         return 0, ordinal
 
-    def cuDeviceGetUuid(self, dev):  # noqa: N802
+    def cuDeviceGetUuid(self, dev):
         return 0, self.Uuid(self.uuids[dev])
 
 

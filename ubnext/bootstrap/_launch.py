@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from .._errors import UbnextError
 
-__all__ = ["Launch", "MPI_VARS", "detect"]
+__all__ = ["MPI_VARS", "Launch", "detect"]
 
 #: Variables whose presence means an MPI launcher (or srun with PMI) started us.
 MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
