@@ -1,7 +1,7 @@
 """ubnext: fast intra-node all-reduce on NVLink GPUs, for CuPy and PyTorch users.
 
     import ubnext
-    with ubnext.Communicator() as comm:          # collective over MPI COMM_WORLD
+    with ubnext.Communicator() as comm:          # collective over every rank the launcher started
         y = comm.all_reduce(x)                    # x: torch.Tensor or cupy.ndarray
 
 See the README for configuration (``UBNEXT_*``) and the algorithms.

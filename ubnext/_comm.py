@@ -7,10 +7,11 @@ import math
 import os
 import pickle
 
-from . import _arrays, _gate, _signature
+from . import _arrays, _gate, _preflight, _signature
 from ._algorithms import ALGORITHMS, DTYPES, OPS, UNICAST_OF
 from ._config import Config
 from ._describe import Description, describe
+from ._devices import map_devices
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
@@ -33,45 +34,53 @@ class Communicator:
     the kernels do not cover, the work goes to NCCL (logged once with the reason).
 
     Args:
-        bootstrap: a ``ubnext.bootstrap.Bootstrap`` (default: MPI ``COMM_WORLD``).
+        bootstrap: a ``ubnext.bootstrap.Bootstrap``; default: ``ubnext.bootstrap.default()``,
+            every rank the launcher started (mpirun, srun, torchrun, an initialized
+            torch.distributed group), closed again by ``close()``.
         device: CUDA device ordinal; default: the current device if the caller set
-            one (non-zero), else the local rank.
+            one (non-zero), else the first GPU (by UUID) no other rank of the node
+            has taken (several ranks on one GPU work, with a warning).
         config: a ``Config``; default ``Config.from_env(**overrides)``.
         **overrides: Config fields that win over the ``UBNEXT_*`` environment.
 
     Raises:
-        UbnextError: invalid configuration, or a setup step failed on this rank.
+        UbnextError: invalid configuration; no usable GPU, CuPy, MPI or NCCL (one line
+            with the fix, raised before any collective setup); a launcher whose ranks
+            the bootstrap does not see; or a setup step failed on this rank.
     """
 
     def __init__(self, bootstrap=None, device=None, config: Config | None = None, **overrides):
-        import cupy
-
         if config is None:
             config = Config.from_env(**overrides)
         elif overrides:
             raise TypeError("Communicator: pass either config= or keyword overrides, not both")
         self.config = config
+        _preflight.check("Communicator", config)  # no GPU, no NCCL...: one line, before anything collective
+        import cupy
+
+        self._owns_bootstrap = bootstrap is None  # default()'s is closed by close(), a caller's is not
         if bootstrap is None:
             from .bootstrap import default
 
             bootstrap = default()
         self.bootstrap = bootstrap
         self.rank, self.size = bootstrap.rank, bootstrap.size
-        table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._resolved: dict[tuple, str] = {}
         self._nccl = None
         self._add_rmsnorm = None
-        self._local = bootstrap.split_local()
+        self._local = None
         try:
-            self.device = _choose_device(device, self._local.rank)
+            table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
+            self._local = bootstrap.split_local()
+            self.device = map_devices(self._local, device, cupy.cuda.runtime.getDevice())
             cupy.cuda.Device(self.device).use()
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
             self._node = self._setup_node()
         except BaseException:
             self._closed = True
-            self._local.close()
+            self._close_bootstraps()
             raise
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
         node = self._node
@@ -342,7 +351,8 @@ class Communicator:
         self._check_failures("synchronize")
 
     def close(self) -> None:
-        """Releases the pool and the NCCL communicator. Idempotent.
+        """Releases the pool, the NCCL communicator and the bootstrap the communicator
+        created (not one passed in). Idempotent.
 
         Collective: waits for this device's work, then for every rank. On a broken
         communicator (a collective failed, see BrokenCommunicatorError) it is local and
@@ -381,7 +391,16 @@ class Communicator:
         finally:
             if nccl is not None:
                 nccl.abort() if local else nccl.close()
-            self._local.close()
+            self._close_bootstraps()
+
+    def _close_bootstraps(self) -> None:
+        """Closes the node's view, then the bootstrap if ``default()`` made it."""
+        try:
+            if self._local is not None:
+                self._local.close()
+        finally:
+            if self._owns_bootstrap:
+                self.bootstrap.close()
 
     def __enter__(self):
         return self
@@ -530,16 +549,3 @@ def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:
     from cupy.cuda import runtime
 
     runtime.memcpyAsync(dst, src, nbytes, _D2D, stream)
-
-
-def _choose_device(device, local_rank: int) -> int:
-    """``device`` if given; else the caller's current device if not 0; else the local rank."""
-    from cupy.cuda import runtime
-
-    count = runtime.getDeviceCount()
-    if device is None:
-        current = runtime.getDevice()
-        device = current if current != 0 else local_rank % count
-    if not 0 <= device < count:
-        raise UbnextError(f"Communicator: device {device} does not exist ({count} visible)")
-    return int(device)
