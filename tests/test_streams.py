@@ -6,12 +6,13 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import types
 import weakref
 
 import pytest
 
 from stream_fakes import FakeCuda, FakeDriver, fake_kernel
-from ubnext import _launch
+from ubnext import _launch, _streams
 from ubnext._launch import U64, Launcher
 from ubnext._streams import LEGACY, PER_THREAD, LaunchOrder, order_after
 
@@ -227,3 +228,92 @@ def test_launches_in_the_section_keep_their_arguments(monkeypatch):
     assert not cuda.live
     # every change of stream (every call here) waited for the previous stream
     assert cuda.names().count("wait") == len(seen) - 1
+
+
+# -- the Communicator's wiring ---------------------------------------------------------------
+
+
+class RecordingNccl:
+    """The NCCL engine of a communicator, recording the stream of each all-reduce, and
+    whether it was called inside the launch section."""
+
+    def __init__(self, order):
+        self.order, self.calls = order, []
+
+    def all_reduce(self, src, dst, count, dtype, op, stream):
+        self.calls.append((src, dst, count, stream, self.order.lock.locked()))
+
+
+@pytest.fixture
+def nccl_comm(monkeypatch):
+    """A Communicator of one rank that runs everything on a recording NCCL engine, built
+    without a GPU: only what ``all_reduce`` reads is set. Arrays of other frameworks are
+    viewed over pointers taken to be device 0's."""
+    import cupy
+
+    from ubnext import _arrays
+    from ubnext._comm import Communicator
+    from ubnext._config import Config
+    from ubnext._select import Selector, buffer_limits
+
+    cuda = FakeCuda()
+    monkeypatch.setattr(_streams, "CUDA", cuda)
+    monkeypatch.setattr(_arrays, "_pointer_device", lambda ptr, op, kind: 0)
+
+    def capsule_array(capsule):
+        mem = cupy.cuda.UnownedMemory(capsule.ptr, 64, capsule, device_id=0)
+        return cupy.ndarray((16,), "float32", memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    monkeypatch.setattr(_arrays, "_capsule_array", capsule_array)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
+    config = Config.from_env()
+    comm = Communicator.__new__(Communicator)
+    comm.__dict__.update(
+        config=config, rank=0, size=1, device=0, _closed=False, _node=None, _resolved={},
+        _selector=Selector(1, buffer_limits(config), ["nccl"], None, "test"),
+        _launch=LaunchOrder(0),
+    )
+    comm._nccl = RecordingNccl(comm._launch)
+    yield comm, cuda
+    comm._closed = True
+
+
+class Capsule:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class Producer:
+    """A DLPack producer recording the stream it is handed."""
+
+    def __init__(self, ptr):
+        self.ptr, self.streams = ptr, []
+
+    def __dlpack_device__(self):
+        return 2, 0
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.streams.append(stream)
+        return Capsule(self.ptr)
+
+
+class Interface:
+    """An array with ``__cuda_array_interface__`` produced on ``stream``."""
+
+    def __init__(self, ptr, stream):
+        self.__cuda_array_interface__ = {"shape": (16,), "typestr": "<f4", "data": (ptr, False),
+                                         "version": 3, "stream": stream}
+
+
+def test_all_reduce_hands_producers_the_stream_it_launches_on(nccl_comm):
+    comm, cuda = nccl_comm
+    x, out = Producer(0x10000), Producer(0x20000)
+    comm.all_reduce(x, out=out, algorithm="nccl", stream=A)
+    assert x.streams == [A] and out.streams == [A]
+    assert comm._nccl.calls == [(0x10000, 0x20000, 16, A, True)]
+    comm.all_reduce(Interface(0x30000, stream=C), out=out, algorithm="nccl", stream=B)
+    waits = [c for c in cuda.calls if c[0] == "wait"]
+    records = [c for c in cuda.calls if c[0] == "record"]
+    # the producer's stream C, then the previous call's stream A, both before the launch on B
+    assert [r[2] for r in records] == [C, A] and all(w[1] == B for w in waits)
+    assert comm._nccl.calls[-1] == (0x30000, 0x20000, 16, B, True)
