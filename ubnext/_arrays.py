@@ -209,7 +209,7 @@ def _c_contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
     if len(strides) != len(shape):
         return False
     expected = itemsize
-    for n, s in zip(reversed(shape), reversed(strides)):
+    for n, s in zip(reversed(shape), reversed(strides), strict=True):
         if n == 0:
             return True
         if n != 1 and s != expected:
