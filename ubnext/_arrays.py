@@ -333,9 +333,10 @@ def launch_stream(stream, x) -> tuple[int, object, bool]:
     Raises:
         UbnextError: ``stream`` is not a stream.
     """
-    if _is_torch(x):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
         device = x.get_device()
-        current = _torch()._C._cuda_getCurrentRawStream(device) if device >= 0 else 0  # host: describe refuses
+        current = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else 0  # host: describe refuses
         if stream is None:
             return current, None, False
     else:

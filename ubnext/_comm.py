@@ -15,7 +15,7 @@ from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
 from ._select import Selector, buffer_limits
-from ._streams import PER_THREAD, LaunchOrder
+from ._streams import LaunchOrder
 from ._table import agreed_table
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
@@ -175,11 +175,11 @@ class Communicator:
             self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
         if side:
             _arrays.record_stream(handle, owner, (xb, ob))
-        with self._launch.lock:
-            self._launch.begin(handle, owner)
+        self._launch.enter(handle, owner)
+        try:
             self._all_reduce(algo, xb, ob, op, handle)
-            if handle == PER_THREAD:
-                self._launch.done()
+        finally:
+            self._launch.leave()
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
@@ -269,11 +269,11 @@ class Communicator:
         if ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned:
             chunk = self._node.engine.norm_rows(algo, xb.dtype, hidden, rows)
         if chunk:
-            with self._launch.lock:
-                self._launch.begin(handle, owner)
+            self._launch.enter(handle, owner)
+            try:
                 self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle)
-                if handle == PER_THREAD:
-                    self._launch.done()
+            finally:
+                self._launch.leave()
         else:
             why = ("the NCCL engine" if algo == "nccl" else
                    f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
@@ -281,12 +281,12 @@ class Communicator:
                    f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
             plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
             log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
-            with self._launch.lock:
-                self._launch.begin(handle, owner)
+            self._launch.enter(handle, owner)
+            try:
                 self._all_reduce(plain, xb, nb, "sum", handle)
                 self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
-                if handle == PER_THREAD:
-                    self._launch.done()
+            finally:
+                self._launch.leave()
         return nb.obj, ob.obj
 
     def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):

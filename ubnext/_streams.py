@@ -140,18 +140,18 @@ class LaunchOrder:
 
     Around every call's launches::
 
-        with order.lock:
-            order.begin(stream, owner)
+        order.enter(stream, owner)
+        try:
             ...  # the call's launches, copies and NCCL calls on `stream`
-            if stream == PER_THREAD:
-                order.done()
+        finally:
+            order.leave()
 
-    The lock keeps the launches of a call together (another thread's launches do not
-    come in between, nor overwrite the launchers' argument packs under them). ``begin``
-    makes ``stream`` wait for the stream of the previous launch when it is another one.
-    The per-thread default stream is another stream in every thread, and a thread cannot
-    name another thread's one, so ``done`` records an event after such a call for the
-    next one to wait for.
+    ``enter`` takes the lock, so that the launches of a call stay together (another
+    thread's launches do not come in between, nor overwrite the launchers' argument
+    packs under them), and makes ``stream`` wait for the stream of the previous launch
+    when it is another one. The per-thread default stream is another stream in every
+    thread, and a thread cannot name another thread's one, so ``leave`` records an event
+    after a call on it, for the next call to wait for.
 
     Args:
         device: the communicator's CUDA device.
@@ -161,45 +161,49 @@ class LaunchOrder:
     def __init__(self, device: int, cuda: Cuda | None = None):
         self._device = device
         self._cuda = cuda
-        self.lock = threading.Lock()
+        lock = threading.Lock()
+        self._acquire, self._release = lock.acquire, lock.release
         self._stream = None   # the raw handle of the previous launch's stream
         self._thread = None   # the thread it came from, for the per-thread default stream
         self._owner = None    # its stream object, kept so that it is not destroyed meanwhile
         self._done = None     # event recorded after the previous launch (per-thread default stream)
 
-    def begin(self, stream: int, owner=None) -> None:
-        """Orders the launches that follow on ``stream`` (raw handle; ``owner``: the stream
-        object it came from, or None) after those of the previous call. Call with
-        ``lock`` held. Costs one comparison while the stream stays the same.
+    def enter(self, stream: int, owner=None) -> None:
+        """Enters the section for a call on ``stream`` (raw handle; ``owner``: the stream
+        object it came from, or None): blocks while another thread is in it, then orders
+        the launches that follow after those of the previous call. Costs the lock and one
+        comparison while the stream stays the same.
 
         Raises:
-            CudaError or CuPy's CUDARuntimeError: the wait could not be queued (the next
-                call tries again).
+            CudaError or CuPy's CUDARuntimeError: the wait could not be queued (the
+                section is left; the next call tries again).
         """
+        self._acquire()
         if stream == self._stream and stream != PER_THREAD:
             return
+        try:
+            self._change(stream, owner)
+        except BaseException:
+            self._release()
+            raise
+
+    def leave(self) -> None:
+        """Leaves the section entered by ``enter``."""
+        if self._stream != PER_THREAD:
+            self._release()
+            return
+        try:
+            self._record_done()
+        finally:
+            self._release()
+
+    def _change(self, stream: int, owner) -> None:
         thread = _this_thread() if stream == PER_THREAD else None
         if stream == self._stream and thread is self._thread:
             return
         if self._stream is not None:
             self._after_previous(stream)
         self._stream, self._thread, self._owner = stream, thread, owner
-
-    def done(self) -> None:
-        """After the launches of a call on the per-thread default stream (``lock`` held):
-        records the event that the next call waits for."""
-        cuda = self._cuda or CUDA
-        if self._done is not None:
-            cuda.destroy(self._done)
-            self._done = None
-        if cuda.capture(PER_THREAD) == 0:
-            event = cuda.event(self._device)
-            try:
-                cuda.record(event, PER_THREAD)
-            except BaseException:
-                cuda.destroy(event)
-                raise
-            self._done = event
 
     def _after_previous(self, stream: int) -> None:
         cuda = self._cuda or CUDA
@@ -214,3 +218,17 @@ class LaunchOrder:
                 cuda.wait(stream, done)
         finally:
             cuda.destroy(done)
+
+    def _record_done(self) -> None:
+        cuda = self._cuda or CUDA
+        if self._done is not None:
+            cuda.destroy(self._done)
+            self._done = None
+        if cuda.capture(PER_THREAD) == 0:
+            event = cuda.event(self._device)
+            try:
+                cuda.record(event, PER_THREAD)
+            except BaseException:
+                cuda.destroy(event)
+                raise
+            self._done = event
