@@ -114,6 +114,37 @@ def test_calls_on_two_streams_run_in_issue_order(comm, cycles_per_ms, algorithm,
     assert torch.equal(ob, want_b), f"call B ({algorithm}) is wrong"
 
 
+@pytest.mark.parametrize("algorithm", ["lamport", "lamport_twoshot", "twoshot"])
+def test_fused_calls_on_two_streams_run_in_issue_order(comm, cycles_per_ms, algorithm):
+    """As above for all_reduce_add_rmsnorm: each of the two calls must give the bits it
+    gives when it runs alone (the kernels are deterministic)."""
+    import torch
+
+    rows, hidden = (4, 1024) if algorithm == "lamport" else (64, 4096)
+    usable(comm, algorithm, rows * hidden * 4)
+    cases = []
+    for seed in (11, 12):
+        x, _ = inputs(comm, rows * hidden, seed)
+        residual = (torch.arange(rows * hidden, device="cuda", dtype=torch.float32) % (seed + 2)).view(rows, hidden)
+        weight = torch.arange(hidden, device="cuda", dtype=torch.float32) % 3 + 1
+        cases.append((x.view(rows, hidden), residual, weight))
+    alone = []
+    for x, residual, weight in cases:
+        normed, summed = comm.all_reduce_add_rmsnorm(x, residual, weight, algorithm=algorithm)
+        torch.cuda.synchronize()
+        alone.append((normed, summed))
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(sa if comm.rank % 2 == 0 else sb):
+        sleep(SLEEP_MS, cycles_per_ms)
+    together = []
+    for (x, residual, weight), s in zip(cases, (sa, sb), strict=True):
+        with torch.cuda.stream(s):
+            together.append(comm.all_reduce_add_rmsnorm(x, residual, weight, algorithm=algorithm))
+    torch.cuda.synchronize()
+    for call, ((n1, r1), (n2, r2)) in enumerate(zip(alone, together, strict=True)):
+        assert torch.equal(r1, r2) and torch.equal(n1, n2), f"call {call} ({algorithm}) differs from its result alone"
+
+
 def test_overlapping_staged_calls_on_two_streams(comm, cycles_per_ms):
     """At any world size: two calls of several staging chunks each, on two streams, the
     first one delayed by half a call. Without a wait between the streams, the second
