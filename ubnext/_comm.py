@@ -17,6 +17,7 @@ from ._log import get_logger, log_once
 from ._node import Node
 from ._protocol import MAX_RANKS
 from ._select import Selector, buffer_limits
+from ._streams import LaunchOrder
 from ._table import agreed_table
 from ._watchdog import Watchdog
 
@@ -82,6 +83,7 @@ class Communicator:
             self._closed = True
             self._close_bootstraps()
             raise
+        self._launch = LaunchOrder(self.device)  # every launch of a call runs in this section
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
         node = self._node
         usable = [name for name, alg in ALGORITHMS.items()  # NCCL always; kernels need the pool
@@ -144,8 +146,12 @@ class Communicator:
                 default: a new array of x's framework.
             op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
             algorithm: ``"auto"`` or one of ``algorithms()``.
-            stream: torch/CuPy stream or raw handle; default: the current stream of x's
-                framework.
+            stream: torch/CuPy/cuda.core stream or raw handle; default: the current
+                stream of x's framework (CuPy's for other inputs, whose producers are
+                ordered before it: ``__dlpack__(stream=...)``, or the interface's
+                ``stream``). On a stream other than the current one, torch tensors are
+                recorded on it for the caching allocator and a new ``out`` is allocated
+                on it. Calls on different streams run in the order they were issued.
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
@@ -157,28 +163,36 @@ class Communicator:
                 communicator failed; its outputs hold NaN where results were not computed.
 
         Can be captured in a CUDA graph (after a first eager call per dtype/op/algorithm,
-        which compiles the kernel).
+        which compiles the kernel). May be called from several threads (each call's
+        launches are issued as one section), but every rank must issue its collectives
+        in the same order, so calls from several threads need an order of their own.
         """
         name = "all_reduce"
         self._check_open(name)
-        xb = _arrays.describe(x, name)
+        handle, owner, side = _arrays.launch_stream(stream, x)
+        xb = _arrays.describe(x, name, handle)
         if xb.device != self.device:
             raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
         algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
         if out is None:
-            ob = _arrays.describe(_arrays.empty_like(xb), name)
+            ob = _arrays.describe(_arrays.empty_like(xb, handle, owner, side), name, handle)
         elif out is x:  # in place: nothing more to check
             ob = xb
         else:
-            ob = _arrays.check_out(xb, out, name)
+            ob = _arrays.check_out(xb, out, name, handle)
         if xb.count == 0:
             return ob.obj
         if self.config.debug:
             self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
-        handle = _arrays.stream_handle(stream, xb)
-        self._all_reduce(algo, xb, ob, op, handle, _signature.encode(name, xb.dtype, op, xb.count))
+        if side:
+            _arrays.record_stream(handle, owner, (xb, ob))
+        self._launch.enter(handle, owner)
+        try:
+            self._all_reduce(algo, xb, ob, op, handle, _signature.encode(name, xb.dtype, op, xb.count))
+        finally:
+            self._launch.leave()
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
@@ -208,7 +222,7 @@ class Communicator:
             residual_out: where to write the residual sum (may be ``residual`` for in
                 place, must not be ``out``); default: new.
             algorithm: ``"auto"`` or one of ``algorithms()`` (picked by x's bytes).
-            stream: torch/CuPy stream or raw handle; default: x's framework's current one.
+            stream: as for ``all_reduce``.
 
         Returns:
             ``(normed, residual_out)``, in x's framework.
@@ -221,7 +235,8 @@ class Communicator:
         """
         name = "all_reduce_add_rmsnorm"
         self._check_open(name)
-        xb = _arrays.describe(x, name)
+        handle, owner, side = _arrays.launch_stream(stream, x)
+        xb = _arrays.describe(x, name, handle)
         if len(xb.shape) != 2:
             raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
         if xb.device != self.device:
@@ -235,7 +250,7 @@ class Communicator:
             raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
 
         def operand(arr, what, shape):
-            b = _arrays.describe(arr, name)
+            b = _arrays.describe(arr, name, handle)
             if b.shape != shape or b.dtype != xb.dtype or b.device != xb.device:  # torch.Size is a tuple
                 raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape} on device {xb.device}, "
                                   f"got {b.dtype} of shape {tuple(b.shape)} on device {b.device}")
@@ -245,8 +260,9 @@ class Communicator:
         rb = None if residual is None else operand(residual, "residual", shape)
         wb = operand(weight, "weight", (hidden,))
         bb = None if bias is None else operand(bias, "bias", (hidden,))
-        nb = operand(_arrays.empty_like(xb) if out is None else out, "out", shape)
-        ob = operand(_arrays.empty_like(xb) if residual_out is None else residual_out, "residual_out", shape)
+        nb = operand(_arrays.empty_like(xb, handle, owner, side) if out is None else out, "out", shape)
+        ob = operand(_arrays.empty_like(xb, handle, owner, side) if residual_out is None else residual_out,
+                     "residual_out", shape)
         if _arrays.overlap(nb, ob):
             raise UbnextError(f"{name}: out and residual_out overlap; they must be separate arrays")
         for b, what in ((nb, "out"), (ob, "residual_out")):
@@ -260,15 +276,20 @@ class Communicator:
             return nb.obj, ob.obj
         if self.config.debug:
             self._compare_across_ranks(name, (xb.count, xb.dtype, "add_rmsnorm", algo))
-        handle = _arrays.stream_handle(stream, xb)
+        if side:
+            _arrays.record_stream(handle, owner, (xb, rb, wb, bb, nb, ob))
         norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
         aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
         chunk = 0  # rows per fused launch
         if ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned:
             chunk = self._node.engine.norm_rows(algo, xb.dtype, hidden, rows)
         if chunk:
-            self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle,
-                        _signature.encode_fused(xb.dtype, rows, hidden))
+            self._launch.enter(handle, owner)
+            try:
+                self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle,
+                            _signature.encode_fused(xb.dtype, rows, hidden))
+            finally:
+                self._launch.leave()
         else:
             why = ("the NCCL engine" if algo == "nccl" else
                    f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
@@ -276,8 +297,13 @@ class Communicator:
                    f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
             plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
             log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
-            self._all_reduce(plain, xb, nb, "sum", handle, _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
-            self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
+            self._launch.enter(handle, owner)
+            try:
+                self._all_reduce(plain, xb, nb, "sum", handle,
+                                 _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
+                self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
+            finally:
+                self._launch.leave()
         return nb.obj, ob.obj
 
     def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
@@ -332,7 +358,8 @@ class Communicator:
         return describe(self)
 
     def synchronize(self, stream=None) -> None:
-        """Waits for the device (or ``stream``); raises what a kernel recorded meanwhile.
+        """Waits for the device (or ``stream``, as ``all_reduce`` takes it); raises what a
+        kernel recorded meanwhile.
 
         Blocks the host. Not collective.
 
@@ -347,7 +374,7 @@ class Communicator:
         if stream is None:
             cupy.cuda.Device(self.device).synchronize()
         else:
-            cupy.cuda.ExternalStream(_arrays.stream_handle(stream, None)).synchronize()
+            cupy.cuda.runtime.streamSynchronize(_arrays.stream_handle(stream))
         self._check_failures("synchronize")
 
     def close(self) -> None:
