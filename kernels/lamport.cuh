@@ -70,10 +70,11 @@ template <class T> __device__ void lamport_repoison(char* p, u64 vecs) {
 }
 
 // Waits until v, loaded from p (pushed by `peer`), has no sentinel left, re-reading p;
-// false if the wait gave up (sync.cuh: spin).
+// false if the wait gave up (sync.cuh: spin), or if the communicator has failed for this
+// thread: data that arrived then is not used either (it may be another launch's).
 template <class T>
 __device__ __forceinline__ bool lamport_wait(const char* p, uint4& v, WaitCtx& c, int peer) {
-  if (!has_sentinel<T>(v)) return true;
+  if (!has_sentinel<T>(v)) return !c.failed;
   return spin(c, peer, kSiteLamportPoll, [&] {
     v = ld_volatile(p);
     return !has_sentinel<T>(v);

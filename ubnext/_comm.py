@@ -414,20 +414,21 @@ class Communicator:
         nccl, self._nccl = self._nccl, None
         try:
             if node is not None:
-                node.close(local=local)
+                local = node.close(local=local)  # a broken communicator closes locally
         finally:
             if nccl is not None:
                 nccl.abort() if local else nccl.close()
-            self._close_bootstraps()
+            self._close_bootstraps(local)
 
-    def _close_bootstraps(self) -> None:
-        """Closes the node's view, then the bootstrap if ``default()`` made it."""
+    def _close_bootstraps(self, local: bool = False) -> None:
+        """Closes the node's view, then the bootstrap if ``default()`` made it; ``local``:
+        without waiting for any rank (Bootstrap.abort)."""
         try:
             if self._local is not None:
-                self._local.close()
+                self._local.abort() if local else self._local.close()
         finally:
             if self._owns_bootstrap:
-                self.bootstrap.close()
+                self.bootstrap.abort() if local else self.bootstrap.close()
 
     def __enter__(self):
         return self

@@ -163,13 +163,16 @@ class Node:
         self._side.synchronize()
         return bool(words.any())
 
-    def close(self, local: bool = False) -> None:
+    def close(self, local: bool = False) -> bool:
         """Waits for the device, then for every local rank, then releases everything.
 
         Collective over the node's ranks, unless ``local`` or the communicator is broken
         (``broken()``): then no rank is waited for, since a failed peer may never come;
         the segments stay valid for the peers that still map them (their memory goes with
         the last mapping). Every step runs even when one fails.
+
+        Returns:
+            Whether it closed locally (waited for no rank).
 
         Raises:
             The first error of the device wait or of a release step.
@@ -184,8 +187,10 @@ class Node:
             cupy.cuda.Device(self.pool.device).synchronize()
         except cupy.cuda.runtime.CUDARuntimeError as e:
             errors.append(e)
-        if not (local or errors or self.broken()):
+        local = local or bool(errors) or self.broken()
+        if not local:
             self._local.barrier()
         errors += self._teardown.unwind()
         if errors:
             raise errors[0]
+        return local

@@ -200,6 +200,22 @@ class Bootstrap(abc.ABC):
     def _close(self) -> None:
         """Release owned resources; called once by :meth:`close`."""
 
+    def abort(self) -> None:
+        """Release what this rank holds without waiting for any other rank; idempotent.
+
+        Collective: no. For error paths, where a peer may be dead
+        (``Communicator.abort``, closing a broken communicator).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._abort()
+
+    def _abort(self) -> None:
+        """Local release; called once by :meth:`abort`. By default what :meth:`_close`
+        does; a bootstrap whose close waits for the other ranks overrides it."""
+        self._close()
+
     def __enter__(self) -> Bootstrap:
         return self
 

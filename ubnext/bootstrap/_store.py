@@ -172,6 +172,10 @@ class StoreBootstrap(Bootstrap):
         """
         super().close()
 
+    def _abort(self) -> None:
+        """Drops the connection (rank 0: the server it hosts) without waiting for anyone."""
+        self._store = None
+
     def _errors(self, op: str):
         return _store_errors(op, self._rank, self._where)
 
