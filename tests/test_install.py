@@ -1,7 +1,8 @@
-"""The install checks of ``ubnext._install``: ``import ubnext`` names the install line
-when the CUDA packages are missing or mixed, and ``check_driver`` gives one line when
-the driver is older than a CUDA runtime ubnext loads. Fakes stand in for package
-metadata and for the CUDA version queries, so every case runs without a GPU."""
+"""The install checks of ``ubnext._install``: ``import ubnext`` names the install lines
+when CuPy or cuda-bindings is missing, ``check_packages`` refuses mixed CUDA packages,
+and ``check_driver`` gives one line when the driver is older than a CUDA runtime
+ubnext loads. Fakes stand in for module lookup, package metadata and the CUDA version
+queries, so every case runs without a GPU."""
 
 from __future__ import annotations
 
@@ -12,61 +13,69 @@ from pathlib import Path
 import pytest
 
 from ubnext import UbnextError, _install
-from ubnext._install import CHOICES, CudaVersions, check_driver, check_install
+from ubnext._install import CHOICES, CudaVersions, check_driver, check_install, check_packages
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def fake_install(**versions):
-    """``check_install`` arguments for an environment with these distributions (``_`` for ``-``)."""
-    installed = {name.replace("_", "-"): v for name, v in versions.items()}
-    return dict(version=installed.get, importable=lambda module: False)
+def installed(**versions):
+    """A fake ``version`` lookup for an environment with these distributions (``_`` for ``-``)."""
+    return {name.replace("_", "-"): v for name, v in versions.items()}.get
 
 
-# --------------------------------------------------------------------------- check_install
+# --------------------------------------------------------------------------- check_install (import ubnext)
 
 
-@pytest.mark.parametrize("cupy, bindings, major", [("cupy-cuda13x", "13.5.0", 13), ("cupy-cuda12x", "12.9.10", 12)])
-def test_one_cupy_build_and_matching_bindings_pass(cupy, bindings, major):
-    assert check_install(**fake_install(**{cupy: "14.2.0", "cuda_bindings": bindings})) == major
-
-
-def test_a_source_build_of_cupy_has_no_known_major():
-    assert check_install(**fake_install(cupy="14.0.0", cuda_bindings="13.5.0")) is None
+def test_importable_cupy_and_bindings_pass():
+    assert check_install(importable=lambda module: True) is None
 
 
 def test_a_bare_install_names_the_choices():
     with pytest.raises(UbnextError) as info:
-        check_install(**fake_install(numpy="2.4.6", mpi4py="4.1.2"))
+        check_install(importable=lambda module: module not in ("cupy", "cuda.bindings"))
     message = str(info.value)
     assert message == f"import ubnext: CuPy is not installed; {CHOICES}"
     assert '"ubnext[cu13]"' in message and '"ubnext[cu12]"' in message and "\n" not in message
 
 
 def test_missing_cuda_bindings_names_the_choices():
-    with pytest.raises(UbnextError, match=r"^import ubnext: cuda-bindings is not installed; install ubnext with the extra"):
-        check_install(**fake_install(cupy_cuda13x="14.2.0"))
+    with pytest.raises(UbnextError, match=r"^import ubnext: cuda-bindings is not installed; install ubnext with"):
+        check_install(importable=lambda module: module != "cuda.bindings")
+
+
+# --------------------------------------------------------------------------- check_packages (metadata)
+
+
+@pytest.mark.parametrize("cupy, bindings, major", [("cupy-cuda13x", "13.5.0", 13), ("cupy-cuda12x", "12.9.10", 12)])
+def test_one_cupy_build_and_matching_bindings_pass(cupy, bindings, major):
+    assert check_packages(version=installed(**{cupy: "14.2.0", "cuda_bindings": bindings})) == major
+
+
+def test_a_source_build_of_cupy_has_no_known_major():
+    assert check_packages(version=installed(cupy="14.0.0", cuda_bindings="13.5.0")) is None
+
+
+def test_packages_on_the_path_without_metadata_pass():
+    assert check_packages(version=installed()) is None
 
 
 def test_two_cupy_builds_are_refused():
     with pytest.raises(UbnextError) as info:
-        check_install(**fake_install(cupy_cuda12x="14.2.0", cupy_cuda13x="14.2.0", cuda_bindings="13.5.0"))
-    assert "several CuPy builds are installed (cupy-cuda12x 14.2.0, cupy-cuda13x 14.2.0)" in str(info.value)
-    assert "pip uninstall all of them" in str(info.value)
+        check_packages("Communicator", installed(cupy_cuda12x="14.2.0", cupy_cuda13x="14.2.0", cuda_bindings="13.5.0"))
+    assert str(info.value).startswith("Communicator: several CuPy builds are installed (cupy-cuda12x 14.2.0, "
+                                      "cupy-cuda13x 14.2.0) and overwrite each other's files; pip uninstall all")
 
 
 def test_cupy_and_bindings_of_different_majors_are_refused():
-    with pytest.raises(UbnextError, match=r"cupy-cuda12x 14.2.0 is for CUDA 12 but cuda-bindings 13.5.0 is for CUDA 13"):
-        check_install(**fake_install(cupy_cuda12x="14.2.0", cuda_bindings="13.5.0"))
+    with pytest.raises(UbnextError) as info:
+        check_packages(version=installed(cupy_cuda12x="14.2.0", cuda_bindings="13.5.0"))
+    assert str(info.value) == ("check_packages: cupy-cuda12x 14.2.0 is for CUDA 12 but cuda-bindings 13.5.0 is for "
+                               f"CUDA 13; {CHOICES}")
 
 
 def test_cupy_for_cuda11_is_refused():
     with pytest.raises(UbnextError, match=r"cupy-cuda11x 13.6.0 is for CUDA 11, which ubnext does not support"):
-        check_install(**fake_install(cupy_cuda11x="13.6.0", cuda_bindings="12.9.0"))
-
-
-def test_packages_on_the_path_without_metadata_pass():
-    assert check_install(version=lambda name: None, importable=lambda module: True) is None
+        check_packages(version=installed(cupy_cuda11x="13.6.0", cuda_bindings="12.9.0"))
 
 
 def test_import_ubnext_without_cupy_fails_with_one_line(tmp_path):
@@ -89,7 +98,8 @@ def test_import_ubnext_without_cupy_fails_with_one_line(tmp_path):
     env = {"PYTHONPATH": f"{tmp_path}:{REPO_ROOT}", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", "import ubnext"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == f"ubnext._errors.UbnextError: import ubnext: CuPy is not installed; {CHOICES}"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"ubnext._errors.UbnextError: import ubnext: CuPy is not installed; {CHOICES}"
 
 
 # --------------------------------------------------------------------------- check_driver
@@ -141,7 +151,8 @@ def test_check_driver_queries_the_installed_runtimes(monkeypatch):
     assert major in (12, 13) and all(code // 1000 == major for _, code in real.runtimes), real
 
     monkeypatch.setattr(cupy.cuda.runtime, "driverGetVersion", lambda: (major - 1) * 1000 + 40)
-    fix = 'install "ubnext[cu12]" or update the driver to CUDA 13' if major == 13 else "update the driver to CUDA 12 or 13"
+    fix = ('install "ubnext[cu12]" or update the driver to CUDA 13' if major == 13
+           else "update the driver to CUDA 12 or 13")
     with pytest.raises(UbnextError) as info:
         check_driver()
     assert str(info.value) == (f"check_driver: CUDA driver {major - 1}.4 is older than the CUDA "
@@ -151,15 +162,24 @@ def test_check_driver_queries_the_installed_runtimes(monkeypatch):
     assert check_driver().driver == major * 1000
 
 
+def test_check_driver_checks_the_packages_first(monkeypatch):
+    two = installed(cupy_cuda12x="14.2.0", cupy_cuda13x="14.2.0", cuda_bindings="13.5.0")
+    monkeypatch.setattr(_install, "_installed_version", two)
+    monkeypatch.setattr(_install, "query_versions", lambda op: pytest.fail("versions queried before the packages"))
+    with pytest.raises(UbnextError, match=r"^Communicator: several CuPy builds are installed"):
+        check_driver("Communicator")
+
+
 def test_nvrtc_that_does_not_load_names_the_install_line(monkeypatch):
     import cupy
 
     def missing():
-        raise RuntimeError("CuPy failed to load libnvrtc.so.13: OSError: libnvrtc.so.13: cannot open shared object file")
+        raise RuntimeError("CuPy failed to load libnvrtc.so.13: OSError: cannot open shared object file")
 
     monkeypatch.setattr(cupy.cuda.nvrtc, "getVersion", missing)
-    with pytest.raises(UbnextError, match=r"^check_driver: NVRTC, which compiles ubnext's kernels, is not loadable "
-                                          r"\(RuntimeError: CuPy failed to load libnvrtc.so.13.*\); install ubnext with the extra"):
+    with pytest.raises(UbnextError, match=r"^query_versions: NVRTC, which compiles ubnext's kernels, is not "
+                                          r"loadable \(RuntimeError: CuPy failed to load libnvrtc.so.13: .*\); "
+                                          r"install ubnext with the extra"):
         _install.query_versions()
 
 

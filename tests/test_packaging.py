@@ -34,7 +34,7 @@ def pyproject() -> dict:
 
 def installed_major() -> int:
     """The CUDA major of the installed CuPy build (the environment under test)."""
-    major = _install.check_install()
+    major = _install.check_packages()
     assert major in CUDA_MAJORS, f"the tests need a CuPy build of a known CUDA major, got {major}"
     return major
 

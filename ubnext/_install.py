@@ -2,15 +2,17 @@
 
 ubnext is installed with one extra per CUDA major, ``ubnext[cu13]`` or
 ``ubnext[cu12]``; each brings CuPy, cuda-bindings, NVRTC and NCCL built for that
-major. Two checks turn a wrong install into one line instead of a failure deep
+major. Three checks turn a wrong install into one line instead of a failure deep
 inside CuPy:
 
-* :func:`check_install`, run by ``import ubnext``: a CuPy build and cuda-bindings
-  are installed, of one CUDA major, and one CuPy build only. It reads package
-  metadata and loads no CUDA library.
-* :func:`check_driver`: a CUDA driver is loadable and its major version is at
-  least that of every CUDA runtime ubnext loads (CuPy's, cuda-bindings', NVRTC's).
-  Needs the CUDA libraries, not a GPU.
+* :func:`check_install`, run by ``import ubnext``: CuPy and cuda-bindings can be
+  imported. It looks for the modules only (no metadata, no CUDA library), so
+  importing ubnext stays cheap.
+* :func:`check_packages`, from the package metadata: one CuPy build, of CUDA 12
+  or 13, and cuda-bindings of the same major.
+* :func:`check_driver` (runs :func:`check_packages` first): a CUDA driver is
+  loadable and its major version is at least that of every CUDA runtime ubnext
+  loads (CuPy's, cuda-bindings', NVRTC's). Needs the CUDA libraries, not a GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 
 from ._errors import UbnextError
 
@@ -35,6 +36,8 @@ CHOICES = ('install ubnext with the extra of the CUDA driver: pip install "ubnex
 
 def _installed_version(name: str) -> str | None:
     """Version of distribution ``name``, or None when it is not installed."""
+    from importlib import metadata  # imported here: it takes longer to import than the rest of this module
+
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -55,45 +58,60 @@ def _major(version: str) -> int:
     return int(version.split(".")[0])
 
 
-def check_install(version: Callable[[str], str | None] = _installed_version,
-                  importable: Callable[[str], bool] = _importable) -> int | None:
-    """Check that the installed CUDA packages fit together; ``import ubnext`` runs this.
+def check_install(importable: Callable[[str], bool] | None = None) -> None:
+    """Check that CuPy and cuda-bindings can be imported; ``import ubnext`` runs this.
 
     Args:
-        version: distribution name -> installed version or None (tests pass a fake).
-        importable: module name -> whether it can be imported, for packages on
-            ``sys.path`` without metadata (tests pass a fake).
+        importable: module name -> whether it can be imported; None looks the
+            module up on ``sys.path`` (tests pass a fake).
+
+    Raises:
+        UbnextError: one line naming the missing package and the install lines
+            (a bare ``pip install ubnext`` brings neither).
+
+    Not collective; reads no metadata and loads no CUDA library.
+    """
+    importable = importable or _importable
+    for module, package in (("cupy", "CuPy"), ("cuda.bindings", "cuda-bindings")):
+        if not importable(module):
+            raise UbnextError(f"import ubnext: {package} is not installed; {CHOICES}")
+
+
+def check_packages(op: str = "check_packages", version: Callable[[str], str | None] | None = None) -> int | None:
+    """Check, from the package metadata, that the installed CUDA packages fit together.
+
+    Args:
+        op: operation named at the start of an error message.
+        version: distribution name -> installed version or None; None reads the
+            package metadata (tests pass a fake).
 
     Returns:
         The CUDA major the CuPy build is for, or None when it is not known (a
         source or conda build of CuPy, or CuPy on ``sys.path`` without metadata).
 
     Raises:
-        UbnextError: CuPy or cuda-bindings is missing, several CuPy builds are
-            installed, CuPy is built for CUDA 11, or CuPy and cuda-bindings are
-            built for different CUDA majors; the message names the install line.
+        UbnextError: several CuPy builds are installed, CuPy is built for CUDA
+            11, or CuPy and cuda-bindings are built for different CUDA majors;
+            the message names the install lines.
 
     Not collective; loads no CUDA library.
     """
+    version = version or _installed_version
     cupys = {name: v for name in _CUPY_DISTRIBUTIONS if (v := version(name)) is not None}
     if len(cupys) > 1:
         builds = ", ".join(f"{name} {v}" for name, v in sorted(cupys.items()))
-        raise UbnextError(f"import ubnext: several CuPy builds are installed ({builds}) and overwrite each "
+        raise UbnextError(f"{op}: several CuPy builds are installed ({builds}) and overwrite each "
                           f"other's files; pip uninstall all of them, then {CHOICES}")
-    if not cupys and not importable("cupy"):
-        raise UbnextError(f"import ubnext: CuPy is not installed; {CHOICES}")
-    bindings = version("cuda-bindings")
-    if bindings is None and not importable("cuda.bindings"):
-        raise UbnextError(f"import ubnext: cuda-bindings is not installed; {CHOICES}")
     if not cupys:
         return None
     (name, cupy_version), = cupys.items()
-    major = next((m for m, build in CUPY_BUILDS.items() if build == name), None)
     if name == "cupy-cuda11x":
-        raise UbnextError(f"import ubnext: {name} {cupy_version} is for CUDA 11, which ubnext does not support; "
+        raise UbnextError(f"{op}: {name} {cupy_version} is for CUDA 11, which ubnext does not support; "
                           f"pip uninstall {name}, then {CHOICES}")
+    major = next((m for m, build in CUPY_BUILDS.items() if build == name), None)
+    bindings = version("cuda-bindings")
     if major is not None and bindings is not None and _major(bindings) != major:
-        raise UbnextError(f"import ubnext: {name} {cupy_version} is for CUDA {major} but cuda-bindings {bindings} "
+        raise UbnextError(f"{op}: {name} {cupy_version} is for CUDA {major} but cuda-bindings {bindings} "
                           f"is for CUDA {_major(bindings)}; {CHOICES}")
     return major
 
@@ -117,12 +135,15 @@ def version_text(code: int) -> str:
     return f"{code // 1000}.{code % 1000 // 10}"
 
 
-def query_versions() -> CudaVersions:
+def query_versions(op: str = "query_versions") -> CudaVersions:
     """Ask the CUDA libraries for the driver's version and that of each runtime ubnext loads.
 
     The runtimes: CuPy's (``cudaRuntimeGetVersion`` of its build), cuda-bindings'
     (the same call through ``cuda.bindings.runtime``) and NVRTC's
     (``nvrtcVersion``, through CuPy, which compiles the kernels).
+
+    Args:
+        op: operation named at the start of an error message.
 
     Raises:
         UbnextError: NVRTC is not loadable (the message names the install line).
@@ -143,7 +164,7 @@ def query_versions() -> CudaVersions:
     try:
         nvrtc_major, nvrtc_minor = cupy.cuda.nvrtc.getVersion()
     except Exception as exc:  # libnvrtc not found: CuPy raises RuntimeError or its own error types
-        raise UbnextError(f"check_driver: NVRTC, which compiles ubnext's kernels, is not loadable "
+        raise UbnextError(f"{op}: NVRTC, which compiles ubnext's kernels, is not loadable "
                           f"({type(exc).__name__}: {exc}); {CHOICES}") from exc
     runtimes.append(("NVRTC", nvrtc_major * 1000 + nvrtc_minor * 10))
     return CudaVersions(cupy.cuda.runtime.driverGetVersion(), tuple(runtimes))
@@ -158,20 +179,24 @@ def check_driver(op: str = "check_driver", versions: CudaVersions | None = None)
 
     Args:
         op: operation named at the start of an error message (e.g. ``"Communicator"``).
-        versions: the versions to judge; None queries them (:func:`query_versions`).
+        versions: the versions to judge; None checks the installed packages
+            (:func:`check_packages`) and queries their versions (:func:`query_versions`).
 
     Returns:
         The versions judged.
 
     Raises:
-        UbnextError: one line: no driver is loadable, or the driver's major is
-            older than a runtime's; names both versions and the fix (the
-            ``ubnext[cu<major>]`` extra of the driver's major, or a driver update).
+        UbnextError: one line: the packages do not fit together
+            (:func:`check_packages`), NVRTC is not loadable, no driver is
+            loadable, or the driver's major is older than a runtime's; names both
+            versions and the fix (the ``ubnext[cu<major>]`` extra of the driver's
+            major, or a driver update).
 
     Not collective; needs no GPU.
     """
     if versions is None:
-        versions = query_versions()
+        check_packages(op)
+        versions = query_versions(op)
     newest_major = max(_code_major(code) for _, code in versions.runtimes)
     if versions.driver == 0:
         raise UbnextError(f"{op}: no CUDA driver is loadable (libcuda.so.1 not found); install the NVIDIA "
