@@ -135,6 +135,11 @@ def version_text(code: int) -> str:
     return f"{code // 1000}.{code % 1000 // 10}"
 
 
+def _code_major(code: int) -> int:
+    """``13020`` -> 13."""
+    return code // 1000
+
+
 def query_versions(op: str = "query_versions") -> CudaVersions:
     """Ask the CUDA libraries for the driver's version and that of each runtime ubnext loads.
 
@@ -212,7 +217,3 @@ def check_driver(op: str = "check_driver", versions: CudaVersions | None = None)
             raise UbnextError(f"{op}: CUDA driver {version_text(versions.driver)} is older than the CUDA "
                               f"{version_text(code)} runtime of {what}; {fix}")
     return versions
-
-
-def _code_major(code: int) -> int:
-    return code // 1000
