@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: python bench/all_reduce_perf.py
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script (python bench/all_reduce_perf.py): bench/_standalone.py
+    import _standalone  # noqa: F401
 
 from bench import _common as common  # noqa: E402
 

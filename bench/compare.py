@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: python bench/compare.py
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script (python bench/compare.py): bench/_standalone.py
+    import _standalone  # noqa: F401
 
 from bench import _common as common  # noqa: E402
 from bench import plot  # noqa: E402

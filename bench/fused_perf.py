@@ -21,8 +21,8 @@ import argparse
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: python bench/fused_perf.py
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script (python bench/fused_perf.py): bench/_standalone.py
+    import _standalone  # noqa: F401
 
 from bench import _common as common  # noqa: E402
 from bench import _torchbench as tb  # noqa: E402

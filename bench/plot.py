@@ -19,8 +19,8 @@ import os
 import sys
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: python bench/plot.py
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script (python bench/plot.py): bench/_standalone.py
+    import _standalone  # noqa: F401
 
 from bench._common import human_bytes  # noqa: E402
 

@@ -7,14 +7,17 @@
 See the README for configuration (``UBNEXT_*``) and the algorithms.
 """
 
-from . import bootstrap
-from ._algorithms import ALGORITHMS, DTYPES, OPS
-from ._comm import Communicator
-from ._config import Config
-from ._errors import (BrokenCommunicatorError, ClosedError, CollectiveMismatchError, CollectiveTimeoutError,
-                      ConcurrentUseError, CudaError, UbnextError)
+from . import _install
 
-__version__ = "0.1.0"
+_install.check_install()  # one line naming the install choices, before anything needs CuPy or cuda-bindings
+
+from . import bootstrap  # noqa: E402
+from ._algorithms import ALGORITHMS, DTYPES, OPS  # noqa: E402
+from ._comm import Communicator  # noqa: E402
+from ._config import Config  # noqa: E402
+from ._errors import (BrokenCommunicatorError, ClosedError, CollectiveMismatchError,  # noqa: E402
+                      CollectiveTimeoutError, ConcurrentUseError, CudaError, UbnextError)
+from ._version import __version__ as __version__  # noqa: E402 (re-exported)
 
 __all__ = [
     "ALGORITHMS",

@@ -18,10 +18,13 @@ from importlib import metadata
 from ._algorithms import ALGORITHMS
 from ._config import Config, _env_text
 from ._errors import UbnextError
+from ._install import check_driver, version_text
 from ._table import default_table, load_table
 
-#: Distributions whose versions matter (metadata only: nothing is imported).
-_PACKAGES = ("numpy", "cupy-cuda13x", "cuda-bindings", "mpi4py", "ml_dtypes", "torch")
+#: Distributions whose versions matter (metadata only: nothing is imported): the
+#: CUDA packages of either extra (``cu13``, ``cu12``), then the others.
+_PACKAGES = ("cupy-cuda13x", "cupy-cuda12x", "cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12",
+             "nvidia-nccl-cu13", "nvidia-nccl-cu12", "numpy", "mpi4py", "ml_dtypes", "torch")
 
 
 def _cuda_version(code: int) -> str:
@@ -39,11 +42,14 @@ def versions() -> list[str]:
     from . import __version__
 
     lines = [f"ubnext: {__version__}", f"python: {platform.python_version()} ({sys.executable})"]
+    missing = []
     for name in _PACKAGES:
         try:
             lines.append(f"{name}: {metadata.version(name)}")
         except metadata.PackageNotFoundError:
-            lines.append(f"{name}: not installed")
+            missing.append(name)
+    if missing:
+        lines.append(f"not installed: {', '.join(missing)}")
     try:
         import cupy
 
@@ -55,7 +61,18 @@ def versions() -> list[str]:
         lines.append(f"NCCL: {_nccl_version(nccl.get_version()) if nccl.available else 'not loadable by cupy'}")
     except Exception as exc:  # no cupy, no driver library
         lines.append(f"CUDA: unavailable ({type(exc).__name__}: {exc})")
+    lines.append(driver_check())
     return lines
+
+
+def driver_check() -> str:
+    """``check_driver``'s verdict as one line: the driver and every CUDA runtime ubnext loads, or the error."""
+    try:
+        checked = check_driver("driver check")
+    except Exception as exc:  # UbnextError with the fix; anything else: the CUDA packages do not load
+        return str(exc) if isinstance(exc, UbnextError) else f"driver check: failed ({type(exc).__name__}: {exc})"
+    runtimes = ", ".join(f"{what} (CUDA {version_text(code)})" for what, code in checked.runtimes)
+    return f"driver check: ok, CUDA driver {version_text(checked.driver)} runs {runtimes}"
 
 
 def device_name(device: int) -> str:
