@@ -1,9 +1,9 @@
 // ubnext kernels: bounded waits, failure reports, cross-rank block barriers, launch state.
 //
 // Every spin-wait is bounded by a timeout and never traps. A wait that times out marks
-// the communicator broken in this rank's control block (so every wait of the rank gives
-// up at once; the host passes the mark on to the other ranks), and the first failing
-// thread of a rank writes who waited for whom into host-mapped memory (read by the host
+// its kernel family broken (LaunchState.broken, so every wait of the launch gives up at
+// once; the host passes the mark on to the other families and ranks), and the first
+// failing thread writes who waited for whom into host-mapped memory (read by the host
 // without synchronizing). A wait that gives up returns false; the kernel then runs to its end
 // without waiting again and writes poison (NaN) where its result would have gone, so the
 // CUDA context survives and no output holds plausible garbage.
@@ -30,6 +30,7 @@ struct WaitCtx {
   LaunchState* state;
   int rank;
   bool failed;
+  u32 started;  // thread 0: LaunchState.blocks before this block counted itself started
 };
 
 // Reports a failure of kind `kind`: an original failure (not kFailPeer) marks the family's
@@ -68,18 +69,22 @@ __device__ __forceinline__ bool seen_broken(WaitCtx& c) {
   return b != 0u;
 }
 
-// The wait context of a launch of the family whose state is `state`; a communicator that is already broken
-// (a failure seen by an earlier launch, or announced by a peer) fails it from the start.
+// The wait context of a launch of the family whose state is `state`, made by every thread
+// at its start; a communicator that is already broken (a failure seen by an earlier
+// launch, or announced by a peer) fails it from the start. Thread 0 counts its block in
+// LaunchState.blocks as started (finish_launch counts it finished); the value is used
+// only by finish_launch, so the atomic's latency is hidden.
 __device__ __forceinline__ WaitCtx wait_ctx(LaunchState* state, int rank) {
-  WaitCtx c{state, rank, false};
+  WaitCtx c{state, rank, false, 0u};
+  if (threadIdx.x == 0) c.started = atomicAdd(&state->blocks, 1u << 16);
   seen_broken(c);
   return c;
 }
 
 // Spins until done() is true (returns true), or gives up (returns false): at once when
 // the communicator already failed for this thread, when it is marked broken, or after
-// c.timeout_ns (recorded as a timeout waiting for `peer` at `site`). The broken word is
-// loaded beside done()'s load, so a round takes no longer than before.
+// the family's timeout (recorded as a timeout waiting for `peer` at `site`). The broken
+// word is loaded beside done()'s load, so a round takes no longer than before.
 template <class Done>
 __device__ __forceinline__ bool spin(WaitCtx& c, int peer, u32 site, Done done) {
   if (c.failed) return false;
@@ -187,7 +192,9 @@ __device__ void finish_launch(WaitCtx& c, const LaunchView& l, u32 vecs) {
   __syncthreads();
   LaunchState* s = c.state;
   if (threadIdx.x == 0) {
-    const u32 counts = atomicAdd(&s->blocks, 1u);
+    u32 one;  // 1, computed from c.started: this atomic issues after the start's returned
+    asm volatile("and.b32 %0, %1, 0;\n\tadd.u32 %0, %0, 1;" : "=r"(one) : "r"(c.started));
+    const u32 counts = atomicAdd(&s->blocks, one);
     if ((counts & 0xffffu) == gridDim.x - 1u) {
       if ((counts >> 16) != gridDim.x) report(s, c.rank, kFailConcurrent, c.rank, 0, 0, 0);
       s->blocks = 0u;
