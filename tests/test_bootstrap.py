@@ -140,3 +140,36 @@ def test_torch_bootstrap_needs_initialized_group():
 def test_mpi_bootstrap_and_fd_channel(run_mpi, nranks):
     result = run_mpi(SCRIPTS / "bootstrap_check.py", nranks, timeout=180)
     assert result.stdout.strip().splitlines()[-1] == f"bootstrap_check OK size={nranks}"
+
+
+def test_abort_of_an_mpi_bootstrap_frees_nothing_collective(monkeypatch):
+    """abort() drops the communicators without MPI_Comm_free, which is collective and could
+    wait for a failed rank; close() frees them."""
+    from ubnext.bootstrap import MPIBootstrap
+
+    freed = []
+
+    class Comm:
+        def __init__(self, name):
+            self.name = name
+
+        def Free(self):
+            freed.append(self.name)
+
+    class MPI:
+        @staticmethod
+        def Is_finalized():
+            return False
+
+    def make(name):
+        b = MPIBootstrap.__new__(MPIBootstrap)
+        b._MPI, b._comm, b._rank, b._size, b._children = MPI, Comm(name), 0, 1, []
+        return b
+
+    parent, child = make("parent"), make("child")
+    parent._children.append(child)
+    parent.abort()
+    assert freed == [] and parent.closed and child.closed
+    other = make("other")
+    other.close()
+    assert freed == ["other"]

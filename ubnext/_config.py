@@ -155,7 +155,8 @@ class Config:
         "Bound (seconds, > 0) on every device spin-wait: a peer that does not "
         "arrive in time breaks the communicator (an error on every rank, the CUDA "
         "context intact) instead of hanging it. The default, as torch.distributed's "
-        "NCCL timeout, lets a live peer save a checkpoint or run an evaluation.",
+        "NCCL timeout, lets a live peer save a checkpoint or run an evaluation; it must "
+        "also exceed a first call's kernel compilation (seconds, cached on disk).",
     )
     nvls: str = _field(
         "UBNEXT_NVLS", "auto", _choice("auto", "0", "1"),

@@ -155,14 +155,12 @@ class Engine:
         records: ``{state name: device address of its ErrorRecord}`` (``FailureRecords``).
         timeout_s: bound on every device wait.
         max_blocks: blocks per launch (0 = SM count).
-        on_first_use: called (collectively, same order on every rank) after a kernel
-            instantiation is compiled for the first time, before its first launch.
         mc_base: device address of the pool's multicast mapping (``MulticastRange.ptr``:
             byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
     """
 
     def __init__(self, pool, plan: SlotPlan, records: dict[str, int], timeout_s: float, max_blocks: int,
-                 on_first_use, mc_base: int = 0):
+                 mc_base: int = 0):
         import cupy
 
         self.pool = pool
@@ -181,7 +179,6 @@ class Engine:
         self._launchers: dict[tuple, Launcher] = {}
         #: (algorithm, dtype, rows, hidden) -> a fused launch's (launcher, blocks, threads, cluster)
         self._norm_launches: dict[tuple, tuple] = {}
-        self._on_first_use = on_first_use
         self._mc_base = mc_base
         # constant arguments and addresses, computed once
         self._fixed = (pool.base, pool.stride, self.rank, mc_base)
@@ -240,7 +237,6 @@ class Engine:
                 module = self._modules[mkey] = compile_module(alg.source, defines)
             prefix, state = self._constants(alg, DTYPES[dtype][1], fused)
             launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix, (state,))
-            self._on_first_use()
         return launcher
 
     def _constants(self, alg, width: int, fused: bool) -> tuple[tuple, int]:

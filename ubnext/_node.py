@@ -88,7 +88,7 @@ class Node:
             self.failures = FailureRecords(STATES)
             undo.push(self.failures.close)
             self.engine = Engine(self.pool, plan, self.failures.device_ptr,
-                                 config.timeout_s, config.max_blocks, on_first_use=local.barrier,
+                                 config.timeout_s, config.max_blocks,
                                  mc_base=0 if self.multicast is None else self.multicast.ptr)
             self._broken_ptrs = [self.pool.ptr(r, plan.offset(name) + state_field("broken"))
                                  for r in range(local.size) for name in STATES]
@@ -130,10 +130,12 @@ class Node:
     def announce(self, kind: int, rank: int) -> None:
         """Marks every kernel family of every local rank broken by rank ``rank`` with failure
         ``kind``, so that their waits give up and their launches write poison. Local; the
-        stores go on a stream of their own, beside any kernel still waiting (no host wait)."""
+        stores go on a stream of their own, beside any kernel still waiting, and only they
+        are waited for."""
         word = broken_word(kind, rank)
         for ptr in self._broken_ptrs:
             drv("cuMemsetD32Async", ptr, word, 1, self._side.ptr, driver=self._driver)
+        self._side.synchronize()  # done when this returns: a peer told of it afterwards sees it
 
     def failure(self, op: str, timeout_s: float):
         """The error a kernel of this rank recorded, or None. The first time one is seen,

@@ -129,6 +129,14 @@ class MPIBootstrap(Bootstrap):
         if not self._MPI.Is_finalized():
             comm.Free()
 
+    def _abort(self) -> None:
+        """Drops the communicators without freeing them: ``MPI_Comm_free`` is collective
+        (it may wait for a rank that never calls it); MPI reclaims them at finalize."""
+        children, self._children = self._children, []
+        for child in children:
+            child.abort()
+        self._comm = None
+
     def close(self) -> None:
         """Free this bootstrap's communicator and those of its
         :meth:`split_local` children; idempotent.
