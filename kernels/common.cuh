@@ -34,8 +34,10 @@ struct f16 {};
 
 template <class T> struct Elem;
 
+// kNaN: the bits of a quiet NaN, the poison a failed launch leaves in its outputs.
 template <> struct Elem<bf16> {
   static constexpr int kBytes = 2;
+  static constexpr u32 kNaN = 0x7fc0u;
   __device__ static float load(u32 bits) { return __uint_as_float(bits << 16); }
   __device__ static u32 store(float f) {  // round to nearest even
     u16 r;
@@ -46,6 +48,7 @@ template <> struct Elem<bf16> {
 
 template <> struct Elem<f16> {
   static constexpr int kBytes = 2;
+  static constexpr u32 kNaN = 0x7e00u;
   __device__ static float load(u32 bits) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)bits));
@@ -60,6 +63,7 @@ template <> struct Elem<f16> {
 
 template <> struct Elem<float> {
   static constexpr int kBytes = 4;
+  static constexpr u32 kNaN = 0x7fc00000u;
   __device__ static float load(u32 bits) { return __uint_as_float(bits); }
   __device__ static u32 store(float f) { return __float_as_uint(f); }
 };
@@ -84,6 +88,11 @@ template <class T> struct Vec {
   __device__ static void unpack(const uint4& v, float (&f)[kPer]) {
 #pragma unroll
     for (int e = 0; e < kPer; ++e) f[e] = Elem<T>::load(bits(v, e));
+  }
+  // Every element a quiet NaN: what a failed launch writes where its result would go.
+  __device__ static uint4 poison() {
+    const u32 w = kBits == 32 ? Elem<T>::kNaN : Elem<T>::kNaN * 0x10001u;
+    return make_uint4(w, w, w, w);
   }
   __device__ static uint4 pack(const float (&f)[kPer]) {
     u32 w[4];
@@ -176,9 +185,10 @@ __device__ __forceinline__ uint4 ld_volatile(const void* p) {
   return v;
 }
 
-// Volatile 16-byte store: issued as written, not merged or elided.
-__device__ __forceinline__ void st_volatile(void* p, const uint4& v) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};"
+// Relaxed, system-scope 16-byte store: a store another rank polls for (the Lamport
+// pushes and re-poison), issued as written, never merged, cached or elided.
+__device__ __forceinline__ void st_relaxed_sys(void* p, const uint4& v) {
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1,%2,%3,%4};"
                :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
@@ -186,6 +196,13 @@ __device__ __forceinline__ void st_volatile(void* p, const uint4& v) {
 __device__ __forceinline__ u32 ld_volatile_u32(const void* p) {
   u32 v;
   asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Volatile 64-bit load.
+__device__ __forceinline__ u64 ld_volatile_u64(const void* p) {
+  u64 v;
+  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 

@@ -3,16 +3,19 @@
 // NVLink.
 //
 // Rank r owns slice r of the message. Every rank
-//   1. pushes slice s of its input into slot [rank] of rank s's reduce-scatter area,
+//   1. pushes slice s of its input into slot [rank] of rank s's reduce-scatter area, and
+//      its call signature into header [rank] there,
 //   2. re-poisons the previous launch's buffer in its own segment,
-//   3. polls the N slots of its own slice, reduces them in rank order, pushes the result
-//      into every other rank's all-gather area and writes it to `out`,
+//   3. checks every rank's signature against its own, polls the N slots of its own slice,
+//      reduces them in rank order, pushes the result into every other rank's all-gather
+//      area and writes it to `out`,
 //   4. polls the other slices in its all-gather area and writes them to `out`.
 // A peer needs this rank's step-3 data of a launch to finish that launch, so it is at
 // most one launch ahead, as in the one-shot kernel.
 //
 // Layout of a set (same offset in every segment): buffer b (of 3) at
-// set_off + b * 2 * area_bytes, its reduce-scatter area first, then its all-gather area.
+// set_off + b * 2 * area_bytes, its reduce-scatter area first (the N headers in its last
+// N vectors), then its all-gather area.
 #include "lamport.cuh"
 #include "rmsnorm.cuh"
 #include "transport.cuh"
@@ -53,36 +56,56 @@ __device__ void push_slices(const Tp& tp, u64 rs, u64 slice, u64 nvec, BlockPart
     for (int k = 0; k < N; ++k) {
       const int s = tp.peer(k);
       if (s * slice + j < nvec) {
-        st_weak(tp.seg(s) + rs + ((u64)tp.rank * slice + j) * kVec, clear_sentinel<T>(v[k]));
+        st_relaxed_sys(tp.seg(s) + rs + ((u64)tp.rank * slice + j) * kVec, clear_sentinel<T>(v[k]));
       }
     }
   }
 }
 
+// The headers of a reduce-scatter area: its last N vectors.
+template <int N> __device__ __forceinline__ u64 headers(u64 rs, u64 area_bytes) { return rs + area_bytes - N * kVec; }
+
+// Step 1 and 2 of both kernels, the signature's part: pushes this rank's signature into
+// header [rank] of every rank's current reduce-scatter area; re-poisons the headers of the
+// previous launch's reduce-scatter area in this rank's segment.
+template <class T, int N, class Tp>
+__device__ void signature_push_repoison(const Tp& tp, const LamportLaunch& l, u64 area_bytes, u64 sig) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) tp.push_all(headers<N>(l.cur, area_bytes) + tp.rank * kVec, pack_signature(sig));
+  lamport_repoison<T>(tp.seg(tp.rank) + headers<N>(l.old, area_bytes), N);
+}
+
 template <class T, class Op, int N, class Tp>
 __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_bytes,
-                                          const char* x, char* out, u64 n, LaunchState* state,
-                                          ErrorRecord* err, u64 timeout_ns) {
+                                          const char* x, char* out, u64 n, u64 sig,
+                                          LaunchState* state) {
   const Span<T> span(n);
   const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
-  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
+  WaitCtx c = wait_ctx(state, tp.rank);
   const u64 slice = round_up((span.nvec + N - 1) / N, UB_TWOSHOT_ALIGN_VECS);
   const BlockPart p = block_part(slice);
   char* mine = tp.seg(tp.rank);
   const u64 rs = l.cur, ag = l.cur + area_bytes;
 
-  // 1. Push slice s of my input into slot [rank] of rank s.
+  // 1. Push slice s of my input into slot [rank] of rank s, my signature into its header.
   push_slices<T, N>(tp, rs, slice, span.nvec, p, [&](u64 i) { return span.load(x, i); });
   // 2. Re-poison both areas of the previous launch's buffer.
-  lamport_repoison<T>(mine + l.old, l.prev_vecs);
-  lamport_repoison<T>(mine + l.old + area_bytes, l.prev_vecs);
-  // 3. Reduce my slice in rank order; push it into every other rank's all-gather area,
-  //    write it to `out` (every rank stores the same bits: -0.0 cleared everywhere).
-  for (u64 j = p.lo + threadIdx.x; j < p.hi; j += blockDim.x) {
+  lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
+  lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
+  signature_push_repoison<T, N>(tp, l, area_bytes, sig);
+  // 3. Check the signatures (the first vector's loads in flight meanwhile), reduce my
+  //    slice in rank order; push it into every other rank's all-gather area, write it to
+  //    `out` (every rank stores the same bits: -0.0 cleared everywhere). After a failure
+  //    the poison goes the same way, so the other ranks finish with poison, not waits.
+  uint4 v[N];
+  const u64 j0 = p.lo + threadIdx.x;
+  if (j0 < p.hi && tp.rank * slice + j0 < span.nvec) lamport_load<N>(mine + rs, slice * kVec, j0, v);
+  lamport_agree<T, N>(mine + headers<N>(rs, area_bytes), sig, c);
+  for (u64 j = j0; j < p.hi; j += blockDim.x) {
     const u64 i = tp.rank * slice + j;
     if (i < span.nvec) {
-      const uint4 r = clear_sentinel<T>(lamport_reduce<T, Op, N>(mine + rs, slice * kVec, j, c));
-      tp.store_peers(ag + i * kVec, r);
+      if (j != j0) lamport_load<N>(mine + rs, slice * kVec, j, v);
+      const uint4 r = clear_sentinel<T>(lamport_collect<T, Op, N>(mine + rs, slice * kVec, j, v, c));
+      tp.push_peers(ag + i * kVec, r);
       span.store(out, i, r);
     }
   }
@@ -97,12 +120,11 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
     for (int s = 0; s < N; ++s) {
       const u64 i = s * slice + j;
       if (s != tp.rank && i < span.nvec) {
-        lamport_wait<T>(mine + ag + i * kVec, v[s], c, s);
-        span.store(out, i, v[s]);
+        span.store(out, i, lamport_wait<T>(mine + ag + i * kVec, v[s], c, s) ? v[s] : Vec<T>::poison());
       }
     }
   }
-  finish_launch(state, l.epoch, (u32)(N * slice));
+  finish_launch(c, l.s, (u32)(N * slice));
 }
 
 // A row's scale as the fused kernel pushes it: one byte of its fp32 bits per 32-bit word,
@@ -129,12 +151,11 @@ __device__ __forceinline__ float unpack_scale(const uint4& v) {
 template <class T, int N, class Tp>
 __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_bytes,
                                             const char* x, u64 rows, const NormArgs& a,
-                                            LaunchState* state, ErrorRecord* err,
-                                            u64 timeout_ns) {
+                                            u64 sig, LaunchState* state) {
   const u64 vpr = a.hidden / Vec<T>::kPer;
   const u64 rpr = (rows + N - 1) / N;
   const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
-  const WaitCtx c{err, timeout_ns, tp.rank, l.epoch};
+  WaitCtx c = wait_ctx(state, tp.rank);
   char* mine = tp.seg(tp.rank);
   const u64 rs = l.cur, ag = l.cur + area_bytes, scales = ag + N * rpr * vpr * kVec;
   const u64 step = (u64)blockDim.x * gridDim.x;
@@ -143,22 +164,24 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   // 1. Push my rows of rank s's slice into slot [rank] of rank s (as the all-reduce does).
   push_slices<T, N>(tp, rs, rpr * vpr, rows * vpr, block_part(rpr * vpr), [&](u64 i) { return ld_weak(x + i * kVec); });
   // 2. Re-poison both areas of the previous launch's buffer.
-  lamport_repoison<T>(mine + l.old, l.prev_vecs);
-  lamport_repoison<T>(mine + l.old + area_bytes, l.prev_vecs);
-  // 3. My rows, by row groups: reduce, add bias and residual, push the sums, finish the
-  //    row here, pushing its scale as soon as it is known.
+  lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
+  lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
+  signature_push_repoison<T, N>(tp, l, area_bytes, sig);
+  // 3. My rows, by row groups, once the signatures agree: reduce, add bias and residual,
+  //    push the sums, finish the row here, pushing its scale as soon as it is known.
+  lamport_agree<T, N>(mine + headers<N>(rs, area_bytes), sig, c);
   const u64 first = (u64)tp.rank * rpr < rows ? (u64)tp.rank * rpr : rows;
   const u64 last = first + rpr < rows ? first + rpr : rows;
-  RowGroup g = row_group();
+  RowGroup g = row_group(&c);
   for (u64 row = first + g.id; row < last; row += g.count) {
     finish_row<T>(a, row, g, [&](u64 v) {
       const RowOperands o = load_operands<T>(a, row, v);
       const uint4 r = lamport_reduce<T, OpSum, N>(mine + rs, rpr * vpr * kVec, (row - first) * vpr + v, c);
       const uint4 sum = clear_sentinel<T>(add_residual<T>(o, r));
-      tp.store_peers(ag + (row * vpr + v) * kVec, sum);
+      tp.push_peers(ag + (row * vpr + v) * kVec, sum);
       return sum;
     }, [&](float scale) {
-      if (g.rank == 0 && threadIdx.x == 0) tp.store_peers(scales + row * kVec, pack_scale(scale));
+      if (g.rank == 0 && threadIdx.x == 0) tp.push_peers(scales + row * kVec, pack_scale(scale));
     });
   }
   // 4. The other ranks' rows, vector by vector over every thread (kBatch polls issued
@@ -182,15 +205,16 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
       if (q < others) {
         const u64 i = other(q), row = i / vpr, v = i - row * vpr;
         const int owner = (int)(row / rpr);
-        lamport_wait<T>(mine + ag + i * kVec, sum[u], c, owner);
-        const float scale = unpack_scale(lamport_poll<T>(mine + scales + row * kVec, c, owner));
-        st_weak(a.res_out + i * kVec, sum[u]);
-        st_weak(a.normed + i * kVec, normalize<T>(a, v, sum[u], scale));
+        bool ok = lamport_wait<T>(mine + ag + i * kVec, sum[u], c, owner);
+        uint4 scale = ld_volatile(mine + scales + row * kVec);
+        ok = lamport_wait<T>(mine + scales + row * kVec, scale, c, owner) && ok;
+        st_weak(a.res_out + i * kVec, ok ? sum[u] : Vec<T>::poison());
+        st_weak(a.normed + i * kVec, ok ? normalize<T>(a, v, sum[u], unpack_scale(scale)) : Vec<T>::poison());
       }
     }
   }
   row_group_done(g);
-  finish_launch(state, l.epoch, (u32)(N * rpr * (vpr + 1)));
+  finish_launch(c, l.s, (u32)(N * rpr * (vpr + 1)));
 }
 
 // ---- entry points -------------------------------------------------------------------
@@ -201,21 +225,17 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
 
 extern "C" __global__ void __launch_bounds__(UB_LAMPORT_TWOSHOT_THREADS, 1)
 ub_lamport_twoshot(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 area_bytes,
-                   const char* x, char* out, u64 n, LaunchState* state, ErrorRecord* err,
-                   u64 timeout_ns) {
+                   const char* x, char* out, u64 n, u64 sig, LaunchState* state) {
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
-  lamport_twoshot_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, set_off, area_bytes, x, out, n, state,
-                                                    err, timeout_ns);
+  lamport_twoshot_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, set_off, area_bytes, x, out, n, sig, state);
 }
 
 extern "C" __global__ void __launch_bounds__(UB_NORM_BLOCK_THREADS, 1) UB_CLUSTER_DIMS
 ub_lamport_twoshot_norm(char* base, u64 stride, int rank, char* mc, u64 set_off,
                         u64 area_bytes, const char* x, u64 rows, u64 hidden,
                         const char* residual, const char* bias, const char* weight,
-                        char* normed, char* res_out, float eps, LaunchState* state,
-                        ErrorRecord* err, u64 timeout_ns) {
+                        char* normed, char* res_out, float eps, u64 sig, LaunchState* state) {
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
-  lamport_twoshot_add_rmsnorm<UB_T, UB_NRANKS>(tp, set_off, area_bytes, x, rows, a, state, err,
-                                               timeout_ns);
+  lamport_twoshot_add_rmsnorm<UB_T, UB_NRANKS>(tp, set_off, area_bytes, x, rows, a, sig, state);
 }

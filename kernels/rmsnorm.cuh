@@ -8,7 +8,7 @@
 // bias and residual are optional (null). Every rank runs the same arithmetic in the same
 // order (row_sum is a fixed tree), so ranks that normalize the same row get the same bits.
 #pragma once
-#include "common.cuh"
+#include "sync.cuh"
 
 // UB_NORM_THREADS (protocol.h): threads of a row group (a multiple of 32, <= 1024), a
 // block or a cluster's blocks together.
@@ -139,6 +139,7 @@ struct RowGroup {
   u32 parity;  // which of the two slots (totals and mbarrier) the next row_sum uses
   u32 phase;   // bit s: the phase parity the next wait on mbarrier s waits for
   bool joined; // the cluster's mbarriers are known to be initialized
+  const WaitCtx* wait;  // where a cluster's mailbox wait reports a timeout (null: no cluster)
 };
 
 // One block's shared state of the row sums: per slot, an mbarrier and the group's warp
@@ -172,19 +173,28 @@ __device__ __forceinline__ void send_total(float* p, u64* bar, u32 rank, float v
                : "memory");
 }
 // Waits for the phase of parity `parity` of this block's mbarrier to complete (acquire,
-// cluster scope: the totals sent by other blocks are visible after it).
-__device__ __forceinline__ void wait_mail(u64* bar, u32 parity) {
-  u32 done = 0;
-  while (!done) {
+// cluster scope: the totals sent by other blocks are visible after it). Every block of
+// the cluster sends its totals, also after a failure, so this wait neither gives up on a
+// failed communicator nor leaves early: it only reports a timeout and goes on.
+__device__ __forceinline__ void wait_mail(u64* bar, u32 parity, const WaitCtx& c) {
+  const u64 t0 = globaltimer(), timeout_ns = ld_volatile_u64(&c.state->timeout_ns);
+  for (u32 k = 1;; ++k) {
+    u32 done;
     asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
                  "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    if (done) return;
+    if ((k & 31u) == 0u && globaltimer() - t0 > timeout_ns) {
+      report(c.state, c.rank, kFailTimeout, (int)UB_ANY_PEER, kSiteClusterMail, 0, 0);
+      return;
+    }
   }
 }
 #endif
 
-// Every thread of the group calls it, before the group's first row_sum.
-__device__ __forceinline__ RowGroup row_group() {
-  RowGroup g{blockIdx.x, gridDim.x, 0u, 0u, 0u, true};
+// Every thread of the group calls it, before the group's first row_sum; `wait`: the
+// thread's wait context (needed with clusters).
+__device__ __forceinline__ RowGroup row_group(const WaitCtx* wait = nullptr) {
+  RowGroup g{blockIdx.x, gridDim.x, 0u, 0u, 0u, true, wait};
 #if UB_CLUSTER > 1
   asm("mov.u32 %0, %%clusterid.x;" : "=r"(g.id));
   asm("mov.u32 %0, %%nclusterid.x;" : "=r"(g.count));
@@ -232,7 +242,7 @@ __device__ float row_sum(RowGroup& g, float v) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                  :: "r"(smem_addr(&m.bar[s])), "r"(UB_CLUSTER * warps * 4u) : "memory");
   }
-  wait_mail(&m.bar[s], (g.phase >> s) & 1u);
+  wait_mail(&m.bar[s], (g.phase >> s) & 1u, *g.wait);
   g.phase ^= 1u << s;
   if (lane < UB_CLUSTER * warps) t = m.total[s][lane];
 #else

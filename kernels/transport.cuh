@@ -3,8 +3,10 @@
 // The algorithms are written once over a transport:
 //   seg(r)              base of rank r's segment of the symmetric pool (local view)
 //   load_reduce(...)    reduce 16-byte vectors at one offset of every segment
-//   store_all(...)      store one 16-byte vector at one offset of every segment
-//   store_peers(...)    the same into every segment but this rank's (peer pointers)
+//   store_all(...)      store one 16-byte vector at one offset of every segment (weak:
+//                       ordered by the barriers of the two-shot kernel)
+//   push_all(...)       the same as a Lamport push, which the receiver polls for
+//   push_peers(...)     a Lamport push into every segment but this rank's (peer pointers)
 //   barrier(...)        block b of every rank waits for block b of every other rank
 // Unicast goes through every peer's mapped pointer (any P2P NVLink machine). Multicast
 // (NVLS) goes through the multicast mapping of the pool: one multimem access at mc + off
@@ -53,15 +55,23 @@ template <int N> struct Unicast {
     }
   }
 
-  // Stores v at byte offset off of every other rank's segment, in peer() order (weak).
-  __device__ void store_peers(u64 off, const uint4& v) const {
+  // Pushes v to byte offset off of every segment, in peer() order (relaxed, system scope).
+  __device__ void push_all(u64 off, const uint4& v) const {
 #pragma unroll
-    for (int k = 1; k < N; ++k) st_weak(seg(peer(k)) + off, v);
+    for (int k = 0; k < N; ++k) st_relaxed_sys(seg(peer(k)) + off, v);
   }
 
-  // Barrier of block blockIdx.x with the same block on every rank (sync.cuh).
-  __device__ void barrier(u64 flags_off, int phase, u32 value, const WaitCtx& c, u32 site) const {
-    block_barrier<N>(*this, flags_off, phase, value, c, site);
+  // Pushes v to byte offset off of every other rank's segment, in peer() order (relaxed,
+  // system scope).
+  __device__ void push_peers(u64 off, const uint4& v) const {
+#pragma unroll
+    for (int k = 1; k < N; ++k) st_relaxed_sys(seg(peer(k)) + off, v);
+  }
+
+  // Barrier of block blockIdx.x with the same block on every rank, exchanging call
+  // signatures when `sig` is nonzero (sync.cuh); whether it held in every thread of the block.
+  __device__ bool barrier(u64 flags_off, int phase, u32 value, u64 sig, WaitCtx& c, u32 site) const {
+    return block_barrier<N>(*this, flags_off, phase, value, sig, c, site);
   }
 };
 
@@ -98,6 +108,12 @@ __device__ __forceinline__ void multimem_st(char* p, const uint4& v) {
                :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// multimem.st of one 16-byte vector that every rank polls for (relaxed, system scope).
+__device__ __forceinline__ void multimem_push(char* p, const uint4& v) {
+  asm volatile("multimem.st.relaxed.sys.global.v4.f32 [%0], {%1,%2,%3,%4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // multimem.red.add of a 32-bit counter on every rank, release at system scope.
 __device__ __forceinline__ void multimem_red_release(char* p, u32 v) {
   asm volatile("multimem.red.release.sys.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
@@ -127,6 +143,9 @@ template <int N> struct Multicast : Unicast<N> {
     }
   }
 
+  // One multimem.st per vector, a Lamport push into every rank's copy.
+  __device__ void push_all(u64 off, const uint4& v) const { multimem_push(this->mc + off, v); }
+
   // One multimem.st per vector; a partial vector goes element by element through the
   // unicast path.
   template <class T> __device__ void store_all(u64 off, const uint4& v, int valid) const {
@@ -139,16 +158,28 @@ template <int N> struct Multicast : Unicast<N> {
 
   // Counter barrier: one multimem.red adds 1 to this block's counter on every rank; the
   // block waits until its own counter shows all N arrivals of this launch (value * N).
-  // Counters live in slot [phase][block][0] of the flag array and only grow.
-  __device__ void barrier(u64 flags_off, int phase, u32 value, const WaitCtx& c, u32 site) const {
+  // Counters live in slot [phase][block][0] of the flag array and only grow. Signatures
+  // (sig nonzero) go to every rank by unicast stores before the arrival, as in
+  // block_barrier.
+  // Whether it held, in every thread of the block; a block that failed before does not
+  // arrive (sync.cuh: block_barrier).
+  __device__ bool barrier(u64 flags_off, int phase, u32 value, u64 sig, WaitCtx& c, u32 site) const {
+    if (__syncthreads_or(c.failed)) return c.failed = true, false;
+    const int t = threadIdx.x;
+    if (sig != 0 && t < N) *(volatile u64*)(seg(t) + flags_off + signature_offset(blockIdx.x, c.rank)) = sig;
     __syncthreads();
-    if (threadIdx.x == 0) {
+    bool ok = true;
+    if (t == 0) {
       const u64 off = flags_off + flag_offset(phase, blockIdx.x, 0);
       fence_sys();
       multimem_red_release(this->mc + off, 1u);
-      wait_flag((const u32*)(seg(c.rank) + off), value * (u32)N, c, (int)UB_ANY_PEER, site);
+      ok = wait_flag((const u32*)(seg(c.rank) + off), value * (u32)N, c, (int)UB_ANY_PEER, site);
     }
-    __syncthreads();
+    ok = __syncthreads_and(ok);
+    if (ok && sig != 0 && t < N) ok = signature_agrees(seg(c.rank), flags_off, t, sig, c);
+    ok = __syncthreads_and(ok);
+    c.failed |= !ok;
+    return ok;
   }
 };
 

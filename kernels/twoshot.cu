@@ -19,13 +19,12 @@
 
 template <class T, class Op, int N, class Tp>
 __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, const char* src,
-                                  char* dst, u64 n, LaunchState* state, ErrorRecord* err,
-                                  u64 timeout_ns) {
+                                  char* dst, u64 n, u64 sig,
+                                  LaunchState* state) {
   constexpr int U = N >= 8 ? 2 : 4;  // vectors in flight per thread: U * N loads
   const Span<T> span(n);
-  u32 epoch, prev_vecs;
-  read_launch_state(state, epoch, prev_vecs);
-  const WaitCtx c{err, timeout_ns, tp.rank, epoch};
+  const LaunchView l = read_launch_state(state);
+  WaitCtx c = wait_ctx(state, tp.rank);
   const u64 slice = (span.nvec + N - 1) / N;
   const u64 part = (slice + gridDim.x - 1) / gridDim.x;
   const u64 lo = blockIdx.x * part;
@@ -37,14 +36,14 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
     for (int s = 0; s < N; ++s) {
       for (u64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         const u64 i = s * slice + j;
-        if (i < span.nvec) st_weak(mine + i * kVec, span.load(src, i));
+        if (i < span.nvec) span.store(mine, i, span.load(src, i));  // never past element n
       }
     }
   }
-  tp.barrier(flags_off, 0, epoch + 1u, c, kSiteEntryBarrier);
+  const bool entered = tp.barrier(flags_off, 0, l.epoch + 1u, sig, c, kSiteEntryBarrier);
 
-  // 3. reduce-scatter by loads, all-gather by stores
-  for (u64 j0 = lo + threadIdx.x; j0 < hi; j0 += (u64)blockDim.x * U) {
+  // 3. reduce-scatter by loads, all-gather by stores (only once every rank's block arrived)
+  for (u64 j0 = lo + threadIdx.x; entered && j0 < hi; j0 += (u64)blockDim.x * U) {
     u64 off[U];
     bool ok[U];
 #pragma unroll
@@ -64,18 +63,20 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
       }
     }
   }
-  tp.barrier(flags_off, 1, epoch + 1u, c, kSiteExitBarrier);
+  const bool ok = tp.barrier(flags_off, 1, l.epoch + 1u, 0, c, kSiteExitBarrier);
 
-  // 5. copy-out
-  if (dst != nullptr) {
+  // 5. copy-out; after a failure, poison where the result would have gone (the buffer
+  //    itself when it is the output)
+  if (dst != nullptr || !ok) {
+    char* to = dst != nullptr ? dst : mine;
     for (int s = 0; s < N; ++s) {
       for (u64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
         const u64 i = s * slice + j;
-        if (i < span.nvec) span.store(dst, i, ld_relaxed_sys(mine + i * kVec));
+        if (i < span.nvec) span.store(to, i, ok ? ld_relaxed_sys(mine + i * kVec) : Vec<T>::poison());
       }
     }
   }
-  finish_launch(state, epoch, (u32)span.nvec);
+  finish_launch(c, l, (u32)span.nvec);
 }
 
 // Fused all-reduce + residual add + RMSNorm (rmsnorm.cuh) of `rows` rows of a.hidden
@@ -88,13 +89,12 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
 // only joins block b of every rank.
 template <class T, int N, class Tp>
 __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 flags_off,
-                                    const char* src, u64 rows, const NormArgs& a,
-                                    LaunchState* state, ErrorRecord* err, u64 timeout_ns) {
+                                    const char* src, u64 rows, const NormArgs& a, u64 sig,
+                                    LaunchState* state) {
   const u64 vpr = a.hidden / Vec<T>::kPer;
   const u64 rpr = (rows + N - 1) / N;
-  u32 epoch, prev_vecs;
-  read_launch_state(state, epoch, prev_vecs);
-  const WaitCtx c{err, timeout_ns, tp.rank, epoch};
+  const LaunchView l = read_launch_state(state);
+  WaitCtx c = wait_ctx(state, tp.rank);
   char* buf = tp.seg(tp.rank) + buf_off;
   char* res = tp.seg(tp.rank) + res_off;
 
@@ -105,12 +105,13 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
       }
     }
   }
-  tp.barrier(flags_off, 0, epoch + 1u, c, kSiteEntryBarrier);
+  const bool entered = tp.barrier(flags_off, 0, l.epoch + 1u, sig, c, kSiteEntryBarrier);
 
-  // 2. reduce my rows, add, normalize, store both results into every rank
+  // 2. reduce my rows, add, normalize, store both results into every rank (only once
+  //    every rank's block arrived)
   const u64 end = (tp.rank + 1) * rpr < rows ? (tp.rank + 1) * rpr : rows;
   RowGroup g = row_group();  // launched without clusters: the block
-  for (u64 row = tp.rank * rpr + blockIdx.x; row < end; row += gridDim.x) {
+  for (u64 row = tp.rank * rpr + blockIdx.x; entered && row < end; row += gridDim.x) {
     float ss = 0.f;
     for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
       const u64 off = (row * vpr + v) * kVec;
@@ -129,38 +130,35 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
       tp.template store_all<T>(buf_off + off, normalize<T>(a, v, ld_weak(res + off), scale), 0);
     }
   }
-  tp.barrier(flags_off, 1, epoch + 1u, c, kSiteExitBarrier);
+  const bool ok = tp.barrier(flags_off, 1, l.epoch + 1u, 0, c, kSiteExitBarrier);
 
-  for (int s = 0; s < N; ++s) {  // 3. copy-out
+  for (int s = 0; s < N; ++s) {  // 3. copy-out, or poison after a failure
     for (u64 row = s * rpr + blockIdx.x; row < rows && row < (s + 1) * rpr; row += gridDim.x) {
       for (u64 v = threadIdx.x; v < vpr; v += blockDim.x) {
         const u64 off = (row * vpr + v) * kVec;
-        st_weak(a.normed + off, ld_relaxed_sys(buf + off));
-        st_weak(a.res_out + off, ld_relaxed_sys(res + off));
+        st_weak(a.normed + off, ok ? ld_relaxed_sys(buf + off) : Vec<T>::poison());
+        st_weak(a.res_out + off, ok ? ld_relaxed_sys(res + off) : Vec<T>::poison());
       }
     }
   }
-  finish_launch(state, epoch, (u32)(rows * vpr));
+  finish_launch(c, l, (u32)(rows * vpr));
 }
 
 // ---- entry points, instantiated per (UB_T, UB_OP, UB_NRANKS, UB_TRANSPORT) ---------
 
 extern "C" __global__ void __launch_bounds__(UB_TWOSHOT_THREADS)
 ub_twoshot(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 buf_off,
-           const char* src, char* dst, u64 n, LaunchState* state, ErrorRecord* err,
-           u64 timeout_ns) {
+           const char* src, char* dst, u64 n, u64 sig, LaunchState* state) {
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
-  twoshot_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, buf_off, flags_off, src, dst, n, state, err,
-                                            timeout_ns);
+  twoshot_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, buf_off, flags_off, src, dst, n, sig, state);
 }
 
 extern "C" __global__ void __launch_bounds__(UB_NORM_THREADS)
 ub_twoshot_norm(char* base, u64 stride, int rank, char* mc, u64 buf_off, u64 res_off,
                 u64 flags_off, const char* x, u64 rows, u64 hidden, const char* residual,
                 const char* bias, const char* weight, char* normed, char* res_out, float eps,
-                LaunchState* state, ErrorRecord* err, u64 timeout_ns) {
+                u64 sig, LaunchState* state) {
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
-  twoshot_add_rmsnorm<UB_T, UB_NRANKS>(tp, buf_off, res_off, flags_off, x, rows, a, state, err,
-                                       timeout_ns);
+  twoshot_add_rmsnorm<UB_T, UB_NRANKS>(tp, buf_off, res_off, flags_off, x, rows, a, sig, state);
 }

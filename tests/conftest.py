@@ -41,14 +41,10 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
 
 @functools.lru_cache(maxsize=None)
 def _gpu_unavailable_reason() -> str | None:
-    """Why no CUDA device is usable, or None if one is."""
-    try:
-        import cupy
+    """Why no CUDA device is usable ("no GPU: ..." where there is none), or None if one is."""
+    from ubnext._preflight import gpu_problem
 
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no cupy, no driver, no device: all mean "skip"
-        return f"no usable CUDA device ({type(exc).__name__}: {exc})"
-    return None if count > 0 else "no CUDA device"
+    return gpu_problem()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

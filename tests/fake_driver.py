@@ -70,6 +70,8 @@ class FakeDriver:
         "cuMemMap": 0,
         "cuMemUnmap": 0,
         "cuMemSetAccess": 0,
+        "cuMemsetD32Async": 0,   # recorded only: the fake has no device memory
+        "cuMemcpyDtoHAsync": 0,
     }
 
     def __init__(
@@ -264,6 +266,12 @@ class FakeDriver:
             return self._error(0)
         del self.mappings[va]
         return (SUCCESS,)
+
+    def _cuMemsetD32Async(self, ptr: Any, value: int, count: int, stream: Any) -> tuple:
+        return (SUCCESS,)
+
+    def _cuMemcpyDtoHAsync(self, dst: Any, src: Any, nbytes: int, stream: Any) -> tuple:
+        return (SUCCESS,)  # leaves the host buffer as it was (zeros: not broken)
 
     def _cuMemSetAccess(self, ptr: Any, size: int, desc: list, count: int) -> tuple:
         va, end = int(ptr), int(ptr) + size

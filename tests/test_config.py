@@ -23,7 +23,7 @@ DEFAULTS = {
     "lamport_max_kb": 1024,
     "lamport_twoshot_max_kb": 16384,
     "algorithm": "auto",
-    "timeout_s": 60.0,
+    "timeout_s": 600.0,
     "nvls": "auto",
     "max_blocks": 0,
     "log_level": "WARNING",
@@ -165,7 +165,7 @@ def test_markdown_table_lists_every_field():
     assert len(rows) == len(dataclasses.fields(Config))
     for row, f in zip(rows, dataclasses.fields(Config)):
         assert row.startswith(f"| `{f.metadata['env']}` | ")
-    assert "| `UBNEXT_TIMEOUT_S` | `60` |" in rows[5]
+    assert "| `UBNEXT_TIMEOUT_S` | `600` |" in rows[5]
     assert "| `UBNEXT_DEBUG` | `0` |" in rows[9]
     assert "| `UBNEXT_TUNE_FILE` | (empty) |" in rows[10]
 

@@ -145,11 +145,23 @@ class StubEngine:
         pass
 
 
-class StubTimeoutRecord:
-    device_ptr = 0
+class StubFailureRecords:
     tripped = False
 
+    def __init__(self, names):
+        self.device_ptr = dict.fromkeys(names, 0)
+
     def close(self):
+        pass
+
+
+class StubStream:
+    ptr = 0
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def synchronize(self):
         pass
 
 
@@ -161,8 +173,8 @@ class StubDevice:
         pass
 
 
-class TrappedDevice(StubDevice):
-    """Device 0's context is gone (a kernel trapped): every wait on it fails."""
+class FailingDevice(StubDevice):
+    """Device 0's wait fails (e.g. an illegal address in another library's kernel)."""
 
     def __init__(self, device):
         self.device = device
@@ -171,7 +183,7 @@ class TrappedDevice(StubDevice):
         import cupy
 
         if self.device == 0:
-            raise cupy.cuda.runtime.CUDARuntimeError(719)  # cudaErrorLaunchFailure
+            raise cupy.cuda.runtime.CUDARuntimeError(700)  # cudaErrorIllegalAddress
 
 
 @pytest.fixture
@@ -186,8 +198,9 @@ def node_path(monkeypatch):
     import ubnext._node as node_module
 
     monkeypatch.setattr(node_module, "Engine", StubEngine)
-    monkeypatch.setattr(node_module, "TimeoutRecord", StubTimeoutRecord)
+    monkeypatch.setattr(node_module, "FailureRecords", StubFailureRecords)
     monkeypatch.setattr(cupy.cuda, "Device", StubDevice)
+    monkeypatch.setattr(cupy.cuda, "Stream", StubStream)
     config_args = dict(pool_mb=16, staging_mb=1, lamport_max_kb=64, lamport_twoshot_max_kb=512, timeout_s=10)
 
     def run(fake, mode, environ, n=2):
@@ -250,36 +263,58 @@ def test_node_path_multicast_failure_in_mode_1_fails_the_node(node_path):
     assert fake.leaks() == []
 
 
-@pytest.mark.parametrize("timed_out", [True, False])
-def test_node_close_with_a_dead_device_meets_the_other_ranks_and_releases_everything(monkeypatch, timed_out):
-    """Rank 0's device wait fails: it still joins the closing barrier (or rank 1 would
-    wait forever) and releases the pool. After a recorded timeout close only logs;
-    otherwise the device error is raised, after every release step."""
+@pytest.mark.parametrize("why", ["broken", "device error", "local"])
+def test_node_close_of_a_broken_node_waits_for_no_rank_and_releases_everything(monkeypatch, why):
+    """Rank 0 closes while rank 1 never calls close: with a recorded failure, a failed
+    device wait, or close(local=True), rank 0 meets no other rank (a failed peer may
+    never come) and still releases everything; a device error is raised after that."""
     import cupy
 
     import ubnext._node as node_module
 
     monkeypatch.setattr(node_module, "Engine", StubEngine)
-    monkeypatch.setattr(node_module, "TimeoutRecord", StubTimeoutRecord)
-    monkeypatch.setattr(StubTimeoutRecord, "tripped", timed_out)
-    monkeypatch.setattr(cupy.cuda, "Device", TrappedDevice)
+    monkeypatch.setattr(node_module, "FailureRecords", StubFailureRecords)
+    monkeypatch.setattr(StubFailureRecords, "tripped", why == "broken")
+    monkeypatch.setattr(cupy.cuda, "Device", FailingDevice if why == "device error" else StubDevice)
+    monkeypatch.setattr(cupy.cuda, "Stream", StubStream)
     fake = MulticastFakeDriver()
     config = Config(nvls="0", pool_mb=16, staging_mb=1, lamport_max_kb=64, lamport_twoshot_max_kb=512)
-
-    def rank(boot):
-        node = node_module.Node(boot, boot.rank, config, NvlsDecision(False, "UBNEXT_NVLS=0"), driver=fake)
-        try:
-            node.close()
-            return "closed"
-        except cupy.cuda.runtime.CUDARuntimeError as e:
-            return e
-
-    results = run_ranks(2, rank)
-    assert results[1] == "closed"
-    if timed_out:
-        assert results[0] == "closed"
+    nodes = run_ranks(2, lambda boot: node_module.Node(boot, boot.rank, config, NvlsDecision(False, "off"),
+                                                       driver=fake))
+    try:
+        nodes[0].close(local=why == "local")
+        closed = "closed"
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        closed = e
+    if why == "device error":
+        assert "cudaErrorIllegalAddress" in str(closed)
     else:
-        assert "cudaErrorLaunchFailure" in str(results[0])
+        assert closed == "closed"
+    nodes[1].close(local=True)
+    assert fake.leaks() == []
+
+
+def test_node_announce_marks_every_family_of_every_rank(monkeypatch):
+    import cupy
+
+    import ubnext._node as node_module
+    from ubnext._engine import STATES
+    from ubnext._failures import broken_word
+
+    monkeypatch.setattr(node_module, "Engine", StubEngine)
+    monkeypatch.setattr(node_module, "FailureRecords", StubFailureRecords)
+    monkeypatch.setattr(cupy.cuda, "Device", StubDevice)
+    monkeypatch.setattr(cupy.cuda, "Stream", StubStream)
+    fake = MulticastFakeDriver()
+    config = Config(nvls="0", pool_mb=16, staging_mb=1, lamport_max_kb=64, lamport_twoshot_max_kb=512)
+    nodes = run_ranks(3, lambda boot: node_module.Node(boot, boot.rank, config, NvlsDecision(False, "off"),
+                                                       driver=fake))
+    nodes[1].announce(1, 1)
+    sets = [c.args for c in fake.calls if c.name == "cuMemsetD32Async"]
+    assert len(sets) == 3 * len(STATES) and {a[1:3] for a in sets} == {(broken_word(1, 1), 1)}
+    assert len({int(a[0]) for a in sets}) == len(sets)  # a word of every family of every rank
+    for node in nodes:
+        node.close(local=True)
     assert fake.leaks() == []
 
 

@@ -116,26 +116,33 @@ def test_no_protocol_constant_is_written_in_a_kernel_file():
 
 
 def test_protocol_structs_have_the_host_layout():
-    from ubnext import _timeouts
+    import ctypes
 
-    assert _protocol.LAUNCH_STATE_BYTES == 16 and _protocol.struct_bytes(_protocol.ERROR_RECORD) == 24
-    assert [f for f, _ in _timeouts._Record._fields_] == [f for _, f, _ in _protocol.ERROR_RECORD]
+    from ubnext import _failures
+
+    assert _protocol.LAUNCH_STATE_BYTES == 40 and _protocol.struct_bytes(_protocol.ERROR_RECORD) == 40
+    assert [f for f, _ in _failures._Record._fields_] == [f for _, f, _ in _protocol.ERROR_RECORD]
+    for _, field, _ in _protocol.ERROR_RECORD:  # ctypes lays the record out as the compiler does
+        assert getattr(_failures._Record, field).offset == _protocol.field_offset(_protocol.ERROR_RECORD, field)
+    assert ctypes.sizeof(_failures._Record) == 40
+    assert _protocol.field_offset(_protocol.LAUNCH_STATE, "record") == 24
     header = _protocol.header()  # the kernels compile it with these sizes asserted
-    assert 'static_assert(sizeof(LaunchState) == 16, "LaunchState layout");' in header
-    assert 'static_assert(sizeof(ErrorRecord) == 24, "ErrorRecord layout");' in header
+    assert 'static_assert(sizeof(LaunchState) == 40, "LaunchState layout");' in header
+    assert 'static_assert(sizeof(ErrorRecord) == 40, "ErrorRecord layout");' in header
     assert _protocol.sentinel_word(2) == 0x80008000 and _protocol.sentinel_word(4) == 0x80000000
 
 
 @pytest.mark.parametrize("max_kb", [1, 7, 64, 16384])
 def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
-    # kernels/lamport_twoshot.cu: N slots of round_up(ceil(nvec / N), UB_TWOSHOT_ALIGN_VECS) vectors
+    # kernels/lamport_twoshot.cu: N slots of round_up(ceil(nvec / N), UB_TWOSHOT_ALIGN_VECS)
+    # vectors, then N signature headers at the end of the reduce-scatter area
     unit = _protocol.TWOSHOT_ALIGN_VECS
     area = _engine._area(max_kb * 1024)
     for nranks in range(1, MAX_RANKS + 1):
         for nbytes in {b for b in (1, 16, 17, 4096, max_kb * 1024 - 2, max_kb * 1024) if b <= max_kb * 1024}:
             nvec = -(-nbytes // 16)
             slice_vecs = -(-(-(-nvec // nranks)) // unit) * unit
-            assert nranks * slice_vecs * 16 <= area, (nranks, nbytes)
+            assert nranks * slice_vecs * 16 + nranks * 16 <= area, (nranks, nbytes)
 
 
 @pytest.mark.parametrize("max_kb", [64, 2048, 16384])
@@ -149,7 +156,9 @@ def test_fused_lamport_twoshot_takes_its_largest_message_in_one_launch(max_kb, r
         took = _engine.twoshot_norm_rows(area, row_bytes, nranks)
         assert took >= whole and took % nranks == 0, (nranks, took, whole)
         # the kernel's bound: nranks slots of took / nranks rows, each with a 16-byte scale
+        # (all-gather area), and nranks signature headers after the slots (reduce-scatter area)
         assert took * (row_bytes + 16) <= area
+        assert took * row_bytes + nranks * 16 <= area
 
 
 def test_compile_defines_cover_the_table():

@@ -14,14 +14,25 @@ UID = bytes(range(128))
 
 
 class Boot:
-    """A bootstrap seen from one rank; ``bcast`` records calls and returns rank 0's payload."""
+    """A bootstrap seen from one rank; ``bcast`` records calls and returns rank 0's payload;
+    ``allgather_obj`` gives the other ranks' ``peers[r]`` (each its own GPU by default)."""
 
-    def __init__(self, rank: int, size: int = 4, root_payload: bytes = UID) -> None:
+    def __init__(self, rank: int, size: int = 4, root_payload: bytes = UID, peers=None) -> None:
         self.rank, self.size, self.root_payload, self.bcasts = rank, size, root_payload, []
+        self.peers = peers or [f"GPU-{r}" for r in range(size)]
 
     def bcast(self, data, root):
         self.bcasts.append((data, root))
         return data if self.rank == root else self.root_payload
+
+    def allgather_obj(self, obj):
+        return [obj if r == self.rank else self.peers[r] for r in range(self.size)]
+
+
+@pytest.fixture(autouse=True)
+def device_uuids(monkeypatch):
+    """Device ordinal d is GPU-d (no driver on this machine)."""
+    monkeypatch.setattr("ubnext._devices.device_uuid", lambda ordinal: f"GPU-{ordinal}")
 
 
 def install_nccl(monkeypatch, *, names_new_enums=True, uid_error=False):
@@ -134,3 +145,13 @@ def test_missing_library_says_how_to_install(monkeypatch):
     fakes.install(monkeypatch)  # its nccl has available = False
     with pytest.raises(UbnextError, match="^nccl.all_reduce: cupy cannot load the NCCL library.*pip install"):
         NcclComm(Boot(rank=0), 0).all_reduce(1, 1, 1, "float32", "sum", 0)
+
+
+def test_ranks_on_one_gpu_are_refused_in_one_line(monkeypatch):
+    """Several ranks on one GPU: every rank says why, and none asks NCCL for anything."""
+    nccl = install_nccl(monkeypatch)
+    boot = Boot(rank=1, size=3, peers=["GPU-0", None, "GPU-0"])
+    with pytest.raises(UbnextError, match=r"^nccl.connect: NCCL cannot serve several ranks on one GPU "
+                                          r"\(ranks 0, 1, 2 use GPU-0\); give each rank its own GPU"):
+        NcclComm(boot, device=0).connect()
+    assert not boot.bcasts and not nccl.NcclCommunicator.created

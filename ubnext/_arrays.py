@@ -1,8 +1,10 @@
 """Interop with the caller's arrays: CuPy, PyTorch, and anything with DLPack or CAI.
 
-Fast paths read torch tensors and CuPy arrays directly; other objects go through
-``__cuda_array_interface__`` or ``__dlpack__`` (via CuPy). torch is optional and
-imported lazily: it is only touched when the caller passes a tensor or asks for one.
+Fast paths read torch tensors and CuPy arrays directly; arrays of other frameworks are
+viewed as CuPy arrays through ``__dlpack__`` or ``__cuda_array_interface__``, ordered
+before the stream the call launches on (so the launch stream is resolved first, by
+``launch_stream``). torch is optional and imported lazily: it is only touched when the
+caller passes a tensor or asks for one.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import sys
 from typing import NamedTuple
 
+from . import _streams
 from ._algorithms import DTYPES
 from ._errors import UbnextError
 
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
+_DLPACK_VERSION = (1, 0)  # the newest DLPack this module reads (through CuPy)
+_DEVICE_MEMORY, _MANAGED_MEMORY = 2, 3  # cudaMemoryType
 
 
 class Buffer(NamedTuple):
@@ -67,16 +72,30 @@ def _dtype_name(name: str, op: str) -> str:
     return name
 
 
-def describe(x, op: str) -> Buffer:
+def describe(x, op: str, stream: int) -> Buffer:
     """Validates ``x`` and returns its Buffer view.
+
+    An array of another framework is handed the launch stream, so that its data is
+    complete before the call's kernels read it, without the host waiting: a DLPack
+    producer gets it as ``__dlpack__(stream=...)`` and orders its work before it; an
+    array whose ``__cuda_array_interface__`` names the stream that produces it is waited
+    for on ``stream`` (an event, ``_streams.order_after``). The interface is read first
+    when it is version 3 (it states its stream, or that none is needed); older versions
+    say nothing about streams (JAX's, version 2, may name data still being computed), so
+    DLPack comes first for them. Not collective.
 
     Args:
         x: a CUDA torch.Tensor, cupy.ndarray, or object with ``__cuda_array_interface__``
             or ``__dlpack__``.
         op: operation name for error messages (e.g. ``"all_reduce"``).
+        stream: the raw cudaStream_t the call launches on (``launch_stream``).
+
+    Returns:
+        The Buffer; for other frameworks ``obj`` is a CuPy array viewing the memory.
 
     Raises:
-        UbnextError: host memory, non-contiguous data, unsupported dtype.
+        UbnextError: host memory, non-contiguous data, unsupported dtype, an array that
+            cannot be viewed as CUDA memory.
     """
     if _is_torch(x):
         device = x.get_device()  # -1: host memory
@@ -90,34 +109,133 @@ def describe(x, op: str) -> Buffer:
     import cupy
 
     if not isinstance(x, cupy.ndarray):
-        if hasattr(x, "__cuda_array_interface__"):
-            x = cupy.asarray(x)
-        elif hasattr(x, "__dlpack__"):
-            device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else None
-            if device_type not in _DLPACK_CUDA:
-                raise UbnextError(f"{op}: {type(x).__name__} is not in CUDA device memory (DLPack device "
-                                  f"type {device_type}); host memory is not supported")
-            try:
-                x = cupy.from_dlpack(x)
-            except Exception as e:  # host arrays, unknown devices
-                raise UbnextError(f"{op}: cannot view {type(x).__name__} as CUDA memory: {e}") from e
-        else:
-            raise UbnextError(
-                f"{op}: expected a CUDA array (torch.Tensor, cupy.ndarray, __cuda_array_interface__ "
-                f"or __dlpack__), got {type(x).__name__} (host memory is not supported)"
-            )
+        x = _foreign(x, op, stream)
     if not x.flags.c_contiguous:
         raise UbnextError(f"{op}: array is not C-contiguous; call cupy.ascontiguousarray first")
-    dtype = _CUPY_NAMES.get(x.dtype)
-    if dtype is None:  # numpy's dtype.name is slow (a few µs per call): look it up once per dtype
-        dtype = _CUPY_NAMES[x.dtype] = _dtype_name(x.dtype.name, op)
+    dtype = _CUPY_NAMES.get(x.dtype) or _numpy_name(x.dtype, op)
     count = x.size
     return Buffer(x, "cupy", x.data.ptr, count, dtype, x.device.id, tuple(x.shape), count * _WIDTH[dtype])
 
 
-def check_out(x: Buffer, out, op: str) -> Buffer:
-    """Validates ``out`` against ``x``: same count, dtype and device; no partial overlap."""
-    o = describe(out, op)
+def _numpy_name(dtype, op: str) -> str:
+    """The DTYPES name of a numpy dtype (numpy's dtype.name is slow, a few µs: looked up
+    once per dtype)."""
+    name = _dtype_name(dtype.name, op)
+    _CUPY_NAMES[dtype] = name
+    return name
+
+
+def _foreign(x, op: str, stream: int):
+    """A CuPy array viewing ``x``, an array of another framework, ordered before ``stream``."""
+    try:
+        cai = getattr(x, "__cuda_array_interface__", None)
+    except Exception:  # e.g. a sharded JAX array refuses it: DLPack may still work
+        cai = None
+    dlpack = hasattr(x, "__dlpack__")
+    if cai is not None and (not dlpack or cai.get("version", 0) >= 3):
+        return _from_cai(x, cai, op, stream)
+    if dlpack:
+        return _from_dlpack(x, op, stream)
+    raise UbnextError(
+        f"{op}: expected a CUDA array (torch.Tensor, cupy.ndarray, __cuda_array_interface__ "
+        f"or __dlpack__), got {type(x).__name__} (host memory is not supported)"
+    )
+
+
+def _from_dlpack(x, op: str, stream: int):
+    device_type = x.__dlpack_device__()[0] if hasattr(x, "__dlpack_device__") else None
+    if device_type not in _DLPACK_CUDA:
+        raise UbnextError(f"{op}: {type(x).__name__} is not in CUDA device memory (DLPack device "
+                          f"type {device_type}); host memory is not supported")
+    # The consumer stream as DLPack names it: 1 for the legacy default stream; -1 (no
+    # synchronization) while it is being captured into a CUDA graph, where the producer's
+    # event wait would invalidate the capture (a replayed graph reads the memory as it is
+    # then: ordering the producer before a replay is the caller's contract).
+    if _streams.CUDA.capture(stream) != 0:
+        consumer = -1
+    else:
+        consumer = _streams.LEGACY if stream == 0 else stream
+    try:
+        try:
+            capsule = x.__dlpack__(stream=consumer, max_version=_DLPACK_VERSION)
+        except TypeError:  # a producer older than DLPack 1.0 takes no max_version
+            capsule = x.__dlpack__(stream=consumer)
+        return _capsule_array(capsule)
+    except Exception as e:  # host arrays, unknown devices or dtypes
+        raise UbnextError(f"{op}: cannot view {type(x).__name__} as CUDA memory: {e}") from e
+
+
+def _capsule_array(capsule):
+    """A CuPy array over the memory of a DLPack capsule (replaceable in tests)."""
+    import cupy
+
+    return cupy.from_dlpack(capsule)  # an object without __dlpack_device__ is taken as a capsule
+
+
+def _from_cai(x, desc: dict, op: str, stream: int):
+    """A CuPy array over ``x``'s ``__cuda_array_interface__`` ``desc``, after the stream it
+    names. Built here rather than by ``cupy.asarray``, which blocks the host until that
+    stream is done (CUPY_CUDA_ARRAY_INTERFACE_SYNC)."""
+    import cupy
+    import numpy
+
+    kind = type(x).__name__
+    try:
+        shape = tuple(int(d) for d in desc["shape"])
+        ptr = int(desc["data"][0])
+        dtype = numpy.dtype(desc["typestr"])
+        strides = desc.get("strides")
+        producer = desc.get("stream")
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise UbnextError(f"{op}: {kind} has an invalid __cuda_array_interface__ ({e!r})") from None
+    if desc.get("mask") is not None:
+        raise UbnextError(f"{op}: {kind} is a masked array; pass its data without the mask")
+    name = _CUPY_NAMES.get(dtype) or _numpy_name(dtype, op)
+    if strides is not None and not _c_contiguous(shape, tuple(strides), dtype.itemsize):
+        raise UbnextError(f"{op}: {kind} is not C-contiguous (strides {tuple(strides)}); pass a contiguous copy")
+    count = 1
+    for d in shape:
+        count *= d
+    nbytes = count * _WIDTH[name]
+    device = _pointer_device(ptr, op, kind) if nbytes else cupy.cuda.runtime.getDevice()
+    if producer is not None:
+        _streams.order_after(int(producer), stream, device)
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, x, device_id=device)
+    return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _c_contiguous(shape: tuple, strides: tuple, itemsize: int) -> bool:
+    """Whether byte ``strides`` lay ``shape`` out in C order without gaps."""
+    if len(strides) != len(shape):
+        return False
+    expected = itemsize
+    for n, s in zip(reversed(shape), reversed(strides), strict=True):
+        if n == 0:
+            return True
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _pointer_device(ptr: int, op: str, kind: str) -> int:
+    """The device of the CUDA memory at ``ptr`` (replaceable in tests)."""
+    from cupy.cuda import runtime
+
+    try:
+        attrs = runtime.pointerGetAttributes(ptr)
+    except runtime.CUDARuntimeError as e:
+        raise UbnextError(f"{op}: cannot view {kind} as CUDA memory: {e}") from None
+    if attrs.type not in (_DEVICE_MEMORY, _MANAGED_MEMORY):
+        raise UbnextError(f"{op}: {kind} is not in CUDA device memory (pointer type {attrs.type}); "
+                          f"host memory is not supported")
+    return attrs.device
+
+
+def check_out(x: Buffer, out, op: str, stream: int) -> Buffer:
+    """Validates ``out`` against ``x``: same count, dtype and device; no partial overlap.
+    ``stream``: as for ``describe``."""
+    o = describe(out, op, stream)
     if o.count != x.count or o.dtype != x.dtype:
         raise UbnextError(
             f"{op}: out has {o.count} {o.dtype} elements, input has {x.count} {x.dtype}; they must match"
@@ -134,29 +252,121 @@ def overlap(a: Buffer, b: Buffer) -> bool:
     return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
-def empty_like(x: Buffer):
-    """A new array of x's framework, shape and dtype (the framework's allocator)."""
+def empty_like(x: Buffer, stream: int, owner, side: bool):
+    """A new array of x's framework, shape and dtype (the framework's allocator).
+
+    With ``side`` (``launch_stream``: the call runs on a stream other than the current
+    one), it is allocated on the launch stream ``stream`` (``owner``: its stream object
+    or None): the caching allocators of torch and CuPy hand out memory in the order of
+    the allocating stream only, so memory taken on the current stream could still be in
+    use by work queued there.
+    """
     if x.framework == "torch":
-        return _torch().empty_like(x.obj)
+        torch = _torch()
+        if not side:
+            return torch.empty_like(x.obj)
+        with torch.cuda.stream(_torch_stream(stream, owner, x.device)):
+            return torch.empty_like(x.obj)
     import cupy
 
-    return cupy.empty_like(x.obj)
+    if not side:
+        return cupy.empty_like(x.obj)
+    on = owner if isinstance(owner, cupy.cuda.Stream) else cupy.cuda.Stream.from_external(_StreamRef(stream))
+    with on:
+        return cupy.empty_like(x.obj)
 
 
-def stream_handle(stream, x: Buffer) -> int:
-    """The raw cudaStream_t to launch on: ``stream`` if given, else the current one of x's framework."""
-    if stream is None:
-        if x.framework == "torch":
-            return _torch()._C._cuda_getCurrentRawStream(x.device)
+class _StreamRef:
+    """A raw stream handle with the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
+
+
+def record_stream(stream: int, owner, buffers) -> None:
+    """Tells torch's caching allocator that the torch tensors among ``buffers`` (Buffers or
+    None) are used on ``stream`` (``Tensor.record_stream``): their memory is then not
+    reused before the work queued there so far is done, even if the caller drops them at
+    once. For a call on a stream other than torch's current one (``side``).
+
+    CuPy's memory pool has no such record: it reuses a freed block on the stream that
+    allocated it, in that stream's order, so a CuPy array used on another stream must stay
+    alive until that stream has passed the call (the caller's part, as for any CuPy work
+    on a second stream).
+    """
+    torch_stream = None
+    for b in buffers:
+        if b is not None and b.framework == "torch":
+            if torch_stream is None:
+                torch_stream = _torch_stream(stream, owner, b.device)
+            b.obj.record_stream(torch_stream)
+
+
+def _torch_stream(stream: int, owner, device: int):
+    torch = _torch()
+    if isinstance(owner, torch.cuda.Stream):
+        return owner
+    return torch.cuda.ExternalStream(stream, device=device)
+
+
+def launch_stream(stream, x) -> tuple[int, object, bool]:
+    """The stream a call on ``x`` launches on. Resolved before ``x`` is viewed, so that an
+    array of another framework can be ordered before it (``describe``).
+
+    Args:
+        stream: the caller's ``stream=``: None for the current stream of x's framework
+            (torch's for a tensor, CuPy's otherwise), or as ``stream_handle`` takes it.
+        x: the call's input, as the caller passed it.
+
+    Returns:
+        ``(handle, owner, side)``: the raw cudaStream_t; the stream object it came from
+        (CuPy's current stream, or the ``stream`` object given; None for an int, and for
+        torch's current stream, whose streams live as long as the process), which the
+        communicator keeps while it is the stream of its last launch; whether ``stream``
+        names another stream than the current one of x's framework.
+
+    Raises:
+        UbnextError: ``stream`` is not a stream.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        device = x.get_device()
+        current = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else 0  # host: describe refuses
+        if stream is None:
+            return current, None, False
+    else:
         import cupy
 
-        return cupy.cuda.get_current_stream().ptr
+        now = cupy.cuda.get_current_stream()
+        if stream is None:
+            return now.ptr, now, False
+        current = now.ptr
+    handle = stream_handle(stream)
+    return handle, None if isinstance(stream, int) else stream, not _streams.same_stream(handle, current)
+
+
+def stream_handle(stream) -> int:
+    """The raw cudaStream_t of ``stream``: an int handle, a torch stream (``cuda_stream``),
+    a CuPy stream (``ptr``), or any object with the ``__cuda_stream__`` protocol (cuda.core).
+
+    Raises:
+        UbnextError: ``stream`` is none of these.
+    """
     if isinstance(stream, int):
         return stream
     for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy Stream
-        if hasattr(stream, attr):
-            return int(getattr(stream, attr))
-    raise UbnextError(f"stream: expected a torch/cupy stream or an int handle, got {type(stream).__name__}")
+        value = getattr(stream, attr, None)
+        if value is not None:
+            return int(value)
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        return int(protocol()[1])  # (version, handle)
+    raise UbnextError(f"stream: expected a torch/CuPy/cuda.core stream or an int handle, got {type(stream).__name__}")
 
 
 def wrap(ptr: int, shape: tuple, dtype: str, device: int, framework: str, owner):

@@ -7,19 +7,23 @@ import math
 import os
 import pickle
 
-from . import _arrays, _gate
+from . import _arrays, _gate, _preflight, _signature
 from ._algorithms import ALGORITHMS, DTYPES, OPS, UNICAST_OF
 from ._config import Config
 from ._describe import Description, describe
+from ._devices import map_devices
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
 from ._protocol import MAX_RANKS
 from ._select import Selector, buffer_limits
+from ._streams import LaunchOrder
 from ._table import agreed_table
+from ._watchdog import Watchdog
 
 _D2D = 3  # cudaMemcpyDeviceToDevice
 _RESOLVED_MAX = 4096  # calls whose algorithm a communicator remembers (cleared when full)
+_WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
 
 
 class Communicator:
@@ -31,46 +35,55 @@ class Communicator:
     the kernels do not cover, the work goes to NCCL (logged once with the reason).
 
     Args:
-        bootstrap: a ``ubnext.bootstrap.Bootstrap`` (default: MPI ``COMM_WORLD``).
+        bootstrap: a ``ubnext.bootstrap.Bootstrap``; default: ``ubnext.bootstrap.default()``,
+            every rank the launcher started (mpirun, srun, torchrun, an initialized
+            torch.distributed group), closed again by ``close()``.
         device: CUDA device ordinal; default: the current device if the caller set
-            one (non-zero), else the local rank.
+            one (non-zero), else the first GPU (by UUID) no other rank of the node
+            has taken (several ranks on one GPU work, with a warning).
         config: a ``Config``; default ``Config.from_env(**overrides)``.
         **overrides: Config fields that win over the ``UBNEXT_*`` environment.
 
     Raises:
-        UbnextError: invalid configuration, or a setup step failed on this rank.
+        UbnextError: invalid configuration; no usable GPU, CuPy, MPI or NCCL (one line
+            with the fix, raised before any collective setup); a launcher whose ranks
+            the bootstrap does not see; or a setup step failed on this rank.
     """
 
     def __init__(self, bootstrap=None, device=None, config: Config | None = None, **overrides):
-        import cupy
-
         if config is None:
             config = Config.from_env(**overrides)
         elif overrides:
             raise TypeError("Communicator: pass either config= or keyword overrides, not both")
         self.config = config
+        _preflight.check("Communicator", config)  # no GPU, no NCCL...: one line, before anything collective
+        import cupy
+
+        self._owns_bootstrap = bootstrap is None  # default()'s is closed by close(), a caller's is not
         if bootstrap is None:
             from .bootstrap import default
 
             bootstrap = default()
         self.bootstrap = bootstrap
         self.rank, self.size = bootstrap.rank, bootstrap.size
-        table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._resolved: dict[tuple, str] = {}
         self._nccl = None
         self._add_rmsnorm = None
-        self._local = bootstrap.split_local()
+        self._local = None
         try:
-            self.device = _choose_device(device, self._local.rank)
+            table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
+            self._local = bootstrap.split_local()
+            self.device = map_devices(self._local, device, cupy.cuda.runtime.getDevice())
             cupy.cuda.Device(self.device).use()
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
             self._node = self._setup_node()
         except BaseException:
             self._closed = True
-            self._local.close()
+            self._close_bootstraps()
             raise
+        self._launch = LaunchOrder(self.device)  # every launch of a call runs in this section
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
         node = self._node
         usable = [name for name, alg in ALGORITHMS.items()  # NCCL always; kernels need the pool
@@ -80,6 +93,10 @@ class Communicator:
             log_once(f"select:{name}:{setting}:{limit}",
                      f"Communicator: the selector table gives {name} messages up to {limit} bytes, but "
                      f"{setting} sizes its buffers for fewer; larger ones go to the next algorithm")
+        self._watchdog = None
+        if node is not None:
+            self._watchdog = Watchdog(lambda: node.failure("watchdog", config.timeout_s),
+                                      lambda e: self._log.error("%s", e), _WATCHDOG_S, f"ubnext-watchdog-{self.rank}")
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""
@@ -129,39 +146,53 @@ class Communicator:
                 default: a new array of x's framework.
             op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
             algorithm: ``"auto"`` or one of ``algorithms()``.
-            stream: torch/CuPy stream or raw handle; default: the current stream of x's
-                framework.
+            stream: torch/CuPy/cuda.core stream or raw handle; default: the current
+                stream of x's framework (CuPy's for other inputs, whose producers are
+                ordered before it: ``__dlpack__(stream=...)``, or the interface's
+                ``stream``). On a stream other than the current one, torch tensors are
+                recorded on it for the caching allocator and a new ``out`` is allocated
+                on it. Calls on different streams run in the order they were issued.
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
 
         Raises:
             UbnextError: invalid arguments (before anything is launched), closed
-                communicator; CollectiveTimeoutError if an earlier launch timed out.
+                communicator. BrokenCommunicatorError (CollectiveTimeoutError,
+                CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
+                communicator failed; its outputs hold NaN where results were not computed.
 
         Can be captured in a CUDA graph (after a first eager call per dtype/op/algorithm,
-        which compiles the kernel).
+        which compiles the kernel). May be called from several threads (each call's
+        launches are issued as one section), but every rank must issue its collectives
+        in the same order, so calls from several threads need an order of their own.
         """
         name = "all_reduce"
         self._check_open(name)
-        xb = _arrays.describe(x, name)
+        handle, owner, side = _arrays.launch_stream(stream, x)
+        xb = _arrays.describe(x, name, handle)
         if xb.device != self.device:
             raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
         algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
         if out is None:
-            ob = _arrays.describe(_arrays.empty_like(xb), name)
+            ob = _arrays.describe(_arrays.empty_like(xb, handle, owner, side), name, handle)
         elif out is x:  # in place: nothing more to check
             ob = xb
         else:
-            ob = _arrays.check_out(xb, out, name)
+            ob = _arrays.check_out(xb, out, name, handle)
         if xb.count == 0:
             return ob.obj
         if self.config.debug:
             self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
-        handle = _arrays.stream_handle(stream, xb)
-        self._all_reduce(algo, xb, ob, op, handle)
+        if side:
+            _arrays.record_stream(handle, owner, (xb, ob))
+        self._launch.enter(handle, owner)
+        try:
+            self._all_reduce(algo, xb, ob, op, handle, _signature.encode(name, xb.dtype, op, xb.count))
+        finally:
+            self._launch.leave()
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
@@ -191,18 +222,21 @@ class Communicator:
             residual_out: where to write the residual sum (may be ``residual`` for in
                 place, must not be ``out``); default: new.
             algorithm: ``"auto"`` or one of ``algorithms()`` (picked by x's bytes).
-            stream: torch/CuPy stream or raw handle; default: x's framework's current one.
+            stream: as for ``all_reduce``.
 
         Returns:
             ``(normed, residual_out)``, in x's framework.
 
         Raises:
             UbnextError: invalid arguments (before anything is launched), closed
-                communicator; CollectiveTimeoutError if an earlier launch timed out.
+                communicator. BrokenCommunicatorError (CollectiveTimeoutError,
+                CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
+                communicator failed; its outputs hold NaN where results were not computed.
         """
         name = "all_reduce_add_rmsnorm"
         self._check_open(name)
-        xb = _arrays.describe(x, name)
+        handle, owner, side = _arrays.launch_stream(stream, x)
+        xb = _arrays.describe(x, name, handle)
         if len(xb.shape) != 2:
             raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
         if xb.device != self.device:
@@ -216,7 +250,7 @@ class Communicator:
             raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
 
         def operand(arr, what, shape):
-            b = _arrays.describe(arr, name)
+            b = _arrays.describe(arr, name, handle)
             if b.shape != shape or b.dtype != xb.dtype or b.device != xb.device:  # torch.Size is a tuple
                 raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape} on device {xb.device}, "
                                   f"got {b.dtype} of shape {tuple(b.shape)} on device {b.device}")
@@ -226,8 +260,9 @@ class Communicator:
         rb = None if residual is None else operand(residual, "residual", shape)
         wb = operand(weight, "weight", (hidden,))
         bb = None if bias is None else operand(bias, "bias", (hidden,))
-        nb = operand(_arrays.empty_like(xb) if out is None else out, "out", shape)
-        ob = operand(_arrays.empty_like(xb) if residual_out is None else residual_out, "residual_out", shape)
+        nb = operand(_arrays.empty_like(xb, handle, owner, side) if out is None else out, "out", shape)
+        ob = operand(_arrays.empty_like(xb, handle, owner, side) if residual_out is None else residual_out,
+                     "residual_out", shape)
         if _arrays.overlap(nb, ob):
             raise UbnextError(f"{name}: out and residual_out overlap; they must be separate arrays")
         for b, what in ((nb, "out"), (ob, "residual_out")):
@@ -241,14 +276,20 @@ class Communicator:
             return nb.obj, ob.obj
         if self.config.debug:
             self._compare_across_ranks(name, (xb.count, xb.dtype, "add_rmsnorm", algo))
-        handle = _arrays.stream_handle(stream, xb)
+        if side:
+            _arrays.record_stream(handle, owner, (xb, rb, wb, bb, nb, ob))
         norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
         aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
         chunk = 0  # rows per fused launch
         if ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned:
             chunk = self._node.engine.norm_rows(algo, xb.dtype, hidden, rows)
         if chunk:
-            self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle)
+            self._launch.enter(handle, owner)
+            try:
+                self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle,
+                            _signature.encode_fused(xb.dtype, rows, hidden))
+            finally:
+                self._launch.leave()
         else:
             why = ("the NCCL engine" if algo == "nccl" else
                    f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
@@ -256,8 +297,13 @@ class Communicator:
                    f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
             plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
             log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
-            self._all_reduce(plain, xb, nb, "sum", handle)
-            self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
+            self._launch.enter(handle, owner)
+            try:
+                self._all_reduce(plain, xb, nb, "sum", handle,
+                                 _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
+                self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
+            finally:
+                self._launch.leave()
         return nb.obj, ob.obj
 
     def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
@@ -312,37 +358,76 @@ class Communicator:
         return describe(self)
 
     def synchronize(self, stream=None) -> None:
-        """Waits for the device (or ``stream``), turning a kernel timeout into CollectiveTimeoutError."""
+        """Waits for the device (or ``stream``, as ``all_reduce`` takes it); raises what a
+        kernel recorded meanwhile.
+
+        Blocks the host. Not collective.
+
+        Raises:
+            CollectiveTimeoutError, CollectiveMismatchError, ConcurrentUseError or
+            BrokenCommunicatorError: a collective of this communicator failed (then every
+            later call raises too).
+        """
         import cupy
 
         self._check_open("synchronize")
-        try:
-            if stream is None:
-                cupy.cuda.Device(self.device).synchronize()
-            else:
-                cupy.cuda.ExternalStream(_arrays.stream_handle(stream, None)).synchronize()
-        except cupy.cuda.runtime.CUDARuntimeError:
-            self._check_timeouts("synchronize")
-            raise
+        if stream is None:
+            cupy.cuda.Device(self.device).synchronize()
+        else:
+            cupy.cuda.runtime.streamSynchronize(_arrays.stream_handle(stream))
+        self._check_failures("synchronize")
 
     def close(self) -> None:
-        """Releases the pool and the NCCL communicator. Collective; idempotent.
+        """Releases the pool, the NCCL communicator and the bootstrap the communicator
+        created (not one passed in). Idempotent.
 
-        Waits for this device's work, then for every rank, so no peer still reads
-        this rank's memory. Arrays from ``empty()`` must not be used afterwards.
+        Collective: waits for this device's work, then for every rank. On a broken
+        communicator (a collective failed, see BrokenCommunicatorError) it is local and
+        bounded: it waits for no other rank, since a failed peer may never come. Arrays
+        from ``empty()`` must not be used afterwards.
         """
+        self._release(local=False)
+
+    def abort(self) -> None:
+        """Gives the communicator up at once. Local (not collective), like ``ncclCommAbort``;
+        idempotent; safe in error handlers and elastic restarts.
+
+        Marks the communicator broken on every rank of the node (their waiting kernels
+        give up, and their next call raises BrokenCommunicatorError), waits for this
+        device (its kernels give up their waits too), then releases everything without
+        waiting for any other rank. The process can create a new communicator.
+        """
+        if not self._closed and self._node is not None:
+            from ._protocol import FAIL_KINDS
+
+            aborted = next(code for code, (name, _) in FAIL_KINDS.items() if name == "kFailAborted")
+            self._node.announce(aborted, self._local.rank)
+        self._release(local=True)
+
+    def _release(self, local: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         node, self._node = self._node, None
         nccl, self._nccl = self._nccl, None
         try:
             if node is not None:
-                node.close()
+                node.close(local=local)
         finally:
             if nccl is not None:
-                nccl.close()
-            self._local.close()
+                nccl.abort() if local else nccl.close()
+            self._close_bootstraps()
+
+    def _close_bootstraps(self) -> None:
+        """Closes the node's view, then the bootstrap if ``default()`` made it."""
+        try:
+            if self._local is not None:
+                self._local.close()
+        finally:
+            if self._owns_bootstrap:
+                self.bootstrap.close()
 
     def __enter__(self):
         return self
@@ -360,11 +445,12 @@ class Communicator:
     def _check_open(self, name: str) -> None:
         if self._closed:
             raise ClosedError(f"{name}: the communicator is closed")
-        self._check_timeouts(name)
+        self._check_failures(name)
 
-    def _check_timeouts(self, name: str) -> None:
-        if self._node is not None:
-            self._node.timeouts.check(name, self.config.timeout_s)
+    def _check_failures(self, name: str) -> None:
+        error = None if self._node is None else self._node.failure(name, self.config.timeout_s)
+        if error is not None:
+            raise error
 
     def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str = "sum",
                  fused: bool = False) -> str:
@@ -422,16 +508,16 @@ class Communicator:
             self._add_rmsnorm = AddRmsNorm(cupy.cuda.Device(self.device).attributes["MultiProcessorCount"])
         return self._add_rmsnorm
 
-    def _all_reduce(self, algo, xb, ob, op, stream):
+    def _all_reduce(self, algo, xb, ob, op, stream, sig):
         alg = ALGORITHMS[algo]
         if alg.family == "nccl":
             self._nccl_comm().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
         elif alg.pushed:
-            self._lamport(algo, xb, ob, op, stream)
+            self._lamport(algo, xb, ob, op, stream, sig)
         else:
-            self._twoshot(algo, xb, ob, op, stream)
+            self._twoshot(algo, xb, ob, op, stream, sig)
 
-    def _fused(self, algo, xb, rows, chunk, hidden, norm, eps, stream):
+    def _fused(self, algo, xb, rows, chunk, hidden, norm, eps, stream, sig):
         """Fused launches of ``chunk`` rows (the last one the rest)."""
         eng = self._node.engine
         row_bytes = hidden * DTYPES[xb.dtype][1]
@@ -439,31 +525,31 @@ class Communicator:
         for r0 in range(0, rows, chunk):
             off = r0 * row_bytes
             part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
-            eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, stream)
+            eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, sig, stream)
 
-    def _lamport(self, algo, xb, ob, op, stream):
+    def _lamport(self, algo, xb, ob, op, stream, sig):
         """A Lamport family kernel, in launches of at most its buffers' size (past them
         only an ``in_launches`` kernel is chosen)."""
         eng = self._node.engine
         bound = self._selector.limits[algo][0]
         if xb.nbytes <= bound and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:
-            eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, stream)
+            eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, sig, stream)
             return
 
         def launch(src, dst, n):  # 0: the chunk is in the staging slot
-            eng.lamport(algo, xb.dtype, op, src or eng.staging_ptr, dst or eng.staging_ptr, n, stream)
+            eng.lamport(algo, xb.dtype, op, src or eng.staging_ptr, dst or eng.staging_ptr, n, sig, stream)
 
         self._in_chunks(xb, ob, bound, launch, stream)
 
-    def _twoshot(self, algo, xb, ob, op, stream):
+    def _twoshot(self, algo, xb, ob, op, stream, sig):
         eng, pool = self._node.engine, self._node.pool
         out_off = pool.contains(ob.ptr, ob.nbytes)
         if out_off is not None and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:  # the result lands in out's buffer
-            eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, stream)
+            eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, sig, stream)
             return
 
         def launch(src, dst, n):  # through the staging slot; 0: it holds the input / is the output
-            eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, stream)
+            eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, sig, stream)
 
         self._in_chunks(xb, ob, eng.staging_bytes, launch, stream)
 
@@ -490,16 +576,3 @@ def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:
     from cupy.cuda import runtime
 
     runtime.memcpyAsync(dst, src, nbytes, _D2D, stream)
-
-
-def _choose_device(device, local_rank: int) -> int:
-    """``device`` if given; else the caller's current device if not 0; else the local rank."""
-    from cupy.cuda import runtime
-
-    count = runtime.getDeviceCount()
-    if device is None:
-        current = runtime.getDevice()
-        device = current if current != 0 else local_rank % count
-    if not 0 <= device < count:
-        raise UbnextError(f"Communicator: device {device} does not exist ({count} visible)")
-    return int(device)

@@ -151,9 +151,11 @@ class Config:
         "All-reduce algorithm: `auto`, `lamport`, `lamport_twoshot`, `twoshot` or `nccl`.",
     )
     timeout_s: float = _field(
-        "UBNEXT_TIMEOUT_S", 60.0, _POSITIVE_FLOAT,
-        "Bound (seconds, > 0) on every device spin-wait; a peer that does not "
-        "arrive in time raises an error instead of hanging.",
+        "UBNEXT_TIMEOUT_S", 600.0, _POSITIVE_FLOAT,
+        "Bound (seconds, > 0) on every device spin-wait: a peer that does not "
+        "arrive in time breaks the communicator (an error on every rank, the CUDA "
+        "context intact) instead of hanging it. The default, as torch.distributed's "
+        "NCCL timeout, lets a live peer save a checkpoint or run an evaluation.",
     )
     nvls: str = _field(
         "UBNEXT_NVLS", "auto", _choice("auto", "0", "1"),

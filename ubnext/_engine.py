@@ -14,21 +14,27 @@ from ._algorithms import ALGORITHMS, DTYPES, compile_defines, row_threads
 from ._heap import SlotPlan, round_up
 from ._kernels import compile_module
 from ._launch import F32, I32, U64, Launcher
-from ._protocol import (FLAG_PHASES, LAUNCH_STATE_BYTES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS, TWOSHOT_ALIGN_VECS,
-                        VEC_BYTES, sentinel_word)
+from ._protocol import (FLAG_PHASES, LAUNCH_STATE, LAUNCH_STATE_BYTES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS,
+                        TWOSHOT_ALIGN_VECS, VEC_BYTES, field_offset, sentinel_word)
 
 #: parameters of each entry point (kernels/lamport.cu, kernels/twoshot.cu): base, stride,
-#: rank, mc, then 64-bit values; the fused ones take eps (fp32) before the last three.
+#: rank, mc, then 64-bit values; the fused ones take eps (fp32) before the signature and
+#: the launch state.
 _PARAMS = {
-    "ub_lamport": (U64, U64, I32) + (U64,) * 9,
-    "ub_lamport_twoshot": (U64, U64, I32) + (U64,) * 9,
-    "ub_twoshot": (U64, U64, I32) + (U64,) * 9,
-    "ub_lamport_norm": (U64, U64, I32) + (U64,) * 11 + (F32,) + (U64,) * 3,
-    "ub_lamport_twoshot_norm": (U64, U64, I32) + (U64,) * 11 + (F32,) + (U64,) * 3,
-    "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32,) + (U64,) * 3,
+    "ub_lamport": (U64, U64, I32) + (U64,) * 8,
+    "ub_lamport_twoshot": (U64, U64, I32) + (U64,) * 8,
+    "ub_twoshot": (U64, U64, I32) + (U64,) * 8,
+    "ub_lamport_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
+    "ub_lamport_twoshot_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
+    "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32, U64, U64),
 }
+#: the LaunchState slots of the plan: one per Lamport family and element width, one per
+#: barrier two-shot transport
+STATES = tuple([f"{family}{width}.state" for width in (2, 4) for family in ("lamport", "lamport_twoshot")]
+               + [f"twoshot.{transport}.state" for transport in ("unicast", "multicast")])
 
-_FLAG_BYTES = 4 * FLAG_PHASES * MAX_BLOCKS * MAX_RANKS  # kernels/sync.cuh: flag_offset
+# kernels/sync.cuh: flag_offset, signature_offset
+_FLAG_BYTES = (4 * FLAG_PHASES + 8) * MAX_BLOCKS * MAX_RANKS
 _SCALE_ROW_VECS = 64                   # fused Lamport two-shot: a 16-byte scale per row of >= 64 vectors
 _NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
 MAX_CLUSTER = 8                        # portable thread-block cluster size
@@ -46,29 +52,35 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
     Each Lamport family has one set of 3 receive buffers and a launch state per element
     width, since the sentinel's bit pattern depends on it; a set is shared by a family's
     unicast and multicast kernels and by its fused kernel (same protocol, same rotation).
-    A one-shot buffer holds nranks slots of ``lamport_bytes``; a two-shot buffer holds a
-    reduce-scatter and an all-gather area of ``_area(lamport_twoshot_bytes)``. The
+    A one-shot buffer holds nranks slots of ``lamport_bytes`` and a signature header per
+    rank; a two-shot buffer holds a reduce-scatter and an all-gather area of
+    ``_area(lamport_twoshot_bytes)``. The
     barrier two-shot kernels have a launch state and barrier flags per transport: the
     unicast barrier stores epochs per source rank, the multicast one counts arrivals.
     """
     plan = SlotPlan()
-    for width in (2, 4):
-        plan.add(f"lamport{width}.state", LAUNCH_STATE_BYTES)
-        plan.add(f"lamport_twoshot{width}.state", LAUNCH_STATE_BYTES)
+    for name in STATES:
+        plan.add(name, LAUNCH_STATE_BYTES)
     for transport in ("unicast", "multicast"):
-        plan.add(f"twoshot.{transport}.state", LAUNCH_STATE_BYTES)
         plan.add(f"flags.{transport}", _FLAG_BYTES)
     for width in (2, 4):
-        plan.add(f"lamport{width}", _set_units("lamport", nranks) * lamport_bytes)
-        plan.add(f"lamport_twoshot{width}", _set_units("lamport_twoshot", nranks) * _area(lamport_twoshot_bytes))
+        plan.add(f"lamport{width}", _set_bytes("lamport", nranks, lamport_bytes))
+        plan.add(f"lamport_twoshot{width}", _set_bytes("lamport_twoshot", nranks, _area(lamport_twoshot_bytes)))
     plan.add("staging", staging_bytes)
     return plan
 
 
-def _set_units(family: str, nranks: int) -> int:
-    """Units of a Lamport family's set: 3 buffers of nranks slots (one-shot) or of a
-    reduce-scatter and an all-gather area (two-shot). The kernels take the unit's size."""
-    return 3 * (nranks if family == "lamport" else 2)
+def _set_bytes(family: str, nranks: int, unit: int) -> int:
+    """Bytes of a Lamport family's set of 3 receive buffers whose kernels take ``unit``:
+    one-shot, nranks slots of ``unit`` bytes and a signature header vector per rank
+    (kernels/lamport.cu); two-shot, a reduce-scatter and an all-gather area of ``unit``
+    bytes (kernels/lamport_twoshot.cu)."""
+    return 3 * (nranks * (unit + VEC_BYTES) if family == "lamport" else 2 * unit)
+
+
+def _set_unit(family: str, nranks: int, set_bytes: int) -> int:
+    """The ``unit`` of a set of ``set_bytes`` (the inverse of _set_bytes)."""
+    return set_bytes // (3 * nranks) - VEC_BYTES if family == "lamport" else set_bytes // 6
 
 
 def row_cluster(rows: int, vectors: int, blocks: int, largest: int = MAX_CLUSTER) -> int:
@@ -118,12 +130,13 @@ def lamport_twoshot_threads(nvec: int, nranks: int, blocks: int, threads: int) -
 
 def _area(max_bytes: int) -> int:
     """Bytes of a Lamport two-shot area for messages up to ``max_bytes``: the slots of the
-    reduce-scatter area are whole slices of whole 32-vector units (kernels/lamport_twoshot.cu:
-    kAlignVecs), up to 32 vectors per rank more than the message; the all-gather area of
-    the fused kernel also holds a 16-byte scale per row: room for them at the full message
-    when rows have at least _SCALE_ROW_VECS vectors (1 KiB)."""
+    reduce-scatter area are whole slices of whole TWOSHOT_ALIGN_VECS-vector units, up to
+    that many vectors per rank more than the message, followed by a signature header
+    vector per rank; the all-gather area of the fused kernel also holds a 16-byte scale
+    per row: room for them at the full message when rows have at least _SCALE_ROW_VECS
+    vectors (1 KiB)."""
     vecs = -(-max_bytes // VEC_BYTES)
-    return VEC_BYTES * (vecs + vecs // _SCALE_ROW_VECS + TWOSHOT_ALIGN_VECS * MAX_RANKS)
+    return VEC_BYTES * (vecs + vecs // _SCALE_ROW_VECS + (TWOSHOT_ALIGN_VECS + 1) * MAX_RANKS)
 
 
 def twoshot_norm_rows(area: int, row_bytes: int, nranks: int) -> int:
@@ -139,7 +152,7 @@ class Engine:
     Args:
         pool: the node's SymmetricPool.
         plan: its library slots (``plan_layout``).
-        timeout_ptr: device address of the TimeoutRecord.
+        records: ``{state name: device address of its ErrorRecord}`` (``FailureRecords``).
         timeout_s: bound on every device wait.
         max_blocks: blocks per launch (0 = SM count).
         on_first_use: called (collectively, same order on every rank) after a kernel
@@ -148,7 +161,7 @@ class Engine:
             byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
     """
 
-    def __init__(self, pool, plan: SlotPlan, timeout_ptr: int, timeout_s: float, max_blocks: int,
+    def __init__(self, pool, plan: SlotPlan, records: dict[str, int], timeout_s: float, max_blocks: int,
                  on_first_use, mc_base: int = 0):
         import cupy
 
@@ -157,7 +170,7 @@ class Engine:
         self.nranks = pool.local_size
         self.rank = pool.local_rank
         self.staging_bytes = plan.nbytes("staging")
-        self._timeout_ptr = timeout_ptr
+        self._records = records
         self._timeout_ns = int(timeout_s * 1e9)
         device = cupy.cuda.Device(pool.device)
         sms = device.attributes["MultiProcessorCount"]
@@ -175,7 +188,7 @@ class Engine:
         # (family, width) -> (set offset, launch state, the kernels' buffer size argument:
         # one-shot slot bytes, two-shot area bytes)
         self._sets = {(f, w): (plan.offset(f"{f}{w}"), pool.local_ptr(plan.offset(f"{f}{w}.state")),
-                               plan.nbytes(f"{f}{w}") // _set_units(f, self.nranks))
+                               _set_unit(f, self.nranks, plan.nbytes(f"{f}{w}")))
                       for f in ("lamport", "lamport_twoshot") for w in (2, 4)}
         self._twoshot = {t: (plan.offset(f"flags.{t}"), pool.local_ptr(plan.offset(f"twoshot.{t}.state")))
                          for t in ("unicast", "multicast")}
@@ -184,7 +197,8 @@ class Engine:
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
-        """Zeroes states and flags, fills every Lamport family's buffers with the sentinel.
+        """Zeroes states and flags, gives every state its ErrorRecord and timeout, fills
+        every Lamport family's buffers with the sentinel.
 
         Blocks the host until done; the caller then runs a barrier so that no peer
         pushes into a buffer that is still being filled.
@@ -192,6 +206,11 @@ class Engine:
         import cupy
 
         self._words(0, self.staging_off).fill(0)
+        for name in STATES:
+            fields = np.zeros(LAUNCH_STATE_BYTES // 8, np.uint64)
+            fields[field_offset(LAUNCH_STATE, "record") // 8] = self._records[name]
+            fields[field_offset(LAUNCH_STATE, "timeout_ns") // 8] = self._timeout_ns
+            self._words(self.plan.offset(name), LAUNCH_STATE_BYTES).set(fields.view(np.uint32))
         for family, width in self._sets:
             name = f"{family}{width}"
             self._words(self.plan.offset(name), self.plan.nbytes(name)).fill(np.uint32(sentinel_word(width)))
@@ -220,8 +239,7 @@ class Engine:
                 defines = compile_defines(dtype, op, self.nranks, alg.transport, cluster)
                 module = self._modules[mkey] = compile_module(alg.source, defines)
             prefix, state = self._constants(alg, DTYPES[dtype][1], fused)
-            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix,
-                                                       (state, self._timeout_ptr, self._timeout_ns))
+            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix, (state,))
             self._on_first_use()
         return launcher
 
@@ -234,30 +252,31 @@ class Engine:
         set_off, state, unit = self._sets[alg.family, width]
         return self._fixed + (set_off, unit), state
 
-    def lamport(self, algorithm: str, dtype: str, op: str, x: int, out: int, count: int,
+    def lamport(self, algorithm: str, dtype: str, op: str, x: int, out: int, count: int, sig: int,
                 stream: int) -> None:
         """All-reduce of ``count`` elements from local ``x`` into local ``out`` by a Lamport
-        family kernel (``lamport``, ``lamport_twoshot``, ``nvls_lamport``).
+        family kernel (``lamport``, ``lamport_twoshot``, ``nvls_lamport``); ``sig``: the
+        call's signature (``_signature``), which every rank's launch must carry alike.
 
         Both 16-byte aligned; ``x`` may equal ``out``; bytes within the algorithm's limit.
         """
         nvec = -(-count * DTYPES[dtype][1] // VEC_BYTES)
         blocks, threads = lamport_shape(ALGORITHMS[algorithm], nvec, self.nranks, self._blocks)
-        self._kernel(algorithm, dtype, op)(blocks, threads, stream, x, out, count)
+        self._kernel(algorithm, dtype, op)(blocks, threads, stream, x, out, count, sig)
 
     def twoshot(self, algorithm: str, dtype: str, op: str, buf_off: int, src: int, dst: int,
-                count: int, stream: int) -> None:
+                count: int, sig: int, stream: int) -> None:
         """Two-shot all-reduce in place on the buffer at ``buf_off`` of every segment.
 
         ``algorithm``: "twoshot" or "nvls". ``src``/``dst``: local 16-byte aligned
         addresses to copy in from / out to, or 0 when the buffer already holds the
-        input / is the output.
+        input / is the output. ``sig``: the call's signature.
         """
         alg = ALGORITHMS[algorithm]
         nvec = -(-count * DTYPES[dtype][1] // VEC_BYTES)
         slice_vecs = -(-nvec // self.nranks)
         blocks = self._grid(alg, -(-slice_vecs // alg.threads))
-        self._kernel(algorithm, dtype, op)(blocks, alg.threads, stream, buf_off, src, dst, count)
+        self._kernel(algorithm, dtype, op)(blocks, alg.threads, stream, buf_off, src, dst, count, sig)
 
     def _grid(self, alg, wanted: int) -> int:
         # The multicast barrier counts arrivals per block, so every launch of it must
@@ -279,7 +298,7 @@ class Engine:
         return self.staging_bytes // 2 // VEC_BYTES * VEC_BYTES
 
     def add_rmsnorm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
-                    eps: float, stream: int) -> None:
+                    eps: float, sig: int, stream: int) -> None:
         """Fused all-reduce + residual add + RMSNorm of ``rows`` x ``hidden`` elements.
 
         ``norm``: local addresses (residual or 0, bias or 0, weight, normed, res_out),
@@ -293,7 +312,7 @@ class Engine:
                 self._norm_launches.clear()
             launch = self._norm_launches[key] = self._norm_launch(algorithm, dtype, rows, hidden)
         launcher, blocks, threads, _ = launch
-        launcher(blocks, threads, stream, x, rows, hidden, *norm, eps)
+        launcher(blocks, threads, stream, x, rows, hidden, *norm, eps, sig)
 
     def _norm_launch(self, algorithm: str, dtype: str, rows: int, hidden: int) -> tuple:
         """The kernel and grid of a fused launch of ``rows`` x ``hidden``: (launcher,

@@ -25,25 +25,66 @@ class CudaError(UbnextError):
         self.code = code
 
 
-class CollectiveTimeoutError(UbnextError):
+class BrokenCommunicatorError(UbnextError):
+    """A collective failed; the communicator's buffers no longer hold a known state.
+
+    Every later call on it raises this error again (or a subclass); ``close()`` is then
+    local. Create a new communicator to go on. Subclasses say what failed on this rank;
+    this class itself is raised where another rank failed first.
+
+    Attributes:
+        rank: the rank that failed first, where known, else None.
+    """
+
+    def __init__(self, op: str, rank: int | None, what: str):
+        super().__init__(f"{op}: {what}; the communicator is broken: close it (or abort()) and create a new one")
+        self.rank = rank
+
+
+class CollectiveTimeoutError(BrokenCommunicatorError):
     """A kernel waited longer than ``UBNEXT_TIMEOUT_S`` for a peer.
 
     Attributes:
         rank: the rank that waited.
         peer: the rank that did not arrive, or None when the wait counts arrivals
             (the NVLS barrier) and cannot tell which rank is missing.
-        where: which wait timed out (e.g. ``"lamport poll"``, ``"twoshot entry barrier"``).
+        where: which wait timed out (e.g. ``"Lamport poll"``, ``"two-shot entry barrier"``).
     """
 
     def __init__(self, op: str, rank: int, peer: int | None, where: str, timeout_s: float):
         who = "another rank" if peer is None else f"rank {peer}"
-        super().__init__(
-            f"{op}: rank {rank} waited more than {timeout_s:g} s for {who} "
-            f"({where}); {who} did not arrive (dead, hung, or called a different collective)"
-        )
-        self.rank = rank
+        super().__init__(op, rank, f"rank {rank} waited more than {timeout_s:g} s for {who} ({where}); {who} "
+                                   "did not arrive (dead, hung, or called a different collective)")
         self.peer = peer
         self.where = where
+
+
+class CollectiveMismatchError(BrokenCommunicatorError):
+    """Ranks called one collective with different arguments (count, dtype, op, ...).
+
+    Attributes:
+        rank: the rank that saw the difference.
+        peer: the rank whose call differed from it.
+        mine, theirs: the two call signatures (``_signature.describe`` reads them).
+    """
+
+    def __init__(self, op: str, rank: int, peer: int, mine: int, theirs: int):
+        from ._signature import describe
+
+        super().__init__(op, rank, f"rank {rank} called {describe(mine)} but rank {peer} called "
+                                   f"{describe(theirs)}; every rank must make the same calls in the same order")
+        self.peer = peer
+        self.mine = mine
+        self.theirs = theirs
+
+
+class ConcurrentUseError(BrokenCommunicatorError):
+    """Two launches of one communicator ran at the same time on a rank (e.g. a CUDA graph
+    replayed on one stream while eager calls ran on another): its buffers are shared."""
+
+    def __init__(self, op: str, rank: int):
+        super().__init__(op, rank, f"two launches of this communicator overlapped on rank {rank} (a CUDA graph "
+                                   "replayed while other calls ran on another stream?); order them on one stream")
 
 
 class ClosedError(UbnextError):

@@ -35,8 +35,10 @@ class Launcher:
         prefix: values of the leading parameters, the same on every launch.
         suffix: values of the trailing parameters, the same on every launch.
 
-    A call passes the values of the parameters in between. Not thread-safe (the
-    argument pack is reused); one per communicator and kernel.
+    A call passes the values of the parameters in between. The argument pack is
+    reused: calls must not overlap (a Communicator launches only inside its
+    ``_streams.LaunchOrder`` section, which one thread holds at a time). One per
+    communicator and kernel.
     """
 
     def __init__(self, kernel, types, prefix=(), suffix=()):

@@ -4,8 +4,9 @@
 falls back to (several nodes, no P2P, a message the pool cannot hold). The
 benchmarks also use it directly to measure NCCL on the same buffers as ubnext.
 
-The NCCL communicator is created on first use, over a ubnext bootstrap: rank 0
-asks NCCL for a unique id and broadcasts it, then every rank joins. That first
+The NCCL communicator is created on first use, over a ubnext bootstrap: the
+ranks compare their GPUs (NCCL serves one rank per GPU), rank 0 asks NCCL for a
+unique id and broadcasts it, then every rank joins. That first
 use is therefore collective and blocks the host (``ncclCommInitRank``); it must
 not happen while a stream is being captured into a CUDA graph. Call
 :meth:`NcclComm.connect` beforehand to choose when it happens.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _devices
 from ._errors import ClosedError, UbnextError
 
 __all__ = ["NcclComm"]
@@ -103,14 +105,16 @@ class NcclComm:
 
         Raises:
             ClosedError: :meth:`close` was called.
-            UbnextError: NCCL is missing, rank 0 could not make a unique id,
-                or ``ncclCommInitRank`` failed.
+            UbnextError: NCCL is missing, several ranks use one GPU (on every
+                rank, naming them), rank 0 could not make a unique id, or
+                ``ncclCommInitRank`` failed.
         """
         if self._closed:
             raise ClosedError(f"{op}: the NCCL communicator is closed")
         if self._comm is not None:
             return
         nccl = self._module(op)
+        self._refuse_shared_gpus(op)
         uid = self._unique_id(nccl, op)
         import cupy
 
@@ -183,6 +187,14 @@ class NcclComm:
         if comm is not None:
             comm.destroy()
 
+    def abort(self) -> None:
+        """Abort the NCCL communicator (``ncclCommAbort``): local, waits for no rank;
+        idempotent."""
+        self._closed = True
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.abort()
+
     def __enter__(self) -> NcclComm:
         return self
 
@@ -202,6 +214,18 @@ class NcclComm:
             self._dtypes, self._ops = _tables(nccl)
             self._nccl = nccl
         return self._nccl
+
+    def _refuse_shared_gpus(self, op: str) -> None:
+        """Raise on every rank where ranks share a GPU, which NCCL cannot serve
+        (``ncclCommInitRank`` would fail with "invalid usage"). UUIDs are unique
+        across nodes, so the whole world is compared at once."""
+        clashes = _devices.shared(self._bootstrap.allgather_obj(_devices.device_uuid(self.device)))
+        if clashes:
+            uuid, ranks = next(iter(clashes.items()))
+            raise UbnextError(
+                f"{op}: NCCL cannot serve several ranks on one GPU (ranks {', '.join(map(str, ranks))} use "
+                f"{uuid}); give each rank its own GPU, or keep to ubnext's kernels (an algorithm other than nccl)"
+            )
 
     def _unique_id(self, nccl: Any, op: str) -> bytes:
         """Rank 0's NCCL unique id, on every rank (empty payload = rank 0 failed)."""

@@ -1,19 +1,22 @@
 """The node's kernel resources: descriptor channel, symmetric pool, multicast range
-(where the NVLS gate allows), timeout record, engine and user heap, created
+(where the NVLS gate allows), failure records, engine and user heap, created
 transactionally and released together."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 
-from ._engine import Engine, plan_layout
+import numpy as np
+
+from ._cuda import drv
+from ._engine import STATES, Engine, plan_layout
 from ._errors import UbnextError
+from ._failures import FailureRecords, broken_word, state_field
 from ._fdpass import FdChannel
 from ._heap import UserHeap
-from ._log import get_logger
 from ._multicast import MulticastRange
 from ._pool import SymmetricPool
-from ._timeouts import TimeoutRecord
 from ._undo import UndoStack
 
 
@@ -53,6 +56,8 @@ class Node:
     """
 
     def __init__(self, local, device: int, config, nvls, driver=None):
+        import cupy
+
         self._local = local
         self._driver = driver
         lamport_bytes, lamport_twoshot_bytes = config.lamport_max_kb << 10, config.lamport_twoshot_max_kb << 10
@@ -68,6 +73,9 @@ class Node:
         # multicast range unbinds the segments before the pool releases them)
         undo = self._teardown = UndoStack()
         try:
+            # the descriptor channel serves the setup only: closed (collectively) once the
+            # segments and the multicast object are shared, so that closing the node later
+            # needs no other rank (idempotent: its undo step is then a no-op)
             self.fds = FdChannel(local, config.timeout_s)
             undo.push(self.fds.close)
             self.pool = self._create_pool(device, pool_bytes)
@@ -76,11 +84,17 @@ class Node:
             if nvls.enabled:  # its failures are agreed across the node's ranks
                 self.multicast = MulticastRange(self.pool, local, self.fds, driver=driver)
                 undo.push(self.multicast.close)
-            self.timeouts = TimeoutRecord()
-            undo.push(self.timeouts.close)
-            self.engine = Engine(self.pool, plan, self.timeouts.device_ptr,
+            self.fds.close()
+            self.failures = FailureRecords(STATES)
+            undo.push(self.failures.close)
+            self.engine = Engine(self.pool, plan, self.failures.device_ptr,
                                  config.timeout_s, config.max_blocks, on_first_use=local.barrier,
                                  mc_base=0 if self.multicast is None else self.multicast.ptr)
+            self._broken_ptrs = [self.pool.ptr(r, plan.offset(name) + state_field("broken"))
+                                 for r in range(local.size) for name in STATES]
+            self._own_broken = [p for p in self._broken_ptrs if self.pool.contains(p, 4) is not None]
+            self._side = cupy.cuda.Stream(non_blocking=True)  # announce() and broken() run on it
+            self._announce_lock, self._announced = threading.Lock(), False
             self.engine.initialize()
             self.heap = UserHeap(plan.end, self.pool.size)
         except BaseException:
@@ -113,18 +127,52 @@ class Node:
         offset = self.heap.alloc(max(nbytes, 16), self._local.allgather)
         return Block(self.heap, offset, self.pool.local_ptr(offset))
 
-    def close(self) -> None:
-        """Waits for the device and for every local rank, then releases everything.
+    def announce(self, kind: int, rank: int) -> None:
+        """Marks every kernel family of every local rank broken by rank ``rank`` with failure
+        ``kind``, so that their waits give up and their launches write poison. Local; the
+        stores go on a stream of their own, beside any kernel still waiting (no host wait)."""
+        word = broken_word(kind, rank)
+        for ptr in self._broken_ptrs:
+            drv("cuMemsetD32Async", ptr, word, 1, self._side.ptr, driver=self._driver)
 
-        Collective over the node's ranks. Every step runs even when one fails. A rank
-        whose device failed (a kernel that timed out traps, which ends the CUDA
-        context) still meets the others, so that none waits for it, and releases what
-        the host holds; the device's resources go with the context.
+    def failure(self, op: str, timeout_s: float):
+        """The error a kernel of this rank recorded, or None. The first time one is seen,
+        every kernel family of every local rank is marked broken (``announce``). Never
+        blocks; safe from any thread.
+
+        Returns:
+            a ``BrokenCommunicatorError`` (or subclass) naming what failed, or None.
+        """
+        error = self.failures.error(op, timeout_s)
+        if error is not None:
+            with self._announce_lock:
+                if not self._announced:
+                    self._announced = True
+                    self.announce(*self.failures.origin())
+        return error
+
+    def broken(self) -> bool:
+        """Whether the communicator failed: a kernel of this rank recorded a failure, or a
+        rank marked this rank's kernel families broken. Local; waits only for a read on a
+        stream of its own."""
+        if self.failures.tripped:
+            return True
+        words = np.zeros(len(self._own_broken), np.uint32)
+        for i, ptr in enumerate(self._own_broken):
+            drv("cuMemcpyDtoHAsync", words.ctypes.data + 4 * i, ptr, 4, self._side.ptr, driver=self._driver)
+        self._side.synchronize()
+        return bool(words.any())
+
+    def close(self, local: bool = False) -> None:
+        """Waits for the device, then for every local rank, then releases everything.
+
+        Collective over the node's ranks, unless ``local`` or the communicator is broken
+        (``broken()``): then no rank is waited for, since a failed peer may never come;
+        the segments stay valid for the peers that still map them (their memory goes with
+        the last mapping). Every step runs even when one fails.
 
         Raises:
-            The first error of the device wait or of a release step, unless a kernel
-            of this rank timed out: every ubnext call since (``synchronize`` too)
-            raises CollectiveTimeoutError, and close only logs what failed.
+            The first error of the device wait or of a release step.
         """
         import cupy
 
@@ -136,11 +184,8 @@ class Node:
             cupy.cuda.Device(self.pool.device).synchronize()
         except cupy.cuda.runtime.CUDARuntimeError as e:
             errors.append(e)
-        self._local.barrier()
-        timed_out = self.timeouts.tripped
+        if not (local or errors or self.broken()):
+            self._local.barrier()
         errors += self._teardown.unwind()
-        if errors and not timed_out:
-            raise errors[0]
         if errors:
-            get_logger().warning("close after a kernel timeout: the CUDA context is gone; host resources "
-                                 "released, %d device call(s) failed (first: %s)", len(errors), errors[0])
+            raise errors[0]

@@ -34,41 +34,73 @@ WAIT_SITES = {
     1: ("kSiteLamportPoll", "Lamport poll"),
     2: ("kSiteEntryBarrier", "two-shot entry barrier"),
     3: ("kSiteExitBarrier", "two-shot exit barrier"),
+    4: ("kSiteClusterMail", "row sum of a thread-block cluster"),
+}
+
+#: how a communicator failed: code -> (name in the kernels, words for the host's message)
+FAIL_KINDS = {
+    1: ("kFailTimeout", "a wait timed out"),
+    2: ("kFailMismatch", "the ranks called different collectives"),
+    3: ("kFailConcurrent", "two launches of the communicator overlapped"),
+    4: ("kFailPeer", "another rank failed first"),
+    5: ("kFailAborted", "the communicator was aborted"),
 }
 
 #: Per rank and kernel family, in the rank's own segment: (type, field, meaning). Every
-#: block reads it at entry; the last block to finish advances it.
+#: block reads it at entry; the last block to finish advances it. Once the communicator
+#: failed (``broken``), the family's waits give up and its outputs are poison.
 LAUNCH_STATE = (
     ("u32", "epoch", "launches completed"),
-    ("u32", "done", "blocks of the running launch that finished"),
+    ("u32", "blocks", "blocks of the running launches that started (high 16 bits) and finished (low 16 bits)"),
     ("u32", "prev_vecs", "vectors moved by the previous launch (Lamport: what to re-poison)"),
-    ("u32", "pad", "unused"),
+    ("u32", "slot", "Lamport: the receive buffer (0, 1, 2) of the next launch"),
+    ("u32", "broken", "0, or (FailKind << 8) | (rank + 1) of the rank that failed; set by the kernels "
+                      "of this rank and by the host of any rank"),
+    ("u32", "claim", "0 until a thread of this rank claimed the family's ErrorRecord (atomic)"),
+    ("u64", "record", "device address of the family's ErrorRecord (set by the host)"),
+    ("u64", "timeout_ns", "bound on every wait of the family (set by the host)"),
 )
-#: One per communicator, in host-mapped pinned memory: (type, field, meaning). ``flag``
-#: is written last.
+#: One per LaunchState, in host-mapped pinned memory, written by the thread that claimed
+#: it: (type, field, meaning). ``flag`` is written last.
 ERROR_RECORD = (
-    ("u32", "flag", "0: no error; 1: a wait timed out"),
-    ("u32", "rank", "the rank that waited"),
-    ("u32", "peer", "the rank it waited for (ANY_PEER: a counting wait)"),
-    ("u32", "site", "a WaitSite"),
-    ("u64", "epoch", "launch epoch of the waiting kernel"),
+    ("u32", "flag", "0: no error; 1: the record is complete"),
+    ("u32", "kind", "a FailKind"),
+    ("u32", "rank", "the rank that recorded it"),
+    ("u32", "peer", "the rank waited for (ANY_PEER: a counting wait); kFailPeer: the rank that failed"),
+    ("u32", "site", "a WaitSite; kFailPeer: the FailKind of the rank that failed"),
+    ("u32", "epoch", "launch epoch of the recording kernel"),
+    ("u64", "mine", "kFailMismatch: this rank's call signature"),
+    ("u64", "theirs", "kFailMismatch: the peer's call signature"),
 )
 
 _TYPE_BYTES = {"u32": 4, "u64": 8}
 
 
-def struct_bytes(fields) -> int:
-    """Size of a struct of ``fields`` (naturally aligned, as the compiler lays it out)."""
-    size, align = 0, 1
-    for ctype, _, _ in fields:
+def _layout(fields) -> tuple[dict[str, int], int]:
+    """Offsets of ``fields`` and the struct's size, naturally aligned as the compiler lays
+    them out."""
+    offsets, size, align = {}, 0, 1
+    for ctype, field, _ in fields:
         width = _TYPE_BYTES[ctype]
-        size = -(-size // width) * width + width
+        offsets[field] = -(-size // width) * width
+        size = offsets[field] + width
         align = max(align, width)
-    return -(-size // align) * align
+    return offsets, -(-size // align) * align
+
+
+def struct_bytes(fields) -> int:
+    """Size of a struct of ``fields``."""
+    return _layout(fields)[1]
+
+
+def field_offset(fields, name: str) -> int:
+    """Byte offset of field ``name`` in a struct of ``fields``."""
+    return _layout(fields)[0][name]
 
 
 #: bytes of one LaunchState
 LAUNCH_STATE_BYTES = struct_bytes(LAUNCH_STATE)
+
 
 
 def sentinel_word(width: int) -> int:
@@ -85,7 +117,8 @@ def _struct(name: str, fields) -> list[str]:
 
 
 def header() -> str:
-    """The text of ``protocol.h``: macros, the WaitSite enum, LaunchState and ErrorRecord.
+    """The text of ``protocol.h``: macros, the WaitSite and FailKind enums, and the
+    LaunchState and ErrorRecord structs.
 
     It expects ``u32`` and ``u64`` to be defined (kernels/common.cuh includes it after them).
     """
@@ -104,9 +137,10 @@ def header() -> str:
     lines = ["// Generated from ubnext/_protocol.py: the constants the kernels share with the host.",
              "#pragma once"]
     lines += [f"#define {name} {value}" for name, value in macros.items()]
-    lines += ["enum WaitSite : u32 {"]
-    lines += [f"  {name} = {code},  // {words}" for code, (name, words) in WAIT_SITES.items()]
-    lines += ["};"]
+    for enum, table in (("WaitSite", WAIT_SITES), ("FailKind", FAIL_KINDS)):
+        lines += [f"enum {enum} : u32 {{"]
+        lines += [f"  {name} = {code},  // {words}" for code, (name, words) in table.items()]
+        lines += ["};"]
     lines += _struct("LaunchState", LAUNCH_STATE) + _struct("ErrorRecord", ERROR_RECORD)
     return "\n".join(lines) + "\n"
 

@@ -11,12 +11,20 @@ __all__ = ["MPIBootstrap"]
 
 
 def _import_mpi() -> Any:
+    """``mpi4py.MPI`` (importing it initializes MPI), or one line naming what is missing."""
     try:
-        from mpi4py import MPI
+        import mpi4py  # noqa: F401 - tells a missing mpi4py from a missing MPI library
     except ImportError as exc:
         raise UbnextError(
             "bootstrap.mpi: mpi4py is not importable "
-            f"({exc}); install mpi4py and an MPI library, or pass another bootstrap"
+            f"({exc}); install mpi4py and an MPI library (pip install mpi4py mpich), or pass another bootstrap"
+        ) from exc
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as exc:  # mpi4py 4 raises RuntimeError without libmpi
+        raise UbnextError(
+            f"bootstrap.mpi: mpi4py cannot load an MPI library ({exc}); install one (pip install mpich, "
+            "or the system's MPI and its mpiexec), or pass another bootstrap"
         ) from exc
     return MPI
 

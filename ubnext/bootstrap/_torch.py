@@ -26,8 +26,9 @@ class TorchBootstrap(Bootstrap):
 
     Exchanges go through ``all_gather_object`` on the group. With the NCCL
     backend that stages through the current CUDA device, so call
-    ``torch.cuda.set_device`` before creating the communicator. The group is
-    not owned: :meth:`close` leaves it alone.
+    ``torch.cuda.set_device`` before creating the communicator, or use
+    :meth:`over_world`. A group passed in is not owned: :meth:`close` leaves
+    it alone.
 
     Collective: no (construction only queries the group).
 
@@ -48,8 +49,38 @@ class TorchBootstrap(Bootstrap):
             )
         self._dist = dist
         self._group = group
+        self._owns_group = False
         self._rank = dist.get_rank(group)
         self._size = dist.get_world_size(group)
+
+    @classmethod
+    def over_world(cls) -> TorchBootstrap:
+        """A bootstrap over the default group's ranks that needs no CUDA device.
+
+        Uses the default group itself when its object collectives run on the
+        CPU (a ``gloo`` or ``mpi`` backend, or a ``cpu:...`` pair such as
+        ``init_process_group()``'s default ``cpu:gloo,cuda:nccl``). A group of
+        NCCL alone would stage every exchange through the current CUDA device,
+        which is not chosen yet when a communicator starts (and may be shared
+        by several ranks): over such a group this creates a ``gloo`` group of
+        the same ranks, owned and destroyed by :meth:`close`.
+
+        Collective: yes, over the default group (``new_group``, where one is made).
+
+        Returns:
+            A new bootstrap; the caller owns it and closes it.
+
+        Raises:
+            UbnextError: torch is not installed, or torch.distributed is not
+                initialized.
+        """
+        boot = cls()
+        backend = str(boot._dist.get_backend()).lower()
+        if backend in ("gloo", "mpi") or "cpu:" in backend:
+            return boot
+        boot._group = boot._dist.new_group(backend="gloo")
+        boot._owns_group = True
+        return boot
 
     @property
     def rank(self) -> int:
@@ -77,3 +108,9 @@ class TorchBootstrap(Bootstrap):
         """
         self._check_open("bootstrap.barrier")
         self.allgather(b"")
+
+    def _close(self) -> None:
+        """Destroy the group :meth:`over_world` created (a caller's group stays)."""
+        group, self._group = self._group, None
+        if self._owns_group and self._dist.is_initialized():
+            self._dist.destroy_process_group(group)

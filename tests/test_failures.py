@@ -1,0 +1,76 @@
+"""Failure reports and call signatures on the host (CPU only): what a kernel's
+ErrorRecord turns into, and what a signature says."""
+
+from __future__ import annotations
+
+import pytest
+
+from ubnext import _signature
+from ubnext._errors import (BrokenCommunicatorError, CollectiveMismatchError, CollectiveTimeoutError,
+                            ConcurrentUseError, UbnextError)
+from ubnext._failures import broken_word, error_of
+from ubnext._protocol import ANY_PEER, FAIL_KINDS, WAIT_SITES
+
+KIND = {name: code for code, (name, _) in FAIL_KINDS.items()}
+SITE = {name: code for code, (name, _) in WAIT_SITES.items()}
+
+
+def test_a_timeout_names_the_rank_that_waited_and_the_one_it_waited_for():
+    e = error_of("all_reduce", KIND["kFailTimeout"], 0, 3, SITE["kSiteLamportPoll"], 7, 0, 0, 600.0)
+    assert isinstance(e, CollectiveTimeoutError) and isinstance(e, BrokenCommunicatorError)
+    assert (e.rank, e.peer) == (0, 3)
+    assert str(e).startswith("all_reduce: rank 0 waited more than 600 s for rank 3 (Lamport poll, launch 7)")
+    assert "create a new one" in str(e)
+    counting = error_of("all_reduce", KIND["kFailTimeout"], 1, ANY_PEER, SITE["kSiteEntryBarrier"], 0, 0, 0, 2)
+    assert counting.peer is None and "another rank" in str(counting)
+
+
+def test_a_mismatch_names_both_calls():
+    mine = _signature.encode("all_reduce", "bfloat16", "sum", 4096)
+    theirs = _signature.encode("all_reduce", "bfloat16", "sum", 8192)
+    e = error_of("synchronize", KIND["kFailMismatch"], 0, 1, 0, 3, mine, theirs, 600.0)
+    assert isinstance(e, CollectiveMismatchError) and (e.rank, e.peer, e.mine, e.theirs) == (0, 1, mine, theirs)
+    assert ("rank 0 called all_reduce of 4096 bfloat16 (sum) but rank 1 called all_reduce of 8192 bfloat16 (sum)"
+            in str(e))
+
+
+def test_concurrent_use_and_a_peers_failure():
+    assert isinstance(error_of("all_reduce", KIND["kFailConcurrent"], 2, 0, 0, 0, 0, 0, 1), ConcurrentUseError)
+    e = error_of("all_reduce", KIND["kFailPeer"], 1, 3, KIND["kFailTimeout"], 0, 0, 0, 1)
+    assert type(e) is BrokenCommunicatorError and e.rank == 3
+    assert "rank 3 failed first (a wait timed out)" in str(e)
+    aborted = error_of("all_reduce", KIND["kFailPeer"], 1, 0, KIND["kFailAborted"], 0, 0, 0, 1)
+    assert "rank 0 failed first (the communicator was aborted)" in str(aborted)
+
+
+def test_broken_word_keeps_kind_and_rank():
+    word = broken_word(KIND["kFailMismatch"], 5)
+    assert word >> 8 == KIND["kFailMismatch"] and (word & 0xFF) - 1 == 5 and word != 0
+    assert broken_word(KIND["kFailTimeout"], 0) != 0  # rank 0 too: 0 means "not broken"
+
+
+@pytest.mark.parametrize("collective", _signature.COLLECTIVES[:1])
+def test_signatures_differ_in_every_field(collective):
+    base = _signature.encode(collective, "bfloat16", "sum", 4096)
+    others = [_signature.encode(collective, "float16", "sum", 4096),   # same width
+              _signature.encode(collective, "float32", "sum", 4096),   # other width
+              _signature.encode(collective, "bfloat16", "max", 4096),
+              _signature.encode(collective, "bfloat16", "sum", 4097),
+              _signature.encode_fused("bfloat16", 1, 4096)]
+    assert len({base, *others}) == 6 and all(s != 0 for s in (base, *others))
+    assert _signature.describe(base) == "all_reduce of 4096 bfloat16 (sum)"
+    assert _signature.describe(_signature.encode_fused("float32", 16, 8192)) == \
+        "all_reduce_add_rmsnorm of 16 x 8192 float32"
+    assert "unknown call" in _signature.describe(0)
+
+
+def test_signature_fields_are_bounded():
+    with pytest.raises(ValueError):
+        _signature.encode("all_reduce", "bfloat16", "sum", 1 << _signature.COUNT_BITS)
+    with pytest.raises(ValueError):
+        _signature.encode_fused("bfloat16", 1, 1 << _signature.HIDDEN_BITS)
+
+
+def test_every_error_is_a_ubnext_error():
+    for cls in (BrokenCommunicatorError, CollectiveTimeoutError, CollectiveMismatchError, ConcurrentUseError):
+        assert issubclass(cls, UbnextError)

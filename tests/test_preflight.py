@@ -1,0 +1,128 @@
+"""One-line errors before any collective setup (ubnext._preflight), from faked CuPy
+failures, and what Communicator construction and close do with the bootstrap it
+made itself (closed) or was given (left open)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+import bench_fakes as fakes
+import ubnext
+from ubnext import _comm, _preflight
+from ubnext._config import Config
+from ubnext._errors import UbnextError
+from ubnext.bootstrap import SelfBootstrap
+
+
+class CUDARuntimeError(RuntimeError):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+
+
+def fake_cupy(monkeypatch, count=None, error=None, driver=0, runtime=13020):
+    """A ``cupy`` whose runtime reports ``count`` devices or raises ``error``."""
+    def get_count():
+        if error is not None:
+            raise error
+        return count
+
+    rt = types.SimpleNamespace(CUDARuntimeError=CUDARuntimeError, getDeviceCount=get_count,
+                               driverGetVersion=lambda: driver, runtimeGetVersion=lambda: runtime)
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(runtime=rt)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(error=CUDARuntimeError(35, "cudaErrorInsufficientDriver: CUDA driver version is insufficient")),
+     r"no GPU: no NVIDIA driver is loaded \(cudaErrorInsufficientDriver\); run on a node with an NVIDIA GPU"),
+    (dict(error=CUDARuntimeError(35, "cudaErrorInsufficientDriver: ..."), driver=12080),
+     r"the NVIDIA driver supports CUDA 12.8 but CuPy runs on CUDA 13.2 \(cudaErrorInsufficientDriver\); "
+     r"update the driver, or install the CuPy build for CUDA 12 \(pip install cupy-cuda12x\)"),
+    (dict(error=CUDARuntimeError(100, "cudaErrorNoDevice: no CUDA-capable device is detected")),
+     r"no GPU: CUDA sees no device \(cudaErrorNoDevice; CUDA_VISIBLE_DEVICES is ''\); run on a GPU node"),
+    (dict(count=0), r"no GPU: the CUDA driver reports no device; run on a GPU node"),
+    (dict(error=CUDARuntimeError(999, "cudaErrorUnknown: unknown error")),
+     r"CUDA cannot start \(cudaErrorUnknown: unknown error\); check the GPU and its driver with nvidia-smi"),
+])
+def test_gpu_problems_are_one_line(monkeypatch, kwargs, message):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    fake_cupy(monkeypatch, **kwargs)
+    assert _preflight.gpu_problem() is not None
+    with pytest.raises(UbnextError, match=rf"^Communicator: {message}") as info:
+        _preflight.check("Communicator", Config())
+    assert "\n" not in str(info.value)
+
+
+def test_cupy_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert _preflight.gpu_problem().startswith("CuPy is not importable")
+
+
+def test_a_usable_gpu_passes(monkeypatch):
+    fake_cupy(monkeypatch, count=1)
+    assert _preflight.gpu_problem() is None
+    _preflight.check("Communicator", Config())
+
+
+def test_nccl_is_required_only_where_every_call_goes_to_it(monkeypatch):
+    fakes.install(monkeypatch)  # its nccl cannot be loaded
+    monkeypatch.setattr(_preflight, "gpu_problem", lambda: None)
+    _preflight.check("Communicator", Config())
+    with pytest.raises(UbnextError, match=r"^Communicator: cupy cannot load the NCCL library; install it with "
+                                          r"'pip install nvidia-nccl-cu13'"):
+        _preflight.check("Communicator", Config(algorithm="nccl"))
+
+
+def test_communicator_without_gpu_raises_before_the_bootstrap(monkeypatch):
+    monkeypatch.setattr(_preflight, "gpu_problem", lambda: "no GPU: faked")
+    monkeypatch.setattr(ubnext.bootstrap, "default", lambda: pytest.fail("bootstrap created before the check"))
+    with pytest.raises(UbnextError, match="^Communicator: no GPU: faked$"):
+        ubnext.Communicator()
+
+
+# -- the bootstrap a communicator made is its own to close -----------------------------
+
+@pytest.fixture
+def cpu_comm(monkeypatch):
+    """Communicator construction on fakes, NCCL only (no pool), multicast off; returns
+    the list of the bootstraps ``default()`` made."""
+    fakes.install(monkeypatch)
+    monkeypatch.setattr(sys.modules["cupy"].cuda.runtime, "getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(_preflight, "check", lambda op, config: None)
+    monkeypatch.setattr(_comm, "map_devices", lambda local, device, current: 0)
+    made: list[SelfBootstrap] = []
+    monkeypatch.setattr(ubnext.bootstrap, "default", lambda: made.append(SelfBootstrap()) or made[-1])
+    return made
+
+
+def test_close_releases_the_default_bootstrap(cpu_comm):
+    comm = ubnext.Communicator(algorithm="nccl", nvls="0")
+    assert comm.bootstrap is cpu_comm[0] and not cpu_comm[0].closed
+    comm.close()
+    assert cpu_comm[0].closed
+
+
+def test_close_leaves_a_given_bootstrap_open(cpu_comm):
+    mine = SelfBootstrap()
+    ubnext.Communicator(bootstrap=mine, algorithm="nccl", nvls="0").close()
+    assert not mine.closed and not cpu_comm
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_failed_construction_releases_only_the_default_bootstrap(cpu_comm, monkeypatch, given):
+    def fail(local, device, current):
+        raise UbnextError("Communicator: local rank 1: device 5 does not exist (1 visible)")
+
+    monkeypatch.setattr(_comm, "map_devices", fail)
+    mine = SelfBootstrap() if given else None
+    with pytest.raises(UbnextError, match="device 5 does not exist"):
+        ubnext.Communicator(bootstrap=mine, algorithm="nccl", nvls="0")
+    if given:
+        assert not mine.closed and not cpu_comm
+    else:
+        assert cpu_comm[0].closed

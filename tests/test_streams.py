@@ -1,0 +1,327 @@
+"""Stream order and thread safety of a communicator's launches, on a recording fake of
+the CUDA runtime (no GPU): ``ubnext._streams`` and the argument packs of ``ubnext._launch``."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import types
+import weakref
+
+import pytest
+
+from stream_fakes import FakeCuda, FakeDriver, fake_kernel
+from ubnext import _launch, _streams
+from ubnext._launch import U64, Launcher
+from ubnext._streams import LEGACY, PER_THREAD, LaunchOrder, order_after
+
+DEVICE = 3
+A, B, C = 0x7A00, 0x7B00, 0x7C00  # stream handles
+
+
+def enter(order, stream, owner=None):
+    """One call's section (without launches)."""
+    order.enter(stream, owner)
+    order.leave()
+
+
+def test_calls_on_one_stream_make_no_cuda_call():
+    cuda = FakeCuda()
+    order = LaunchOrder(DEVICE, cuda)
+    for _ in range(5):
+        enter(order, A)
+    assert cuda.calls == []
+
+
+def test_a_call_on_another_stream_waits_for_the_previous_stream():
+    cuda = FakeCuda()
+    order = LaunchOrder(DEVICE, cuda)
+    enter(order, A)
+    enter(order, B)
+    (event,) = [c[2] for c in cuda.calls if c[0] == "event"]
+    assert cuda.calls == [("event", DEVICE, event), ("record", event, A), ("wait", B, event), ("destroy", event)]
+    cuda.calls.clear()
+    enter(order, B)
+    assert cuda.calls == []
+    enter(order, A)
+    assert [c[0] for c in cuda.calls] == ["event", "record", "wait", "destroy"]
+    assert cuda.calls[1][2] == B and cuda.calls[2][1] == A
+    assert not cuda.live
+
+
+def test_both_handles_of_the_legacy_default_stream_are_one_stream():
+    cuda = FakeCuda()
+    order = LaunchOrder(DEVICE, cuda)
+    enter(order, 0)
+    enter(order, LEGACY)
+    enter(order, 0)
+    assert cuda.calls == []
+
+
+def test_no_wait_crosses_the_border_of_a_graph_capture():
+    """A capturing stream cannot wait for eager work (nor the reverse) without
+    invalidating the capture; within one capture the wait is a graph edge."""
+    cuda = FakeCuda(captures={B: 5, C: 5})
+    order = LaunchOrder(DEVICE, cuda)
+    enter(order, A)
+    enter(order, B)  # eager -> capturing: left out
+    assert cuda.calls == []
+    enter(order, C)  # same capture: ordered
+    assert [c[0] for c in cuda.calls] == ["event", "record", "wait", "destroy"]
+    assert cuda.calls[1][2] == B and cuda.calls[2][1] == C
+    cuda.calls.clear()
+    cuda.captures[A] = 6
+    enter(order, A)  # another capture
+    cuda.captures[B] = -1
+    enter(order, B)  # invalidated capture
+    assert cuda.calls == []
+
+
+def test_order_after_reports_whether_it_waited():
+    cuda = FakeCuda(captures={C: 9})
+    assert order_after(A, B, DEVICE, cuda) is True
+    assert order_after(A, A, DEVICE, cuda) is False
+    assert order_after(0, LEGACY, DEVICE, cuda) is False
+    assert order_after(A, C, DEVICE, cuda) is False
+    assert [c[0] for c in cuda.calls] == ["event", "record", "wait", "destroy"]
+
+
+def test_a_failed_record_destroys_its_event_and_leaves_the_section():
+    cuda = FakeCuda()
+    order = LaunchOrder(DEVICE, cuda)
+    enter(order, A)
+    cuda.fail_record = True
+    with pytest.raises(RuntimeError, match="record failed"):
+        enter(order, B)
+    assert not cuda.live
+    cuda.fail_record = False
+    done = threading.Event()
+    threading.Thread(target=lambda: (enter(order, B), done.set())).start()
+    assert done.wait(10), "the section stayed locked after an error"
+    assert [c for c in cuda.calls if c[0] == "record"][-1][2] == A  # the wait for A is retried
+
+
+def test_the_previous_stream_object_is_kept_until_the_stream_changes():
+    """Its event is recorded when the next call comes on another stream, so the stream
+    must not be destroyed meanwhile (CuPy destroys a Stream when it is collected)."""
+
+    class Stream:
+        pass
+
+    cuda = FakeCuda()
+    order = LaunchOrder(DEVICE, cuda)
+    stream = Stream()
+    ref = weakref.ref(stream)
+    enter(order, A, stream)
+    del stream
+    gc.collect()
+    assert ref() is not None
+    enter(order, B)
+    gc.collect()
+    assert ref() is None
+
+
+def test_per_thread_default_streams_of_two_threads_are_ordered():
+    """cudaStreamPerThread names another stream in each thread: a thread cannot record on
+    the previous thread's one, so an event is recorded after each such call."""
+    cuda = FakeCuda()
+    order = LaunchOrder(DEVICE, cuda)
+
+    def in_thread(fn):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join(10)
+
+    in_thread(lambda: enter(order, PER_THREAD))
+    first = cuda.calls[:]
+    assert [c[0] for c in first] == ["event", "record"] and first[1][2] == PER_THREAD
+    cuda.calls.clear()
+    in_thread(lambda: enter(order, PER_THREAD))
+    assert cuda.calls[:2] == [("wait", PER_THREAD, first[0][2]), ("destroy", first[0][2])]
+    assert [c[0] for c in cuda.calls[2:]] == ["event", "record"]
+    cuda.calls.clear()
+    enter(order, A)  # this thread names A: it waits for the event of the other thread's last call
+    assert [c[0] for c in cuda.calls] == ["wait", "destroy"] and cuda.calls[0][1] == A
+    assert not cuda.live
+
+
+# -- argument packs under contention ------------------------------------------------------
+
+NPARAMS = 6  # (prefix, 4 varying, suffix), all 64-bit
+PREFIX, SUFFIX = 0x1111, 0x9999
+
+
+def values_of(stream: int) -> tuple[int, ...]:
+    """The varying arguments a launch on ``stream`` passes (so the launch can check them)."""
+    return tuple(stream * 16 + i for i in range(NPARAMS - 2))
+
+
+def launches_from_threads(monkeypatch, on_launch, section, threads=2, calls=300):
+    """``threads`` threads launch one Launcher ``calls`` times each, inside ``section``
+    (a LaunchOrder) if given."""
+    monkeypatch.setattr(_launch, "_cupy_driver", FakeDriver(NPARAMS, on_launch))
+    launcher = Launcher(fake_kernel(), (U64,) * NPARAMS, prefix=(PREFIX,), suffix=(SUFFIX,))
+    errors = []
+
+    def run(t):
+        try:
+            for i in range(calls):
+                stream = (t + 1) * 100_000 + i
+                if section is None:
+                    launcher(1, 32, stream, *values_of(stream))
+                else:
+                    section.enter(stream)
+                    try:
+                        launcher(1, 32, stream, *values_of(stream))
+                    finally:
+                        section.leave()
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not errors, errors
+
+
+def test_launches_from_two_threads_interleave_without_the_section(monkeypatch):
+    """The control: two threads pack the one argument buffer, then both launch; the fake
+    launch reads after both packed (a barrier), so one launch sees the other's values."""
+    barrier = threading.Barrier(2, timeout=10)
+    wrong = []
+
+    def on_launch(stream, read):
+        barrier.wait()
+        args = read()
+        if args != [PREFIX, *values_of(stream), SUFFIX]:
+            wrong.append(stream)
+
+    launches_from_threads(monkeypatch, on_launch, None, calls=1)
+    assert wrong, "both launches read their own arguments: the check cannot see an interleaving"
+
+
+def test_launches_in_the_section_keep_their_arguments(monkeypatch):
+    cuda = FakeCuda()
+    order = LaunchOrder(DEVICE, cuda)
+    seen, wrong = [], []
+    inside = threading.Lock()  # taken by a launch; never contended if the section serializes
+
+    def on_launch(stream, read):
+        if not inside.acquire(blocking=False):
+            wrong.append(("overlap", stream))
+            return
+        try:
+            time.sleep(0)  # invite a thread switch between pack and launch
+            args = read()
+            if args != [PREFIX, *values_of(stream), SUFFIX]:
+                wrong.append(stream)
+            seen.append(stream)
+        finally:
+            inside.release()
+
+    launches_from_threads(monkeypatch, on_launch, order, threads=4)
+    assert not wrong
+    assert len(seen) == 4 * 300
+    assert not cuda.live
+    # every change of stream (every call here) waited for the previous stream
+    assert cuda.names().count("wait") == len(seen) - 1
+
+
+# -- the Communicator's wiring ---------------------------------------------------------------
+
+
+class RecordingNccl:
+    """The NCCL engine of a communicator, recording the stream of each all-reduce, and
+    whether it was called inside the launch section."""
+
+    def __init__(self, order):
+        self.order, self.calls = order, []
+
+    def all_reduce(self, src, dst, count, dtype, op, stream):
+        self.calls.append((src, dst, count, stream, in_section(self.order)))
+
+
+@pytest.fixture
+def nccl_comm(monkeypatch):
+    """A Communicator of one rank that runs everything on a recording NCCL engine, built
+    without a GPU: only what ``all_reduce`` reads is set. Arrays of other frameworks are
+    viewed over pointers taken to be device 0's."""
+    import cupy
+
+    from ubnext import _arrays
+    from ubnext._comm import Communicator
+    from ubnext._config import Config
+    from ubnext._select import Selector, buffer_limits
+
+    cuda = FakeCuda()
+    monkeypatch.setattr(_streams, "CUDA", cuda)
+    monkeypatch.setattr(_arrays, "_pointer_device", lambda ptr, op, kind: 0)
+
+    def capsule_array(capsule):
+        mem = cupy.cuda.UnownedMemory(capsule.ptr, 64, capsule, device_id=0)
+        return cupy.ndarray((16,), "float32", memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    monkeypatch.setattr(_arrays, "_capsule_array", capsule_array)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
+    config = Config.from_env()
+    comm = Communicator.__new__(Communicator)
+    comm.__dict__.update(
+        config=config, rank=0, size=1, device=0, _closed=False, _node=None, _resolved={},
+        _selector=Selector(1, buffer_limits(config), ["nccl"], None, "test"),
+        _launch=LaunchOrder(0),
+    )
+    comm._nccl = RecordingNccl(comm._launch)
+    yield comm, cuda
+    comm._closed = True
+
+
+def in_section(order) -> bool:
+    """Whether ``order``'s section is held (by the caller, in these single-thread tests)."""
+    if order._acquire(blocking=False):
+        order._release()
+        return False
+    return True
+
+
+class Capsule:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class Producer:
+    """A DLPack producer recording the stream it is handed."""
+
+    def __init__(self, ptr):
+        self.ptr, self.streams = ptr, []
+
+    def __dlpack_device__(self):
+        return 2, 0
+
+    def __dlpack__(self, stream=None, max_version=None):
+        self.streams.append(stream)
+        return Capsule(self.ptr)
+
+
+class Interface:
+    """An array with ``__cuda_array_interface__`` produced on ``stream``."""
+
+    def __init__(self, ptr, stream):
+        self.__cuda_array_interface__ = {"shape": (16,), "typestr": "<f4", "data": (ptr, False),
+                                         "version": 3, "stream": stream}
+
+
+def test_all_reduce_hands_producers_the_stream_it_launches_on(nccl_comm):
+    comm, cuda = nccl_comm
+    x, out = Producer(0x10000), Producer(0x20000)
+    comm.all_reduce(x, out=out, algorithm="nccl", stream=A)
+    assert x.streams == [A] and out.streams == [A]
+    assert comm._nccl.calls == [(0x10000, 0x20000, 16, A, True)]
+    comm.all_reduce(Interface(0x30000, stream=C), out=out, algorithm="nccl", stream=B)
+    waits = [c for c in cuda.calls if c[0] == "wait"]
+    records = [c for c in cuda.calls if c[0] == "record"]
+    # the producer's stream C, then the previous call's stream A, both before the launch on B
+    assert [r[2] for r in records] == [C, A] and all(w[1] == B for w in waits)
+    assert comm._nccl.calls[-1] == (0x30000, 0x20000, 16, B, True)

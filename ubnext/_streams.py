@@ -1,0 +1,234 @@
+"""Stream order of a communicator's launches, and waits for a foreign producer's stream.
+
+A communicator is one ordered queue, as in NCCL: its calls share the launch states, the
+Lamport receive buffers and the staging slot, so no call may run before a call issued
+ahead of it, whatever stream each is issued on. :class:`LaunchOrder` keeps that order:
+it remembers the stream of the last launch and, when a call comes on another stream,
+makes the new stream wait for an event recorded on the previous one. Nothing is done
+while the stream stays the same, and the host never waits. Its lock makes the launches
+of a call one section, so calls may come from several host threads (the argument packs
+of the launchers and the staging slot are shared by all calls).
+
+:func:`order_after` is the one wait: an event recorded on one stream and waited for by
+another. It serves the cross-stream order and arrays whose ``__cuda_array_interface__``
+names the stream that produces them.
+
+A stream being captured into a CUDA graph can only wait for work of its own capture,
+and an eager stream cannot wait for captured work: waits between streams that are not
+in the same capture are left out, so that a capture is never invalidated. Ordering a
+replayed graph against eager calls of the same communicator is the caller's contract,
+as in NCCL.
+"""
+
+from __future__ import annotations
+
+import threading
+
+#: cudaStreamLegacy; handle 0 also means the legacy default stream (CuPy's and torch's null stream)
+LEGACY = 1
+#: cudaStreamPerThread: in every host thread another stream
+PER_THREAD = 2
+
+
+class Cuda:
+    """The CUDA runtime calls of stream ordering (through CuPy's bindings; the capture
+    sequence id through cuda.bindings). Tests pass a recording fake with these methods.
+    None of them blocks the host."""
+
+    def event(self, device: int) -> int:
+        """A new event on ``device`` (no timing)."""
+        from cupy.cuda import Device, runtime
+
+        with Device(device):
+            return runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+
+    def record(self, event: int, stream: int) -> None:
+        from cupy.cuda import runtime
+
+        runtime.eventRecord(event, stream)
+
+    def wait(self, stream: int, event: int) -> None:
+        from cupy.cuda import runtime
+
+        runtime.streamWaitEvent(stream, event, 0)
+
+    def destroy(self, event: int) -> None:
+        """Releases ``event``; a wait already queued on it still holds (CUDA releases the
+        event once it has completed)."""
+        from cupy.cuda import runtime
+
+        runtime.eventDestroy(event)
+
+    def capture(self, stream: int) -> int:
+        """0 when ``stream`` is not being captured, else the id of its capture sequence
+        (-1: a capture that was invalidated)."""
+        if stream in (0, LEGACY):  # never captures, and may not be queried while another stream does
+            return 0
+        from cupy.cuda import runtime
+
+        try:
+            if not runtime.streamIsCapturing(stream):  # CuPy's query is the fast one
+                return 0
+        except runtime.CUDARuntimeError:
+            raise
+        except RuntimeError:  # CuPy raises this for an invalidated capture
+            return -1
+        from cuda.bindings import driver
+
+        from ._cuda import drv
+
+        return int(drv("cuStreamGetCaptureInfo", driver.CUstream(stream))[1])
+
+
+#: the runtime calls used by default (a module attribute, so that tests can replace it)
+CUDA = Cuda()
+
+_THREAD = threading.local()
+
+
+def _this_thread() -> object:
+    """An object of the calling thread, alive while it is: unlike a thread id, which
+    Python reuses for a later thread, it names no other thread while it is kept."""
+    token = getattr(_THREAD, "token", None)
+    if token is None:
+        token = _THREAD.token = object()
+    return token
+
+
+def same_stream(a: int, b: int) -> bool:
+    """Whether handles ``a`` and ``b`` name the same stream of the calling thread (0 and
+    LEGACY both name the legacy default stream)."""
+    return a == b or (a in (0, LEGACY) and b in (0, LEGACY))
+
+
+def order_after(producer: int, consumer: int, device: int, cuda: Cuda | None = None) -> bool:
+    """Makes the work queued later on ``consumer`` wait for the work queued so far on
+    ``producer``: an event recorded on ``producer`` and waited for by ``consumer``. The
+    host does not wait. Not collective.
+
+    Args:
+        producer: raw cudaStream_t whose queued work must come first.
+        consumer: raw cudaStream_t of the work that follows.
+        device: the device of ``producer`` (where the event is created).
+        cuda: the runtime calls; default ``CUDA``.
+
+    Returns:
+        Whether a wait was queued: not for the same stream, nor for two streams that are
+        not in the same CUDA graph capture (the wait would invalidate a capture).
+
+    Raises:
+        CudaError or CuPy's CUDARuntimeError: a runtime call failed.
+    """
+    if same_stream(producer, consumer):
+        return False
+    cuda = cuda or CUDA
+    capture = cuda.capture(consumer)
+    if capture < 0 or capture != cuda.capture(producer):
+        return False
+    event = cuda.event(device)
+    try:
+        cuda.record(event, producer)
+        cuda.wait(consumer, event)
+    finally:
+        cuda.destroy(event)
+    return True
+
+
+class LaunchOrder:
+    """The launch section of one communicator: its launches in issue order on any
+    stream, one host thread at a time.
+
+    Around every call's launches::
+
+        order.enter(stream, owner)
+        try:
+            ...  # the call's launches, copies and NCCL calls on `stream`
+        finally:
+            order.leave()
+
+    ``enter`` takes the lock, so that the launches of a call stay together (another
+    thread's launches do not come in between, nor overwrite the launchers' argument
+    packs under them), and makes ``stream`` wait for the stream of the previous launch
+    when it is another one. The per-thread default stream is another stream in every
+    thread, and a thread cannot name another thread's one, so ``leave`` records an event
+    after a call on it, for the next call to wait for.
+
+    Args:
+        device: the communicator's CUDA device.
+        cuda: the runtime calls; default ``CUDA`` (looked up at each use).
+    """
+
+    def __init__(self, device: int, cuda: Cuda | None = None):
+        self._device = device
+        self._cuda = cuda
+        lock = threading.Lock()
+        self._acquire, self._release = lock.acquire, lock.release
+        self._stream = None   # the raw handle of the previous launch's stream
+        self._thread = None   # the thread it came from, for the per-thread default stream
+        self._owner = None    # its stream object, kept so that it is not destroyed meanwhile
+        self._done = None     # event recorded after the previous launch (per-thread default stream)
+
+    def enter(self, stream: int, owner=None) -> None:
+        """Enters the section for a call on ``stream`` (raw handle; ``owner``: the stream
+        object it came from, or None): blocks while another thread is in it, then orders
+        the launches that follow after those of the previous call. Costs the lock and one
+        comparison while the stream stays the same.
+
+        Raises:
+            CudaError or CuPy's CUDARuntimeError: the wait could not be queued (the
+                section is left; the next call tries again).
+        """
+        self._acquire()
+        if stream == self._stream and stream != PER_THREAD:
+            return
+        try:
+            self._change(stream, owner)
+        except BaseException:
+            self._release()
+            raise
+
+    def leave(self) -> None:
+        """Leaves the section entered by ``enter``."""
+        if self._stream != PER_THREAD:
+            self._release()
+            return
+        try:
+            self._record_done()
+        finally:
+            self._release()
+
+    def _change(self, stream: int, owner) -> None:
+        thread = _this_thread() if stream == PER_THREAD else None
+        if stream == self._stream and thread is self._thread:
+            return
+        if self._stream is not None:
+            self._after_previous(stream)
+        self._stream, self._thread, self._owner = stream, thread, owner
+
+    def _after_previous(self, stream: int) -> None:
+        cuda = self._cuda or CUDA
+        if self._done is None:
+            order_after(self._stream, stream, self._device, cuda)
+            return
+        # the previous stream was a thread's default stream, which this thread may not be
+        # able to name: wait for the event recorded after its launches
+        done, self._done = self._done, None
+        try:
+            if cuda.capture(stream) == 0:
+                cuda.wait(stream, done)
+        finally:
+            cuda.destroy(done)
+
+    def _record_done(self) -> None:
+        cuda = self._cuda or CUDA
+        if self._done is not None:
+            cuda.destroy(self._done)
+            self._done = None
+        if cuda.capture(PER_THREAD) == 0:
+            event = cuda.event(self._device)
+            try:
+                cuda.record(event, PER_THREAD)
+            except BaseException:
+                cuda.destroy(event)
+                raise
+            self._done = event
