@@ -224,6 +224,10 @@ def collected(failures: list):
 
 
 # ---- the kernels a call launched ---------------------------------------------------------
+#: where a plain all-reduce launch's varying arguments hold its element count
+_COUNT_ARG = {"lamport": 2, "lamport_twoshot": 2, "twoshot": 3}
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """One kernel launch of ubnext.
@@ -234,9 +238,10 @@ class Launch:
         fused: the fused all-reduce + add + RMSNorm entry point.
         threads: threads per block.
         cluster: blocks per thread-block cluster (1: none).
-        args: the launch's varying arguments (``Launcher.__call__``'s values): ``x, out, n``
-            (Lamport), ``buf_off, src, dst, n`` (two-shot), ``x, rows, hidden, ...`` (fused
-            and separate add + RMSNorm).
+        args: the launch's varying arguments (``Launcher.__call__``'s values, as
+            ubnext._engine.Engine passes them): ``x, out, n, sig`` (Lamport kernels),
+            ``buf_off, src, dst, n, sig`` (two-shot), ``x, rows, hidden, ...`` (fused and
+            separate add + RMSNorm).
     """
 
     kernel: str
@@ -246,9 +251,15 @@ class Launch:
     args: tuple
 
     @property
+    def buffers(self) -> tuple:
+        """A plain all-reduce launch's arguments before its element count: where it reads
+        and writes (``x, out``; two-shot: ``buf_off, src, dst``)."""
+        return self.args[:_COUNT_ARG[self.kernel]]
+
+    @property
     def count(self) -> int:
-        """Elements of a plain all-reduce launch (its last argument, n)."""
-        return self.args[-1]
+        """Elements of a plain all-reduce launch."""
+        return self.args[_COUNT_ARG[self.kernel]]
 
     @property
     def rows(self) -> int:

@@ -117,7 +117,7 @@ def test_misaligned_arrays_take_the_staging_copy(comm, algo):
     every launch reduces the staging slot in place."""
     engine = comm._node.engine
     _, launches = check_all_reduce(comm, 5001, "bfloat16", 11, algorithm=algo, offset=1)
-    buffers = {launch.args[:-1] for launch in launches}
+    buffers = {launch.buffers for launch in launches}
     staged = (engine.staging_off, 0, 0) if algo == "twoshot" else (engine.staging_ptr, engine.staging_ptr)
     assert buffers == {staged}, f"launches on {buffers}, expected the staging slot {staged}"
 
