@@ -258,7 +258,7 @@ def fma32(a, b, c) -> np.ndarray:
         err = (p - (s - z)) + (c - z)
         inexact = np.isfinite(s) & (err != 0) & ((np.asarray(s).view(np.int64) & 1) == 0)
         s = np.where(inexact, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
-    return s.astype(np.float32)
+        return s.astype(np.float32)
 
 
 def vector_squares(res: np.ndarray) -> np.ndarray:
