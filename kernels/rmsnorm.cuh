@@ -3,7 +3,7 @@
 //
 // For one row of `hidden` elements, with `a` the all-reduced row rounded to T:
 //   res    = round_T((a + bias) + residual)                   (fp32 arithmetic)
-//   scale  = rsqrt(sum(res * res) / hidden + eps)             (fp32 statistics of res)
+//   scale  = 1 / sqrt(sum(res * res) / hidden + eps)         (fp32 statistics of res)
 //   normed = round_T((res * scale) * weight)
 // bias and residual are optional (null). Every rank runs the same arithmetic in the same
 // order (row_sum is a fixed tree), so ranks that normalize the same row get the same bits.
@@ -57,8 +57,12 @@ struct NormArgs {
 __device__ __forceinline__ float residual_sum(float a, float bias, float residual) {
   return (a + bias) + residual;
 }
+// 1 / sqrt(sumsq / hidden + eps) with every step rounded to nearest (IEEE division, addition,
+// square root and reciprocal, whatever the compiler's precision flags), so that the host
+// reproduces a row's scale, and so normed, bit for bit (tests/reference.py: rms_scale);
+// rsqrtf is an approximation whose bits no host can predict.
 __device__ __forceinline__ float rms_scale(float sumsq, u64 hidden, float eps) {
-  return rsqrtf(sumsq / (float)hidden + eps);
+  return __frcp_rn(__fsqrt_rn(__fadd_rn(__fdiv_rn(sumsq, (float)hidden), eps)));
 }
 __device__ __forceinline__ float normalized(float v, float scale, float w) { return (v * scale) * w; }
 

@@ -1,5 +1,8 @@
-"""Helpers of the GPU tests: one communicator per session, inputs every rank can
-regenerate for every other rank, an fp64 reference, bit-identity across ranks.
+"""Helpers of the GPU tests: one communicator per module, inputs every rank regenerates
+for every other rank, outputs poisoned and bordered by canary bytes, the kernel launches
+of a call recorded, and every output element compared bit for bit with the host
+reference (tests/reference.py) computed from every rank's inputs in the order of the
+kernels that ran.
 
 The same test bodies run at 1 rank (plain pytest) and at N ranks
 (``mpirun -n N python -m pytest tests``); without a usable GPU they are skipped.
@@ -7,9 +10,23 @@ The same test bodies run at 1 rank (plain pytest) and at N ranks
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 
+import numpy as np
 import pytest
+
+import reference
+
+DTYPES = tuple(reference.DTYPES)
+WIDTH = {name: dtype.itemsize for name, dtype in reference.DTYPES.items()}
+#: canary bytes on each side of every output (and input) view: more than a 16-byte vector
+GUARD_BYTES = 64
+#: rank id of the operands that every rank shares (residual, weight, bias)
+SHARED = 10**6
+#: order probes (reference.order_probe) at every PROBE_STRIDE-th element from PROBE_START
+PROBE_START, PROBE_STRIDE = 8, 1024
 
 
 def gpu_count() -> int:
@@ -27,71 +44,171 @@ def require_gpu_and_torch():
     pytest.importorskip("torch", reason="the GPU tests build their inputs with torch")
 
 
-TOL = {"bfloat16": 8e-3, "float16": 1e-3, "float32": 1e-6}
-#: NCCL reduces in the data type itself (one rounding per step), so its bf16/fp16
-#: results on short messages can be a few ulps off; ubnext accumulates in fp32.
-TOL_NCCL = {"bfloat16": 3e-2, "float16": 4e-3, "float32": 1e-6}
-
-
 def torch_dtype(name: str):
     import torch
 
     return getattr(torch, name)
 
 
+# ---- inputs ------------------------------------------------------------------------------
 def make_input(count: int, dtype: str, rank: int, seed: int, specials: bool):
-    """Rank ``rank``'s input of a test: random normal values, the same on any GPU.
+    """Rank ``rank``'s input of a test: random normal values, the same on any GPU, never
+    zero (values that round to zero are replaced by 1).
 
     With ``specials``: -0.0 on every rank at every 97th element and at a rank-dependent
-    31st, +inf at element 3 and NaN at element 5 on rank 0.
+    31st; +inf at element 3 on rank 0 and -inf there on rank 1 (NaN from two ranks on);
+    NaN at element 5 on rank 0; the dtype's largest finite value at element 6 (overflow
+    from two ranks on); an order probe (reference.order_probe) at every PROBE_STRIDE-th
+    element from PROBE_START.
     """
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed * 1009 + rank)
-    x = torch.randn(count, generator=g, device="cuda", dtype=torch.float32)
+    x = torch.randn(count, generator=g, device="cuda", dtype=torch.float32).to(torch_dtype(dtype))
+    x[x == 0] = 1
     if specials:
         x[1::97] = -0.0
         x[(2 + rank)::31] = -0.0
-        if rank == 0 and count > 3:
-            x[3] = float("inf")
-        if rank == 0 and count > 5:
-            x[5] = float("nan")
-    return x.to(torch_dtype(dtype))
+        specials_at = {3: {0: float("inf"), 1: float("-inf")}.get(rank), 5: float("nan") if rank == 0 else None,
+                       6: torch.finfo(x.dtype).max}
+        for i, value in specials_at.items():
+            if value is not None and count > i:
+                x[i] = value
+        x[PROBE_START::PROBE_STRIDE] = reference.order_probe(dtype, rank)
+    return x
 
 
-def reference(count: int, dtype: str, nranks: int, seed: int, specials: bool, op: str = "sum"):
-    """fp64 result of the op over every rank's input (regenerated locally)."""
+def make_exact_input(count: int, dtype: str, rank: int, seed: int):
+    """Rank ``rank``'s input for NCCL, whose reduction order is its own: nonzero multiples
+    of 1/2 up to 8 in magnitude, so that every partial sum is exact in any order
+    (reference.exact)."""
     import torch
 
-    acc = None
-    for r in range(nranks):
-        x = make_input(count, dtype, r, seed, specials).double()
-        if acc is None:
-            acc = x
-        elif op in ("sum", "avg"):
-            acc = acc + x
-        elif op == "max":
-            acc = torch.fmax(acc, x)
+    g = torch.Generator(device="cuda").manual_seed(seed * 1009 + rank + 77)
+    k = torch.randint(1, 17, (count,), generator=g, device="cuda")
+    sign = torch.randint(0, 2, (count,), generator=g, device="cuda") * 2 - 1
+    return (k * sign * 0.5).to(torch_dtype(dtype))
+
+
+def host(t) -> np.ndarray:
+    """A copy of the torch tensor ``t`` on the host, as a numpy array of reference.DTYPES."""
+    import torch
+
+    ints = t.detach().contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return ints.cpu().numpy().view(reference.DTYPES[str(t.dtype).replace("torch.", "")])
+
+
+def device(a: np.ndarray):
+    """The numpy array ``a`` (reference.DTYPES) as a new CUDA torch tensor, same bits."""
+    import torch
+
+    name = next(n for n, d in reference.DTYPES.items() if d == a.dtype)
+    ints = torch.from_numpy(np.ascontiguousarray(reference.bits(a)).view({2: np.int16, 4: np.int32}[a.itemsize]))
+    return ints.to("cuda").view(torch_dtype(name))
+
+
+def rank_inputs(count: int, dtype: str, nranks: int, seed: int, specials: bool = True, exact: bool = False):
+    """Every rank's input (``make_input``, or ``make_exact_input`` with ``exact``), on the
+    host, in rank order."""
+    if exact:
+        return [host(make_exact_input(count, dtype, r, seed)) for r in range(nranks)]
+    return [host(make_input(count, dtype, r, seed, specials)) for r in range(nranks)]
+
+
+def reduced_by_nccl(comm, algorithm: str, nbytes: int, dtype: str, fused: bool = False) -> bool:
+    """Whether NCCL may reduce a call (then its inputs must be exact): named, chosen by
+    ``auto``, or, for a fused call, the all-reduce of its unfused path."""
+    if algorithm != "auto":
+        return algorithm == "nccl"
+    choices = {comm.select(nbytes, dtype)} | ({comm.select(nbytes, dtype, fused=True)} if fused else set())
+    return "nccl" in choices
+
+
+def skip_where_nccl_cannot_run(comm) -> None:
+    """Skips a test that NCCL must reduce where ranks share a GPU, which NCCL refuses
+    (ubnext._nccl raises). Collective (an allgather)."""
+    from ubnext import _devices
+
+    clashes = _devices.shared(comm.bootstrap.allgather_obj(_devices.device_uuid(comm.device)))
+    if clashes:
+        pytest.skip(f"NCCL cannot serve several ranks on one GPU (ranks {sorted(clashes.values())[0]} share one)")
+
+
+def skip_unless_exact_avg(comm, exact: bool, op: str) -> None:
+    if exact and op == "avg" and comm.size & (comm.size - 1):
+        pytest.skip(f"NCCL's average over {comm.size} ranks (not a power of two) has no order-free bits")
+
+
+# ---- outputs -----------------------------------------------------------------------------
+class Bordered:
+    """A view of ``count`` elements (``.view``) inside a larger buffer whose bytes before and
+    after it hold random canary bytes: a kernel that writes outside the view changes them.
+
+    Args:
+        count: elements of the view.
+        dtype: a key of ``DTYPES``.
+        seed: seed of the canary bytes (give neighbouring buffers different ones).
+        offset: extra elements before the view (1: a view that is not 16-byte aligned).
+        comm: allocate from ``comm.empty()`` (symmetric memory, next to other data) instead
+            of torch's allocator.
+        shape: the view's shape (default ``(count,)``).
+    """
+
+    def __init__(self, count: int, dtype: str, seed: int, offset: int = 0, comm=None, shape=None):
+        import torch
+
+        width = WIDTH[dtype]
+        before = GUARD_BYTES // width + offset
+        total = before + count + GUARD_BYTES // width
+        if comm is None:
+            self.base = torch.empty(total, dtype=torch_dtype(dtype), device="cuda")
         else:
-            acc = torch.fmin(acc, x)
-    return acc / nranks if op == "avg" else acc
+            self.base = comm.empty((total,), dtype, framework="torch")
+        self._ends = (before * width, (before + count) * width)  # the view's bytes in the buffer
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self._saved = []
+        for guard in self._guards():
+            guard.copy_(torch.randint(0, 256, guard.shape, generator=g, device="cuda", dtype=torch.uint8))
+            self._saved.append(guard.clone())
+        self.view = self.base[before:before + count].view(shape or (count,))
+
+    def _guards(self):
+        import torch
+
+        raw = self.base.view(torch.uint8)
+        return raw[:self._ends[0]], raw[self._ends[1]:]
+
+    def assert_intact(self, what: str) -> None:
+        """Raises AssertionError naming the changed canary bytes (offsets from the view)."""
+        for saved, now, side in zip(self._saved, self._guards(), ("before", "after")):
+            changed = (saved != now).nonzero().flatten().tolist()
+            if changed:
+                where = (f"at byte offsets {[i - saved.numel() for i in changed][:8]} from its start"
+                         if side == "before" else f"at byte offsets {changed[:8]} past its end")
+                raise AssertionError(f"{what}: the call changed {len(changed)} bytes {side} the array, {where}")
 
 
-def check_close(out, ref, dtype: str, tol: dict = TOL) -> None:
-    """‖out−ref‖/‖ref‖ over finite reference entries within ``tol``; specials equal."""
+def as_framework(t, framework: str):
+    """``t`` (a torch tensor) as a CuPy array sharing its memory, or itself."""
+    if framework == "torch":
+        return t
+    import cupy
     import torch
 
-    out, ref = out.double().flatten(), ref.flatten()
-    finite = torch.isfinite(ref)
-    o, r = out[finite], ref[finite]
-    assert torch.isfinite(o).all(), "output has non-finite values where the reference is finite (unwritten?)"
-    err = (torch.linalg.vector_norm(o - r) / max(torch.linalg.vector_norm(r).item(), 1e-30)).item()
-    assert err < tol[dtype], f"relative error {err:.3e} >= {tol[dtype]:.0e}"
-    special = ~finite
-    if special.any():
-        assert torch.equal(torch.isnan(out[special]), torch.isnan(ref[special])), "NaN positions differ"
-        inf = torch.isinf(ref)
-        assert torch.equal(out[inf], ref[inf]), "infinities differ"
+    from ubnext._arrays import _cupy_dtype
+
+    ints = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return cupy.from_dlpack(ints).view(_cupy_dtype(str(t.dtype).replace("torch.", "")))
+
+
+def to_torch(a):
+    """A torch view of a CuPy or torch array."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return a
+    ints = a.view({2: "int16", 4: "int32"}[a.dtype.itemsize])
+    return torch.from_dlpack(ints).view(torch_dtype(a.dtype.name))
 
 
 def digest(t) -> bytes:
@@ -105,27 +222,270 @@ def assert_same_bits_everywhere(comm, t) -> None:
     assert all(d == digests[0] for d in digests), "ranks got different bits"
 
 
-def as_framework(t, framework: str):
-    """``t`` (a torch tensor) as a CuPy array sharing its memory, or itself."""
-    if framework == "torch":
-        return t
-    import cupy
+@contextlib.contextmanager
+def collected(failures: list):
+    """Records an AssertionError of the block in ``failures`` instead of raising it, so that
+    a rank whose check fails still makes the collective calls that follow (the other
+    ranks wait for them); the test asserts ``failures`` is empty at the end."""
+    try:
+        yield
+    except AssertionError as e:
+        failures.append(str(e))
 
-    from ubnext._arrays import _cupy_dtype
 
+# ---- the kernels a call launched ---------------------------------------------------------
+#: where a plain all-reduce launch's varying arguments hold its element count
+_COUNT_ARG = {"lamport": 2, "lamport_twoshot": 2, "twoshot": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch of ubnext.
+
+    Attributes:
+        kernel: the algorithm of an all-reduce kernel (plain or fused), or ``"add_rmsnorm"``
+            for the separate residual add + RMSNorm kernel.
+        fused: the fused all-reduce + add + RMSNorm entry point.
+        threads: threads per block.
+        cluster: blocks per thread-block cluster (1: none).
+        args: the launch's varying arguments (``Launcher.__call__``'s values, as
+            ubnext._engine.Engine passes them): ``x, out, n, sig`` (Lamport kernels),
+            ``buf_off, src, dst, n, sig`` (two-shot), ``x, rows, hidden, ...`` (fused and
+            separate add + RMSNorm).
+    """
+
+    kernel: str
+    fused: bool
+    threads: int
+    cluster: int
+    args: tuple
+
+    @property
+    def buffers(self) -> tuple:
+        """A plain all-reduce launch's arguments before its element count: where it reads
+        and writes (``x, out``; two-shot: ``buf_off, src, dst``)."""
+        return self.args[:_COUNT_ARG[self.kernel]]
+
+    @property
+    def count(self) -> int:
+        """Elements of a plain all-reduce launch."""
+        return self.args[_COUNT_ARG[self.kernel]]
+
+    @property
+    def rows(self) -> int:
+        """Rows of an add + RMSNorm launch."""
+        return self.args[1]
+
+    @property
+    def group_threads(self) -> int:
+        """Threads of the row group that finishes a row: a block's, times its cluster's blocks."""
+        return self.threads * self.cluster
+
+
+@contextlib.contextmanager
+def recorded_launches(comm):
+    """Records every kernel launch of ubnext in the block; yields the list of ``Launch``,
+    filled when the block ends (collective calls run unchanged; graphs capture them)."""
+    from ubnext import _launch
+
+    raw = []
+    real = _launch.Launcher.__call__
+
+    def spy(launcher, blocks, threads, stream, *args):
+        raw.append((launcher, threads, args))
+        return real(launcher, blocks, threads, stream, *args)
+
+    _launch.Launcher.__call__ = spy
+    log: list[Launch] = []
+    try:
+        yield log
+    finally:
+        _launch.Launcher.__call__ = real
+    log.extend(_identify(comm, launcher, threads, args) for launcher, threads, args in raw)
+
+
+def _identify(comm, launcher, threads: int, args: tuple) -> Launch:
+    node = comm._node
+    if node is not None:
+        for (algorithm, _dtype, _op, fused, cluster), known in node.engine._launchers.items():
+            if known is launcher:
+                return Launch(algorithm, fused, threads, cluster, args)
+    if comm._add_rmsnorm is not None and any(known is launcher for known in comm._add_rmsnorm._launchers.values()):
+        return Launch("add_rmsnorm", False, threads, 1, args)
+    raise AssertionError("a launch of a kernel the test does not know")
+
+
+def ran(launches) -> str:
+    """The all-reduce algorithm of recorded launches: the plain kernels' or the fused
+    kernel's, ``"nccl"`` where no ubnext all-reduce kernel ran."""
+    names = {launch.kernel for launch in launches if launch.kernel != "add_rmsnorm"}
+    assert len(names) <= 1, f"one call launched several algorithms: {names}"
+    return names.pop() if names else "nccl"
+
+
+def expected_all_reduce(launches, inputs, op: str) -> np.ndarray:
+    """What the plain all-reduce launches of one call store, from every rank's inputs
+    (reference.exact where NCCL reduced: no ubnext kernel ran)."""
+    plain = [launch for launch in launches if launch.kernel != "add_rmsnorm" and not launch.fused]
+    if not plain:
+        return reference.exact(inputs, op)
+    counts = [launch.count for launch in plain]
+    assert sum(counts) == inputs[0].size, f"the launches reduced {sum(counts)} of {inputs[0].size} elements"
+    return reference.all_reduce(ran(plain), inputs, op, counts)
+
+
+def expected_add_rmsnorm(launches, inputs, residual, bias, weight, eps: float, by_vectors: bool):
+    """(normed, residual_out) of one all_reduce_add_rmsnorm call from its launches: the
+    fused kernel's, or the all-reduce's followed by the separate kernel's (``by_vectors``:
+    its rows move as 16-byte vectors, kernels/rmsnorm.cu)."""
+    rows, hidden = inputs[0].shape
+    fused = [launch for launch in launches if launch.fused]
+    if fused:
+        return reference.fused(ran(fused), inputs, residual, bias, weight, eps,
+                               [(launch.rows, launch.group_threads) for launch in fused])
+    separate = [launch for launch in launches if launch.kernel == "add_rmsnorm"]
+    assert len(separate) == 1 and separate[0].rows == rows, f"expected one separate kernel launch, got {launches}"
+    ar = expected_all_reduce(launches, [x.reshape(-1) for x in inputs], "sum").reshape(rows, hidden)
+    return reference.add_rmsnorm(ar, residual, bias, weight, eps, separate[0].threads, by_vectors=by_vectors)
+
+
+# ---- whole checks ------------------------------------------------------------------------
+def check_all_reduce(comm, count: int, dtype: str, seed: int, *, algorithm: str = "auto", op: str = "sum",
+                     place: str = "out", framework: str = "torch", x_memory: str = "plain",
+                     out_memory: str = "plain", offset: int = 0, specials: bool = True, shape=None):
+    """One ``all_reduce`` checked element by element.
+
+    Every rank's input (``make_input``; ``make_exact_input`` where NCCL may reduce) in a
+    bordered view; the output a poisoned (NaN) bordered view (``place="out"``), the input
+    itself (``"in"``) or new (``"new"``). Checks: the result object, that ``algorithm``
+    (or ``auto``'s choice) ran, every element's bits against the reference for the launches
+    that ran, no byte outside the views changed, the input unchanged (out of place), the
+    same bits on every rank.
+
+    Args:
+        x_memory, out_memory: ``"plain"`` (torch's allocator) or ``"symmetric"``
+            (``comm.empty()``).
+        offset: elements the views start past 16-byte alignment.
+        shape: shape of the arrays passed (default ``(count,)``).
+
+    Returns:
+        ``(result as a torch tensor, the call's launches)``.
+    """
     import torch
 
-    ints = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-    return cupy.from_dlpack(ints).view(_cupy_dtype(str(t.dtype).replace("torch.", "")))
+    exact = reduced_by_nccl(comm, algorithm, count * WIDTH[dtype], dtype)
+    if exact:
+        skip_where_nccl_cannot_run(comm)
+    skip_unless_exact_avg(comm, exact, op)
+    inputs = rank_inputs(count, dtype, comm.size, seed, specials, exact)
+    symmetric = {"plain": None, "symmetric": comm}
+    x = Bordered(count, dtype, seed + 1, offset, symmetric[x_memory], shape)
+    x.view.copy_(device(inputs[comm.rank]).view(x.view.shape))
+    out = x if place == "in" else None
+    if place == "out":
+        out = Bordered(count, dtype, seed + 2, offset, symmetric[out_memory], shape)
+        out.view.fill_(float("nan"))
+    arg = as_framework(x.view, framework)
+    out_arg = None if out is None else arg if out is x else as_framework(out.view, framework)
+    with recorded_launches(comm) as launches:
+        result = comm.all_reduce(arg, out=out_arg, op=op, algorithm=algorithm)
+    if out_arg is not None:
+        assert result is out_arg
+    assert type(result) is type(arg) and tuple(result.shape) == tuple(x.view.shape)
+    got = to_torch(result)
+    torch.cuda.synchronize()
+    assert_same_bits_everywhere(comm, got)  # collective: before any check that one rank alone may fail
+    want = algorithm if algorithm != "auto" else comm.select(count * WIDTH[dtype], dtype)
+    assert ran(launches) == want, f"all_reduce ran {ran(launches)}, expected {want}"
+    reference.assert_same_bits(host(got).reshape(-1), expected_all_reduce(launches, inputs, op), f"all_reduce {op}")
+    x.assert_intact("all_reduce (input)")
+    if out is not None and out is not x:
+        out.assert_intact("all_reduce (output)")
+    if place != "in":
+        reference.assert_same_bits(host(x.view).reshape(-1), inputs[comm.rank], "all_reduce modified its input")
+    return got, launches
 
 
-def to_torch(a):
-    """A torch view of a CuPy or torch array."""
-    import torch
+def norm_operands(comm, tokens: int, hidden: int, dtype: str, seed: int, residual: bool = True,
+                  bias: bool = True, exact: bool = False):
+    """Host operands of a fused call: every rank's x (``make_input`` with specials, or
+    exact inputs), the shared residual and bias (random, -0.0 at every 97th element) and
+    weight (around 1)."""
+    n = tokens * hidden
 
-    if isinstance(a, torch.Tensor):
+    def shared(count, seed):
+        a = host(make_input(count, dtype, SHARED, seed, False))
+        a[1::97] = -0.0
         return a
-    dtype = a.dtype.name
-    width = a.dtype.itemsize
-    ints = a.view({2: "int16", 4: "int32"}[width])
-    return torch.from_dlpack(ints).view(torch_dtype(dtype))
+
+    inputs = [x.reshape(tokens, hidden) for x in rank_inputs(n, dtype, comm.size, seed, True, exact)]
+    res = shared(n, seed + 1).reshape(tokens, hidden) if residual else None
+    w = host((1 + 0.25 * make_input(hidden, "float32", SHARED, seed + 2, False)).to(torch_dtype(dtype)))
+    b = shared(hidden, seed + 3) if bias else None
+    return inputs, res, w, b
+
+
+def check_add_rmsnorm(comm, tokens: int, hidden: int, dtype: str, seed: int, *, algorithm: str = "auto",
+                      residual: bool = True, bias: bool = True, place: str = "out", framework: str = "torch",
+                      eps: float = 1e-6, offset: int = 0):
+    """One ``all_reduce_add_rmsnorm`` checked element by element.
+
+    x, residual, out and residual_out are bordered views (``offset`` elements past
+    alignment; weight and bias aligned), out and residual_out poisoned, residual_out the
+    residual itself with ``place="in"``. Checks: that ``algorithm`` ran (fused, or its
+    all-reduce before the separate kernel), both outputs' bits against the reference for
+    the launches that ran, no byte outside the views changed, x (and an out-of-place
+    residual) unchanged, the same bits on every rank.
+
+    Returns:
+        ``(normed, residual_out)`` as torch tensors.
+    """
+    import torch
+
+    shape = (tokens, hidden)
+    n = tokens * hidden
+    nbytes = n * WIDTH[dtype]
+    exact = reduced_by_nccl(comm, algorithm, nbytes, dtype, fused=True)
+    if algorithm == "nccl" or (algorithm == "auto" and comm.select(nbytes, dtype, fused=True) == "nccl"):
+        skip_where_nccl_cannot_run(comm)  # NCCL surely reduces (on the unfused path only, it may)
+    inputs, res, weight, b = norm_operands(comm, tokens, hidden, dtype, seed, residual, bias, exact)
+    x = Bordered(n, dtype, seed + 10, offset, shape=shape)
+    x.view.copy_(device(inputs[comm.rank]))
+    rb = None
+    if res is not None:
+        rb = Bordered(n, dtype, seed + 11, offset, shape=shape)
+        rb.view.copy_(device(res))
+    out = Bordered(n, dtype, seed + 12, offset, shape=shape)
+    out.view.fill_(float("nan"))
+    if place == "in" and rb is not None:
+        rout = rb
+    else:
+        rout = Bordered(n, dtype, seed + 13, offset, shape=shape)
+        rout.view.fill_(float("nan"))
+    w_dev, b_dev = device(weight), None if b is None else device(b)
+    f = lambda t: None if t is None else as_framework(t, framework)  # noqa: E731
+    with recorded_launches(comm) as launches:
+        normed, rsum = comm.all_reduce_add_rmsnorm(f(x.view), f(None if rb is None else rb.view), f(w_dev), eps=eps,
+                                                   bias=f(b_dev), out=f(out.view), residual_out=f(rout.view),
+                                                   algorithm=algorithm)
+    got_n, got_r = to_torch(normed), to_torch(rsum)
+    torch.cuda.synchronize()
+    assert_same_bits_everywhere(comm, got_n)  # collective: before any check that one rank alone may fail
+    assert_same_bits_everywhere(comm, got_r)
+    if algorithm != "auto":
+        assert ran(launches) == algorithm, f"all_reduce_add_rmsnorm ran {ran(launches)}, expected {algorithm}"
+    # the separate kernel's arrays (its x is out, which holds the all-reduce): by vectors if
+    # hidden is a multiple of the vector width and every one is aligned (kernels/rmsnorm.cu)
+    arrays = (out.view, rout.view, w_dev, None if rb is None else rb.view, b_dev)
+    by_vectors = hidden % (reference.VEC_BYTES // WIDTH[dtype]) == 0 and all(
+        t.data_ptr() % reference.VEC_BYTES == 0 for t in arrays if t is not None)
+    want_n, want_r = expected_add_rmsnorm(launches, inputs, res, b, weight, eps, by_vectors)
+    reference.assert_same_bits(host(got_r), want_r, f"residual_out ({ran(launches)})")
+    reference.assert_same_bits(host(got_n), want_n, f"normed ({ran(launches)})")
+    for buf, what in ((x, "x"), (rb, "residual"), (out, "out"), (rout, "residual_out")):
+        if buf is not None:
+            buf.assert_intact(f"all_reduce_add_rmsnorm ({what})")
+    reference.assert_same_bits(host(x.view), inputs[comm.rank], "all_reduce_add_rmsnorm modified x")
+    if rb is not None and rout is not rb:
+        reference.assert_same_bits(host(rb.view), res, "all_reduce_add_rmsnorm modified residual")
+    return got_n, got_r

@@ -1,5 +1,8 @@
 """All-reduce correctness on GPUs: every algorithm x dtype x size, in and out of place,
-CuPy and torch, plain and symmetric buffers, against an fp64 reference.
+CuPy and torch, plain and symmetric buffers. Every output element is compared bit for
+bit with the host reference computed in the order of the kernels that ran
+(tests/reference.py; NCCL on exactly representable inputs), outputs are poisoned and
+bordered by canary bytes, and every rank must hold the same bits.
 
 Run at N ranks with ``mpirun -n N python -m pytest -q tests/test_gpu_allreduce.py``;
 skipped without a GPU.
@@ -11,14 +14,11 @@ import zlib
 
 import pytest
 
-from gpu_support import (TOL, TOL_NCCL, as_framework, assert_same_bits_everywhere, check_close, make_input,
-                         reference, require_gpu_and_torch, to_torch)
+from gpu_support import DTYPES, WIDTH, check_all_reduce, require_gpu_and_torch
 
 pytestmark = pytest.mark.gpu
 
 MIB = 1 << 20
-DTYPES = ("bfloat16", "float16", "float32")
-WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
 # element counts: 1, 7, 4096, 1M+3, and 64 MiB / 256 MiB of data
 SIZES = ("1", "7", "4096", "1M+3", "64MiB", "256MiB")
 #: largest message of the algorithms bounded by their buffers (the default Config); the
@@ -35,6 +35,11 @@ def too_big(algo: str, nbytes: int) -> bool:
 def count_of(size: str, dtype: str) -> int:
     fixed = {"1": 1, "7": 7, "4096": 4096, "1M+3": (1 << 20) + 3}
     return fixed[size] if size in fixed else int(size[:-3]) * MIB // WIDTH[dtype]
+
+
+def seed_of(*parts) -> int:
+    """A seed from the test's parameters, the same on every rank."""
+    return zlib.crc32("-".join(map(str, parts)).encode()) % 100000
 
 
 @pytest.fixture(scope="session")
@@ -63,26 +68,9 @@ def cases():
 
 @pytest.mark.parametrize("algo,dtype,size,place,fw", list(cases()))
 def test_all_reduce_sum(comm, algo, dtype, size, place, fw):
-    import torch
-
-    count = count_of(size, dtype)
-    seed = zlib.crc32(f"{algo}{dtype}{size}{place}{fw}".encode()) % 100000  # same on every rank
-    x = make_input(count, dtype, comm.rank, seed, specials=True)
-    arg = as_framework(x, fw)
-    if place == "in":
-        result = comm.all_reduce(arg, out=arg, algorithm=algo)
-        assert result is arg
-    else:
-        out = torch.full_like(x, float("nan"))  # poisoned
-        result = comm.all_reduce(arg, out=as_framework(out, fw), algorithm=algo)
-        assert type(result) is type(arg)
-        assert torch.equal(to_torch(x).view(torch.int8), make_input(count, dtype, comm.rank, seed, True).view(torch.int8)), \
-            "out-of-place all_reduce modified its input"
-    got = to_torch(result)
-    torch.cuda.synchronize()
-    tol = TOL_NCCL if algo == "nccl" else TOL
-    check_close(got, reference(count, dtype, comm.size, seed, specials=True), dtype, tol)
-    assert_same_bits_everywhere(comm, got)
+    """Out of place into a poisoned, bordered ``out``, or in place."""
+    check_all_reduce(comm, count_of(size, dtype), dtype, seed_of(algo, dtype, size, place, fw), algorithm=algo,
+                     place=place, framework=fw)
 
 
 @pytest.mark.parametrize("algo", KERNELS)
@@ -91,75 +79,60 @@ def test_all_reduce_sum(comm, algo, dtype, size, place, fw):
 @pytest.mark.parametrize("place", ["in", "out"])
 def test_symmetric_buffers(comm, algo, dtype, size, place):
     """Arrays from comm.empty(): in place is zero-copy; out= a symmetric array too."""
-    import torch
-
     count = count_of(size, dtype)
     if too_big(algo, count * WIDTH[dtype]):
         pytest.skip(f"larger than the {algo} buffers")
-    seed = 7 + count
-    x = comm.empty((count,), dtype, framework="torch")
-    x.copy_(make_input(count, dtype, comm.rank, seed, specials=True))
-    out = x if place == "in" else comm.empty((count,), dtype, framework="torch").fill_(float("nan"))
-    result = comm.all_reduce(x, out=out, algorithm=algo)
-    assert result is out
-    torch.cuda.synchronize()
-    check_close(result, reference(count, dtype, comm.size, seed, specials=True), dtype)
-    assert_same_bits_everywhere(comm, result)
+    check_all_reduce(comm, count, dtype, 7 + count, algorithm=algo, place=place, x_memory="symmetric",
+                     out_memory="symmetric")
+
+
+@pytest.mark.parametrize("algo", [*KERNELS, "nccl"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("count", [1, 7, 4099])
+@pytest.mark.parametrize("memory", ["plain", "symmetric"])
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("place", ["out", "in"])
+def test_no_write_outside_out(comm, algo, dtype, count, memory, offset, place):
+    """Canary bytes on both sides of ``out`` stay as they were: ``out`` (or the in-place
+    array) from torch's allocator or a view into a ``comm.empty()`` buffer next to other
+    data, at a 16-byte boundary or one element past it (the staging copy), with ``x`` a
+    separate plain array out of place. The barrier two-shot once stored whole 16-byte
+    vectors there: ``all_reduce(ones(7), out=b[:7], algorithm="twoshot")`` changed b[7]."""
+    check_all_reduce(comm, count, dtype, seed_of(algo, dtype, count, memory, offset, place), algorithm=algo,
+                     place=place, x_memory=memory if place == "in" else "plain", out_memory=memory, offset=offset)
 
 
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
 @pytest.mark.parametrize("algo", [*KERNELS, "nccl"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ops(comm, op, algo, dtype):
-    import torch
-
-    count = 12345
-    x = make_input(count, dtype, comm.rank, 3, specials=False)
-    got = comm.all_reduce(x, op=op, algorithm=algo)
-    torch.cuda.synchronize()
-    tol = TOL_NCCL if algo == "nccl" else TOL
-    check_close(got, reference(count, dtype, comm.size, 3, specials=False, op=op), dtype, tol)
+@pytest.mark.parametrize("place", ["new", "out", "in"])
+def test_ops(comm, op, algo, dtype, place):
+    """Every op, with -0.0, inf and NaN among the inputs (max and min skip a NaN operand)."""
+    check_all_reduce(comm, 12345, dtype, seed_of(op, algo, dtype, place), algorithm=algo, op=op, place=place)
 
 
 @pytest.mark.parametrize("algo", KERNELS)
 def test_misaligned_arrays_take_the_staging_copy(comm, algo):
-    """A view starting 2 bytes into an allocation cannot use 16-byte vectors directly."""
-    import torch
-
-    count = 5001
-    base = make_input(count + 1, "bfloat16", comm.rank, 11, specials=False)
-    x = base[1:]
-    out = torch.full((count + 1,), float("nan"), dtype=torch.bfloat16, device="cuda")[1:]
-    comm.all_reduce(x, out=out, algorithm=algo)
-    torch.cuda.synchronize()
-    check_close(out, reference(count + 1, "bfloat16", comm.size, 11, specials=False)[1:], "bfloat16")
+    """A view starting 2 bytes past 16-byte alignment cannot use 16-byte vectors directly:
+    every launch reduces the staging slot in place."""
+    engine = comm._node.engine
+    _, launches = check_all_reduce(comm, 5001, "bfloat16", 11, algorithm=algo, offset=1)
+    buffers = {launch.buffers for launch in launches}
+    staged = (engine.staging_off, 0, 0) if algo == "twoshot" else (engine.staging_ptr, engine.staging_ptr)
+    assert buffers == {staged}, f"launches on {buffers}, expected the staging slot {staged}"
 
 
 @pytest.mark.parametrize("offset", [0, 1])
 def test_lamport_twoshot_in_launches_from_any_address(comm, offset):
     """Past its buffers, aligned arrays go launch by launch and misaligned ones through
-    the staging slot launch by launch; out of place, with a poisoned guard after out."""
-    import torch
-
+    the staging slot launch by launch; out of place, bordered by canaries."""
     count = TWOSHOT_LAUNCH // 2 + 12345  # bf16: a full launch, then a part
-    base = make_input(count + offset, "bfloat16", comm.rank, 13, specials=False)
-    x = base[offset:]
-    out = torch.full((count + offset + 8,), float("nan"), dtype=torch.bfloat16, device="cuda")
-    comm.all_reduce(x, out=out[offset:offset + count], algorithm="lamport_twoshot")
-    torch.cuda.synchronize()
-    check_close(out[offset:offset + count], reference(count + offset, "bfloat16", comm.size, 13,
-                                                      specials=False)[offset:], "bfloat16")
-    assert torch.isnan(out[offset + count:].float()).all(), "wrote past the end of out"
+    _, launches = check_all_reduce(comm, count, "bfloat16", 13, algorithm="lamport_twoshot", offset=offset)
+    assert [launch.count for launch in launches] == [TWOSHOT_LAUNCH // 2, 12345]
 
 
 def test_2d_input_keeps_its_shape(comm):
-    import torch
-
-    x = make_input(64 * 96, "float32", comm.rank, 5, specials=False).view(64, 96)
-    got = comm.all_reduce(x)
-    assert got.shape == (64, 96)
-    torch.cuda.synchronize()
-    check_close(got, reference(64 * 96, "float32", comm.size, 5, specials=False), "float32")
+    check_all_reduce(comm, 64 * 96, "float32", 5, place="new", shape=(64, 96))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -170,7 +143,7 @@ def test_lamport_twoshot_at_and_past_its_limit(comm, dtype, extra):
     launch re-poisons a full previous buffer."""
     per_launch = TWOSHOT_LAUNCH // WIDTH[dtype]
     for count in (per_launch + extra, 2 * per_launch - extra, 1000):
-        check_lamport_twoshot(comm, count, dtype, 21 + count)
+        check_all_reduce(comm, count, dtype, 21 + count, algorithm="lamport_twoshot")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -186,24 +159,12 @@ def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
     per_vec = 16 // WIDTH[dtype]
     # the widest launch whose blocks each get per_thread vectors per narrow thread (at 1
     # rank, where a launch has a block per 512 vectors, that is a one-block launch)
-    launch = next(b for b in range(blocks, 0, -1)
+    widest = next(b for b in range(blocks, 0, -1)
                   if _engine.lamport_shape(alg, b * per_thread * _engine.NARROW_THREADS * comm.size, comm.size,
                                            blocks) == (b, _engine.NARROW_THREADS))
     for extra in (0, -3):
-        count = launch * per_thread * _engine.NARROW_THREADS * comm.size * per_vec + extra
+        count = widest * per_thread * _engine.NARROW_THREADS * comm.size * per_vec + extra
         nvec = -(-count // per_vec)
-        assert _engine.lamport_shape(alg, nvec, comm.size, blocks) == (launch, _engine.NARROW_THREADS)
-        check_lamport_twoshot(comm, count, dtype, 31 + per_thread + extra)
-
-
-def check_lamport_twoshot(comm, count: int, dtype: str, seed: int) -> None:
-    """The Lamport two-shot's all-reduce of ``count`` elements (with specials) into a
-    poisoned ``out``: close to fp64, the same bits on every rank."""
-    import torch
-
-    x = make_input(count, dtype, comm.rank, seed, specials=True)
-    out = torch.full_like(x, float("nan"))
-    comm.all_reduce(x, out=out, algorithm="lamport_twoshot")
-    torch.cuda.synchronize()
-    check_close(out, reference(count, dtype, comm.size, seed, specials=True), dtype)
-    assert_same_bits_everywhere(comm, out)
+        assert _engine.lamport_shape(alg, nvec, comm.size, blocks) == (widest, _engine.NARROW_THREADS)
+        _, launches = check_all_reduce(comm, count, dtype, 31 + per_thread + extra, algorithm="lamport_twoshot")
+        assert [launch.threads for launch in launches] == [_engine.NARROW_THREADS]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_support import check_close, make_input, reference, require_gpu_and_torch
+from gpu_support import (Bordered, collected, device, expected_all_reduce, host, rank_inputs, recorded_launches,
+                         reference, require_gpu_and_torch)
 
 pytestmark = pytest.mark.gpu
 
@@ -66,20 +67,26 @@ def test_explicit_stream_and_cupy_current_stream(comm):
     import torch
 
     s = torch.cuda.Stream()
-    x = make_input(3000, "float32", comm.rank, 21, specials=False)
+    inputs = rank_inputs(3000, "float32", comm.size, 21)
+    x = device(inputs[comm.rank])
     torch.cuda.current_stream().synchronize()
-    with torch.cuda.stream(s):
-        got = comm.all_reduce(x)  # torch's current stream is s
-    got2 = comm.all_reduce(x, stream=s)
+    results = []
+    with recorded_launches(comm) as launches:
+        with torch.cuda.stream(s):
+            got = comm.all_reduce(x)  # torch's current stream is s
+    results.append((got, launches))
+    with recorded_launches(comm) as launches:
+        got = comm.all_reduce(x, stream=s)
+    results.append((got, launches))
     s.synchronize()
-    ref = reference(3000, "float32", comm.size, 21, specials=False)
-    check_close(got, ref, "float32")
-    check_close(got2, ref, "float32")
     cs = cupy.cuda.Stream(non_blocking=True)
-    with cs:
-        y = comm.all_reduce(cupy.asarray(x))
+    with recorded_launches(comm) as launches:
+        with cs:
+            y = comm.all_reduce(cupy.asarray(x))
     cs.synchronize()
-    check_close(torch.from_dlpack(y), ref, "float32")
+    results.append((torch.from_dlpack(y), launches))
+    for got, launches in results:
+        reference.assert_same_bits(host(got), expected_all_reduce(launches, inputs, "sum"))
 
 
 def test_back_to_back_calls_with_changing_sizes_and_algorithms(comm):
@@ -113,32 +120,42 @@ def test_back_to_back_calls_with_changing_sizes_and_algorithms(comm):
 
 def test_cuda_graph_replay(comm):
     """One graph holding a Lamport one-shot, a Lamport two-shot and a two-shot all-reduce,
-    replayed 100 times with new inputs."""
+    replayed 100 times with new inputs (specials included) into poisoned, bordered outputs."""
     import torch
 
-    n_small, n_mid, n_big = 2000, 100_003, 300_000
-    xs = torch.empty(n_small, device="cuda", dtype=torch.bfloat16)
-    xm = torch.empty(n_mid, device="cuda", dtype=torch.bfloat16)
-    xb = torch.empty(n_big, device="cuda", dtype=torch.bfloat16)
-    ys, ym, yb = torch.empty_like(xs), torch.empty_like(xm), torch.empty_like(xb)
-    calls = ((xs, ys, "lamport"), (xm, ym, "lamport_twoshot"), (xb, yb, "twoshot"))
+    sizes, algos = (2000, 100_003, 300_000), ("lamport", "lamport_twoshot", "twoshot")
+    xs = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for n in sizes]
+    ys = [Bordered(n, "bfloat16", seed=k) for k, n in enumerate(sizes)]
     s = torch.cuda.Stream()
+
+    def calls():
+        logs = []
+        for x, y, algo in zip(xs, ys, algos):
+            with recorded_launches(comm) as launches:
+                comm.all_reduce(x, out=y.view, algorithm=algo)
+            logs.append(launches)
+        return logs
+
     with torch.cuda.stream(s):  # warm up: compiles the kernels outside capture
-        for x, y, algo in calls:
-            comm.all_reduce(x, out=y, algorithm=algo)
+        calls()
     s.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
-        for x, y, algo in calls:
-            comm.all_reduce(x, out=y, algorithm=algo)
+        logs = calls()
+    failures = []
     for it in range(100):
-        for k, (x, y, _) in enumerate(calls):
-            x.copy_(make_input(x.numel(), "bfloat16", comm.rank, 1000 * k + it, specials=False))
-            y.fill_(float("nan"))
+        inputs = [rank_inputs(x.numel(), "bfloat16", comm.size, 1000 * k + it) for k, x in enumerate(xs)]
+        for x, y, rank_data in zip(xs, ys, inputs):
+            x.copy_(device(rank_data[comm.rank]))
+            y.view.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        for k, (x, y, _) in enumerate(calls):
-            check_close(y, reference(x.numel(), "bfloat16", comm.size, 1000 * k + it, specials=False), "bfloat16")
+        for y, rank_data, launches, algo in zip(ys, inputs, logs, algos):
+            with collected(failures):
+                reference.assert_same_bits(host(y.view), expected_all_reduce(launches, rank_data, "sum"),
+                                           f"replay {it} ({algo})")
+                y.assert_intact(f"replay {it} ({algo})")
+    assert not failures, "\n".join(failures[:5])
 
 
 def test_empty_returns_symmetric_arrays_and_frees_them(comm):

@@ -19,7 +19,8 @@ import logging
 import pytest
 
 import nvls_guard
-from gpu_support import TOL, TOL_NCCL, check_close, gpu_count, make_input, reference, require_gpu_and_torch
+import gpu_support
+from gpu_support import gpu_count, require_gpu_and_torch
 from ubnext.bootstrap import Bootstrap
 from ubnext.bootstrap._base import _SubsetBootstrap
 
@@ -71,19 +72,14 @@ def communicator(**kwargs):
 
 def check_all_reduce(comm, algo, dtype="bfloat16", sizes=SIZES, seed=0, algorithm="auto"):
     """all_reduce over every size: ``select`` says ``algo`` (with ``algorithm="auto"``),
-    results match fp64 (outputs poisoned first)."""
-    import torch
-
+    every element matches the reference (gpu_support.check_all_reduce: poisoned, bordered
+    outputs; exact inputs where NCCL reduces), and ``algo`` ran."""
     for i, count in enumerate(sizes):
-        nbytes = count * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+        nbytes = count * gpu_support.WIDTH[dtype]
         if algorithm == "auto":
             assert comm.select(nbytes, dtype) == algo, f"{nbytes} bytes"
-        x = make_input(count, dtype, comm.rank, seed + i, specials=False)
-        out = torch.full_like(x, float("nan"))
-        comm.all_reduce(x, out=out, algorithm=algorithm)
-        torch.cuda.synchronize()
-        check_close(out, reference(count, dtype, comm.size, seed + i, specials=False), dtype,
-                    TOL_NCCL if algo == "nccl" else TOL)
+        _, launches = gpu_support.check_all_reduce(comm, count, dtype, seed + i, algorithm=algorithm)
+        assert gpu_support.ran(launches) == algo
 
 
 def assert_nccl_only(comm):
