@@ -1,7 +1,7 @@
 """Helpers of the GPU tests: one communicator per module, inputs every rank regenerates
 for every other rank, outputs poisoned and bordered by canary bytes, the kernel launches
 of a call recorded, and every output element compared bit for bit with the host
-reference (tests/reference.py) computed from every rank's inputs in the order of the
+reference (ubnext/_reference.py) computed from every rank's inputs in the order of the
 kernels that ran.
 
 The same test bodies run at 1 rank (plain pytest) and at N ranks
@@ -17,7 +17,7 @@ import hashlib
 import numpy as np
 import pytest
 
-import reference
+from ubnext import _reference as reference
 
 DTYPES = tuple(reference.DTYPES)
 WIDTH = {name: dtype.itemsize for name, dtype in reference.DTYPES.items()}

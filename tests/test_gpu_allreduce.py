@@ -1,7 +1,7 @@
 """All-reduce correctness on GPUs: every algorithm x dtype x size, in and out of place,
 CuPy and torch, plain and symmetric buffers. Every output element is compared bit for
 bit with the host reference computed in the order of the kernels that ran
-(tests/reference.py; NCCL on exactly representable inputs), outputs are poisoned and
+(ubnext/_reference.py; NCCL on exactly representable inputs), outputs are poisoned and
 bordered by canary bytes, and every rank must hold the same bits.
 
 Run at N ranks with ``mpirun -n N python -m pytest -q tests/test_gpu_allreduce.py``;

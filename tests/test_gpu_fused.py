@@ -1,5 +1,5 @@
 """Fused all-reduce + residual add + RMSNorm on GPUs. Both outputs are compared bit for
-bit with the host reference (tests/reference.py) computed in the order of the kernels
+bit with the host reference (ubnext/_reference.py) computed in the order of the kernels
 that ran, their row groups included; outputs are poisoned and bordered by canary bytes.
 
 Run at N ranks with ``mpirun -n N python -m pytest -q tests/test_gpu_fused.py``;

@@ -2,8 +2,9 @@
 
 The bits a kernel stores are a function of its inputs and of the order and precision in
 which it combines them. Each function here computes them in the kernels' own order and
-rounding, so that the GPU tests compare every output element bit for bit
-(``assert_same_bits``) instead of within a tolerance. Read from the kernel sources:
+rounding, so that the GPU tests and ``python -m ubnext selftest`` compare every output
+element bit for bit (``assert_same_bits``) instead of within a tolerance. Read from the
+kernel sources:
 
 * Elements are widened to fp32 exactly (``Elem<T>::load``), combined in fp32 and rounded
   once to their dtype, to nearest even (``cvt.rn``), after ``Op::finish``: avg divides the
@@ -38,7 +39,7 @@ from collections.abc import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-from ubnext._protocol import SENTINEL_BITS, VEC_BYTES
+from ._protocol import SENTINEL_BITS, VEC_BYTES
 
 #: ubnext's dtype names -> numpy dtypes
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
