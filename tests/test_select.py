@@ -9,7 +9,7 @@ import pytest
 
 from ubnext import UbnextError
 from ubnext._algorithms import ALGORITHMS, DTYPES
-from ubnext._select import Selector
+from ubnext._select import Selector, bound
 from ubnext._table import ANY_WORLD, agreed_table, default_table, load_table, parse_table
 
 ALL = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
@@ -135,6 +135,14 @@ def test_an_explicit_lamport_twoshot_takes_any_size_and_the_one_shot_its_buffers
     assert sel.fits("lamport", 1 * MiB) and not sel.fits("lamport", 1 * MiB + 2)
     assert sel.fits("twoshot", 1 << 30) and sel.fits("nccl", 1 << 30)
     assert not Selector(4, lim(1 * MiB), ["lamport", "twoshot", "nccl"]).fits("lamport_twoshot", 16)
+
+
+def test_bound_names_the_setting_that_keeps_an_algorithm_from_a_size():
+    limits = lim(1 * MiB, 2 * MiB)
+    assert bound("lamport", 1 * MiB, limits) is None
+    assert bound("lamport", 1 * MiB + 2, limits) == "UBNEXT_LAMPORT_MAX_KB=1024"
+    assert bound("lamport_twoshot", 1 << 30, limits) is None  # in launches of its buffers' size
+    assert bound("twoshot", 1 << 30, limits) is None and bound("nccl", 1 << 30, limits) is None
 
 
 # --------------------------------------------------------------------------- explain

@@ -47,6 +47,15 @@ def buffer_limits(config) -> Limits:
             for name, alg in ALGORITHMS.items() if alg.limit is not None}
 
 
+def bound(name: str, nbytes: int, limits: Limits) -> str | None:
+    """The setting that keeps ``name`` from taking a message of ``nbytes`` (larger than its
+    buffers, and not a kernel that runs in launches of their size), or None where it takes
+    it. Pure."""
+    if name in limits and nbytes > limits[name][0] and not ALGORITHMS[name].in_launches:
+        return limits[name][1]
+    return None
+
+
 def launch_floor(name: str) -> int:
     """The least buffer bytes with which ``algorithm="auto"`` runs ``name`` (an
     ``in_launches`` kernel) past its buffers: its default buffers, with which the tables
@@ -82,7 +91,7 @@ class Selector:
     def fits(self, name: str, nbytes: int) -> bool:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator: in one
         launch, or in launches of its buffers' size (``in_launches`` kernels)."""
-        return name in self._usable and (self._in_one_launch(name, nbytes) or ALGORITHMS[name].in_launches)
+        return name in self._usable and bound(name, nbytes, self.limits) is None
 
     def _in_one_launch(self, name: str, nbytes: int) -> bool:
         return name not in self.limits or nbytes <= self.limits[name][0]
