@@ -85,8 +85,16 @@ def run_or_abort(main: Callable[[], int]) -> int:
         raise
     except BaseException:
         traceback.print_exc()
-        sys.stderr.flush()
-        mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
-            mpi.COMM_WORLD.Abort(1)
-        return 1
+        return abort_mpi_job(1)
+
+
+def abort_mpi_job(code: int) -> int:
+    """Ends every rank of the MPI job with ``code`` (``MPI_Abort``) where this process runs
+    MPI with other ranks, which would otherwise wait for it in a collective; else returns
+    ``code``. Flushes stdout and stderr first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.COMM_WORLD.Get_size() > 1:
+        mpi.COMM_WORLD.Abort(code)
+    return code
