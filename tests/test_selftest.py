@@ -153,6 +153,7 @@ def test_all_pass_prints_one_table_and_exits_0(fake_cupy):
     compile_line = [line for line in lines if line.startswith("kernel compile: ")]
     assert len(compile_line) == 1 and " s for 9 kernels (the first call of each" in compile_line[0]
     assert lines[-1].startswith("selftest passed: 27 checks on 1 rank(s), 0 not run; ")
+    assert lines[-1].endswith(f" s (budget with a cold kernel cache: {_selfcheck.BUDGET_S} s)")
     # one checked call and CALLS timed calls per case
     assert comm.calls == 27 * (1 + _selfcheck.CALLS)
 
@@ -301,6 +302,7 @@ def test_nvls_opts_in_where_nothing_forbids_it(fake_cupy):
     assert status == 0 and made == [{"nvls": "1"}]
     rows = table(out.getvalue())
     assert {r[0] for r in rows} == {"nvls", "nvls_lamport", "twoshot"} and all(r[5] == "pass" for r in rows)
+    assert out.getvalue().endswith(f" s (budget with a cold kernel cache: {_selfcheck.NVLS_BUDGET_S} s)\n")
 
 
 # --------------------------------------------------------------------------- the real command, no GPU

@@ -184,6 +184,7 @@ def main(nvls: bool = False, communicator: Callable[..., Any] | None = None,
         report = run(comm, cases)
         reports = comm.bootstrap.allgather_obj(report)
     rows = _selfcheck.merge(cases, reports)
-    for line in _selfcheck.render(rows, reports, cases, skipped, time.perf_counter() - start):
+    budget = _selfcheck.NVLS_BUDGET_S if comm.nvls.enabled else _selfcheck.BUDGET_S
+    for line in _selfcheck.render(rows, reports, cases, skipped, time.perf_counter() - start, budget):
         say(line)
     return FAILED if _selfcheck.failed(rows) else OK
