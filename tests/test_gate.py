@@ -298,7 +298,7 @@ def test_node_announce_marks_every_family_of_every_rank(monkeypatch):
     import cupy
 
     import ubnext._node as node_module
-    from ubnext._engine import STATES
+    from ubnext._layout import STATES
     from ubnext._failures import broken_word
 
     monkeypatch.setattr(node_module, "Engine", StubEngine)

@@ -10,7 +10,8 @@ import warnings
 import numpy as np
 
 from ._cuda import drv
-from ._engine import STATES, Engine, plan_layout
+from ._engine import Engine
+from ._layout import STATES, plan_layout
 from ._errors import UbnextError
 from ._failures import FailureRecords, broken_word, state_field
 from ._fdpass import FdChannel
