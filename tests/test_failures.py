@@ -58,10 +58,10 @@ def test_signatures_differ_in_every_field(collective):
               _signature.encode(collective, "bfloat16", "sum", 4097),
               _signature.encode_fused("bfloat16", 1, 4096)]
     assert len({base, *others}) == 6 and all(s != 0 for s in (base, *others))
-    assert _signature.describe(base) == "all_reduce of 4096 bfloat16 (sum)"
-    assert _signature.describe(_signature.encode_fused("float32", 16, 8192)) == \
+    assert _signature.text(base) == "all_reduce of 4096 bfloat16 (sum)"
+    assert _signature.text(_signature.encode_fused("float32", 16, 8192)) == \
         "all_reduce_add_rmsnorm of 16 x 8192 float32"
-    assert "unknown call" in _signature.describe(0)
+    assert "unknown call" in _signature.text(0)
 
 
 def test_signature_fields_are_bounded():

@@ -10,7 +10,7 @@ import pickle
 from . import _arrays, _gate, _preflight, _signature
 from ._algorithms import ALGORITHMS, DTYPES, OPS, UNICAST_OF
 from ._config import Config
-from ._describe import Description, describe
+from ._report import Description, report
 from ._devices import map_devices
 from ._dispatch import Dispatcher
 from ._errors import ClosedError, UbnextError
@@ -132,6 +132,37 @@ class Communicator:
         """Whether this communicator uses NVLink multicast, and why (``enabled``, ``reason``)."""
         return self._nvls
 
+    @property
+    def local_rank(self) -> int:
+        """This rank's place among the ranks of its node."""
+        return self._local.rank
+
+    @property
+    def local_size(self) -> int:
+        """Ranks of this node in the communicator."""
+        return self._local.size
+
+    @property
+    def path(self) -> str:
+        """Where calls run: ``"kernels on the symmetric pool"``, or ``"NCCL only: <why>"``."""
+        return "kernels on the symmetric pool" if self._nccl_reason is None else f"NCCL only: {self._nccl_reason}"
+
+    @property
+    def selector(self) -> Selector:
+        """The selector ``algorithm="auto"`` consults: its ``tables``, ``explain(nbytes, dtype)``
+        (algorithm and reason) and ``fits(algorithm, nbytes)``."""
+        return self._selector
+
+    @property
+    def pool(self) -> dict | None:
+        """The symmetric pool: ``{"bytes", "user_heap_bytes", "user_heap_free_bytes"}`` per
+        rank, or None where everything runs on NCCL."""
+        node = self._node
+        if node is None:
+            return None
+        return {"bytes": node.pool.size, "user_heap_bytes": node.heap.capacity,
+                "user_heap_free_bytes": node.heap.free_bytes}
+
     def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
         """All-reduces ``x`` over the ranks. Collective; never blocks the host.
 
@@ -169,14 +200,14 @@ class Communicator:
         name = "all_reduce"
         self._check_open(name)
         handle, owner, side = _arrays.launch_stream(stream, x)
-        xb = _arrays.describe(x, name, handle)
+        xb = _arrays.as_buffer(x, name, handle)
         if xb.device != self.device:
             raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
         algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
         if out is None:
-            ob = _arrays.describe(_arrays.empty_like(xb, handle, owner, side), name, handle)
+            ob = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side), name, handle)
         elif out is x:  # in place: nothing more to check
             ob = xb
         else:
@@ -231,7 +262,7 @@ class Communicator:
         name = "all_reduce_add_rmsnorm"
         self._check_open(name)
         handle, owner, side = _arrays.launch_stream(stream, x)
-        xb = _arrays.describe(x, name, handle)
+        xb = _arrays.as_buffer(x, name, handle)
         if len(xb.shape) != 2:
             raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
         if xb.device != self.device:
@@ -245,7 +276,7 @@ class Communicator:
             raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
 
         def operand(arr, what, shape):
-            b = _arrays.describe(arr, name, handle)
+            b = _arrays.as_buffer(arr, name, handle)
             if b.shape != shape or b.dtype != xb.dtype or b.device != xb.device:  # torch.Size is a tuple
                 raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape} on device {xb.device}, "
                                   f"got {b.dtype} of shape {tuple(b.shape)} on device {b.device}")
@@ -339,7 +370,7 @@ class Communicator:
             A dict (JSON-ready); ``print(comm.describe())`` shows it as a report.
         """
         self._check_open("describe")
-        return describe(self)
+        return report(self)
 
     def synchronize(self, stream=None) -> None:
         """Waits for the device (or ``stream``, as ``all_reduce`` takes it); raises what a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ._algorithms import ALGORITHMS, DTYPES, UNICAST_OF
-from ._cli import human_bytes
+from ._units import human_bytes
 from ._config import Config
 from ._table import Row, Table, default_table
 
