@@ -172,6 +172,12 @@ class StubDevice:
     def synchronize(self):
         pass
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
 
 class FailingDevice(StubDevice):
     """Device 0's wait fails (e.g. an illegal address in another library's kernel)."""
