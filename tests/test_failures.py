@@ -74,3 +74,34 @@ def test_signature_fields_are_bounded():
 def test_every_error_is_a_ubnext_error():
     for cls in (BrokenCommunicatorError, CollectiveTimeoutError, CollectiveMismatchError, ConcurrentUseError):
         assert issubclass(cls, UbnextError)
+
+
+def test_the_watchdog_reports_a_failure_once_and_stops():
+    import threading
+
+    from ubnext._watchdog import Watchdog
+
+    polls, seen, done = [], [], threading.Event()
+
+    def poll():
+        polls.append(1)
+        return "failed" if len(polls) >= 3 else None
+
+    def on_failure(failure):
+        seen.append(failure)
+        done.set()
+
+    dog = Watchdog(poll, on_failure, 0.01, "test-watchdog")
+    assert done.wait(5)
+    dog.stop()
+    assert seen == ["failed"] and len(polls) == 3  # no poll after the failure
+
+
+def test_the_watchdog_stops_without_a_failure():
+    from ubnext._watchdog import Watchdog
+
+    polls = []
+    dog = Watchdog(lambda: polls.append(1), lambda failure: None, 0.01, "test-watchdog")
+    dog.stop()
+    dog.stop()  # idempotent
+    assert not dog._thread.is_alive()
