@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ubnext import _cli, _timing
+from ubnext import _cli, _timing, _units
 
 # --------------------------------------------------------------------------- dtypes and ops
 
@@ -107,7 +107,8 @@ def parse_ops(text: str) -> list[str]:
 # --------------------------------------------------------------------------- sizes and timing
 # They live in ubnext (python -m ubnext.tune uses them too); the benchmarks use them from here.
 
-parse_size, size_arg, size_list, human_bytes = _cli.parse_size, _cli.size_arg, _cli.size_list, _cli.human_bytes
+parse_size, size_arg, size_list = _cli.parse_size, _cli.size_arg, _cli.size_list
+human_bytes = _units.human_bytes
 capture_graph, elapsed_per_op, timer = _timing.capture_graph, _timing.elapsed_per_op, _timing.timer
 run_or_abort = _cli.run_or_abort
 

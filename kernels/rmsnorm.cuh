@@ -32,13 +32,10 @@
 #define UB_CLUSTER_DIMS
 #endif
 // Vectors of a row each thread keeps in registers between the two passes of finish_row;
-// vectors beyond are read back from res_out. The fused kernels keep one: under the
-// 1024-thread launch bound (64 registers) four spilled to local memory (4xH200, hidden
-// 8192 bf16: 1 token 5.74 -> 5.45 us, 128 tokens 17.28 -> 16.68 with one); the cluster
-// kernels, with more registers under their smaller bounds, were 0.07-0.28 us slower with
-// two (1-16 tokens, and hidden 16384 whose rows give each thread two). The separate
-// kernel (rmsnorm.cu) keeps four without spilling; the host compiles it with
-// UB_ROW_KEEP = ubnext._algorithms.ROW_KEEP.
+// vectors beyond are read back from res_out. The fused kernels keep one: under their
+// launch bounds more spill to local memory or cost more than the re-read
+// (bench/NOTES.md); the separate kernel (rmsnorm.cu) keeps four without spilling; the host
+// compiles it with UB_ROW_KEEP = ubnext._algorithms.ROW_KEEP.
 #ifndef UB_ROW_KEEP
 #define UB_ROW_KEEP 1
 #endif
@@ -131,9 +128,8 @@ __device__ uint4 normalize(const NormArgs& a, u64 col, const uint4& res, float s
 // st.async, which counts the bytes on the receiving block's mbarrier; a block waits on its
 // own mbarrier only. No cluster barrier, whose release would first wait for every store
 // the block issued before it: the row's outputs, and in the two-shot the residual sums
-// just pushed over NVLink (4xH200, hidden 8192: 1 token 5.45 -> 5.07 us, 8 tokens 7.62
-// -> 7.33). Each block inits its mbarriers at the start (row_group) and waits once for
-// the cluster's inits before its first send.
+// just pushed over NVLink. Each block inits its mbarriers at the start (row_group) and
+// waits once for the cluster's inits before its first send.
 struct RowGroup {
   u32 id, count, rank;
   u32 parity;  // which of the two slots (totals and mbarrier) the next row_sum uses
@@ -221,9 +217,8 @@ __device__ __forceinline__ RowGroup row_group(const WaitCtx* wait = nullptr) {
 // sent row k + 1, i.e. to have read slot s of row k. Every thread of the group calls it.
 // It starts by reconverging the warp, whose lanes left the fetch's spin loops at different
 // times: ptxas then compiles what follows as converged code (uniform datapath, no
-// divergence checks before the shuffles and the cluster waits). Without it the fused
-// kernels were 0.2-0.9 us slower (4xH200, hidden 8192: 1 token 5.11 -> 4.89 us, 8 tokens
-// 7.35 -> 6.59, 128 tokens 16.55 -> 15.88); a second __syncwarp after wait_mail undid it.
+// divergence checks before the shuffles and the cluster waits); a second __syncwarp
+// after wait_mail undoes that.
 __device__ float row_sum(RowGroup& g, float v) {
   RowMail& m = row_mail();
   const u32 lane = threadIdx.x & 31u, warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
@@ -273,9 +268,9 @@ __device__ __forceinline__ void row_group_done(const RowGroup& g) {
 // on_scale(scale) once the row's scale is known, before the normed pass.
 // KeepWeight: the kept vectors' weights are loaded into registers before the row sum. In
 // a cluster the sum's wait (acquire, cluster scope) invalidates L1, so weights loaded after
-// it come from L2. The fused one-shot gains 0.06-0.16 us (4xH200, 1-16 tokens of hidden
-// 8192); the fused Lamport two-shot lost 0.13-0.28 us and the separate kernel (four kept
-// vectors) spilled, so they load the weights in the normed pass.
+// it come from L2. The fused one-shot gains from it; the fused Lamport two-shot does not,
+// and the separate kernel (four kept vectors) would spill, so they load the weights in
+// the normed pass (bench/NOTES.md).
 template <class T, bool KeepWeight = false, class Fetch, class OnScale>
 __device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch, OnScale on_scale) {
   const u64 vpr = a.hidden / Vec<T>::kPer;

@@ -310,7 +310,8 @@ def _identify(comm, launcher, threads: int, args: tuple) -> Launch:
         for (algorithm, _dtype, _op, fused, cluster), known in node.engine._launchers.items():
             if known is launcher:
                 return Launch(algorithm, fused, threads, cluster, args)
-    if comm._add_rmsnorm is not None and any(known is launcher for known in comm._add_rmsnorm._launchers.values()):
+    epilogue = comm._dispatch._epilogue
+    if epilogue is not None and any(known is launcher for known in epilogue._launchers.values()):
         return Launch("add_rmsnorm", False, threads, 1, args)
     raise AssertionError("a launch of a kernel the test does not know")
 

@@ -29,14 +29,12 @@ class FakeComm:
         self.config = Config(**config)
         self.nvls = _gate.NvlsDecision(nvls == "1", "fake")
         self._algorithms, self._fault = list(algorithms), fault or (lambda *a: None)
+        self.path = "kernels on the symmetric pool (fake)"
         self.calls, self.closed = 0, False
         self._results = {}
 
     def algorithms(self):
         return list(self._algorithms)
-
-    def describe(self):
-        return {"path": "kernels on the symmetric pool (fake)"}
 
     def empty(self, shape, dtype):
         from ubnext._arrays import _cupy_dtype

@@ -11,17 +11,17 @@ import pytest
 
 from stream_fakes import FakeCuda
 from ubnext import UbnextError, _arrays, _streams
-from ubnext._arrays import describe, launch_stream, record_stream, stream_handle
+from ubnext._arrays import as_buffer, launch_stream, record_stream, stream_handle
 
 
 @pytest.mark.parametrize("obj", [np.ones(4, np.float32), [1.0, 2.0], 3.0, "x"])
 def test_host_and_foreign_objects_are_refused(obj):
     with pytest.raises(UbnextError, match="all_reduce: .*(CUDA array|host memory)"):
-        describe(obj, "all_reduce", 0)
+        as_buffer(obj, "all_reduce", 0)
 
 
 def test_cupy_dtypes_are_named_once_and_unsupported_ones_always_refused(monkeypatch):
-    class ndarray:  # the attributes describe() reads from a cupy.ndarray
+    class ndarray:  # the attributes as_buffer() reads from a cupy.ndarray
         def __init__(self, dtype):
             self.dtype, self.size, self.shape = np.dtype(dtype), 4, (4,)
             self.flags = types.SimpleNamespace(c_contiguous=True)
@@ -31,10 +31,10 @@ def test_cupy_dtypes_are_named_once_and_unsupported_ones_always_refused(monkeypa
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=ndarray))
     monkeypatch.setattr(_arrays, "_CUPY_NAMES", {})
     for _ in range(2):
-        b = describe(ndarray("float16"), "all_reduce", 0)
+        b = as_buffer(ndarray("float16"), "all_reduce", 0)
         assert (b.framework, b.dtype, b.ptr, b.count, b.nbytes) == ("cupy", "float16", 4096, 4, 8)
         with pytest.raises(UbnextError, match="all_reduce: unsupported dtype float64"):
-            describe(ndarray("float64"), "all_reduce", 0)
+            as_buffer(ndarray("float64"), "all_reduce", 0)
     assert _arrays._CUPY_NAMES == {np.dtype("float16"): "float16"}
 
 
@@ -218,30 +218,30 @@ class Both(CaiProducer, DlpackProducer):
 
 def test_a_dlpack_producer_is_handed_the_launch_stream(cuda, device_memory):
     x = DlpackProducer()
-    b = describe(x, "all_reduce", LAUNCH)
+    b = as_buffer(x, "all_reduce", LAUNCH)
     assert x.streams == [LAUNCH]
     assert (b.framework, b.ptr, b.count, b.dtype) == ("cupy", Capsule.ptr, 4, "float32")
-    describe(x, "all_reduce", 0)  # the legacy default stream is 1 in DLPack (0 is ambiguous there)
+    as_buffer(x, "all_reduce", 0)  # the legacy default stream is 1 in DLPack (0 is ambiguous there)
     assert x.streams[-1] == 1
     old = DlpackProducer(versioned=False)  # before DLPack 1.0: no max_version
-    describe(old, "all_reduce", LAUNCH)
+    as_buffer(old, "all_reduce", LAUNCH)
     assert old.streams == [LAUNCH]
 
 
 def test_a_dlpack_producer_is_not_asked_to_wait_while_the_stream_is_captured(cuda, device_memory):
     cuda.captures[LAUNCH] = 4
     x = DlpackProducer()
-    describe(x, "all_reduce", LAUNCH)
+    as_buffer(x, "all_reduce", LAUNCH)
     assert x.streams == [-1]
 
 
 def test_dlpack_memory_off_the_gpu_is_refused(cuda, device_memory):
     with pytest.raises(UbnextError, match="all_reduce: DlpackProducer is not in CUDA device memory"):
-        describe(DlpackProducer(device_type=1), "all_reduce", LAUNCH)
+        as_buffer(DlpackProducer(device_type=1), "all_reduce", LAUNCH)
 
 
 def test_an_interface_stream_is_waited_for_on_the_launch_stream(cuda, device_memory):
-    b = describe(CaiProducer(stream=0x6600), "all_reduce", LAUNCH)
+    b = as_buffer(CaiProducer(stream=0x6600), "all_reduce", LAUNCH)
     assert (b.ptr, b.count, b.dtype, b.shape) == (4096, 4, "float32", (4,))
     event = cuda.calls[0][2]
     assert cuda.calls == [("event", 0, event), ("record", event, 0x6600), ("wait", LAUNCH, event),
@@ -249,23 +249,23 @@ def test_an_interface_stream_is_waited_for_on_the_launch_stream(cuda, device_mem
 
 
 def test_an_interface_without_a_stream_is_not_waited_for(cuda, device_memory):
-    describe(CaiProducer(stream=None), "all_reduce", LAUNCH)
-    describe(CaiProducer(stream=LAUNCH), "all_reduce", LAUNCH)  # already in order
+    as_buffer(CaiProducer(stream=None), "all_reduce", LAUNCH)
+    as_buffer(CaiProducer(stream=LAUNCH), "all_reduce", LAUNCH)  # already in order
     assert cuda.calls == []
 
 
 def test_a_version_3_interface_comes_before_dlpack(cuda, device_memory):
     x = Both(version=3, stream=0x6600)
-    describe(x, "all_reduce", LAUNCH)
+    as_buffer(x, "all_reduce", LAUNCH)
     assert x.streams == [] and cuda.names() == ["event", "record", "wait", "destroy"]
 
 
 def test_an_older_interface_gives_way_to_dlpack(cuda, device_memory):
     """JAX offers version 2 (no stream; the data may still be computed) and DLPack."""
     x = Both(version=2)
-    b = describe(x, "all_reduce", LAUNCH)
+    b = as_buffer(x, "all_reduce", LAUNCH)
     assert x.streams == [LAUNCH] and b.ptr == Capsule.ptr
-    b = describe(CaiProducer(version=2), "all_reduce", LAUNCH)  # only the interface: taken as it is
+    b = as_buffer(CaiProducer(version=2), "all_reduce", LAUNCH)  # only the interface: taken as it is
     assert b.ptr == 4096 and cuda.calls == []
 
 
@@ -277,10 +277,10 @@ def test_an_older_interface_gives_way_to_dlpack(cuda, device_memory):
 ])
 def test_interface_arrays_that_cannot_be_reduced_are_refused(cuda, device_memory, fields, words):
     with pytest.raises(UbnextError, match=f"all_reduce: .*{words}"):
-        describe(CaiProducer(**fields), "all_reduce", LAUNCH)
+        as_buffer(CaiProducer(**fields), "all_reduce", LAUNCH)
     assert cuda.calls == []
 
 
 def test_contiguous_strides_are_accepted(cuda, device_memory):
-    b = describe(CaiProducer(shape=(2, 1, 2), strides=(8, 123, 4)), "all_reduce", LAUNCH)
+    b = as_buffer(CaiProducer(shape=(2, 1, 2), strides=(8, 123, 4)), "all_reduce", LAUNCH)
     assert b.shape == (2, 1, 2) and b.count == 4

@@ -58,10 +58,10 @@ def test_signatures_differ_in_every_field(collective):
               _signature.encode(collective, "bfloat16", "sum", 4097),
               _signature.encode_fused("bfloat16", 1, 4096)]
     assert len({base, *others}) == 6 and all(s != 0 for s in (base, *others))
-    assert _signature.describe(base) == "all_reduce of 4096 bfloat16 (sum)"
-    assert _signature.describe(_signature.encode_fused("float32", 16, 8192)) == \
+    assert _signature.text(base) == "all_reduce of 4096 bfloat16 (sum)"
+    assert _signature.text(_signature.encode_fused("float32", 16, 8192)) == \
         "all_reduce_add_rmsnorm of 16 x 8192 float32"
-    assert "unknown call" in _signature.describe(0)
+    assert "unknown call" in _signature.text(0)
 
 
 def test_signature_fields_are_bounded():
@@ -74,3 +74,34 @@ def test_signature_fields_are_bounded():
 def test_every_error_is_a_ubnext_error():
     for cls in (BrokenCommunicatorError, CollectiveTimeoutError, CollectiveMismatchError, ConcurrentUseError):
         assert issubclass(cls, UbnextError)
+
+
+def test_the_watchdog_reports_a_failure_once_and_stops():
+    import threading
+
+    from ubnext._watchdog import Watchdog
+
+    polls, seen, done = [], [], threading.Event()
+
+    def poll():
+        polls.append(1)
+        return "failed" if len(polls) >= 3 else None
+
+    def on_failure(failure):
+        seen.append(failure)
+        done.set()
+
+    dog = Watchdog(poll, on_failure, 0.01, "test-watchdog")
+    assert done.wait(5)
+    dog.stop()
+    assert seen == ["failed"] and len(polls) == 3  # no poll after the failure
+
+
+def test_the_watchdog_stops_without_a_failure():
+    from ubnext._watchdog import Watchdog
+
+    polls = []
+    dog = Watchdog(lambda: polls.append(1), lambda failure: None, 0.01, "test-watchdog")
+    dog.stop()
+    dog.stop()  # idempotent
+    assert not dog._thread.is_alive()

@@ -172,6 +172,12 @@ class StubDevice:
     def synchronize(self):
         pass
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
 
 class FailingDevice(StubDevice):
     """Device 0's wait fails (e.g. an illegal address in another library's kernel)."""
@@ -298,7 +304,7 @@ def test_node_announce_marks_every_family_of_every_rank(monkeypatch):
     import cupy
 
     import ubnext._node as node_module
-    from ubnext._engine import STATES
+    from ubnext._layout import STATES
     from ubnext._failures import broken_word
 
     monkeypatch.setattr(node_module, "Engine", StubEngine)

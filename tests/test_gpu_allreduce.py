@@ -149,10 +149,10 @@ def test_lamport_twoshot_at_and_past_its_limit(comm, dtype, extra):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_thread", [2, 3])
 def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
-    """Messages whose launches run on the narrow blocks (ubnext._engine.lamport_twoshot_threads):
+    """Messages whose launches run on the narrow blocks (ubnext._shapes.lamport_twoshot_threads):
     each thread pushes, reduces and gathers 2 or 3 vectors in turn; also with a partial
     last vector."""
-    from ubnext import _engine
+    from ubnext import _shapes
     from ubnext._algorithms import ALGORITHMS
 
     blocks, alg = comm._node.engine._blocks, ALGORITHMS["lamport_twoshot"]
@@ -160,11 +160,11 @@ def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
     # the widest launch whose blocks each get per_thread vectors per narrow thread (at 1
     # rank, where a launch has a block per 512 vectors, that is a one-block launch)
     widest = next(b for b in range(blocks, 0, -1)
-                  if _engine.lamport_shape(alg, b * per_thread * _engine.NARROW_THREADS * comm.size, comm.size,
-                                           blocks) == (b, _engine.NARROW_THREADS))
+                  if _shapes.lamport_shape(alg, b * per_thread * _shapes.NARROW_THREADS * comm.size, comm.size,
+                                           blocks) == (b, _shapes.NARROW_THREADS))
     for extra in (0, -3):
-        count = widest * per_thread * _engine.NARROW_THREADS * comm.size * per_vec + extra
+        count = widest * per_thread * _shapes.NARROW_THREADS * comm.size * per_vec + extra
         nvec = -(-count // per_vec)
-        assert _engine.lamport_shape(alg, nvec, comm.size, blocks) == (widest, _engine.NARROW_THREADS)
+        assert _shapes.lamport_shape(alg, nvec, comm.size, blocks) == (widest, _shapes.NARROW_THREADS)
         _, launches = check_all_reduce(comm, count, dtype, 31 + per_thread + extra, algorithm="lamport_twoshot")
-        assert [launch.threads for launch in launches] == [_engine.NARROW_THREADS]
+        assert [launch.threads for launch in launches] == [_shapes.NARROW_THREADS]

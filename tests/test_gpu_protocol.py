@@ -71,8 +71,6 @@ def rank_values(comm, count: int, call: int, rank: int, dtype: str):
 
 
 def expected(comm, count: int, call: int, dtype: str):
-    import torch
-
     return sum(rank_values(comm, count, call, r, dtype).float() for r in range(comm.size)).to(torch_dtype(dtype))
 
 

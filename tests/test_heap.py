@@ -248,7 +248,7 @@ def test_library_slots_cover_every_lamport_family(nranks):
     buffers per element width (Engine.initialize poisons exactly these), and a Lamport
     two-shot area holds every rank's whole slice of its largest message."""
     from ubnext._algorithms import ALGORITHMS
-    from ubnext._engine import plan_layout
+    from ubnext._layout import plan_layout
     from ubnext._protocol import LAUNCH_STATE_BYTES
 
     one, two = 64 << 10, (1 << 20) + 48

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ubnext import Config, _describe, _info
+from ubnext import Config, _info, _report
 from ubnext._select import Selector, buffer_limits
 from ubnext._table import load_table
 
@@ -78,12 +78,12 @@ def test_version_codes():
 def fake_comm(usable=("lamport", "twoshot", "nccl"), nccl_reason=None, table=None, nvls=None, **config):
     cfg = Config.from_env({}, **config)
     selector = Selector(4, buffer_limits(cfg), list(usable), table, nccl_reason or "")
-    node = None
+    pool = None
     if "lamport" in usable:
-        node = SimpleNamespace(pool=SimpleNamespace(size=1024 * MiB),
-                               heap=SimpleNamespace(capacity=700 * MiB, free_bytes=600 * MiB))
-    comm = SimpleNamespace(rank=0, size=4, device=0, config=cfg, _node=node, _nccl_reason=nccl_reason,
-                           _local=SimpleNamespace(rank=0, size=4), _selector=selector,
+        pool = {"bytes": 1024 * MiB, "user_heap_bytes": 700 * MiB, "user_heap_free_bytes": 600 * MiB}
+    path = "kernels on the symmetric pool" if nccl_reason is None else f"NCCL only: {nccl_reason}"
+    comm = SimpleNamespace(rank=0, size=4, device=0, config=cfg, pool=pool, path=path, local_rank=0,
+                           local_size=4, selector=selector,
                            algorithms=lambda: [n for n in ("lamport", "twoshot", "nccl") if n in usable])
     if nvls is not None:
         comm.nvls = nvls
@@ -96,14 +96,14 @@ def no_device(monkeypatch):
 
 
 def test_describe_reports_path_pool_tables_and_selection():
-    d = _describe.describe(fake_comm())
+    d = _report.report(fake_comm())
     json.dumps(d)  # a plain dict underneath
     assert d["path"] == "kernels on the symmetric pool" and d["local_ranks"] == 4
     assert d["nvls"] == {"enabled": False, "reason": "not available in this build"}
     assert d["config"]["UBNEXT_POOL_MB"] == 1024
     assert d["tables"] == ["default table h200"]
-    assert [row[0] for row in d["selection"]["bfloat16"]] == _describe.SIZES
-    assert _describe.SIZES[0] == 1 << 10 and _describe.SIZES[-1] == 1 << 30
+    assert [row[0] for row in d["selection"]["bfloat16"]] == _report.SIZES
+    assert _report.SIZES[0] == 1 << 10 and _report.SIZES[-1] == 1 << 30
     text = str(d)
     assert text.startswith("ubnext communicator: rank 0 of 4 (local rank 0 of 4), device 0 (Fake GPU)")
     assert "pool: 1024.0 MiB per rank; user heap 700.0 MiB, 600.0 MiB free" in text
@@ -114,18 +114,18 @@ def test_describe_reports_path_pool_tables_and_selection():
 
 
 def test_describe_nccl_only_forced_algorithm_nvls_and_tune_file(tmp_path):
-    d = _describe.describe(fake_comm(usable=("nccl",), nccl_reason="UBNEXT_ALGO=nccl", algorithm="nccl"))
+    d = _report.report(fake_comm(usable=("nccl",), nccl_reason="UBNEXT_ALGO=nccl", algorithm="nccl"))
     assert d["path"] == "NCCL only: UBNEXT_ALGO=nccl" and d["pool"] is None
     assert d["selection"]["float16"][0][1:] == ["nccl", "only NCCL usable: UBNEXT_ALGO=nccl"]
 
-    d = _describe.describe(fake_comm(algorithm="lamport", nvls=SimpleNamespace(enabled=True, reason="all 4 GPUs")))
+    d = _report.report(fake_comm(algorithm="lamport", nvls=SimpleNamespace(enabled=True, reason="all 4 GPUs")))
     assert d["selection"]["bfloat16"][0][1:] == ["lamport", "UBNEXT_ALGO=lamport"]
     assert d["selection"]["bfloat16"][-1][1] == "error"
     assert "NVLink multicast: on (all 4 GPUs)" in str(d)
 
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"format": 1, "machine": "m", "tables": {"4": {"bfloat16": [[None, "twoshot"]]}}}))
-    d = _describe.describe(fake_comm(table=load_table(str(path))))
+    d = _report.report(fake_comm(table=load_table(str(path))))
     assert d["tables"] == [f"tune file {path}", "default table h200"]
     assert d["selection"]["bfloat16"][0][1] == "twoshot"
     assert "selector tables: tune file " in str(d) and ", then default table h200" in str(d)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext import _engine, _kernels, _protocol
+from ubnext import _kernels, _layout, _protocol
 from ubnext._algorithms import ALGORITHMS, DTYPES, NORM_ENTRY, NORM_SOURCE, OPS, ROW_KEEP, compile_defines, norm_defines
 from ubnext._protocol import MAX_RANKS, NORM_THREADS
 
@@ -137,7 +137,7 @@ def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
     # kernels/lamport_twoshot.cu: N slots of round_up(ceil(nvec / N), UB_TWOSHOT_ALIGN_VECS)
     # vectors, then N signature headers at the end of the reduce-scatter area
     unit = _protocol.TWOSHOT_ALIGN_VECS
-    area = _engine._area(max_kb * 1024)
+    area = _layout.area(max_kb * 1024)
     for nranks in range(1, MAX_RANKS + 1):
         for nbytes in {b for b in (1, 16, 17, 4096, max_kb * 1024 - 2, max_kb * 1024) if b <= max_kb * 1024}:
             nvec = -(-nbytes // 16)
@@ -150,10 +150,10 @@ def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
 def test_fused_lamport_twoshot_takes_its_largest_message_in_one_launch(max_kb, row_bytes):
     # rows of >= 1 KiB: the all-gather area has room for their scales at the full message
     rows = max_kb * 1024 // row_bytes
-    area = _engine._area(max_kb * 1024)
+    area = _layout.area(max_kb * 1024)
     for nranks in range(1, MAX_RANKS + 1):
         whole = rows // nranks * nranks
-        took = _engine.twoshot_norm_rows(area, row_bytes, nranks)
+        took = _layout.twoshot_norm_rows(area, row_bytes, nranks)
         assert took >= whole and took % nranks == 0, (nranks, took, whole)
         # the kernel's bound: nranks slots of took / nranks rows, each with a 16-byte scale
         # (all-gather area), and nranks signature headers after the slots (reduce-scatter area)
@@ -186,7 +186,7 @@ def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors, largest):
     than ``largest`` per cluster (8: one-shot, 4: two-shot), never less than 4 warps of
     vectors per block, never more than 32 warps per cluster (kernels/rmsnorm.cuh: row_sum)."""
     from ubnext._algorithms import row_threads
-    from ubnext._engine import CLUSTER_BLOCK_VECTORS, row_cluster
+    from ubnext._shapes import CLUSTER_BLOCK_VECTORS, row_cluster
 
     blocks = 132
     cluster = row_cluster(rows, vectors, blocks, largest)
@@ -202,7 +202,7 @@ def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors, largest):
 
 
 def test_row_cluster_examples():
-    from ubnext._engine import TWOSHOT_MAX_CLUSTER, row_cluster
+    from ubnext._shapes import TWOSHOT_MAX_CLUSTER, row_cluster
 
     assert row_cluster(1, 1024, 132) == 8  # one token of hidden 8192 bf16: 8 SMs
     assert row_cluster(16, 1024, 132) == 8
@@ -219,7 +219,7 @@ def test_lamport_twoshot_narrow_blocks_where_threads_get_two_or_three_vectors():
     """Plain Lamport two-shot launches run on NARROW_THREADS threads per block exactly where
     a block's part of a slice (32-vector units, as kernels/lamport_twoshot.cu's
     block_part) gives each of them 2 or 3 vectors."""
-    from ubnext._engine import NARROW_THREADS, lamport_twoshot_threads
+    from ubnext._shapes import NARROW_THREADS, lamport_twoshot_threads
 
     mib = (1 << 20) // 16  # vectors per MiB
     assert lamport_twoshot_threads(2 * mib, 4, 132, 512) == NARROW_THREADS  # 2 MiB, 4 ranks: parts of 256

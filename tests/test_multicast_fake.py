@@ -237,7 +237,7 @@ def test_finalizer_warns_without_driver_calls():
     def body(boot, pool, fds):
         mc = MulticastRange(pool, boot, fds, driver=fake)
         n = len(fake.calls)
-        with pytest.warns(ResourceWarning, match="MulticastRange on device 0 .* was not closed"):
+        with pytest.warns(ResourceWarning, match=r"MulticastRange\(device=0, .* was not closed; the multicast object"):
             mc.__del__()
         assert len(fake.calls) == n
         mc.close()

@@ -198,7 +198,7 @@ def test_teardown_failure_still_releases_the_rest(fake):
 def test_finalizer_warns_without_driver_calls(fake):
     pool = make_pool(fake)
     n = len(fake.calls)
-    with pytest.warns(ResourceWarning, match="SymmetricPool on device 3 .* was not closed"):
+    with pytest.warns(ResourceWarning, match=r"SymmetricPool\(device=3, local_rank=1, .* was not closed; its device memory"):
         del pool
         gc.collect()
     assert len(fake.calls) == n

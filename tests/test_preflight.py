@@ -24,7 +24,13 @@ class CUDARuntimeError(RuntimeError):
 
 
 def fake_cupy(monkeypatch, count=None, error=None, driver=0, runtime=13020):
-    """A ``cupy`` whose runtime reports ``count`` devices or raises ``error``."""
+    """A ``cupy`` whose runtime reports ``count`` devices or raises ``error``; the driver
+    check (``_install``) sees ``driver`` and CuPy's ``runtime``."""
+    from ubnext import _install
+
+    versions = _install.CudaVersions(driver, (("cupy-cuda13x 14.2.0", runtime),))
+    monkeypatch.setattr(_install, "query_versions", lambda op="": versions)
+    monkeypatch.setattr(_install, "check_packages", lambda op="", version=None: None)
     def get_count():
         if error is not None:
             raise error
@@ -41,8 +47,8 @@ def fake_cupy(monkeypatch, count=None, error=None, driver=0, runtime=13020):
     (dict(error=CUDARuntimeError(35, "cudaErrorInsufficientDriver: CUDA driver version is insufficient")),
      r"no GPU: no NVIDIA driver is loaded \(cudaErrorInsufficientDriver\); run on a node with an NVIDIA GPU"),
     (dict(error=CUDARuntimeError(35, "cudaErrorInsufficientDriver: ..."), driver=12080),
-     r"the NVIDIA driver supports CUDA 12.8 but CuPy runs on CUDA 13.2 \(cudaErrorInsufficientDriver\); "
-     r"update the driver, or install the CuPy build for CUDA 12 \(pip install cupy-cuda12x\)"),
+     r'CUDA driver 12.8 is older than the CUDA 13.2 runtime of cupy-cuda13x 14.2.0; install "ubnext\[cu12\]" '
+     r"or update the driver to CUDA 13"),
     (dict(error=CUDARuntimeError(100, "cudaErrorNoDevice: no CUDA-capable device is detected")),
      r"no GPU: CUDA sees no device \(cudaErrorNoDevice; CUDA_VISIBLE_DEVICES is ''\); run on a GPU node"),
     (dict(count=0), r"no GPU: the CUDA driver reports no device; run on a GPU node"),
@@ -64,7 +70,7 @@ def test_cupy_missing(monkeypatch):
 
 
 def test_a_usable_gpu_passes(monkeypatch):
-    fake_cupy(monkeypatch, count=1)
+    fake_cupy(monkeypatch, count=1, driver=13000)
     assert _preflight.gpu_problem() is None
     _preflight.check("Communicator", Config())
 
@@ -72,6 +78,9 @@ def test_a_usable_gpu_passes(monkeypatch):
 def test_nccl_is_required_only_where_every_call_goes_to_it(monkeypatch):
     fakes.install(monkeypatch)  # its nccl cannot be loaded
     monkeypatch.setattr(_preflight, "gpu_problem", lambda: None)
+    from ubnext import _install
+
+    monkeypatch.setattr(_install, "check_driver", lambda op="", versions=None: None)
     _preflight.check("Communicator", Config())
     with pytest.raises(UbnextError, match=r"^Communicator: cupy cannot load the NCCL library; install it with "
                                           r"'pip install nvidia-nccl-cu13'"):

@@ -254,6 +254,7 @@ def nccl_comm(monkeypatch):
     from ubnext import _arrays
     from ubnext._comm import Communicator
     from ubnext._config import Config
+    from ubnext._dispatch import Dispatcher
     from ubnext._select import Selector, buffer_limits
 
     cuda = FakeCuda()
@@ -268,12 +269,13 @@ def nccl_comm(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
     config = Config.from_env()
     comm = Communicator.__new__(Communicator)
+    selector = Selector(1, buffer_limits(config), ["nccl"], None, "test")
+    order = LaunchOrder(0)
     comm.__dict__.update(
-        config=config, rank=0, size=1, device=0, _closed=False, _node=None, _resolved={},
-        _selector=Selector(1, buffer_limits(config), ["nccl"], None, "test"),
-        _launch=LaunchOrder(0),
+        config=config, rank=0, size=1, device=0, _closed=False, _node=None, _resolved={}, _selector=selector,
+        _dispatch=Dispatcher(None, selector.limits, order, None, 0),
     )
-    comm._nccl = RecordingNccl(comm._launch)
+    comm._dispatch.nccl = RecordingNccl(order)
     yield comm, cuda
     comm._closed = True
 
@@ -318,10 +320,10 @@ def test_all_reduce_hands_producers_the_stream_it_launches_on(nccl_comm):
     x, out = Producer(0x10000), Producer(0x20000)
     comm.all_reduce(x, out=out, algorithm="nccl", stream=A)
     assert x.streams == [A] and out.streams == [A]
-    assert comm._nccl.calls == [(0x10000, 0x20000, 16, A, True)]
+    assert comm._dispatch.nccl.calls == [(0x10000, 0x20000, 16, A, True)]
     comm.all_reduce(Interface(0x30000, stream=C), out=out, algorithm="nccl", stream=B)
     waits = [c for c in cuda.calls if c[0] == "wait"]
     records = [c for c in cuda.calls if c[0] == "record"]
     # the producer's stream C, then the previous call's stream A, both before the launch on B
     assert [r[2] for r in records] == [C, A] and all(w[1] == B for w in waits)
-    assert comm._nccl.calls[-1] == (0x30000, 0x20000, 16, B, True)
+    assert comm._dispatch.nccl.calls[-1] == (0x30000, 0x20000, 16, B, True)

@@ -102,7 +102,8 @@ class FakeComm:
         self.rank, self.size, self.device = 0, size, 0
         self.bootstrap = FakeBootstrap()
         self._usable, self._lamport_max = list(usable), lamport_max
-        self._nccl_reason = "ranks span several nodes" if list(usable) == ["nccl"] else None
+        nccl_only = list(usable) == ["nccl"]
+        self.path = "NCCL only: ranks span several nodes" if nccl_only else "kernels on the symmetric pool"
         self.calls = 0
 
     def algorithms(self):
@@ -191,7 +192,7 @@ def test_run_refuses_an_invalid_existing_file_before_measuring(cupy, monkeypatch
 
 def test_run_refuses_an_nccl_only_communicator(cupy, tmp_path, capsys):
     assert tune.run(FakeComm(4, usable=["nccl"]), tune.parse_args(["-o", str(tmp_path / "t.json")]), []) == 2
-    assert "runs NCCL only (ranks span several nodes)" in capsys.readouterr().err
+    assert "runs NCCL only: ranks span several nodes" in capsys.readouterr().err
 
 
 def test_measure_dtype_on_fake_gpus_covers_every_size_and_algorithm(cupy):

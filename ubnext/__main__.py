@@ -12,10 +12,13 @@ Tuning has its own module: ``mpirun -n 4 python -m ubnext.tune``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ._cli import run_or_abort
+from ._errors import UbnextError
+from ._info import gpu_count, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,9 +43,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._selftest import main as selftest
 
         return selftest(nvls=args.nvls)
-    from ._info import info
-
     return info(with_comm=args.comm)
+
+
+def _mpi_world() -> tuple[int, int, str]:
+    """``(rank, size, description)`` of ``MPI.COMM_WORLD``; ``(0, 1, why not)`` without MPI."""
+    try:
+        from mpi4py import MPI
+    except Exception as exc:  # mpi4py or the MPI library missing
+        return 0, 1, f"unavailable ({type(exc).__name__}: {exc})"
+    world = MPI.COMM_WORLD
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    return world.Get_rank(), world.Get_size(), f"{world.Get_size()} rank(s); {library}"
+
+
+def info(with_comm: bool, out: Callable[[str], None] = print, environ: Mapping[str, str] | None = None) -> int:
+    """Print the report on rank 0; with ``with_comm`` or more than one MPI rank, also ``comm.describe()``.
+
+    Collective over ``MPI.COMM_WORLD`` when a communicator is created. Returns the exit status.
+    """
+    environ = os.environ if environ is None else environ
+    rank, size, mpi = _mpi_world()
+    say = out if rank == 0 else (lambda line: None)
+    for line in report(environ, mpi):
+        say(line)
+    if not (with_comm or size > 1):
+        return 0
+    say("# communicator")
+    if gpu_count()[0] == 0:
+        say("  no CUDA device: no communicator to describe")
+        return 0 if not with_comm else 1
+    from ._comm import Communicator
+
+    try:
+        comm = Communicator()
+    except UbnextError as exc:
+        say(f"  Communicator() failed: {exc}")
+        return 1
+    try:
+        for line in str(comm.describe()).splitlines():
+            say(f"  {line}")
+    finally:
+        comm.close()
+    return 0
 
 
 if __name__ == "__main__":

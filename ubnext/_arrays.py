@@ -72,7 +72,7 @@ def _dtype_name(name: str, op: str) -> str:
     return name
 
 
-def describe(x, op: str, stream: int) -> Buffer:
+def as_buffer(x, op: str, stream: int) -> Buffer:
     """Validates ``x`` and returns its Buffer view.
 
     An array of another framework is handed the launch stream, so that its data is
@@ -234,8 +234,8 @@ def _pointer_device(ptr: int, op: str, kind: str) -> int:
 
 def check_out(x: Buffer, out, op: str, stream: int) -> Buffer:
     """Validates ``out`` against ``x``: same count, dtype and device; no partial overlap.
-    ``stream``: as for ``describe``."""
-    o = describe(out, op, stream)
+    ``stream``: as for ``as_buffer``."""
+    o = as_buffer(out, op, stream)
     if o.count != x.count or o.dtype != x.dtype:
         raise UbnextError(
             f"{op}: out has {o.count} {o.dtype} elements, input has {x.count} {x.dtype}; they must match"
@@ -316,7 +316,7 @@ def _torch_stream(stream: int, owner, device: int):
 
 def launch_stream(stream, x) -> tuple[int, object, bool]:
     """The stream a call on ``x`` launches on. Resolved before ``x`` is viewed, so that an
-    array of another framework can be ordered before it (``describe``).
+    array of another framework can be ordered before it (``as_buffer``).
 
     Args:
         stream: the caller's ``stream=``: None for the current stream of x's framework
@@ -336,7 +336,7 @@ def launch_stream(stream, x) -> tuple[int, object, bool]:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         device = x.get_device()
-        current = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else 0  # host: describe refuses
+        current = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else 0  # host: as_buffer refuses
         if stream is None:
             return current, None, False
     else:

@@ -2,8 +2,8 @@
 and listed as nccl-tests does (``1K``, ``256M``; ``-b/-e/-f``), and a main that
 ends the whole MPI job when one rank fails.
 
-Used by ``python -m ubnext.tune``, ``comm.describe()`` and ``bench/``. Needs
-only the standard library.
+Used by ``python -m ubnext``, ``python -m ubnext.tune`` and ``bench/``. Needs only
+the standard library.
 """
 
 from __future__ import annotations
@@ -62,15 +62,6 @@ def size_list(minbytes: int, maxbytes: int, stepbytes: int, stepfactor: int) -> 
             break
         size = size * stepfactor if stepfactor > 1 else size + stepbytes
     return sizes
-
-
-def human_bytes(nbytes: int) -> str:
-    """``2048`` -> ``"2 KiB"``, ``268435456`` -> ``"256 MiB"`` (labels of tables and plots)."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift} {unit}"
-    return f"{nbytes} B"
-
 
 
 def run_or_abort(main: Callable[[], int]) -> int:

@@ -10,8 +10,9 @@ import pickle
 from . import _arrays, _gate, _preflight, _signature
 from ._algorithms import ALGORITHMS, DTYPES, OPS, UNICAST_OF
 from ._config import Config
-from ._describe import Description, describe
+from ._report import Description, report
 from ._devices import map_devices
+from ._dispatch import Dispatcher
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._node import Node
@@ -21,7 +22,6 @@ from ._streams import LaunchOrder
 from ._table import agreed_table
 from ._watchdog import Watchdog
 
-_D2D = 3  # cudaMemcpyDeviceToDevice
 _RESOLVED_MAX = 4096  # calls whose algorithm a communicator remembers (cleared when full)
 _WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
 
@@ -69,8 +69,6 @@ class Communicator:
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._resolved: dict[tuple, str] = {}
-        self._nccl = None
-        self._add_rmsnorm = None
         self._local = None
         try:
             table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
@@ -83,12 +81,13 @@ class Communicator:
             self._closed = True
             self._close_bootstraps()
             raise
-        self._launch = LaunchOrder(self.device)  # every launch of a call runs in this section
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
         node = self._node
         usable = [name for name, alg in ALGORITHMS.items()  # NCCL always; kernels need the pool
                   if not alg.is_kernel or (node is not None and (not alg.multicast or node.multicast))]
         self._selector = Selector(self._local.size, buffer_limits(config), usable, table, self._nccl_reason)
+        # every launch of a call runs in the launch section of LaunchOrder
+        self._dispatch = Dispatcher(node, self._selector.limits, LaunchOrder(self.device), bootstrap, self.device)
         for name, limit, setting in self._selector.capped():
             log_once(f"select:{name}:{setting}:{limit}",
                      f"Communicator: the selector table gives {name} messages up to {limit} bytes, but "
@@ -133,6 +132,37 @@ class Communicator:
         """Whether this communicator uses NVLink multicast, and why (``enabled``, ``reason``)."""
         return self._nvls
 
+    @property
+    def local_rank(self) -> int:
+        """This rank's place among the ranks of its node."""
+        return self._local.rank
+
+    @property
+    def local_size(self) -> int:
+        """Ranks of this node in the communicator."""
+        return self._local.size
+
+    @property
+    def path(self) -> str:
+        """Where calls run: ``"kernels on the symmetric pool"``, or ``"NCCL only: <why>"``."""
+        return "kernels on the symmetric pool" if self._nccl_reason is None else f"NCCL only: {self._nccl_reason}"
+
+    @property
+    def selector(self) -> Selector:
+        """The selector ``algorithm="auto"`` consults: its ``tables``, ``explain(nbytes, dtype)``
+        (algorithm and reason) and ``fits(algorithm, nbytes)``."""
+        return self._selector
+
+    @property
+    def pool(self) -> dict | None:
+        """The symmetric pool: ``{"bytes", "user_heap_bytes", "user_heap_free_bytes"}`` per
+        rank, or None where everything runs on NCCL."""
+        node = self._node
+        if node is None:
+            return None
+        return {"bytes": node.pool.size, "user_heap_bytes": node.heap.capacity,
+                "user_heap_free_bytes": node.heap.free_bytes}
+
     def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
         """All-reduces ``x`` over the ranks. Collective; never blocks the host.
 
@@ -170,14 +200,14 @@ class Communicator:
         name = "all_reduce"
         self._check_open(name)
         handle, owner, side = _arrays.launch_stream(stream, x)
-        xb = _arrays.describe(x, name, handle)
+        xb = _arrays.as_buffer(x, name, handle)
         if xb.device != self.device:
             raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
         algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
         if out is None:
-            ob = _arrays.describe(_arrays.empty_like(xb, handle, owner, side), name, handle)
+            ob = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side), name, handle)
         elif out is x:  # in place: nothing more to check
             ob = xb
         else:
@@ -188,11 +218,7 @@ class Communicator:
             self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
         if side:
             _arrays.record_stream(handle, owner, (xb, ob))
-        self._launch.enter(handle, owner)
-        try:
-            self._all_reduce(algo, xb, ob, op, handle, _signature.encode(name, xb.dtype, op, xb.count))
-        finally:
-            self._launch.leave()
+        self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, _signature.encode(name, xb.dtype, op, xb.count))
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
@@ -236,7 +262,7 @@ class Communicator:
         name = "all_reduce_add_rmsnorm"
         self._check_open(name)
         handle, owner, side = _arrays.launch_stream(stream, x)
-        xb = _arrays.describe(x, name, handle)
+        xb = _arrays.as_buffer(x, name, handle)
         if len(xb.shape) != 2:
             raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
         if xb.device != self.device:
@@ -250,7 +276,7 @@ class Communicator:
             raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
 
         def operand(arr, what, shape):
-            b = _arrays.describe(arr, name, handle)
+            b = _arrays.as_buffer(arr, name, handle)
             if b.shape != shape or b.dtype != xb.dtype or b.device != xb.device:  # torch.Size is a tuple
                 raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape} on device {xb.device}, "
                                   f"got {b.dtype} of shape {tuple(b.shape)} on device {b.device}")
@@ -280,16 +306,10 @@ class Communicator:
             _arrays.record_stream(handle, owner, (xb, rb, wb, bb, nb, ob))
         norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
         aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
-        chunk = 0  # rows per fused launch
-        if ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned:
-            chunk = self._node.engine.norm_rows(algo, xb.dtype, hidden, rows)
+        chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
         if chunk:
-            self._launch.enter(handle, owner)
-            try:
-                self._fused(algo, xb, rows, chunk, hidden, norm, eps, handle,
-                            _signature.encode_fused(xb.dtype, rows, hidden))
-            finally:
-                self._launch.leave()
+            self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
+                                       _signature.encode_fused(xb.dtype, rows, hidden))
         else:
             why = ("the NCCL engine" if algo == "nccl" else
                    f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
@@ -297,13 +317,8 @@ class Communicator:
                    f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
             plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
             log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
-            self._launch.enter(handle, owner)
-            try:
-                self._all_reduce(plain, xb, nb, "sum", handle,
-                                 _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
-                self._epilogue()(xb.dtype, nb.ptr, rows, hidden, norm, eps, handle)
-            finally:
-                self._launch.leave()
+            self._dispatch.unfused(plain, xb, nb, rows, hidden, norm, eps, handle, owner,
+                                   _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
         return nb.obj, ob.obj
 
     def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
@@ -355,7 +370,7 @@ class Communicator:
             A dict (JSON-ready); ``print(comm.describe())`` shows it as a report.
         """
         self._check_open("describe")
-        return describe(self)
+        return report(self)
 
     def synchronize(self, stream=None) -> None:
         """Waits for the device (or ``stream``, as ``all_reduce`` takes it); raises what a
@@ -411,14 +426,14 @@ class Communicator:
         if self._watchdog is not None:
             self._watchdog.stop()
         node, self._node = self._node, None
-        nccl, self._nccl = self._nccl, None
         try:
             if node is not None:
                 local = node.close(local=local)  # a broken communicator closes locally
         finally:
-            if nccl is not None:
-                nccl.abort() if local else nccl.close()
-            self._close_bootstraps(local)
+            try:
+                self._dispatch.close(local)
+            finally:
+                self._close_bootstraps(local)
 
     def _close_bootstraps(self, local: bool = False) -> None:
         """Closes the node's view, then the bootstrap if ``default()`` made it; ``local``:
@@ -492,88 +507,3 @@ class Communicator:
             rows = "; ".join(f"rank {r}: count={c[0]} dtype={c[1]} op={c[2]} algorithm={c[3]}"
                              for r, c in enumerate(calls))
             raise UbnextError(f"{name}: ranks disagree on the call ({rows})")
-
-    def _nccl_comm(self):
-        if self._nccl is None:
-            from ._nccl import NcclComm
-
-            self._nccl = NcclComm(self.bootstrap, self.device)
-        return self._nccl
-
-    def _epilogue(self):
-        if self._add_rmsnorm is None:
-            import cupy
-
-            from ._epilogue import AddRmsNorm
-
-            self._add_rmsnorm = AddRmsNorm(cupy.cuda.Device(self.device).attributes["MultiProcessorCount"])
-        return self._add_rmsnorm
-
-    def _all_reduce(self, algo, xb, ob, op, stream, sig):
-        alg = ALGORITHMS[algo]
-        if alg.family == "nccl":
-            self._nccl_comm().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
-        elif alg.pushed:
-            self._lamport(algo, xb, ob, op, stream, sig)
-        else:
-            self._twoshot(algo, xb, ob, op, stream, sig)
-
-    def _fused(self, algo, xb, rows, chunk, hidden, norm, eps, stream, sig):
-        """Fused launches of ``chunk`` rows (the last one the rest)."""
-        eng = self._node.engine
-        row_bytes = hidden * DTYPES[xb.dtype][1]
-        residual, bias, weight, normed, res_out = norm
-        for r0 in range(0, rows, chunk):
-            off = r0 * row_bytes
-            part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
-            eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, sig, stream)
-
-    def _lamport(self, algo, xb, ob, op, stream, sig):
-        """A Lamport family kernel, in launches of at most its buffers' size (past them
-        only an ``in_launches`` kernel is chosen)."""
-        eng = self._node.engine
-        bound = self._selector.limits[algo][0]
-        if xb.nbytes <= bound and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:
-            eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, sig, stream)
-            return
-
-        def launch(src, dst, n):  # 0: the chunk is in the staging slot
-            eng.lamport(algo, xb.dtype, op, src or eng.staging_ptr, dst or eng.staging_ptr, n, sig, stream)
-
-        self._in_chunks(xb, ob, bound, launch, stream)
-
-    def _twoshot(self, algo, xb, ob, op, stream, sig):
-        eng, pool = self._node.engine, self._node.pool
-        out_off = pool.contains(ob.ptr, ob.nbytes)
-        if out_off is not None and xb.ptr % 16 == 0 and ob.ptr % 16 == 0:  # the result lands in out's buffer
-            eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, sig, stream)
-            return
-
-        def launch(src, dst, n):  # through the staging slot; 0: it holds the input / is the output
-            eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, sig, stream)
-
-        self._in_chunks(xb, ob, eng.staging_bytes, launch, stream)
-
-    def _in_chunks(self, xb, ob, chunk_bytes, launch, stream):
-        """``launch(src, dst, n)`` for each chunk of at most ``chunk_bytes`` of x into out.
-        Arrays that are not 16-byte aligned are copied through the staging slot (which
-        holds any chunk): ``launch(0, 0, n)`` reduces the chunk there, in place."""
-        width = DTYPES[xb.dtype][1]
-        chunk = chunk_bytes // width
-        aligned = xb.ptr % 16 == 0 and ob.ptr % 16 == 0
-        staging = self._node.engine.staging_ptr
-        for start in range(0, xb.count, chunk):
-            n = min(chunk, xb.count - start)
-            src, dst = xb.ptr + start * width, ob.ptr + start * width
-            if aligned:
-                launch(src, dst, n)
-            else:
-                _copy(staging, src, n * width, stream)
-                launch(0, 0, n)
-                _copy(dst, staging, n * width, stream)
-
-
-def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:
-    from cupy.cuda import runtime
-
-    runtime.memcpyAsync(dst, src, nbytes, _D2D, stream)

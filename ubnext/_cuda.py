@@ -40,7 +40,7 @@ def check(result: tuple, call: str) -> Any:
     """
     err, *values = result
     if int(err) != 0:
-        raise CudaError(call, int(err), describe(err))
+        raise CudaError(call, int(err), error_text(err))
     if not values:
         return None
     if len(values) == 1:
@@ -74,7 +74,7 @@ def default_driver() -> Any:
     return driver
 
 
-def describe(err: Any) -> str:
+def error_text(err: Any) -> str:
     """Return ``"<ERROR_NAME>: <error string>"`` for a CUDA error enum value.
 
     Never raises: where the describing function is unavailable (no driver
@@ -149,7 +149,7 @@ def nvrtc_compile(
             raise CudaError(
                 "nvrtcCompileProgram",
                 int(err),
-                f"{describe(err)} compiling {name} with {' '.join(options)}:\n"
+                f"{error_text(err)} compiling {name} with {' '.join(options)}:\n"
                 f"{_program_log(nvrtc, prog)}",
             )
         if _is_real_arch(options):

@@ -1,21 +1,22 @@
 """Launching ubnext's kernels on the symmetric pool.
 
-The engine owns the pool layout (library slots at fixed offsets, so captured CUDA
-graphs stay valid), the kernel cache, and the grid sizes. It never synchronizes the
-host: each call is one or a few launches (and, for misaligned arrays, copies) on the
-caller's stream.
+The engine owns the kernel cache (a module per instantiation, a launcher per entry
+point with its constant arguments packed once) and issues launches; the pool layout is
+``_layout``'s, the launch shapes are ``_shapes``'. It never synchronizes the host: each
+launch goes on the caller's stream.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._algorithms import ALGORITHMS, DTYPES, compile_defines, row_threads
-from ._heap import SlotPlan, round_up
+from ._algorithms import ALGORITHMS, DTYPES, compile_defines
+from ._heap import SlotPlan
 from ._kernels import compile_module
 from ._launch import F32, I32, U64, Launcher
-from ._protocol import (FLAG_PHASES, LAUNCH_STATE, LAUNCH_STATE_BYTES, MAX_BLOCKS, MAX_RANKS, NORM_THREADS,
-                        TWOSHOT_ALIGN_VECS, VEC_BYTES, field_offset, sentinel_word)
+from ._layout import STATES, set_unit, twoshot_norm_rows
+from ._protocol import LAUNCH_STATE, LAUNCH_STATE_BYTES, MAX_BLOCKS, VEC_BYTES, field_offset, sentinel_word
+from ._shapes import lamport_shape, norm_shape, twoshot_blocks
 
 #: parameters of each entry point (kernels/lamport.cu, kernels/twoshot.cu): base, stride,
 #: rank, mc, then 64-bit values; the fused ones take eps (fp32) before the signature and
@@ -28,122 +29,8 @@ _PARAMS = {
     "ub_lamport_twoshot_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
     "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32, U64, U64),
 }
-#: the LaunchState slots of the plan: one per Lamport family and element width, one per
-#: barrier two-shot transport
-STATES = tuple([f"{family}{width}.state" for width in (2, 4) for family in ("lamport", "lamport_twoshot")]
-               + [f"twoshot.{transport}.state" for transport in ("unicast", "multicast")])
-
-# kernels/sync.cuh: flag_offset, signature_offset
-_FLAG_BYTES = (4 * FLAG_PHASES + 8) * MAX_BLOCKS * MAX_RANKS
-_SCALE_ROW_VECS = 64                   # fused Lamport two-shot: a 16-byte scale per row of >= 64 vectors
 _NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
-MAX_CLUSTER = 8                        # portable thread-block cluster size
-# largest cluster of the fused Lamport two-shot, whose clusters finish this rank's share of
-# the rows while the other ranks' rows arrive: 4 blocks per row beat 8 (hidden 8192 bf16,
-# 32 tokens: 4xH200 9.67 -> 9.04 us, 2xH200 7.54 -> 6.12; 64 tokens 11.96 -> 11.15 on 4)
-TWOSHOT_MAX_CLUSTER = 4
-CLUSTER_BLOCK_VECTORS = 128            # least vectors of a row per block of a cluster
-NARROW_THREADS = 128                   # see lamport_twoshot_threads
 
-
-def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, staging_bytes: int) -> SlotPlan:
-    """The library slots of every segment, identical on every rank.
-
-    Each Lamport family has one set of 3 receive buffers and a launch state per element
-    width, since the sentinel's bit pattern depends on it; a set is shared by a family's
-    unicast and multicast kernels and by its fused kernel (same protocol, same rotation).
-    A one-shot buffer holds nranks slots of ``lamport_bytes`` and a signature header per
-    rank; a two-shot buffer holds a reduce-scatter and an all-gather area of
-    ``_area(lamport_twoshot_bytes)``. The
-    barrier two-shot kernels have a launch state and barrier flags per transport: the
-    unicast barrier stores epochs per source rank, the multicast one counts arrivals.
-    """
-    plan = SlotPlan()
-    for name in STATES:
-        plan.add(name, LAUNCH_STATE_BYTES)
-    for transport in ("unicast", "multicast"):
-        plan.add(f"flags.{transport}", _FLAG_BYTES)
-    for width in (2, 4):
-        plan.add(f"lamport{width}", _set_bytes("lamport", nranks, lamport_bytes))
-        plan.add(f"lamport_twoshot{width}", _set_bytes("lamport_twoshot", nranks, _area(lamport_twoshot_bytes)))
-    plan.add("staging", staging_bytes)
-    return plan
-
-
-def _set_bytes(family: str, nranks: int, unit: int) -> int:
-    """Bytes of a Lamport family's set of 3 receive buffers whose kernels take ``unit``:
-    one-shot, nranks slots of ``unit`` bytes and a signature header vector per rank
-    (kernels/lamport.cu); two-shot, a reduce-scatter and an all-gather area of ``unit``
-    bytes (kernels/lamport_twoshot.cu)."""
-    return 3 * (nranks * (unit + VEC_BYTES) if family == "lamport" else 2 * unit)
-
-
-def _set_unit(family: str, nranks: int, set_bytes: int) -> int:
-    """The ``unit`` of a set of ``set_bytes`` (the inverse of _set_bytes)."""
-    return set_bytes // (3 * nranks) - VEC_BYTES if family == "lamport" else set_bytes // 6
-
-
-def row_cluster(rows: int, vectors: int, blocks: int, largest: int = MAX_CLUSTER) -> int:
-    """Blocks per cluster that finish one row of ``vectors`` 16-byte vectors when a launch
-    of ``rows`` rows may use ``blocks`` blocks: a power of two up to ``largest``, with a
-    cluster for every row and at least CLUSTER_BLOCK_VECTORS vectors per block. Rows that
-    one block covers with a vector per thread stay on one block. Measured on 4×H200:
-    hidden 8192 bf16 (1024 vectors) over 8 blocks is 7 % faster at 1 token and 16 % at
-    32; hidden 4096 (512 vectors) over 2 to 8 blocks was 4-10 % slower."""
-    if vectors < NORM_THREADS:
-        return 1
-    cluster = 1
-    while (cluster * 2 <= largest and rows * cluster * 2 <= blocks
-           and vectors >= cluster * 2 * CLUSTER_BLOCK_VECTORS):
-        cluster *= 2
-    return cluster
-
-
-def lamport_shape(alg, nvec: int, nranks: int, max_blocks: int) -> tuple[int, int]:
-    """(blocks, threads per block) of a plain launch of the Lamport family ``alg`` on
-    ``nvec`` vectors: a block per ``alg.threads`` vectors, at most ``max_blocks`` (the
-    two-shot kernel gives each block a part of every slice), on the narrow blocks of
-    ``lamport_twoshot_threads`` where they apply."""
-    blocks = max(1, min(max_blocks, -(-nvec // alg.threads)))
-    threads = alg.threads
-    if alg.family == "lamport_twoshot":
-        threads = lamport_twoshot_threads(nvec, nranks, blocks, threads)
-    return blocks, threads
-
-
-def lamport_twoshot_threads(nvec: int, nranks: int, blocks: int, threads: int) -> int:
-    """Threads per block of a plain Lamport two-shot launch of ``nvec`` vectors on
-    ``blocks`` blocks (``threads``: the kernel's own). NARROW_THREADS where a block's
-    part of a slice (kernels/lamport_twoshot.cu: block_part) gives each of them 2 or 3
-    vectors: a thread's pushes leave in order, so its first vectors are reduced and
-    gathered while the later ones still cross NVLink. Measured, bf16, against 512
-    threads (same grid): 4xH200 2 MiB (parts of 256 vectors) 15.87 -> 14.73 µs,
-    2.5 MiB (320) 17.86 -> 17.02, 3 MiB (384) 19.72 -> 19.31; 2xH200 1 MiB (256) 7.20 ->
-    6.37, 1.5 MiB (384) 8.78 -> 8.25. With 1 vector per thread it lost (2xH200 512 KiB
-    +0.12, 256 KiB +0.17), with 4 it was even (2xH200 2 MiB -0.09); 128 of 512
-    threads working on 4xH200 lost 1.1 µs at 4 MiB (4 vectors each) and 4.9 at 8 MiB
-    (8 each): fewer pushes in flight."""
-    slice_vecs = round_up(-(-nvec // nranks), TWOSHOT_ALIGN_VECS)
-    part = round_up(-(-slice_vecs // blocks), TWOSHOT_ALIGN_VECS)
-    return NARROW_THREADS if 2 * NARROW_THREADS <= part <= 3 * NARROW_THREADS else threads
-
-
-def _area(max_bytes: int) -> int:
-    """Bytes of a Lamport two-shot area for messages up to ``max_bytes``: the slots of the
-    reduce-scatter area are whole slices of whole TWOSHOT_ALIGN_VECS-vector units, up to
-    that many vectors per rank more than the message, followed by a signature header
-    vector per rank; the all-gather area of the fused kernel also holds a 16-byte scale
-    per row: room for them at the full message when rows have at least _SCALE_ROW_VECS
-    vectors (1 KiB)."""
-    vecs = -(-max_bytes // VEC_BYTES)
-    return VEC_BYTES * (vecs + vecs // _SCALE_ROW_VECS + (TWOSHOT_ALIGN_VECS + 1) * MAX_RANKS)
-
-
-def twoshot_norm_rows(area: int, row_bytes: int, nranks: int) -> int:
-    """Rows of ``row_bytes`` one fused Lamport two-shot launch takes with areas of ``area``
-    bytes (kernels/lamport_twoshot.cu): every rank's slot holds ceil(rows / nranks) rows,
-    the all-gather area also a 16-byte scale per row."""
-    return (area // (row_bytes + VEC_BYTES)) // nranks * nranks
 
 
 class Engine:
@@ -185,7 +72,7 @@ class Engine:
         # (family, width) -> (set offset, launch state, the kernels' buffer size argument:
         # one-shot slot bytes, two-shot area bytes)
         self._sets = {(f, w): (plan.offset(f"{f}{w}"), pool.local_ptr(plan.offset(f"{f}{w}.state")),
-                               _set_unit(f, self.nranks, plan.nbytes(f"{f}{w}")))
+                               set_unit(f, self.nranks, plan.nbytes(f"{f}{w}")))
                       for f in ("lamport", "lamport_twoshot") for w in (2, 4)}
         self._twoshot = {t: (plan.offset(f"flags.{t}"), pool.local_ptr(plan.offset(f"twoshot.{t}.state")))
                          for t in ("unicast", "multicast")}
@@ -269,15 +156,8 @@ class Engine:
         input / is the output. ``sig``: the call's signature.
         """
         alg = ALGORITHMS[algorithm]
-        nvec = -(-count * DTYPES[dtype][1] // VEC_BYTES)
-        slice_vecs = -(-nvec // self.nranks)
-        blocks = self._grid(alg, -(-slice_vecs // alg.threads))
+        blocks = twoshot_blocks(alg, -(-count * DTYPES[dtype][1] // VEC_BYTES), self.nranks, self._blocks)
         self._kernel(algorithm, dtype, op)(blocks, alg.threads, stream, buf_off, src, dst, count, sig)
-
-    def _grid(self, alg, wanted: int) -> int:
-        # The multicast barrier counts arrivals per block, so every launch of it must
-        # have the same grid; the unicast one stores epochs and takes any grid.
-        return self._blocks if alg.multicast else max(1, min(self._blocks, wanted))
 
     def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:
         """Rows one fused launch of ``algorithm`` takes (of ``rows``; 0: not even one)."""
@@ -314,19 +194,7 @@ class Engine:
         """The kernel and grid of a fused launch of ``rows`` x ``hidden``: (launcher,
         blocks, threads per block, blocks per cluster). The launcher's entry point is
         compiled for its cluster size, so a plain launch forms the clusters."""
-        alg = ALGORITHMS[algorithm]
         vpr = hidden * DTYPES[dtype][1] // VEC_BYTES
-        # rows that each rank normalizes: all (one-shot) or its own (two-shot kernels)
-        owned = rows if alg.family == "lamport" else -(-rows // self.nranks)
-        # few of them: a cluster per row, so a row's polls and passes run on several SMs
-        largest = MAX_CLUSTER if alg.family == "lamport" else TWOSHOT_MAX_CLUSTER
-        cluster = row_cluster(owned, vpr, self._blocks, largest) if alg.pushed and self._cluster_rows else 1
-        if alg.family == "twoshot":  # a block per owned row
-            blocks = self._grid(alg, owned)
-        elif alg.family == "lamport" and cluster > 1:
-            blocks = cluster * rows
-        else:  # enough blocks for every row, and for the pushes at ~`threads` vectors per block
-            wanted = max(rows, -(-rows * vpr // alg.threads))
-            blocks = max(cluster, min(self._blocks, wanted) // cluster * cluster)
-        launcher = self._kernel(algorithm, dtype, "sum", fused=True, cluster=cluster)
-        return launcher, blocks, row_threads(vpr, cluster), cluster
+        blocks, threads, cluster = norm_shape(ALGORITHMS[algorithm], rows, vpr, self.nranks, self._blocks,
+                                              self._cluster_rows)
+        return self._kernel(algorithm, dtype, "sum", fused=True, cluster=cluster), blocks, threads, cluster

@@ -40,8 +40,7 @@ class AddRmsNorm:
         vectors = -(-hidden * DTYPES[dtype][1] // 16)
         # A thread per 16 bytes of a row while a full block on every SM covers the array
         # (a row's passes on the most threads); larger arrays: ROW_KEEP vectors per thread,
-        # so that more, smaller blocks share an SM. H200, bf16, hidden 8192: 132 rows
-        # 3.99 µs against 4.59, 200 rows 6.06 against 5.20, 2048 rows 45.1 against 37.6.
+        # so that more, smaller blocks share an SM (bench/NOTES.md).
         per_thread = 1 if rows * vectors <= self._one_each else ROW_KEEP
         threads = row_threads(-(-vectors // per_thread))
         blocks = max(1, min(rows, self._sms * (_SM_THREADS // threads)))

@@ -65,14 +65,14 @@ class CollectiveMismatchError(BrokenCommunicatorError):
     Attributes:
         rank: the rank that saw the difference.
         peer: the rank whose call differed from it.
-        mine, theirs: the two call signatures (``_signature.describe`` reads them).
+        mine, theirs: the two call signatures (``_signature.text`` reads them).
     """
 
     def __init__(self, op: str, rank: int, peer: int, mine: int, theirs: int):
-        from ._signature import describe
+        from ._signature import text
 
-        super().__init__(op, rank, f"rank {rank} called {describe(mine)} but rank {peer} called "
-                                   f"{describe(theirs)}; every rank must make the same calls in the same order")
+        super().__init__(op, rank, f"rank {rank} called {text(mine)} but rank {peer} called "
+                                   f"{text(theirs)}; every rank must make the same calls in the same order")
         self.peer = peer
         self.mine = mine
         self.theirs = theirs

@@ -9,10 +9,9 @@ on a machine that does not work yet.
 from __future__ import annotations
 
 import dataclasses
-import os
 import platform
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from importlib import metadata
 
 from ._algorithms import ALGORITHMS
@@ -159,45 +158,3 @@ def report(environ: Mapping[str, str], mpi: str) -> list[str]:
     for title, body in sections:
         lines += [f"# {title}", *(f"  {line}" for line in body)]
     return lines
-
-
-def _mpi_world() -> tuple[int, int, str]:
-    """``(rank, size, description)`` of ``MPI.COMM_WORLD``; ``(0, 1, why not)`` without MPI."""
-    try:
-        from mpi4py import MPI
-    except Exception as exc:  # mpi4py or the MPI library missing
-        return 0, 1, f"unavailable ({type(exc).__name__}: {exc})"
-    world = MPI.COMM_WORLD
-    library = MPI.Get_library_version().strip().splitlines()[0]
-    return world.Get_rank(), world.Get_size(), f"{world.Get_size()} rank(s); {library}"
-
-
-def info(with_comm: bool, out: Callable[[str], None] = print, environ: Mapping[str, str] | None = None) -> int:
-    """Print the report on rank 0; with ``with_comm`` or more than one MPI rank, also ``comm.describe()``.
-
-    Collective over ``MPI.COMM_WORLD`` when a communicator is created. Returns the exit status.
-    """
-    environ = os.environ if environ is None else environ
-    rank, size, mpi = _mpi_world()
-    say = out if rank == 0 else (lambda line: None)
-    for line in report(environ, mpi):
-        say(line)
-    if not (with_comm or size > 1):
-        return 0
-    say("# communicator")
-    if gpu_count()[0] == 0:
-        say("  no CUDA device: no communicator to describe")
-        return 0 if not with_comm else 1
-    from ._comm import Communicator
-
-    try:
-        comm = Communicator()
-    except UbnextError as exc:
-        say(f"  Communicator() failed: {exc}")
-        return 1
-    try:
-        for line in str(comm.describe()).splitlines():
-            say(f"  {line}")
-    finally:
-        comm.close()
-    return 0

@@ -202,10 +202,19 @@ def check_driver(op: str = "check_driver", versions: CudaVersions | None = None)
     if versions is None:
         check_packages(op)
         versions = query_versions(op)
+    problem = driver_problem(versions)
+    if problem is not None:
+        raise UbnextError(f"{op}: {problem}")
+    return versions
+
+
+def driver_problem(versions: CudaVersions) -> str | None:
+    """Why the driver of ``versions`` cannot run their runtimes (one line naming both
+    versions and the fix), or None when it can. Pure."""
     newest_major = max(_code_major(code) for _, code in versions.runtimes)
     if versions.driver == 0:
-        raise UbnextError(f"{op}: no CUDA driver is loadable (libcuda.so.1 not found); install the NVIDIA "
-                          f"driver for CUDA {newest_major} or newer")
+        return (f"no CUDA driver is loadable (libcuda.so.1 not found); install the NVIDIA driver for CUDA "
+                f"{newest_major} or newer")
     driver_major = _code_major(versions.driver)
     for what, code in versions.runtimes:
         if _code_major(code) > driver_major:
@@ -214,6 +223,6 @@ def check_driver(op: str = "check_driver", versions: CudaVersions | None = None)
             else:
                 supported = " or ".join(str(m) for m in sorted(CUPY_BUILDS))
                 fix = f"update the driver to CUDA {supported}"
-            raise UbnextError(f"{op}: CUDA driver {version_text(versions.driver)} is older than the CUDA "
-                              f"{version_text(code)} runtime of {what}; {fix}")
-    return versions
+            return (f"CUDA driver {version_text(versions.driver)} is older than the CUDA {version_text(code)} "
+                    f"runtime of {what}; {fix}")
+    return None

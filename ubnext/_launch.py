@@ -70,6 +70,6 @@ class Launcher:
 def _launch_error(rc: int) -> CudaError:
     from cuda.bindings import driver
 
-    from ._cuda import describe
+    from ._cuda import error_text
 
-    return CudaError("cuLaunchKernel", rc, describe(driver.CUresult(rc)))
+    return CudaError("cuLaunchKernel", rc, error_text(driver.CUresult(rc)))

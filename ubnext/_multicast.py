@@ -36,12 +36,12 @@ from typing import Any
 
 from ._cuda import default_driver, drv
 from ._errors import ClosedError, UbnextError
-from ._undo import UndoStack
+from ._undo import TornDown, UndoStack
 
 __all__ = ["MulticastRange"]
 
 
-class MulticastRange:
+class MulticastRange(TornDown):
     """A multicast mapping of every local rank's pool segment.
 
     Construction is collective over ``local`` and blocks the host until every
@@ -68,6 +68,8 @@ class MulticastRange:
             of the minimum multicast granularity.
         ValueError: ``local`` does not match the pool's ranks.
     """
+
+    _leaks = "the multicast object stays bound until the process exits"
 
     def __init__(self, pool: Any, local: Any, fds: Any, driver: Any = None):
         if (local.rank, local.size) != (pool.local_rank, pool.local_size):
@@ -169,11 +171,6 @@ class MulticastRange:
             raise UbnextError(f"MulticastRange: {step} failed on {len(failed)} rank(s): {detail}") from error
 
     @property
-    def closed(self) -> bool:
-        """True once :meth:`close` has run."""
-        return self._teardown is None
-
-    @property
     def ptr(self) -> int:
         """Device address of the multicast mapping: ``ptr + o`` is byte ``o`` of every segment.
 
@@ -188,36 +185,14 @@ class MulticastRange:
         """Unmap, free the address range, unbind this rank's segment, release the handle.
 
         Idempotent. Not collective by itself, but the caller must make sure no
-        kernel still uses the range (the node synchronizes and runs a barrier
-        first), and must close it before the pool. Blocks the host only for the
-        driver calls.
+        kernel still uses the range (the node synchronizes first), and must close
+        it before the pool. Blocks the host only for the driver calls.
 
         Raises:
             CudaError: a driver call failed; every other resource is still
                 released before the first such error is raised.
         """
-        teardown, self._teardown = self._teardown, None
-        if teardown is None:
-            return
-        errors = teardown.unwind()  # unmap -> free VA -> unbind -> release
-        if errors:
-            raise errors[0]
-
-    def __enter__(self) -> MulticastRange:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Never calls the driver: at interpreter shutdown it may be gone.
-        if getattr(self, "_teardown", None) is not None:
-            warnings.warn(
-                f"MulticastRange on device {self.device} (local rank {self.local_rank}) was not closed; "
-                "the multicast object stays bound until the process exits",
-                ResourceWarning,
-                source=self,
-            )
+        super().close()  # unmap -> free VA -> unbind -> release
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"ptr=0x{self._ptr:x}"

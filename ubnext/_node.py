@@ -10,7 +10,8 @@ import warnings
 import numpy as np
 
 from ._cuda import drv
-from ._engine import STATES, Engine, plan_layout
+from ._engine import Engine
+from ._layout import STATES, plan_layout
 from ._errors import UbnextError
 from ._failures import FailureRecords, broken_word, state_field
 from ._fdpass import FdChannel
@@ -132,10 +133,13 @@ class Node:
         ``kind``, so that their waits give up and their launches write poison. Local; the
         stores go on a stream of their own, beside any kernel still waiting, and only they
         are waited for."""
+        import cupy
+
         word = broken_word(kind, rank)
-        for ptr in self._broken_ptrs:
-            drv("cuMemsetD32Async", ptr, word, 1, self._side.ptr, driver=self._driver)
-        self._side.synchronize()  # done when this returns: a peer told of it afterwards sees it
+        with cupy.cuda.Device(self.pool.device):  # also from the watchdog's thread, which has no device yet
+            for ptr in self._broken_ptrs:
+                drv("cuMemsetD32Async", ptr, word, 1, self._side.ptr, driver=self._driver)
+            self._side.synchronize()  # done when this returns: a peer told of it afterwards sees it
 
     def failure(self, op: str, timeout_s: float):
         """The error a kernel of this rank recorded, or None. The first time one is seen,
@@ -157,12 +161,15 @@ class Node:
         """Whether the communicator failed: a kernel of this rank recorded a failure, or a
         rank marked this rank's kernel families broken. Local; waits only for a read on a
         stream of its own."""
+        import cupy
+
         if self.failures.tripped:
             return True
         words = np.zeros(len(self._own_broken), np.uint32)
-        for i, ptr in enumerate(self._own_broken):
-            drv("cuMemcpyDtoHAsync", words.ctypes.data + 4 * i, ptr, 4, self._side.ptr, driver=self._driver)
-        self._side.synchronize()
+        with cupy.cuda.Device(self.pool.device):
+            for i, ptr in enumerate(self._own_broken):
+                drv("cuMemcpyDtoHAsync", words.ctypes.data + 4 * i, ptr, 4, self._side.ptr, driver=self._driver)
+            self._side.synchronize()
         return bool(words.any())
 
     def close(self, local: bool = False) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from ._cuda import drv
 from ._errors import ClosedError, CudaError, UbnextError
-from ._undo import UndoStack
+from ._undo import TornDown, UndoStack
 
 
 class PeerAccessError(CudaError):
@@ -46,7 +46,7 @@ class PeerAccessError(CudaError):
         self.peer = peer
 
 
-class SymmetricPool:
+class SymmetricPool(TornDown):
     """Device memory of every local rank, mapped at one stride in one VA range.
 
     Construction is collective over the node's ranks (through
@@ -85,6 +85,8 @@ class SymmetricPool:
         UbnextError: ``exchange_fds`` returned the wrong number of descriptors.
         ValueError: invalid arguments.
     """
+
+    _leaks = "its device memory stays mapped until the process exits"
 
     def __init__(
         self,
@@ -200,11 +202,6 @@ class SymmetricPool:
             raise PeerAccessError(name, exc.code, message, peer) from exc
 
     @property
-    def closed(self) -> bool:
-        """True once :meth:`close` has run."""
-        return self._teardown is None
-
-    @property
     def base(self) -> int:
         """Virtual address of local rank 0's segment."""
         self._check_open("base")
@@ -258,36 +255,15 @@ class SymmetricPool:
 
         Idempotent. Not collective by itself, but the caller must make sure
         no peer still accesses this rank's memory and no kernel using the
-        pool is still running (the communicator synchronizes and runs a
-        barrier first). Blocks the host only for the driver calls.
+        pool is still running (the communicator synchronizes first). Blocks the
+        host only for the driver calls.
 
         Raises:
             CudaError: a driver call failed; every other resource is still
                 released before the first such error is raised.
         """
-        teardown, self._teardown = self._teardown, None
-        if teardown is None:
-            return
         self._handle = None
-        errors = teardown.unwind()  # unmap segments -> release handles -> free VA
-        if errors:
-            raise errors[0]
-
-    def __enter__(self) -> SymmetricPool:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Never calls the driver: at interpreter shutdown it may be gone.
-        if getattr(self, "_teardown", None) is not None:
-            warnings.warn(
-                f"SymmetricPool on device {self.device} (local rank {self.local_rank}) "
-                "was not closed; its device memory stays mapped until the process exits",
-                ResourceWarning,
-                source=self,
-            )
+        super().close()  # unmap segments -> release handles -> free VA
 
     def _check_open(self, op: str) -> None:
         if self._teardown is None:

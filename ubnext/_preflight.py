@@ -1,8 +1,9 @@
 """Checks a communicator makes before any collective setup, each failure one line
-naming the cause and the fix instead of a CuPy traceback: a usable GPU (CuPy
-importable, a driver, a visible device) and, where the configuration sends every
-call to NCCL, the NCCL library. mpi4py and the MPI library are checked where the
-bootstrap imports them (``bootstrap/_mpi.py``), also before anything collective.
+naming the cause and the fix instead of a CuPy traceback: the installed CUDA packages
+and a driver that runs them (``_install.check_driver``), a visible device, and, where
+the configuration sends every call to NCCL, the NCCL library. mpi4py and the MPI
+library are checked where the bootstrap imports them (``bootstrap/_mpi.py``), also
+before anything collective.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import os
 from typing import Any
 
 from ._errors import UbnextError
-from ._info import _cuda_version
 
 __all__ = ["check", "gpu_problem"]
 
@@ -61,6 +61,9 @@ def check(op: str, config: Any) -> None:
     problem = gpu_problem()
     if problem is not None:
         raise UbnextError(f"{op}: {problem}")
+    from ._install import check_driver
+
+    check_driver(op)
     if config.algorithm == "nccl":
         from ._nccl import _load_nccl
 
@@ -76,14 +79,17 @@ def _explain(exc: Any, runtime: Any) -> str:
         return (f"no GPU: CUDA sees no device (cudaErrorNoDevice; CUDA_VISIBLE_DEVICES is {where}); "
                 f"run on a GPU node, or list its GPUs in CUDA_VISIBLE_DEVICES")
     if status == _INSUFFICIENT_DRIVER:
-        driver = _version(runtime.driverGetVersion)
-        if not driver:
+        if not _version(runtime.driverGetVersion):
             return ("no GPU: no NVIDIA driver is loaded (cudaErrorInsufficientDriver); "
                     "run on a node with an NVIDIA GPU and its driver")
-        ours = _version(runtime.runtimeGetVersion)
-        return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)} but CuPy runs on CUDA {_cuda_version(ours)} "
-                f"(cudaErrorInsufficientDriver); update the driver, or install the CuPy build for CUDA "
-                f"{driver // 1000} (pip install cupy-cuda{driver // 1000}x)")
+        from ._install import driver_problem, query_versions
+
+        try:  # a driver older than the runtimes: named with both versions and the fix
+            problem = driver_problem(query_versions("Communicator"))
+        except UbnextError as error:  # NVRTC not loadable
+            return str(error).split(": ", 1)[1]
+        if problem is not None:
+            return problem
     return f"CUDA cannot start ({exc}); check the GPU and its driver with nvidia-smi"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ._algorithms import ALGORITHMS, DTYPES, UNICAST_OF
-from ._cli import human_bytes
+from ._units import human_bytes
 from ._config import Config
 from ._table import Row, Table, default_table
 
@@ -22,16 +22,14 @@ from ._table import Row, Table, default_table
 MULTICAST_OF = {**{unicast: mc for mc, unicast in UNICAST_OF.items()}, "lamport_twoshot": "nvls"}
 #: Rows after a table's own, for messages that none of its rows takes (past its last
 #: limit, or larger than the buffers of its kernels): the barrier two-shot up to 8 MiB,
-#: NCCL above. On plain arrays (staging copy) the barrier two-shot beats NCCL by 3 % or
-#: more up to 8 MiB and not from 16 MiB (bench/results/tune_h200x{2,4}.txt; 4 ranks,
-#: 16 MiB: 103.8 µs against 96.4, 256 MiB: 1616 against 1179; 2 ranks, 256 MiB: 1147
-#: against 884).
+#: NCCL above, where the barrier two-shot's staging copy leaves it behind NCCL
+#: (bench/results/tune_h200x{2,4}.txt).
 _PAST_TABLE: tuple[Row, ...] = ((8 << 20, "twoshot"), (None, "nccl"))
 #: The kernel that a fused call past its buffers runs in launches of whole rows, where
 #: the table would hand the message to NCCL because it is larger than those buffers. It
 #: moves 2(n-1)/n of the data per rank like NCCL, so launches of its largest message cost
 #: per byte about what NCCL does, and the fused kernel saves NCCL's separate add + RMSNorm
-#: pass (4xH200, bf16, 32 MiB: 172 µs against 211 for NCCL + the separate kernel).
+#: pass (bench/NOTES.md).
 _FUSED_IN_LAUNCHES = "lamport_twoshot"
 #: Config field -> its default (the buffer sizes the tables were measured with)
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -60,8 +58,7 @@ def launch_floor(name: str) -> int:
     """The least buffer bytes with which ``algorithm="auto"`` runs ``name`` (an
     ``in_launches`` kernel) past its buffers: its default buffers, with which the tables
     were measured. Smaller buffers mean more and smaller launches than measured, which
-    cost more per byte (4xH200, bf16, Lamport two-shot: 4.9 µs per MiB in launches of
-    16 MiB, 5.9 in launches of 4 MiB; NCCL at 32 MiB 5.3)."""
+    cost more per byte (bench/NOTES.md)."""
     return _CONFIG_DEFAULTS[ALGORITHMS[name].limit] << 10
 
 

@@ -180,7 +180,7 @@ def main(nvls: bool = False, communicator: Callable[..., Any] | None = None,
         skipped = unavailable(comm)
         cases = _selfcheck.plan(comm.algorithms(), buffer_limits(comm.config), skipped)
         say(f"ubnext {__version__} selftest: {sum(not c.skip for c in cases)} checks on {comm.size} rank(s); "
-            f"{comm.describe()['path']}; NVLink multicast {comm.nvls}")
+            f"{comm.path}; NVLink multicast {comm.nvls}")
         report = run(comm, cases)
         reports = comm.bootstrap.allgather_obj(report)
     rows = _selfcheck.merge(cases, reports)

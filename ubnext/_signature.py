@@ -44,7 +44,7 @@ def encode_fused(dtype: str, rows: int, hidden: int) -> int:
     return encode("all_reduce_add_rmsnorm", dtype, "sum", rows << HIDDEN_BITS | hidden)
 
 
-def describe(signature: int) -> str:
+def text(signature: int) -> str:
     """Words for a signature, e.g. ``"all_reduce of 4096 bfloat16 (sum)"``."""
     code, dtype, op = signature >> 60, signature >> 56 & 0xF, signature >> 52 & 0xF
     count = signature & ((1 << COUNT_BITS) - 1)

@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._algorithms import ALGORITHMS, DTYPES
-from ._cli import human_bytes, run_or_abort, size_arg, size_list
+from ._cli import run_or_abort, size_arg, size_list
+from ._units import human_bytes
 from ._errors import CollectiveTimeoutError, CudaError, UbnextError
 from ._info import device_name
 from ._table import FORMAT, load_table, parse_table
@@ -270,7 +271,7 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
         except UbnextError as exc:
             error = str(exc)
     if comm.algorithms() == ["nccl"]:
-        error = f"tune: this communicator runs NCCL only ({comm._nccl_reason}); there is nothing to choose"
+        error = f"tune: this communicator runs {comm.path}; there is nothing to choose"
     error = comm.bootstrap.bcast_obj(error)
     if error:
         say(error, file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ._algorithms import DTYPES
-from ._cli import human_bytes
+from ._units import human_bytes
 from ._config import _env_text
 
 #: Message sizes the description shows: 1 KiB to 1 GiB, powers of 4.
@@ -27,22 +27,17 @@ class Description(dict):
         return "\n".join(_render(self))
 
 
-def describe(comm) -> Description:
+def report(comm) -> Description:
     """The description of ``comm`` (an open ``Communicator``). Local; no device work."""
     from ._info import device_name
 
-    node, config = comm._node, comm.config
-    pool = None
-    if node is not None:
-        pool = {"bytes": node.pool.size, "user_heap_bytes": node.heap.capacity,
-                "user_heap_free_bytes": node.heap.free_bytes}
+    config = comm.config
     return Description(
-        rank=comm.rank, ranks=comm.size, local_rank=comm._local.rank, local_ranks=comm._local.size,
-        device=comm.device, device_name=device_name(comm.device),
-        path="kernels on the symmetric pool" if node is not None else f"NCCL only: {comm._nccl_reason}",
-        algorithms=comm.algorithms(), pool=pool, nvls=_nvls(comm),
+        rank=comm.rank, ranks=comm.size, local_rank=comm.local_rank, local_ranks=comm.local_size,
+        device=comm.device, device_name=device_name(comm.device), path=comm.path,
+        algorithms=comm.algorithms(), pool=comm.pool, nvls=_nvls(comm),
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
-        tables=[t.source for t in comm._selector.tables],
+        tables=[t.source for t in comm.selector.tables],
         selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in DTYPES},
     )
 
@@ -59,8 +54,8 @@ def _choice(comm, nbytes: int, dtype: str) -> tuple[str, str]:
     """What ``algorithm="auto"`` runs for the message, and why (``UBNEXT_ALGO`` wins over the table)."""
     forced = comm.config.algorithm
     if forced == "auto" or comm.algorithms() == ["nccl"]:
-        return comm._selector.explain(nbytes, dtype)
-    if comm._selector.fits(forced, nbytes):
+        return comm.selector.explain(nbytes, dtype)
+    if comm.selector.fits(forced, nbytes):
         return forced, f"UBNEXT_ALGO={forced}"
     return "error", f"UBNEXT_ALGO={forced} cannot take this size (all_reduce raises)"
 

@@ -1,0 +1,165 @@
+"""Running a validated call: the launches of its algorithm, in one ordered section.
+
+The Communicator validates a call and picks its algorithm; a ``Dispatcher`` turns it
+into work on the caller's stream: one kernel launch, or launches of at most the
+algorithm's buffers, through the staging slot for arrays that are not 16-byte aligned;
+the fused call's launches of whole rows, or the all-reduce and then the separate
+add + RMSNorm kernel; or NCCL. Every call's work is issued inside the communicator's
+launch section (``_streams.LaunchOrder``), so calls keep their issue order across
+streams and threads.
+"""
+
+from __future__ import annotations
+
+from ._algorithms import ALGORITHMS, DTYPES
+from ._protocol import VEC_BYTES
+
+_D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+class Dispatcher:
+    """Issues the work of validated calls of one communicator.
+
+    Args:
+        node: the node's kernel resources (``_node.Node``), or None (NCCL only).
+        limits: ``{algorithm: (largest bytes of one launch, setting)}`` (``Selector.limits``).
+        order: the communicator's ``LaunchOrder``.
+        bootstrap: the communicator's bootstrap (for the NCCL communicator, made on first use).
+        device: the CUDA device ordinal.
+    """
+
+    def __init__(self, node, limits: dict, order, bootstrap, device: int):
+        self._node, self._limits, self._order = node, limits, order
+        self._bootstrap, self._device = bootstrap, device
+        self.nccl = None  # the NCCL communicator, once a call needed it
+        self._epilogue = None
+
+    # -- the calls ------------------------------------------------------------------
+    def all_reduce(self, algo: str, xb, ob, op: str, stream: int, owner, sig: int) -> None:
+        """All-reduce of buffer ``xb`` into ``ob`` by ``algo`` (``sig``: the call's signature)."""
+        self._order.enter(stream, owner)
+        try:
+            self._all_reduce(algo, xb, ob, op, stream, sig)
+        finally:
+            self._order.leave()
+
+    def fused_rows(self, algo: str, dtype: str, hidden: int, rows: int, aligned: bool) -> int:
+        """Rows one fused launch of ``algo`` takes, or 0 where the call goes unfused."""
+        if not (ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned):
+            return 0
+        return self._node.engine.norm_rows(algo, dtype, hidden, rows)
+
+    def add_rmsnorm(self, algo: str, xb, rows: int, chunk: int, hidden: int, norm: tuple, eps: float,
+                    stream: int, owner, sig: int) -> None:
+        """Fused launches of ``chunk`` rows of ``xb`` (the last one the rest); ``norm``: the
+        addresses of residual (or 0), bias (or 0), weight, normed and res_out."""
+        eng = self._node.engine
+        row_bytes = hidden * DTYPES[xb.dtype][1]
+        residual, bias, weight, normed, res_out = norm
+        self._order.enter(stream, owner)
+        try:
+            for r0 in range(0, rows, chunk):
+                off = r0 * row_bytes
+                part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
+                eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, sig,
+                                stream)
+        finally:
+            self._order.leave()
+
+    def unfused(self, algo: str, xb, nb, rows: int, hidden: int, norm: tuple, eps: float, stream: int,
+                owner, sig: int) -> None:
+        """The all-reduce of ``xb`` into ``nb`` by ``algo``, then the separate add + RMSNorm
+        kernel on ``nb`` (in place: normed into ``nb``)."""
+        self._order.enter(stream, owner)
+        try:
+            self._all_reduce(algo, xb, nb, "sum", stream, sig)
+            self._add_rmsnorm()(xb.dtype, nb.ptr, rows, hidden, norm, eps, stream)
+        finally:
+            self._order.leave()
+
+    def close(self, local: bool) -> None:
+        """Releases the NCCL communicator (``local``: aborts it, waiting for no rank)."""
+        nccl, self.nccl = self.nccl, None
+        if nccl is not None:
+            nccl.abort() if local else nccl.close()
+
+    # -- how each family runs --------------------------------------------------------
+    def _all_reduce(self, algo, xb, ob, op, stream, sig):
+        alg = ALGORITHMS[algo]
+        if alg.family == "nccl":
+            self._nccl().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
+        elif alg.pushed:
+            self._lamport(algo, xb, ob, op, stream, sig)
+        else:
+            self._twoshot(algo, xb, ob, op, stream, sig)
+
+    def _lamport(self, algo, xb, ob, op, stream, sig):
+        """A Lamport family kernel, in launches of at most its buffers' size (past them
+        only an ``in_launches`` kernel is chosen)."""
+        eng = self._node.engine
+        bound = self._limits[algo][0]
+        if xb.nbytes <= bound and _aligned(xb.ptr, ob.ptr):
+            eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, sig, stream)
+            return
+
+        def launch(src, dst, n):  # 0: the chunk is in the staging slot
+            eng.lamport(algo, xb.dtype, op, src or eng.staging_ptr, dst or eng.staging_ptr, n, sig, stream)
+
+        self._in_chunks(xb, ob, bound, launch, stream)
+
+    def _twoshot(self, algo, xb, ob, op, stream, sig):
+        eng, pool = self._node.engine, self._node.pool
+        out_off = pool.contains(ob.ptr, ob.nbytes)
+        if out_off is not None and _aligned(xb.ptr, ob.ptr):  # the result lands in out's buffer
+            eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, sig, stream)
+            return
+
+        def launch(src, dst, n):  # through the staging slot; 0: it holds the input / is the output
+            eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, sig, stream)
+
+        self._in_chunks(xb, ob, eng.staging_bytes, launch, stream)
+
+    def _in_chunks(self, xb, ob, chunk_bytes, launch, stream):
+        """``launch(src, dst, n)`` for each chunk of at most ``chunk_bytes`` of x into out.
+        Arrays that are not 16-byte aligned are copied through the staging slot (which
+        holds any chunk): ``launch(0, 0, n)`` reduces the chunk there, in place."""
+        width = DTYPES[xb.dtype][1]
+        chunk = chunk_bytes // width
+        aligned = _aligned(xb.ptr, ob.ptr)
+        staging = self._node.engine.staging_ptr
+        for start in range(0, xb.count, chunk):
+            n = min(chunk, xb.count - start)
+            src, dst = xb.ptr + start * width, ob.ptr + start * width
+            if aligned:
+                launch(src, dst, n)
+            else:
+                _copy(staging, src, n * width, stream)
+                launch(0, 0, n)
+                _copy(dst, staging, n * width, stream)
+
+    def _nccl(self):
+        if self.nccl is None:
+            from ._nccl import NcclComm
+
+            self.nccl = NcclComm(self._bootstrap, self._device)
+        return self.nccl
+
+    def _add_rmsnorm(self):
+        if self._epilogue is None:
+            import cupy
+
+            from ._epilogue import AddRmsNorm
+
+            self._epilogue = AddRmsNorm(cupy.cuda.Device(self._device).attributes["MultiProcessorCount"])
+        return self._epilogue
+
+
+def _aligned(*ptrs: int) -> bool:
+    """Whether every address is aligned to the kernels' vectors."""
+    return all(p % VEC_BYTES == 0 for p in ptrs)
+
+
+def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:
+    from cupy.cuda import runtime
+
+    runtime.memcpyAsync(dst, src, nbytes, _D2D, stream)
