@@ -71,6 +71,7 @@ class Algorithm:
         return not (self.multicast and dtype == "float32" and op in ("max", "min"))
 
 
+#: algorithm name -> its Algorithm record (kernel source, entry points, transport, family, buffer limit)
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (

@@ -34,6 +34,9 @@ class Communicator:
     (P2P), ubnext's kernels run on a symmetric memory pool; otherwise, and for what
     the kernels do not cover, the work goes to NCCL (logged once with the reason).
 
+    Collective: yes, over ``bootstrap``. Blocks the host.
+    Graph-capturable: no (it allocates and maps memory and exchanges with the other ranks).
+
     Args:
         bootstrap: a ``ubnext.bootstrap.Bootstrap``; default: ``ubnext.bootstrap.default()``,
             every rank the launcher started (mpirun, srun, torchrun, an initialized
@@ -164,7 +167,11 @@ class Communicator:
                 "user_heap_free_bytes": node.heap.free_bytes}
 
     def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
-        """All-reduces ``x`` over the ranks. Collective; never blocks the host.
+        """All-reduces ``x`` over the ranks; never blocks the host.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call per dtype, op and algorithm (which
+        compiles the kernel; NCCL's first call sets NCCL up).
 
         Args:
             x: CUDA array (torch.Tensor, cupy.ndarray, ``__cuda_array_interface__`` or
@@ -192,10 +199,9 @@ class Communicator:
                 CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
                 communicator failed; its outputs hold NaN where results were not computed.
 
-        Can be captured in a CUDA graph (after a first eager call per dtype/op/algorithm,
-        which compiles the kernel). May be called from several threads (each call's
-        launches are issued as one section), but every rank must issue its collectives
-        in the same order, so calls from several threads need an order of their own.
+        May be called from several threads (each call's launches are issued as one
+        section), but every rank must issue its collectives in the same order, so calls
+        from several threads need an order of their own.
         """
         name = "all_reduce"
         self._check_open(name)
@@ -223,7 +229,7 @@ class Communicator:
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
                                residual_out=None, algorithm: str = "auto", stream=None):
-        """All-reduce, residual add and RMSNorm in one kernel. Collective; never blocks the host.
+        """All-reduce, residual add and RMSNorm in one kernel; never blocks the host.
 
         For ``x`` of shape (tokens, hidden)::
 
@@ -236,6 +242,10 @@ class Communicator:
         rank then gets the same bits. Hidden sizes that are a multiple of 8 with 16-byte
         aligned arrays take the fused kernels; anything else runs the all-reduce, then
         ubnext's separate add + RMSNorm kernel (logged once).
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call of the same shape, dtype and
+        algorithm (which compiles its kernels).
 
         Args:
             x: 2-D CUDA array (tokens x hidden), bfloat16/float16/float32.
@@ -322,16 +332,23 @@ class Communicator:
         return nb.obj, ob.obj
 
     def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
-        """A new array in symmetric memory. Collective (same shapes on every rank).
+        """A new array in symmetric memory.
 
         All-reduce on it (in place, or with it as ``out``) moves no extra copies.
         The memory returns to the pool when the array and all its views are gone.
         Not available when the communicator runs on NCCL only.
 
+        Collective: yes: every rank calls it, with the same shapes, in the same order.
+        Graph-capturable: no (it allocates).
+
         Args:
             shape: int or tuple of ints.
             dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
             framework: ``"cupy"`` or ``"torch"``.
+
+        Returns:
+            A CuPy array (``framework="cupy"``) or torch tensor of ``shape`` and ``dtype`` on
+            this communicator's device, contents undefined.
 
         Raises:
             UbnextError: pool exhausted (on every rank alike), no symmetric pool,
@@ -353,21 +370,54 @@ class Communicator:
         return _arrays.wrap(block.ptr, shape, dtype, self.device, framework, block)
 
     def algorithms(self) -> list[str]:
-        """Names of the algorithms this communicator can run."""
+        """Names of the algorithms this communicator can run (``algorithm=`` values besides ``"auto"``).
+
+        Collective: no.
+        Graph-capturable: yes (host only).
+
+        Returns:
+            The names, in the order of ``ubnext.ALGORITHMS``.
+
+        Raises:
+            Nothing; a closed communicator answers too.
+        """
         return [name for name in ALGORITHMS if self._selector.fits(name, 0)]
 
     def select(self, nbytes: int, dtype: str, fused: bool = False) -> str:
         """The algorithm ``"auto"`` picks for a message of ``nbytes`` bytes: of
-        ``all_reduce``, or with ``fused`` of ``all_reduce_add_rmsnorm``."""
+        ``all_reduce``, or with ``fused`` of ``all_reduce_add_rmsnorm``.
+
+        Collective: no.
+        Graph-capturable: yes (host only).
+
+        Args:
+            nbytes: the message's bytes.
+            dtype: a key of ``ubnext.DTYPES``.
+            fused: the choice of ``all_reduce_add_rmsnorm`` instead of ``all_reduce``.
+
+        Returns:
+            One of ``algorithms()``.
+
+        Raises:
+            UbnextError: ``UBNEXT_ALGO`` names an algorithm that cannot take ``nbytes``.
+            KeyError: ``dtype`` is not a key of ``ubnext.DTYPES``.
+        """
         return self._resolve("select", "auto", nbytes, dtype, fused=fused)
 
     def describe(self) -> Description:
         """What this communicator runs and why: ranks, device, kernels or NCCL only (and why),
         pool, NVLink multicast, configuration, selector tables, and the algorithm ``"auto"``
-        takes for 1 KiB to 1 GiB per dtype with the reason. Local (not collective).
+        takes for 1 KiB to 1 GiB per dtype with the reason.
+
+        Collective: no.
+        Graph-capturable: no (it reads device properties; call it outside a capture).
 
         Returns:
             A dict (JSON-ready); ``print(comm.describe())`` shows it as a report.
+
+        Raises:
+            ClosedError: the communicator is closed.
+            BrokenCommunicatorError: a collective of this communicator failed.
         """
         self._check_open("describe")
         return report(self)
@@ -376,9 +426,14 @@ class Communicator:
         """Waits for the device (or ``stream``, as ``all_reduce`` takes it); raises what a
         kernel recorded meanwhile.
 
-        Blocks the host. Not collective.
+        Collective: no. Blocks the host.
+        Graph-capturable: no (it waits for the device).
+
+        Args:
+            stream: a stream as ``all_reduce`` takes it; default: every stream of the device.
 
         Raises:
+            ClosedError: the communicator is closed.
             CollectiveTimeoutError, CollectiveMismatchError, ConcurrentUseError or
             BrokenCommunicatorError: a collective of this communicator failed (then every
             later call raises too).
@@ -396,21 +451,34 @@ class Communicator:
         """Releases the pool, the NCCL communicator and the bootstrap the communicator
         created (not one passed in). Idempotent.
 
-        Collective: waits for this device's work, then for every rank. On a broken
+        Collective: yes: it waits for this device's work, then for every rank. On a broken
         communicator (a collective failed, see BrokenCommunicatorError) it is local and
         bounded: it waits for no other rank, since a failed peer may never come. Arrays
         from ``empty()`` must not be used afterwards.
+        Graph-capturable: no.
+
+        Raises:
+            UbnextError: a release failed: a driver call of the pool (CudaError) or the
+                bootstrap's exchange (e.g. a lost TCPStore); what follows it is released
+                all the same.
         """
         self._release(local=False)
 
     def abort(self) -> None:
-        """Gives the communicator up at once. Local (not collective), like ``ncclCommAbort``;
-        idempotent; safe in error handlers and elastic restarts.
+        """Gives the communicator up at once, like ``ncclCommAbort``; idempotent; safe in
+        error handlers and elastic restarts.
 
         Marks the communicator broken on every rank of the node (their waiting kernels
         give up, and their next call raises BrokenCommunicatorError), waits for this
         device (its kernels give up their waits too), then releases everything without
         waiting for any other rank. The process can create a new communicator.
+
+        Collective: no (local: it waits for no other rank).
+        Graph-capturable: no.
+
+        Raises:
+            UbnextError: a release failed (as for ``close``); what follows it is released
+                all the same.
         """
         if not self._closed and self._node is not None:
             from ._protocol import FAIL_KINDS

@@ -121,6 +121,13 @@ class Config:
     field and normalizes it (e.g. ``algorithm="TwoShot"`` becomes
     ``"twoshot"``).
 
+    Collective: no.
+    Graph-capturable: yes (host only).
+
+    Args:
+        **fields: one keyword per field (the README's configuration table,
+            ``Config.markdown_table()``); a field not given takes its default.
+
     Raises:
         ValueError: a field has an invalid value; the message names the field,
             its environment variable and the accepted values.
@@ -198,6 +205,7 @@ class Config:
         """Read the ``UBNEXT_*`` variables, then apply per-call overrides.
 
         Collective: no.
+        Graph-capturable: yes (host only).
 
         Args:
             environ: where to read variables from; ``os.environ`` when None.
@@ -241,10 +249,14 @@ class Config:
         """Render the README configuration table from the field metadata.
 
         Collective: no.
+        Graph-capturable: yes (host only).
 
         Returns:
             A Markdown table (variable | default | meaning), one row per
             field, ending with a newline.
+
+        Raises:
+            Nothing.
         """
         rows = ["| variable | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):

@@ -43,6 +43,7 @@ def default() -> Bootstrap:
     what the bootstrap sees.
 
     Collective: yes, over every rank the launcher started.
+    Graph-capturable: no (a blocking host exchange).
 
     Returns:
         A new bootstrap; the caller owns it and closes it.

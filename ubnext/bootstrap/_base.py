@@ -31,9 +31,13 @@ def node_id() -> bytes:
     with the same hostname, which is what sharing GPUs over NVLink requires.
 
     Collective: no.
+    Graph-capturable: yes (host only: reads the hostname and the boot id).
 
     Returns:
         The id as bytes (``hostname`` alone where the boot id is unreadable).
+
+    Raises:
+        Nothing.
     """
     try:
         with open(_BOOT_ID_PATH, "rb") as f:
@@ -51,7 +55,7 @@ class Bootstrap(abc.ABC):
     :meth:`_close` with something faster or resource-owning.
 
     A bootstrap is a context manager; leaving the ``with`` block calls
-    :meth:`close`.
+    :meth:`close`. An abstract class: construct one of its implementations.
     """
 
     _closed = False
@@ -71,6 +75,7 @@ class Bootstrap(abc.ABC):
         """Gather one byte string from every rank.
 
         Collective: yes. Blocks the host until every rank has contributed.
+        Graph-capturable: no (a blocking host exchange; nothing of it is captured).
 
         Args:
             data: this rank's contribution (may differ in length per rank).
@@ -88,6 +93,7 @@ class Bootstrap(abc.ABC):
         """Wait until every rank has called ``barrier``.
 
         Collective: yes. Blocks the host.
+        Graph-capturable: no (a blocking host exchange; nothing of it is captured).
 
         Raises:
             ClosedError: the bootstrap is closed.
@@ -105,6 +111,7 @@ class Bootstrap(abc.ABC):
         root contributes data.
 
         Collective: yes. Blocks the host.
+        Graph-capturable: no (a blocking host exchange; nothing of it is captured).
 
         Args:
             data: the payload on ``root``; ignored (may be None) elsewhere.
@@ -130,6 +137,7 @@ class Bootstrap(abc.ABC):
         the sender.
 
         Collective: yes. Blocks the host.
+        Graph-capturable: no (a blocking host exchange; nothing of it is captured).
 
         Args:
             obj: this rank's object.
@@ -146,6 +154,7 @@ class Bootstrap(abc.ABC):
         """Broadcast a picklable object from ``root`` (see :meth:`allgather_obj`).
 
         Collective: yes. Blocks the host.
+        Graph-capturable: no (a blocking host exchange; nothing of it is captured).
 
         Args:
             obj: the object on ``root``; ignored elsewhere.
@@ -174,6 +183,7 @@ class Bootstrap(abc.ABC):
         bootstrap open.
 
         Collective: yes. Blocks the host.
+        Graph-capturable: no (a blocking host exchange; nothing of it is captured).
 
         Returns:
             A bootstrap whose ``rank``/``size`` are the local rank and the
@@ -189,8 +199,14 @@ class Bootstrap(abc.ABC):
     def close(self) -> None:
         """Release what this bootstrap owns; idempotent.
 
-        Collective: depends on the implementation (yes for one that owns an
-        MPI communicator, see :class:`~ubnext.bootstrap.MPIBootstrap`).
+        Collective: yes where the implementation's release waits for the other ranks
+        (MPIBootstrap frees its MPI communicators, StoreBootstrap waits for every rank to
+        leave the store); SelfBootstrap's and TorchBootstrap's are local.
+        Graph-capturable: no.
+
+        Raises:
+            What the implementation's release raises: UbnextError for a store that fails
+            (StoreBootstrap), MPI's errors (MPIBootstrap).
         """
         if self._closed:
             return
@@ -205,6 +221,11 @@ class Bootstrap(abc.ABC):
 
         Collective: no. For error paths, where a peer may be dead
         (``Communicator.abort``, closing a broken communicator).
+        Graph-capturable: no.
+
+        Raises:
+            What TorchBootstrap's destruction of a group it created raises; the other
+            implementations only drop their handles.
         """
         if self._closed:
             return
@@ -242,7 +263,14 @@ def _check_bytes(op: str, data: object) -> None:
 
 
 class SelfBootstrap(Bootstrap):
-    """A bootstrap of one rank, without MPI (single-process use and tests)."""
+    """A bootstrap of one rank, without MPI (single-process use and tests).
+
+    Collective: no (one rank).
+    Graph-capturable: yes (host only).
+
+    Raises:
+        Nothing.
+    """
 
     @property
     def rank(self) -> int:
@@ -252,14 +280,12 @@ class SelfBootstrap(Bootstrap):
     def size(self) -> int:
         return 1
 
-    def allgather(self, data: bytes) -> list[bytes]:
-        """See :meth:`Bootstrap.allgather`. Collective: yes (trivially)."""
+    def allgather(self, data: bytes) -> list[bytes]:  # Bootstrap.allgather of one rank
         self._check_open("bootstrap.allgather")
         _check_bytes("bootstrap.allgather", data)
         return [data]
 
-    def barrier(self) -> None:
-        """See :meth:`Bootstrap.barrier`. Collective: yes (trivially)."""
+    def barrier(self) -> None:  # Bootstrap.barrier of one rank: nothing to wait for
         self._check_open("bootstrap.barrier")
 
 

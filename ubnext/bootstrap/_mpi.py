@@ -37,6 +37,7 @@ class MPIBootstrap(Bootstrap):
     by :meth:`close`, as is any communicator :meth:`split_local` creates.
 
     Collective: yes (construction duplicates the communicator).
+    Graph-capturable: no (a blocking host exchange).
 
     Args:
         comm: any intracommunicator; ``MPI.COMM_WORLD`` when None.
@@ -78,19 +79,16 @@ class MPIBootstrap(Bootstrap):
         self._check_open("bootstrap.comm")
         return self._comm
 
-    def allgather(self, data: bytes) -> list[bytes]:
-        """See :meth:`Bootstrap.allgather`. Collective: yes."""
+    def allgather(self, data: bytes) -> list[bytes]:  # Bootstrap.allgather by MPI_Allgather
         self._check_open("bootstrap.allgather")
         _check_bytes("bootstrap.allgather", data)
         return self._comm.allgather(data)
 
-    def barrier(self) -> None:
-        """See :meth:`Bootstrap.barrier`. Collective: yes."""
+    def barrier(self) -> None:  # Bootstrap.barrier by MPI_Barrier
         self._check_open("bootstrap.barrier")
         self._comm.Barrier()
 
-    def bcast(self, data: bytes | None, root: int = 0) -> bytes:
-        """See :meth:`Bootstrap.bcast`; uses ``MPI_Bcast``. Collective: yes."""
+    def bcast(self, data: bytes | None, root: int = 0) -> bytes:  # Bootstrap.bcast by MPI_Bcast
         self._check_root("bootstrap.bcast", root)
         if self._rank == root:
             _check_bytes("bootstrap.bcast", data)
@@ -104,6 +102,7 @@ class MPIBootstrap(Bootstrap):
         when this one is.
 
         Collective: yes. Blocks the host.
+        Graph-capturable: no (a blocking host exchange; nothing of it is captured).
 
         Returns:
             An :class:`MPIBootstrap` over this node's ranks.
@@ -143,5 +142,9 @@ class MPIBootstrap(Bootstrap):
 
         Collective: yes (``MPI_Comm_free`` on each owned communicator), over
         the ranks of this bootstrap.
+        Graph-capturable: no.
+
+        Raises:
+            MPI's errors (``mpi4py.MPI.Exception``) where freeing a communicator fails.
         """
         super().close()

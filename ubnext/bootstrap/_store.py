@@ -60,6 +60,7 @@ class StoreBootstrap(Bootstrap):
     done with it.
 
     Collective: no (construction only wraps the store).
+    Graph-capturable: yes (host only: nothing is exchanged yet).
 
     Args:
         store: a ``torch.distributed.Store`` every rank reaches (TCPStore,
@@ -89,6 +90,7 @@ class StoreBootstrap(Bootstrap):
 
         Collective: yes (every rank connects; each blocks until the store
         answers, up to ``timeout_s``).
+        Graph-capturable: no (a blocking host exchange).
 
         Args:
             host, port: ``MASTER_ADDR`` and ``MASTER_PORT``.
@@ -131,8 +133,7 @@ class StoreBootstrap(Bootstrap):
     def size(self) -> int:
         return self._size
 
-    def allgather(self, data: bytes) -> list[bytes]:
-        """See :meth:`Bootstrap.allgather`. Collective: yes (one key per rank)."""
+    def allgather(self, data: bytes) -> list[bytes]:  # Bootstrap.allgather: one key per rank
         op = "bootstrap.allgather"
         self._check_open(op)
         _check_bytes(op, data)
@@ -147,8 +148,7 @@ class StoreBootstrap(Bootstrap):
                     self._store.delete_key(name)
         return values
 
-    def barrier(self) -> None:
-        """See :meth:`Bootstrap.barrier`; an empty :meth:`allgather`. Collective: yes."""
+    def barrier(self) -> None:  # Bootstrap.barrier: an empty allgather
         self._check_open("bootstrap.barrier")
         self.allgather(b"")
 
@@ -169,6 +169,10 @@ class StoreBootstrap(Bootstrap):
         """Release the store after every rank has stopped using it; idempotent.
 
         Collective: yes (rank 0 waits for every rank's close).
+        Graph-capturable: no.
+
+        Raises:
+            UbnextError: the store failed (a timeout, a lost connection), in one line.
         """
         super().close()
 

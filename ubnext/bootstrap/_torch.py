@@ -31,6 +31,7 @@ class TorchBootstrap(Bootstrap):
     it alone.
 
     Collective: no (construction only queries the group).
+    Graph-capturable: no (call it outside a capture: it queries torch.distributed).
 
     Args:
         group: a process group; the default (world) group when None.
@@ -66,6 +67,7 @@ class TorchBootstrap(Bootstrap):
         the same ranks, owned and destroyed by :meth:`close`.
 
         Collective: yes, over the default group (``new_group``, where one is made).
+        Graph-capturable: no (a blocking host exchange).
 
         Returns:
             A new bootstrap; the caller owns it and closes it.
@@ -90,8 +92,7 @@ class TorchBootstrap(Bootstrap):
     def size(self) -> int:
         return self._size
 
-    def allgather(self, data: bytes) -> list[bytes]:
-        """See :meth:`Bootstrap.allgather`; ``all_gather_object``. Collective: yes."""
+    def allgather(self, data: bytes) -> list[bytes]:  # Bootstrap.allgather by all_gather_object
         self._check_open("bootstrap.allgather")
         _check_bytes("bootstrap.allgather", data)
         out: list[Any] = [None] * self._size
@@ -99,13 +100,9 @@ class TorchBootstrap(Bootstrap):
         return out
 
     def barrier(self) -> None:
-        """See :meth:`Bootstrap.barrier`.
+        # Bootstrap.barrier as an empty allgather, which, unlike dist.barrier with NCCL,
+        # needs no guess of the device
 
-        Implemented as an empty :meth:`allgather`, which, unlike
-        ``dist.barrier`` with NCCL, needs no guess of the device.
-
-        Collective: yes.
-        """
         self._check_open("bootstrap.barrier")
         self.allgather(b"")
 
