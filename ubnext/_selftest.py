@@ -24,8 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _cli, _gate, _reference, _selfcheck
+from . import _cli, _devices, _gate, _reference, _selfcheck, _timing
+from ._arrays import _cupy_dtype
+from ._comm import Communicator
 from ._errors import UbnextError
+from ._info import device_name
+from ._nccl import _load_nccl
 from ._select import buffer_limits
 from ._version import __version__
 
@@ -51,9 +55,6 @@ def unavailable(comm) -> dict[str, str]:
     over ``comm.bootstrap``), so that every rank skips alike."""
     if "nccl" not in comm.algorithms():
         return {}
-    from . import _devices
-    from ._nccl import _load_nccl
-
     try:
         _load_nccl("selftest")
         problem = ""
@@ -75,8 +76,6 @@ def run(comm, cases, calls: int = _selfcheck.CALLS) -> _selfcheck.RankReport:
     (a broken communicator then fails the cases after it). Blocks the host."""
     import cupy
 
-    from ._info import device_name
-
     stream = cupy.cuda.Stream(non_blocking=True)
     outcomes, first, key, inputs = [], set(), None, None
     for case in cases:
@@ -93,8 +92,6 @@ def run(comm, cases, calls: int = _selfcheck.CALLS) -> _selfcheck.RankReport:
 
 
 def _run_case(comm, case, inputs, stream, calls: int, first: bool) -> _selfcheck.Outcome:
-    from . import _timing
-
     try:
         x, out = _array(comm, case), _array(comm, case)
         _bits(x).set(_reference.bits(inputs[comm.rank]), stream=stream)
@@ -128,8 +125,6 @@ def _array(comm, case):
     if case.symmetric:
         return comm.empty((case.count,), case.dtype)
     import cupy
-
-    from ._arrays import _cupy_dtype
 
     return cupy.empty((case.count,), dtype=_bits_dtype(case.dtype)).view(_cupy_dtype(case.dtype))
 
@@ -169,9 +164,7 @@ def main(nvls: bool = False, communicator: Callable[..., Any] | None = None,
     try:
         if nvls:
             refuse_forbidden_multicast(environ)
-        if communicator is None:
-            from ._comm import Communicator as communicator
-        comm = communicator(**({"nvls": "1"} if nvls else {}))
+        comm = (communicator or Communicator)(**({"nvls": "1"} if nvls else {}))
     except UbnextError as e:
         print(e, file=err)
         return _cli.abort_mpi_job(NOT_STARTED)
