@@ -52,6 +52,8 @@ __device__ __noinline__ void report(LaunchState* state, int rank, u32 kind, int 
     __threadfence_system();
     r->flag = 1u;
     __threadfence_system();
+    *(volatile u32*)ld_volatile_u64(&state->tripped) = 1u;  // the host reads this word first
+    __threadfence_system();
   }
 }
 

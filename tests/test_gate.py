@@ -150,6 +150,7 @@ class StubFailureRecords:
 
     def __init__(self, names):
         self.device_ptr = dict.fromkeys(names, 0)
+        self.tripped_ptr = 0
 
     def close(self):
         pass

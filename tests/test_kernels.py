@@ -120,14 +120,14 @@ def test_protocol_structs_have_the_host_layout():
 
     from ubnext import _failures
 
-    assert _protocol.LAUNCH_STATE_BYTES == 40 and _protocol.struct_bytes(_protocol.ERROR_RECORD) == 40
+    assert _protocol.LAUNCH_STATE_BYTES == 48 and _protocol.struct_bytes(_protocol.ERROR_RECORD) == 40
     assert [f for f, _ in _failures._Record._fields_] == [f for _, f, _ in _protocol.ERROR_RECORD]
     for _, field, _ in _protocol.ERROR_RECORD:  # ctypes lays the record out as the compiler does
         assert getattr(_failures._Record, field).offset == _protocol.field_offset(_protocol.ERROR_RECORD, field)
     assert ctypes.sizeof(_failures._Record) == 40
     assert _protocol.field_offset(_protocol.LAUNCH_STATE, "record") == 24
     header = _protocol.header()  # the kernels compile it with these sizes asserted
-    assert 'static_assert(sizeof(LaunchState) == 40, "LaunchState layout");' in header
+    assert 'static_assert(sizeof(LaunchState) == 48, "LaunchState layout");' in header
     assert 'static_assert(sizeof(ErrorRecord) == 40, "ErrorRecord layout");' in header
     assert _protocol.sentinel_word(2) == 0x80008000 and _protocol.sentinel_word(4) == 0x80000000
 

@@ -40,14 +40,15 @@ class Engine:
         pool: the node's SymmetricPool.
         plan: its library slots (``plan_layout``).
         records: ``{state name: device address of its ErrorRecord}`` (``FailureRecords``).
+        tripped: device address of the word any completed record sets (``FailureRecords``).
         timeout_s: bound on every device wait.
         max_blocks: blocks per launch (0 = SM count).
         mc_base: device address of the pool's multicast mapping (``MulticastRange.ptr``:
             byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
     """
 
-    def __init__(self, pool, plan: SlotPlan, records: dict[str, int], timeout_s: float, max_blocks: int,
-                 mc_base: int = 0):
+    def __init__(self, pool, plan: SlotPlan, records: dict[str, int], tripped: int, timeout_s: float,
+                 max_blocks: int, mc_base: int = 0):
         import cupy
 
         self.pool = pool
@@ -55,7 +56,7 @@ class Engine:
         self.nranks = pool.local_size
         self.rank = pool.local_rank
         self.staging_bytes = plan.nbytes("staging")
-        self._records = records
+        self._records, self._tripped = records, tripped
         self._timeout_ns = int(timeout_s * 1e9)
         device = cupy.cuda.Device(pool.device)
         sms = device.attributes["MultiProcessorCount"]
@@ -93,6 +94,7 @@ class Engine:
         for name in STATES:
             fields = np.zeros(LAUNCH_STATE_BYTES // 8, np.uint64)
             fields[field_offset(LAUNCH_STATE, "record") // 8] = self._records[name]
+            fields[field_offset(LAUNCH_STATE, "tripped") // 8] = self._tripped
             fields[field_offset(LAUNCH_STATE, "timeout_ns") // 8] = self._timeout_ns
             self._words(self.plan.offset(name), LAUNCH_STATE_BYTES).set(fields.view(np.uint32))
         for family, width in self._sets:

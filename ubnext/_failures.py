@@ -37,13 +37,16 @@ def broken_word(kind: int, rank: int) -> int:
 
 
 class FailureRecords:
-    """Host-mapped pinned memory holding one ``ErrorRecord`` per kernel family state.
+    """Host-mapped pinned memory holding one ``ErrorRecord`` per kernel family state, after
+    a word that any completed record sets (``LaunchState.tripped`` points the kernels to
+    it), so that a call's check reads one word.
 
     Args:
         names: the LaunchState slots (their plan names), one record each.
 
     Attributes:
         device_ptr: ``{name: device address of its record}``, as kernels see it.
+        tripped_ptr: device address of the word.
     """
 
     def __init__(self, names):
@@ -53,31 +56,32 @@ class FailureRecords:
         from ._cuda import check
 
         self.names = tuple(names)
-        nbytes = _RECORD_BYTES * len(self.names)
+        nbytes = _RECORD_BYTES * (len(self.names) + 1)  # the word's line, then the records
         self._host = runtime.hostAlloc(nbytes, runtime.hostAllocMapped)
         ctypes.memset(self._host, 0, nbytes)
-        self._records = [_Record.from_address(self._host + _RECORD_BYTES * i) for i in range(len(self.names))]
+        self._word = ctypes.c_uint32.from_address(self._host)
+        self._records = [_Record.from_address(self._host + _RECORD_BYTES * (i + 1)) for i in range(len(self.names))]
         base = int(check(cudart.cudaHostGetDevicePointer(self._host, 0), "cudaHostGetDevicePointer"))
-        self.device_ptr = {name: base + _RECORD_BYTES * i for i, name in enumerate(self.names)}
-
-    def first(self) -> _Record | None:
-        """A complete record, or None. Never blocks."""
-        for rec in self._records:
-            if rec.flag:
-                return rec
-        return None
-
-    def origin(self) -> tuple[int, int] | None:
-        """(FailKind, rank) of the first failure a record tells of, or None. Never blocks."""
-        rec = None if self._host is None else self.first()
-        if rec is None:
-            return None
-        return (rec.site, rec.peer) if rec.kind == _KIND["kFailPeer"] else (rec.kind, rec.rank)
+        self.tripped_ptr = base
+        self.device_ptr = {name: base + _RECORD_BYTES * (i + 1) for i, name in enumerate(self.names)}
 
     @property
     def tripped(self) -> bool:
         """Whether a kernel recorded a failure. Never blocks."""
-        return self._host is not None and self.first() is not None
+        return self._host is not None and bool(self._word.value)
+
+    def first(self) -> _Record | None:
+        """A complete record, or None. Never blocks."""
+        if not self.tripped:
+            return None
+        return next((rec for rec in self._records if rec.flag), None)
+
+    def origin(self) -> tuple[int, int] | None:
+        """(FailKind, rank) of the first failure a record tells of, or None. Never blocks."""
+        rec = self.first()
+        if rec is None:
+            return None
+        return (rec.site, rec.peer) if rec.kind == _KIND["kFailPeer"] else (rec.kind, rec.rank)
 
     def error(self, op: str, timeout_s: float) -> BrokenCommunicatorError | None:
         """The error a kernel recorded, or None. Never blocks.
@@ -86,14 +90,14 @@ class FailureRecords:
             CollectiveTimeoutError, CollectiveMismatchError, ConcurrentUseError, or
             BrokenCommunicatorError (another rank failed first).
         """
-        rec = None if self._host is None else self.first()
+        rec = self.first()
         if rec is None:
             return None
         return error_of(op, rec.kind, rec.rank, rec.peer, rec.site, rec.epoch, rec.mine, rec.theirs, timeout_s)
 
     def close(self) -> None:
         """Frees the pinned memory. Idempotent."""
-        host, self._host, self._records = self._host, None, []
+        host, self._host, self._records, self._word = self._host, None, [], None
         if host is not None:
             from cupy.cuda import runtime
 

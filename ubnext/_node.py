@@ -88,7 +88,7 @@ class Node:
             self.fds.close()
             self.failures = FailureRecords(STATES)
             undo.push(self.failures.close)
-            self.engine = Engine(self.pool, plan, self.failures.device_ptr,
+            self.engine = Engine(self.pool, plan, self.failures.device_ptr, self.failures.tripped_ptr,
                                  config.timeout_s, config.max_blocks,
                                  mc_base=0 if self.multicast is None else self.multicast.ptr)
             self._broken_ptrs = [self.pool.ptr(r, plan.offset(name) + state_field("broken"))

@@ -58,6 +58,7 @@ LAUNCH_STATE = (
                       "of this rank and by the host of any rank"),
     ("u32", "claim", "0 until a thread of this rank claimed the family's ErrorRecord (atomic)"),
     ("u64", "record", "device address of the family's ErrorRecord (set by the host)"),
+    ("u64", "tripped", "device address of the word that any completed ErrorRecord sets (set by the host)"),
     ("u64", "timeout_ns", "bound on every wait of the family (set by the host)"),
 )
 #: One per LaunchState, in host-mapped pinned memory, written by the thread that claimed
