@@ -184,7 +184,7 @@ def test_readme_table_matches_config():
 
 def test_logger_prefix_level_and_log_once():
     logger = get_logger()
-    (handler,) = logger.handlers
+    (handler,) = [h for h in logger.handlers if type(h) is logging.StreamHandler]  # ubnext's own
     level, stream = logger.level, io.StringIO()
     old_stream = handler.setStream(stream)
     try:

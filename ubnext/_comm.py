@@ -7,7 +7,7 @@ import math
 import os
 import pickle
 
-from . import _arrays, _gate, _preflight, _signature
+from . import _agreement, _arrays, _gate, _preflight, _signature
 from ._algorithms import ALGORITHMS, DTYPES, OPS, UNICAST_OF
 from ._config import Config
 from ._report import Description, report
@@ -74,6 +74,7 @@ class Communicator:
         self._resolved: dict[tuple, str] = {}
         self._local = None
         try:
+            _agreement.check(config, bootstrap)  # before anything that the configuration shapes
             table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
             self._local = bootstrap.split_local()
             self.device = map_devices(self._local, device, cupy.cuda.runtime.getDevice())

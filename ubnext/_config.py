@@ -96,10 +96,15 @@ _BOOL = _Parser(_parse_bool, "one of " + "|".join(_TRUE + _FALSE))
 _PATH = _Parser(_parse_path, "a file path, or empty")
 
 
-def _field(env: str, default: Any, parser: _Parser, doc: str) -> Any:
-    """Declare one config field with its metadata (env var, parser, doc)."""
+def _field(env: str, default: Any, parser: _Parser, doc: str, local: str | None = None) -> Any:
+    """Declare one config field with its metadata (env var, parser, doc).
+
+    ``local``: why ranks may hold different values; None (the default) means the field
+    shapes the pool layout, the grids, the selection or the protocol, so every rank of a
+    communicator must hold the same value (``_agreement``).
+    """
     return dataclasses.field(
-        default=default, metadata={"env": env, "parser": parser, "doc": doc}
+        default=default, metadata={"env": env, "parser": parser, "doc": doc, "local": local}
     )
 
 
@@ -164,6 +169,7 @@ class Config:
         "context intact) instead of hanging it. The default, as torch.distributed's "
         "NCCL timeout, lets a live peer save a checkpoint or run an evaluation; it must "
         "also exceed a first call's kernel compilation (seconds, cached on disk).",
+        local="how long this rank waits: a rank that gives up first breaks the communicator for all",
     )
     nvls: str = _field(
         "UBNEXT_NVLS", "auto", _choice("auto", "0", "1"),
@@ -179,6 +185,7 @@ class Config:
         "UBNEXT_LOG_LEVEL", "WARNING", _choice(*_LOG_LEVELS, upper=True),
         "Log level of the `ubnext` logger: `DEBUG`, `INFO`, `WARNING`, "
         "`ERROR` or `CRITICAL`.",
+        local="this rank's logging only",
     )
     debug: bool = _field(
         "UBNEXT_DEBUG", False, _BOOL,
@@ -190,6 +197,7 @@ class Config:
         "Selector table (JSON: world size × dtype × size → algorithm) written by "
         "`python -m ubnext.tune`; world sizes it lacks, and an empty value, use the "
         "table shipped for H200.",
+        local="the path may differ; the ranks check that the tables they read agree (ubnext._table.agreed_table)",
     )
 
     def __post_init__(self) -> None:

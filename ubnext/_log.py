@@ -28,6 +28,7 @@ _FORMAT = "[ubnext rank %(ubnext_rank)s] %(levelname)s: %(message)s"
 
 # Process-wide state, as the logger itself is: the keys log_once has emitted.
 _once_lock = threading.Lock()
+_setup_lock = threading.Lock()
 _once_keys: set[str] = set()
 
 
@@ -44,18 +45,20 @@ class _RankFilter(logging.Filter):
 
 
 def _rank_filter(logger: logging.Logger) -> _RankFilter:
-    """Return the logger's rank filter, installing handler and filter once."""
-    for existing in logger.filters:
-        if isinstance(existing, _RankFilter):
-            return existing
-    rank_filter = _RankFilter()
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_FORMAT))
-    logger.addFilter(rank_filter)
-    logger.addHandler(handler)
-    logger.propagate = False
-    logger.setLevel(logging.WARNING)
-    return rank_filter
+    """Return the logger's rank filter, installing handler and filter once (under a lock:
+    communicators may be created on several threads at once)."""
+    with _setup_lock:
+        for existing in logger.filters:
+            if isinstance(existing, _RankFilter):
+                return existing
+        rank_filter = _RankFilter()
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        logger.addFilter(rank_filter)
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.WARNING)
+        return rank_filter
 
 
 def get_logger(config: Config | None = None, rank: int | None = None) -> logging.Logger:
