@@ -25,6 +25,13 @@ typedef unsigned long long u64;
 #ifndef UB_NRANKS
 #define UB_NRANKS 4
 #endif
+// Deterministic mode (ubnext Config.deterministic): every algorithm reduces in rank order
+// 0..N-1 and writes -0.0 as +0.0 in its inputs and results, so a result's bits depend on
+// the inputs only, not on the algorithm (the Lamport kernels do both always).
+#ifndef UB_DETERMINISTIC
+#define UB_DETERMINISTIC 0
+#endif
+constexpr bool kDeterministic = UB_DETERMINISTIC != 0;
 
 // ---------------------------------------------------------------------------------
 // Element types: stored as raw bits, reduced in fp32.
@@ -107,6 +114,23 @@ template <class T> struct Vec {
     return make_uint4(w[0], w[1], w[2], w[3]);
   }
 };
+
+// Replaces every -0.0 element of v by +0.0 (the Lamport kernels: so that it cannot be taken
+// for the sentinel; deterministic mode: so that every algorithm gives the same bits).
+template <class T> __device__ __forceinline__ u32 clear_sentinel_word(u32 w) {
+  if (Elem<T>::kBytes == 4) return w == UB_SENTINEL32 ? 0u : w;
+  if ((w & 0xffffu) == UB_SENTINEL16) w &= 0xffff0000u;
+  if ((w >> 16) == UB_SENTINEL16) w &= 0x0000ffffu;
+  return w;
+}
+template <class T> __device__ __forceinline__ uint4 clear_sentinel(const uint4& v) {
+  return make_uint4(clear_sentinel_word<T>(v.x), clear_sentinel_word<T>(v.y),
+                    clear_sentinel_word<T>(v.z), clear_sentinel_word<T>(v.w));
+}
+// clear_sentinel in deterministic mode, v itself otherwise.
+template <class T> __device__ __forceinline__ uint4 settle(const uint4& v) {
+  return kDeterministic ? clear_sentinel<T>(v) : v;
+}
 
 // ---------------------------------------------------------------------------------
 // Reduction ops: combine in fp32; finish() runs once on the fully reduced value.

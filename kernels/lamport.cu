@@ -58,7 +58,7 @@ __device__ void lamport_allreduce(const Tp& tp, u64 set_off, u64 slot_bytes, con
   lamport_agree<T, N>(mine + l.cur + N * slot_bytes, sig, c);
   for (u64 i = first; i < span.nvec; i += step) {
     if (i != first) lamport_load<N>(mine + l.cur, slot_bytes, i, v);
-    span.store(out, i, lamport_collect<T, Op, N>(mine + l.cur, slot_bytes, i, v, c));
+    span.store(out, i, settle<T>(lamport_collect<T, Op, N>(mine + l.cur, slot_bytes, i, v, c)));
   }
   finish_launch(c, l.s, (u32)span.nvec);
 }
@@ -93,7 +93,8 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
   for (u64 row = g.id; row < rows; row += g.count) {
     finish_row<T, true>(a, row, g, [&](u64 v) {
       const RowOperands o = load_operands<T>(a, row, v);
-      return add_residual<T>(o, lamport_reduce<T, OpSum, N>(mine + l.cur, slot_bytes, row * vpr + v, c));
+      return settle<T>(add_residual<T>(o, settle<T>(lamport_reduce<T, OpSum, N>(mine + l.cur, slot_bytes,
+                                                                                row * vpr + v, c))));
     }, [](float) {});
   }
   row_group_done(g);

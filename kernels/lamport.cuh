@@ -33,17 +33,6 @@ template <class T> __device__ __forceinline__ bool has_sentinel(const uint4& v) 
   return hit;
 }
 
-// Replaces every -0.0 element of v by +0.0 so that it cannot be taken for the sentinel.
-template <class T> __device__ __forceinline__ u32 clear_sentinel_word(u32 w) {
-  if (Elem<T>::kBytes == 4) return w == UB_SENTINEL32 ? 0u : w;
-  if ((w & 0xffffu) == UB_SENTINEL16) w &= 0xffff0000u;
-  if ((w >> 16) == UB_SENTINEL16) w &= 0x0000ffffu;
-  return w;
-}
-template <class T> __device__ __forceinline__ uint4 clear_sentinel(const uint4& v) {
-  return make_uint4(clear_sentinel_word<T>(v.x), clear_sentinel_word<T>(v.y),
-                    clear_sentinel_word<T>(v.z), clear_sentinel_word<T>(v.w));
-}
 
 // Context of one launch: which buffer it receives into, which one it re-poisons.
 struct LamportLaunch {

@@ -177,7 +177,7 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
     finish_row<T>(a, row, g, [&](u64 v) {
       const RowOperands o = load_operands<T>(a, row, v);
       const uint4 r = lamport_reduce<T, OpSum, N>(mine + rs, rpr * vpr * kVec, (row - first) * vpr + v, c);
-      const uint4 sum = clear_sentinel<T>(add_residual<T>(o, r));
+      const uint4 sum = clear_sentinel<T>(add_residual<T>(o, settle<T>(r)));
       tp.push_peers(ag + (row * vpr + v) * kVec, sum);
       return sum;
     }, [&](float scale) {

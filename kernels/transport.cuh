@@ -29,8 +29,10 @@ template <int N> struct Unicast {
 
   // For each u with ok[u]: reduces the vectors at byte offset off[u] of every segment into
   // out[u], packed as T (fp32 accumulation). The order is peer(0..N-1): fixed for a given
-  // rank, so the rank that owns an element always computes the same bits. All U*N loads
-  // are issued before the first is used. Loads are relaxed, system scope.
+  // rank, so the rank that owns an element always computes the same bits; in deterministic
+  // mode rank order 0..N-1 with -0.0 read as +0.0 and the result's -0.0 written as +0.0,
+  // as the Lamport kernels compute. All U*N loads are issued before the first is used.
+  // Loads are relaxed, system scope.
   template <class T, class Op, int U>
   __device__ void load_reduce(const u64 (&off)[U], const bool (&ok)[U], uint4 (&out)[U]) const {
     uint4 v[U][N];
@@ -38,11 +40,11 @@ template <int N> struct Unicast {
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int r = 0; r < N; ++r) {
-        if (ok[u]) v[u][r] = ld_relaxed_sys(seg(peer(r)) + off[u]);
+        if (ok[u]) v[u][r] = settle<T>(ld_relaxed_sys(seg(kDeterministic ? r : peer(r)) + off[u]));
       }
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) out[u] = reduce_vectors<T, Op, N>(v[u]);
+    for (int u = 0; u < U; ++u) out[u] = settle<T>(reduce_vectors<T, Op, N>(v[u]));
   }
 
   // Stores v at byte offset off of every segment, in peer() order (weak stores), all of it

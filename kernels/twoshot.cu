@@ -120,7 +120,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
       const RowOperands o = load_operands<T>(a, row, v);
       uint4 ar[1];
       tp.template load_reduce<T, OpSum, 1>(at, ok, ar);
-      const uint4 r = add_residual<T>(o, ar[0]);
+      const uint4 r = settle<T>(add_residual<T>(o, ar[0]));
       tp.template store_all<T>(res_off + off, r, 0);
       ss += sum_squares<T>(r);
     }

@@ -28,6 +28,7 @@ DEFAULTS = {
     "max_blocks": 0,
     "log_level": "WARNING",
     "debug": False,
+    "deterministic": False,
     "tune_file": "",
 }
 
@@ -167,7 +168,8 @@ def test_markdown_table_lists_every_field():
         assert row.startswith(f"| `{f.metadata['env']}` | ")
     assert "| `UBNEXT_TIMEOUT_S` | `600` |" in rows[5]
     assert "| `UBNEXT_DEBUG` | `0` |" in rows[9]
-    assert "| `UBNEXT_TUNE_FILE` | (empty) |" in rows[10]
+    assert "| `UBNEXT_DETERMINISTIC` | `0` |" in rows[10]
+    assert "| `UBNEXT_TUNE_FILE` | (empty) |" in rows[11]
 
 
 def test_readme_table_matches_config():

@@ -333,3 +333,13 @@ def test_cmake_compile_gate_builds_every_kernel(tmp_path):
     built = sorted(p.stem for p in (build / "sm_90a").glob("*.cubin"))
     assert built == sorted(p.stem for p in _kernels.kernel_dir().glob("*.cu"))
     assert (build / "include" / "protocol.h").read_text() == _protocol.header()
+
+
+@pytest.mark.parametrize("algorithm", ["lamport", "lamport_twoshot", "twoshot"])
+def test_deterministic_mode_compiles_into_every_kernel(algorithm):
+    """Config.deterministic reaches the kernels as UB_DETERMINISTIC, plain and fused."""
+    alg = ALGORITHMS[algorithm]
+    defines = compile_defines("bfloat16", "sum", 4, alg.transport, deterministic=True)
+    assert defines["UB_DETERMINISTIC"] == "1" and compile_defines("bfloat16", "sum", 4)["UB_DETERMINISTIC"] == "0"
+    cubin = _kernels.compile_cubin(alg.source, defines)
+    assert alg.entry.encode() in cubin and alg.norm_entry.encode() in cubin

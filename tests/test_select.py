@@ -299,3 +299,22 @@ def test_multicast_instantiations_replace_their_unicast_rows():
         "nvls", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
                 "NVLink multicast: nvls in place of lamport_twoshot")
     assert Selector(4, lim(1024), usable=with_mc).select(4096, "float32") == "nvls"
+
+
+def test_deterministic_mode_takes_the_barrier_two_shot_where_a_row_gives_nccl():
+    from ubnext._config import Config
+    from ubnext._select import Selector, buffer_limits
+
+    usable = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
+    plain = Selector(4, buffer_limits(Config()), usable)
+    fixed = Selector(4, buffer_limits(Config()), usable, deterministic=True)
+    big = 1 << 30
+    assert plain.select(big, "bfloat16") == "nccl"
+    assert fixed.select(big, "bfloat16") == "twoshot"
+    assert fixed.select_fused(big, "bfloat16") != "nccl"
+    name, why = fixed.explain(big, "bfloat16")
+    assert name == "twoshot" and "deterministic mode: twoshot in place of nccl" in why
+    for nbytes in (1 << 10, 1 << 20, 1 << 24):  # the kernels' rows are the same
+        assert fixed.select(nbytes, "bfloat16") == plain.select(nbytes, "bfloat16")
+    only_nccl = Selector(4, buffer_limits(Config()), ["nccl"], deterministic=True)
+    assert only_nccl.select(big, "bfloat16") == "nccl"  # no kernels: NCCL all the same

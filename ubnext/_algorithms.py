@@ -126,7 +126,7 @@ def row_threads(vectors: int, cluster: int = 1) -> int:
 
 
 def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast",
-                    cluster: int = 1) -> dict[str, str]:
+                    cluster: int = 1, deterministic: bool = False) -> dict[str, str]:
     """Preprocessor definitions that instantiate a kernel entry point.
 
     Args:
@@ -136,13 +136,16 @@ def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast"
         transport: ``"unicast"`` or ``"multicast"``.
         cluster: blocks per thread-block cluster of the fused Lamport entry points
             (kernels/rmsnorm.cuh: UB_CLUSTER; 1: none, more needs sm_90).
+        deterministic: every algorithm reduces in one order (kernels/common.cuh:
+            UB_DETERMINISTIC; ``Config.deterministic``).
 
     Returns:
-        ``{"UB_T": ..., "UB_OP": ..., "UB_NRANKS": ..., "UB_TRANSPORT": ..., "UB_CLUSTER": ...}``.
+        ``{"UB_T": ..., "UB_OP": ..., "UB_NRANKS": ..., "UB_TRANSPORT": ..., "UB_CLUSTER": ...,
+        "UB_DETERMINISTIC": ...}``.
     """
     return {"UB_T": DTYPES[dtype][0], "UB_OP": OPS[op], "UB_NRANKS": str(nranks),
             "UB_TRANSPORT": {"unicast": "Unicast", "multicast": "Multicast"}[transport],
-            "UB_CLUSTER": str(cluster)}
+            "UB_CLUSTER": str(cluster), "UB_DETERMINISTIC": str(int(deterministic))}
 
 
 def norm_defines(dtype: str) -> dict[str, str]:

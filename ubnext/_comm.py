@@ -87,9 +87,13 @@ class Communicator:
             raise
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
         node = self._node
-        usable = [name for name, alg in ALGORITHMS.items()  # NCCL always; kernels need the pool
-                  if not alg.is_kernel or (node is not None and (not alg.multicast or node.multicast))]
-        self._selector = Selector(self._local.size, buffer_limits(config), usable, table, self._nccl_reason)
+        # NCCL always; kernels need the pool; multicast kernels reduce in the switch's order,
+        # which deterministic mode does not take
+        usable = [name for name, alg in ALGORITHMS.items()
+                  if not alg.is_kernel or (node is not None and (not alg.multicast or
+                                                                 (node.multicast and not config.deterministic)))]
+        self._selector = Selector(self._local.size, buffer_limits(config), usable, table, self._nccl_reason,
+                                  config.deterministic)
         # every launch of a call runs in the launch section of LaunchOrder
         self._dispatch = Dispatcher(node, self._selector.limits, LaunchOrder(self.device), bootstrap, self.device)
         for name, limit, setting in self._selector.capped():

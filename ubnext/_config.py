@@ -192,6 +192,13 @@ class Config:
         "Ranks compare (size, dtype, op) before each launch and raise on a "
         "mismatch (costs a host round trip per call).",
     )
+    deterministic: bool = _field(
+        "UBNEXT_DETERMINISTIC", False, _BOOL,
+        "Every ubnext kernel reduces in rank order and writes -0.0 as +0.0, so an "
+        "all-reduce's bits depend on its inputs only, whatever algorithm `auto` takes; "
+        "`auto` then uses neither NCCL nor NVLink multicast (whose orders are their own) "
+        "where the kernels can run.",
+    )
     tune_file: str = _field(
         "UBNEXT_TUNE_FILE", "", _PATH,
         "Selector table (JSON: world size × dtype × size → algorithm) written by "

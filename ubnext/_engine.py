@@ -45,10 +45,11 @@ class Engine:
         max_blocks: blocks per launch (0 = SM count).
         mc_base: device address of the pool's multicast mapping (``MulticastRange.ptr``:
             byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
+        deterministic: compile every kernel in deterministic mode (``Config.deterministic``).
     """
 
     def __init__(self, pool, plan: SlotPlan, records: dict[str, int], tripped: int, timeout_s: float,
-                 max_blocks: int, mc_base: int = 0):
+                 max_blocks: int, mc_base: int = 0, deterministic: bool = False):
         import cupy
 
         self.pool = pool
@@ -57,6 +58,7 @@ class Engine:
         self.rank = pool.local_rank
         self.staging_bytes = plan.nbytes("staging")
         self._records, self._tripped = records, tripped
+        self._deterministic = deterministic
         self._timeout_ns = int(timeout_s * 1e9)
         device = cupy.cuda.Device(pool.device)
         sms = device.attributes["MultiProcessorCount"]
@@ -122,7 +124,7 @@ class Engine:
             mkey = (alg.source, alg.transport, dtype, op, cluster)
             module = self._modules.get(mkey)
             if module is None:
-                defines = compile_defines(dtype, op, self.nranks, alg.transport, cluster)
+                defines = compile_defines(dtype, op, self.nranks, alg.transport, cluster, self._deterministic)
                 module = self._modules[mkey] = compile_module(alg.source, defines)
             prefix, state = self._constants(alg, DTYPES[dtype][1], fused)
             launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix, (state,))

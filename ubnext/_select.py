@@ -72,11 +72,14 @@ class Selector:
         usable: algorithm names this communicator can run (e.g. only "nccl").
         table: a tune file's table, consulted before the default table; None: the default only.
         nccl_reason: why only NCCL is usable, when it is (shown by :meth:`explain`).
+        deterministic: ``Config.deterministic``: where a row gives NCCL, whose reduction
+            order is its own, the barrier two-shot (which takes any size) runs instead.
     """
 
     def __init__(self, nranks: int, limits: Limits, usable: list[str], table: Table | None = None,
-                 nccl_reason: str = ""):
+                 nccl_reason: str = "", deterministic: bool = False):
         self.nranks = nranks
+        self.deterministic = deterministic
         self.tables = [t for t in (table, default_table()) if t is not None]
         self.limits = limits
         self._usable = set(usable)
@@ -116,7 +119,7 @@ class Selector:
         Where NVLink multicast is usable, a table row's unicast kernel is replaced by its
         multicast instantiation (the seed's order: multicast -> Lamport -> two-shot -> NCCL).
         """
-        return self._multicast(self._walk(nbytes, dtype)[0])
+        return self._final(self._walk(nbytes, dtype)[0])
 
     def select_fused(self, nbytes: int, dtype: str) -> str:
         """The algorithm for a fused all-reduce + add + RMSNorm of ``nbytes`` bytes.
@@ -132,9 +135,13 @@ class Selector:
         if (not ALGORITHMS[name].is_kernel and bound is not None and nbytes > bound
                 and self._walk(bound, dtype)[0] == _FUSED_IN_LAUNCHES and self._launches_ok(_FUSED_IN_LAUNCHES)):
             name = _FUSED_IN_LAUNCHES
-        return self._multicast(name)
+        return self._final(name)
 
-    def _multicast(self, name: str) -> str:
+    def _final(self, name: str) -> str:
+        """The row's algorithm as it runs: the barrier two-shot in place of NCCL in
+        deterministic mode, the multicast instantiation where NVLink multicast is usable."""
+        if self.deterministic and name == "nccl" and "twoshot" in self._usable:
+            return "twoshot"
         mc = MULTICAST_OF.get(name)
         return mc if mc in self._usable else name
 
@@ -146,7 +153,7 @@ class Selector:
         (``"lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256"``).
         """
         unicast, index = self._walk(nbytes, dtype)
-        name = self._multicast(unicast)
+        name = self._final(unicast)
         if self._usable == {"nccl"}:
             return name, f"only NCCL usable: {self._nccl_reason or 'no kernels on this communicator'}"
         rows, where = self._rows[dtype]
@@ -161,7 +168,8 @@ class Selector:
         if name == unicast and not self._in_one_launch(name, nbytes):
             reason += f"; in launches of {human_bytes(self.limits[name][0])} ({self.limits[name][1]})"
         if name != unicast:
-            reason += f"; NVLink multicast: {name} in place of {unicast}"
+            why = "deterministic mode" if self.deterministic else "NVLink multicast"
+            reason += f"; {why}: {name} in place of {unicast}"
         return name, "; ".join([reason, *dict.fromkeys(skipped)])
 
     def _walk(self, nbytes: int, dtype: str) -> tuple[str, int | None]:
