@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ubnext import _kernels, _layout, _protocol
-from ubnext._algorithms import ALGORITHMS, DTYPES, NORM_ENTRY, NORM_SOURCE, OPS, ROW_KEEP, compile_defines, norm_defines
+from ubnext._algorithms import ALGORITHMS, KERNEL_DTYPES, NORM_ENTRY, NORM_SOURCE, OPS, ROW_KEEP, compile_defines, norm_defines
 from ubnext._protocol import MAX_RANKS, NORM_THREADS
 
 KERNEL_ALGOS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
@@ -18,7 +18,7 @@ def _compile(algorithm, dtype, op, nranks, arch="sm_90a"):
 
 
 @pytest.mark.parametrize("algorithm", KERNEL_ALGOS)
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(KERNEL_DTYPES))
 @pytest.mark.parametrize("nranks", [1, 2, 4, 8])
 def test_every_instantiation_compiles_for_sm90a(algorithm, dtype, nranks):
     alg = ALGORITHMS[algorithm]
@@ -37,7 +37,7 @@ def _ptx_instructions(ptx: bytes) -> set[str]:
 
 
 @pytest.mark.parametrize("algorithm", [name for name in KERNEL_ALGOS if ALGORITHMS[name].multicast])
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(KERNEL_DTYPES))
 def test_multicast_instantiations_emit_multimem(algorithm, dtype):
     """The NVLS kernels really use the switch: multimem loads-with-reduce / stores / reds."""
     expected = {"nvls": ("multimem.ld_reduce", "multimem.st", "multimem.red"),
@@ -67,7 +67,7 @@ def test_multicast_kernels_compile_for_sm100a_when_nvrtc_knows_it():
         assert _compile(algorithm, "bfloat16", "sum", 8, arch="sm_100a")[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", list(KERNEL_DTYPES))
 def test_separate_norm_kernel_compiles(dtype):
     cubin = _kernels.compile_cubin(NORM_SOURCE, norm_defines(dtype))
     assert NORM_ENTRY.encode() in cubin
@@ -162,7 +162,7 @@ def test_fused_lamport_twoshot_takes_its_largest_message_in_one_launch(max_kb, r
 
 
 def test_compile_defines_cover_the_table():
-    for dtype in DTYPES:
+    for dtype in KERNEL_DTYPES:
         for op in OPS:
             d = compile_defines(dtype, op, 4)
             assert d["UB_NRANKS"] == "4" and d["UB_OP"].startswith("Op") and d["UB_TRANSPORT"] == "Unicast"

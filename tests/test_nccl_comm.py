@@ -40,7 +40,8 @@ def install_nccl(monkeypatch, *, names_new_enums=True, uid_error=False):
     fakes.install(monkeypatch)
     nccl = sys.modules["cupy.cuda.nccl"]
     nccl.available = True
-    consts = dict(NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3)
+    consts = dict(NCCL_INT8=0, NCCL_UINT8=1, NCCL_INT32=2, NCCL_UINT32=3, NCCL_INT64=4, NCCL_UINT64=5, NCCL_FLOAT16=6,
+                  NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3)
     if names_new_enums:
         consts.update(NCCL_BFLOAT16=9, NCCL_AVG=4)
     for k, v in consts.items():
@@ -106,16 +107,18 @@ def test_rank0_failure_reaches_every_rank(monkeypatch):
 def test_all_reduce_maps_names_and_connects_lazily(monkeypatch, names_new_enums):
     nccl = install_nccl(monkeypatch, names_new_enums=names_new_enums)
     comm = NcclComm(Boot(rank=0), 0)
-    for dtype, op in (("bfloat16", "sum"), ("float16", "avg"), ("float32", "max"), ("float32", "min")):
+    for dtype, op in (("bfloat16", "sum"), ("float16", "avg"), ("float32", "max"), ("float32", "min"),
+                      ("float64", "avg"), ("int8", "sum"), ("uint64", "max")):
         comm.all_reduce(0x1000, 0x2000, 5, dtype, op, 0x99)
     assert nccl.NcclCommunicator.created[0].calls == [
         (0x1000, 0x2000, 5, 9, 0, 0x99), (0x1000, 0x2000, 5, 6, 4, 0x99),
         (0x1000, 0x2000, 5, 7, 2, 0x99), (0x1000, 0x2000, 5, 7, 3, 0x99),
+        (0x1000, 0x2000, 5, 8, 4, 0x99), (0x1000, 0x2000, 5, 0, 0, 0x99), (0x1000, 0x2000, 5, 5, 2, 0x99),
     ]
 
 
 @pytest.mark.parametrize("args, error, message", [
-    ((1, 1, 4, "int8", "sum", 0), ValueError, "unsupported dtype 'int8'"),
+    ((1, 1, 4, "complex64", "sum", 0), ValueError, "unsupported dtype 'complex64'"),
     ((1, 1, 4, "float32", "prod", 0), ValueError, "unsupported op 'prod'"),
     ((1, 1, -1, "float32", "sum", 0), ValueError, "count must be >= 0"),
     ((1, 1, 13, "float32", "sum", 0), UbnextError, "NCCL_ERROR_INVALID_ARGUMENT"),

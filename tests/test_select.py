@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ubnext import UbnextError
-from ubnext._algorithms import ALGORITHMS, DTYPES
+from ubnext._algorithms import ALGORITHMS, KERNEL_DTYPES as DTYPES
 from ubnext._select import Selector, bound
 from ubnext._table import ANY_WORLD, agreed_table, default_table, load_table, parse_table
 

@@ -23,7 +23,7 @@ from fake_driver import MulticastFakeDriver
 from selftest_fakes import ALL, KERNELS, FakeComm
 from thread_ranks import raise_first, run_ranks
 from ubnext import _cuda, _devices, _gate, _reference, _selfcheck, _selftest
-from ubnext._algorithms import DTYPES
+from ubnext._algorithms import KERNEL_DTYPES as DTYPES
 from ubnext._config import Config
 from ubnext._errors import UbnextError
 from ubnext._select import buffer_limits

@@ -12,10 +12,28 @@ from dataclasses import dataclass
 
 from ._protocol import NORM_THREADS, THREADS
 
-#: dtype name -> (element type in the kernels, bytes per element)
-DTYPES = {"bfloat16": ("bf16", 2), "float16": ("f16", 2), "float32": ("float", 4)}
+#: dtype name -> (element type in the kernels or None, bytes per element): every dtype an
+#: all-reduce takes. ubnext's kernels reduce the 16- and 32-bit floating types; the others
+#: (None) go to NCCL, which accumulates integers in their own type (wrapping around) and
+#: float64 in float64.
+DTYPES = {"bfloat16": ("bf16", 2), "float16": ("f16", 2), "float32": ("float", 4),
+          "float64": (None, 8), "int8": (None, 1), "uint8": (None, 1), "int32": (None, 4),
+          "uint32": (None, 4), "int64": (None, 8), "uint64": (None, 8)}
+#: the dtypes ubnext's kernels reduce (and the fused add + RMSNorm takes)
+KERNEL_DTYPES = tuple(name for name, (element, _) in DTYPES.items() if element is not None)
+#: the floating-point dtypes (the ones ``avg`` takes)
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 #: op name -> reduction functor in the kernels
 OPS = {"sum": "OpSum", "avg": "OpAvg", "max": "OpMax", "min": "OpMin"}
+
+
+def op_problem(dtype: str, op: str) -> str | None:
+    """Why no algorithm reduces ``dtype`` with ``op``, or None where some does: ``avg``
+    takes floating-point dtypes only (an integer mean would need a rounding rule).
+    ``dtype`` and ``op`` are keys of DTYPES and OPS."""
+    if op == "avg" and dtype not in FLOAT_DTYPES:
+        return f"op 'avg' takes floating-point dtypes ({', '.join(FLOAT_DTYPES)}), not {dtype}; use sum"
+    return None
 
 
 @dataclass(frozen=True)
@@ -67,8 +85,13 @@ class Algorithm:
         return self.transport == "multicast"
 
     def supports(self, dtype: str, op: str) -> bool:
-        """Whether the kernel reduces ``dtype`` with ``op`` (NVLS has no fp32 max/min)."""
-        return not (self.multicast and dtype == "float32" and op in ("max", "min"))
+        """Whether it reduces ``dtype`` with ``op``: the kernels take KERNEL_DTYPES (NVLS
+        no fp32 max/min), NCCL every dtype; ``avg`` only floating types (op_problem)."""
+        if op_problem(dtype, op):
+            return False
+        if not self.is_kernel:
+            return True
+        return dtype in KERNEL_DTYPES and not (self.multicast and dtype == "float32" and op in ("max", "min"))
 
 
 #: algorithm name -> its Algorithm record (kernel source, entry points, transport, family, buffer limit)

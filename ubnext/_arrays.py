@@ -54,7 +54,7 @@ def _is_torch(x) -> bool:
     if torch is None or not isinstance(x, torch.Tensor):
         return False
     if not _TORCH_NAMES:
-        _TORCH_NAMES.update({getattr(torch, n): n for n in DTYPES})
+        _TORCH_NAMES.update({getattr(torch, n): n for n in DTYPES if hasattr(torch, n)})  # uint32: torch >= 2.3
     return True
 
 

@@ -8,7 +8,7 @@ import os
 import pickle
 
 from . import _agreement, _arrays, _gate, _preflight, _signature
-from ._algorithms import ALGORITHMS, DTYPES, OPS, UNICAST_OF
+from ._algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES, OPS, UNICAST_OF, op_problem
 from ._config import Config
 from ._report import Description, report
 from ._devices import map_devices
@@ -348,7 +348,7 @@ class Communicator:
 
         Args:
             shape: int or tuple of ints.
-            dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+            dtype: a key of ``ubnext.DTYPES``.
             framework: ``"cupy"`` or ``"torch"``.
 
         Returns:
@@ -404,9 +404,12 @@ class Communicator:
             One of ``algorithms()``.
 
         Raises:
-            UbnextError: ``UBNEXT_ALGO`` names an algorithm that cannot take ``nbytes``.
+            UbnextError: ``UBNEXT_ALGO`` names an algorithm that cannot take ``nbytes``;
+                ``fused`` with a dtype the fused kernels do not take.
             KeyError: ``dtype`` is not a key of ``ubnext.DTYPES``.
         """
+        if dtype not in DTYPES:
+            raise KeyError(f"select: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
         return self._resolve("select", "auto", nbytes, dtype, fused=fused)
 
     def describe(self) -> Description:
@@ -556,12 +559,22 @@ class Communicator:
 
     def _resolve_uncached(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str,
                           fused: bool) -> str:
-        if algorithm == "auto" and self.config.algorithm != "auto":
+        problem = op_problem(dtype, op)
+        if problem:
+            raise UbnextError(f"{name}: {problem}")
+        if fused and dtype not in KERNEL_DTYPES:
+            raise UbnextError(f"{name}: the fused add + RMSNorm takes {', '.join(KERNEL_DTYPES)}, not {dtype}")
+        if algorithm == "auto" and self.config.algorithm != "auto" and ALGORITHMS[self.config.algorithm].supports(
+                dtype, op):  # UBNEXT_ALGO names a kernel: the dtypes it does not reduce stay with auto
             algorithm = self.config.algorithm
         if algorithm == "auto":
             algo = self._selector.select_fused(nbytes, dtype) if fused else self._selector.select(nbytes, dtype)
             if not ALGORITHMS[algo].supports(dtype, op):  # NVLS reduces no fp32 max/min
                 algo = UNICAST_OF[algo]
+            if self.config.deterministic and algo == "nccl" and dtype == "float64":
+                raise UbnextError(f"{name}: deterministic mode (UBNEXT_DETERMINISTIC=1) cannot reduce float64: "
+                                  f"only NCCL reduces it, in an order of its own; ubnext's kernels reduce "
+                                  f"{', '.join(KERNEL_DTYPES)}")
             return algo
         if algorithm not in ALGORITHMS:
             raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(ALGORITHMS)}")

@@ -46,6 +46,13 @@ def _tables(nccl: Any) -> tuple[dict[str, int], dict[str, int]]:
         "bfloat16": getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16),
         "float16": nccl.NCCL_FLOAT16,
         "float32": nccl.NCCL_FLOAT32,
+        "float64": nccl.NCCL_FLOAT64,
+        "int8": nccl.NCCL_INT8,
+        "uint8": nccl.NCCL_UINT8,
+        "int32": nccl.NCCL_INT32,
+        "uint32": nccl.NCCL_UINT32,
+        "int64": nccl.NCCL_INT64,
+        "uint64": nccl.NCCL_UINT64,
     }
     ops = {
         "sum": nccl.NCCL_SUM,
@@ -149,8 +156,8 @@ class NcclComm:
             send_ptr: device address of ``count`` input elements.
             recv_ptr: device address of ``count`` output elements.
             count: number of elements (0 is allowed).
-            dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
-            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+            dtype: a key of ``ubnext.DTYPES``.
+            op: ``"sum"``, ``"avg"`` (floating-point dtypes), ``"max"`` or ``"min"``.
             stream_ptr: ``cudaStream_t`` handle as an int (0: legacy default).
 
         Raises:

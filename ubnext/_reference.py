@@ -27,6 +27,8 @@ kernel sources:
   ``normed = round((res * scale) * weight)``.
 * NCCL reduces in an order of its own: ``exact`` predicts its bits only for inputs whose
   every partial result is exact, where any order gives the same bits.
+* The dtypes only NCCL reduces (``NCCL_ONLY``): integers in their own type, wrapping
+  around (``integer``: every order gives the same bits); float64 in float64 (``exact``).
 
 NaN payloads are not specified: a NaN is compared as a class (any NaN equals any NaN);
 every other value, -0.0 against +0.0 included, must match bit for bit.
@@ -44,7 +46,9 @@ from ._protocol import SENTINEL_BITS, VEC_BYTES
 #: ubnext's dtype names -> numpy dtypes
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
           "float32": np.dtype(np.float32)}
-_UINT = {2: np.uint16, 4: np.uint32}
+#: the dtypes that only NCCL reduces (ubnext._algorithms.DTYPES without a kernel type)
+NCCL_ONLY = {name: np.dtype(name) for name in ("float64", "int8", "uint8", "int32", "uint32", "int64", "uint64")}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _F32 = np.float32
 #: values whose sums ``exact`` predicts in any order are multiples of this
 EXACT_QUANTUM = 0.5
@@ -76,7 +80,10 @@ def clear_negative_zero(a: np.ndarray) -> np.ndarray:
 
 
 def nan_mask(a: np.ndarray) -> np.ndarray:
-    """Where ``a`` is NaN, read from its bits (exponent all ones, fraction not zero)."""
+    """Where ``a`` is NaN, read from its bits (exponent all ones, fraction not zero);
+    nowhere for integers."""
+    if a.dtype.kind in "iu":
+        return np.zeros(a.shape, bool)
     b = bits(a)
     sign = b.dtype.type(1 << (8 * a.dtype.itemsize - 1))
     inf = bits(np.array(np.inf, a.dtype))
@@ -240,7 +247,25 @@ def exact(inputs: Sequence[np.ndarray], op: str = "sum") -> np.ndarray:
         if nranks & (nranks - 1):
             raise ValueError(f"reference.exact: avg over {nranks} ranks (not a power of two) is not exact")
         acc = acc / nranks
-    return acc.astype(np.float32).astype(dtype).reshape(inputs[0].shape)
+    if dtype.itemsize < 8:  # through fp32, as ml_dtypes narrows from it
+        acc = acc.astype(np.float32)
+    return acc.astype(dtype).reshape(inputs[0].shape)
+
+
+_INTEGER_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def integer(inputs: Sequence[np.ndarray], op: str = "sum") -> np.ndarray:
+    """An integer all-reduce as NCCL computes it: in the inputs' own type, a sum wrapping
+    around modulo 2**bits (so every order gives the same bits), max and min exactly. No
+    avg (``ubnext._algorithms.op_problem``)."""
+    flat = _flat(inputs)
+    if flat[0].dtype.kind not in "iu" or op not in _INTEGER_COMBINE:
+        raise ValueError(f"reference.integer: {flat[0].dtype} with op {op!r}")
+    acc = flat[0].copy()
+    for x in flat[1:]:
+        _INTEGER_COMBINE[op](acc, x, out=acc)  # in the dtype: wraps, no warning
+    return acc.reshape(inputs[0].shape)
 
 
 # ---- residual add + RMSNorm --------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._algorithms import DTYPES
+from ._algorithms import KERNEL_DTYPES
 from ._units import human_bytes
 from ._config import _env_text
 
@@ -38,7 +38,7 @@ def report(comm) -> Description:
         algorithms=comm.algorithms(), pool=comm.pool, nvls=_nvls(comm),
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
         tables=[t.source for t in comm.selector.tables],
-        selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in DTYPES},
+        selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in KERNEL_DTYPES},
     )
 
 

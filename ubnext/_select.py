@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._algorithms import ALGORITHMS, DTYPES, UNICAST_OF
+from ._algorithms import ALGORITHMS, KERNEL_DTYPES, UNICAST_OF
 from ._units import human_bytes
 from ._config import Config
 from ._table import Row, Table, default_table
@@ -84,9 +84,10 @@ class Selector:
         self.limits = limits
         self._usable = set(usable)
         self._nccl_reason = nccl_reason
-        #: dtype -> (rows, where they come from); the default table has a "*" entry for every dtype.
+        #: dtype -> (rows, where they come from); the default table has a "*" entry for every
+        #: dtype. Only the kernels' dtypes have rows: NCCL reduces the others.
         self._rows = {dtype: next(found for t in self.tables if (found := t.lookup(nranks, dtype)))
-                      for dtype in DTYPES}
+                      for dtype in KERNEL_DTYPES}
 
     def fits(self, name: str, nbytes: int) -> bool:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator: in one
@@ -119,7 +120,7 @@ class Selector:
         Where NVLink multicast is usable, a table row's unicast kernel is replaced by its
         multicast instantiation (the seed's order: multicast -> Lamport -> two-shot -> NCCL).
         """
-        return self._final(self._walk(nbytes, dtype)[0])
+        return self._final(self._walk(nbytes, dtype)[0], dtype)
 
     def select_fused(self, nbytes: int, dtype: str) -> str:
         """The algorithm for a fused all-reduce + add + RMSNorm of ``nbytes`` bytes.
@@ -135,12 +136,12 @@ class Selector:
         if (not ALGORITHMS[name].is_kernel and bound is not None and nbytes > bound
                 and self._walk(bound, dtype)[0] == _FUSED_IN_LAUNCHES and self._launches_ok(_FUSED_IN_LAUNCHES)):
             name = _FUSED_IN_LAUNCHES
-        return self._final(name)
+        return self._final(name, dtype)
 
-    def _final(self, name: str) -> str:
+    def _final(self, name: str, dtype: str) -> str:
         """The row's algorithm as it runs: the barrier two-shot in place of NCCL in
         deterministic mode, the multicast instantiation where NVLink multicast is usable."""
-        if self.deterministic and name == "nccl" and "twoshot" in self._usable:
+        if self.deterministic and name == "nccl" and "twoshot" in self._usable and dtype in KERNEL_DTYPES:
             return "twoshot"
         mc = MULTICAST_OF.get(name)
         return mc if mc in self._usable else name
@@ -153,9 +154,11 @@ class Selector:
         (``"lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256"``).
         """
         unicast, index = self._walk(nbytes, dtype)
-        name = self._final(unicast)
+        name = self._final(unicast, dtype)
         if self._usable == {"nccl"}:
             return name, f"only NCCL usable: {self._nccl_reason or 'no kernels on this communicator'}"
+        if dtype not in KERNEL_DTYPES:
+            return name, f"ubnext's kernels reduce {', '.join(KERNEL_DTYPES)}: NCCL reduces {dtype}"
         rows, where = self._rows[dtype]
         skipped = [self._why_not(rows[i][1], nbytes) for i in range(len(rows) if index is None else index)
                    if _covers(rows[i], nbytes)]
@@ -174,6 +177,8 @@ class Selector:
 
     def _walk(self, nbytes: int, dtype: str) -> tuple[str, int | None]:
         """The algorithm and the index of the table row that gave it (None: past the table)."""
+        if dtype not in KERNEL_DTYPES:
+            return "nccl", None
         rows = self._rows[dtype][0]
         for i, row in enumerate(rows):
             if _covers(row, nbytes) and self._takes(row[1], nbytes):

@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _reference
-from ._algorithms import ALGORITHMS, DTYPES
+from ._algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
 from ._select import Limits, bound
 
 #: elements of the checked messages: one, an odd size (not a whole 16-byte vector, under
@@ -116,7 +116,7 @@ class Row:
 
 
 def plan(algorithms: Sequence[str], limits: Limits, unavailable: dict[str, str],
-         dtypes: Sequence[str] = tuple(DTYPES), counts: Sequence[int] | None = None) -> list[Case]:
+         dtypes: Sequence[str] = KERNEL_DTYPES, counts: Sequence[int] | None = None) -> list[Case]:
     """The cases, by dtype, then size, then algorithm (the first case of each kernel is its
     smallest). Pure.
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from ._algorithms import ALGORITHMS, DTYPES
+from ._algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
 from ._errors import UbnextError
 
 FORMAT = 1
@@ -86,8 +86,8 @@ def _closest_dtype(dtype: str, by_dtype: dict[str, Any]) -> str:
     """``dtype`` if present, else a present dtype of the same element size, else the first present."""
     if dtype in by_dtype:
         return dtype
-    same_width = [d for d in DTYPES if d in by_dtype and DTYPES[d][1] == DTYPES[dtype][1]]
-    return (same_width or [d for d in DTYPES if d in by_dtype])[0]
+    same_width = [d for d in KERNEL_DTYPES if d in by_dtype and DTYPES[d][1] == DTYPES[dtype][1]]
+    return (same_width or [d for d in KERNEL_DTYPES if d in by_dtype])[0]
 
 
 def parse_table(document: Any, source: str) -> Table:
@@ -124,8 +124,8 @@ def parse_table(document: Any, source: str) -> Table:
             raise fail(f"tables[{world!r}] must be a non-empty object {{\"<dtype>\": rows}}")
         rows[world] = {}
         for dtype, raw_rows in by_dtype.items():
-            if dtype not in DTYPES:
-                raise fail(f"tables[{world!r}]: unknown dtype {dtype!r}; use {', '.join(DTYPES)}")
+            if dtype not in KERNEL_DTYPES:  # NCCL reduces the others: no rows
+                raise fail(f"tables[{world!r}]: unknown dtype {dtype!r}; use {', '.join(KERNEL_DTYPES)}")
             rows[world][dtype] = _parse_rows(raw_rows, lambda p, w=world, d=dtype: fail(f"tables[{w!r}][{d!r}]: {p}"))
     return Table(source, document["machine"], rows, document)
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._algorithms import ALGORITHMS, DTYPES
+from ._algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
 from ._cli import run_or_abort, size_arg, size_list
 from ._units import human_bytes
 from ._errors import CollectiveTimeoutError, CudaError, UbnextError
@@ -143,7 +143,7 @@ def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Se
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ubnext.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16",
-                   help=f"comma-separated dtypes to tune, or all ({', '.join(DTYPES)}; default bfloat16)")
+                   help=f"comma-separated dtypes to tune, or all ({', '.join(KERNEL_DTYPES)}; default bfloat16)")
     p.add_argument("-b", "--minbytes", type=size_arg, default=1 << 10, help="smallest size (default 1K)")
     p.add_argument("-e", "--maxbytes", type=size_arg, default=256 << 20, help="largest size (default 256M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (default 2)")
@@ -162,10 +162,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate; adds ``dtypes`` and ``sizes``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.dtypes = list(DTYPES) if args.dtype == "all" else [d for d in args.dtype.split(",") if d]
-    unknown = [d for d in args.dtypes if d not in DTYPES]
+    args.dtypes = list(KERNEL_DTYPES) if args.dtype == "all" else [d for d in args.dtype.split(",") if d]
+    unknown = [d for d in args.dtypes if d not in KERNEL_DTYPES]
     if unknown or not args.dtypes:
-        parser.error(f"--dtype: unknown {', '.join(unknown) or '(none)'}; use {', '.join(DTYPES)} or all")
+        parser.error(f"--dtype: unknown {', '.join(unknown) or '(none)'}; use {', '.join(KERNEL_DTYPES)} or all")
     if args.stepfactor < 2:
         parser.error("-f must be >= 2")
     if args.minbytes < 16:

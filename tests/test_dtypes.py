@@ -1,0 +1,170 @@
+"""Every dtype NCCL reduces: ubnext's kernels take bfloat16, float16 and float32; the
+others (float64 and the 8-, 32- and 64-bit integers) go to NCCL, named by the selector.
+The host reference's integer and float64 paths. Pure host tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ubnext import _reference as reference
+from ubnext._algorithms import ALGORITHMS, DTYPES, FLOAT_DTYPES, KERNEL_DTYPES, OPS, op_problem
+from ubnext._comm import Communicator
+from ubnext._config import Config
+from ubnext._errors import UbnextError
+from ubnext._select import Selector, buffer_limits
+
+OTHERS = [d for d in DTYPES if d not in KERNEL_DTYPES]
+KERNELS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
+
+
+def test_the_dtypes_are_those_nccl_reduces():
+    assert set(DTYPES) == {"bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32", "uint32",
+                           "int64", "uint64"}
+    assert KERNEL_DTYPES == ("bfloat16", "float16", "float32")
+    assert set(reference.NCCL_ONLY) == set(OTHERS)
+    for name, (_, width) in DTYPES.items():
+        assert np.dtype(name if name != "bfloat16" else "uint16").itemsize == width
+
+
+@pytest.mark.parametrize("dtype", OTHERS)
+def test_only_nccl_reduces_the_other_dtypes(dtype):
+    for op in OPS:
+        if op_problem(dtype, op):
+            continue
+        assert ALGORITHMS["nccl"].supports(dtype, op)
+        assert not any(ALGORITHMS[k].supports(dtype, op) for k in KERNELS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_avg_takes_floating_types_only(dtype):
+    problem = op_problem(dtype, "avg")
+    assert (problem is None) == (dtype in FLOAT_DTYPES)
+    if problem:
+        assert dtype in problem and "use sum" in problem
+        assert not ALGORITHMS["nccl"].supports(dtype, "avg")
+    assert all(op_problem(dtype, op) is None for op in ("sum", "max", "min"))
+
+
+def selector(deterministic=False, nranks=4):
+    config = Config.from_env()
+    return Selector(nranks, buffer_limits(config), list(ALGORITHMS), None, "", deterministic)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", OTHERS)
+def test_auto_gives_the_other_dtypes_to_nccl_and_says_why(dtype, deterministic):
+    sel = selector(deterministic)
+    for nbytes in (8, 4096, 1 << 20, 1 << 30):
+        assert sel.select(nbytes, dtype) == "nccl"
+        name, why = sel.explain(nbytes, dtype)
+        assert name == "nccl" and "NCCL reduces " + dtype in why and "bfloat16, float16, float32" in why
+    assert selector().select(4096, "float32") != "nccl"  # the kernels' dtypes keep their rows
+
+
+def bare_comm(**config):
+    """A Communicator holding only what resolving an algorithm reads."""
+    comm = Communicator.__new__(Communicator)
+    cfg = Config.from_env()
+    for key, value in config.items():
+        object.__setattr__(cfg, key, value)
+    sel = Selector(4, buffer_limits(cfg), list(ALGORITHMS), None, "", cfg.deterministic)
+    comm.__dict__.update(config=cfg, _resolved={}, _selector=sel)
+    return comm
+
+
+def test_select_names_nccl_for_the_other_dtypes_and_refuses_unknown_ones():
+    comm = bare_comm()
+    assert comm.select(4096, "int32") == "nccl"
+    assert comm.select(4096, "bfloat16") != "nccl"
+    with pytest.raises(KeyError, match="unknown dtype 'complex64'"):
+        comm.select(4096, "complex64")
+
+
+def test_a_kernel_named_for_another_dtype_is_refused():
+    comm = bare_comm()
+    with pytest.raises(UbnextError, match="algorithm 'twoshot' does not reduce int32"):
+        comm._resolve("all_reduce", "twoshot", 4096, "int32", "sum")
+    assert comm._resolve("all_reduce", "nccl", 4096, "int32", "sum") == "nccl"
+
+
+def test_ubnext_algo_naming_a_kernel_leaves_the_other_dtypes_to_auto():
+    comm = bare_comm(algorithm="twoshot")
+    assert comm._resolve("all_reduce", "auto", 4096, "float32", "sum") == "twoshot"
+    assert comm._resolve("all_reduce", "auto", 4096, "uint8", "sum") == "nccl"
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "nccl"])
+def test_integer_avg_raises_naming_the_op(algorithm):
+    with pytest.raises(UbnextError, match=r"all_reduce: op 'avg' takes floating-point dtypes .* not int64; use sum"):
+        bare_comm()._resolve("all_reduce", algorithm, 4096, "int64", "avg")
+
+
+def test_the_fused_call_takes_the_kernels_dtypes_only():
+    comm = bare_comm()
+    with pytest.raises(UbnextError, match="fused add \\+ RMSNorm takes bfloat16, float16, float32, not float64"):
+        comm._resolve("all_reduce_add_rmsnorm", "auto", 4096, "float64", fused=True)
+    with pytest.raises(UbnextError, match="not int8"):
+        comm.select(4096, "int8", fused=True)
+
+
+def test_deterministic_mode_refuses_float64_but_not_integers():
+    comm = bare_comm(deterministic=True)
+    with pytest.raises(UbnextError, match="deterministic mode .* cannot reduce float64"):
+        comm._resolve("all_reduce", "auto", 4096, "float64", "sum")
+    assert comm._resolve("all_reduce", "auto", 4096, "int32", "sum") == "nccl"  # any order: the same bits
+
+
+def test_nccl_enums_cover_every_dtype():
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    from ubnext._nccl import _tables
+
+    dtypes, ops = _tables(nccl)
+    assert set(dtypes) == set(DTYPES) and set(ops) == set(OPS)
+    assert len(set(dtypes.values())) == len(dtypes)
+    assert dtypes["int8"] == nccl.NCCL_INT8 and dtypes["float64"] == nccl.NCCL_FLOAT64
+    assert dtypes["uint64"] == nccl.NCCL_UINT64
+
+
+def test_arrays_name_numpy_dtypes_of_every_kind():
+    from ubnext import _arrays
+
+    for name in OTHERS:
+        assert _arrays._numpy_name(np.dtype(name), "all_reduce") == name
+    with pytest.raises(UbnextError, match="unsupported dtype complex64"):
+        _arrays._numpy_name(np.dtype("complex64"), "all_reduce")
+
+
+# ---- the reference -----------------------------------------------------------------------
+def test_integer_sums_wrap_around_in_their_own_type():
+    a = [np.array([127, -128, 5], np.int8), np.array([1, -1, 6], np.int8), np.array([1, 0, -3], np.int8)]
+    assert reference.integer(a).tolist() == [-127, 127, 8]
+    u = [np.array([2**64 - 1, 7], np.uint64), np.array([2, 9], np.uint64)]
+    assert reference.integer(u).tolist() == [1, 16]
+    assert reference.integer(u, "max").tolist() == [2**64 - 1, 9]
+    assert reference.integer(a, "min").tolist() == [1, -128, -3]
+    with pytest.raises(ValueError, match="with op 'avg'"):
+        reference.integer(a, "avg")
+
+
+def test_integer_sums_are_the_same_in_every_order():
+    rng = np.random.default_rng(1)
+    parts = [rng.integers(-2**31, 2**31, 1000, dtype=np.int64).astype(np.int32) for _ in range(5)]
+    assert (reference.integer(parts) == reference.integer(parts[::-1])).all()
+
+
+def test_exact_keeps_float64_precision():
+    big = 2.0**40 + 0.5  # not a float32 value
+    parts = [np.array([big, -1.5], np.float64), np.array([0.5, 3.0], np.float64)]
+    assert reference.exact(parts).tolist() == [big + 0.5, 1.5]
+    assert reference.exact(parts, "avg").tolist() == [(big + 0.5) / 2, 0.75]
+
+
+def test_bits_and_nan_mask_take_every_width():
+    assert reference.bits(np.array([-1], np.int8)).tolist() == [255]
+    assert reference.bits(np.array([-0.0], np.float64)).tolist() == [1 << 63]
+    assert not reference.nan_mask(np.array([-1, 0], np.int64)).any()
+    assert reference.nan_mask(np.array([np.nan, np.inf], np.float64)).tolist() == [True, False]
+    reference.assert_same_bits(np.array([np.nan, 1.0]), np.array([np.nan, 1.0]))
+    with pytest.raises(AssertionError, match="1 of 2 elements differ"):
+        reference.assert_same_bits(np.array([3, 4], np.uint32), np.array([3, 5], np.uint32))
