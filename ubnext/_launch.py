@@ -4,10 +4,17 @@ A ``Launcher`` holds, for one compiled entry point, one buffer with an 8-byte sl
 parameter and the array of pointers to those slots that ``cuLaunchKernel`` takes. The
 parameters that never change (pool addresses, library slots, the timeout record) are
 written once; a call packs the others into their slots with one ``struct`` call and
-launches through CuPy's compiled binding of ``cuLaunchKernel`` (a ctypes call with its
-argument conversions cost about 3 µs more per launch on H200 hosts). Kernels that run in
+launches through CuPy's compiled binding of ``cuLaunchKernel``. Kernels that run in
 thread-block clusters carry their cluster shape (kernels/rmsnorm.cuh: UB_CLUSTER), so
 they launch the same way.
+
+The binding-layer exception (ubnext's other CUDA calls use CuPy's public API, or
+``cuda.bindings`` through ``_cuda``): ``cupy_backends.cuda.api.driver`` is private. Host
+µs per launch of an empty kernel with these 11 parameters, H100 (bench/launch_floor.py,
+bench/results/launch_floor_h100.txt): this binding with a prebuilt pack 3.4-4.1, CuPy's
+public ``RawKernel()`` 8.2-10.9, a ctypes ``cuLaunchKernel`` about 3 more (H200). The
+public ``cuda.bindings.driver.cuLaunchKernel`` with the same pack returned
+CUDA_ERROR_INVALID_VALUE there and is not measured yet.
 """
 
 from __future__ import annotations
