@@ -68,19 +68,21 @@ def launch_candidates():
     pack = (ctypes.c_void_p * len(types))(*[ctypes.addressof(slots) + 8 * i for i in range(len(types))])
     pack_ptr = ctypes.addressof(pack)
     func = kernel.kernel.ptr
-    cu_func, cu_stream = driver.CUfunction(init_value=func), driver.CUstream(init_value=stream)
+    cu_func = driver.CUfunction(init_value=func)
     launcher = Launcher(kernel, types, prefix=(1, 2, 3))
     args = (cupy.uint64(1), cupy.uint64(2), cupy.int32(3)) + tuple(cupy.uint64(v) for v in range(8))
 
+    keep = (slots, pack)  # the pack's memory, read through pack_ptr: the dict below keeps it
+
     def bindings(params):
         def launch():
-            (err,) = driver.cuLaunchKernel(cu_func, 1, 1, 1, 32, 1, 1, 0, cu_stream, params, 0)
+            (err,) = driver.cuLaunchKernel(cu_func, 1, 1, 1, 32, 1, 1, 0, stream, params, 0)
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"cuLaunchKernel: {err}")
         return launch
 
     return {
-        "cupy launchKernel": lambda: cupy_driver.launchKernel(func, 1, 1, 1, 32, 1, 1, 0, stream, pack_ptr, 0),
+        "cupy launchKernel": lambda _keep=keep: cupy_driver.launchKernel(func, 1, 1, 1, 32, 1, 1, 0, stream, pack_ptr, 0),
         "cuda.bindings cuLaunchKernel": bindings(pack_ptr),
         "cupy RawKernel()": lambda: kernel((1,), (32,), args),
         "ubnext Launcher": lambda: launcher(1, 32, stream, *range(8)),

@@ -10,11 +10,11 @@ they launch the same way.
 
 The binding-layer exception (ubnext's other CUDA calls use CuPy's public API, or
 ``cuda.bindings`` through ``_cuda``): ``cupy_backends.cuda.api.driver`` is private. Host
-µs per launch of an empty kernel with these 11 parameters, H100 (bench/launch_floor.py,
-bench/results/launch_floor_h100.txt): this binding with a prebuilt pack 3.4-4.1, CuPy's
-public ``RawKernel()`` 8.2-10.9, a ctypes ``cuLaunchKernel`` about 3 more (H200). The
-public ``cuda.bindings.driver.cuLaunchKernel`` with the same pack returned
-CUDA_ERROR_INVALID_VALUE there and is not measured yet.
+µs per launch of an empty kernel with these 11 parameters, one H100 host
+(bench/launch_floor.py; bench/results/launch_floor_h100.txt, a slow phase of the host,
+and bench/NOTES.md): CuPy's binding with a prebuilt pack 4.2-4.5, cuda.bindings'
+``cuLaunchKernel`` with the same pack 5.0-5.6 (+1.1 µs, 25 %), CuPy's public
+``RawKernel()`` 12.2-12.8; in a fast phase 3.4, 3.9 and 8.0-8.3.
 """
 
 from __future__ import annotations
