@@ -1,0 +1,16 @@
+"""torch.distributed's ReduceOp (or a name) to ubnext's op names."""
+
+from __future__ import annotations
+
+from .._algorithms import OPS
+from .._errors import UbnextError
+
+
+def op_name(op) -> str:
+    """``"sum"``, ``"avg"``, ``"max"`` or ``"min"`` for ``ReduceOp.SUM/AVG/MAX/MIN`` or those
+    names (any case); anything else raises."""
+    name = op if isinstance(op, str) else getattr(op, "name", None)
+    if isinstance(name, str) and name.lower() in OPS:
+        return name.lower()
+    raise UbnextError(f"ubnext.torch: unsupported reduce op {op!r}; ubnext reduces with "
+                      f"ReduceOp.SUM, AVG, MAX and MIN ({', '.join(OPS)})")
