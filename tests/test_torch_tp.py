@@ -57,3 +57,32 @@ def test_planned_buffers_give_the_same_bits(size):
 
     for planned, plain in run_ranks(size, rank):
         tp.assert_equal_bits(planned, plain)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_row_parallel_forward_planned_in_place(bias):
+    """RowParallelLinear.forward on the planned path reduces in place in the buffer: the
+    same bits as the plain path, and (without bias) a view of the planned buffer."""
+    from ubnext.torch import RowParallelLinear
+
+    g = torch.Generator().manual_seed(5)
+    weight, b = torch.randn(HIDDEN, INTERMEDIATE, generator=g), torch.randn(HIDDEN, generator=g)
+    x = torch.randn(TOKENS, INTERMEDIATE, generator=g)
+
+    def rank(comm):
+        plan = BufferPlan(comm, TOKENS, {"row": HIDDEN}, torch.float32)
+        layer = RowParallelLinear(INTERMEDIATE, HIDDEN, comm, bias=bias, plan=plan, key="row")
+        layer.load_full(weight, b)
+        cols = INTERMEDIATE // comm.size
+        xs = x[:, comm.rank * cols:(comm.rank + 1) * cols]
+        with torch.no_grad():
+            planned = layer(xs)
+            in_buffer = planned._base is plan.buffers[0]
+            planned = planned.clone()
+            layer.plan = None
+            plain = layer(xs)
+        return planned, plain, in_buffer
+
+    for planned, plain, in_buffer in run_ranks(2, rank):
+        assert torch.equal(planned, plain)
+        assert in_buffer == (not bias)

@@ -114,10 +114,21 @@ class RowParallelLinear(nn.Module):
         return F.linear(x2, self.weight)
 
     def forward(self, x):
-        y = functional.all_reduce(self.partial(x), "sum", self.group)
+        """The all-reduced output (plus the bias). On the planned path the reduction runs in
+        place in the planned buffer (no staging copy); without a bias the result is then a
+        view of that buffer, valid until this layer's next call."""
+        partial = self.partial(x)
+        if self.plan is not None and self._planned(partial):
+            torch.ops.ubnext.all_reduce_(partial, "sum", self.group)
+            y = partial
+        else:
+            y = functional.all_reduce(partial, "sum", self.group)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _planned(self, t) -> bool:
+        return t._base is self.plan.buffers[self.plan.assign(self.key)]
 
     @torch.no_grad()
     def load_full(self, weight, bias=None) -> None:
