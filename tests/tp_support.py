@@ -64,9 +64,10 @@ def run_block(kind: str, module, rank: int, size: int, data: dict, backward: boo
     residual = data["residual"].detach().clone().requires_grad_(backward)
     if kind == "mlp":
         normed, res = module(x, residual)
-    else:
+    else:  # this rank's heads
         cols = data["attention"].shape[1] // size
-        x = data["attention"][:, rank * cols:(rank + 1) * cols].detach().clone().requires_grad_(backward)
+        x = data["attention"][:, rank * cols:(rank + 1) * cols].detach().clone(memory_format=torch.contiguous_format)
+        x.requires_grad_(backward)
         normed, res = module(x, residual)
     out = {"normed": normed.detach(), "residual_out": res.detach()}
     if backward:
@@ -80,8 +81,8 @@ def emulate(kind: str, w: dict, data: dict, rank: int, size: int, fused, all_red
     """What ``run_block`` gives on ``rank`` of ``size``, from every shard's GEMMs in one
     process: ``fused(partials, residual, weight, bias, eps) -> (normed, residual_out)``
     and ``all_reduce(partials) -> sum`` reduce them as the communicator does."""
-    def leaf(t):
-        return t.detach().clone().requires_grad_(backward)
+    def leaf(t):  # contiguous, as the layers' parameters and inputs are
+        return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(backward)
 
     shards = []
     for r in range(size):
