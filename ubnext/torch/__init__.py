@@ -33,8 +33,9 @@ from ._registry import handle
 from .tp import (AddRMSNormEpilogue, ColumnParallelLinear, RowParallelLinear, TensorParallelAttentionOutput,
                  TensorParallelMLP)
 
-__all__ = ["AddRMSNormEpilogue", "BufferPlan", "ColumnParallelLinear", "ReduceOp", "RowParallelLinear",
-           "TensorParallelAttentionOutput", "TensorParallelMLP", "all_reduce", "functional", "handle"]
+# ReduceOp is torch.distributed's, re-exported (documented there)
+__all__ = ["AddRMSNormEpilogue", "BufferPlan", "ColumnParallelLinear", "RowParallelLinear",
+           "TensorParallelAttentionOutput", "TensorParallelMLP", "all_reduce", "functional", "handle", "op_name"]
 
 
 class _Done:

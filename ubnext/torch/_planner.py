@@ -23,9 +23,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 class BufferPlan:
     """Symmetric buffers for row-parallel outputs, planned for ``max_tokens``.
 
-    Collective: yes at construction (``Communicator.empty`` on every rank alike); the
-    views it hands out are host-only.
-    Graph-capturable: ``view`` yes (host only); construction no (it allocates).
+    Collective: yes (``Communicator.empty`` on every rank alike); its views are host-only.
+    Graph-capturable: no (it allocates); ``view`` and ``assign`` yes (host only).
 
     Args:
         group: the ``ubnext.Communicator`` whose pool holds the buffers.
@@ -48,7 +47,20 @@ class BufferPlan:
 
     def assign(self, key) -> int:
         """The buffer of ``key``: the next one round-robin the first time, the same ever after
-        (keys assigned in the same order on every rank get the same buffers)."""
+        (keys assigned in the same order on every rank get the same buffers).
+
+        Collective: no (but every rank must assign its keys in the same order).
+        Graph-capturable: yes (host only).
+
+        Args:
+            key: any hashable naming a layer.
+
+        Returns:
+            The index of its buffer in ``buffers``.
+
+        Raises:
+            Nothing.
+        """
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
@@ -57,7 +69,22 @@ class BufferPlan:
 
     def view(self, key, rows: int, cols: int, dtype):
         """A (rows, cols) view of ``key``'s buffer, or None (logged once) where the call is
-        larger than planned or of another dtype: the caller then takes the staging path."""
+        larger than planned or of another dtype: the caller then takes the staging path.
+
+        Collective: no.
+        Graph-capturable: yes (host only).
+
+        Args:
+            key: the layer's key.
+            rows, cols: the output's shape.
+            dtype: the output's torch dtype.
+
+        Returns:
+            A view of the buffer's first rows * cols elements, or None.
+
+        Raises:
+            Nothing.
+        """
         if rows * cols > self.capacity or dtype != self.dtype:
             log_once(f"plan:{key}", f"BufferPlan: a {rows} x {cols} {dtype} output of {key!r} does not fit the "
                                     f"planned {self.capacity} {self.dtype} elements; it goes through a staging copy")

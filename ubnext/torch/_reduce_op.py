@@ -7,8 +7,20 @@ from .._errors import UbnextError
 
 
 def op_name(op) -> str:
-    """``"sum"``, ``"avg"``, ``"max"`` or ``"min"`` for ``ReduceOp.SUM/AVG/MAX/MIN`` or those
-    names (any case); anything else raises."""
+    """ubnext's name of a reduce op.
+
+    Collective: no.
+    Graph-capturable: yes (host only).
+
+    Args:
+        op: ``torch.distributed.ReduceOp.SUM``, ``AVG``, ``MAX`` or ``MIN``, or those names (any case).
+
+    Returns:
+        ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+
+    Raises:
+        UbnextError: any other op (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM).
+    """
     name = op if isinstance(op, str) else getattr(op, "name", None)
     if isinstance(name, str) and name.lower() in OPS:
         return name.lower()

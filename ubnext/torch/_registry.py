@@ -25,8 +25,22 @@ _by_handle: dict[int, weakref.ref] = {}
 
 
 def handle(group) -> int:
-    """The int handle of ``group`` (a communicator, or a handle already), registering a
-    communicator the first time it is seen."""
+    """The int handle of ``group`` that the ``torch.ops.ubnext`` ops take, registering a
+    communicator the first time it is seen (the same handle for its lifetime; the
+    registry holds it weakly).
+
+    Collective: no.
+    Graph-capturable: yes (host only; torch.compile reads it as a constant).
+
+    Args:
+        group: a ``ubnext.Communicator``, or a handle already.
+
+    Returns:
+        The int handle.
+
+    Raises:
+        Nothing (an unknown handle raises UbnextError when an op looks it up).
+    """
     if isinstance(group, int):
         return group
     h = getattr(group, _ATTR, None)

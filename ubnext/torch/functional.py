@@ -13,6 +13,8 @@ from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
 from ._reduce_op import op_name
 from ._registry import handle
 
+__all__ = ["all_reduce", "all_reduce_add_rmsnorm", "copy_to_group"]
+
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
     """All-reduce into a new tensor (``torch.ops.ubnext.all_reduce``); ``tensor`` is unchanged.

@@ -30,7 +30,7 @@ def _shard(n: int, size: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """``y_rank = x @ W[rank rows].T + b[rank rows]``, x replicated.
 
-    Collective: in backward (the input's gradient is all-reduced); the forward moves nothing.
+    Collective: yes in backward (the input's gradient is all-reduced); the forward moves nothing.
     Graph-capturable: yes.
 
     Args:
@@ -58,7 +58,18 @@ class ColumnParallelLinear(nn.Module):
 
     @torch.no_grad()
     def load_full(self, weight, bias=None) -> None:
-        """Copies this rank's rows of the unsharded ``weight`` (and ``bias``)."""
+        """Copies this rank's rows of the unsharded ``weight`` (and ``bias``).
+
+        Collective: no.
+        Graph-capturable: yes (device copies).
+
+        Args:
+            weight: out_features x in_features.
+            bias: out_features elements, or None.
+
+        Raises:
+            RuntimeError: shapes that do not fit the shards (torch's copy).
+        """
         n = self.weight.shape[0]
         self.weight.copy_(weight[self.rank * n:(self.rank + 1) * n])
         if self.bias is not None:
@@ -74,7 +85,7 @@ class RowParallelLinear(nn.Module):
     larger than planned, or one that needs a gradient, takes an ordinary tensor (the
     all-reduce then stages it).
 
-    Collective: ``forward`` yes (an all-reduce); ``partial`` no.
+    Collective: yes: ``forward`` (an all-reduce); ``partial`` is local.
     Graph-capturable: yes.
 
     Args:
@@ -105,7 +116,20 @@ class RowParallelLinear(nn.Module):
             plan.assign(self.key)  # assigned at construction: the same order on every rank
 
     def partial(self, x):
-        """This rank's partial sums (tokens x out_features), in the planned buffer where one fits."""
+        """This rank's partial sums, in the planned buffer where one fits.
+
+        Collective: no.
+        Graph-capturable: yes.
+
+        Args:
+            x: (..., in_features / ranks), this rank's slice of the input features.
+
+        Returns:
+            (tokens, out_features) partial sums (a view of the planned buffer on the planned path).
+
+        Raises:
+            RuntimeError: shapes that do not fit (torch's GEMM).
+        """
         x2 = x.reshape(-1, x.shape[-1])
         if self.plan is not None and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             out = self.plan.view(self.key, x2.shape[0], self.weight.shape[0], x.dtype)
@@ -116,7 +140,20 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         """The all-reduced output (plus the bias). On the planned path the reduction runs in
         place in the planned buffer (no staging copy); without a bias the result is then a
-        view of that buffer, valid until this layer's next call."""
+        view of that buffer, valid until this layer's next call.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call.
+
+        Args:
+            x: (..., in_features / ranks), this rank's slice of the input features.
+
+        Returns:
+            (..., out_features), the same on every rank.
+
+        Raises:
+            UbnextError: what ``Communicator.all_reduce`` raises.
+        """
         partial = self.partial(x)
         if self.plan is not None and self._planned(partial):
             torch.ops.ubnext.all_reduce_(partial, "sum", self.group)
@@ -132,7 +169,18 @@ class RowParallelLinear(nn.Module):
 
     @torch.no_grad()
     def load_full(self, weight, bias=None) -> None:
-        """Copies this rank's columns of the unsharded ``weight`` (and the whole ``bias``)."""
+        """Copies this rank's columns of the unsharded ``weight`` (and the whole ``bias``).
+
+        Collective: no.
+        Graph-capturable: yes (device copies).
+
+        Args:
+            weight: out_features x in_features.
+            bias: out_features elements, or None.
+
+        Raises:
+            RuntimeError: shapes that do not fit the shards (torch's copy).
+        """
         n = self.weight.shape[1]
         self.weight.copy_(weight[:, self.rank * n:(self.rank + 1) * n])
         if self.bias is not None:
@@ -151,6 +199,9 @@ class AddRMSNormEpilogue(nn.Module):
         group: the ``ubnext.Communicator``.
         eps: the RMSNorm epsilon.
         dtype, device: of the norm weight.
+
+    Raises:
+        UbnextError: ``group`` is not a live communicator.
     """
 
     def __init__(self, hidden: int, group, eps: float = 1e-6, dtype=None, device=None):
@@ -178,6 +229,9 @@ class TensorParallelAttentionOutput(nn.Module):
         eps: the RMSNorm epsilon.
         plan, key: as for ``RowParallelLinear``.
         dtype, device: of the parameters.
+
+    Raises:
+        UbnextError: heads_features not a multiple of the ranks.
     """
 
     def __init__(self, hidden: int, heads_features: int, group, bias: bool = False, eps: float = 1e-6, plan=None,
@@ -187,7 +241,21 @@ class TensorParallelAttentionOutput(nn.Module):
         self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device)
 
     def forward(self, attention, residual):
-        """``(normed, residual)`` from this rank's heads' outputs (tokens x local heads_features)."""
+        """``(normed, residual)`` from this rank's heads' outputs.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call of the same shape.
+
+        Args:
+            attention: tokens x (heads_features / ranks), this rank's heads.
+            residual: tokens x hidden, the same on every rank.
+
+        Returns:
+            ``(normed, residual)``, tokens x hidden each, the same on every rank.
+
+        Raises:
+            UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises.
+        """
         return self.norm(self.proj.partial(attention), residual, self.proj.bias)
 
 
@@ -207,6 +275,9 @@ class TensorParallelMLP(nn.Module):
         eps: the RMSNorm epsilon.
         plan, key: as for ``RowParallelLinear``.
         dtype, device: of the parameters.
+
+    Raises:
+        UbnextError: intermediate not a multiple of the ranks.
     """
 
     def __init__(self, hidden: int, intermediate: int, group, bias: bool = False, eps: float = 1e-6, plan=None,
@@ -217,14 +288,41 @@ class TensorParallelMLP(nn.Module):
         self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device)
 
     def forward(self, x, residual):
-        """``(normed, residual)`` from the block's (replicated, normed) input and residual."""
+        """``(normed, residual)`` from the block's input and residual.
+
+        Collective: yes: every rank calls it, in the same order (one all-reduce more in backward).
+        Graph-capturable: yes, after a first eager call of the same shape.
+
+        Args:
+            x: tokens x hidden, the (normed) block input, the same on every rank.
+            residual: tokens x hidden, the same on every rank.
+
+        Returns:
+            ``(normed, residual)``, tokens x hidden each, the same on every rank.
+
+        Raises:
+            UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises.
+        """
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.norm(self.down.partial(F.silu(gate) * up), residual, self.down.bias)
 
     @torch.no_grad()
     def load_full(self, gate, up, down, norm_weight, down_bias=None) -> None:
-        """This rank's shards of the unsharded weights: ``gate``, ``up`` (intermediate x
-        hidden), ``down`` (hidden x intermediate), the norm's weight and down's bias."""
+        """Copies this rank's shards of the unsharded weights.
+
+        Collective: no.
+        Graph-capturable: yes (device copies).
+
+        Args:
+            gate: intermediate x hidden.
+            up: intermediate x hidden.
+            down: hidden x intermediate.
+            norm_weight: hidden elements.
+            down_bias: hidden elements, or None.
+
+        Raises:
+            RuntimeError: shapes that do not fit the shards (torch's copy).
+        """
         n = self.gate_up.weight.shape[0] // 2
         r = self.gate_up.rank
         self.gate_up.weight.copy_(torch.cat([gate[r * n:(r + 1) * n], up[r * n:(r + 1) * n]]))
