@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_support import require_gpu_and_torch, skip_where_nccl_cannot_run
+from gpu_support import require_gpu_and_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -21,14 +21,9 @@ TOKENS, HIDDEN = 8, 256
 @pytest.fixture(scope="module")
 def comm():
     require_gpu_and_torch()
-    import torch
+    from tp_support import gpu_communicator
 
-    import ubnext
-
-    c = ubnext.Communicator()
-    torch.cuda.set_device(c.device)
-    if c.select(TOKENS * HIDDEN * 2, "bfloat16") == "nccl":
-        skip_where_nccl_cannot_run(c)
+    c = gpu_communicator(TOKENS * HIDDEN * 2, "bfloat16")
     yield c
     c.close()
 

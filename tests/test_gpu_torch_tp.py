@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-import tp_support as tp
-from gpu_support import (device, expected_add_rmsnorm, expected_all_reduce, host, ran, recorded_launches,
-                         require_gpu_and_torch, skip_where_nccl_cannot_run)
+pytest.importorskip("torch", reason="ubnext.torch needs torch")
+
+import tp_support as tp  # noqa: E402
+from gpu_support import (device,  # noqa: E402 expected_add_rmsnorm, expected_all_reduce, host, ran, recorded_launches)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,15 +26,7 @@ TOKENS, HIDDEN, INTERMEDIATE, HEADS_FEATURES = 16, 512, 1024, 512
 
 @pytest.fixture(scope="module")
 def comm():
-    require_gpu_and_torch()
-    import torch
-
-    import ubnext
-
-    c = ubnext.Communicator()
-    torch.cuda.set_device(c.device)
-    if c.select(TOKENS * HIDDEN * 4, "float32") == "nccl":
-        skip_where_nccl_cannot_run(c)
+    c = tp.gpu_communicator(TOKENS * HIDDEN * 4, "float32")
     yield c
     c.close()
 

@@ -17,6 +17,20 @@ EPS = 1e-5
 BF16_BOUND = 2.0 ** -5
 
 
+def gpu_communicator(nbytes: int, dtype: str):
+    """A communicator for the GPU tests of ubnext.torch, on its device; skips where NCCL
+    would reduce ``nbytes`` of ``dtype`` but cannot (ranks sharing a GPU). Collective."""
+    import ubnext
+    from gpu_support import require_gpu_and_torch, skip_where_nccl_cannot_run
+
+    require_gpu_and_torch()
+    c = ubnext.Communicator()
+    torch.cuda.set_device(c.device)
+    if c.select(nbytes, dtype) == "nccl":
+        skip_where_nccl_cannot_run(c)
+    return c
+
+
 def weights(hidden: int, intermediate: int, heads_features: int, dtype, device, seed: int = 0) -> dict:
     """The unsharded weights of an MLP and an attention output projection, the same on every rank."""
     g = torch.Generator(device="cpu").manual_seed(seed)

@@ -169,17 +169,17 @@ class RowParallelLinear(nn.Module):
 
     @torch.no_grad()
     def load_full(self, weight, bias=None) -> None:
-        """Copies this rank's columns of the unsharded ``weight`` (and the whole ``bias``).
+        """Copies this rank's columns of the unsharded weight and the whole bias.
 
         Collective: no.
         Graph-capturable: yes (device copies).
 
         Args:
-            weight: out_features x in_features.
-            bias: out_features elements, or None.
+            weight: the unsharded weight (out_features x in_features); this rank's columns are copied.
+            bias: all out_features elements (every rank holds the bias), or None.
 
         Raises:
-            RuntimeError: shapes that do not fit the shards (torch's copy).
+            RuntimeError: a weight or bias of another shape (torch's copy).
         """
         n = self.weight.shape[1]
         self.weight.copy_(weight[:, self.rank * n:(self.rank + 1) * n])
@@ -224,11 +224,8 @@ class TensorParallelAttentionOutput(nn.Module):
     Args:
         hidden: model features.
         heads_features: heads x head_dim of the full attention (a multiple of the ranks).
-        group: the ``ubnext.Communicator``.
-        bias: whether the projection has a bias.
-        eps: the RMSNorm epsilon.
-        plan, key: as for ``RowParallelLinear``.
-        dtype, device: of the parameters.
+        group, bias, eps, plan, key, dtype, device: as for ``TensorParallelMLP`` (``bias``:
+            the projection's).
 
     Raises:
         UbnextError: heads_features not a multiple of the ranks.
