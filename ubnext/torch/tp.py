@@ -21,6 +21,13 @@ from . import functional
 from ._registry import handle, lookup
 
 
+def _ranks(group) -> tuple[int, int, int]:
+    """(handle, rank, ranks) of a communicator."""
+    h = handle(group)
+    comm = lookup(h)
+    return h, comm.rank, comm.size
+
+
 def _shard(n: int, size: int, what: str) -> int:
     if n % size:
         raise UbnextError(f"ubnext.torch.tp: {what}={n} is not a multiple of the {size} ranks")
@@ -46,9 +53,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = False, dtype=None, device=None):
         super().__init__()
-        self.group = handle(group)
-        comm = lookup(self.group)
-        self.rank, self.size = comm.rank, comm.size
+        self.group, self.rank, self.size = _ranks(group)
         local = _shard(out_features, self.size, "out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
@@ -104,9 +109,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group, bias: bool = False, plan=None, key=None,
                  dtype=None, device=None):
         super().__init__()
-        self.group = handle(group)
-        comm = lookup(self.group)
-        self.rank, self.size = comm.rank, comm.size
+        self.group, self.rank, self.size = _ranks(group)
         local = _shard(in_features, self.size, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
