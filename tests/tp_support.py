@@ -38,7 +38,8 @@ def weights(hidden: int, intermediate: int, heads_features: int, dtype, device, 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
 
-    return {"gate": rnd(intermediate, hidden, scale=hidden ** -0.5), "up": rnd(intermediate, hidden, scale=hidden ** -0.5),
+    return {"gate": rnd(intermediate, hidden, scale=hidden ** -0.5),
+            "up": rnd(intermediate, hidden, scale=hidden ** -0.5),
             "down": rnd(hidden, intermediate, scale=intermediate ** -0.5), "down_bias": rnd(hidden, scale=0.1),
             "mlp_norm": 1 + rnd(hidden, scale=0.1), "o": rnd(hidden, heads_features, scale=heads_features ** -0.5),
             "o_bias": rnd(hidden, scale=0.1), "attn_norm": 1 + rnd(hidden, scale=0.1)}
@@ -122,7 +123,8 @@ def emulate(kind: str, w: dict, data: dict, rank: int, size: int, fused, all_red
     d = d_sum.to(res.dtype)
     grads = [torch.autograd.grad(s[0], [s[1], *s[2].values()], d) for s in shards]
     bias_name = "down.bias" if kind == "mlp" else "proj.bias"
-    out.update({"grad_residual": d, "grad:norm.weight": d_norm.to(norm_w.dtype), f"grad:{bias_name}": d_sum.sum(0).to(bias.dtype)})
+    out.update({"grad_residual": d, "grad:norm.weight": d_norm.to(norm_w.dtype),
+                f"grad:{bias_name}": d_sum.sum(0).to(bias.dtype)})
     out.update({f"grad:{name}": g for name, g in zip(shards[rank][2], grads[rank][1:])})
     out["grad_x"] = all_reduce([g[0] for g in grads]) if kind == "mlp" else grads[rank][0]
     return out
@@ -162,7 +164,8 @@ def assert_equal_bits(got: dict, want: dict) -> None:
     assert got.keys() == want.keys(), f"{sorted(got)} != {sorted(want)}"
     for name in got:
         a, b = got[name], want[name]
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)} != {b.dtype} {tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{name}: {a.dtype} {tuple(a.shape)} != {b.dtype} {tuple(b.shape)}")
         same = torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
                            b.view(torch.int16 if b.element_size() == 2 else torch.int32))
         assert same, f"{name}: differs from the emulation of the shards in {int((a != b).sum())} elements"
