@@ -88,7 +88,7 @@ def run_block(kind: str, module, rank: int, size: int, data: dict, backward: boo
     if backward:
         torch.autograd.backward((normed, res), (data["grad_normed"], data["grad_residual"]))
         out.update(grad_x=x.grad, grad_residual=residual.grad,
-                   **{f"grad:{n}": p.grad for n, p in module.named_parameters()})
+                   **{f"grad:{n.removeprefix('_orig_mod.')}": p.grad for n, p in module.named_parameters()})
     return out
 
 

@@ -85,10 +85,10 @@ class RowParallelLinear(nn.Module):
     """``partial_rank = x_rank @ W[:, rank columns].T``, all-reduced (plus the bias) by
     ``forward`` or by an ``AddRMSNormEpilogue``.
 
-    With a ``BufferPlan``, a call without gradient writes its partial sums straight into
-    the planned symmetric buffer of ``key`` (no staging copy before the all-reduce); a call
-    larger than planned, or one that needs a gradient, takes an ordinary tensor (the
-    all-reduce then stages it).
+    With a ``BufferPlan``, an eager call without gradient writes its partial sums straight
+    into the planned symmetric buffer of ``key`` (no staging copy before the all-reduce); a
+    call larger than planned, one that needs a gradient, or one traced by torch.compile
+    (which plans its own memory) takes an ordinary tensor (the all-reduce then stages it).
 
     Collective: yes: ``forward`` (an all-reduce); ``partial`` is local.
     Graph-capturable: yes.
@@ -134,7 +134,10 @@ class RowParallelLinear(nn.Module):
             RuntimeError: shapes that do not fit (torch's GEMM).
         """
         x2 = x.reshape(-1, x.shape[-1])
-        if self.plan is not None and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        # the planned path: eager code (and CUDA graphs of it) without gradient; torch.compile
+        # plans its own memory (a write into a buffer outside the graph would be copied back)
+        if (self.plan is not None and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             out = self.plan.view(self.key, x2.shape[0], self.weight.shape[0], x.dtype)
             if out is not None:
                 return torch.matmul(x2, self.weight.t(), out=out)
@@ -158,7 +161,7 @@ class RowParallelLinear(nn.Module):
             UbnextError: what ``Communicator.all_reduce`` raises.
         """
         partial = self.partial(x)
-        if self.plan is not None and self._planned(partial):
+        if self.plan is not None and not torch.compiler.is_compiling() and self._planned(partial):
             torch.ops.ubnext.all_reduce_(partial, "sum", self.group)
             y = partial
         else:
