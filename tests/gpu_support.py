@@ -252,6 +252,8 @@ class Launch:
             ubnext._engine.Engine passes them): ``x, out, n, sig`` (Lamport kernels),
             ``buf_off, src, dst, n, sig`` (two-shot), ``x, rows, hidden, ...`` (fused and
             separate add + RMSNorm).
+        collective: the plain entry point's collective (``ubnext._algorithms.COLLECTIVES``;
+            the reduce-scatter's and all-gather's ``n`` is elements per rank).
     """
 
     kernel: str
@@ -259,6 +261,7 @@ class Launch:
     threads: int
     cluster: int
     args: tuple
+    collective: str = "all_reduce"
 
     @property
     def buffers(self) -> tuple:
@@ -307,9 +310,9 @@ def recorded_launches(comm):
 def _identify(comm, launcher, threads: int, args: tuple) -> Launch:
     node = comm._node
     if node is not None:
-        for (algorithm, _dtype, _op, fused, cluster), known in node.engine._launchers.items():
+        for (algorithm, _dtype, _op, fused, cluster, collective), known in node.engine._launchers.items():
             if known is launcher:
-                return Launch(algorithm, fused, threads, cluster, args)
+                return Launch(algorithm, fused, threads, cluster, args, collective)
     epilogue = comm._dispatch._epilogue
     if epilogue is not None and any(known is launcher for known in epilogue._launchers.values()):
         return Launch("add_rmsnorm", False, threads, 1, args)
