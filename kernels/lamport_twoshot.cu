@@ -153,6 +153,19 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
   finish_launch(c, l.s, (u32)(N * slice));
 }
 
+// A reduce-scatter's or all-gather's launch: N slices of k elements, `slice` whole vectors
+// each (nvec in all; span: a slice's k elements), this launch's buffer and this block's
+// part of every slice.
+template <class T, int N> struct LamportSlices {
+  Span<T> span;
+  u64 slice, nvec;
+  LamportLaunch l;
+  BlockPart p;
+  __device__ LamportSlices(u64 k, LaunchState* state, u64 set_off, u64 area_bytes)
+      : span(k), slice(span.nvec), nvec(N * span.nvec), l(lamport_begin(state, set_off, 2 * area_bytes)),
+        p(block_part(span.nvec)) {}
+};
+
 // Reduce-scatter of N slices of k elements: x holds them as N * slice whole vectors
 // (slice = ceil(k / kPer); the host pads each slice in the staging slot when k is not a
 // multiple of kPer), out (local) gets this rank's k reduced elements. Steps 1-3 of the
@@ -160,17 +173,14 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
 template <class T, class Op, int N, class Tp>
 __device__ void lamport_twoshot_reduce_scatter(const Tp& tp, u64 set_off, u64 area_bytes, const char* x,
                                                char* out, u64 k, u64 sig, LaunchState* state) {
-  const Span<T> span(k);
-  const u64 slice = span.nvec, nvec = N * slice;
-  const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
+  const LamportSlices<T, N> g(k, state, set_off, area_bytes);
   WaitCtx c = wait_ctx(state, tp.rank);
-  const BlockPart p = block_part(slice);
 
-  push_slices<T, N>(tp, l.cur, slice, nvec, p, [&](u64 i) { return ld_weak(x + i * kVec); });
-  lamport_twoshot_repoison<T, N>(tp, l, area_bytes, sig);
-  lamport_reduce_own<T, Op, N>(tp, l.cur, area_bytes, slice, nvec, p, sig, c,
-                               [&](u64, u64 j, const uint4& r) { span.store(out, j, r); });
-  finish_launch(c, l.s, (u32)nvec);
+  push_slices<T, N>(tp, g.l.cur, g.slice, g.nvec, g.p, [&](u64 i) { return ld_weak(x + i * kVec); });
+  lamport_twoshot_repoison<T, N>(tp, g.l, area_bytes, sig);
+  lamport_reduce_own<T, Op, N>(tp, g.l.cur, area_bytes, g.slice, g.nvec, g.p, sig, c,
+                               [&](u64, u64 j, const uint4& r) { g.span.store(out, j, r); });
+  finish_launch(c, g.l.s, (u32)g.nvec);
 }
 
 // All-gather of N slices of k elements: this rank's x (k elements, local, -0.0 sent as
@@ -181,24 +191,21 @@ __device__ void lamport_twoshot_reduce_scatter(const Tp& tp, u64 set_off, u64 ar
 template <class T, int N, class Tp>
 __device__ void lamport_twoshot_all_gather(const Tp& tp, u64 set_off, u64 area_bytes, const char* x,
                                            char* out, u64 k, u64 sig, LaunchState* state) {
-  const Span<T> span(k);
-  const u64 slice = span.nvec, nvec = N * slice;
-  const LamportLaunch l = lamport_begin(state, set_off, 2 * area_bytes);
+  const LamportSlices<T, N> g(k, state, set_off, area_bytes);
   WaitCtx c = wait_ctx(state, tp.rank);
-  const BlockPart p = block_part(slice);
-  const u64 ag = l.cur + area_bytes;
+  const u64 ag = g.l.cur + area_bytes;
 
-  for (u64 j = p.lo + threadIdx.x; j < p.hi; j += blockDim.x) {
-    const u64 i = tp.rank * slice + j;
-    const uint4 v = clear_sentinel<T>(span.load(x, j));
+  for (u64 j = g.p.lo + threadIdx.x; j < g.p.hi; j += blockDim.x) {
+    const u64 i = tp.rank * g.slice + j;
+    const uint4 v = clear_sentinel<T>(g.span.load(x, j));
     tp.push_peers(ag + i * kVec, v);
     st_weak(out + i * kVec, v);
   }
-  lamport_twoshot_repoison<T, N>(tp, l, area_bytes, sig);
-  lamport_agree<T, N>(tp.seg(tp.rank) + headers<N>(l.cur, area_bytes), sig, c);
-  lamport_gather_others<T, N>(tp, tp.seg(tp.rank) + ag, slice, nvec, p, c,
+  lamport_twoshot_repoison<T, N>(tp, g.l, area_bytes, sig);
+  lamport_agree<T, N>(tp.seg(tp.rank) + headers<N>(g.l.cur, area_bytes), sig, c);
+  lamport_gather_others<T, N>(tp, tp.seg(tp.rank) + ag, g.slice, g.nvec, g.p, c,
                               [&](u64 i, const uint4& v) { st_weak(out + i * kVec, v); });
-  finish_launch(c, l.s, (u32)nvec);
+  finish_launch(c, g.l.s, (u32)g.nvec);
 }
 
 // A row's scale as the fused kernel pushes it: one byte of its fp32 bits per 32-bit word,

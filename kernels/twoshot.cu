@@ -106,6 +106,18 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
   finish_launch(c, l, (u32)span.nvec);
 }
 
+// A reduce-scatter's or all-gather's geometry: N slices of k elements, `slice` whole
+// vectors each (one: a slice's k elements; all: the N slices as whole vectors), and this
+// block's part of every slice.
+template <class T, int N> struct Slices {
+  Span<T> one;
+  u64 slice;
+  Span<T> all;
+  SlicePart p;
+  __device__ explicit Slices(u64 k)
+      : one(k), slice(one.nvec), all(N * one.nvec * Vec<T>::kPer), p(slice_part(one.nvec)) {}
+};
+
 // Reduce-scatter of N slices of k elements: slice s of the buffer (slice = ceil(k / kPer)
 // vectors, whole vectors: the host pads each slice in the staging slot when k is not a
 // multiple of kPer) reduced over every rank into this rank's `dst` (k elements, local)
@@ -116,23 +128,22 @@ __device__ void twoshot_allreduce(const Tp& tp, u64 buf_off, u64 flags_off, cons
 template <class T, class Op, int N, class Tp>
 __device__ void twoshot_reduce_scatter(const Tp& tp, u64 buf_off, u64 flags_off, const char* src,
                                        char* dst, u64 k, u64 sig, LaunchState* state) {
-  const Span<T> out(k);
-  const u64 slice = out.nvec;
-  const Span<T> all(N * slice * Vec<T>::kPer);
+  const Slices<T, N> g(k);
   const LaunchView l = read_launch_state(state);
   WaitCtx c = wait_ctx(state, tp.rank);
-  const SlicePart p = slice_part(slice);
 
-  if (src != nullptr) copy_slices<T, N>(all, slice, p, tp.seg(tp.rank) + buf_off, [&](u64 i) { return ld_weak(src + i * kVec); });
+  if (src != nullptr) {
+    copy_slices<T, N>(g.all, g.slice, g.p, tp.seg(tp.rank) + buf_off, [&](u64 i) { return ld_weak(src + i * kVec); });
+  }
   const bool entered = tp.barrier(flags_off, 0, l.epoch + 1u, sig, c, kSiteEntryBarrier);
-  reduce_part<T, Op, N>(tp, buf_off, slice, all.nvec, p, entered, [&](u64, u64 j, u64, const uint4& r) {
-    out.store(dst, j, r);
+  reduce_part<T, Op, N>(tp, buf_off, g.slice, g.all.nvec, g.p, entered, [&](u64, u64 j, u64, const uint4& r) {
+    g.one.store(dst, j, r);
   });
   const bool ok = tp.barrier(flags_off, 1, l.epoch + 1u, 0, c, kSiteExitBarrier);
   if (!ok) {
-    for (u64 j = p.lo + threadIdx.x; j < p.hi; j += blockDim.x) out.store(dst, j, Vec<T>::poison());
+    for (u64 j = g.p.lo + threadIdx.x; j < g.p.hi; j += blockDim.x) g.one.store(dst, j, Vec<T>::poison());
   }
-  finish_launch(c, l, (u32)all.nvec);
+  finish_launch(c, l, (u32)g.all.nvec);
 }
 
 // All-gather of N slices of k elements into the buffer (slice s at vector s * slice,
@@ -144,22 +155,19 @@ __device__ void twoshot_reduce_scatter(const Tp& tp, u64 buf_off, u64 flags_off,
 template <class T, int N, class Tp>
 __device__ void twoshot_all_gather(const Tp& tp, u64 buf_off, u64 flags_off, const char* src,
                                    char* dst, u64 k, u64 sig, LaunchState* state) {
-  const Span<T> in(k);
-  const u64 slice = in.nvec;
-  const Span<T> all(N * slice * Vec<T>::kPer);
+  const Slices<T, N> g(k);
   const LaunchView l = read_launch_state(state);
   WaitCtx c = wait_ctx(state, tp.rank);
-  const SlicePart p = slice_part(slice);
   char* mine = tp.seg(tp.rank) + buf_off;
 
   const bool entered = tp.barrier(flags_off, 0, l.epoch + 1u, sig, c, kSiteEntryBarrier);
-  for (u64 j = p.lo + threadIdx.x; entered && j < p.hi; j += blockDim.x) {
-    const u64 off = buf_off + (tp.rank * slice + j) * kVec;
-    tp.template store_all<T>(off, src != nullptr ? in.load(src, j) : ld_weak(mine - buf_off + off), 0);
+  for (u64 j = g.p.lo + threadIdx.x; entered && j < g.p.hi; j += blockDim.x) {
+    const u64 off = buf_off + (tp.rank * g.slice + j) * kVec;
+    tp.template store_all<T>(off, src != nullptr ? g.one.load(src, j) : ld_weak(mine - buf_off + off), 0);
   }
   const bool ok = tp.barrier(flags_off, 1, l.epoch + 1u, 0, c, kSiteExitBarrier);
-  if (dst != nullptr || !ok) copy_out<T, N>(all, slice, p, mine, dst, ok);
-  finish_launch(c, l, (u32)all.nvec);
+  if (dst != nullptr || !ok) copy_out<T, N>(g.all, g.slice, g.p, mine, dst, ok);
+  finish_launch(c, l, (u32)g.all.nvec);
 }
 
 // Fused all-reduce + residual add + RMSNorm (rmsnorm.cuh) of `rows` rows of a.hidden

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import zlib
 
 import numpy as np
 import pytest
@@ -42,6 +43,23 @@ def require_gpu_and_torch():
     if gpu_count() == 0:
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("torch", reason="the GPU tests build their inputs with torch")
+
+
+def communicator():
+    """A Communicator of every rank, closed at the end: the generator of a test module's
+    ``comm`` fixture (``pytest.fixture(scope="module", name="comm")(communicator)``); skips
+    without a GPU and torch."""
+    require_gpu_and_torch()
+    import ubnext
+
+    c = ubnext.Communicator()
+    yield c
+    c.close()
+
+
+def seed_of(*parts) -> int:
+    """A seed from a test's parameters, the same on every rank."""
+    return zlib.crc32("-".join(map(str, parts)).encode()) % 100000
 
 
 def torch_dtype(name: str):

@@ -15,13 +15,11 @@ NCCL runs are skipped where ranks share a GPU; skipped without a GPU.
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 
 from gpu_support import (
-    WIDTH, Bordered, as_framework, assert_same_bits_everywhere, collected, device, host, norm_operands,
-    rank_inputs, recorded_launches, skip_where_nccl_cannot_run, to_torch,
+    WIDTH, Bordered, as_framework, assert_same_bits_everywhere, collected, communicator, device, host,
+    norm_operands, rank_inputs, recorded_launches, seed_of, skip_where_nccl_cannot_run, to_torch,
 )
 from ubnext import _reference as reference
 from ubnext._algorithms import KERNEL_DTYPES
@@ -40,21 +38,7 @@ def per_rank(size: str, dtype: str, nranks: int) -> int:
     return fixed[size] if size in fixed else 64 * MIB // WIDTH[dtype] // nranks
 
 
-def seed_of(*parts) -> int:
-    """A seed from the test's parameters, the same on every rank."""
-    return zlib.crc32("-".join(map(str, parts)).encode()) % 100000
-
-
-@pytest.fixture(scope="module")
-def comm():
-    from gpu_support import require_gpu_and_torch
-
-    require_gpu_and_torch()
-    import ubnext
-
-    c = ubnext.Communicator()
-    yield c
-    c.close()
+comm = pytest.fixture(scope="module", name="comm")(communicator)
 
 
 def cases():

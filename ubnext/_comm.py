@@ -304,12 +304,8 @@ class Communicator:
             raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
                               f"for in place, or a separate array")
         algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, fused=True)
-        if xb.count == 0:
+        if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
             return nb.obj, ob.obj
-        if self.config.debug:
-            self._compare_across_ranks(name, (xb.count, xb.dtype, "add_rmsnorm", algo))
-        if side:
-            _arrays.record_stream(handle, owner, (xb, rb, wb, bb, nb, ob))
         norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
         aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
         chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
@@ -359,9 +355,7 @@ class Communicator:
                 outputs hold NaN where results were not computed.
         """
         name = "reduce_scatter"
-        self._check_open(name)
-        handle, owner, side = _arrays.launch_stream(stream, x)
-        xb = self._input(name, x, handle)
+        handle, owner, side, xb = self._open_call(name, x, stream)
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
         if xb.count % self.size:
@@ -372,14 +366,9 @@ class Communicator:
         shape = ((xb.shape[0] // self.size, *xb.shape[1:]) if xb.shape and xb.shape[0] % self.size == 0
                  else (k,))
         ob = self._part_out(name, xb, out, k, shape, handle, owner, side)
-        if k == 0:
-            return ob.obj
-        if self.config.debug:
-            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
-        if side:
-            _arrays.record_stream(handle, owner, (xb, ob))
-        self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner,
-                                      _signature.encode(name, xb.dtype, op, xb.count))
+        if self._prepare(name, algo, xb, k, op, handle, owner, side, (xb, ob)):
+            self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner,
+                                          _signature.encode(name, xb.dtype, op, xb.count))
         return ob.obj
 
     def all_gather(self, x, out=None, algorithm: str = "auto", stream=None):
@@ -407,16 +396,12 @@ class Communicator:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
 
         Raises:
-            UbnextError: invalid arguments (before anything is launched), among them an
-                ``out`` whose count the world size does not divide; closed communicator.
-                BrokenCommunicatorError (CollectiveTimeoutError, CollectiveMismatchError,
-                ConcurrentUseError): an earlier collective of this communicator failed; its
-                outputs hold NaN where results were not computed.
+            UbnextError: bad arguments, among them an ``out`` whose count the world size does
+                not divide, raised before any launch; a closed communicator.
+                BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
         """
         name = "all_gather"
-        self._check_open(name)
-        handle, owner, side = _arrays.launch_stream(stream, x)
-        xb = self._input(name, x, handle)
+        handle, owner, side, xb = self._open_call(name, x, stream)
         k = xb.count
         if out is not None:
             total = _arrays.as_buffer(out, name, handle).count
@@ -426,14 +411,8 @@ class Communicator:
         algo = self._resolve(name, algorithm, xb.nbytes * self.size, xb.dtype, collective=name)
         shape = (self.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (self.size,)
         ob = self._part_out(name, xb, out, k * self.size, shape, handle, owner, side)
-        if k == 0:
-            return ob.obj
-        if self.config.debug:
-            self._compare_across_ranks(name, (xb.count, xb.dtype, "-", algo))
-        if side:
-            _arrays.record_stream(handle, owner, (xb, ob))
-        self._dispatch.all_gather(algo, xb, ob, k, handle, owner,
-                                  _signature.encode(name, xb.dtype, "sum", ob.count))
+        if self._prepare(name, algo, xb, k, "-", handle, owner, side, (xb, ob)):
+            self._dispatch.all_gather(algo, xb, ob, k, handle, owner, _signature.encode(name, xb.dtype, "sum", ob.count))
         return ob.obj
 
     def reduce_scatter_add_rmsnorm(self, x, residual_shard, weight, eps: float = 1e-6, bias=None,
@@ -470,16 +449,12 @@ class Communicator:
             framework.
 
         Raises:
-            UbnextError: invalid arguments (before anything is launched), among them rows
-                that the world size does not divide; closed communicator.
-                BrokenCommunicatorError (CollectiveTimeoutError, CollectiveMismatchError,
-                ConcurrentUseError): an earlier collective of this communicator failed; its
-                outputs hold NaN where results were not computed.
+            UbnextError: bad arguments, among them rows that the world size does not divide,
+                raised before any launch; a closed communicator.
+                BrokenCommunicatorError and its kinds, as ``reduce_scatter`` raises them.
         """
         name = "reduce_scatter_add_rmsnorm"
-        self._check_open(name)
-        handle, owner, side = _arrays.launch_stream(stream, x)
-        xb = self._input(name, x, handle)
+        handle, owner, side, xb = self._open_call(name, x, stream)
         if len(xb.shape) != 2:
             raise UbnextError(f"{name}: x must be 2-D (rows x hidden), got shape {tuple(xb.shape)}")
         rows, hidden = (int(d) for d in xb.shape)
@@ -496,23 +471,34 @@ class Communicator:
         nb = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shard), name, handle)
         ob = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shard), name, handle)
         algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, collective="reduce_scatter")
-        if xb.count == 0:
+        if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
             return nb.obj, ob.obj
-        if self.config.debug:
-            self._compare_across_ranks(name, (xb.count, xb.dtype, "add_rmsnorm", algo))
-        if side:
-            _arrays.record_stream(handle, owner, (xb, rb, wb, bb, nb, ob))
         norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
         self._dispatch.reduce_scatter_add_rmsnorm(algo, xb, nb, shard[0], hidden, norm, eps, handle, owner,
                                                   _signature.encode_fused(xb.dtype, rows, hidden, name))
         return nb.obj, ob.obj
 
-    def _input(self, name: str, x, handle: int):
-        """x as a Buffer, checked to be on this communicator's device."""
+    def _prepare(self, name: str, algo: str, xb, k: int, op: str, handle: int, owner, side: bool,
+                 buffers: tuple) -> bool:
+        """Whether a call of ``k`` elements (per rank) has work: then the ranks' calls are
+        compared in debug mode, and its ``buffers`` recorded on a side stream."""
+        if k == 0:
+            return False
+        if self.config.debug:
+            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
+        if side:
+            _arrays.record_stream(handle, owner, buffers)
+        return True
+
+    def _open_call(self, name: str, x, stream) -> tuple:
+        """The start of a call: the communicator open, its launch stream (``handle, owner,
+        side``: ``_arrays.launch_stream``) and x as a Buffer on this communicator's device."""
+        self._check_open(name)
+        handle, owner, side = _arrays.launch_stream(stream, x)
         xb = _arrays.as_buffer(x, name, handle)
         if xb.device != self.device:
             raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
-        return xb
+        return handle, owner, side, xb
 
     def _part_out(self, name: str, xb, out, count: int, shape: tuple, handle: int, owner, side: bool):
         """The output of a reduce-scatter (``count`` < x's) or all-gather: ``out`` checked
