@@ -192,5 +192,6 @@ def test_one_rank_average_is_a_copy_not_an_nccl_call(monkeypatch):
     comm.all_reduce(0x1000, 0x2000, 4099, "float64", "avg", 0x99)
     comm.all_reduce(0x1000, 0x1000, 4099, "bfloat16", "avg", 0x99)
     comm.all_reduce(0x1000, 0x2000, 5, "float32", "sum", 0x99)
-    assert copies == [(0x2000, 0x1000, 4099 * 8, 3, 0x99)]
+    comm.reduce_scatter(0x1000, 0x3000, 7, "float16", "avg", 0x99)  # at one rank, the all-reduce
+    assert copies == [(0x2000, 0x1000, 4099 * 8, 3, 0x99), (0x3000, 0x1000, 7 * 2, 3, 0x99)]
     assert nccl.NcclCommunicator.created[0].calls == [(0x1000, 0x2000, 5, 7, 0, 0x99)]
