@@ -47,7 +47,7 @@ def cases():
             for size in SIZES:
                 if size == "64MiB" and dtype != "bfloat16":
                     continue
-                for place in ("out", "in"):
+                for place in ("out", "in") if size != "64MiB" else ("out",):  # 64 MiB: one case, to stay fast
                     yield pytest.param(algo, dtype, size, place, id=f"{algo}-{dtype}-{size}-{place}")
 
 
