@@ -116,26 +116,61 @@ run_or_abort = _cli.run_or_abort
 # --------------------------------------------------------------------------- the collective record
 
 
+def all_reduce_data(nranks: int, rank: int, count: int, seed: int, op: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s all-reduce input of ``count`` elements and the exact result
+    (:func:`make_input`, :func:`expected_output`)."""
+    return make_input(rank, nranks, count, seed), expected_output(nranks, count, seed, op)
+
+
 @dataclass(frozen=True)
 class Collective:
     """What a benchmark needs to know about one collective (nccl-tests' ``testColl``).
 
     Attributes:
         name: display name, e.g. ``"AllReduce"``.
-        count: ``(nbytes, itemsize, nranks) -> elements`` per rank for a message of ``nbytes``.
+        count: ``(nbytes, itemsize, nranks) -> elements`` of a message of ``nbytes`` (the
+            table's count: the larger buffer's).
         bus_factor: ``nranks -> busbw / algbw``.
         run: ``(engine, send, recv, dtype, op, stream) -> None`` enqueues one operation.
+        buffers: ``(count, nranks) -> (send, recv)`` elements (default: the all-reduce's).
+        in_place: ``(count, nranks, rank) -> (send, recv)`` offsets, in elements, in the one
+            buffer of an in-place call (default: both at 0).
+        data: ``(nranks, rank, count, seed, op) -> (this rank's input, its exact output)``
+            (default :func:`all_reduce_data`).
+        reduces: whether it takes a reduction op (nccl-tests prints ``none`` otherwise).
     """
 
     name: str
     count: Callable[[int, int, int], int]
     bus_factor: Callable[[int], float]
     run: Callable[..., None]
+    buffers: Callable[[int, int], tuple[int, int]] = lambda count, nranks: (count, count)
+    in_place: Callable[[int, int, int], tuple[int, int]] = lambda count, nranks, rank: (0, 0)
+    data: Callable[..., tuple[np.ndarray, np.ndarray]] = all_reduce_data
+    reduces: bool = True
 
     def bandwidths(self, nbytes: int, seconds: float, nranks: int) -> tuple[float, float]:
         """``(algbw, busbw)`` in GB/s (10^9 bytes) for ``nbytes`` moved in ``seconds``."""
         algbw = nbytes / 1e9 / seconds if seconds > 0 else 0.0
         return algbw, algbw * self.bus_factor(nranks)
+
+
+def sliced(name: str, run: Callable[..., None], data: Callable[..., tuple[np.ndarray, np.ndarray]],
+           gathers: bool) -> Collective:
+    """A collective with a side of size x k elements and a side of k, as nccl-tests'
+    reduce_scatter (``gathers`` False: the input is the larger side) and all_gather
+    (``gathers``: the output is): counts of the larger side, rounded down to a multiple of
+    the world size; in place, the smaller side is rank r's slice of the larger;
+    busbw = algbw * (n-1)/n."""
+    def buffers(count: int, nranks: int) -> tuple[int, int]:
+        return (count // nranks, count) if gathers else (count, count // nranks)
+
+    def in_place(count: int, nranks: int, rank: int) -> tuple[int, int]:
+        return (rank * (count // nranks), 0) if gathers else (0, rank * (count // nranks))
+
+    return Collective(name=name, count=lambda nbytes, itemsize, nranks: nbytes // itemsize // nranks * nranks,
+                      bus_factor=lambda nranks: (nranks - 1) / nranks, run=run, buffers=buffers,
+                      in_place=in_place, data=data, reduces=not gathers)
 
 
 # --------------------------------------------------------------------------- exactly checkable data
@@ -188,6 +223,19 @@ def expected_output(nranks: int, count: int, seed: int, op: str) -> np.ndarray:
     for x in inputs:
         reduce(result, x, out=result)
     return result.astype(np.float64)
+
+
+def reduce_scatter_data(nranks: int, rank: int, count: int, seed: int, op: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s reduce-scatter input (``count`` elements) and its slice of the exact result."""
+    k = count // nranks
+    return make_input(rank, nranks, count, seed), expected_output(nranks, count, seed, op)[rank * k:(rank + 1) * k]
+
+
+def all_gather_data(nranks: int, rank: int, count: int, seed: int, op: str) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s all-gather input (``count / nranks`` elements) and every rank's, in rank order."""
+    k = count // nranks
+    parts = [make_input(r, nranks, k, seed) for r in range(nranks)]
+    return parts[rank], np.concatenate(parts).astype(np.float64)
 
 
 def tolerance(op: str, nranks: int, dtype: DType) -> float:

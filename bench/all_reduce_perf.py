@@ -14,6 +14,10 @@ graph holding ``-n`` calls, and combined over ranks per ``-a`` (as nccl-tests:
 ``--backend nccl`` runs the real NCCL (``ubnext._nccl.NcclComm``) on the same
 kind of buffers, measured the same way, so both can be compared in one job.
 The exit status is 1 when any element was wrong.
+
+The machinery serves every collective benchmark (a ``Program``: its name, its
+``common.Collective``, the ubnext algorithms it may name): reduce_scatter_perf.py and
+all_gather_perf.py run it with theirs.
 """
 
 from __future__ import annotations
@@ -43,14 +47,26 @@ ALL_REDUCE = common.Collective(
 )
 
 
+@dataclass(frozen=True)
+class Program:
+    """One collective benchmark: its name, collective and the ubnext algorithms ``--algo`` takes."""
+
+    name: str
+    collective: common.Collective
+    algorithms: tuple[str, ...]
+
+
+ALL_REDUCE_PERF = Program(PROGRAM, ALL_REDUCE, ("auto", "lamport", "twoshot", "nccl"))
+
+
 # --------------------------------------------------------------------------- arguments
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(program: Program = ALL_REDUCE_PERF) -> argparse.ArgumentParser:
     """The command line: nccl-tests' flags and defaults, plus ubnext's own."""
     p = argparse.ArgumentParser(
-        prog=PROGRAM,
-        description="ubnext all-reduce benchmark (nccl-tests flags and output).",
+        prog=program.name,
+        description=f"ubnext {program.collective.name} benchmark (nccl-tests flags and output).",
     )
     p.add_argument("-b", "--minbytes", type=common.size_arg, default=32 << 20, help="smallest size (default 32M)")
     p.add_argument("-e", "--maxbytes", type=common.size_arg, default=32 << 20, help="largest size (default 32M)")
@@ -68,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-J", "--output_file", default="", help="write results as nccl-tests JSON to this file")
     p.add_argument("--backend", choices=("ubnext", "nccl"), default="ubnext",
                    help="ubnext, or the real NCCL through ubnext._nccl.NcclComm (default ubnext)")
-    p.add_argument("--algo", choices=("auto", "lamport", "twoshot", "nccl"), default="auto",
+    p.add_argument("--algo", choices=program.algorithms, default="auto",
                    help="ubnext algorithm (backend ubnext only; default auto)")
     p.add_argument("--symmetric", type=int, choices=(0, 1), default=None,
                    help="1: buffers from comm.empty (symmetric memory), 0: plain cupy buffers "
@@ -76,13 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and validate ``argv``; adds ``dtypes``, ``ops`` and ``sizes`` and resolves ``symmetric``."""
-    parser = build_parser()
+def parse_args(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF) -> argparse.Namespace:
+    """Parse and validate ``argv``; adds ``program``, ``dtypes``, ``ops`` (``["none"]`` for a
+    collective without a reduction) and ``sizes`` and resolves ``symmetric``."""
+    parser = build_parser(program)
     args = parser.parse_args(argv)
+    args.program = program
     try:
         args.dtypes = common.parse_dtypes(args.datatype)
-        args.ops = common.parse_ops(args.op)
+        args.ops = common.parse_ops(args.op) if program.collective.reduces else ["none"]
         args.sizes = common.size_list(args.minbytes, args.maxbytes, args.stepbytes, args.stepfactor)
     except ValueError as exc:
         parser.error(str(exc))
@@ -113,6 +131,12 @@ class UbnextEngine:
     def all_reduce(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
         self.comm.all_reduce(send, out=recv, op=op, algorithm=self.algorithm, stream=stream)
 
+    def reduce_scatter(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        self.comm.reduce_scatter(send, out=recv, op=op, algorithm=self.algorithm, stream=stream)
+
+    def all_gather(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        self.comm.all_gather(send, out=recv, algorithm=self.algorithm, stream=stream)
+
 
 class NcclEngine:
     """The real NCCL on the raw pointers of cupy arrays."""
@@ -123,13 +147,20 @@ class NcclEngine:
     def all_reduce(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
         self.nccl.all_reduce(send.data.ptr, recv.data.ptr, send.size, dtype.ubnext, op, stream.ptr)
 
+    def reduce_scatter(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        self.nccl.reduce_scatter(send.data.ptr, recv.data.ptr, recv.size, dtype.ubnext, op, stream.ptr)
+
+    def all_gather(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        self.nccl.all_gather(send.data.ptr, recv.data.ptr, send.size, dtype.ubnext, stream.ptr)
+
 
 @dataclass
 class World:
     """What a benchmark process holds: the ubnext communicator, its engine, a stream, two buffers.
 
     ``allocate(count, dtype)`` makes one 1-D cupy array; :meth:`buffers` keeps
-    one send and one receive buffer of the current dtype, sized for ``-e``.
+    one send and one receive buffer of the current dtype, sized for ``-e``;
+    ``collective`` says how a call uses them.
     """
 
     comm: Any
@@ -139,6 +170,7 @@ class World:
     notes: list[str]
     send: Any = None
     recv: Any = None
+    collective: common.Collective = ALL_REDUCE
 
     @property
     def rank(self) -> int:
@@ -159,9 +191,15 @@ class World:
             self.send, self.recv = self.allocate(count, dtype), self.allocate(count, dtype)
 
     def views(self, count: int, in_place: bool) -> tuple[Any, Any]:
-        """``(send, recv)`` views of the first ``count`` elements; in place, both are ``recv``."""
-        recv = self.recv[:count]
-        return (recv if in_place else self.send[:count]), recv
+        """``(send, recv)`` views for a message of ``count`` elements (``collective.buffers``);
+        in place, both in ``recv`` at the collective's offsets (the same view where they
+        coincide)."""
+        send_n, recv_n = self.collective.buffers(count, self.size)
+        if not in_place:
+            return self.send[:send_n], self.recv[:recv_n]
+        send_at, recv_at = self.collective.in_place(count, self.size, self.rank)
+        recv = self.recv[recv_at:recv_at + recv_n]
+        return (recv if (send_at, send_n) == (recv_at, recv_n) else self.recv[send_at:send_at + send_n]), recv
 
     def close(self) -> None:
         """Collective: closes the NCCL engine (if any) and the communicator."""
@@ -207,14 +245,15 @@ def open_world(args: argparse.Namespace) -> World:
             return cupy.empty((count,), dtype=dtype.numpy)
 
         notes.append("# Buffers: cupy.empty (not symmetric)")
-    return World(comm, engine, cupy.cuda.Stream(non_blocking=True), allocate, notes)
+    return World(comm, engine, cupy.cuda.Stream(non_blocking=True), allocate, notes,
+                 collective=args.program.collective)
 
 
 # --------------------------------------------------------------------------- one size
 
 
 def _launcher(world: World, send: Any, recv: Any, dtype: common.DType, op: str):
-    return lambda: ALL_REDUCE.run(world.engine, send, recv, dtype, op, world.stream)
+    return lambda: world.collective.run(world.engine, send, recv, dtype, op, world.stream)
 
 
 def warm_up(world: World, args: argparse.Namespace, dtype: common.DType, op: str) -> None:
@@ -224,7 +263,7 @@ def warm_up(world: World, args: argparse.Namespace, dtype: common.DType, op: str
     happens inside a CUDA graph capture. Collective; blocks the host.
     """
     for nbytes in sorted({args.sizes[0], args.sizes[-1]}):
-        send, recv = world.views(ALL_REDUCE.count(nbytes, dtype.itemsize, world.size), False)
+        send, recv = world.views(world.collective.count(nbytes, dtype.itemsize, world.size), False)
         launch = _launcher(world, send, recv, dtype, op)
         for _ in range(max(1, args.warmup_iters)):
             launch()
@@ -233,31 +272,32 @@ def warm_up(world: World, args: argparse.Namespace, dtype: common.DType, op: str
 
 def check(world: World, args: argparse.Namespace, dtype: common.DType, op: str, count: int,
           in_place: bool, seed: int) -> int:
-    """Run one all-reduce on known data and count wrong output elements, summed over ranks.
+    """Run one call on known data and count wrong output elements, summed over ranks.
 
     Out-of-place outputs are poisoned with NaN first. With ``-G`` the checked
     call is launched from a CUDA graph, as the timed calls are.
     Collective; blocks the host.
     """
     send, recv = world.views(count, in_place)
-    common.upload(send, common.make_input(world.rank, world.size, count, seed), dtype, world.stream)
+    values, expected = world.collective.data(world.size, world.rank, count, seed, op)
+    common.upload(send, values, dtype, world.stream)
     if not in_place:
-        common.poison(recv, count, dtype, world.stream)
+        common.poison(recv, expected.size, dtype, world.stream)
     launch = _launcher(world, send, recv, dtype, op)
     if args.cudagraph:
         graph = common.capture_graph(launch, world.stream, 1)
         graph.launch(world.stream)
     else:
         launch()
-    got = common.download(recv, count, dtype, world.stream)
-    want = common.encode(common.expected_output(world.size, count, seed, op), dtype)
+    got = common.download(recv, expected.size, dtype, world.stream)
+    want = common.encode(expected, dtype)
     wrong = common.count_wrong(got, want, dtype, common.tolerance(op, world.size, dtype))
     return int(sum(common.allgather_float(world.comm.bootstrap, float(wrong))))
 
 
 def measure(world: World, args: argparse.Namespace, dtype: common.DType, op: str, count: int,
             in_place: bool) -> float:
-    """Seconds per all-reduce, combined over ranks per ``-a``. Collective; blocks the host."""
+    """Seconds per call, combined over ranks per ``-a``. Collective; blocks the host."""
     send, recv = world.views(count, in_place)
     launch = _launcher(world, send, recv, dtype, op)
     for _ in range(args.warmup_iters):
@@ -275,8 +315,8 @@ def header_lines(args: argparse.Namespace, world: World, device_lines: list[str]
     step = f"{args.stepfactor}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
     algo = "-" if args.backend == "nccl" else args.algo
     return [
-        f"# ubnext {PROGRAM}: backend {args.backend} algorithm {algo} nccl-library={nccl_version()}",
-        f"# Collective test starting: {PROGRAM}",
+        f"# ubnext {args.program.name}: backend {args.backend} algorithm {algo} nccl-library={nccl_version()}",
+        f"# Collective test starting: {args.program.name}",
         f"# nThread 1 nGpus 1 minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} "
         f"warmup iters: {args.warmup_iters} iters: {args.iters} agg iters: 1 "
         f"validation: {args.check} graph: {args.cudagraph}",
@@ -310,7 +350,7 @@ def json_document(args: argparse.Namespace, argv: list[str], device_lines: list[
         args.stepfactor if args.stepfactor > 1 else args.stepbytes
     )
     return {
-        "version": 2, "start_time": start, "args": [PROGRAM, *argv], "env": common.environment_subset(),
+        "version": 2, "start_time": start, "args": [args.program.name, *argv], "env": common.environment_subset(),
         "nccl_version": nccl_version(), "config": config,
         "ubnext": {"backend": args.backend, "algorithm": args.algo, "symmetric": bool(args.symmetric),
                    "world_size": world.size, "average": args.average, "timer": "cuda events"},
@@ -326,7 +366,7 @@ def bench_size(world: World, args: argparse.Namespace, dtype: common.DType, op: 
         The table row, its JSON record, how many placements had wrong
         elements, and the two bus bandwidths.
     """
-    count = ALL_REDUCE.count(nbytes, dtype.itemsize, world.size)
+    count = world.collective.count(nbytes, dtype.itemsize, world.size)
     nbytes = count * dtype.itemsize
     line = common.row_prefix(nbytes, count, dtype.name, op)
     record: dict[str, Any] = {"size": nbytes, "count": count, "type": dtype.name, "redop": op, "root": f"{-1:6d}"}
@@ -339,7 +379,7 @@ def bench_size(world: World, args: argparse.Namespace, dtype: common.DType, op: 
                 break
         failed += bool(wrong)
         seconds = measure(world, args, dtype, op, count, in_place)
-        algbw, busbw = ALL_REDUCE.bandwidths(nbytes, seconds, world.size)
+        algbw, busbw = world.collective.bandwidths(nbytes, seconds, world.size)
         busbws.append(busbw)
         line += common.row_result(seconds * 1e6, algbw, busbw, wrong)
         record["in_place" if in_place else "out_of_place"] = {
@@ -369,7 +409,7 @@ def run(args: argparse.Namespace, world: World, argv: list[str]) -> int:
                 failed += wrong_tests
                 busbws += bws
     avg_busbw = sum(busbws) / len(busbws) if busbws else 0.0
-    for line in common.footer(failed, avg_busbw, PROGRAM):
+    for line in common.footer(failed, avg_busbw, args.program.name):
         say(line, flush=True)
     if args.output_file and world.rank == 0:
         doc.update({
@@ -381,10 +421,11 @@ def run(args: argparse.Namespace, world: World, argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; ``argv`` defaults to ``sys.argv[1:]``. Collective over ``MPI.COMM_WORLD``."""
+def main(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF) -> int:
+    """Entry point of ``program``; ``argv`` defaults to ``sys.argv[1:]``. Collective over
+    ``MPI.COMM_WORLD``."""
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    args = parse_args(argv, program)
     world = open_world(args)
     try:
         return run(args, world, argv)

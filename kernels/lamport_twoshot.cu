@@ -74,6 +74,59 @@ __device__ void signature_push_repoison(const Tp& tp, const LamportLaunch& l, u6
   lamport_repoison<T>(tp.seg(tp.rank) + headers<N>(l.old, area_bytes), N);
 }
 
+// Step 3 of the all-reduce and the reduce-scatter: checks the signatures (the first
+// vector's loads in flight meanwhile), then polls the N slots of vector j of this rank's
+// slice (i = rank * slice + j < nvec) in the reduce-scatter area at rs, reduces them in
+// rank order (-0.0 cleared from the result, so that every rank stores the same bits) and
+// calls emit(i, j, r); after a failure r is poison, which goes the same way, so the other
+// ranks finish with poison, not waits.
+template <class T, class Op, int N, class Tp, class Emit>
+__device__ void lamport_reduce_own(const Tp& tp, u64 rs, u64 area_bytes, u64 slice, u64 nvec, BlockPart p,
+                                   u64 sig, WaitCtx& c, Emit emit) {
+  const char* mine = tp.seg(tp.rank);
+  uint4 v[N];
+  const u64 j0 = p.lo + threadIdx.x;
+  if (j0 < p.hi && tp.rank * slice + j0 < nvec) lamport_load<N>(mine + rs, slice * kVec, j0, v);
+  lamport_agree<T, N>(mine + headers<N>(rs, area_bytes), sig, c);
+  for (u64 j = j0; j < p.hi; j += blockDim.x) {
+    const u64 i = tp.rank * slice + j;
+    if (i < nvec) {
+      if (j != j0) lamport_load<N>(mine + rs, slice * kVec, j, v);
+      emit(i, j, clear_sentinel<T>(lamport_collect<T, Op, N>(mine + rs, slice * kVec, j, v, c)));
+    }
+  }
+}
+
+// Step 4 of the all-reduce and the all-gather: polls vector j of every other rank's slice
+// (i = s * slice + j < nvec) in the all-gather area `ag` of this rank's segment (all loads
+// before the first wait) and calls store(i, v), v being poison if the wait gave up.
+template <class T, int N, class Tp, class Store>
+__device__ void lamport_gather_others(const Tp& tp, const char* ag, u64 slice, u64 nvec, BlockPart p, WaitCtx& c,
+                                      Store store) {
+  for (u64 j = p.lo + threadIdx.x; j < p.hi; j += blockDim.x) {
+    uint4 v[N];
+#pragma unroll
+    for (int s = 0; s < N; ++s) {
+      if (s != tp.rank && s * slice + j < nvec) v[s] = ld_volatile(ag + (s * slice + j) * kVec);
+    }
+#pragma unroll
+    for (int s = 0; s < N; ++s) {
+      const u64 i = s * slice + j;
+      if (s != tp.rank && i < nvec) store(i, lamport_wait<T>(ag + i * kVec, v[s], c, s) ? v[s] : Vec<T>::poison());
+    }
+  }
+}
+
+// Step 2 of every kernel of the family: re-poisons both areas of the previous launch's
+// buffer and its headers, and pushes this rank's signature.
+template <class T, int N, class Tp>
+__device__ void lamport_twoshot_repoison(const Tp& tp, const LamportLaunch& l, u64 area_bytes, u64 sig) {
+  char* mine = tp.seg(tp.rank);
+  lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
+  lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
+  signature_push_repoison<T, N>(tp, l, area_bytes, sig);
+}
+
 template <class T, class Op, int N, class Tp>
 __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_bytes,
                                           const char* x, char* out, u64 n, u64 sig,
@@ -83,48 +136,76 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
   WaitCtx c = wait_ctx(state, tp.rank);
   const u64 slice = round_up((span.nvec + N - 1) / N, UB_TWOSHOT_ALIGN_VECS);
   const BlockPart p = block_part(slice);
-  char* mine = tp.seg(tp.rank);
   const u64 rs = l.cur, ag = l.cur + area_bytes;
 
   // 1. Push slice s of my input into slot [rank] of rank s, my signature into its header.
   push_slices<T, N>(tp, rs, slice, span.nvec, p, [&](u64 i) { return span.load(x, i); });
   // 2. Re-poison both areas of the previous launch's buffer.
-  lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
-  lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
-  signature_push_repoison<T, N>(tp, l, area_bytes, sig);
-  // 3. Check the signatures (the first vector's loads in flight meanwhile), reduce my
-  //    slice in rank order; push it into every other rank's all-gather area, write it to
-  //    `out` (every rank stores the same bits: -0.0 cleared everywhere). After a failure
-  //    the poison goes the same way, so the other ranks finish with poison, not waits.
-  uint4 v[N];
-  const u64 j0 = p.lo + threadIdx.x;
-  if (j0 < p.hi && tp.rank * slice + j0 < span.nvec) lamport_load<N>(mine + rs, slice * kVec, j0, v);
-  lamport_agree<T, N>(mine + headers<N>(rs, area_bytes), sig, c);
-  for (u64 j = j0; j < p.hi; j += blockDim.x) {
-    const u64 i = tp.rank * slice + j;
-    if (i < span.nvec) {
-      if (j != j0) lamport_load<N>(mine + rs, slice * kVec, j, v);
-      const uint4 r = clear_sentinel<T>(lamport_collect<T, Op, N>(mine + rs, slice * kVec, j, v, c));
-      tp.push_peers(ag + i * kVec, r);
-      span.store(out, i, r);
-    }
-  }
-  // 4. Gather the other slices from my all-gather area (all loads before the first wait).
-  for (u64 j = p.lo + threadIdx.x; j < p.hi; j += blockDim.x) {
-    uint4 v[N];
-#pragma unroll
-    for (int s = 0; s < N; ++s) {
-      if (s != tp.rank && s * slice + j < span.nvec) v[s] = ld_volatile(mine + ag + (s * slice + j) * kVec);
-    }
-#pragma unroll
-    for (int s = 0; s < N; ++s) {
-      const u64 i = s * slice + j;
-      if (s != tp.rank && i < span.nvec) {
-        span.store(out, i, lamport_wait<T>(mine + ag + i * kVec, v[s], c, s) ? v[s] : Vec<T>::poison());
-      }
-    }
-  }
+  lamport_twoshot_repoison<T, N>(tp, l, area_bytes, sig);
+  // 3. Reduce my slice; push it into every other rank's all-gather area, write it to `out`.
+  lamport_reduce_own<T, Op, N>(tp, rs, area_bytes, slice, span.nvec, p, sig, c, [&](u64 i, u64, const uint4& r) {
+    tp.push_peers(ag + i * kVec, r);
+    span.store(out, i, r);
+  });
+  // 4. Gather the other slices from my all-gather area.
+  lamport_gather_others<T, N>(tp, tp.seg(tp.rank) + ag, slice, span.nvec, p, c,
+                              [&](u64 i, const uint4& v) { span.store(out, i, v); });
   finish_launch(c, l.s, (u32)(N * slice));
+}
+
+// A reduce-scatter's or all-gather's launch: N slices of k elements, `slice` whole vectors
+// each (nvec in all; span: a slice's k elements), this launch's buffer and this block's
+// part of every slice.
+template <class T, int N> struct LamportSlices {
+  Span<T> span;
+  u64 slice, nvec;
+  LamportLaunch l;
+  BlockPart p;
+  __device__ LamportSlices(u64 k, LaunchState* state, u64 set_off, u64 area_bytes)
+      : span(k), slice(span.nvec), nvec(N * span.nvec), l(lamport_begin(state, set_off, 2 * area_bytes)),
+        p(block_part(span.nvec)) {}
+};
+
+// Reduce-scatter of N slices of k elements: x holds them as N * slice whole vectors
+// (slice = ceil(k / kPer); the host pads each slice in the staging slot when k is not a
+// multiple of kPer), out (local) gets this rank's k reduced elements. Steps 1-3 of the
+// all-reduce, step 3 writing to `out` only. out may be this rank's slice of x.
+template <class T, class Op, int N, class Tp>
+__device__ void lamport_twoshot_reduce_scatter(const Tp& tp, u64 set_off, u64 area_bytes, const char* x,
+                                               char* out, u64 k, u64 sig, LaunchState* state) {
+  const LamportSlices<T, N> g(k, state, set_off, area_bytes);
+  WaitCtx c = wait_ctx(state, tp.rank);
+
+  push_slices<T, N>(tp, g.l.cur, g.slice, g.nvec, g.p, [&](u64 i) { return ld_weak(x + i * kVec); });
+  lamport_twoshot_repoison<T, N>(tp, g.l, area_bytes, sig);
+  lamport_reduce_own<T, Op, N>(tp, g.l.cur, area_bytes, g.slice, g.nvec, g.p, sig, c,
+                               [&](u64, u64 j, const uint4& r) { g.span.store(out, j, r); });
+  finish_launch(c, g.l.s, (u32)g.nvec);
+}
+
+// All-gather of N slices of k elements: this rank's x (k elements, local, -0.0 sent as
+// +0.0) goes into its slice of every other rank's all-gather area and of `out`; out
+// (local) gets every slice as N * slice whole vectors (slice = ceil(k / kPer); padded as
+// for the reduce-scatter). Step 1 pushes, steps 2 and 4 of the all-reduce, the signatures
+// checked before the gather. x may be this rank's slice of out.
+template <class T, int N, class Tp>
+__device__ void lamport_twoshot_all_gather(const Tp& tp, u64 set_off, u64 area_bytes, const char* x,
+                                           char* out, u64 k, u64 sig, LaunchState* state) {
+  const LamportSlices<T, N> g(k, state, set_off, area_bytes);
+  WaitCtx c = wait_ctx(state, tp.rank);
+  const u64 ag = g.l.cur + area_bytes;
+
+  for (u64 j = g.p.lo + threadIdx.x; j < g.p.hi; j += blockDim.x) {
+    const u64 i = tp.rank * g.slice + j;
+    const uint4 v = clear_sentinel<T>(g.span.load(x, j));
+    tp.push_peers(ag + i * kVec, v);
+    st_weak(out + i * kVec, v);
+  }
+  lamport_twoshot_repoison<T, N>(tp, g.l, area_bytes, sig);
+  lamport_agree<T, N>(tp.seg(tp.rank) + headers<N>(g.l.cur, area_bytes), sig, c);
+  lamport_gather_others<T, N>(tp, tp.seg(tp.rank) + ag, g.slice, g.nvec, g.p, c,
+                              [&](u64 i, const uint4& v) { st_weak(out + i * kVec, v); });
+  finish_launch(c, g.l.s, (u32)g.nvec);
 }
 
 // A row's scale as the fused kernel pushes it: one byte of its fp32 bits per 32-bit word,
@@ -164,9 +245,7 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   // 1. Push my rows of rank s's slice into slot [rank] of rank s (as the all-reduce does).
   push_slices<T, N>(tp, rs, rpr * vpr, rows * vpr, block_part(rpr * vpr), [&](u64 i) { return ld_weak(x + i * kVec); });
   // 2. Re-poison both areas of the previous launch's buffer.
-  lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
-  lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
-  signature_push_repoison<T, N>(tp, l, area_bytes, sig);
+  lamport_twoshot_repoison<T, N>(tp, l, area_bytes, sig);
   // 3. My rows, by row groups, once the signatures agree: reduce, add bias and residual,
   //    push the sums, finish the row here, pushing its scale as soon as it is known.
   lamport_agree<T, N>(mine + headers<N>(rs, area_bytes), sig, c);
@@ -227,6 +306,20 @@ ub_lamport_twoshot(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 
                    const char* x, char* out, u64 n, u64 sig, LaunchState* state) {
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   lamport_twoshot_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, set_off, area_bytes, x, out, n, sig, state);
+}
+
+extern "C" __global__ void __launch_bounds__(UB_LAMPORT_TWOSHOT_THREADS, 1)
+ub_lamport_twoshot_rs(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 area_bytes,
+                      const char* x, char* out, u64 k, u64 sig, LaunchState* state) {
+  const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
+  lamport_twoshot_reduce_scatter<UB_T, UB_OP, UB_NRANKS>(tp, set_off, area_bytes, x, out, k, sig, state);
+}
+
+extern "C" __global__ void __launch_bounds__(UB_LAMPORT_TWOSHOT_THREADS, 1)
+ub_lamport_twoshot_ag(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 area_bytes,
+                      const char* x, char* out, u64 k, u64 sig, LaunchState* state) {
+  const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
+  lamport_twoshot_all_gather<UB_T, UB_NRANKS>(tp, set_off, area_bytes, x, out, k, sig, state);
 }
 
 extern "C" __global__ void __launch_bounds__(UB_NORM_BLOCK_THREADS, 1) UB_CLUSTER_DIMS

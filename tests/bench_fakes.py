@@ -205,7 +205,8 @@ class Comm:
 
 
 class ReduceEngine:
-    """An all-reduce computed in float64 over the bootstrap; ``faults`` corrupts the last element."""
+    """An all-reduce (and reduce-scatter, all-gather) computed on the host over the
+    bootstrap; ``faults`` corrupts the all-reduce's last element."""
 
     _REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "avg": np.mean}
 
@@ -219,5 +220,22 @@ class ReduceEngine:
             if self.faults and result.size:
                 result[-1] += 1
             recv.host[...] = result.astype(recv.host.dtype)
+
+        stream.enqueue(work)
+
+    def reduce_scatter(self, send: ndarray, recv: ndarray, dtype: Any, op: str, stream: Stream) -> None:
+        """Rank r's slice of the all-reduce of ``send`` (``recv.size`` elements)."""
+        def work() -> None:
+            parts = self.bootstrap.allgather_obj(send.host.astype(np.float64))
+            k = recv.size
+            at = self.bootstrap.rank * k
+            recv.host[...] = self._REDUCE[op](np.stack(parts), axis=0)[at:at + k].astype(recv.host.dtype)
+
+        stream.enqueue(work)
+
+    def all_gather(self, send: ndarray, recv: ndarray, dtype: Any, op: str, stream: Stream) -> None:
+        """Every rank's ``send``, in rank order."""
+        def work() -> None:
+            recv.host[...] = np.concatenate(self.bootstrap.allgather_obj(send.host.copy()))
 
         stream.enqueue(work)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import zlib
 
 import numpy as np
 import pytest
@@ -42,6 +43,23 @@ def require_gpu_and_torch():
     if gpu_count() == 0:
         pytest.skip("needs a CUDA GPU")
     pytest.importorskip("torch", reason="the GPU tests build their inputs with torch")
+
+
+def communicator():
+    """A Communicator of every rank, closed at the end: the generator of a test module's
+    ``comm`` fixture (``pytest.fixture(scope="module", name="comm")(communicator)``); skips
+    without a GPU and torch."""
+    require_gpu_and_torch()
+    import ubnext
+
+    c = ubnext.Communicator()
+    yield c
+    c.close()
+
+
+def seed_of(*parts) -> int:
+    """A seed from a test's parameters, the same on every rank."""
+    return zlib.crc32("-".join(map(str, parts)).encode()) % 100000
 
 
 def torch_dtype(name: str):
@@ -252,6 +270,8 @@ class Launch:
             ubnext._engine.Engine passes them): ``x, out, n, sig`` (Lamport kernels),
             ``buf_off, src, dst, n, sig`` (two-shot), ``x, rows, hidden, ...`` (fused and
             separate add + RMSNorm).
+        collective: the plain entry point's collective (``ubnext._algorithms.COLLECTIVES``;
+            the reduce-scatter's and all-gather's ``n`` is elements per rank).
     """
 
     kernel: str
@@ -259,6 +279,7 @@ class Launch:
     threads: int
     cluster: int
     args: tuple
+    collective: str = "all_reduce"
 
     @property
     def buffers(self) -> tuple:
@@ -307,9 +328,9 @@ def recorded_launches(comm):
 def _identify(comm, launcher, threads: int, args: tuple) -> Launch:
     node = comm._node
     if node is not None:
-        for (algorithm, _dtype, _op, fused, cluster), known in node.engine._launchers.items():
+        for (algorithm, _dtype, _op, fused, cluster, collective), known in node.engine._launchers.items():
             if known is launcher:
-                return Launch(algorithm, fused, threads, cluster, args)
+                return Launch(algorithm, fused, threads, cluster, args, collective)
     epilogue = comm._dispatch._epilogue
     if epilogue is not None and any(known is launcher for known in epilogue._launchers.values()):
         return Launch("add_rmsnorm", False, threads, 1, args)

@@ -327,6 +327,44 @@ def test_all_reduce_perf_run_on_fake_gpu(monkeypatch, tmp_path, capsys, graph):
     assert doc["config"]["devices"][0]["device_info"] == "Fake GPU"
 
 
+@pytest.mark.parametrize("script", ["reduce_scatter_perf", "all_gather_perf"])
+def test_reduce_scatter_and_all_gather_perf_run_on_fake_gpu(monkeypatch, capsys, script):
+    """Their layouts (nccl-tests': sizes of the whole message, in place at rank r's slice)
+    checked bit for bit, on one rank of the fake GPU; redop "none" for the all-gather."""
+    import importlib
+
+    from bench import _sliced_perf
+
+    fakes.install(monkeypatch)
+    importlib.import_module(f"bench.{script}")  # the script imports
+    program = {"reduce_scatter_perf": _sliced_perf.REDUCE_SCATTER_PERF,
+               "all_gather_perf": _sliced_perf.ALL_GATHER_PERF}[script]
+    argv = ["-b", "8", "-e", "64K", "-f", "8", "-d", "all", "-n", "2", "-w", "1"]
+    args = arp.parse_args(argv, program)
+    world = _world(args)
+    world.collective = program.collective
+    assert arp.run(args, world, argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+    assert len(rows) == 3 * len(args.sizes) and all(r[8] == "0" and r[12] == "0" for r in rows)
+    assert f"# Collective test starting: {script}" in out
+    assert program.collective.bus_factor(4) == pytest.approx(0.75)
+    if not program.collective.reduces:
+        assert {r[3] for r in rows} == {"none"}
+
+
+def test_collective_layouts_at_four_ranks():
+    from bench._sliced_perf import ALL_GATHER, REDUCE_SCATTER
+
+    assert REDUCE_SCATTER.count(100, 2, 4) == 48 and ALL_GATHER.count(100, 2, 4) == 48
+    assert REDUCE_SCATTER.buffers(48, 4) == (48, 12) and REDUCE_SCATTER.in_place(48, 4, 3) == (0, 36)
+    assert ALL_GATHER.buffers(48, 4) == (12, 48) and ALL_GATHER.in_place(48, 4, 3) == (36, 0)
+    values, want = REDUCE_SCATTER.data(4, 2, 48, 7, "sum")
+    assert values.size == 48 and want.size == 12
+    values, want = ALL_GATHER.data(4, 2, 48, 7, "none")
+    assert values.size == 12 and want.size == 48 and (want[24:36] == values).all()
+
+
 def test_all_reduce_perf_counts_wrong_elements(monkeypatch, capsys):
     fakes.install(monkeypatch)
     argv = ["-b", "1K", "-e", "2K", "-f", "2", "-n", "1", "-c", "2", "-G", "1"]

@@ -10,11 +10,9 @@ skipped without a GPU.
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 
-from gpu_support import DTYPES, WIDTH, check_all_reduce, require_gpu_and_torch
+from gpu_support import DTYPES, WIDTH, check_all_reduce, require_gpu_and_torch, seed_of
 
 pytestmark = pytest.mark.gpu
 
@@ -35,11 +33,6 @@ def too_big(algo: str, nbytes: int) -> bool:
 def count_of(size: str, dtype: str) -> int:
     fixed = {"1": 1, "7": 7, "4096": 4096, "1M+3": (1 << 20) + 3}
     return fixed[size] if size in fixed else int(size[:-3]) * MIB // WIDTH[dtype]
-
-
-def seed_of(*parts) -> int:
-    """A seed from the test's parameters, the same on every rank."""
-    return zlib.crc32("-".join(map(str, parts)).encode()) % 100000
 
 
 @pytest.fixture(scope="session")

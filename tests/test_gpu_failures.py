@@ -210,6 +210,63 @@ def test_mismatched_calls_raise_on_every_rank(world, fresh, algo, case):
     torch_still_works()
 
 
+@pytest.mark.parametrize("algo", ["lamport_twoshot", "twoshot"])
+def test_reduce_scatter_against_all_reduce_raises_on_every_rank(world, fresh, algo):
+    """Rank 0 reduce-scatters what the others all-reduce (the same bytes, the same kernel
+    family and buffers): the in-band signatures differ, every rank raises and holds NaN."""
+    import torch
+
+    import ubnext
+
+    need_peers(world)
+    comm = fresh()
+    x = torch.ones(comm.size * 4096, device="cuda", dtype=torch.bfloat16)
+    if comm.rank == 0:
+        out = comm.reduce_scatter(x, algorithm=algo)
+    else:
+        out = comm.all_reduce(x, algorithm=algo)
+    with pytest.raises(ubnext.BrokenCommunicatorError) as info:
+        comm.synchronize()
+    assert isinstance(info.value, ubnext.CollectiveMismatchError) or "failed first" in str(info.value), \
+        str(info.value)
+    assert all_nan(out), f"rank {comm.rank} got a result from mismatched calls"
+    torch_still_works()
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("algo", ["lamport_twoshot", "twoshot"])
+def test_a_missing_peer_of_a_reduce_scatter_or_all_gather_times_out(world, fresh, algo, collective):
+    """Rank 0 calls, the others do not: rank 0 raises CollectiveTimeoutError after about
+    the timeout; the others, calling late, give up at once."""
+    import torch
+
+    import ubnext
+
+    need_peers(world)
+    comm = fresh()
+    x = torch.ones(comm.size * 4096, device="cuda", dtype=torch.bfloat16)
+    call = getattr(comm, collective)
+    call(x, algorithm=algo)  # everyone once: compiled, in step
+    comm.synchronize()
+    world.Barrier()
+    if comm.rank == 0:
+        t0 = time.monotonic()
+        out = call(x, algorithm=algo)
+        with pytest.raises(ubnext.CollectiveTimeoutError):
+            comm.synchronize()
+        assert TIMEOUT_S * 0.9 < time.monotonic() - t0 < TIMEOUT_S + 30
+        if collective == "reduce_scatter":  # the all-gather's own slice is this rank's input
+            assert all_nan(out), "a timed-out launch must leave NaN, not partial results"
+    world.Barrier()
+    if comm.rank != 0:
+        t0 = time.monotonic()
+        call(x, algorithm=algo)
+        with pytest.raises(ubnext.BrokenCommunicatorError):
+            comm.synchronize()
+        assert time.monotonic() - t0 < TIMEOUT_S / 2, "a late rank must give up at once, not time out again"
+    torch_still_works()
+
+
 def test_mismatched_counts_on_different_algorithms_raise_on_every_rank(world, fresh):
     """Counts on either side of the one-shot's limit put the ranks on different kernels,
     which never meet: every rank raises (a timeout, or the failure passed on)."""

@@ -113,6 +113,19 @@ def test_describe_reports_path_pool_tables_and_selection():
     assert "       1 GiB  nccl     table row > 32 MiB for 4 ranks float32 (default table h200)" in text
 
 
+def test_describe_explains_the_reduce_scatter_and_all_gather_choice():
+    d = _report.report(fake_comm(usable=("lamport", "lamport_twoshot", "twoshot", "nccl")))
+    for collective in ("reduce_scatter", "all_gather"):
+        rows = d["collectives"][collective]["bfloat16"]
+        assert [row[0] for row in rows] == _report.SIZES
+        assert rows[0][1:] == ["lamport_twoshot",
+                               f"table row ≤ 32 MiB for 4 ranks bfloat16 ({collective}, default table h200)"]
+        assert rows[-1][1] == "nccl"
+        assert f"  {collective} bfloat16" in str(d)
+    d = _report.report(fake_comm(usable=("lamport", "lamport_twoshot", "twoshot", "nccl"), algorithm="lamport"))
+    assert d["collectives"]["all_gather"]["bfloat16"][0][1] == "lamport_twoshot"  # lamport has no all-gather
+
+
 def test_describe_nccl_only_forced_algorithm_nvls_and_tune_file(tmp_path):
     d = _report.report(fake_comm(usable=("nccl",), nccl_reason="UBNEXT_ALGO=nccl", algorithm="nccl"))
     assert d["path"] == "NCCL only: UBNEXT_ALGO=nccl" and d["pool"] is None

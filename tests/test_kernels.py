@@ -28,8 +28,9 @@ def test_every_instantiation_compiles_for_sm90a(algorithm, dtype, nranks):
             continue
         cubin = _compile(algorithm, dtype, op, nranks)
         assert cubin[:4] == b"\x7fELF", "NVRTC did not return a CUBIN"
-        for entry in (alg.entry, alg.norm_entry):
-            assert entry.encode() in cubin, f"entry point {entry} missing from the CUBIN"
+        for entry in (alg.entry, alg.norm_entry, alg.rs_entry, alg.ag_entry):
+            if entry is not None:
+                assert entry.encode() in cubin, f"entry point {entry} missing from the CUBIN"
 
 
 def _ptx_instructions(ptx: bytes) -> set[str]:
@@ -53,6 +54,33 @@ def test_multicast_instantiations_emit_multimem(algorithm, dtype):
             assert any(".acc::f32" in i for i in found), "16-bit sums must accumulate in fp32"
     unicast = _compile("twoshot" if algorithm == "nvls" else "lamport", dtype, "sum", 4, arch="compute_90a")
     assert not any(i.startswith("multimem.") for i in _ptx_instructions(unicast))
+
+
+def _entry_ptx(ptx: bytes, entry: str) -> bytes:
+    """The PTX of one entry point (from its .entry line to the next one)."""
+    start = ptx.index(b".entry " + entry.encode() + b"(")
+    end = ptx.find(b".entry ", start + 1)
+    return ptx[start:end if end > 0 else None]
+
+
+@pytest.mark.parametrize("dtype", list(KERNEL_DTYPES))
+def test_multicast_reduce_scatter_and_all_gather_use_the_switch(dtype):
+    """NVLS reduce-scatter: multimem.ld_reduce (16-bit sums accumulating in fp32) and no
+    multimem.st; all-gather: multimem.st and no ld_reduce; both the counting multimem.red
+    barrier. Their unicast forms (the same templates) use no multimem instruction."""
+    alg = ALGORITHMS["nvls"]
+    ptx = _compile("nvls", dtype, "sum", 4, arch="compute_90a")
+    rs = {i for i in _ptx_instructions(_entry_ptx(ptx, alg.rs_entry)) if i.startswith("multimem.")}
+    ag = {i for i in _ptx_instructions(_entry_ptx(ptx, alg.ag_entry)) if i.startswith("multimem.")}
+    assert any(i.startswith("multimem.ld_reduce") for i in rs), rs
+    assert not any(i.startswith("multimem.st") for i in rs), rs
+    assert any(i.startswith("multimem.st") for i in ag) and not any(i.startswith("multimem.ld_reduce") for i in ag), ag
+    assert any(i.startswith("multimem.red") for i in rs) and any(i.startswith("multimem.red") for i in ag)
+    if dtype != "float32":
+        assert any(".acc::f32" in i for i in rs), "16-bit sums must accumulate in fp32"
+    unicast = _compile("twoshot", dtype, "sum", 4, arch="compute_90a")
+    for entry in (alg.rs_entry, alg.ag_entry):
+        assert not any(i.startswith("multimem.") for i in _ptx_instructions(_entry_ptx(unicast, entry)))
 
 
 def test_multicast_kernels_compile_for_sm100a_when_nvrtc_knows_it():

@@ -62,6 +62,12 @@ def install_nccl(monkeypatch, *, names_new_enums=True, uid_error=False):
                 raise NcclError("NCCL_ERROR_INVALID_ARGUMENT")
             self.calls.append(args)
 
+        def reduceScatter(self, *args):  # noqa: N802 - cupy's name
+            self.calls.append(("reduceScatter", *args))
+
+        def allGather(self, *args):  # noqa: N802 - cupy's name
+            self.calls.append(("allGather", *args))
+
         def destroy(self):
             self.destroyed += 1
 
@@ -115,6 +121,19 @@ def test_all_reduce_maps_names_and_connects_lazily(monkeypatch, names_new_enums)
         (0x1000, 0x2000, 5, 7, 2, 0x99), (0x1000, 0x2000, 5, 7, 3, 0x99),
         (0x1000, 0x2000, 5, 8, 4, 0x99), (0x1000, 0x2000, 5, 0, 0, 0x99), (0x1000, 0x2000, 5, 5, 2, 0x99),
     ]
+
+
+def test_reduce_scatter_and_all_gather_map_names(monkeypatch):
+    nccl = install_nccl(monkeypatch)
+    comm = NcclComm(Boot(rank=0), 0)
+    comm.reduce_scatter(0x1000, 0x2000, 5, "bfloat16", "avg", 0x99)
+    comm.all_gather(0x1000, 0x2000, 7, "int8", 0x98)
+    assert nccl.NcclCommunicator.created[0].calls == [
+        ("reduceScatter", 0x1000, 0x2000, 5, 9, 4, 0x99), ("allGather", 0x1000, 0x2000, 7, 0, 0x98)]
+    with pytest.raises(ValueError, match="^nccl.all_gather: unsupported dtype 'complex64'"):
+        comm.all_gather(1, 1, 4, "complex64", 0)
+    with pytest.raises(ValueError, match="^nccl.reduce_scatter: unsupported op 'prod'"):
+        comm.reduce_scatter(1, 1, 4, "float32", "prod", 0)
 
 
 @pytest.mark.parametrize("args, error, message", [
@@ -173,5 +192,6 @@ def test_one_rank_average_is_a_copy_not_an_nccl_call(monkeypatch):
     comm.all_reduce(0x1000, 0x2000, 4099, "float64", "avg", 0x99)
     comm.all_reduce(0x1000, 0x1000, 4099, "bfloat16", "avg", 0x99)
     comm.all_reduce(0x1000, 0x2000, 5, "float32", "sum", 0x99)
-    assert copies == [(0x2000, 0x1000, 4099 * 8, 3, 0x99)]
+    comm.reduce_scatter(0x1000, 0x3000, 7, "float16", "avg", 0x99)  # at one rank, the all-reduce
+    assert copies == [(0x2000, 0x1000, 4099 * 8, 3, 0x99), (0x3000, 0x1000, 7 * 2, 3, 0x99)]
     assert nccl.NcclCommunicator.created[0].calls == [(0x1000, 0x2000, 5, 7, 0, 0x99)]

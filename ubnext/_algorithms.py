@@ -1,4 +1,5 @@
-"""The algorithm table: one record per all-reduce algorithm.
+"""The algorithm table: one record per algorithm (of the all-reduce, and of the
+reduce-scatter and all-gather where its kernel source has them).
 
 This table is the single place that says what exists. It drives selection
 (`Selector`), compilation (`compile_defines`), validation, and the benchmarks'
@@ -25,6 +26,8 @@ KERNEL_DTYPES = tuple(name for name, (element, _) in DTYPES.items() if element i
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 #: op name -> reduction functor in the kernels
 OPS = {"sum": "OpSum", "avg": "OpAvg", "max": "OpMax", "min": "OpMin"}
+#: the collectives an algorithm may serve (a selector table's rows are per collective)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def op_problem(dtype: str, op: str) -> str | None:
@@ -58,6 +61,8 @@ class Algorithm:
         in_launches: whether an all-reduce larger than the buffers runs as launches of
             the buffers' size (a bandwidth kernel whose cost per byte hardly grows with
             the launch count); otherwise ``limit`` bounds the message.
+        rs_entry: entry point of the reduce-scatter in ``source``, or None (none there).
+        ag_entry: entry point of the all-gather in ``source``, or None.
     """
 
     name: str
@@ -70,6 +75,8 @@ class Algorithm:
     limit: str | None
     summary: str
     in_launches: bool = False
+    rs_entry: str | None = None
+    ag_entry: str | None = None
 
     @property
     def is_kernel(self) -> bool:
@@ -84,10 +91,20 @@ class Algorithm:
     def multicast(self) -> bool:
         return self.transport == "multicast"
 
-    def supports(self, dtype: str, op: str) -> bool:
-        """Whether it reduces ``dtype`` with ``op``: the kernels take KERNEL_DTYPES (NVLS
-        no fp32 max/min), NCCL every dtype; ``avg`` only floating types (op_problem)."""
-        if op_problem(dtype, op):
+    def entry_of(self, collective: str) -> str | None:
+        """The entry point of ``collective`` (a key of COLLECTIVES), or None where this
+        kernel source has none."""
+        return {"all_reduce": self.entry, "reduce_scatter": self.rs_entry, "all_gather": self.ag_entry}[collective]
+
+    def serves(self, collective: str) -> bool:
+        """Whether it runs ``collective``: NCCL every one, a kernel those of its source."""
+        return not self.is_kernel or self.entry_of(collective) is not None
+
+    def supports(self, dtype: str, op: str, collective: str = "all_reduce") -> bool:
+        """Whether it runs ``collective`` on ``dtype`` with ``op``: the kernels take
+        KERNEL_DTYPES (NVLS no fp32 max/min), NCCL every dtype; ``avg`` only floating
+        types (op_problem). The all-gather reduces nothing: its op is "sum"."""
+        if op_problem(dtype, op) or not self.serves(collective):
             return False
         if not self.is_kernel:
             return True
@@ -107,12 +124,13 @@ ALGORITHMS: dict[str, Algorithm] = {
             "lamport_twoshot", "lamport_twoshot.cu", "ub_lamport_twoshot", "ub_lamport_twoshot_norm",
             "unicast", THREADS["lamport_twoshot.cu"], "lamport_twoshot", "lamport_twoshot_max_kb",
             "reduce-scatter + all-gather by pushes into sentinel-polled buffers, no barrier (mid sizes)",
-            in_launches=True,
+            in_launches=True, rs_entry="ub_lamport_twoshot_rs", ag_entry="ub_lamport_twoshot_ag",
         ),
         Algorithm(
             "twoshot", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "unicast", THREADS["twoshot.cu"], "twoshot",
             None,
             "reduce-scatter by loads + all-gather by stores, in place on the pool (large messages)",
+            rs_entry="ub_twoshot_rs", ag_entry="ub_twoshot_ag",
         ),
         Algorithm(
             "nvls_lamport", "lamport.cu", "ub_lamport", "ub_lamport_norm", "multicast", THREADS["lamport.cu"],
@@ -123,6 +141,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             "nvls", "twoshot.cu", "ub_twoshot", "ub_twoshot_norm", "multicast", THREADS["twoshot.cu"], "twoshot",
             None,
             "NVLS simple two-shot: multimem.ld_reduce + multimem.st, multimem.red barrier",
+            rs_entry="ub_twoshot_rs", ag_entry="ub_twoshot_ag",
         ),
         Algorithm(
             "nccl", None, None, None, None, 0, "nccl", None,

@@ -247,13 +247,30 @@ def check_out(x: Buffer, out, op: str, stream: int) -> Buffer:
     return o
 
 
+def check_part(x: Buffer, out, count: int, slice_offset: int, op: str, stream: int) -> Buffer:
+    """Validates ``out`` of a reduce-scatter (``count`` < x's: out is the slice) or an
+    all-gather (x is the slice): ``count`` elements of x's dtype on x's device, apart from
+    x, or in place: the slice is the larger array's bytes from ``slice_offset`` on.
+    ``stream``: as for ``as_buffer``."""
+    o = as_buffer(out, op, stream)
+    if o.count != count or o.dtype != x.dtype:
+        raise UbnextError(f"{op}: out has {o.count} {o.dtype} elements; it must have {count} {x.dtype}")
+    if o.device != x.device:
+        raise UbnextError(f"{op}: out is on device {o.device}, input on device {x.device}")
+    part, whole = (o, x) if count <= x.count else (x, o)
+    if overlap(o, x) and part.ptr != whole.ptr + slice_offset:
+        raise UbnextError(f"{op}: out overlaps the input other than in place (this rank's slice of the larger "
+                          f"array is the smaller one); pass a separate array or the in-place views")
+    return o
+
+
 def overlap(a: Buffer, b: Buffer) -> bool:
     """Whether the bytes of ``a`` and ``b`` intersect."""
     return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
-def empty_like(x: Buffer, stream: int, owner, side: bool):
-    """A new array of x's framework, shape and dtype (the framework's allocator).
+def empty_like(x: Buffer, stream: int, owner, side: bool, shape: tuple | None = None):
+    """A new array of x's framework, shape (or ``shape``) and dtype (the framework's allocator).
 
     With ``side`` (``launch_stream``: the call runs on a stream other than the current
     one), it is allocated on the launch stream ``stream`` (``owner``: its stream object
@@ -263,17 +280,22 @@ def empty_like(x: Buffer, stream: int, owner, side: bool):
     """
     if x.framework == "torch":
         torch = _torch()
+
+        def new():
+            return torch.empty_like(x.obj) if shape is None else x.obj.new_empty(shape)
         if not side:
-            return torch.empty_like(x.obj)
+            return new()
         with torch.cuda.stream(_torch_stream(stream, owner, x.device)):
-            return torch.empty_like(x.obj)
+            return new()
     import cupy
 
+    def new():
+        return cupy.empty_like(x.obj) if shape is None else cupy.empty(shape, _cupy_dtype(x.dtype))
     if not side:
-        return cupy.empty_like(x.obj)
+        return new()
     on = owner if isinstance(owner, cupy.cuda.Stream) else cupy.cuda.Stream.from_external(_StreamRef(stream))
     with on:
-        return cupy.empty_like(x.obj)
+        return new()
 
 
 class _StreamRef:

@@ -8,7 +8,7 @@ import os
 import pickle
 
 from . import _agreement, _arrays, _gate, _preflight, _signature
-from ._algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES, OPS, UNICAST_OF, op_problem
+from ._algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES, OPS, UNICAST_OF, op_problem
 from ._config import Config
 from ._report import Description, report
 from ._devices import map_devices
@@ -27,7 +27,7 @@ _WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
 
 
 class Communicator:
-    """A group of ranks that all-reduce together.
+    """A group of ranks that all-reduce, reduce-scatter and all-gather together.
 
     Creating one is collective over ``bootstrap``: every rank of it must construct
     its Communicator at the same time. On one node whose GPUs reach each other
@@ -283,19 +283,10 @@ class Communicator:
         if xb.device != self.device:
             raise UbnextError(f"{name}: x is on device {xb.device}, communicator on device {self.device}")
         rows, hidden = (int(d) for d in xb.shape)
-        try:
-            eps = float(eps)
-        except (TypeError, ValueError):
-            raise UbnextError(f"{name}: eps must be a number, got {type(eps).__name__}") from None
-        if not math.isfinite(eps) or eps < 0:
-            raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
+        eps = _check_eps(name, eps)
 
         def operand(arr, what, shape):
-            b = _arrays.as_buffer(arr, name, handle)
-            if b.shape != shape or b.dtype != xb.dtype or b.device != xb.device:  # torch.Size is a tuple
-                raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape} on device {xb.device}, "
-                                  f"got {b.dtype} of shape {tuple(b.shape)} on device {b.device}")
-            return b
+            return self._operand(name, xb, arr, what, shape, handle)
 
         shape = (rows, hidden)
         rb = None if residual is None else operand(residual, "residual", shape)
@@ -313,12 +304,8 @@ class Communicator:
             raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
                               f"for in place, or a separate array")
         algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, fused=True)
-        if xb.count == 0:
+        if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
             return nb.obj, ob.obj
-        if self.config.debug:
-            self._compare_across_ranks(name, (xb.count, xb.dtype, "add_rmsnorm", algo))
-        if side:
-            _arrays.record_stream(handle, owner, (xb, rb, wb, bb, nb, ob))
         norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
         aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
         chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
@@ -335,6 +322,200 @@ class Communicator:
             self._dispatch.unfused(plain, xb, nb, rows, hidden, norm, eps, handle, owner,
                                    _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
         return nb.obj, ob.obj
+
+    def reduce_scatter(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
+        """Reduces ``x`` over the ranks and gives each rank its slice; never blocks the host.
+
+        The layout of ``torch.distributed.reduce_scatter_tensor``: ``x`` holds size x k
+        elements, and rank r gets the reduction of elements ``[r * k, (r + 1) * k)``.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call per dtype, op and algorithm (as
+        ``all_reduce``).
+
+        Args:
+            x: CUDA array as ``all_reduce`` takes it, of size x k elements (any shape). An
+                array from ``empty()`` is read in place by the barrier two-shot.
+            out: where to write this rank's k elements (x's dtype; apart from x, or x's
+                slice r for in place); default: a new array of x's framework, of shape
+                (x.shape[0] / size, *x.shape[1:]) where size divides x.shape[0], else (k,).
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+            algorithm: ``"auto"`` (picked by x's bytes) or one of ``algorithms()`` that has a
+                reduce-scatter (``lamport_twoshot``, ``twoshot``, ``nvls``, ``nccl``).
+            stream: as for ``all_reduce``.
+
+        Returns:
+            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
+
+        Raises:
+            UbnextError: invalid arguments, among them a count that the world size does not
+                divide (before anything is launched); closed communicator.
+                BrokenCommunicatorError (CollectiveTimeoutError, CollectiveMismatchError,
+                ConcurrentUseError): an earlier collective of this communicator failed; its
+                outputs hold NaN where results were not computed.
+        """
+        name = "reduce_scatter"
+        handle, owner, side, xb = self._open_call(name, x, stream)
+        if op not in OPS:
+            raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
+        if xb.count % self.size:
+            raise UbnextError(f"{name}: x has {xb.count} elements, which {self.size} ranks do not divide "
+                              f"(x holds size x k elements)")
+        k = xb.count // self.size
+        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op, collective=name)
+        shape = ((xb.shape[0] // self.size, *xb.shape[1:]) if xb.shape and xb.shape[0] % self.size == 0
+                 else (k,))
+        ob = self._part_out(name, xb, out, k, shape, handle, owner, side)
+        if self._prepare(name, algo, xb, k, op, handle, owner, side, (xb, ob)):
+            self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner,
+                                          _signature.encode(name, xb.dtype, op, xb.count))
+        return ob.obj
+
+    def all_gather(self, x, out=None, algorithm: str = "auto", stream=None):
+        """Gathers every rank's ``x`` into one array on every rank; never blocks the host.
+
+        The layout of ``torch.distributed.all_gather_into_tensor``: ``out`` holds size x k
+        elements, rank r's ``x`` (k elements) at ``[r * k, (r + 1) * k)``.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call per dtype and algorithm (as
+        ``all_reduce``).
+
+        Args:
+            x: CUDA array as ``all_reduce`` takes it, k elements (any shape), the same k
+                on every rank.
+            out: where to write the size x k elements (x's dtype; apart from x, or with x
+                its slice r for in place). An array from ``empty()`` is written in place by
+                the barrier two-shot. Default: a new array of x's framework, of shape
+                (size * x.shape[0], *x.shape[1:]) ((size,) for a 0-d x).
+            algorithm: ``"auto"`` (picked by out's bytes) or one of ``algorithms()`` that
+                has an all-gather (``lamport_twoshot``, ``twoshot``, ``nvls``, ``nccl``).
+            stream: as for ``all_reduce``.
+
+        Returns:
+            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
+
+        Raises:
+            UbnextError: bad arguments, among them an ``out`` whose count the world size does
+                not divide, raised before any launch; a closed communicator.
+                BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
+        """
+        name = "all_gather"
+        handle, owner, side, xb = self._open_call(name, x, stream)
+        k = xb.count
+        if out is not None:
+            total = _arrays.as_buffer(out, name, handle).count
+            if total % self.size:
+                raise UbnextError(f"{name}: out has {total} elements, which {self.size} ranks do not divide "
+                                  f"(out holds size x k elements)")
+        algo = self._resolve(name, algorithm, xb.nbytes * self.size, xb.dtype, collective=name)
+        shape = (self.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (self.size,)
+        ob = self._part_out(name, xb, out, k * self.size, shape, handle, owner, side)
+        if self._prepare(name, algo, xb, k, "-", handle, owner, side, (xb, ob)):
+            self._dispatch.all_gather(algo, xb, ob, k, handle, owner, _signature.encode(name, xb.dtype, "sum", ob.count))
+        return ob.obj
+
+    def reduce_scatter_add_rmsnorm(self, x, residual_shard, weight, eps: float = 1e-6, bias=None,
+                                   algorithm: str = "auto", stream=None):
+        """The sequence-parallel step: reduce-scatter by tokens, residual add and RMSNorm of
+        this rank's tokens; never blocks the host.
+
+        For ``x`` of shape (rows, hidden), rows a multiple of the world size, rank r's
+        shard is rows ``[r * rows / size, (r + 1) * rows / size)``::
+
+            residual_out = reduce_scatter(x) + bias + residual_shard
+            normed = residual_out / sqrt(mean(residual_out ** 2, axis=-1) + eps) * weight
+
+        with the arithmetic of ``all_reduce_add_rmsnorm``'s separate add + RMSNorm kernel
+        (fp32, the reduced values and ``residual_out`` rounded to x's dtype first). It runs
+        as the reduce-scatter kernel, then that kernel on this rank's rows.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call of the same shape, dtype and
+        algorithm (which compiles its kernels).
+
+        Args:
+            x: 2-D CUDA array (rows x hidden), bfloat16/float16/float32.
+            residual_shard: (rows / size) x hidden, x's dtype, or None.
+            weight: 1-D, hidden elements, x's dtype.
+            eps: finite, >= 0.
+            bias: 1-D, hidden elements, x's dtype, or None.
+            algorithm: ``"auto"`` or one of ``algorithms()`` with a reduce-scatter (picked
+                by x's bytes).
+            stream: as for ``all_reduce``.
+
+        Returns:
+            ``(normed_shard, residual_shard_out)``: new (rows / size) x hidden arrays in x's
+            framework.
+
+        Raises:
+            UbnextError: bad arguments, among them rows that the world size does not divide,
+                raised before any launch; a closed communicator.
+                BrokenCommunicatorError and its kinds, as ``reduce_scatter`` raises them.
+        """
+        name = "reduce_scatter_add_rmsnorm"
+        handle, owner, side, xb = self._open_call(name, x, stream)
+        if len(xb.shape) != 2:
+            raise UbnextError(f"{name}: x must be 2-D (rows x hidden), got shape {tuple(xb.shape)}")
+        rows, hidden = (int(d) for d in xb.shape)
+        if rows % self.size:
+            raise UbnextError(f"{name}: x has {rows} rows, which {self.size} ranks do not divide")
+        if xb.dtype not in KERNEL_DTYPES:
+            raise UbnextError(f"{name}: the add + RMSNorm takes {', '.join(KERNEL_DTYPES)}, not {xb.dtype}")
+        eps = _check_eps(name, eps)
+        shard = (rows // self.size, hidden)
+        rb = None if residual_shard is None else self._operand(name, xb, residual_shard, "residual_shard", shard,
+                                                               handle)
+        wb = self._operand(name, xb, weight, "weight", (hidden,), handle)
+        bb = None if bias is None else self._operand(name, xb, bias, "bias", (hidden,), handle)
+        nb = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shard), name, handle)
+        ob = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shard), name, handle)
+        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, collective="reduce_scatter")
+        if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
+            return nb.obj, ob.obj
+        norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
+        self._dispatch.reduce_scatter_add_rmsnorm(algo, xb, nb, shard[0], hidden, norm, eps, handle, owner,
+                                                  _signature.encode_fused(xb.dtype, rows, hidden, name))
+        return nb.obj, ob.obj
+
+    def _prepare(self, name: str, algo: str, xb, k: int, op: str, handle: int, owner, side: bool,
+                 buffers: tuple) -> bool:
+        """Whether a call of ``k`` elements (per rank) has work: then the ranks' calls are
+        compared in debug mode, and its ``buffers`` recorded on a side stream."""
+        if k == 0:
+            return False
+        if self.config.debug:
+            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
+        if side:
+            _arrays.record_stream(handle, owner, buffers)
+        return True
+
+    def _open_call(self, name: str, x, stream) -> tuple:
+        """The start of a call: the communicator open, its launch stream (``handle, owner,
+        side``: ``_arrays.launch_stream``) and x as a Buffer on this communicator's device."""
+        self._check_open(name)
+        handle, owner, side = _arrays.launch_stream(stream, x)
+        xb = _arrays.as_buffer(x, name, handle)
+        if xb.device != self.device:
+            raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
+        return handle, owner, side, xb
+
+    def _part_out(self, name: str, xb, out, count: int, shape: tuple, handle: int, owner, side: bool):
+        """The output of a reduce-scatter (``count`` < x's) or all-gather: ``out`` checked
+        (``_arrays.check_part``), or a new array of ``shape``."""
+        if out is None:
+            return _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shape), name, handle)
+        slice_bytes = min(count, xb.count) * DTYPES[xb.dtype][1]
+        return _arrays.check_part(xb, out, count, self._local.rank * slice_bytes, name, handle)
+
+    @staticmethod
+    def _operand(name: str, xb, arr, what: str, shape: tuple, handle: int):
+        """An operand of a fused call: ``shape``, x's dtype and device."""
+        b = _arrays.as_buffer(arr, name, handle)
+        if b.shape != shape or b.dtype != xb.dtype or b.device != xb.device:  # torch.Size is a tuple
+            raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape} on device {xb.device}, "
+                              f"got {b.dtype} of shape {tuple(b.shape)} on device {b.device}")
+        return b
 
     def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
         """A new array in symmetric memory.
@@ -388,9 +569,11 @@ class Communicator:
         """
         return [name for name in ALGORITHMS if self._selector.fits(name, 0)]
 
-    def select(self, nbytes: int, dtype: str, fused: bool = False) -> str:
+    def select(self, nbytes: int, dtype: str, fused: bool = False, collective: str = "all_reduce") -> str:
         """The algorithm ``"auto"`` picks for a message of ``nbytes`` bytes: of
-        ``all_reduce``, or with ``fused`` of ``all_reduce_add_rmsnorm``.
+        ``all_reduce``, or with ``fused`` of ``all_reduce_add_rmsnorm``, or of
+        ``collective`` (``"reduce_scatter"``, ``"all_gather"``: ``nbytes`` of the whole
+        message, size x k elements, as their calls pass it).
 
         Collective: no.
         Graph-capturable: yes (host only).
@@ -399,6 +582,8 @@ class Communicator:
             nbytes: the message's bytes.
             dtype: a key of ``ubnext.DTYPES``.
             fused: the choice of ``all_reduce_add_rmsnorm`` instead of ``all_reduce``.
+            collective: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``
+                (``reduce_scatter_add_rmsnorm`` runs the reduce-scatter's choice).
 
         Returns:
             One of ``algorithms()``.
@@ -406,11 +591,13 @@ class Communicator:
         Raises:
             UbnextError: ``UBNEXT_ALGO`` names an algorithm that cannot take ``nbytes``;
                 ``fused`` with a dtype the fused kernels do not take.
-            KeyError: ``dtype`` is not a key of ``ubnext.DTYPES``.
+            KeyError: ``dtype`` is not a key of ``ubnext.DTYPES``, or an unknown ``collective``.
         """
         if dtype not in DTYPES:
             raise KeyError(f"select: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-        return self._resolve("select", "auto", nbytes, dtype, fused=fused)
+        if collective not in COLLECTIVES:
+            raise KeyError(f"select: unknown collective {collective!r}; use one of {', '.join(COLLECTIVES)}")
+        return self._resolve("select", "auto", nbytes, dtype, fused=fused, collective=collective)
 
     def describe(self) -> Description:
         """What this communicator runs and why: ranks, device, kernels or NCCL only (and why),
@@ -545,31 +732,33 @@ class Communicator:
             raise error
 
     def _resolve(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str = "sum",
-                 fused: bool = False) -> str:
-        """The algorithm that runs a call (a pure function of its arguments: cached).
-        ``fused``: a fused add + RMSNorm call, which the kernels take in launches of
-        whole rows, so that any size fits them."""
-        key = (algorithm, nbytes, dtype, op, fused)
+                 fused: bool = False, collective: str = "all_reduce") -> str:
+        """The algorithm that runs a call of ``collective`` (a pure function of its
+        arguments: cached). ``fused``: a fused add + RMSNorm call, which the kernels take
+        in launches of whole rows, so that any size fits them."""
+        key = (algorithm, nbytes, dtype, op, fused, collective)
         algo = self._resolved.get(key)
         if algo is None:
             if len(self._resolved) >= _RESOLVED_MAX:
                 self._resolved.clear()
-            algo = self._resolved[key] = self._resolve_uncached(name, algorithm, nbytes, dtype, op, fused)
+            algo = self._resolved[key] = self._resolve_uncached(name, algorithm, nbytes, dtype, op, fused,
+                                                                collective)
         return algo
 
     def _resolve_uncached(self, name: str, algorithm: str, nbytes: int, dtype: str, op: str,
-                          fused: bool) -> str:
+                          fused: bool, collective: str) -> str:
         problem = op_problem(dtype, op)
         if problem:
             raise UbnextError(f"{name}: {problem}")
         if fused and dtype not in KERNEL_DTYPES:
             raise UbnextError(f"{name}: the fused add + RMSNorm takes {', '.join(KERNEL_DTYPES)}, not {dtype}")
         if algorithm == "auto" and self.config.algorithm != "auto" and ALGORITHMS[self.config.algorithm].supports(
-                dtype, op):  # UBNEXT_ALGO names a kernel: the dtypes it does not reduce stay with auto
+                dtype, op, collective):  # UBNEXT_ALGO names a kernel: what it does not run stays with auto
             algorithm = self.config.algorithm
         if algorithm == "auto":
-            algo = self._selector.select_fused(nbytes, dtype) if fused else self._selector.select(nbytes, dtype)
-            if not ALGORITHMS[algo].supports(dtype, op):  # NVLS reduces no fp32 max/min
+            algo = (self._selector.select_fused(nbytes, dtype) if fused else
+                    self._selector.select(nbytes, dtype, collective))
+            if not ALGORITHMS[algo].supports(dtype, op, collective):  # NVLS reduces no fp32 max/min
                 algo = UNICAST_OF[algo]
             if self.config.deterministic and algo == "nccl" and dtype == "float64":
                 raise UbnextError(f"{name}: deterministic mode (UBNEXT_DETERMINISTIC=1) cannot reduce float64: "
@@ -583,7 +772,11 @@ class Communicator:
                                if n in self.algorithms())
             raise UbnextError(f"{name}: algorithm {algorithm!r} cannot take {nbytes} bytes on this communicator "
                               f"(usable: {', '.join(self.algorithms())}; {bounds})")
-        if not ALGORITHMS[algorithm].supports(dtype, op):
+        if not ALGORITHMS[algorithm].serves(collective):
+            served = [n for n in self.algorithms() if ALGORITHMS[n].serves(collective)]
+            raise UbnextError(f"{name}: algorithm {algorithm!r} has no {collective} kernel; use auto or one of "
+                              f"{', '.join(served)}")
+        if not ALGORITHMS[algorithm].supports(dtype, op, collective):
             raise UbnextError(f"{name}: algorithm {algorithm!r} does not reduce {dtype} with op {op!r}")
         return algorithm
 
@@ -593,3 +786,14 @@ class Communicator:
             rows = "; ".join(f"rank {r}: count={c[0]} dtype={c[1]} op={c[2]} algorithm={c[3]}"
                              for r, c in enumerate(calls))
             raise UbnextError(f"{name}: ranks disagree on the call ({rows})")
+
+
+def _check_eps(name: str, eps) -> float:
+    """``eps`` as a float, finite and >= 0."""
+    try:
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise UbnextError(f"{name}: eps must be a number, got {type(eps).__name__}") from None
+    if not math.isfinite(eps) or eps < 0:
+        raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
+    return eps

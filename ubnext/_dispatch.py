@@ -4,7 +4,8 @@ The Communicator validates a call and picks its algorithm; a ``Dispatcher`` turn
 into work on the caller's stream: one kernel launch, or launches of at most the
 algorithm's buffers, through the staging slot for arrays that are not 16-byte aligned;
 the fused call's launches of whole rows, or the all-reduce and then the separate
-add + RMSNorm kernel; or NCCL. Every call's work is issued inside the communicator's
+add + RMSNorm kernel; the reduce-scatter's and all-gather's launches of whole slices
+(``_sliced``); or NCCL. Every call's work is issued inside the communicator's
 launch section (``_streams.LaunchOrder``), so calls keep their issue order across
 streams and threads.
 """
@@ -12,9 +13,8 @@ streams and threads.
 from __future__ import annotations
 
 from ._algorithms import ALGORITHMS, DTYPES
-from ._protocol import VEC_BYTES
-
-_D2D = 3  # cudaMemcpyDeviceToDevice
+from ._copies import aligned as _aligned, copy as _copy
+from ._sliced import Sliced
 
 
 class Dispatcher:
@@ -76,6 +76,42 @@ class Dispatcher:
             self._add_rmsnorm()(xb.dtype, nb.ptr, rows, hidden, norm, eps, stream)
         finally:
             self._order.leave()
+
+    def reduce_scatter(self, algo: str, xb, ob, k: int, op: str, stream: int, owner, sig: int) -> None:
+        """Reduce-scatter of ``xb`` (size x k elements) into ``ob`` (this rank's k) by ``algo``."""
+        self._order.enter(stream, owner)
+        try:
+            self._reduce_scatter(algo, xb, ob, k, op, stream, sig)
+        finally:
+            self._order.leave()
+
+    def all_gather(self, algo: str, xb, ob, k: int, stream: int, owner, sig: int) -> None:
+        """All-gather of ``xb`` (k elements) into ``ob`` (size x k) by ``algo``."""
+        self._order.enter(stream, owner)
+        try:
+            if ALGORITHMS[algo].is_kernel:
+                Sliced(self._node, self._limits, algo, xb.dtype, k, stream).all_gather(xb.ptr, ob.ptr, sig)
+            else:
+                self._nccl().all_gather(xb.ptr, ob.ptr, k, xb.dtype, stream)
+        finally:
+            self._order.leave()
+
+    def reduce_scatter_add_rmsnorm(self, algo: str, xb, nb, rows: int, hidden: int, norm: tuple, eps: float,
+                                   stream: int, owner, sig: int) -> None:
+        """The reduce-scatter of ``xb`` by rows into ``nb`` (this rank's ``rows``), then the
+        separate add + RMSNorm kernel on ``nb`` (in place: normed into ``nb``)."""
+        self._order.enter(stream, owner)
+        try:
+            self._reduce_scatter(algo, xb, nb, rows * hidden, "sum", stream, sig)
+            self._add_rmsnorm()(xb.dtype, nb.ptr, rows, hidden, norm, eps, stream)
+        finally:
+            self._order.leave()
+
+    def _reduce_scatter(self, algo, xb, ob, k, op, stream, sig):
+        if ALGORITHMS[algo].is_kernel:
+            Sliced(self._node, self._limits, algo, xb.dtype, k, stream).reduce_scatter(xb.ptr, ob.ptr, op, sig)
+        else:
+            self._nccl().reduce_scatter(xb.ptr, ob.ptr, k, xb.dtype, op, stream)
 
     def close(self, local: bool) -> None:
         """Releases the NCCL communicator (``local``: aborts it, waiting for no rank)."""
@@ -153,13 +189,3 @@ class Dispatcher:
             self._epilogue = AddRmsNorm(cupy.cuda.Device(self._device).attributes["MultiProcessorCount"])
         return self._epilogue
 
-
-def _aligned(*ptrs: int) -> bool:
-    """Whether every address is aligned to the kernels' vectors."""
-    return all(p % VEC_BYTES == 0 for p in ptrs)
-
-
-def _copy(dst: int, src: int, nbytes: int, stream: int) -> None:
-    from cupy.cuda import runtime
-
-    runtime.memcpyAsync(dst, src, nbytes, _D2D, stream)

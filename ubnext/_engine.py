@@ -25,6 +25,10 @@ _PARAMS = {
     "ub_lamport": (U64, U64, I32) + (U64,) * 8,
     "ub_lamport_twoshot": (U64, U64, I32) + (U64,) * 8,
     "ub_twoshot": (U64, U64, I32) + (U64,) * 8,
+    "ub_lamport_twoshot_rs": (U64, U64, I32) + (U64,) * 8,
+    "ub_lamport_twoshot_ag": (U64, U64, I32) + (U64,) * 8,
+    "ub_twoshot_rs": (U64, U64, I32) + (U64,) * 8,
+    "ub_twoshot_ag": (U64, U64, I32) + (U64,) * 8,
     "ub_lamport_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
     "ub_lamport_twoshot_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
     "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32, U64, U64),
@@ -111,14 +115,15 @@ class Engine:
         return cupy.ndarray((nbytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- launches -------------------------------------------------------------------
-    def _kernel(self, algorithm: str, dtype: str, op: str, fused: bool = False, cluster: int = 1) -> Launcher:
-        """The launcher of ``algorithm``'s entry point (``fused``: the add + RMSNorm one,
-        compiled for thread-block clusters of ``cluster`` blocks)."""
-        key = (algorithm, dtype, op, fused, cluster)
+    def _kernel(self, algorithm: str, dtype: str, op: str, fused: bool = False, cluster: int = 1,
+                collective: str = "all_reduce") -> Launcher:
+        """The launcher of ``algorithm``'s entry point of ``collective`` (``fused``: the
+        add + RMSNorm one, compiled for thread-block clusters of ``cluster`` blocks)."""
+        key = (algorithm, dtype, op, fused, cluster, collective)
         launcher = self._launchers.get(key)
         if launcher is None:
             alg = ALGORITHMS[algorithm]
-            entry = alg.norm_entry if fused else alg.entry
+            entry = alg.norm_entry if fused else alg.entry_of(collective)
             if alg.multicast and not self._mc_base:
                 raise AssertionError(f"engine: {algorithm} needs the multicast mapping")
             mkey = (alg.source, alg.transport, dtype, op, cluster)
@@ -140,28 +145,39 @@ class Engine:
         return self._fixed + (set_off, unit), state
 
     def lamport(self, algorithm: str, dtype: str, op: str, x: int, out: int, count: int, sig: int,
-                stream: int) -> None:
+                stream: int, collective: str = "all_reduce") -> None:
         """All-reduce of ``count`` elements from local ``x`` into local ``out`` by a Lamport
         family kernel (``lamport``, ``lamport_twoshot``, ``nvls_lamport``); ``sig``: the
         call's signature (``_signature``), which every rank's launch must carry alike.
 
         Both 16-byte aligned; ``x`` may equal ``out``; bytes within the algorithm's limit.
+        A reduce-scatter or all-gather (``collective``; the Lamport two-shot only) takes
+        ``count`` elements per rank, its rank-sliced side as whole vectors per slice
+        (kernels/lamport_twoshot.cu).
         """
-        nvec = -(-count * DTYPES[dtype][1] // VEC_BYTES)
+        nvec = self._vectors(dtype, count, collective)
         blocks, threads = lamport_shape(ALGORITHMS[algorithm], nvec, self.nranks, self._blocks)
-        self._kernel(algorithm, dtype, op)(blocks, threads, stream, x, out, count, sig)
+        self._kernel(algorithm, dtype, op, collective=collective)(blocks, threads, stream, x, out, count, sig)
+
+    def _vectors(self, dtype: str, count: int, collective: str) -> int:
+        """Vectors of a message: of ``count`` elements, or of nranks slices of ``count``
+        elements each in whole vectors (the reduce-scatter and all-gather)."""
+        nvec = -(-count * DTYPES[dtype][1] // VEC_BYTES)
+        return nvec if collective == "all_reduce" else self.nranks * nvec
 
     def twoshot(self, algorithm: str, dtype: str, op: str, buf_off: int, src: int, dst: int,
-                count: int, sig: int, stream: int) -> None:
+                count: int, sig: int, stream: int, collective: str = "all_reduce") -> None:
         """Two-shot all-reduce in place on the buffer at ``buf_off`` of every segment.
 
         ``algorithm``: "twoshot" or "nvls". ``src``/``dst``: local 16-byte aligned
         addresses to copy in from / out to, or 0 when the buffer already holds the
-        input / is the output. ``sig``: the call's signature.
+        input / is the output. ``sig``: the call's signature. A reduce-scatter or all-gather
+        (``collective``) takes ``count`` elements per rank (kernels/twoshot.cu).
         """
         alg = ALGORITHMS[algorithm]
-        blocks = twoshot_blocks(alg, -(-count * DTYPES[dtype][1] // VEC_BYTES), self.nranks, self._blocks)
-        self._kernel(algorithm, dtype, op)(blocks, alg.threads, stream, buf_off, src, dst, count, sig)
+        blocks = twoshot_blocks(alg, self._vectors(dtype, count, collective), self.nranks, self._blocks)
+        self._kernel(algorithm, dtype, op, collective=collective)(blocks, alg.threads, stream, buf_off, src, dst,
+                                                                  count, sig)
 
     def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:
         """Rows one fused launch of ``algorithm`` takes (of ``rows``; 0: not even one)."""

@@ -1,4 +1,5 @@
-"""The NCCL library as an all-reduce engine, through ``cupy.cuda.nccl``.
+"""The NCCL library as a collective engine (all-reduce, reduce-scatter, all-gather),
+through ``cupy.cuda.nccl``.
 
 :class:`NcclComm` is what ``algorithm="nccl"`` runs and what the communicator
 falls back to (several nodes, no P2P, a message the pool cannot hold). The
@@ -167,29 +168,33 @@ class NcclComm:
             UbnextError: NCCL reported an error.
         """
         name = "nccl.all_reduce"
-        nccl = self._module(name)
-        if dtype not in self._dtypes:
-            raise ValueError(f"{name}: unsupported dtype {dtype!r}; expected one of {sorted(self._dtypes)}")
-        if op not in self._ops:
-            raise ValueError(f"{name}: unsupported op {op!r}; expected one of {sorted(self._ops)}")
-        if count < 0:
-            raise ValueError(f"{name}: count must be >= 0, got {count}")
-        if self.size == 1 and op == "avg":
-            # One rank: the average is the input itself. NCCL before 2.29.7 leaves the last
-            # count % blocks elements of a one-rank average unwritten (NVIDIA/nccl#1950).
-            if send_ptr != recv_ptr and count:
-                from cupy.cuda import runtime
+        nccl = self._check(name, dtype, op, count)
+        if not self._one_rank_average(send_ptr, recv_ptr, count, dtype, op, stream_ptr):
+            self._call(nccl, name, "allReduce", send_ptr, recv_ptr, count, dtype, op, stream_ptr)
 
-                runtime.memcpyAsync(recv_ptr, send_ptr, count * DTYPES[dtype][1],
-                                    runtime.memcpyDeviceToDevice, stream_ptr)
-            return
-        self.connect(name)
-        try:
-            self._comm.allReduce(
-                send_ptr, recv_ptr, count, self._dtypes[dtype], self._ops[op], stream_ptr
-            )
-        except nccl.NcclError as exc:
-            raise UbnextError(f"{name}: {exc}") from exc
+    def reduce_scatter(self, send_ptr: int, recv_ptr: int, recv_count: int, dtype: str, op: str,
+                       stream_ptr: int) -> None:
+        """Enqueue ``ncclReduceScatter``: ``recv_count`` elements of the reduction of
+        ``size * recv_count`` input elements, rank r's the r-th ``recv_count``.
+
+        In place when ``recv_ptr == send_ptr + rank * recv_count`` elements. Collective,
+        capturable and raising as :meth:`all_reduce`.
+        """
+        name = "nccl.reduce_scatter"
+        nccl = self._check(name, dtype, op, recv_count)
+        if not self._one_rank_average(send_ptr, recv_ptr, recv_count, dtype, op, stream_ptr):
+            self._call(nccl, name, "reduceScatter", send_ptr, recv_ptr, recv_count, dtype, op, stream_ptr)
+
+    def all_gather(self, send_ptr: int, recv_ptr: int, send_count: int, dtype: str, stream_ptr: int) -> None:
+        """Enqueue ``ncclAllGather``: every rank's ``send_count`` elements, rank r's at
+        element ``r * send_count`` of ``recv_ptr``.
+
+        In place when ``send_ptr == recv_ptr + rank * send_count`` elements. Collective,
+        capturable and raising as :meth:`all_reduce`.
+        """
+        name = "nccl.all_gather"
+        nccl = self._check(name, dtype, None, send_count)
+        self._call(nccl, name, "allGather", send_ptr, recv_ptr, send_count, dtype, None, stream_ptr)
 
     def close(self) -> None:
         """Destroy the NCCL communicator; idempotent.
@@ -221,6 +226,42 @@ class NcclComm:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("connected" if self._comm is not None else "lazy")
         return f"<NcclComm rank={self.rank} size={self.size} device={self.device} {state}>"
+
+    def _check(self, name: str, dtype: str, op: str | None, count: int) -> Any:
+        """``cupy.cuda.nccl`` once the arguments are checked (``op`` None: a collective
+        without a reduction)."""
+        nccl = self._module(name)
+        if dtype not in self._dtypes:
+            raise ValueError(f"{name}: unsupported dtype {dtype!r}; expected one of {sorted(self._dtypes)}")
+        if op is not None and op not in self._ops:
+            raise ValueError(f"{name}: unsupported op {op!r}; expected one of {sorted(self._ops)}")
+        if count < 0:
+            raise ValueError(f"{name}: count must be >= 0, got {count}")
+        return nccl
+
+    def _one_rank_average(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, op: str,
+                          stream_ptr: int) -> bool:
+        """Whether the call is an average over one rank, done here as a copy of the input:
+        NCCL before 2.29.7 leaves the last count % blocks elements of a one-rank average
+        unwritten (NVIDIA/nccl#1950)."""
+        if self.size != 1 or op != "avg":
+            return False
+        if send_ptr != recv_ptr and count:
+            from cupy.cuda import runtime
+
+            runtime.memcpyAsync(recv_ptr, send_ptr, count * DTYPES[dtype][1], runtime.memcpyDeviceToDevice,
+                                stream_ptr)
+        return True
+
+    def _call(self, nccl: Any, name: str, call: str, send_ptr: int, recv_ptr: int, count: int, dtype: str,
+              op: str | None, stream_ptr: int) -> None:
+        """Connects on first use, then calls cupy's ``call``."""
+        self.connect(name)
+        ops = () if op is None else (self._ops[op],)
+        try:
+            getattr(self._comm, call)(send_ptr, recv_ptr, count, self._dtypes[dtype], *ops, stream_ptr)
+        except nccl.NcclError as exc:
+            raise UbnextError(f"{name}: {exc}") from exc
 
     def _module(self, op: str) -> Any:
         """``cupy.cuda.nccl``, loaded once, with the name tables built from it."""

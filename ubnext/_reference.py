@@ -220,6 +220,40 @@ def all_reduce(algorithm: str, inputs: Sequence[np.ndarray], op: str = "sum",
     return ALL_REDUCE[algorithm](inputs, op)
 
 
+# ---- reduce-scatter and all-gather ------------------------------------------------------
+def reduce_scatter(algorithm: str, inputs: Sequence[np.ndarray], op: str = "sum") -> list[np.ndarray]:
+    """What ``algorithm``'s reduce-scatter stores on every rank (kernels/lamport_twoshot.cu,
+    kernels/twoshot.cu): rank r's k elements are elements [r * k, (r + 1) * k) of the
+    reduction, reduced by the Lamport two-shot in rank order with -0.0 pushed and stored as
+    +0.0, by the barrier two-shot in rank r's order (``owner_order``), nothing cleared.
+
+    Args:
+        algorithm: ``"lamport_twoshot"`` or ``"twoshot"``.
+        inputs: every rank's input (size x k elements), in rank order.
+        op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+
+    Returns:
+        Every rank's output (k elements, flat), in rank order.
+    """
+    flat = _flat(inputs)
+    n = len(flat)
+    k = flat[0].size // n
+    pushed = algorithm == "lamport_twoshot"
+    owners = [(0 if pushed else r, r * k, (r + 1) * k) for r in range(n)]
+    reduced = _reduce_owned(flat, op, owners, clear=pushed)
+    if pushed:
+        reduced = clear_negative_zero(reduced)
+    return [reduced[r * k:(r + 1) * k] for r in range(n)]
+
+
+def all_gather(algorithm: str, inputs: Sequence[np.ndarray]) -> np.ndarray:
+    """What ``algorithm``'s all-gather stores on every rank: every rank's input in rank
+    order, with -0.0 as +0.0 where the Lamport two-shot pushes it (``"lamport_twoshot"``);
+    the barrier two-shot and NCCL copy the bits."""
+    gathered = np.concatenate(_flat(inputs))
+    return clear_negative_zero(gathered) if algorithm == "lamport_twoshot" else gathered
+
+
 def exact(inputs: Sequence[np.ndarray], op: str = "sum") -> np.ndarray:
     """The result of any reduction order (NCCL's included) for inputs where every order
     gives the same bits: finite, nonzero multiples of EXACT_QUANTUM whose absolute sum

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._algorithms import KERNEL_DTYPES
+from ._algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES
 from ._units import human_bytes
 from ._config import _env_text
 
@@ -19,8 +19,9 @@ class Description(dict):
     ``device_name``, ``path`` (kernels or NCCL only, and why), ``algorithms``,
     ``pool`` (bytes, user heap and free bytes; None without a pool), ``nvls``,
     ``config`` (``UBNEXT_*`` -> value), ``tables`` (the selector tables, in
-    the order consulted) and ``selection`` (dtype -> ``[bytes, algorithm, reason]``
-    for each of ``SIZES``).
+    the order consulted), ``selection`` (dtype -> ``[bytes, algorithm, reason]``
+    for each of ``SIZES``: the all-reduce's) and ``collectives`` (reduce-scatter and
+    all-gather -> their ``selection`` for bfloat16, sizes of the whole message).
     """
 
     def __str__(self) -> str:
@@ -39,6 +40,8 @@ def report(comm) -> Description:
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
         tables=[t.source for t in comm.selector.tables],
         selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in KERNEL_DTYPES},
+        collectives={c: {"bfloat16": [[n, *_choice(comm, n, "bfloat16", c)] for n in SIZES]}
+                     for c in COLLECTIVES if c != "all_reduce"},
     )
 
 
@@ -50,14 +53,15 @@ def _nvls(comm) -> dict:
     return {"enabled": bool(decision.enabled), "reason": str(decision.reason)}
 
 
-def _choice(comm, nbytes: int, dtype: str) -> tuple[str, str]:
-    """What ``algorithm="auto"`` runs for the message, and why (``UBNEXT_ALGO`` wins over the table)."""
+def _choice(comm, nbytes: int, dtype: str, collective: str = "all_reduce") -> tuple[str, str]:
+    """What ``algorithm="auto"`` runs for the message, and why (``UBNEXT_ALGO`` wins over the
+    table where it names an algorithm that serves the collective)."""
     forced = comm.config.algorithm
-    if forced == "auto" or comm.algorithms() == ["nccl"]:
-        return comm.selector.explain(nbytes, dtype)
+    if forced == "auto" or comm.algorithms() == ["nccl"] or not ALGORITHMS[forced].serves(collective):
+        return comm.selector.explain(nbytes, dtype, collective)
     if comm.selector.fits(forced, nbytes):
         return forced, f"UBNEXT_ALGO={forced}"
-    return "error", f"UBNEXT_ALGO={forced} cannot take this size (all_reduce raises)"
+    return "error", f"UBNEXT_ALGO={forced} cannot take this size ({collective} raises)"
 
 
 def _render(d: Description) -> list[str]:
@@ -79,6 +83,10 @@ def _render(d: Description) -> list[str]:
     for dtype, rows in d["selection"].items():
         lines.append(f"  {dtype}")
         lines += [f"    {human_bytes(n):>8}  {name:<8} {why}" for n, name, why in rows]
+    for collective, by_dtype in d.get("collectives", {}).items():
+        for dtype, rows in by_dtype.items():
+            lines.append(f"  {collective} {dtype}")
+            lines += [f"    {human_bytes(n):>8}  {name:<8} {why}" for n, name, why in rows]
     return lines
 
 

@@ -1,7 +1,7 @@
 """Algorithm selection for ``algorithm="auto"``.
 
-The choice is a pure function of (message bytes, dtype, world size, what the
-communicator can run), identical on every rank, so every rank launches the same
+The choice is a pure function of (collective, message bytes, dtype, world size, what
+the communicator can run), identical on every rank, so every rank launches the same
 kernel. The size thresholds come from a selector table (``_table``): a tune
 file (``UBNEXT_TUNE_FILE``, written by ``python -m ubnext.tune``) first, for the
 world sizes it covers, then the table shipped in the package.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._algorithms import ALGORITHMS, KERNEL_DTYPES, UNICAST_OF
+from ._algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES, UNICAST_OF
 from ._units import human_bytes
 from ._config import Config
 from ._table import Row, Table, default_table
@@ -84,10 +84,11 @@ class Selector:
         self.limits = limits
         self._usable = set(usable)
         self._nccl_reason = nccl_reason
-        #: dtype -> (rows, where they come from); the default table has a "*" entry for every
-        #: dtype. Only the kernels' dtypes have rows: NCCL reduces the others.
-        self._rows = {dtype: next(found for t in self.tables if (found := t.lookup(nranks, dtype)))
-                      for dtype in KERNEL_DTYPES}
+        #: collective -> dtype -> (rows, where they come from); the default table has a "*"
+        #: entry for every collective and dtype. Only the kernels' dtypes have rows: NCCL
+        #: reduces the others.
+        self._rows = {c: {dtype: next(found for t in self.tables if (found := t.lookup(nranks, dtype, c)))
+                          for dtype in KERNEL_DTYPES} for c in COLLECTIVES}
 
     def fits(self, name: str, nbytes: int) -> bool:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator: in one
@@ -110,17 +111,18 @@ class Selector:
         """``(algorithm, table limit, setting)`` of the usable rows (any dtype) whose limit
         exceeds what the algorithm takes with its buffers: sizes in between go to the next
         row that fits."""
-        return sorted({(name, limit, self.limits[name][1]) for rows, _ in self._rows.values()
-                       for limit, name in rows
+        return sorted({(name, limit, self.limits[name][1]) for by_dtype in self._rows.values()
+                       for rows, _ in by_dtype.values() for limit, name in rows
                        if name in self._usable and limit is not None and not self._takes(name, limit)})
 
-    def select(self, nbytes: int, dtype: str) -> str:
-        """The algorithm for a message of ``nbytes`` bytes of ``dtype``.
+    def select(self, nbytes: int, dtype: str, collective: str = "all_reduce") -> str:
+        """The algorithm for a ``collective`` (a key of COLLECTIVES) of ``nbytes`` bytes of
+        ``dtype`` (the reduce-scatter's input, the all-gather's output: size x k elements).
 
         Where NVLink multicast is usable, a table row's unicast kernel is replaced by its
         multicast instantiation (the seed's order: multicast -> Lamport -> two-shot -> NCCL).
         """
-        return self._final(self._walk(nbytes, dtype)[0], dtype)
+        return self._final(self._walk(nbytes, dtype, collective)[0], dtype)
 
     def select_fused(self, nbytes: int, dtype: str) -> str:
         """The algorithm for a fused all-reduce + add + RMSNorm of ``nbytes`` bytes.
@@ -146,20 +148,20 @@ class Selector:
         mc = MULTICAST_OF.get(name)
         return mc if mc in self._usable else name
 
-    def explain(self, nbytes: int, dtype: str) -> tuple[str, str]:
-        """``(algorithm, why)`` for a message of ``nbytes`` bytes of ``dtype``.
+    def explain(self, nbytes: int, dtype: str, collective: str = "all_reduce") -> tuple[str, str]:
+        """``(algorithm, why)`` for a ``collective`` of ``nbytes`` bytes of ``dtype``.
 
         ``why`` names the table row and its source, e.g. ``"table row ≤ 512 KiB for
         4 ranks bfloat16 (default table h200)"``, and every row skipped on the way
         (``"lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256"``).
         """
-        unicast, index = self._walk(nbytes, dtype)
+        unicast, index = self._walk(nbytes, dtype, collective)
         name = self._final(unicast, dtype)
         if self._usable == {"nccl"}:
             return name, f"only NCCL usable: {self._nccl_reason or 'no kernels on this communicator'}"
         if dtype not in KERNEL_DTYPES:
             return name, f"ubnext's kernels reduce {', '.join(KERNEL_DTYPES)}: NCCL reduces {dtype}"
-        rows, where = self._rows[dtype]
+        rows, where = self._rows[collective][dtype]
         skipped = [self._why_not(rows[i][1], nbytes) for i in range(len(rows) if index is None else index)
                    if _covers(rows[i], nbytes)]
         if index is None:
@@ -175,11 +177,12 @@ class Selector:
             reason += f"; {why}: {name} in place of {unicast}"
         return name, "; ".join([reason, *dict.fromkeys(skipped)])
 
-    def _walk(self, nbytes: int, dtype: str) -> tuple[str, int | None]:
-        """The algorithm and the index of the table row that gave it (None: past the table)."""
+    def _walk(self, nbytes: int, dtype: str, collective: str = "all_reduce") -> tuple[str, int | None]:
+        """The algorithm and the index of the table row that gave it (None: past the table);
+        every row's algorithm serves its collective (``_table``), and so do those past it."""
         if dtype not in KERNEL_DTYPES:
             return "nccl", None
-        rows = self._rows[dtype][0]
+        rows = self._rows[collective][dtype][0]
         for i, row in enumerate(rows):
             if _covers(row, nbytes) and self._takes(row[1], nbytes):
                 return row[1], i

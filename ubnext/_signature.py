@@ -1,7 +1,8 @@
 """Call signatures: what a rank says it is calling, carried in band by the kernels.
 
 Every launch carries a 64-bit signature of its call — the collective, dtype, op and
-element count (for the fused call, rows and hidden size) — next to the data or flags the
+element count (the whole message's: size x k for the reduce-scatter and all-gather; for
+the fused calls, rows and hidden size) — next to the data or flags the
 kernels already exchange. A kernel that receives a signature other than its own fails
 the communicator with ``kFailMismatch`` and both signatures, so ranks that call with
 different arguments get ``CollectiveMismatchError`` instead of a result, with no host
@@ -16,7 +17,9 @@ from __future__ import annotations
 from ._algorithms import DTYPES, OPS
 
 #: collectives that carry a signature, in code order (code 0 is never used)
-COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm")
+COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm")
+#: the fused calls, whose count is rows and hidden size
+_FUSED = ("all_reduce_add_rmsnorm", "reduce_scatter_add_rmsnorm")
 COUNT_BITS = 52
 HIDDEN_BITS = 20
 _DTYPES = tuple(DTYPES)
@@ -37,11 +40,12 @@ def encode(collective: str, dtype: str, op: str, count: int) -> int:
     return _HEAD[collective, dtype, op] | count
 
 
-def encode_fused(dtype: str, rows: int, hidden: int) -> int:
-    """The signature of ``all_reduce_add_rmsnorm`` of ``rows`` x ``hidden`` elements."""
+def encode_fused(dtype: str, rows: int, hidden: int, collective: str = "all_reduce_add_rmsnorm") -> int:
+    """The signature of a fused ``collective`` (``all_reduce_add_rmsnorm`` or
+    ``reduce_scatter_add_rmsnorm``) of ``rows`` x ``hidden`` elements."""
     if hidden >= 1 << HIDDEN_BITS or rows >= 1 << (COUNT_BITS - HIDDEN_BITS):
         raise ValueError(f"signature: {rows} x {hidden} does not fit")
-    return encode("all_reduce_add_rmsnorm", dtype, "sum", rows << HIDDEN_BITS | hidden)
+    return encode(collective, dtype, "sum", rows << HIDDEN_BITS | hidden)
 
 
 def text(signature: int) -> str:
@@ -51,7 +55,9 @@ def text(signature: int) -> str:
     if not 1 <= code <= len(COLLECTIVES) or dtype >= len(_DTYPES) or op >= len(_OPS):
         return f"an unknown call (signature {signature:#018x})"
     collective = COLLECTIVES[code - 1]
-    if collective == "all_reduce_add_rmsnorm":
+    if collective in _FUSED:
         rows, hidden = count >> HIDDEN_BITS, count & ((1 << HIDDEN_BITS) - 1)
         return f"{collective} of {rows} x {hidden} {_DTYPES[dtype]}"
+    if collective == "all_gather":
+        return f"{collective} of {count} {_DTYPES[dtype]}"
     return f"{collective} of {count} {_DTYPES[dtype]} ({_OPS[op]})"

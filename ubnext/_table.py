@@ -15,8 +15,11 @@ an entry of their own) to ``{dtype: rows}``. Rows ascend by ``max_bytes``; a
 message takes the first row it does not exceed whose algorithm the
 communicator can run; ``null`` (last row only) means no upper limit. A dtype
 without rows uses the rows of another dtype of that world size (same element
-size first). Optional keys: ``note`` (text) and ``measured`` (what tune
-measured, kept for the record).
+size first). Optional keys: ``note`` (text), ``measured`` (what tune
+measured, kept for the record) and ``collectives``: rows of the other collectives,
+``{"reduce_scatter": {"note": "...", "tables": {...}}, "all_gather": {...}}`` in the
+same form as ``tables`` (whose rows are the all-reduce's); a table without rows for a
+collective leaves it to the next table (the default one has rows for every collective).
 """
 
 from __future__ import annotations
@@ -29,14 +32,14 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from ._algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
+from ._algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES
 from ._errors import UbnextError
 
 FORMAT = 1
 #: The ``tables`` key of the world sizes without an entry of their own.
 ANY_WORLD = "*"
 _REQUIRED = ("format", "machine", "tables")
-_OPTIONAL = ("note", "measured")
+_OPTIONAL = ("note", "measured", "collectives")
 
 #: ``(max_bytes or None for no limit, algorithm)``
 Row = tuple[int | None, str]
@@ -50,36 +53,43 @@ class Table:
         source: where it came from, for messages: ``"default table h200"`` or
             ``"tune file /abs/path.json"``.
         machine: the file's ``machine`` text.
-        rows: world key (``"4"``, ``"*"``) -> dtype -> ascending rows.
+        rows: world key (``"4"``, ``"*"``) -> dtype -> ascending rows (of the all-reduce).
         document: the JSON document itself (``python -m ubnext.tune`` merges into it).
+        by_collective: collective other than the all-reduce -> its rows, as ``rows``.
     """
 
     source: str
     machine: str
     rows: dict[str, dict[str, tuple[Row, ...]]]
     document: dict[str, Any] = field(repr=False, compare=False)
+    by_collective: dict[str, dict[str, dict[str, tuple[Row, ...]]]] = field(default_factory=dict)
 
-    def lookup(self, nranks: int, dtype: str) -> tuple[tuple[Row, ...], str] | None:
-        """The rows for ``nranks`` ranks and ``dtype``, and a description of where they come from.
+    def lookup(self, nranks: int, dtype: str, collective: str = "all_reduce") -> tuple[tuple[Row, ...], str] | None:
+        """The rows for ``nranks`` ranks, ``dtype`` and ``collective``, and a description of
+        where they come from.
 
         Returns:
-            ``(rows, "4 ranks bfloat16 (default table h200)")``; the description
-            says when the rows are another world size's (``"*"``) or another
-            dtype's. None when the table has neither ``nranks`` nor ``"*"``.
+            ``(rows, "4 ranks bfloat16 (default table h200)")`` (the collective named
+            before the source when it is not the all-reduce); the description says when
+            the rows are another world size's (``"*"``) or another dtype's. None when the
+            table has neither ``nranks`` nor ``"*"`` for the collective.
         """
+        tables = self.rows if collective == "all_reduce" else self.by_collective.get(collective, {})
+        source = self.source if collective == "all_reduce" else f"{collective}, {self.source}"
         for key in (str(nranks), ANY_WORLD):
-            by_dtype = self.rows.get(key)
+            by_dtype = tables.get(key)
             if by_dtype is None:
                 continue
             world = f"{nranks} ranks" if key != ANY_WORLD else f"{nranks} ranks (via '*')"
             used = _closest_dtype(dtype, by_dtype)
             what = used if used == dtype else f"{used} (no {dtype} rows)"
-            return by_dtype[used], f"{world} {what} ({self.source})"
+            return by_dtype[used], f"{world} {what} ({source})"
         return None
 
     def digest(self) -> str:
         """A hash of the rows: equal on every rank that read the same table."""
-        return hashlib.sha256(json.dumps(self.rows, sort_keys=True).encode()).hexdigest()
+        rows = {"all_reduce": self.rows, **self.by_collective}
+        return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
 def _closest_dtype(dtype: str, by_dtype: dict[str, Any]) -> str:
@@ -113,25 +123,40 @@ def parse_table(document: Any, source: str) -> Table:
         raise fail(f"format {document['format']!r} is not supported; this ubnext reads format {FORMAT}")
     if not isinstance(document["machine"], str):
         raise fail("machine must be a string")
-    tables = document["tables"]
+    rows = _parse_tables(document["tables"], "tables", "all_reduce", fail)
+    collectives = document.get("collectives", {})
+    others = [c for c in COLLECTIVES if c != "all_reduce"]
+    if not isinstance(collectives, dict) or any(c not in others for c in collectives):
+        raise fail(f"collectives must be an object whose keys are among {', '.join(others)}")
+    by_collective = {}
+    for name, entry in collectives.items():
+        if not isinstance(entry, dict) or "tables" not in entry or set(entry) - {"tables", "note"}:
+            raise fail(f"collectives[{name!r}] must be an object {{\"note\": ..., \"tables\": ...}}")
+        by_collective[name] = _parse_tables(entry["tables"], f"collectives[{name!r}].tables", name, fail)
+    return Table(source, document["machine"], rows, document, by_collective)
+
+
+def _parse_tables(tables: Any, where: str, collective: str, fail) -> dict[str, dict[str, tuple[Row, ...]]]:
+    """``{"<world size>": {"<dtype>": rows}}`` of ``collective`` at ``where`` -> rows."""
     if not isinstance(tables, dict) or not tables:
-        raise fail("tables must be a non-empty object {\"<world size>\": {\"<dtype>\": rows}}")
+        raise fail(f"{where} must be a non-empty object {{\"<world size>\": {{\"<dtype>\": rows}}}}")
     rows: dict[str, dict[str, tuple[Row, ...]]] = {}
     for world, by_dtype in tables.items():
         if world != ANY_WORLD and not (world.isdigit() and int(world) > 0):
-            raise fail(f"tables key {world!r} is not a world size (a positive integer, or \"*\")")
+            raise fail(f"{where} key {world!r} is not a world size (a positive integer, or \"*\")")
         if not isinstance(by_dtype, dict) or not by_dtype:
-            raise fail(f"tables[{world!r}] must be a non-empty object {{\"<dtype>\": rows}}")
+            raise fail(f"{where}[{world!r}] must be a non-empty object {{\"<dtype>\": rows}}")
         rows[world] = {}
         for dtype, raw_rows in by_dtype.items():
             if dtype not in KERNEL_DTYPES:  # NCCL reduces the others: no rows
-                raise fail(f"tables[{world!r}]: unknown dtype {dtype!r}; use {', '.join(KERNEL_DTYPES)}")
-            rows[world][dtype] = _parse_rows(raw_rows, lambda p, w=world, d=dtype: fail(f"tables[{w!r}][{d!r}]: {p}"))
-    return Table(source, document["machine"], rows, document)
+                raise fail(f"{where}[{world!r}]: unknown dtype {dtype!r}; use {', '.join(KERNEL_DTYPES)}")
+            rows[world][dtype] = _parse_rows(
+                raw_rows, lambda p, w=world, d=dtype: fail(f"{where}[{w!r}][{d!r}]: {p}"), collective)
+    return rows
 
 
-def _parse_rows(raw: Any, fail) -> tuple[Row, ...]:
-    """``[[max_bytes, name], ...]`` -> rows; ``fail(problem)`` makes the exception."""
+def _parse_rows(raw: Any, fail, collective: str = "all_reduce") -> tuple[Row, ...]:
+    """``[[max_bytes, name], ...]`` of ``collective`` -> rows; ``fail(problem)`` makes the exception."""
     if not isinstance(raw, list) or not raw:
         raise fail("rows must be a non-empty list of [max_bytes, algorithm]")
     rows: list[Row] = []
@@ -141,6 +166,9 @@ def _parse_rows(raw: Any, fail) -> tuple[Row, ...]:
         limit, name = row
         if name not in ALGORITHMS:
             raise fail(f"row {i}: unknown algorithm {name!r}; use {', '.join(ALGORITHMS)}")
+        if not ALGORITHMS[name].serves(collective):
+            raise fail(f"row {i}: {name} has no {collective} kernel; use "
+                       f"{', '.join(n for n, a in ALGORITHMS.items() if a.serves(collective))}")
         if limit is None:
             if i != len(raw):
                 raise fail(f"row {i}: null (no limit) is allowed on the last row only")
