@@ -18,7 +18,7 @@ from ubnext import _reference as reference
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = tuple(reference.NCCL_ONLY)
+DTYPES = tuple(reference.TWOSHOT_ONLY)
 GUARD = 64  # canary bytes on each side of the output
 
 

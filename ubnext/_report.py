@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._algorithms import KERNEL_DTYPES
+from ._algorithms import ALGORITHMS, DTYPES
 from ._units import human_bytes
 from ._config import _env_text
 
@@ -19,8 +19,8 @@ class Description(dict):
     ``device_name``, ``path`` (kernels or NCCL only, and why), ``algorithms``,
     ``pool`` (bytes, user heap and free bytes; None without a pool), ``nvls``,
     ``config`` (``UBNEXT_*`` -> value), ``tables`` (the selector tables, in
-    the order consulted) and ``selection`` (dtype -> ``[bytes, algorithm, reason]``
-    for each of ``SIZES``).
+    the order consulted) and ``selection`` (every dtype -> ``[bytes, algorithm, reason]``
+    for each of ``SIZES``; the report shows a dtype's rows as one where they all agree).
     """
 
     def __str__(self) -> str:
@@ -38,7 +38,7 @@ def report(comm) -> Description:
         algorithms=comm.algorithms(), pool=comm.pool, nvls=_nvls(comm),
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
         tables=[t.source for t in comm.selector.tables],
-        selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in KERNEL_DTYPES},
+        selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in DTYPES},
     )
 
 
@@ -53,8 +53,8 @@ def _nvls(comm) -> dict:
 def _choice(comm, nbytes: int, dtype: str) -> tuple[str, str]:
     """What ``algorithm="auto"`` runs for the message, and why (``UBNEXT_ALGO`` wins over the table)."""
     forced = comm.config.algorithm
-    if forced == "auto" or comm.algorithms() == ["nccl"]:
-        return comm.selector.explain(nbytes, dtype)
+    if forced == "auto" or comm.algorithms() == ["nccl"] or not ALGORITHMS[forced].supports(dtype, "sum"):
+        return comm.selector.explain(nbytes, dtype)  # UBNEXT_ALGO leaves the dtypes it does not take to auto
     if comm.selector.fits(forced, nbytes):
         return forced, f"UBNEXT_ALGO={forced}"
     return "error", f"UBNEXT_ALGO={forced} cannot take this size (all_reduce raises)"
@@ -78,7 +78,10 @@ def _render(d: Description) -> list[str]:
     lines.append('selection (algorithm="auto"):')
     for dtype, rows in d["selection"].items():
         lines.append(f"  {dtype}")
-        lines += [f"    {human_bytes(n):>8}  {name:<8} {why}" for n, name, why in rows]
+        if len({(name, why) for _, name, why in rows}) == 1:  # the same choice at every size
+            lines.append(f"    {'any size':>8}  {rows[0][1]:<8} {rows[0][2]}")
+        else:
+            lines += [f"    {human_bytes(n):>8}  {name:<8} {why}" for n, name, why in rows]
     return lines
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._algorithms import ALGORITHMS, KERNEL_DTYPES, UNICAST_OF
+from ._algorithms import ALGORITHMS, FLOAT_DTYPES, KERNEL_DTYPES, UNICAST_OF
 from ._units import human_bytes
 from ._config import Config
 from ._table import Row, Table, default_table
@@ -73,13 +73,22 @@ class Selector:
         table: a tune file's table, consulted before the default table; None: the default only.
         nccl_reason: why only NCCL is usable, when it is (shown by :meth:`explain`).
         deterministic: ``Config.deterministic``: where a row gives NCCL, whose reduction
-            order is its own, the barrier two-shot (which takes any size) runs instead.
+            order is its own, the barrier two-shot (which takes any size) runs instead, for
+            the floating-point dtypes (an integer reduction's bits do not depend on the order).
+        nccl_problem: why NCCL cannot run on this communicator (``_nccl.cannot_run``: ranks
+            sharing a GPU, NCCL not loadable), or None: then the barrier two-shot, which
+            takes every dtype and any size, runs wherever NCCL would.
+
+    The dtypes outside the tables (``TWOSHOT_ONLY_DTYPES``: float64, the integers) go to
+    NCCL, the engine tuned for them, except where it cannot run or deterministic mode
+    takes a float64 from it: then to the barrier two-shot, ubnext's one kernel for them.
     """
 
     def __init__(self, nranks: int, limits: Limits, usable: list[str], table: Table | None = None,
-                 nccl_reason: str = "", deterministic: bool = False):
+                 nccl_reason: str = "", deterministic: bool = False, nccl_problem: str | None = None):
         self.nranks = nranks
         self.deterministic = deterministic
+        self.nccl_problem = nccl_problem
         self.tables = [t for t in (table, default_table()) if t is not None]
         self.limits = limits
         self._usable = set(usable)
@@ -139,12 +148,30 @@ class Selector:
         return self._final(name, dtype)
 
     def _final(self, name: str, dtype: str) -> str:
-        """The row's algorithm as it runs: the barrier two-shot in place of NCCL in
-        deterministic mode, the multicast instantiation where NVLink multicast is usable."""
-        if self.deterministic and name == "nccl" and "twoshot" in self._usable and dtype in KERNEL_DTYPES:
-            return "twoshot"
+        return self._replaced(name, dtype)[0]
+
+    def _replaced(self, name: str, dtype: str) -> tuple[str, list[str]]:
+        """The row's algorithm as it runs, and why it replaced the row's: the barrier
+        two-shot in place of NCCL where NCCL cannot run or in deterministic mode, the
+        multicast instantiation where NVLink multicast is usable and takes the dtype."""
+        notes = []
+        why = self._instead_of_nccl(dtype)
+        if name == "nccl" and why and "twoshot" in self._usable:
+            name = "twoshot"
+            notes.append(f"{why}: twoshot in place of nccl")
         mc = MULTICAST_OF.get(name)
-        return mc if mc in self._usable else name
+        if mc in self._usable and ALGORITHMS[mc].supports(dtype, "sum"):
+            notes.append(f"NVLink multicast: {mc} in place of {name}")
+            name = mc
+        return name, notes
+
+    def _instead_of_nccl(self, dtype: str) -> str | None:
+        """Why the barrier two-shot runs where a row gives NCCL, or None."""
+        if self.nccl_problem:
+            return f"NCCL cannot run here ({self.nccl_problem})"
+        if self.deterministic and dtype in FLOAT_DTYPES:
+            return "deterministic mode"
+        return None
 
     def explain(self, nbytes: int, dtype: str) -> tuple[str, str]:
         """``(algorithm, why)`` for a message of ``nbytes`` bytes of ``dtype``.
@@ -154,11 +181,14 @@ class Selector:
         (``"lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256"``).
         """
         unicast, index = self._walk(nbytes, dtype)
-        name = self._final(unicast, dtype)
+        name, notes = self._replaced(unicast, dtype)
         if self._usable == {"nccl"}:
             return name, f"only NCCL usable: {self._nccl_reason or 'no kernels on this communicator'}"
         if dtype not in KERNEL_DTYPES:
-            return name, f"ubnext's kernels reduce {', '.join(KERNEL_DTYPES)}: NCCL reduces {dtype}"
+            if name == "nccl":
+                return name, (f"NCCL reduces {dtype} (the tables cover {', '.join(KERNEL_DTYPES)}; "
+                              f"ubnext's barrier two-shot takes {dtype} as algorithm='twoshot')")
+            return name, f"ubnext's barrier two-shot reduces {dtype}: {notes[0]}"
         rows, where = self._rows[dtype]
         skipped = [self._why_not(rows[i][1], nbytes) for i in range(len(rows) if index is None else index)
                    if _covers(rows[i], nbytes)]
@@ -170,9 +200,8 @@ class Selector:
             reason = f"table row {_row_label(rows, index)} for {where}"
         if name == unicast and not self._in_one_launch(name, nbytes):
             reason += f"; in launches of {human_bytes(self.limits[name][0])} ({self.limits[name][1]})"
-        if name != unicast:
-            why = "deterministic mode" if self.deterministic else "NVLink multicast"
-            reason += f"; {why}: {name} in place of {unicast}"
+        for note in notes:
+            reason += f"; {note}"
         return name, "; ".join([reason, *dict.fromkeys(skipped)])
 
     def _walk(self, nbytes: int, dtype: str) -> tuple[str, int | None]:
