@@ -208,3 +208,65 @@ def test_bits_and_nan_mask_take_every_width():
     reference.assert_same_bits(np.array([np.nan, 1.0]), np.array([np.nan, 1.0]))
     with pytest.raises(AssertionError, match="1 of 2 elements differ"):
         reference.assert_same_bits(np.array([3, 4], np.uint32), np.array([3, 5], np.uint32))
+
+
+def test_the_two_shot_reference_reduces_in_the_accumulator_of_each_dtype():
+    assert reference.accumulator(np.dtype(np.float16)) == np.float32
+    assert reference.accumulator(reference.DTYPES["bfloat16"]) == np.float32
+    for name, dtype in reference.TWOSHOT_ONLY.items():
+        assert reference.accumulator(dtype) == dtype, name
+    rng = np.random.default_rng(2)
+    for name in ("int8", "uint32", "int64"):
+        info = np.iinfo(name)
+        parts = [rng.integers(info.min, info.max, 1001, dtype=name, endpoint=True) for _ in range(3)]
+        for op in ("sum", "max", "min"):  # wraps: the same bits in the kernel's order as in any
+            assert (reference.twoshot(parts, op) == reference.integer(parts, op)).all()
+    # float64 in double, in the owner's order: rank 0 owns vector 0 (order 0, 1, 2), rank 1
+    # vector 1 (order 1, 2, 0); a 1.0 added to -+2**60 first is lost
+    big = 2.0**60
+    parts = [np.array([big, 1.0, big, 1.0]), np.array([-big, -big, -big, -big]), np.array([1.0, big, 1.0, big])]
+    assert reference.twoshot(parts, "sum").tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert reference.twoshot(parts, "avg").tolist() == [1 / 3, 0.0, 0.0, 1 / 3]
+    zeros = [np.array([-0.0, 1.5]), np.array([-0.0, 2.0])]
+    assert reference.bits(reference.twoshot(zeros))[0] == 1 << 63  # nothing cleared
+    assert reference.bits(reference.lamport_twoshot(zeros)).tolist() == [0, reference.bits(np.array([3.5]))[0]]
+    ints = [np.array([0, -5], np.int32)] * 2
+    assert reference.lamport_twoshot(ints).tolist() == [0, -10]  # deterministic mode: integers as they are
+
+
+class _Local:
+    def __init__(self, views):
+        self.views = views
+
+    def allgather_obj(self, _mine):
+        return self.views
+
+
+def test_nccl_cannot_run_where_ranks_share_a_gpu_or_lack_the_library(monkeypatch):
+    from ubnext import _nccl
+
+    monkeypatch.setattr(_nccl._devices, "device_uuid", lambda device: f"GPU-{device}")
+    assert _nccl.cannot_run(_Local([("GPU-0", None), ("GPU-1", None)]), 0) is None
+    assert (_nccl.cannot_run(_Local([("GPU-0", None), ("GPU-1", None), ("GPU-0", None)]), 0)
+            == "local ranks 0, 2 share one GPU, which NCCL refuses")
+    assert (_nccl.cannot_run(_Local([("GPU-0", None), ("GPU-1", "cupy cannot load the NCCL library")]), 0)
+            == "local rank 1: cupy cannot load the NCCL library")
+
+
+def test_describe_names_the_path_of_every_dtype(monkeypatch):
+    from types import SimpleNamespace
+
+    from ubnext import _info, _report
+
+    monkeypatch.setattr(_info, "device_name", lambda device: "Fake GPU")
+    cfg = Config.from_env()
+    for problem, path in ((None, "nccl"), ("local ranks 0, 1 share one GPU, which NCCL refuses", "twoshot")):
+        comm = SimpleNamespace(rank=0, size=4, device=0, config=cfg, pool=None, path="kernels", local_rank=0,
+                               local_size=4, selector=selector(nccl_problem=problem),
+                               algorithms=lambda: list(ALGORITHMS))
+        d = _report.report(comm)
+        assert set(d["selection"]) == set(DTYPES)
+        assert {row[1] for row in d["selection"]["uint64"]} == {path}
+        text = str(d)
+        assert f"  uint64\n    any size  {path:<8} " in text
+        assert "  bfloat16\n       1 KiB  " in text  # the kernels' dtypes by size
