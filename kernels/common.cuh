@@ -51,15 +51,19 @@ typedef long long i64;
 // elements, else u32); Acc and load(bits) -> Acc, store(Acc) -> bits; kFloat: a
 // floating-point type (it has -0.0 and NaN, and avg takes it); kNaN: the poison a failed
 // launch leaves in its outputs, the bits of a quiet NaN (integers, which have none: the top
-// bit alone, a signed type's least value).
+// bit alone, a signed type's least value). ElemBase holds all but the conversions.
 template <class T> struct Elem;
+template <int Bytes> struct BitsOf { typedef u32 type; };
+template <> struct BitsOf<8> { typedef u64 type; };
+template <int Bytes, bool Float, class A, typename BitsOf<Bytes>::type Poison> struct ElemBase {
+  static constexpr int kBytes = Bytes;
+  static constexpr bool kFloat = Float;
+  typedef typename BitsOf<Bytes>::type Bits;
+  typedef A Acc;
+  static constexpr Bits kNaN = Poison;
+};
 
-template <> struct Elem<bf16> {
-  static constexpr int kBytes = 2;
-  static constexpr bool kFloat = true;
-  typedef u32 Bits;
-  typedef float Acc;
-  static constexpr u32 kNaN = 0x7fc0u;
+template <> struct Elem<bf16> : ElemBase<2, true, float, 0x7fc0u> {
   __device__ static float load(u32 bits) { return __uint_as_float(bits << 16); }
   __device__ static u32 store(float f) {  // round to nearest even
     u16 r;
@@ -68,12 +72,7 @@ template <> struct Elem<bf16> {
   }
 };
 
-template <> struct Elem<f16> {
-  static constexpr int kBytes = 2;
-  static constexpr bool kFloat = true;
-  typedef u32 Bits;
-  typedef float Acc;
-  static constexpr u32 kNaN = 0x7e00u;
+template <> struct Elem<f16> : ElemBase<2, true, float, 0x7e00u> {
   __device__ static float load(u32 bits) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)bits));
@@ -86,39 +85,23 @@ template <> struct Elem<f16> {
   }
 };
 
-template <> struct Elem<float> {
-  static constexpr int kBytes = 4;
-  static constexpr bool kFloat = true;
-  typedef u32 Bits;
-  typedef float Acc;
-  static constexpr u32 kNaN = 0x7fc00000u;
+template <> struct Elem<float> : ElemBase<4, true, float, 0x7fc00000u> {
   __device__ static float load(u32 bits) { return __uint_as_float(bits); }
   __device__ static u32 store(float f) { return __float_as_uint(f); }
 };
 
-template <> struct Elem<double> {
-  static constexpr int kBytes = 8;
-  static constexpr bool kFloat = true;
-  typedef u64 Bits;
-  typedef double Acc;
-  static constexpr u64 kNaN = 0x7ff8000000000000ull;
+template <> struct Elem<double> : ElemBase<8, true, double, 0x7ff8000000000000ull> {
   __device__ static double load(u64 bits) { return __longlong_as_double((long long)bits); }
   __device__ static u64 store(double d) { return (u64)__double_as_longlong(d); }
 };
 
 // The integer type T, whose unsigned type of the same width is U: accumulates in T itself
 // (acc_add wraps around through U).
-template <int Bytes> struct BitsOf { typedef u32 type; };
-template <> struct BitsOf<8> { typedef u64 type; };
-template <class T, class U> struct IntElem {
-  static constexpr int kBytes = sizeof(T);
-  static constexpr bool kFloat = false;
-  typedef typename BitsOf<kBytes>::type Bits;
-  typedef T Acc;
+template <class T, class U, class B = typename BitsOf<sizeof(T)>::type>
+struct IntElem : ElemBase<sizeof(T), false, T, (B)1 << (8 * sizeof(T) - 1)> {
   typedef U Unsigned;
-  static constexpr Bits kNaN = (Bits)1 << (8 * kBytes - 1);
-  __device__ static T load(Bits bits) { return (T)(U)bits; }     // the low kBytes bytes
-  __device__ static Bits store(T v) { return (Bits)(U)v; }       // zero-extended
+  __device__ static T load(B bits) { return (T)(U)bits; }  // the low sizeof(T) bytes
+  __device__ static B store(T v) { return (B)(U)v; }       // zero-extended
 };
 template <> struct Elem<i8> : IntElem<i8, u8> {};
 template <> struct Elem<u8> : IntElem<u8, u8> {};

@@ -148,6 +148,7 @@ class Selector:
         return self._final(name, dtype)
 
     def _final(self, name: str, dtype: str) -> str:
+        """The row's algorithm as it runs (:meth:`_replaced`)."""
         return self._replaced(name, dtype)[0]
 
     def _replaced(self, name: str, dtype: str) -> tuple[str, list[str]]:
