@@ -178,16 +178,17 @@ def test_twoshot_replays_from_a_cuda_graph(comm, dtype):
 
 # ---- auto: NCCL where it runs, else the two-shot ---------------------------------------------
 def test_auto_takes_the_two_shot_exactly_where_nccl_cannot_run(comm):
-    from ubnext import _devices
+    from ubnext import _devices, _nccl
 
     shared = _devices.shared(comm.bootstrap.allgather_obj(_devices.device_uuid(comm.device)))
-    assert bool(comm.selector.nccl_problem) == bool(shared), comm.selector.nccl_problem
+    cannot = bool(shared) or any(comm.bootstrap.allgather_obj(_nccl.load_problem()))
+    assert bool(comm.selector.nccl_problem) == cannot, comm.selector.nccl_problem
     for dtype in DTYPES:
         name, why = comm.selector.explain(4096, dtype)
-        assert comm.select(4096, dtype) == name == ("twoshot" if shared else "nccl"), why
+        assert comm.select(4096, dtype) == name == ("twoshot" if cannot else "nccl"), why
         if shared:
             assert "share one GPU, which NCCL refuses" in why
-    if shared:
+    if cannot:
         import cupy
 
         with recorded_launches(comm) as launches:
