@@ -156,7 +156,9 @@ template <class T> struct Vec {
       const u32 lo = (u32)Elem<T>::kNaN, hi = (u32)(Elem<T>::kNaN >> 32);
       return make_uint4(lo, hi, lo, hi);
     } else {
-      const u32 w = kBits == 32 ? Elem<T>::kNaN : kBits == 16 ? Elem<T>::kNaN * 0x10001u : Elem<T>::kNaN * 0x1010101u;
+      const u32 w = kBits == 32   ? Elem<T>::kNaN
+                    : kBits == 16 ? Elem<T>::kNaN * 0x10001u
+                                  : Elem<T>::kNaN * 0x1010101u;
       return make_uint4(w, w, w, w);
     }
   }
