@@ -1,19 +1,23 @@
-"""A tensor-parallel Llama-style MLP block, ubnext fused vs NCCL + torch.
+"""A tensor-parallel Llama-style MLP block, ubnext.torch's layers vs NCCL + torch.
 
     mpirun -n 4 python bench/tp_block.py --hidden 8192 --intermediate 28672 --tokens 1,8,32,128,512
 
 Each rank holds 1/N of the MLP: the column-parallel gate and up projections
-(hidden -> intermediate/N each), SiLU(gate) * up, the row-parallel down projection
-(intermediate/N -> hidden), whose partial sums are then all-reduced, added to the
-residual stream and RMS-normalized for the next layer:
+(hidden -> intermediate/N each, one GEMM), SiLU(gate) * up, the row-parallel down
+projection (intermediate/N -> hidden), whose partial sums are then all-reduced, added to
+the residual stream and RMS-normalized for the next layer:
 
-* ``ubnext``: ``comm.all_reduce_add_rmsnorm`` (one kernel after the matmuls);
-* ``nccl+torch``: ``torch.distributed.all_reduce``, torch add, ``F.rms_norm``.
+* ``ubnext``: ``ubnext.torch.TensorParallelMLP`` with a ``BufferPlan`` (the down GEMM
+  writes into planned symmetric memory; one fused all-reduce + add + RMSNorm kernel);
+* ``nccl+torch``: the same GEMMs, ``torch.distributed.all_reduce`` in place on the down
+  GEMM's output, then add + ``F.rms_norm`` compiled by ``torch.compile`` (no copies).
 
 Both are checked against the same block computed with the full weights on one GPU,
 then timed per token batch in eager and CUDA-graph mode (µs per block, maximum over
-ranks, median of the repeats). Rank 0 prints the table with the end-to-end speed-up
-and writes ``<outdir>/<name>.json`` and ``<name>.png``.
+ranks, median of the repeats), with the peak of torch's allocated memory per path (and
+ubnext's symmetric pool, which holds the planned buffers). Runs at 1 rank too. Rank 0
+prints the table with the end-to-end speed-up and writes ``<outdir>/<name>.json`` and
+``<name>.png``.
 """
 
 from __future__ import annotations
@@ -48,62 +52,64 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Block:
-    """This rank's shard of the MLP block and its two ways to finish it."""
+def add_rmsnorm(y, residual, weight, eps: float):
+    """The unfused epilogue of the baseline: ``(rms_norm(y + residual) * weight, y + residual)``."""
+    import torch.nn.functional as F
 
-    def __init__(self, comm, hidden: int, intermediate: int, dtype, eps: float = 1e-6):
+    r = y + residual
+    return F.rms_norm(r, (r.shape[-1],), weight, eps), r
+
+
+class Block:
+    """This rank's shard of the MLP block (``ubnext.torch.TensorParallelMLP``) and the two ways to run it."""
+
+    def __init__(self, comm, hidden: int, intermediate: int, dtype, max_tokens: int, eps: float = 1e-6):
         import torch
 
-        n, r = comm.size, comm.rank
-        if intermediate % n:
-            raise SystemExit(f"tp_block: --intermediate {intermediate} is not divisible by {n} ranks")
+        import ubnext.torch as ut
+
+        if intermediate % comm.size:
+            raise SystemExit(f"tp_block: --intermediate {intermediate} is not divisible by {comm.size} ranks")
         g = torch.Generator(device="cuda").manual_seed(1234)  # the full weights, the same on every rank
-        scale = hidden ** -0.5
-        self.full_gate = (torch.randn(hidden, intermediate, device="cuda", generator=g) * scale).to(dtype)
-        self.full_up = (torch.randn(hidden, intermediate, device="cuda", generator=g) * scale).to(dtype)
-        self.full_down = (torch.randn(intermediate, hidden, device="cuda", generator=g)
+        self.full_gate = (torch.randn(intermediate, hidden, device="cuda", generator=g) * hidden ** -0.5).to(dtype)
+        self.full_up = (torch.randn(intermediate, hidden, device="cuda", generator=g) * hidden ** -0.5).to(dtype)
+        self.full_down = (torch.randn(hidden, intermediate, device="cuda", generator=g)
                           * intermediate ** -0.5).to(dtype)
         self.norm_weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
-        part = intermediate // n
-        cols = slice(r * part, (r + 1) * part)
-        # column-parallel gate|up in one matmul, row-parallel down
-        self.gate_up = torch.cat([self.full_gate[:, cols], self.full_up[:, cols]], dim=1).contiguous()
-        self.down = self.full_down[cols].contiguous()
-        self.part, self.comm, self.eps = part, comm, eps
-
-    def partial(self, h):
-        import torch.nn.functional as F
-
-        gu = h @ self.gate_up
-        return (F.silu(gu[:, : self.part]) * gu[:, self.part:]) @ self.down
+        # planned symmetric buffers where there is a pool (none where ubnext runs on NCCL only)
+        self.plan = ut.BufferPlan(comm, max_tokens, {"mlp": hidden}, dtype) if comm.pool else None
+        self.mlp = ut.TensorParallelMLP(hidden, intermediate, comm, eps=eps, plan=self.plan, dtype=dtype,
+                                        device="cuda").requires_grad_(False)
+        self.mlp.load_full(self.full_gate, self.full_up, self.full_down, self.norm_weight)
+        self.epilogue = torch.compile(add_rmsnorm, fullgraph=True)
+        self.eps = eps
 
     def reference(self, h, residual):
         """The whole block on this GPU with the full weights: (normed, residual_out)."""
         import torch.nn.functional as F
 
-        y = (F.silu(h @ self.full_gate) * (h @ self.full_up)) @ self.full_down
+        y = F.linear(F.silu(F.linear(h, self.full_gate)) * F.linear(h, self.full_up), self.full_down)
         r = y + residual
         return F.rms_norm(r.float(), (h.shape[1],), self.norm_weight.float(), self.eps).to(h.dtype), r
 
     def steps(self, h, residual):
-        """path -> callable running one block on torch's current stream; and its outputs."""
-        import torch
+        """path -> callable running one block on torch's current stream and returning
+        ``(normed, residual_out)``."""
         import torch.distributed as dist
         import torch.nn.functional as F
 
-        out, rout = torch.empty_like(h), torch.empty_like(h)
+        mlp = self.mlp
 
         def ubnext():
-            self.comm.all_reduce_add_rmsnorm(self.partial(h), residual, self.norm_weight, eps=self.eps,
-                                             out=out, residual_out=rout)
+            return mlp(h, residual)
 
         def nccl():
-            y = self.partial(h)
+            gate, up = F.linear(h, mlp.gate_up.weight).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, mlp.down.weight)
             dist.all_reduce(y)
-            torch.add(y, residual, out=rout)
-            out.copy_(F.rms_norm(rout, (h.shape[1],), self.norm_weight, self.eps))
+            return self.epilogue(y, residual, mlp.norm.weight, self.eps)
 
-        return dict(zip(PATHS, (ubnext, nccl))), out, rout
+        return dict(zip(PATHS, (ubnext, nccl)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,29 +123,35 @@ def run(comm, args, argv) -> int:
     rank0 = comm.bootstrap.rank == 0
     dtype = getattr(torch, args.dtype)
     records, bad = [], False
-    block = Block(comm, args.hidden, args.intermediate, dtype)
+    block = Block(comm, args.hidden, args.intermediate, dtype, max(args.tokens))
+    pool = comm.pool["bytes"] if comm.pool else 0
     for tokens in args.tokens:
         g = torch.Generator(device="cuda").manual_seed(tokens)  # the same activations on every rank
         h = torch.randn(tokens, args.hidden, device="cuda", generator=g).to(dtype)
         residual = torch.randn(tokens, args.hidden, device="cuda", generator=g).to(dtype)
-        fns, out, rout = block.steps(h, residual)
+        fns = block.steps(h, residual)
         ref_out, ref_r = block.reference(h, residual)
         errors = {}
-        for name, fn in fns.items():
-            out.fill_(float("nan"))
-            fn()
-            torch.cuda.synchronize()
-            err = max((a.double() - b.double()).norm().item() / b.double().norm().item()
-                      for a, b in ((out, ref_out), (rout, ref_r)))
-            errors[name] = max(comm.bootstrap.allgather_obj(err))
-            bad |= not errors[name] < 2e-2
-        for name, fn in fns.items():
-            for mode in args.modes.split(","):
-                if rank0:
-                    sys.stderr.write(f"\r{tokens:<5} {name:<12} {mode:<6}")
-                times = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
-                records.append({"path": name, "mode": mode, "tokens": tokens, "times_us": times,
-                                "median_us": tb.median(times), "rel_err_vs_1gpu": errors[name]})
+        with torch.no_grad():
+            for name, fn in fns.items():
+                out, rout = fn()
+                torch.cuda.synchronize()
+                err = max((a.double() - b.double()).norm().item() / b.double().norm().item()
+                          for a, b in ((out, ref_out), (rout, ref_r)))
+                errors[name] = max(comm.bootstrap.allgather_obj(err))
+                bad |= not errors[name] < 2e-2
+            for name, fn in fns.items():
+                for mode in args.modes.split(","):
+                    if rank0:
+                        sys.stderr.write(f"\r{tokens:<5} {name:<12} {mode:<6}")
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                    times = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
+                    peak = max(comm.bootstrap.allgather_obj(torch.cuda.max_memory_allocated() - before))
+                    records.append({"path": name, "mode": mode, "tokens": tokens, "times_us": times,
+                                    "median_us": tb.median(times), "rel_err_vs_1gpu": errors[name],
+                                    "peak_torch_bytes": peak, "ubnext_pool_bytes": pool if name == "ubnext" else 0})
     if rank0:
         sys.stderr.write("\n")
         report(comm, args, argv, records)
@@ -152,11 +164,16 @@ def report(comm, args, argv, records) -> None:
         by = {(r["tokens"], r["path"]): r for r in records if r["mode"] == mode}
         print(f"# {mode}: µs per MLP block (hidden {args.hidden}, intermediate {args.intermediate}, "
               f"TP={comm.size}); speed-up = nccl+torch / ubnext")
-        print(f"{'tokens':>7}{'ubnext':>12}{'nccl+torch':>12}{'speed-up':>10}{'err ubnext':>12}{'err nccl':>10}")
+        print(f"{'tokens':>7}{'ubnext':>12}{'nccl+torch':>12}{'speed-up':>10}{'err ubnext':>12}{'err nccl':>10}"
+              f"{'MiB ubnext':>12}{'MiB nccl':>10}")
         for t in args.tokens:
             u, n = by[(t, "ubnext")], by[(t, "nccl+torch")]
             print(f"{t:>7}{u['median_us']:>12.1f}{n['median_us']:>12.1f}{n['median_us'] / u['median_us']:>10.2f}"
-                  f"{u['rel_err_vs_1gpu']:>12.1e}{n['rel_err_vs_1gpu']:>10.1e}")
+                  f"{u['rel_err_vs_1gpu']:>12.1e}{n['rel_err_vs_1gpu']:>10.1e}"
+                  f"{u['peak_torch_bytes'] / 2**20:>12.1f}{n['peak_torch_bytes'] / 2**20:>10.1f}")
+    print(f"# MiB: peak torch allocations while timing, beyond what was allocated before; ubnext's symmetric "
+          f"pool (planned buffers, staging) adds {max(r['ubnext_pool_bytes'] for r in records) / 2**20:.0f} MiB "
+          f"per rank, allocated once" if records else "")
     path, doc = tb.save_report(comm, "tp_block", "tp_block", args, argv, {
         "dtype": args.dtype, "hidden": args.hidden, "intermediate": args.intermediate, "results": records})
     panels = {mode: {p: ([r["tokens"] for r in records if r["mode"] == mode and r["path"] == p],

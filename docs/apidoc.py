@@ -3,8 +3,9 @@ those docstrings keep.
 
     python docs/apidoc.py > docs/API.md
 
-The public API is every name of ``ubnext.__all__`` and ``ubnext.bootstrap.__all__`` and
-every public method and property of their classes (:func:`entries`). A callable's
+The public API is every name of ``ubnext.__all__``, ``ubnext.bootstrap.__all__``,
+``ubnext.torch.__all__`` and ``ubnext.torch.functional.__all__`` and every public method
+and property of their classes (:func:`entries`). A callable's
 docstring (a class's: its constructor's) says, checked by :func:`problems`:
 
 * ``Args:`` where it takes arguments, ``Returns:`` where it returns something (a
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
 import re
 import sys
@@ -74,8 +76,8 @@ def entries() -> list[Entry]:
     functions, constants and exceptions, then ``ubnext.bootstrap`` and its names; a
     class's methods and properties follow it, in the order they are defined."""
     out = []
-    for module in (ubnext, ubnext.bootstrap):
-        if module is ubnext.bootstrap:
+    for module in modules():
+        if module is not ubnext:
             out.append(Entry(module.__name__, "module", "", _doc(module)))
         names = [n for n in module.__all__ if not inspect.ismodule(getattr(module, n))]
         for name in sorted(names, key=lambda n: _KIND_ORDER.index(_kind(getattr(module, n)))):
@@ -84,6 +86,16 @@ def entries() -> list[Entry]:
 
 
 _KIND_ORDER = ("class", "function", "constant", "exception")
+
+
+def modules() -> list:
+    """The documented modules: ``ubnext``, ``ubnext.bootstrap``, and, where torch is
+    installed, ``ubnext.torch`` and ``ubnext.torch.functional``."""
+    out = [ubnext, ubnext.bootstrap]
+    try:
+        return out + [importlib.import_module(m) for m in ("ubnext.torch", "ubnext.torch.functional")]
+    except ImportError:  # no torch: the reference lacks ubnext.torch (tests/test_apidoc.py skips the comparison)
+        return out
 
 
 def _kind(obj: Any) -> str:

@@ -36,8 +36,8 @@ def test_bad_input_raises_before_launch(comm):
     cases = [
         (lambda: comm.all_reduce(torch.ones(16)), "host memory"),
         (lambda: comm.all_reduce(torch.ones(4, 4, device="cuda").t()), "not contiguous"),
-        (lambda: comm.all_reduce(torch.ones(4, device="cuda", dtype=torch.float64)), "unsupported dtype"),
-        (lambda: comm.all_reduce(torch.ones(4, device="cuda", dtype=torch.int32)), "unsupported dtype"),
+        (lambda: comm.all_reduce(torch.ones(4, device="cuda", dtype=torch.complex64)), "unsupported dtype"),
+        (lambda: comm.all_reduce(torch.ones(4, device="cuda", dtype=torch.int32), op="avg"), "floating-point"),
         (lambda: comm.all_reduce(x, op="prod"), "unsupported op"),
         (lambda: comm.all_reduce(x, algorithm="ring"), "unknown algorithm"),
         (lambda: comm.all_reduce(x, out=torch.ones(15, device="cuda")), "must match"),

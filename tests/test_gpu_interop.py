@@ -111,6 +111,12 @@ def numba_cuda(comm):
     if not cuda.is_available():
         pytest.skip("numba.cuda sees no GPU")
     cuda.select_device(comm.device)
+    try:  # numba-cuda releases that predate the installed numpy fail on their first compile
+        cuda.jit("void(float32[:])")(lambda a: None)
+    except AttributeError as e:
+        import numpy
+
+        pytest.skip(f"this numba-cuda cannot compile a kernel with numpy {numpy.__version__} ({e})")
     return cuda
 
 
@@ -185,7 +191,7 @@ def test_cuda_core_view_reduced_on_the_stream_that_produced_it(comm, cuda_core):
     stream = device.create_stream()
     handle = int(stream.__cuda_stream__()[1])
     buf = device.allocate(N * 4, stream=stream)
-    view = view_class.from_buffer(buf, shape=(N,), dtype=np.float32)
+    view = view_class.from_buffer(buf, shape=(N,), dtype=np.dtype(np.float32))
     data = torch.from_dlpack(view)  # torch's view of the same memory, to write it
     assert data.data_ptr() == int(buf.handle)
     source = torch.from_numpy(host_input(comm.rank, 0)).to(f"cuda:{comm.device}")

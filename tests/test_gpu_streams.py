@@ -257,6 +257,7 @@ def test_capture_between_eager_calls_on_another_stream(comm):
     x, want = inputs(comm, n, seed=8)
     out = torch.empty_like(x)
     eager = torch.cuda.Stream()
+    eager.wait_stream(torch.cuda.current_stream())  # x, want and out were made on the current stream
     with torch.cuda.stream(eager):
         comm.all_reduce(x, out=out)  # first use compiles; the last stream is `eager`
     eager.synchronize()

@@ -158,3 +158,20 @@ def test_ranks_on_one_gpu_are_refused_in_one_line(monkeypatch):
                                           r"\(ranks 0, 1, 2 use GPU-0\); give each rank its own GPU"):
         NcclComm(boot, device=0).connect()
     assert not boot.bcasts and not nccl.NcclCommunicator.created
+
+
+def test_one_rank_average_is_a_copy_not_an_nccl_call(monkeypatch):
+    """NCCL before 2.29.7 leaves a one-rank average's last count % blocks elements
+    unwritten (NVIDIA/nccl#1950): at one rank the average is the input, copied on the
+    caller's stream; in place nothing is enqueued."""
+    nccl = install_nccl(monkeypatch)
+    copies = []
+    runtime = sys.modules["cupy.cuda"].runtime
+    monkeypatch.setattr(runtime, "memcpyAsync", lambda *a: copies.append(a), raising=False)
+    monkeypatch.setattr(runtime, "memcpyDeviceToDevice", 3, raising=False)
+    comm = NcclComm(Boot(rank=0, size=1), 0)
+    comm.all_reduce(0x1000, 0x2000, 4099, "float64", "avg", 0x99)
+    comm.all_reduce(0x1000, 0x1000, 4099, "bfloat16", "avg", 0x99)
+    comm.all_reduce(0x1000, 0x2000, 5, "float32", "sum", 0x99)
+    assert copies == [(0x2000, 0x1000, 4099 * 8, 3, 0x99)]
+    assert nccl.NcclCommunicator.created[0].calls == [(0x1000, 0x2000, 5, 7, 0, 0x99)]

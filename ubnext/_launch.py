@@ -4,10 +4,17 @@ A ``Launcher`` holds, for one compiled entry point, one buffer with an 8-byte sl
 parameter and the array of pointers to those slots that ``cuLaunchKernel`` takes. The
 parameters that never change (pool addresses, library slots, the timeout record) are
 written once; a call packs the others into their slots with one ``struct`` call and
-launches through CuPy's compiled binding of ``cuLaunchKernel`` (a ctypes call with its
-argument conversions cost about 3 µs more per launch on H200 hosts). Kernels that run in
+launches through CuPy's compiled binding of ``cuLaunchKernel``. Kernels that run in
 thread-block clusters carry their cluster shape (kernels/rmsnorm.cuh: UB_CLUSTER), so
 they launch the same way.
+
+The binding-layer exception (ubnext's other CUDA calls use CuPy's public API, or
+``cuda.bindings`` through ``_cuda``): ``cupy_backends.cuda.api.driver`` is private. Host
+µs per launch of an empty kernel with these 11 parameters, one H100 host
+(bench/launch_floor.py; bench/results/launch_floor_h100.txt, a slow phase of the host,
+and bench/NOTES.md): CuPy's binding with a prebuilt pack 4.2-4.5, cuda.bindings'
+``cuLaunchKernel`` with the same pack 5.0-5.6 (+1.1 µs, 25 %), CuPy's public
+``RawKernel()`` 12.2-12.8; in a fast phase 3.4, 3.9 and 8.0-8.3.
 """
 
 from __future__ import annotations

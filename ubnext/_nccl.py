@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _devices
+from ._algorithms import DTYPES
 from ._errors import ClosedError, UbnextError
 
 __all__ = ["NcclComm", "cannot_run", "load_problem"]
@@ -199,6 +200,15 @@ class NcclComm:
             raise ValueError(f"{name}: unsupported op {op!r}; expected one of {sorted(self._ops)}")
         if count < 0:
             raise ValueError(f"{name}: count must be >= 0, got {count}")
+        if self.size == 1 and op == "avg":
+            # One rank: the average is the input itself. NCCL before 2.29.7 leaves the last
+            # count % blocks elements of a one-rank average unwritten (NVIDIA/nccl#1950).
+            if send_ptr != recv_ptr and count:
+                from cupy.cuda import runtime
+
+                runtime.memcpyAsync(recv_ptr, send_ptr, count * DTYPES[dtype][1],
+                                    runtime.memcpyDeviceToDevice, stream_ptr)
+            return
         self.connect(name)
         try:
             self._comm.allReduce(

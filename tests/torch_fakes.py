@@ -1,0 +1,89 @@
+"""Communicators of threads for CPU tests of ubnext.torch: ``run_ranks(n, fn)`` runs
+``fn(comm)`` on ``n`` threads, each with a ``ThreadComm`` of the group, and returns what
+each returned (raising the first error). A ThreadComm reduces CPU tensors in rank order
+in fp32, rounded once (``rank_order``), as ubnext's Lamport kernels do, and its fused call
+is that all-reduce followed by ubnext.torch's add + RMSNorm reference; every exchange
+waits on a barrier with a timeout, so a rank that skips a collective fails the test."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ubnext.torch import _rmsnorm
+
+TIMEOUT_S = 60.0
+
+
+def rank_order(parts, op: str = "sum"):
+    """``parts`` reduced in rank order in fp32, rounded once to their dtype."""
+    acc = parts[0].float()
+    for p in parts[1:]:
+        p = p.float()
+        acc = acc + p if op in ("sum", "avg") else torch.fmax(acc, p) if op == "max" else torch.fmin(acc, p)
+    if op == "avg":
+        acc = acc / len(parts)
+    return acc.to(parts[0].dtype)
+
+
+class _Group:
+    def __init__(self, n: int):
+        self.slots: list = [None] * n
+        self.barrier = threading.Barrier(n, timeout=TIMEOUT_S)
+        self.calls = 0
+
+
+class ThreadComm:
+    """One thread's communicator of a ``run_ranks`` group (the methods ubnext.torch calls)."""
+
+    def __init__(self, group: _Group, rank: int):
+        self._group, self.rank, self.size = group, rank, len(group.slots)
+        self.calls = 0  # collectives this rank made
+
+    def _gather(self, x):
+        self.calls += 1
+        g = self._group
+        g.slots[self.rank] = x.detach().clone()
+        g.barrier.wait()
+        parts = list(g.slots)
+        g.barrier.wait()
+        return parts
+
+    def all_reduce(self, x, out=None, op: str = "sum"):
+        r = rank_order(self._gather(x), op)
+        if out is None:
+            return r
+        out.copy_(r)
+        return out
+
+    def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None):
+        return _rmsnorm.add_rmsnorm(self.all_reduce(x), residual, weight, bias, eps)
+
+    def empty(self, shape, dtype: str = "float32", framework: str = "torch"):
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+
+
+def run_ranks(n: int, fn):
+    """``[fn(comm) for each of n ranks]``, the ranks on threads."""
+    group = _Group(n)
+    results: list = [None] * n
+    errors: list = [None] * n
+
+    def body(rank):
+        try:
+            results[rank] = fn(ThreadComm(group, rank))
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            errors[rank] = e
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 2)
+    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+                 next((e for e in errors if e is not None), None))
+    if first is not None:
+        raise first
+    return results

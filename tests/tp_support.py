@@ -1,0 +1,181 @@
+"""Tensor-parallel blocks of ubnext.torch.tp against a single-process emulation of their
+shards (the same GEMMs per shard, the partial sums reduced by a given function: in the
+kernels' order on GPUs, in rank order by the CPU tests' thread communicators) and against
+the unsharded model in float64. Shared by the CPU and GPU tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ubnext.torch import TensorParallelAttentionOutput, TensorParallelMLP, _rmsnorm
+
+EPS = 1e-5
+#: the stated bound of a bf16 block against the unsharded float64 model: max |got - ref|
+#: over max |ref|, for the outputs and every gradient (bf16 keeps 8 bits: 2^-8 per rounding,
+#: a few roundings per path plus the shards' sums rounded separately)
+BF16_BOUND = 2.0 ** -5
+
+
+def gpu_communicator(nbytes: int, dtype: str):
+    """A communicator for the GPU tests of ubnext.torch, on its device; skips where NCCL
+    would reduce ``nbytes`` of ``dtype`` but cannot (ranks sharing a GPU). Collective."""
+    import ubnext
+    from gpu_support import require_gpu_and_torch, skip_where_nccl_cannot_run
+
+    require_gpu_and_torch()
+    c = ubnext.Communicator()
+    torch.cuda.set_device(c.device)
+    if c.select(nbytes, dtype) == "nccl":
+        skip_where_nccl_cannot_run(c)
+    return c
+
+
+def weights(hidden: int, intermediate: int, heads_features: int, dtype, device, seed: int = 0) -> dict:
+    """The unsharded weights of an MLP and an attention output projection, the same on every rank."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    return {"gate": rnd(intermediate, hidden, scale=hidden ** -0.5),
+            "up": rnd(intermediate, hidden, scale=hidden ** -0.5),
+            "down": rnd(hidden, intermediate, scale=intermediate ** -0.5), "down_bias": rnd(hidden, scale=0.1),
+            "mlp_norm": 1 + rnd(hidden, scale=0.1), "o": rnd(hidden, heads_features, scale=heads_features ** -0.5),
+            "o_bias": rnd(hidden, scale=0.1), "attn_norm": 1 + rnd(hidden, scale=0.1)}
+
+
+def inputs(tokens: int, hidden: int, heads_features: int, dtype, device, seed: int = 1) -> dict:
+    """The block inputs (replicated), and the gradients of its outputs (replicated)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    return {"x": rnd(tokens, hidden), "residual": rnd(tokens, hidden), "attention": rnd(tokens, heads_features),
+            "grad_normed": rnd(tokens, hidden), "grad_residual": rnd(tokens, hidden)}
+
+
+def mlp(group, w: dict, dtype, device, plan=None) -> TensorParallelMLP:
+    hidden, intermediate = w["down"].shape
+    m = TensorParallelMLP(hidden, intermediate, group, bias=True, eps=EPS, plan=plan, dtype=dtype, device=device)
+    m.load_full(w["gate"], w["up"], w["down"], w["mlp_norm"], w["down_bias"])
+    return m
+
+
+def attention_output(group, w: dict, dtype, device, plan=None) -> TensorParallelAttentionOutput:
+    hidden, heads_features = w["o"].shape
+    m = TensorParallelAttentionOutput(hidden, heads_features, group, bias=True, eps=EPS, plan=plan, dtype=dtype,
+                                      device=device)
+    m.proj.load_full(w["o"], w["o_bias"])
+    with torch.no_grad():
+        m.norm.weight.copy_(w["attn_norm"])
+    return m
+
+
+def run_block(kind: str, module, rank: int, size: int, data: dict, backward: bool = True) -> dict:
+    """One rank's forward (and backward from the replicated output gradients): outputs and gradients."""
+    x = data["x"].detach().clone().requires_grad_(backward)
+    residual = data["residual"].detach().clone().requires_grad_(backward)
+    if kind == "mlp":
+        normed, res = module(x, residual)
+    else:  # this rank's heads
+        cols = data["attention"].shape[1] // size
+        x = data["attention"][:, rank * cols:(rank + 1) * cols].detach().clone(memory_format=torch.contiguous_format)
+        x.requires_grad_(backward)
+        normed, res = module(x, residual)
+    out = {"normed": normed.detach(), "residual_out": res.detach()}
+    if backward:
+        torch.autograd.backward((normed, res), (data["grad_normed"], data["grad_residual"]))
+        out.update(grad_x=x.grad, grad_residual=residual.grad,
+                   **{f"grad:{n.removeprefix('_orig_mod.')}": p.grad for n, p in module.named_parameters()})
+    return out
+
+
+def emulate(kind: str, w: dict, data: dict, rank: int, size: int, fused, all_reduce, backward: bool = True) -> dict:
+    """What ``run_block`` gives on ``rank`` of ``size``, from every shard's GEMMs in one
+    process: ``fused(partials, residual, weight, bias, eps) -> (normed, residual_out)``
+    and ``all_reduce(partials) -> sum`` reduce them as the communicator does."""
+    def leaf(t):  # contiguous, as the layers' parameters and inputs are
+        return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(backward)
+
+    shards = []
+    for r in range(size):
+        if kind == "mlp":
+            n = w["gate"].shape[0] // size
+            x = leaf(data["x"])
+            gate_up = leaf(torch.cat([w["gate"][r * n:(r + 1) * n], w["up"][r * n:(r + 1) * n]]))
+            down = leaf(w["down"][:, r * n:(r + 1) * n])
+            gate, up = F.linear(x.view_as(x), gate_up).chunk(2, dim=-1)
+            partial = F.linear(F.silu(gate) * up, down)
+            shards.append((partial, x, {"gate_up.weight": gate_up, "down.weight": down}))
+        else:
+            cols = w["o"].shape[1] // size
+            x = leaf(data["attention"][:, r * cols:(r + 1) * cols])
+            o = leaf(w["o"][:, r * cols:(r + 1) * cols])
+            shards.append((F.linear(x, o), x, {"proj.weight": o}))
+    norm_w, bias = (w["mlp_norm"], w["down_bias"]) if kind == "mlp" else (w["attn_norm"], w["o_bias"])
+    normed, res = fused([s[0].detach() for s in shards], data["residual"], norm_w, bias, EPS)
+    out = {"normed": normed, "residual_out": res}
+    if not backward:
+        return out
+    d_sum, d_norm = _rmsnorm.backward(data["grad_normed"], data["grad_residual"], res, norm_w, EPS)
+    d = d_sum.to(res.dtype)
+    grads = [torch.autograd.grad(s[0], [s[1], *s[2].values()], d) for s in shards]
+    bias_name = "down.bias" if kind == "mlp" else "proj.bias"
+    out.update({"grad_residual": d, "grad:norm.weight": d_norm.to(norm_w.dtype),
+                f"grad:{bias_name}": d_sum.sum(0).to(bias.dtype)})
+    out.update({f"grad:{name}": g for name, g in zip(shards[rank][2], grads[rank][1:])})
+    out["grad_x"] = all_reduce([g[0] for g in grads]) if kind == "mlp" else grads[rank][0]
+    return out
+
+
+def unsharded(kind: str, w: dict, data: dict, rank: int, size: int) -> dict:
+    """The unsharded block in float64 (its parameters' gradients sliced as rank's shards)."""
+    f64 = {k: v.detach().double().requires_grad_() for k, v in w.items()}
+    x = data["x"].detach().double().requires_grad_()
+    attention = data["attention"].detach().double().requires_grad_()
+    residual = data["residual"].detach().double().requires_grad_()
+    if kind == "mlp":
+        y = F.linear(F.silu(F.linear(x, f64["gate"])) * F.linear(x, f64["up"]), f64["down"], f64["down_bias"])
+        norm_w = f64["mlp_norm"]
+    else:
+        y = F.linear(attention, f64["o"], f64["o_bias"])
+        norm_w = f64["attn_norm"]
+    res = y + residual
+    normed = res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + EPS) * norm_w
+    torch.autograd.backward((normed, res), (data["grad_normed"].double(), data["grad_residual"].double()))
+    out = {"normed": normed.detach(), "residual_out": res.detach(), "grad_residual": residual.grad}
+    if kind == "mlp":
+        n = w["gate"].shape[0] // size
+        rows = slice(rank * n, (rank + 1) * n)
+        out.update({"grad_x": x.grad, "grad:gate_up.weight": torch.cat([f64["gate"].grad[rows], f64["up"].grad[rows]]),
+                    "grad:down.weight": f64["down"].grad[:, rows], "grad:down.bias": f64["down_bias"].grad,
+                    "grad:norm.weight": f64["mlp_norm"].grad})
+    else:
+        cols = w["o"].shape[1] // size
+        c = slice(rank * cols, (rank + 1) * cols)
+        out.update({"grad_x": attention.grad[:, c], "grad:proj.weight": f64["o"].grad[:, c],
+                    "grad:proj.bias": f64["o_bias"].grad, "grad:norm.weight": f64["attn_norm"].grad})
+    return out
+
+
+def assert_equal_bits(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys(), f"{sorted(got)} != {sorted(want)}"
+    for name in got:
+        a, b = got[name], want[name]
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{name}: {a.dtype} {tuple(a.shape)} != {b.dtype} {tuple(b.shape)}")
+        same = torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+        assert same, f"{name}: differs from the emulation of the shards in {int((a != b).sum())} elements"
+
+
+def assert_close_to(got: dict, want: dict, bound: float = BF16_BOUND) -> dict:
+    """max |got - want| / max |want| <= bound for every entry; returns the ratios."""
+    ratios = {}
+    for name, ref in want.items():
+        err = (got[name].double() - ref).abs().max().item()
+        ratios[name] = err / ref.abs().max().item()
+        assert ratios[name] <= bound, f"{name}: max error {err:.3g} is {ratios[name]:.3g} of max |ref| > {bound}"
+    return ratios

@@ -1,0 +1,68 @@
+"""Communicators as op arguments: an int handle per communicator.
+
+A ``torch.library`` op takes tensors and plain values, not Python objects, so the ops
+of ``ubnext.torch`` name their communicator by an int handle that ``handle(comm)``
+hands out (once per communicator; the same comm always gets the same handle, so
+compiled graphs and captured CUDA graphs stay valid). The handle is kept on the
+communicator (``_ubnext_torch_handle``), which torch.compile reads as a constant; the
+registry holds the communicators weakly, so a handle outlives nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import torch
+
+from .._errors import UbnextError
+
+_ATTR = "_ubnext_torch_handle"
+_lock = threading.Lock()
+_next = itertools.count(1)
+_by_handle: dict[int, weakref.ref] = {}
+
+
+def handle(group) -> int:
+    """The int handle of ``group`` that the ``torch.ops.ubnext`` ops take, registering a
+    communicator the first time it is seen (the same handle for its lifetime; the
+    registry holds it weakly).
+
+    Collective: no.
+    Graph-capturable: yes (host only; torch.compile reads it as a constant).
+
+    Args:
+        group: a ``ubnext.Communicator``, or a handle already.
+
+    Returns:
+        The int handle.
+
+    Raises:
+        Nothing (an unknown handle raises UbnextError when an op looks it up).
+    """
+    if isinstance(group, int):
+        return group
+    h = getattr(group, _ATTR, None)
+    return h if h is not None else _register(group)
+
+
+@torch.compiler.assume_constant_result
+def _register(group) -> int:
+    with _lock:
+        h = getattr(group, _ATTR, None)
+        if h is None:
+            h = next(_next)
+            _by_handle[h] = weakref.ref(group)
+            setattr(group, _ATTR, h)
+        return h
+
+
+def lookup(h: int):
+    """The communicator of handle ``h``."""
+    ref = _by_handle.get(int(h))
+    comm = None if ref is None else ref()
+    if comm is None:
+        raise UbnextError(f"ubnext.torch: no open communicator has handle {h}; pass group=comm "
+                          f"(or ubnext.torch.handle(comm)) of a live communicator")
+    return comm

@@ -1,0 +1,111 @@
+"""Functional (out-of-place, differentiable) collectives, as torch's functional collectives.
+
+Each returns a new tensor and leaves its inputs unchanged; torch.compile(fullgraph=True)
+traces them (they are ``torch.ops.ubnext`` custom ops), and their gradients carry the
+tensor-parallel meanings (see ``all_reduce``, ``copy_to_group``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
+from ._reduce_op import op_name
+from ._registry import handle
+
+__all__ = ["all_reduce", "all_reduce_add_rmsnorm", "copy_to_group"]
+
+
+def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """All-reduce into a new tensor (``torch.ops.ubnext.all_reduce``); ``tensor`` is unchanged.
+
+    The gradient is the tensor-parallel "reduce from the group" one: a row-parallel
+    layer's partial outputs summed once into a replicated result, so the gradient of the
+    result passes through to every rank's partial (sum; avg divides it by the ranks).
+
+    Collective: yes: every rank of ``group`` calls it, in the same order.
+    Graph-capturable: yes, after a first eager call (as ``Communicator.all_reduce``).
+
+    Args:
+        tensor: CUDA tensor on the communicator's device.
+        op: ``torch.distributed.ReduceOp`` SUM/AVG/MAX/MIN, or ``"sum"``/``"avg"``/``"max"``/``"min"``.
+        group: the ``Communicator`` (or its handle from ``ubnext.torch.handle``).
+
+    Returns:
+        The reduced tensor.
+
+    Raises:
+        UbnextError: an op ubnext does not reduce (PRODUCT, bitwise, PREMUL_SUM), no group,
+            or what ``Communicator.all_reduce`` raises.
+    """
+    return torch.ops.ubnext.all_reduce(tensor, op_name(op), handle(_required(group)))
+
+
+def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                           bias: torch.Tensor | None = None, eps: float = 1e-6, group=None):
+    """All-reduce, bias + residual add and RMSNorm in one kernel, into new tensors
+    (``torch.ops.ubnext.all_reduce_add_rmsnorm``; as ``Communicator.all_reduce_add_rmsnorm``).
+
+    Differentiable: the gradient of the sum ``residual_out`` (the one through the norm
+    plus that of ``residual_out`` itself) goes to ``x`` (passed through, as for
+    ``all_reduce``) and to ``residual``; ``weight`` and ``bias`` get theirs (the same on
+    every rank, as the operands are).
+
+    Collective: yes: every rank of ``group`` calls it, in the same order.
+    Graph-capturable: yes, after a first eager call of the same shape.
+
+    Args:
+        x: 2-D CUDA tensor (tokens x hidden), this rank's partial sum.
+        residual: x's shape and dtype, or None.
+        weight: 1-D, hidden elements.
+        bias: 1-D, hidden elements, or None.
+        eps: finite, >= 0.
+        group: the ``Communicator`` (or its handle).
+
+    Returns:
+        ``(normed, residual_out)``.
+
+    Raises:
+        UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises; no group.
+    """
+    return torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, bias, float(eps), handle(_required(group)))
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group: int):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.ubnext.all_reduce(grad.contiguous(), "sum", ctx.group), None
+
+
+def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The input of a column-parallel layer: ``x`` itself forward (a view), its gradient
+    all-reduced backward (each rank's shard contributes a partial gradient of the
+    replicated input).
+
+    Collective: yes in backward (an all-reduce per call); the forward moves nothing.
+    Graph-capturable: yes.
+
+    Args:
+        x: the replicated input.
+        group: the ``Communicator`` (or its handle).
+
+    Returns:
+        A view of ``x``.
+
+    Raises:
+        UbnextError: no group.
+    """
+    return _CopyToGroup.apply(x, handle(_required(group)))
+
+
+def _required(group):
+    if group is None:
+        from .._errors import UbnextError
+
+        raise UbnextError("ubnext.torch: pass group=<ubnext.Communicator>; ubnext has no default group")
+    return group

@@ -1,0 +1,333 @@
+"""Tensor-parallel layers in the op-fusion shape: linear -> (add + norm, the residual an
+extra output) -> linear.
+
+A column-parallel linear holds a slice of the output features (its input replicated:
+identity forward, gradient all-reduced backward); a row-parallel linear holds a slice of
+the input features and yields a partial sum, which the epilogue all-reduces together with
+the bias, the residual add and the RMSNorm in one kernel, returning ``(normed,
+residual)`` for the next block. Every rank holds the same residual, norm weight and bias.
+Shards are rows (column-parallel) or columns (row-parallel) ``[rank * n / size, (rank + 1)
+* n / size)`` of the full weight; ``load_full`` takes them from the unsharded weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._errors import UbnextError
+from . import functional
+from ._registry import handle, lookup
+
+
+def _ranks(group) -> tuple[int, int, int]:
+    """(handle, rank, ranks) of a communicator."""
+    h = handle(group)
+    comm = lookup(h)
+    return h, comm.rank, comm.size
+
+
+def _shard(n: int, size: int, what: str) -> int:
+    if n % size:
+        raise UbnextError(f"ubnext.torch.tp: {what}={n} is not a multiple of the {size} ranks")
+    return n // size
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y_rank = x @ W[rank rows].T + b[rank rows]``, x replicated.
+
+    Collective: yes in backward (the input's gradient is all-reduced); the forward moves nothing.
+    Graph-capturable: yes.
+
+    Args:
+        in_features: input features (all of them, on every rank).
+        out_features: output features of the full layer (a multiple of the ranks).
+        group: the ``ubnext.Communicator``.
+        bias: whether the layer has a bias.
+        dtype, device: of the parameters.
+
+    Raises:
+        UbnextError: out_features not a multiple of the ranks.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.group, self.rank, self.size = _ranks(group)
+        local = _shard(out_features, self.size, "out_features")
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x):
+        return F.linear(functional.copy_to_group(x, self.group), self.weight, self.bias)
+
+    @torch.no_grad()
+    def load_full(self, weight, bias=None) -> None:
+        """Copies this rank's rows of the unsharded ``weight`` (and ``bias``).
+
+        Collective: no.
+        Graph-capturable: yes (device copies).
+
+        Args:
+            weight: out_features x in_features.
+            bias: out_features elements, or None.
+
+        Raises:
+            RuntimeError: shapes that do not fit the shards (torch's copy).
+        """
+        n = self.weight.shape[0]
+        self.weight.copy_(weight[self.rank * n:(self.rank + 1) * n])
+        if self.bias is not None:
+            self.bias.copy_(bias[self.rank * n:(self.rank + 1) * n])
+
+
+class RowParallelLinear(nn.Module):
+    """``partial_rank = x_rank @ W[:, rank columns].T``, all-reduced (plus the bias) by
+    ``forward`` or by an ``AddRMSNormEpilogue``.
+
+    With a ``BufferPlan``, an eager call without gradient writes its partial sums straight
+    into the planned symmetric buffer of ``key`` (no staging copy before the all-reduce); a
+    call larger than planned, one that needs a gradient, or one traced by torch.compile
+    (which plans its own memory) takes an ordinary tensor (the all-reduce then stages it).
+
+    Collective: yes: ``forward`` (an all-reduce); ``partial`` is local.
+    Graph-capturable: yes.
+
+    Args:
+        in_features: input features of the full layer (a multiple of the ranks).
+        out_features: output features (all of them, on every rank).
+        group: the ``ubnext.Communicator``.
+        bias: whether the layer has a bias (added once, after the reduction).
+        plan: a ``BufferPlan``, or None.
+        key: this layer's key in ``plan`` (every rank the same); default: the layer's id.
+        dtype, device: of the parameters.
+
+    Raises:
+        UbnextError: in_features not a multiple of the ranks.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = False, plan=None, key=None,
+                 dtype=None, device=None):
+        super().__init__()
+        self.group, self.rank, self.size = _ranks(group)
+        local = _shard(in_features, self.size, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.plan = plan
+        self.key = key if key is not None else f"row-parallel-{id(self)}"
+        if plan is not None:
+            plan.assign(self.key)  # assigned at construction: the same order on every rank
+
+    def partial(self, x):
+        """This rank's partial sums, in the planned buffer where one fits.
+
+        Collective: no.
+        Graph-capturable: yes.
+
+        Args:
+            x: (..., in_features / ranks), this rank's slice of the input features.
+
+        Returns:
+            (tokens, out_features) partial sums (a view of the planned buffer on the planned path).
+
+        Raises:
+            RuntimeError: shapes that do not fit (torch's GEMM).
+        """
+        x2 = x.reshape(-1, x.shape[-1])
+        # the planned path: eager code (and CUDA graphs of it) without gradient; torch.compile
+        # plans its own memory (a write into a buffer outside the graph would be copied back)
+        if (self.plan is not None and not torch.compiler.is_compiling()
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            out = self.plan.view(self.key, x2.shape[0], self.weight.shape[0], x.dtype)
+            if out is not None:
+                return torch.matmul(x2, self.weight.t(), out=out)
+        return F.linear(x2, self.weight)
+
+    def forward(self, x):
+        """The all-reduced output (plus the bias). On the planned path the reduction runs in
+        place in the planned buffer (no staging copy); without a bias the result is then a
+        view of that buffer, valid until this layer's next call.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call.
+
+        Args:
+            x: (..., in_features / ranks), this rank's slice of the input features.
+
+        Returns:
+            (..., out_features), the same on every rank.
+
+        Raises:
+            UbnextError: what ``Communicator.all_reduce`` raises.
+        """
+        partial = self.partial(x)
+        if self.plan is not None and not torch.compiler.is_compiling() and self._planned(partial):
+            torch.ops.ubnext.all_reduce_(partial, "sum", self.group)
+            y = partial
+        else:
+            y = functional.all_reduce(partial, "sum", self.group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _planned(self, t) -> bool:
+        return t._base is self.plan.buffers[self.plan.assign(self.key)]
+
+    @torch.no_grad()
+    def load_full(self, weight, bias=None) -> None:
+        """Copies this rank's columns of the unsharded weight and the whole bias.
+
+        Collective: no.
+        Graph-capturable: yes (device copies).
+
+        Args:
+            weight: the unsharded weight (out_features x in_features); this rank's columns are copied.
+            bias: all out_features elements (every rank holds the bias), or None.
+
+        Raises:
+            RuntimeError: a weight or bias of another shape (torch's copy).
+        """
+        n = self.weight.shape[1]
+        self.weight.copy_(weight[:, self.rank * n:(self.rank + 1) * n])
+        if self.bias is not None:
+            self.bias.copy_(bias)
+
+
+class AddRMSNormEpilogue(nn.Module):
+    """The row-parallel all-reduce fused with bias + residual add + RMSNorm:
+    ``(normed, residual)`` from a partial sum.
+
+    Collective: yes (one fused kernel).
+    Graph-capturable: yes, after a first eager call of the same shape.
+
+    Args:
+        hidden: features per token.
+        group: the ``ubnext.Communicator``.
+        eps: the RMSNorm epsilon.
+        dtype, device: of the norm weight.
+
+    Raises:
+        UbnextError: ``group`` is not a live communicator.
+    """
+
+    def __init__(self, hidden: int, group, eps: float = 1e-6, dtype=None, device=None):
+        super().__init__()
+        self.group = handle(group)
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+
+    def forward(self, partial, residual, bias=None):
+        return functional.all_reduce_add_rmsnorm(partial, residual, self.weight, bias, self.eps, self.group)
+
+
+class TensorParallelAttentionOutput(nn.Module):
+    """The attention output projection: row-parallel over the heads, then the fused
+    all-reduce + bias + residual add + RMSNorm (the next block's input norm).
+
+    Collective: yes (one fused kernel forward; none backward).
+    Graph-capturable: yes.
+
+    Args:
+        hidden: model features.
+        heads_features: heads x head_dim of the full attention (a multiple of the ranks).
+        group, bias, eps, plan, key, dtype, device: as for ``TensorParallelMLP`` (``bias``:
+            the projection's).
+
+    Raises:
+        UbnextError: heads_features not a multiple of the ranks.
+    """
+
+    def __init__(self, hidden: int, heads_features: int, group, bias: bool = False, eps: float = 1e-6, plan=None,
+                 key="attention-output", dtype=None, device=None):
+        super().__init__()
+        self.proj = RowParallelLinear(heads_features, hidden, group, bias, plan, key, dtype, device)
+        self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device)
+
+    def forward(self, attention, residual):
+        """``(normed, residual)`` from this rank's heads' outputs.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call of the same shape.
+
+        Args:
+            attention: tokens x (heads_features / ranks), this rank's heads.
+            residual: tokens x hidden, the same on every rank.
+
+        Returns:
+            ``(normed, residual)``, tokens x hidden each, the same on every rank.
+
+        Raises:
+            UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises.
+        """
+        return self.norm(self.proj.partial(attention), residual, self.proj.bias)
+
+
+class TensorParallelMLP(nn.Module):
+    """The Llama MLP, tensor parallel: gate and up column-parallel (one GEMM of both
+    shards), SiLU(gate) * up, down row-parallel, then the fused all-reduce + bias +
+    residual add + RMSNorm.
+
+    Collective: yes (one fused kernel forward; one all-reduce backward, of the input's gradient).
+    Graph-capturable: yes.
+
+    Args:
+        hidden: model features.
+        intermediate: the MLP's features (a multiple of the ranks).
+        group: the ``ubnext.Communicator``.
+        bias: whether down has a bias.
+        eps: the RMSNorm epsilon.
+        plan, key: as for ``RowParallelLinear``.
+        dtype, device: of the parameters.
+
+    Raises:
+        UbnextError: intermediate not a multiple of the ranks.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, group, bias: bool = False, eps: float = 1e-6, plan=None,
+                 key="mlp", dtype=None, device=None):
+        super().__init__()
+        self.gate_up = ColumnParallelLinear(hidden, 2 * intermediate, group, False, dtype, device)
+        self.down = RowParallelLinear(intermediate, hidden, group, bias, plan, key, dtype, device)
+        self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device)
+
+    def forward(self, x, residual):
+        """``(normed, residual)`` from the block's input and residual.
+
+        Collective: yes: every rank calls it, in the same order (one all-reduce more in backward).
+        Graph-capturable: yes, after a first eager call of the same shape.
+
+        Args:
+            x: tokens x hidden, the (normed) block input, the same on every rank.
+            residual: tokens x hidden, the same on every rank.
+
+        Returns:
+            ``(normed, residual)``, tokens x hidden each, the same on every rank.
+
+        Raises:
+            UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises.
+        """
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.norm(self.down.partial(F.silu(gate) * up), residual, self.down.bias)
+
+    @torch.no_grad()
+    def load_full(self, gate, up, down, norm_weight, down_bias=None) -> None:
+        """Copies this rank's shards of the unsharded weights.
+
+        Collective: no.
+        Graph-capturable: yes (device copies).
+
+        Args:
+            gate: intermediate x hidden.
+            up: intermediate x hidden.
+            down: hidden x intermediate.
+            norm_weight: hidden elements.
+            down_bias: hidden elements, or None.
+
+        Raises:
+            RuntimeError: shapes that do not fit the shards (torch's copy).
+        """
+        n = self.gate_up.weight.shape[0] // 2
+        r = self.gate_up.rank
+        self.gate_up.weight.copy_(torch.cat([gate[r * n:(r + 1) * n], up[r * n:(r + 1) * n]]))
+        self.down.load_full(down, down_bias)
+        self.norm.weight.copy_(norm_weight)
