@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from ._protocol import NORM_THREADS, THREADS
 
 #: dtype name -> (element type in the kernels, bytes per element): every dtype an
-#: all-reduce takes (kernels/common.cuh: Elem). Each accumulates as NCCL's do: the 16-bit
-#: floats in fp32 (rounded once), float32 and float64 in their own type, integers in their
-#: own type, a sum wrapping around modulo 2**bits.
+#: all-reduce takes (kernels/common.cuh: Elem). ubnext's kernels accumulate the 16-bit
+#: floats in fp32 (rounded once), float32 and float64 in their own type (as NCCL does), and
+#: integers in their own type, a sum wrapping around modulo 2**bits (as NCCL does).
 DTYPES = {"bfloat16": ("bf16", 2), "float16": ("f16", 2), "float32": ("float", 4),
           "float64": ("double", 8), "int8": ("i8", 1), "uint8": ("u8", 1), "int32": ("i32", 4),
           "uint32": ("u32", 4), "int64": ("i64", 8), "uint64": ("u64", 8)}
