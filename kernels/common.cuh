@@ -34,17 +34,36 @@ typedef unsigned long long u64;
 constexpr bool kDeterministic = UB_DETERMINISTIC != 0;
 
 // ---------------------------------------------------------------------------------
-// Element types: stored as raw bits, reduced in fp32.
+// Element types: stored as raw bits, each reduced in its accumulator type Acc: bf16, f16
+// and float in fp32 (rounded once to T), double in double, the integer types in their own
+// type, sums wrapping around modulo 2^bits as NCCL's do (only the barrier two-shot,
+// twoshot.cu, takes double and the integers: the Lamport kernels' -0.0 sentinel,
+// lamport.cuh, exists in 16- and 32-bit floating types only).
 // ---------------------------------------------------------------------------------
 struct bf16 {};
 struct f16 {};
+typedef signed char i8;
+typedef unsigned char u8;
+typedef int i32;
+typedef long long i64;
 
+// Elem<T>: kBytes; Bits, the unsigned word that holds an element's bits (u64 for 8-byte
+// elements, else u32); Acc and load(bits) -> Acc, store(Acc) -> bits; kFloat: a
+// floating-point type (it has -0.0 and NaN, and avg takes it); kNaN: the poison a failed
+// launch leaves in its outputs, the bits of a quiet NaN (integers, which have none: the top
+// bit alone, a signed type's least value). ElemBase holds all but the conversions.
 template <class T> struct Elem;
+template <int Bytes> struct BitsOf { typedef u32 type; };
+template <> struct BitsOf<8> { typedef u64 type; };
+template <int Bytes, bool Float, class A, typename BitsOf<Bytes>::type Poison> struct ElemBase {
+  static constexpr int kBytes = Bytes;
+  static constexpr bool kFloat = Float;
+  typedef typename BitsOf<Bytes>::type Bits;
+  typedef A Acc;
+  static constexpr Bits kNaN = Poison;
+};
 
-// kNaN: the bits of a quiet NaN, the poison a failed launch leaves in its outputs.
-template <> struct Elem<bf16> {
-  static constexpr int kBytes = 2;
-  static constexpr u32 kNaN = 0x7fc0u;
+template <> struct Elem<bf16> : ElemBase<2, true, float, 0x7fc0u> {
   __device__ static float load(u32 bits) { return __uint_as_float(bits << 16); }
   __device__ static u32 store(float f) {  // round to nearest even
     u16 r;
@@ -53,9 +72,7 @@ template <> struct Elem<bf16> {
   }
 };
 
-template <> struct Elem<f16> {
-  static constexpr int kBytes = 2;
-  static constexpr u32 kNaN = 0x7e00u;
+template <> struct Elem<f16> : ElemBase<2, true, float, 0x7e00u> {
   __device__ static float load(u32 bits) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)bits));
@@ -68,12 +85,41 @@ template <> struct Elem<f16> {
   }
 };
 
-template <> struct Elem<float> {
-  static constexpr int kBytes = 4;
-  static constexpr u32 kNaN = 0x7fc00000u;
+template <> struct Elem<float> : ElemBase<4, true, float, 0x7fc00000u> {
   __device__ static float load(u32 bits) { return __uint_as_float(bits); }
   __device__ static u32 store(float f) { return __float_as_uint(f); }
 };
+
+template <> struct Elem<double> : ElemBase<8, true, double, 0x7ff8000000000000ull> {
+  __device__ static double load(u64 bits) { return __longlong_as_double((long long)bits); }
+  __device__ static u64 store(double d) { return (u64)__double_as_longlong(d); }
+};
+
+// The integer type T, whose unsigned type of the same width is U: accumulates in T itself
+// (acc_add wraps around through U).
+template <class T, class U, class B = typename BitsOf<sizeof(T)>::type>
+struct IntElem : ElemBase<sizeof(T), false, T, (B)1 << (8 * sizeof(T) - 1)> {
+  typedef U Unsigned;
+  __device__ static T load(B bits) { return (T)(U)bits; }  // the low sizeof(T) bytes
+  __device__ static B store(T v) { return (B)(U)v; }       // zero-extended
+};
+template <> struct Elem<i8> : IntElem<i8, u8> {};
+template <> struct Elem<u8> : IntElem<u8, u8> {};
+template <> struct Elem<i32> : IntElem<i32, u32> {};
+template <> struct Elem<u32> : IntElem<u32, u32> {};
+template <> struct Elem<i64> : IntElem<i64, u64> {};
+template <> struct Elem<u64> : IntElem<u64, u64> {};
+
+// The element types of the fused all-reduce + residual add + RMSNorm entry points (fp32
+// statistics: bf16, f16, float). The preprocessor sees UB_T's name, not its type:
+// UB_FUSED_T is 1 where that name is one of them, else 0 (an undefined name in #if), and
+// the kernel files compile their fused entry points only then.
+#define UB_FUSED_T_bf16 1
+#define UB_FUSED_T_f16 1
+#define UB_FUSED_T_float 1
+#define UB_PASTE_(a, b) a##b
+#define UB_PASTE(a, b) UB_PASTE_(a, b)
+#define UB_FUSED_T UB_PASTE(UB_FUSED_T_, UB_T)
 
 // ---------------------------------------------------------------------------------
 // 16-byte vectors: kPer elements of T in four 32-bit words, element 0 in the low bits.
@@ -82,30 +128,51 @@ static_assert(sizeof(uint4) == UB_VEC_BYTES, "a vector is one uint4");
 constexpr u64 kVec = UB_VEC_BYTES;  // bytes of a vector: the stride of vector addresses
 
 template <class T> struct Vec {
+  typedef typename Elem<T>::Acc Acc;
+  typedef typename Elem<T>::Bits Bits;
   static constexpr int kPer = UB_VEC_BYTES / Elem<T>::kBytes;
   static constexpr int kBits = 8 * Elem<T>::kBytes;
-  static constexpr u32 kMask = kBits == 32 ? 0xffffffffu : 0xffffu;
 
   __device__ static u32 word(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
   }
-  __device__ static u32 bits(const uint4& v, int e) {
-    return kBits == 32 ? word(v, e) : (word(v, e >> 1) >> (16 * (e & 1))) & 0xffffu;
+  __device__ static Bits bits(const uint4& v, int e) {
+    if constexpr (kBits == 64) {
+      return (u64)word(v, 2 * e) | ((u64)word(v, 2 * e + 1) << 32);
+    } else if constexpr (kBits == 8) {
+      return (word(v, e >> 2) >> (8 * (e & 3))) & 0xffu;
+    } else {
+      return kBits == 32 ? word(v, e) : (word(v, e >> 1) >> (16 * (e & 1))) & 0xffffu;
+    }
   }
-  __device__ static void unpack(const uint4& v, float (&f)[kPer]) {
+  __device__ static void unpack(const uint4& v, Acc (&f)[kPer]) {
 #pragma unroll
     for (int e = 0; e < kPer; ++e) f[e] = Elem<T>::load(bits(v, e));
   }
-  // Every element a quiet NaN: what a failed launch writes where its result would go.
+  // Every element the poison (Elem<T>::kNaN): what a failed launch writes where its result
+  // would go.
   __device__ static uint4 poison() {
-    const u32 w = kBits == 32 ? Elem<T>::kNaN : Elem<T>::kNaN * 0x10001u;
-    return make_uint4(w, w, w, w);
+    if constexpr (kBits == 64) {
+      const u32 lo = (u32)Elem<T>::kNaN, hi = (u32)(Elem<T>::kNaN >> 32);
+      return make_uint4(lo, hi, lo, hi);
+    } else {
+      const u32 w = kBits == 32   ? Elem<T>::kNaN
+                    : kBits == 16 ? Elem<T>::kNaN * 0x10001u
+                                  : Elem<T>::kNaN * 0x1010101u;
+      return make_uint4(w, w, w, w);
+    }
   }
-  __device__ static uint4 pack(const float (&f)[kPer]) {
+  __device__ static uint4 pack(const Acc (&f)[kPer]) {
     u32 w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (kBits == 32) {
+      if constexpr (kBits == 64) {
+        const u64 b = Elem<T>::store(f[i >> 1]);
+        w[i] = (i & 1) ? (u32)(b >> 32) : (u32)b;
+      } else if constexpr (kBits == 8) {
+        w[i] = Elem<T>::store(f[4 * i]) | (Elem<T>::store(f[4 * i + 1]) << 8) |
+               (Elem<T>::store(f[4 * i + 2]) << 16) | (Elem<T>::store(f[4 * i + 3]) << 24);
+      } else if (kBits == 32) {
         w[i] = Elem<T>::store(f[i]);
       } else {
         w[i] = Elem<T>::store(f[2 * i]) | (Elem<T>::store(f[2 * i + 1]) << 16);
@@ -127,42 +194,74 @@ template <class T> __device__ __forceinline__ uint4 clear_sentinel(const uint4& 
   return make_uint4(clear_sentinel_word<T>(v.x), clear_sentinel_word<T>(v.y),
                     clear_sentinel_word<T>(v.z), clear_sentinel_word<T>(v.w));
 }
-// clear_sentinel in deterministic mode, v itself otherwise.
+// The same for a vector of two doubles: a zero of either sign becomes +0.0.
+__device__ __forceinline__ uint4 clear_negative_zero64(const uint4& v) {
+  const bool zero0 = v.x == 0u && (v.y << 1) == 0u, zero1 = v.z == 0u && (v.w << 1) == 0u;
+  return make_uint4(v.x, zero0 ? 0u : v.y, v.z, zero1 ? 0u : v.w);
+}
+// In deterministic mode, v with -0.0 written as +0.0 (integers have none); else v itself.
 template <class T> __device__ __forceinline__ uint4 settle(const uint4& v) {
-  return kDeterministic ? clear_sentinel<T>(v) : v;
+  if constexpr (!kDeterministic || !Elem<T>::kFloat) {
+    return v;
+  } else if constexpr (Elem<T>::kBytes == 8) {
+    return clear_negative_zero64(v);
+  } else {
+    return clear_sentinel<T>(v);
+  }
 }
 
 // ---------------------------------------------------------------------------------
-// Reduction ops: combine in fp32; finish() runs once on the fully reduced value.
+// Reduction ops: combine in the accumulator type A (Elem<T>::Acc); finish() runs once on
+// the fully reduced value.
 // ---------------------------------------------------------------------------------
+// Arithmetic of an accumulator type: IEEE for float and double; an integer type in itself,
+// a sum wrapping around modulo 2^bits (added as its unsigned type: no signed overflow),
+// max and min exact.
+template <class A> __device__ __forceinline__ A acc_add(A a, A b) {
+  typedef typename Elem<A>::Unsigned U;
+  return (A)(U)((U)a + (U)b);
+}
+template <> __device__ __forceinline__ float acc_add(float a, float b) { return a + b; }
+template <> __device__ __forceinline__ double acc_add(double a, double b) { return a + b; }
+// fmax/fmin for the floating types: where one operand is NaN, the other one.
+template <class A> __device__ __forceinline__ A acc_max(A a, A b) { return a < b ? b : a; }
+template <> __device__ __forceinline__ float acc_max(float a, float b) { return fmaxf(a, b); }
+template <> __device__ __forceinline__ double acc_max(double a, double b) { return fmax(a, b); }
+template <class A> __device__ __forceinline__ A acc_min(A a, A b) { return b < a ? b : a; }
+template <> __device__ __forceinline__ float acc_min(float a, float b) { return fminf(a, b); }
+template <> __device__ __forceinline__ double acc_min(double a, double b) { return fmin(a, b); }
+
 // kFinishes: finish() changes the value (a reduction done elsewhere, e.g. in the NVSwitch,
 // still needs it).
 struct OpSum {
   static constexpr bool kFinishes = false;
-  __device__ static float combine(float a, float b) { return a + b; }
-  __device__ static float finish(float a, int) { return a; }
+  template <class A> __device__ static A combine(A a, A b) { return acc_add(a, b); }
+  template <class A> __device__ static A finish(A a, int) { return a; }
 };
 struct OpAvg {
   static constexpr bool kFinishes = true;
-  __device__ static float combine(float a, float b) { return a + b; }
-  __device__ static float finish(float a, int n) { return a / (float)n; }
+  template <class A> __device__ static A combine(A a, A b) { return acc_add(a, b); }
+  template <class A> __device__ static A finish(A a, int n) {
+    static_assert(Elem<A>::kFloat, "avg takes floating-point types (ubnext._algorithms.op_problem)");
+    return a / (A)n;
+  }
 };
 struct OpMax {
   static constexpr bool kFinishes = false;
-  __device__ static float combine(float a, float b) { return fmaxf(a, b); }
-  __device__ static float finish(float a, int) { return a; }
+  template <class A> __device__ static A combine(A a, A b) { return acc_max(a, b); }
+  template <class A> __device__ static A finish(A a, int) { return a; }
 };
 struct OpMin {
   static constexpr bool kFinishes = false;
-  __device__ static float combine(float a, float b) { return fminf(a, b); }
-  __device__ static float finish(float a, int) { return a; }
+  template <class A> __device__ static A combine(A a, A b) { return acc_min(a, b); }
+  template <class A> __device__ static A finish(A a, int) { return a; }
 };
 
-// Reduces N packed vectors of T in array order (fp32), finishes, packs the result as T.
-// A fixed order gives the same bits wherever the same vectors are reduced.
+// Reduces N packed vectors of T in array order (in Elem<T>::Acc), finishes, packs the
+// result as T. A fixed order gives the same bits wherever the same vectors are reduced.
 template <class T, class Op, int N> __device__ uint4 reduce_vectors(const uint4 (&v)[N]) {
   constexpr int P = Vec<T>::kPer;
-  float acc[P], f[P];
+  typename Elem<T>::Acc acc[P], f[P];
   Vec<T>::unpack(v[0], acc);
 #pragma unroll
   for (int r = 1; r < N; ++r) {
@@ -263,7 +362,13 @@ template <class T> __device__ uint4 ld_partial(const void* p, int valid) {
 #pragma unroll
   for (int e = 0; e < P; ++e) {
     if (e < valid) {
-      if (Elem<T>::kBytes == 4) {
+      if constexpr (Elem<T>::kBytes == 8) {
+        const u64 b = ((const volatile u64*)p)[e];
+        w[2 * e] = (u32)b;
+        w[2 * e + 1] = (u32)(b >> 32);
+      } else if constexpr (Elem<T>::kBytes == 1) {
+        w[e >> 2] |= (u32)((const volatile u8*)p)[e] << (8 * (e & 3));
+      } else if (Elem<T>::kBytes == 4) {
         w[e] = ((const volatile u32*)p)[e];
       } else {
         w[e >> 1] |= (u32)((const volatile u16*)p)[e] << (16 * (e & 1));
@@ -278,7 +383,11 @@ template <class T> __device__ void st_partial(void* p, const uint4& v, int valid
 #pragma unroll
   for (int e = 0; e < Vec<T>::kPer; ++e) {
     if (e < valid) {
-      if (Elem<T>::kBytes == 4) {
+      if constexpr (Elem<T>::kBytes == 8) {
+        ((volatile u64*)p)[e] = Vec<T>::bits(v, e);
+      } else if constexpr (Elem<T>::kBytes == 1) {
+        ((volatile u8*)p)[e] = (u8)Vec<T>::bits(v, e);
+      } else if (Elem<T>::kBytes == 4) {
         ((volatile u32*)p)[e] = Vec<T>::bits(v, e);
       } else {
         ((volatile u16*)p)[e] = (u16)Vec<T>::bits(v, e);

@@ -13,6 +13,9 @@
 #pragma once
 #include "sync.cuh"
 
+static_assert(Elem<UB_T>::kFloat && Elem<UB_T>::kBytes <= 4,
+              "the Lamport kernels carry 16- and 32-bit floating types only: they need the -0.0 sentinel");
+
 // Bit pattern of four 32-bit words filled with the sentinel (host fills new buffers with it).
 template <class T> __device__ __forceinline__ u32 sentinel_word() {
   return Elem<T>::kBytes == 4 ? UB_SENTINEL32 : UB_SENTINEL16 * 0x10001u;

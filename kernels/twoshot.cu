@@ -258,6 +258,7 @@ ub_twoshot_ag(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 buf
   twoshot_all_gather<UB_T, UB_NRANKS>(tp, buf_off, flags_off, src, dst, k, sig, state);
 }
 
+#if UB_FUSED_T  // the fused entry point: 16- and 32-bit floating types only (common.cuh)
 extern "C" __global__ void __launch_bounds__(UB_NORM_THREADS)
 ub_twoshot_norm(char* base, u64 stride, int rank, char* mc, u64 buf_off, u64 res_off,
                 u64 flags_off, const char* x, u64 rows, u64 hidden, const char* residual,
@@ -267,3 +268,4 @@ ub_twoshot_norm(char* base, u64 stride, int rank, char* mc, u64 buf_off, u64 res
   const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
   twoshot_add_rmsnorm<UB_T, UB_NRANKS>(tp, buf_off, res_off, flags_off, x, rows, a, sig, state);
 }
+#endif

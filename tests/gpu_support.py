@@ -108,6 +108,34 @@ def make_exact_input(count: int, dtype: str, rank: int, seed: int):
     return (k * sign * 0.5).to(torch_dtype(dtype))
 
 
+def make_other_input(count: int, dtype: str, rank: int, seed: int) -> np.ndarray:
+    """Rank ``rank``'s input of a dtype of ``reference.TWOSHOT_ONLY``, on the host (numpy), the
+    same on any machine. Integers: uniform over the whole type, the type's extremes at
+    elements 0 and 1 (so that sums wrap around). float64: random normal values, never zero,
+    with make_input's specials: -0.0 at every 97th element and at a rank-dependent 31st,
+    +inf / -inf at element 3 on ranks 0 / 1, NaN at element 5 on rank 0, the largest finite
+    value at element 6, and an order probe at every PROBE_STRIDE-th element from PROBE_START
+    (+2**60 on rank 0, -2**60 on rank 1, a small value on the others: lost in any order that
+    adds it to +-2**60 first)."""
+    rng = np.random.default_rng(seed * 1009 + rank)
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        a = rng.integers(info.min, info.max, count, dtype=dt, endpoint=True)
+        a[:2] = ((info.max, info.min) if rank % 2 == 0 else (info.max - 1, info.min + 1))[:count]
+        return a
+    a = rng.standard_normal(count)
+    a[a == 0] = 1
+    a[1::97] = -0.0
+    a[(2 + rank)::31] = -0.0
+    specials_at = {3: {0: np.inf, 1: -np.inf}.get(rank), 5: np.nan if rank == 0 else None, 6: np.finfo(dt).max}
+    for i, value in specials_at.items():
+        if value is not None and count > i:
+            a[i] = value
+    a[PROBE_START::PROBE_STRIDE] = 2.0**60 if rank == 0 else -2.0**60 if rank == 1 else 1 + rank / 8
+    return a.astype(dt)
+
+
 def host(t) -> np.ndarray:
     """A copy of the torch tensor ``t`` on the host, as a numpy array of reference.DTYPES."""
     import torch

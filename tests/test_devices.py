@@ -81,7 +81,7 @@ def test_uuid_formats_like_nvidia_smi():
 def logged(caplog):
     """``logged()``: the ``ubnext`` log records of the test so far (the logger does not
     propagate, so caplog's handler is added to it); log_once starts afresh."""
-    logger = logging.getLogger("ubnext")
+    logger = _log.get_logger()  # set up now: a first setup inside the test would reset the level
     level = logger.level
     logger.addHandler(caplog.handler)
     logger.setLevel(logging.INFO)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import device, host, rank_inputs, require_gpu_and_torch
+from gpu_support import device, host, make_other_input, rank_inputs, require_gpu_and_torch
 from ubnext import _reference as reference
 
 pytestmark = pytest.mark.gpu
@@ -49,7 +49,22 @@ def test_every_algorithm_gives_the_same_bits(comm, dtype, count, op):
 def test_auto_takes_no_nccl_where_the_kernels_run(comm):
     for nbytes in (1 << 10, 1 << 20, 64 << 20, 1 << 30):
         assert comm.select(nbytes, "bfloat16") in KERNELS, nbytes
+        assert comm.select(nbytes, "float64") == "twoshot", nbytes
     assert not any(name.startswith("nvls") for name in comm.algorithms())
+
+
+@pytest.mark.parametrize("count", [7, 4099, (1 << 18) + 3])
+def test_float64_reduces_in_rank_order_on_the_two_shot(comm, count):
+    """float64 (only the barrier two-shot among ubnext's kernels) in deterministic mode: rank
+    order, -0.0 written as +0.0 in inputs and results, whatever slice a rank owns."""
+    import cupy
+
+    inputs = [make_other_input(count, "float64", r, seed=count) for r in range(comm.size)]
+    for op in ("sum", "avg", "max", "min"):
+        out = cupy.full(count, np.nan)
+        comm.all_reduce(cupy.asarray(inputs[comm.rank]), out=out, op=op)
+        cupy.cuda.get_current_stream().synchronize()
+        reference.assert_same_bits(out.get(), reference.lamport_twoshot(inputs, op), f"float64 {count} {op}")
 
 
 @pytest.mark.parametrize("algo", KERNELS)

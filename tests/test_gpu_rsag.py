@@ -140,13 +140,13 @@ def check_all_gather(comm, k: int, dtype: str, seed: int, algorithm: str = "auto
     assert not failures, failures
 
 
-@pytest.mark.parametrize("algo,dtype,size,place", cases())
+@pytest.mark.parametrize("algo,dtype,size,place", list(cases()))
 def test_reduce_scatter_bit_for_bit(comm, algo, dtype, size, place):
     check_reduce_scatter(comm, per_rank(size, dtype, comm.size), dtype, seed_of("rs", algo, dtype, size, place),
                          algo, place=place)
 
 
-@pytest.mark.parametrize("algo,dtype,size,place", cases())
+@pytest.mark.parametrize("algo,dtype,size,place", list(cases()))
 def test_all_gather_bit_for_bit(comm, algo, dtype, size, place):
     check_all_gather(comm, per_rank(size, dtype, comm.size), dtype, seed_of("ag", algo, dtype, size, place),
                      algo, place=place)

@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 
 from ubnext import _kernels, _layout, _protocol
-from ubnext._algorithms import ALGORITHMS, KERNEL_DTYPES, NORM_ENTRY, NORM_SOURCE, OPS, ROW_KEEP, compile_defines, norm_defines
+from ubnext._algorithms import (ALGORITHMS, DTYPES, KERNEL_DTYPES, NORM_ENTRY, NORM_SOURCE, OPS, ROW_KEEP,
+                                 TWOSHOT_ONLY_DTYPES, compile_defines, norm_defines)
 from ubnext._protocol import MAX_RANKS, NORM_THREADS
 
 KERNEL_ALGOS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
 
 
-def _compile(algorithm, dtype, op, nranks, arch="sm_90a"):
+def _compile(algorithm, dtype, op, nranks, arch="sm_90a", deterministic=False):
     alg = ALGORITHMS[algorithm]
-    return _kernels.compile_cubin(alg.source, compile_defines(dtype, op, nranks, alg.transport), arch=arch)
+    defines = compile_defines(dtype, op, nranks, alg.transport, deterministic=deterministic)
+    return _kernels.compile_cubin(alg.source, defines, arch=arch)
 
 
 @pytest.mark.parametrize("algorithm", KERNEL_ALGOS)
@@ -35,6 +37,50 @@ def test_every_instantiation_compiles_for_sm90a(algorithm, dtype, nranks):
 
 def _ptx_instructions(ptx: bytes) -> set[str]:
     return {line.split()[0] for line in ptx.decode(errors="replace").splitlines() if line.strip()}
+
+
+def _twoshot_ops(dtype):
+    return [op for op in OPS if ALGORITHMS["twoshot"].supports(dtype, op)]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("dtype", TWOSHOT_ONLY_DTYPES)
+def test_the_barrier_two_shot_compiles_for_every_other_dtype(dtype, arch):
+    """float64 and the integers: every op at 4 ranks, every world size with sum, and the
+    deterministic mode; the plain entry point only (the fused one takes 16/32-bit floats)."""
+    alg = ALGORITHMS["twoshot"]
+    cases = [(op, 4, False) for op in _twoshot_ops(dtype)] + [("sum", n, False) for n in (1, 2, 8)]
+    cases.append(("max" if dtype != "float64" else "avg", 4, True))
+    for op, nranks, deterministic in cases:
+        cubin = _compile("twoshot", dtype, op, nranks, arch, deterministic)
+        assert cubin[:4] == b"\x7fELF", "NVRTC did not return a CUBIN"
+        assert alg.entry.encode() in cubin and alg.norm_entry.encode() not in cubin, (op, nranks)
+
+
+@pytest.mark.parametrize("dtype", TWOSHOT_ONLY_DTYPES)
+def test_the_other_dtypes_accumulate_in_their_own_type(dtype):
+    """No fp32 arithmetic: float64 adds, compares and divides in f64, integers compare in
+    their own signedness (sums in the unsigned type of their width: wrapping)."""
+    ops = {op: _ptx_instructions(_compile("twoshot", dtype, op, 3, "compute_90a")) for op in _twoshot_ops(dtype)}
+    for op, found in ops.items():
+        assert not any(".f32" in i or ".f16" in i or ".bf16" in i for i in found), (op, found)
+    if dtype == "float64":
+        assert "add.f64" in ops["sum"] and "max.f64" in ops["max"] and "min.f64" in ops["min"]
+        assert "div.rn.f64" in ops["avg"]  # one IEEE division of the sum by N (3: not a power of two)
+    else:
+        signed = "s" if dtype.startswith("int") else "u"
+        width = max(16, 8 * DTYPES[dtype][1])  # PTX compares bytes as 16-bit values
+        assert f"max.{signed}{width}" in ops["max"] and f"min.{signed}{width}" in ops["min"]
+        assert not any(".f64" in i for found in ops.values() for i in found)
+
+
+def test_lamport_kernels_and_integer_average_refuse_to_compile():
+    from ubnext._errors import CudaError
+
+    with pytest.raises(CudaError, match="the Lamport kernels carry 16- and 32-bit floating types only"):
+        _compile("lamport_twoshot", "int32", "sum", 2)
+    with pytest.raises(CudaError, match="avg takes floating-point types"):
+        _kernels.compile_cubin("twoshot.cu", {**compile_defines("int64", "sum", 2), "UB_OP": "OpAvg"})
 
 
 @pytest.mark.parametrize("algorithm", [name for name in KERNEL_ALGOS if ALGORITHMS[name].multicast])
@@ -190,10 +236,12 @@ def test_fused_lamport_twoshot_takes_its_largest_message_in_one_launch(max_kb, r
 
 
 def test_compile_defines_cover_the_table():
-    for dtype in KERNEL_DTYPES:
+    for dtype in DTYPES:
         for op in OPS:
             d = compile_defines(dtype, op, 4)
             assert d["UB_NRANKS"] == "4" and d["UB_OP"].startswith("Op") and d["UB_TRANSPORT"] == "Unicast"
+            assert d["UB_T"] == DTYPES[dtype][0]
+    assert {DTYPES[d][0] for d in TWOSHOT_ONLY_DTYPES} == {"double", "i8", "u8", "i32", "u32", "i64", "u64"}
     assert compile_defines("float32", "sum", 4, "multicast")["UB_TRANSPORT"] == "Multicast"
     assert _kernels.options({"B": "2", "A": "1"})[-2:] == ("-DA=1", "-DB=2")
 

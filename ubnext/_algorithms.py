@@ -13,15 +13,19 @@ from dataclasses import dataclass
 
 from ._protocol import NORM_THREADS, THREADS
 
-#: dtype name -> (element type in the kernels or None, bytes per element): every dtype an
-#: all-reduce takes. ubnext's kernels reduce the 16- and 32-bit floating types; the others
-#: (None) go to NCCL, which accumulates integers in their own type (wrapping around) and
-#: float64 in float64.
+#: dtype name -> (element type in the kernels, bytes per element): every dtype an
+#: all-reduce takes (kernels/common.cuh: Elem). ubnext's kernels accumulate the 16-bit
+#: floats in fp32 (rounded once), float32 and float64 in their own type (as NCCL does), and
+#: integers in their own type, a sum wrapping around modulo 2**bits (as NCCL does).
 DTYPES = {"bfloat16": ("bf16", 2), "float16": ("f16", 2), "float32": ("float", 4),
-          "float64": (None, 8), "int8": (None, 1), "uint8": (None, 1), "int32": (None, 4),
-          "uint32": (None, 4), "int64": (None, 8), "uint64": (None, 8)}
-#: the dtypes ubnext's kernels reduce (and the fused add + RMSNorm takes)
-KERNEL_DTYPES = tuple(name for name, (element, _) in DTYPES.items() if element is not None)
+          "float64": ("double", 8), "int8": ("i8", 1), "uint8": ("u8", 1), "int32": ("i32", 4),
+          "uint32": ("u32", 4), "int64": ("i64", 8), "uint64": ("u64", 8)}
+#: the dtypes every ubnext kernel reduces (the Lamport kernels' -0.0 sentinel exists in
+#: them), the fused add + RMSNorm takes and the selector tables cover
+KERNEL_DTYPES = ("bfloat16", "float16", "float32")
+#: the other dtypes: among ubnext's kernels only the barrier two-shot ("twoshot", unicast)
+#: reduces them; ``auto`` gives them to NCCL where NCCL can run (``_select.Selector``)
+TWOSHOT_ONLY_DTYPES = tuple(name for name in DTYPES if name not in KERNEL_DTYPES)
 #: the floating-point dtypes (the ones ``avg`` takes)
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 #: op name -> reduction functor in the kernels
@@ -101,14 +105,17 @@ class Algorithm:
         return not self.is_kernel or self.entry_of(collective) is not None
 
     def supports(self, dtype: str, op: str, collective: str = "all_reduce") -> bool:
-        """Whether it runs ``collective`` on ``dtype`` with ``op``: the kernels take
-        KERNEL_DTYPES (NVLS no fp32 max/min), NCCL every dtype; ``avg`` only floating
-        types (op_problem). The all-gather reduces nothing: its op is "sum"."""
+        """Whether it runs ``collective`` on ``dtype`` with ``op``: NCCL every dtype; the
+        kernels KERNEL_DTYPES (NVLS no fp32 max/min), the unicast barrier two-shot's
+        all-reduce every dtype; ``avg`` only floating types (op_problem). The all-gather
+        reduces nothing: its op is "sum"."""
         if op_problem(dtype, op) or not self.serves(collective):
             return False
         if not self.is_kernel:
             return True
-        return dtype in KERNEL_DTYPES and not (self.multicast and dtype == "float32" and op in ("max", "min"))
+        if dtype in TWOSHOT_ONLY_DTYPES:
+            return self.family == "twoshot" and not self.multicast and collective == "all_reduce"
+        return not (self.multicast and dtype == "float32" and op in ("max", "min"))
 
 
 #: algorithm name -> its Algorithm record (kernel source, entry points, transport, family, buffer limit)

@@ -7,7 +7,7 @@ import math
 import os
 import pickle
 
-from . import _agreement, _arrays, _gate, _preflight, _signature
+from . import _agreement, _arrays, _gate, _nccl, _preflight, _signature
 from ._algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES, OPS, UNICAST_OF, op_problem
 from ._config import Config
 from ._report import Description, report
@@ -92,8 +92,14 @@ class Communicator:
         usable = [name for name, alg in ALGORITHMS.items()
                   if not alg.is_kernel or (node is not None and (not alg.multicast or
                                                                  (node.multicast and not config.deterministic)))]
+        # where NCCL cannot run (ranks sharing a GPU, no NCCL library), the barrier two-shot
+        # takes what auto would give NCCL
+        nccl_problem = None if node is None else _nccl.cannot_run(self._local, self.device)
+        if nccl_problem:
+            log_once(f"nccl-problem:{nccl_problem}", f"Communicator: NCCL cannot run here ({nccl_problem}); "
+                     f"auto gives ubnext's barrier two-shot what it would give NCCL", logging.INFO)
         self._selector = Selector(self._local.size, buffer_limits(config), usable, table, self._nccl_reason,
-                                  config.deterministic)
+                                  config.deterministic, nccl_problem)
         # every launch of a call runs in the launch section of LaunchOrder
         self._dispatch = Dispatcher(node, self._selector.limits, LaunchOrder(self.device), bootstrap, self.device)
         for name, limit, setting in self._selector.capped():
@@ -180,14 +186,15 @@ class Communicator:
 
         Args:
             x: CUDA array (torch.Tensor, cupy.ndarray, ``__cuda_array_interface__`` or
-                ``__dlpack__``), contiguous, bfloat16/float16/float32, on this
+                ``__dlpack__``), contiguous, of a dtype of ``ubnext.DTYPES``, on this
                 communicator's device. Arrays from ``empty()`` are reduced without
                 copies (in place, or into an ``out`` from ``empty()``); a buffer from
                 ``empty()`` must then be used on every rank alike.
             out: where to write the result (same count and dtype; may be ``x``);
                 default: a new array of x's framework.
-            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
-            algorithm: ``"auto"`` or one of ``algorithms()``.
+            op: ``"sum"``, ``"avg"`` (floating-point dtypes), ``"max"`` or ``"min"``.
+            algorithm: ``"auto"`` or one of ``algorithms()`` (float64 and the integer
+                dtypes: ``"twoshot"`` or ``"nccl"``).
             stream: torch/CuPy/cuda.core stream or raw handle; default: the current
                 stream of x's framework (CuPy's for other inputs, whose producers are
                 ordered before it: ``__dlpack__(stream=...)``, or the interface's
@@ -760,10 +767,11 @@ class Communicator:
                     self._selector.select(nbytes, dtype, collective))
             if not ALGORITHMS[algo].supports(dtype, op, collective):  # NVLS reduces no fp32 max/min
                 algo = UNICAST_OF[algo]
-            if self.config.deterministic and algo == "nccl" and dtype == "float64":
-                raise UbnextError(f"{name}: deterministic mode (UBNEXT_DETERMINISTIC=1) cannot reduce float64: "
-                                  f"only NCCL reduces it, in an order of its own; ubnext's kernels reduce "
-                                  f"{', '.join(KERNEL_DTYPES)}")
+            if self.config.deterministic and algo == "nccl" and dtype == "float64" and collective != "all_gather":
+                where = (f"this communicator has no ubnext kernels ({self._nccl_reason or 'NCCL only'})"
+                         if collective == "all_reduce" else f"ubnext's kernels run no {collective} of float64")
+                raise UbnextError(f"{name}: deterministic mode (UBNEXT_DETERMINISTIC=1) cannot reduce float64 "
+                                  f"here: {where}, and NCCL reduces in an order of its own")
             return algo
         if algorithm not in ALGORITHMS:
             raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(ALGORITHMS)}")

@@ -197,7 +197,7 @@ class Config:
         "Every ubnext kernel reduces in rank order and writes -0.0 as +0.0, so an "
         "all-reduce's bits depend on its inputs only, whatever algorithm `auto` takes; "
         "`auto` then uses neither NCCL nor NVLink multicast (whose orders are their own) "
-        "where the kernels can run.",
+        "where the kernels can run (integers, whose bits no order changes, stay with NCCL).",
     )
     tune_file: str = _field(
         "UBNEXT_TUNE_FILE", "", _PATH,

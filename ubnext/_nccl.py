@@ -21,24 +21,50 @@ from . import _devices
 from ._algorithms import DTYPES
 from ._errors import ClosedError, UbnextError
 
-__all__ = ["NcclComm"]
+__all__ = ["NcclComm", "cannot_run", "load_problem"]
 
 #: ncclBfloat16 and ncclAvg, for a cupy that does not name them.
 _NCCL_BFLOAT16 = 9
 _NCCL_AVG = 4
 
 
-def _load_nccl(op: str) -> Any:
-    """Import ``cupy.cuda.nccl``, raising a ubnext error when NCCL is missing."""
+def load_problem() -> str | None:
+    """Why this process cannot load NCCL (through ``cupy.cuda.nccl``), or None. Local."""
     try:
         from cupy.cuda import nccl
     except ImportError as exc:
-        raise UbnextError(f"{op}: cupy is not importable ({exc})") from exc
+        return f"cupy is not importable ({exc})"
     if not nccl.available:
-        raise UbnextError(
-            f"{op}: cupy cannot load the NCCL library; install it with "
-            "'pip install nvidia-nccl-cu13' (or the wheel matching your CUDA)"
-        )
+        return ("cupy cannot load the NCCL library; install it with "
+                "'pip install nvidia-nccl-cu13' (or the wheel matching your CUDA)")
+    return None
+
+
+def cannot_run(local: Any, device: int) -> str | None:
+    """Why NCCL cannot serve the ranks of ``local`` (a node's bootstrap), or None where it
+    can: ranks sharing a GPU (NCCL refuses them), or a rank that cannot load NCCL. The
+    same answer on every rank.
+
+    Collective: yes, over ``local`` (one allgather). Blocks the host.
+    """
+    views = local.allgather_obj((_devices.device_uuid(device), load_problem()))
+    clashes = _devices.shared([uuid for uuid, _ in views])
+    if clashes:
+        ranks = next(iter(clashes.values()))
+        return f"local ranks {', '.join(map(str, ranks))} share one GPU, which NCCL refuses"
+    failed = [(rank, problem) for rank, (_, problem) in enumerate(views) if problem]
+    if failed:
+        return f"local rank {failed[0][0]}: {failed[0][1]}"
+    return None
+
+
+def _load_nccl(op: str) -> Any:
+    """Import ``cupy.cuda.nccl``, raising a ubnext error when NCCL is missing."""
+    problem = load_problem()
+    if problem is not None:
+        raise UbnextError(f"{op}: {problem}")
+    from cupy.cuda import nccl
+
     return nccl
 
 

@@ -20,6 +20,9 @@ kernel sources:
   ``nvec`` vectors belongs to rank ``o = i // ceil(nvec / N)``, which reduces it in the
   order o, o+1, ..., N-1, 0, ..., o-1 (kernels/transport.cuh: ``Unicast::peer``). A
   message in several launches (the staging slot's chunks) is sliced launch by launch.
+  It alone also takes the ``TWOSHOT_ONLY`` dtypes, each in its ``accumulator``: float64
+  in float64 (``fmax``/``fmin``; avg divides the sum once by N), integers in their own
+  type, a sum wrapping around modulo 2**bits (any order gives the same bits).
 * Residual add + RMSNorm (kernels/rmsnorm.cuh, ``add_rmsnorm``): from the all-reduced
   rows ``a`` as stored, ``res = round((a + bias) + residual)`` (missing operands read as
   +0.0), the row's sum of squares of ``res`` in the kernels' tree (``row_sums``),
@@ -27,8 +30,11 @@ kernel sources:
   ``normed = round((res * scale) * weight)``.
 * NCCL reduces in an order of its own: ``exact`` predicts its bits only for inputs whose
   every partial result is exact, where any order gives the same bits.
-* The dtypes only NCCL reduces (``NCCL_ONLY``): integers in their own type, wrapping
-  around (``integer``: every order gives the same bits); float64 in float64 (``exact``).
+* NCCL reduces the ``TWOSHOT_ONLY`` dtypes as the barrier two-shot does (``integer``:
+  every order gives the same bits; float64 in float64, ``exact`` on exact inputs). Its
+  float64 average multiplies every input by 1/N before it adds them (NCCL's PreMulSum),
+  where ubnext's kernels divide the sum once: the same bits wherever N is a power of two
+  (a scaling by 2**-k commutes with rounding, barring underflow) and the order is the same.
 
 NaN payloads are not specified: a NaN is compared as a class (any NaN equals any NaN);
 every other value, -0.0 against +0.0 included, must match bit for bit.
@@ -46,8 +52,9 @@ from ._protocol import SENTINEL_BITS, VEC_BYTES
 #: ubnext's dtype names -> numpy dtypes
 DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
           "float32": np.dtype(np.float32)}
-#: the dtypes that only NCCL reduces (ubnext._algorithms.DTYPES without a kernel type)
-NCCL_ONLY = {name: np.dtype(name) for name in ("float64", "int8", "uint8", "int32", "uint32", "int64", "uint64")}
+#: the dtypes that among ubnext's kernels only the barrier two-shot reduces
+#: (ubnext._algorithms.TWOSHOT_ONLY_DTYPES): float64 and the 8-, 32- and 64-bit integers
+TWOSHOT_ONLY = {name: np.dtype(name) for name in ("float64", "int8", "uint8", "int32", "uint32", "int64", "uint64")}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _F32 = np.float32
 #: values whose sums ``exact`` predicts in any order are multiples of this
@@ -61,8 +68,14 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 def widen(a: np.ndarray) -> np.ndarray:
-    """``a`` in fp32, exactly (every supported dtype is a subset of fp32)."""
+    """``a`` (a dtype of ``DTYPES``) in fp32, exactly (each is a subset of fp32)."""
     return a.astype(np.float32)
+
+
+def accumulator(dtype: np.dtype) -> np.dtype:
+    """The type the kernels reduce ``dtype`` in (kernels/common.cuh: ``Elem<T>::Acc``):
+    fp32 for ``DTYPES``, the dtype itself for ``TWOSHOT_ONLY``."""
+    return np.dtype(np.float32) if dtype in DTYPES.values() else np.dtype(dtype)
 
 
 def narrow(f: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -73,10 +86,13 @@ def narrow(f: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def clear_negative_zero(a: np.ndarray) -> np.ndarray:
     """A copy of ``a`` with every -0.0 (the Lamport sentinel) replaced by +0.0
-    (kernels/lamport.cuh: ``clear_sentinel``)."""
+    (kernels/common.cuh: ``clear_sentinel``, ``settle``); integers unchanged."""
+    if a.dtype.kind in "iu":
+        return a.copy()
     b = bits(a)
     zero = b.dtype.type(0)
-    return np.where(b == SENTINEL_BITS[a.dtype.itemsize], zero, b).view(a.dtype)
+    negative_zero = SENTINEL_BITS.get(a.dtype.itemsize, 1 << (8 * a.dtype.itemsize - 1))
+    return np.where(b == negative_zero, zero, b).view(a.dtype)
 
 
 def nan_mask(a: np.ndarray) -> np.ndarray:
@@ -105,15 +121,16 @@ _COMBINE = {"sum": np.add, "avg": np.add, "max": np.fmax, "min": np.fmin}
 
 
 def reduce_fp32(parts: Sequence[np.ndarray], op: str, order: Sequence[int]) -> np.ndarray:
-    """``parts`` (one fp32 array per rank) combined in ``order`` and finished, as
-    ``reduce_vectors`` does (kernels/common.cuh): avg divides the sum by the rank count."""
+    """``parts`` (one array per rank in its ``accumulator`` type: fp32, float64 or an
+    integer type) combined in ``order`` and finished, as ``reduce_vectors`` does
+    (kernels/common.cuh): avg divides the sum by the rank count; integer sums wrap around."""
     combine = _COMBINE[op]
     acc = parts[order[0]]
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, overflow: IEEE results
         for r in order[1:]:
             acc = combine(acc, parts[r])
         if op == "avg":
-            acc = acc / _F32(len(parts))
+            acc = acc / acc.dtype.type(len(parts))
     return acc
 
 
@@ -132,13 +149,15 @@ def _reduce_owned(inputs: Sequence[np.ndarray], op: str, owners, clear: bool = F
     that cover the message, each reduced in its owner's order. ``clear``: -0.0 in the
     inputs is pushed as +0.0 (the Lamport kernels)."""
     out = np.empty(inputs[0].size, inputs[0].dtype)
+    acc = accumulator(out.dtype)
     covered = 0
     for owner, start, end in owners:
         order = owner_order(owner, len(inputs))
         for lo in range(start, end, _BLOCK):
             hi = min(lo + _BLOCK, end)
-            parts = [widen(clear_negative_zero(x[lo:hi]) if clear else x[lo:hi]) for x in inputs]
-            out[lo:hi] = narrow(reduce_fp32(parts, op, order), out.dtype)
+            parts = [(clear_negative_zero(x[lo:hi]) if clear else x[lo:hi]).astype(acc) for x in inputs]
+            with np.errstate(invalid="ignore", over="ignore"):
+                out[lo:hi] = reduce_fp32(parts, op, order).astype(out.dtype)  # to nearest even
         covered += end - start
     if covered != out.size:
         raise ValueError(f"reference: the owners' ranges cover {covered} of {out.size} elements")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES
+from ._algorithms import ALGORITHMS, COLLECTIVES, DTYPES
 from ._units import human_bytes
 from ._config import _env_text
 
@@ -19,9 +19,10 @@ class Description(dict):
     ``device_name``, ``path`` (kernels or NCCL only, and why), ``algorithms``,
     ``pool`` (bytes, user heap and free bytes; None without a pool), ``nvls``,
     ``config`` (``UBNEXT_*`` -> value), ``tables`` (the selector tables, in
-    the order consulted), ``selection`` (dtype -> ``[bytes, algorithm, reason]``
+    the order consulted), ``selection`` (every dtype -> ``[bytes, algorithm, reason]``
     for each of ``SIZES``: the all-reduce's) and ``collectives`` (reduce-scatter and
-    all-gather -> their ``selection`` for bfloat16, sizes of the whole message).
+    all-gather -> their ``selection`` for bfloat16, sizes of the whole message). The
+    report shows a dtype's rows as one where they all agree.
     """
 
     def __str__(self) -> str:
@@ -39,7 +40,7 @@ def report(comm) -> Description:
         algorithms=comm.algorithms(), pool=comm.pool, nvls=_nvls(comm),
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
         tables=[t.source for t in comm.selector.tables],
-        selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in KERNEL_DTYPES},
+        selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in DTYPES},
         collectives={c: {"bfloat16": [[n, *_choice(comm, n, "bfloat16", c)] for n in SIZES]}
                      for c in COLLECTIVES if c != "all_reduce"},
     )
@@ -57,7 +58,9 @@ def _choice(comm, nbytes: int, dtype: str, collective: str = "all_reduce") -> tu
     """What ``algorithm="auto"`` runs for the message, and why (``UBNEXT_ALGO`` wins over the
     table where it names an algorithm that serves the collective)."""
     forced = comm.config.algorithm
-    if forced == "auto" or comm.algorithms() == ["nccl"] or not ALGORITHMS[forced].serves(collective):
+    algorithm = ALGORITHMS.get(forced)
+    if algorithm is None or comm.algorithms() == ["nccl"] or not algorithm.supports(dtype, "sum", collective):
+        # auto, or UBNEXT_ALGO naming an algorithm that does not take this collective or dtype
         return comm.selector.explain(nbytes, dtype, collective)
     if comm.selector.fits(forced, nbytes):
         return forced, f"UBNEXT_ALGO={forced}"
@@ -82,12 +85,19 @@ def _render(d: Description) -> list[str]:
     lines.append('selection (algorithm="auto"):')
     for dtype, rows in d["selection"].items():
         lines.append(f"  {dtype}")
-        lines += [f"    {human_bytes(n):>8}  {name:<8} {why}" for n, name, why in rows]
+        lines += _rows(rows)
     for collective, by_dtype in d.get("collectives", {}).items():
         for dtype, rows in by_dtype.items():
             lines.append(f"  {collective} {dtype}")
-            lines += [f"    {human_bytes(n):>8}  {name:<8} {why}" for n, name, why in rows]
+            lines += _rows(rows)
     return lines
+
+
+def _rows(rows) -> list[str]:
+    """The lines of one selection: one "any size" line where every size gets the same choice."""
+    if len({(name, why) for _, name, why in rows}) == 1:
+        return [f"    {'any size':>8}  {rows[0][1]:<8} {rows[0][2]}"]
+    return [f"    {human_bytes(n):>8}  {name:<8} {why}" for n, name, why in rows]
 
 
 def _mib(nbytes: int) -> str:

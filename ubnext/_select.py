@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES, UNICAST_OF
+from ._algorithms import ALGORITHMS, COLLECTIVES, FLOAT_DTYPES, KERNEL_DTYPES, UNICAST_OF
 from ._units import human_bytes
 from ._config import Config
 from ._table import Row, Table, default_table
@@ -73,13 +73,22 @@ class Selector:
         table: a tune file's table, consulted before the default table; None: the default only.
         nccl_reason: why only NCCL is usable, when it is (shown by :meth:`explain`).
         deterministic: ``Config.deterministic``: where a row gives NCCL, whose reduction
-            order is its own, the barrier two-shot (which takes any size) runs instead.
+            order is its own, the barrier two-shot (which takes any size) runs instead, for
+            the floating-point dtypes (an integer reduction's bits do not depend on the order).
+        nccl_problem: why NCCL cannot run on this communicator (``_nccl.cannot_run``: ranks
+            sharing a GPU, NCCL not loadable), or None: then the barrier two-shot, which
+            takes every dtype and any size, runs wherever NCCL would.
+
+    The dtypes outside the tables (``TWOSHOT_ONLY_DTYPES``: float64, the integers) go to
+    NCCL, the engine tuned for them, except where it cannot run or deterministic mode
+    takes a float64 from it: then to the barrier two-shot, ubnext's one kernel for them.
     """
 
     def __init__(self, nranks: int, limits: Limits, usable: list[str], table: Table | None = None,
-                 nccl_reason: str = "", deterministic: bool = False):
+                 nccl_reason: str = "", deterministic: bool = False, nccl_problem: str | None = None):
         self.nranks = nranks
         self.deterministic = deterministic
+        self.nccl_problem = nccl_problem
         self.tables = [t for t in (table, default_table()) if t is not None]
         self.limits = limits
         self._usable = set(usable)
@@ -122,7 +131,7 @@ class Selector:
         Where NVLink multicast is usable, a table row's unicast kernel is replaced by its
         multicast instantiation (the seed's order: multicast -> Lamport -> two-shot -> NCCL).
         """
-        return self._final(self._walk(nbytes, dtype, collective)[0], dtype)
+        return self._final(self._walk(nbytes, dtype, collective)[0], dtype, collective)
 
     def select_fused(self, nbytes: int, dtype: str) -> str:
         """The algorithm for a fused all-reduce + add + RMSNorm of ``nbytes`` bytes.
@@ -140,13 +149,33 @@ class Selector:
             name = _FUSED_IN_LAUNCHES
         return self._final(name, dtype)
 
-    def _final(self, name: str, dtype: str) -> str:
-        """The row's algorithm as it runs: the barrier two-shot in place of NCCL in
-        deterministic mode, the multicast instantiation where NVLink multicast is usable."""
-        if self.deterministic and name == "nccl" and "twoshot" in self._usable and dtype in KERNEL_DTYPES:
-            return "twoshot"
+    def _final(self, name: str, dtype: str, collective: str = "all_reduce") -> str:
+        """The row's algorithm as it runs (:meth:`_replaced`)."""
+        return self._replaced(name, dtype, collective)[0]
+
+    def _replaced(self, name: str, dtype: str, collective: str = "all_reduce") -> tuple[str, list[str]]:
+        """The row's algorithm as it runs, and why it replaced the row's: the barrier
+        two-shot in place of NCCL where NCCL cannot run or in deterministic mode, the
+        multicast instantiation where NVLink multicast is usable and takes the dtype."""
+        notes = []
+        why = self._instead_of_nccl(dtype)
+        twoshot = "twoshot" in self._usable and ALGORITHMS["twoshot"].supports(dtype, "sum", collective)
+        if name == "nccl" and why and twoshot:
+            name = "twoshot"
+            notes.append(f"{why}: twoshot in place of nccl")
         mc = MULTICAST_OF.get(name)
-        return mc if mc in self._usable else name
+        if mc in self._usable and ALGORITHMS[mc].supports(dtype, "sum", collective):
+            notes.append(f"NVLink multicast: {mc} in place of {name}")
+            name = mc
+        return name, notes
+
+    def _instead_of_nccl(self, dtype: str) -> str | None:
+        """Why the barrier two-shot runs where a row gives NCCL, or None."""
+        if self.nccl_problem:
+            return f"NCCL cannot run here ({self.nccl_problem})"
+        if self.deterministic and dtype in FLOAT_DTYPES:
+            return "deterministic mode"
+        return None
 
     def explain(self, nbytes: int, dtype: str, collective: str = "all_reduce") -> tuple[str, str]:
         """``(algorithm, why)`` for a ``collective`` of ``nbytes`` bytes of ``dtype``.
@@ -156,11 +185,14 @@ class Selector:
         (``"lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256"``).
         """
         unicast, index = self._walk(nbytes, dtype, collective)
-        name = self._final(unicast, dtype)
+        name, notes = self._replaced(unicast, dtype, collective)
         if self._usable == {"nccl"}:
             return name, f"only NCCL usable: {self._nccl_reason or 'no kernels on this communicator'}"
         if dtype not in KERNEL_DTYPES:
-            return name, f"ubnext's kernels reduce {', '.join(KERNEL_DTYPES)}: NCCL reduces {dtype}"
+            if name == "nccl":
+                return name, (f"NCCL reduces {dtype} (the tables cover {', '.join(KERNEL_DTYPES)}; "
+                              f"ubnext's barrier two-shot takes {dtype} in an all_reduce with algorithm='twoshot')")
+            return name, f"ubnext's barrier two-shot reduces {dtype}: {notes[0]}"
         rows, where = self._rows[collective][dtype]
         skipped = [self._why_not(rows[i][1], nbytes) for i in range(len(rows) if index is None else index)
                    if _covers(rows[i], nbytes)]
@@ -172,9 +204,8 @@ class Selector:
             reason = f"table row {_row_label(rows, index)} for {where}"
         if name == unicast and not self._in_one_launch(name, nbytes):
             reason += f"; in launches of {human_bytes(self.limits[name][0])} ({self.limits[name][1]})"
-        if name != unicast:
-            why = "deterministic mode" if self.deterministic else "NVLink multicast"
-            reason += f"; {why}: {name} in place of {unicast}"
+        for note in notes:
+            reason += f"; {note}"
         return name, "; ".join([reason, *dict.fromkeys(skipped)])
 
     def _walk(self, nbytes: int, dtype: str, collective: str = "all_reduce") -> tuple[str, int | None]:
