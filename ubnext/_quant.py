@@ -27,13 +27,18 @@ it on random and heavy-tailed data (bench/results/quant_error.txt).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 
+from ._algorithms import compile_defines as _base_defines
+from ._errors import UbnextError
 from ._protocol import QUANT_GROUP
 
+#: the kernel source and its entry point (parameters as kernels/twoshot.cu's ub_twoshot)
+SOURCE, ENTRY = "quant_twoshot.cu", "ub_quant_twoshot"
 #: elements per group (one scale each)
 GROUP = QUANT_GROUP
 #: bytes of a group's scale (fp32)
@@ -112,11 +117,77 @@ def area_bytes(nranks: int, launch_elems: int) -> int:
     return 2 * nranks * slice_groups * (GROUP + SCALE_BYTES)
 
 
+def quant_area_bytes(nranks: int, setting: str) -> int:
+    """The pool bytes of the quantized receive areas of a communicator whose
+    ``Config.quantized`` is ``setting``: none where it is ``"off"``."""
+    return 0 if setting == "off" else area_bytes(nranks, LAUNCH_BYTES // 2)
+
+
 def compile_defines(fmt: str, dtype: str, op: str, nranks: int) -> dict[str, str]:
     """Preprocessor definitions of an instantiation of kernels/quant_twoshot.cu."""
-    from ._algorithms import compile_defines as base
+    return {**_base_defines(dtype, op, nranks), "UB_QFMT": FORMATS[fmt].kernel}
 
-    return {**base(dtype, op, nranks), "UB_QFMT": FORMATS[fmt].kernel}
+
+# ---- opt-in ------------------------------------------------------------------------------
+def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, setting: str,
+           kernels: bool, arch: Callable[[], int]) -> str | None:
+    """The format a call runs in, or None for full precision. Pure.
+
+    ``precision="auto"`` quantizes only where the communicator opted in (``setting``,
+    ``Config.quantized``, is a format) and the call is one the quantized two-shot takes
+    (``algorithm="auto"``, a dtype of DTYPES, an op of OPS, kernels on the pool); every
+    other call keeps full precision. ``"exact"`` never quantizes; a format name asks for
+    that format and raises where the call cannot have it.
+
+    Args:
+        name: the calling operation, for messages.
+        precision: one of PRECISIONS.
+        algorithm: the call's ``algorithm=``.
+        dtype, op: the call's.
+        setting: ``Config.quantized``.
+        kernels: whether the communicator runs kernels on a symmetric pool.
+        arch: returns the device's compute capability (e.g. 90); called only where a
+            format is chosen.
+
+    Raises:
+        UbnextError: an unknown precision; a format that the call cannot take, or that
+            the communicator did not opt in to, or fp8 on a device before sm_89.
+    """
+    if precision not in PRECISIONS:
+        raise UbnextError(f"{name}: unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if precision == EXACT:
+        return None
+    if precision == AUTO:
+        if setting == "off" or algorithm != "auto" or not kernels or dtype not in DTYPES or op not in OPS:
+            return None
+        fmt = setting
+    else:
+        fmt = precision
+        problem = (f"it takes {' and '.join(DTYPES)}, not {dtype}" if dtype not in DTYPES else
+                   f"it takes op {' or '.join(OPS)}, not {op!r}" if op not in OPS else
+                   f"it is its own algorithm: pass algorithm='auto', not {algorithm!r}" if algorithm != "auto" else
+                   "the communicator opted out: set UBNEXT_QUANTIZED=int8|fp8 (or Communicator(quantized=...)) "
+                   "to reserve its buffers" if setting == "off" else
+                   "this communicator runs NCCL only" if not kernels else None)
+        if problem:
+            raise UbnextError(f"{name}: precision={fmt!r} runs the quantized two-shot, but {problem}")
+    have = arch()
+    if have < FORMATS[fmt].min_arch:
+        raise UbnextError(f"{name}: precision {fmt!r} needs compute capability {FORMATS[fmt].min_arch / 10:.1f} "
+                          f"or newer (this device: {have / 10:.1f}); use int8")
+    return fmt
+
+
+def describe(setting: str, kernels: bool) -> str:
+    """One line for ``describe()``: whether and where ``auto`` quantizes."""
+    if setting == "off":
+        return ("off: auto never quantizes (opt in with UBNEXT_QUANTIZED=int8|fp8; then precision= "
+                "picks per call)")
+    if not kernels:
+        return f"{setting} requested, but this communicator runs NCCL only: every call keeps full precision"
+    return (f"{setting}: auto reduces {'/'.join(DTYPES)} {'/'.join(OPS)} in the quantized two-shot "
+            f"({wire_fraction(setting):.0%} of the bytes; error <= {bound(setting, 'bfloat16', 8):.4f} x the "
+            f"group's magnitude for bfloat16); precision='exact' keeps a call exact")
 
 
 # ---- host emulation, bit for bit ----------------------------------------------------------
