@@ -173,3 +173,19 @@ def test_areas_hold_every_launch(nranks):
         total = nranks * slice_groups
         assert 2 * total * (_quant.GROUP + _quant.SCALE_BYTES) <= area
         assert (total * _quant.GROUP) % 16 == 0
+
+
+# ---- benchmark option ----------------------------------------------------------------------
+def test_all_reduce_perf_takes_a_precision():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not installed
+    from bench import all_reduce_perf as arp
+
+    assert arp.parse_args(["-d", "bfloat16", "--precision", "int8"]).precision == "int8"
+    assert arp.parse_args([]).precision == "auto"
+    for argv in (["-d", "float", "--precision", "int8"], ["-d", "bf16", "-o", "max", "--precision", "fp8"],
+                 ["-d", "bf16", "--backend", "nccl", "--precision", "int8"]):
+        with pytest.raises(SystemExit):
+            arp.parse_args(argv)
