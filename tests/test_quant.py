@@ -189,3 +189,16 @@ def test_all_reduce_perf_takes_a_precision():
                  ["-d", "bf16", "--backend", "nccl", "--precision", "int8"]):
         with pytest.raises(SystemExit):
             arp.parse_args(argv)
+
+
+def test_quant_error_script_writes_its_table(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import quant_error
+
+    assert quant_error.main(["--count", "8192", "--ranks", "2", "--outdir", str(tmp_path)]) == 0
+    text = (tmp_path / "quant_error.txt").read_text()
+    assert "rows whose maximum exceeds the bound: 0" in text and "56.2% of bfloat16's" in text
+    assert (tmp_path / "quant_error.png").stat().st_size > 0 and (tmp_path / "quant_error.json").is_file()
