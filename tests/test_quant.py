@@ -141,6 +141,8 @@ def test_fp8_needs_sm89_and_unknown_precisions_raise():
 
 
 def test_describe_says_whether_auto_quantizes():
+    assert _quant.selection_note("off", True, "bfloat16") == _quant.selection_note("int8", True, "float32") == ""
+    assert "quantized two-shot in fp8" in _quant.selection_note("fp8", True, "float16")
     assert "auto never quantizes" in _quant.describe("off", True)
     assert "NCCL only" in _quant.describe("int8", False)
     assert "int8: auto reduces" in _quant.describe("int8", True)
@@ -202,3 +204,25 @@ def test_quant_error_script_writes_its_table(tmp_path):
     text = (tmp_path / "quant_error.txt").read_text()
     assert "rows whose maximum exceeds the bound: 0" in text and "56.2% of bfloat16's" in text
     assert (tmp_path / "quant_error.png").stat().st_size > 0 and (tmp_path / "quant_error.json").is_file()
+
+
+@pytest.mark.parametrize("setting", ["off", "int8"])
+def test_describe_report_shows_the_opt_in(monkeypatch, setting):
+    import types
+
+    from ubnext import _info, _report
+    from ubnext._select import Selector, buffer_limits
+
+    monkeypatch.setattr(_info, "device_name", lambda device: "fake")
+    cfg = Config(quantized=setting)
+    names = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
+    comm = types.SimpleNamespace(config=cfg, rank=0, size=4, local_rank=0, local_size=4, device=0,
+                                 path="kernels on the symmetric pool", algorithms=lambda: names, pool=None,
+                                 nvls=None, selector=Selector(4, buffer_limits(cfg), names))
+    d = _report.report(comm)
+    assert d["quantized"] == _quant.describe(setting, True) and d["config"]["UBNEXT_QUANTIZED"] == setting
+    text = str(d)
+    assert f"quantized all-reduce: {d['quantized']}" in text
+    noted = [why for _, _, why in d["selection"]["bfloat16"] if "quantized two-shot" in why]
+    assert len(noted) == (0 if setting == "off" else len(d["selection"]["bfloat16"]))
+    assert not any("quantized two-shot" in why for _, _, why in d["selection"]["float32"])

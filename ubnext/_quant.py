@@ -190,6 +190,14 @@ def describe(setting: str, kernels: bool) -> str:
             f"group's magnitude for bfloat16); precision='exact' keeps a call exact")
 
 
+def selection_note(setting: str, kernels: bool, dtype: str) -> str:
+    """What ``describe()`` adds to the reason of ``auto``'s choice for ``dtype``: that its
+    sums and averages run quantized instead, where the communicator opted in."""
+    if setting == "off" or not kernels or dtype not in DTYPES:
+        return ""
+    return f"; {' and '.join(OPS)} run the quantized two-shot in {setting} instead (UBNEXT_QUANTIZED)"
+
+
 # ---- host emulation, bit for bit ----------------------------------------------------------
 def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
     """Groups ``x`` (fp32, shape (G, GROUP)) -> (codes as fp32 values, fp32 scales (G,))."""

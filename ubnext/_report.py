@@ -36,14 +36,16 @@ def report(comm) -> Description:
     from ._info import device_name
 
     config = comm.config
+    kernels = comm.path.startswith("kernels")
     return Description(
         rank=comm.rank, ranks=comm.size, local_rank=comm.local_rank, local_ranks=comm.local_size,
         device=comm.device, device_name=device_name(comm.device), path=comm.path,
         algorithms=comm.algorithms(), pool=comm.pool, nvls=_nvls(comm),
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
-        quantized=_quant.describe(config.quantized, comm.path.startswith("kernels")),
+        quantized=_quant.describe(config.quantized, kernels),
         tables=[t.source for t in comm.selector.tables],
-        selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in DTYPES},
+        selection={dtype: [[n, name, why + _quant.selection_note(config.quantized, kernels, dtype)]
+                           for n in SIZES for name, why in [_choice(comm, n, dtype)]] for dtype in DTYPES},
         collectives={c: {"bfloat16": [[n, *_choice(comm, n, "bfloat16", c)] for n in SIZES]}
                      for c in COLLECTIVES if c != "all_reduce"},
     )
