@@ -148,6 +148,15 @@ def test_describe_says_whether_auto_quantizes():
     assert "int8: auto reduces" in _quant.describe("int8", True)
 
 
+def test_formats_carry_their_own_signatures():
+    from ubnext import _signature
+
+    sig = _signature.encode("all_reduce", "bfloat16", "sum", 4099)
+    tagged = {fmt: _quant.signature(sig, fmt) for fmt in _quant.FORMATS}
+    assert len({sig, *tagged.values()}) == 3 and all(t & 0xFFFF == 4099 for t in tagged.values())
+    assert all(t >> _signature.COUNT_BITS == sig >> _signature.COUNT_BITS for t in tagged.values())
+
+
 # ---- configuration and layout ----------------------------------------------------------------
 def test_config_opt_in(monkeypatch):
     assert Config().quantized == "off"

@@ -247,7 +247,7 @@ class Communicator:
             _arrays.record_stream(handle, owner, (xb, ob))
         sig = _signature.encode(name, xb.dtype, op, xb.count)
         if fmt:
-            self._dispatch.quantized(fmt, xb, ob, op, handle, owner, sig)
+            self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
         else:
             self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig)
         return ob.obj

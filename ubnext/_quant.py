@@ -36,6 +36,7 @@ import numpy as np
 from ._algorithms import compile_defines as _base_defines
 from ._errors import UbnextError
 from ._protocol import QUANT_GROUP
+from ._signature import COUNT_BITS
 
 #: the kernel source and its entry point (parameters as kernels/twoshot.cu's ub_twoshot)
 SOURCE, ENTRY = "quant_twoshot.cu", "ub_quant_twoshot"
@@ -176,6 +177,18 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, setti
         raise UbnextError(f"{name}: precision {fmt!r} needs compute capability {FORMATS[fmt].min_arch / 10:.1f} "
                           f"or newer (this device: {have / 10:.1f}); use int8")
     return fmt
+
+
+#: bits of a call signature's count field (``_signature``) above which the format is carried
+TAG_SHIFT = COUNT_BITS - 4
+
+
+def signature(sig: int, fmt: str) -> int:
+    """A quantized call's signature: the plain one (``_signature.encode``) with the format's
+    number (1, 2) in the top 4 bits of its count field, so that ranks calling with different
+    formats (which share the kernel's flags and areas) fail with CollectiveMismatchError
+    instead of mixing codes; counts stay far below 2**TAG_SHIFT elements."""
+    return sig | (list(FORMATS).index(fmt) + 1) << TAG_SHIFT
 
 
 def describe(setting: str, kernels: bool) -> str:
