@@ -192,7 +192,7 @@ class Engine:
         flags, state, area, nbytes = self._quant
         if not nbytes:
             raise AssertionError("engine: the quantized two-shot needs Config.quantized")
-        key = (f"quantized:{fmt}", dtype, op, False, 1)  # as _kernel's keys: (name, dtype, op, fused, cluster)
+        key = (f"quantized:{fmt}", dtype, op, False, 1, "all_reduce")  # shaped as _kernel's keys
         launcher = self._launchers.get(key)
         if launcher is None:
             module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks))
