@@ -86,6 +86,9 @@ def build_parser(program: Program = ALL_REDUCE_PERF) -> argparse.ArgumentParser:
                    help="ubnext, or the real NCCL through ubnext._nccl.NcclComm (default ubnext)")
     p.add_argument("--algo", choices=program.algorithms, default="auto",
                    help="ubnext algorithm (backend ubnext only; default auto)")
+    p.add_argument("--precision", choices=("auto", "exact", "int8", "fp8"), default="auto",
+                   help="ubnext precision= (int8/fp8: the quantized two-shot, opted in for the run; "
+                        "bfloat16/half, sum/avg; checked bit for bit against its host emulation)")
     p.add_argument("--symmetric", type=int, choices=(0, 1), default=None,
                    help="1: buffers from comm.empty (symmetric memory), 0: plain cupy buffers "
                         "(default 1 for ubnext, 0 for nccl)")
@@ -113,6 +116,11 @@ def parse_args(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF
         args.symmetric = int(args.backend == "ubnext")
     if args.backend == "nccl" and args.algo != "auto":
         parser.error("--algo applies to --backend ubnext only")
+    if args.precision in ("int8", "fp8") and (
+            program is not ALL_REDUCE_PERF or args.backend == "nccl" or args.algo != "auto"
+            or {d.ubnext for d in args.dtypes} - {"bfloat16", "float16"} or set(args.ops) - {"sum", "avg"}):
+        parser.error("--precision int8/fp8 (the quantized all-reduce) takes --backend ubnext, --algo auto, "
+                     "-d bfloat16/half, -o sum/avg")
     if args.output_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.output_file))):
         parser.error(f"-J: the directory of {args.output_file} does not exist")
     return args
@@ -124,12 +132,13 @@ def parse_args(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF
 class UbnextEngine:
     """``comm.all_reduce`` with a fixed algorithm."""
 
-    def __init__(self, comm: Any, algorithm: str) -> None:
+    def __init__(self, comm: Any, algorithm: str, precision: str = "auto") -> None:
         self.comm = comm
         self.algorithm = algorithm
+        self.precision = precision
 
     def all_reduce(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
-        self.comm.all_reduce(send, out=recv, op=op, algorithm=self.algorithm, stream=stream)
+        self.comm.all_reduce(send, out=recv, op=op, algorithm=self.algorithm, stream=stream, precision=self.precision)
 
     def reduce_scatter(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
         self.comm.reduce_scatter(send, out=recv, op=op, algorithm=self.algorithm, stream=stream)
@@ -226,6 +235,8 @@ def open_world(args: argparse.Namespace) -> World:
         overrides = pool_mb_for(2 * args.maxbytes)
     else:  # no pool needed; with --backend nccl, ubnext sets up no kernels at all
         overrides = {"algorithm": "nccl"} if args.backend == "nccl" else {}
+    if args.precision in ("int8", "fp8"):
+        overrides["quantized"] = args.precision
     comm = ubnext.Communicator(**overrides)
     cupy.cuda.Device(comm.device).use()
     notes = []
@@ -234,7 +245,7 @@ def open_world(args: argparse.Namespace) -> World:
         nccl.connect()
         engine: Any = NcclEngine(nccl)
     else:
-        engine = UbnextEngine(comm, args.algo)
+        engine = UbnextEngine(comm, args.algo, args.precision)
     if args.symmetric:
         def allocate(count: int, dtype: common.DType) -> Any:
             return comm.empty((count,), dtype.ubnext)
@@ -290,8 +301,16 @@ def check(world: World, args: argparse.Namespace, dtype: common.DType, op: str, 
     else:
         launch()
     got = common.download(recv, expected.size, dtype, world.stream)
-    want = common.encode(expected, dtype)
-    wrong = common.count_wrong(got, want, dtype, common.tolerance(op, world.size, dtype))
+    if args.precision in ("int8", "fp8"):  # the quantized all-reduce's result, bit for bit
+        from ubnext import _reference
+
+        inputs = [world.collective.data(world.size, r, count, seed, op)[0].astype(dtype.numpy)
+                  for r in range(world.size)]
+        want = _reference.quantized(inputs, args.precision, op).view(dtype.bits)
+        wrong = common.count_wrong(got, want, dtype)
+    else:
+        want = common.encode(expected, dtype)
+        wrong = common.count_wrong(got, want, dtype, common.tolerance(op, world.size, dtype))
     return int(sum(common.allgather_float(world.comm.bootstrap, float(wrong))))
 
 
@@ -315,7 +334,8 @@ def header_lines(args: argparse.Namespace, world: World, device_lines: list[str]
     step = f"{args.stepfactor}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
     algo = "-" if args.backend == "nccl" else args.algo
     return [
-        f"# ubnext {args.program.name}: backend {args.backend} algorithm {algo} nccl-library={nccl_version()}",
+        f"# ubnext {args.program.name}: backend {args.backend} algorithm {algo} precision {args.precision} "
+        f"nccl-library={nccl_version()}",
         f"# Collective test starting: {args.program.name}",
         f"# nThread 1 nGpus 1 minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} "
         f"warmup iters: {args.warmup_iters} iters: {args.iters} agg iters: 1 "
@@ -352,7 +372,8 @@ def json_document(args: argparse.Namespace, argv: list[str], device_lines: list[
     return {
         "version": 2, "start_time": start, "args": [args.program.name, *argv], "env": common.environment_subset(),
         "nccl_version": nccl_version(), "config": config,
-        "ubnext": {"backend": args.backend, "algorithm": args.algo, "symmetric": bool(args.symmetric),
+        "ubnext": {"backend": args.backend, "algorithm": args.algo, "precision": args.precision,
+                   "symmetric": bool(args.symmetric),
                    "world_size": world.size, "average": args.average, "timer": "cuda events"},
         "results": [],
     }

@@ -30,6 +30,7 @@ DEFAULTS = {
     "debug": False,
     "deterministic": False,
     "tune_file": "",
+    "quantized": "off",
 }
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import pickle
 
-from . import _agreement, _arrays, _gate, _nccl, _preflight, _signature
+from . import _agreement, _arrays, _gate, _nccl, _preflight, _quant, _signature
 from ._algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES, OPS, UNICAST_OF, op_problem
 from ._config import Config
 from ._report import Description, report
@@ -177,7 +178,8 @@ class Communicator:
         return {"bytes": node.pool.size, "user_heap_bytes": node.heap.capacity,
                 "user_heap_free_bytes": node.heap.free_bytes}
 
-    def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
+    def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None,
+                   precision: str = "auto"):
         """All-reduces ``x`` over the ranks; never blocks the host.
 
         Collective: yes: every rank calls it, in the same order.
@@ -201,6 +203,11 @@ class Communicator:
                 ``stream``). On a stream other than the current one, torch tensors are
                 recorded on it for the caching allocator and a new ``out`` is allocated
                 on it. Calls on different streams run in the order they were issued.
+            precision: ``"auto"``: full precision unless the communicator opted in to the
+                quantized all-reduce (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16
+                sums and averages; ``"exact"``: full precision always; ``"int8"`` or ``"fp8"``
+                (e4m3, sm_89+): the quantized two-shot in that format (opt-in communicators
+                only; lossy within the bound the README states, identical bits on every rank).
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
@@ -223,7 +230,9 @@ class Communicator:
             raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
+        fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, self.config.quantized, self._node is not None,
+                            lambda: self._arch)
+        algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
         if out is None:
             ob = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side), name, handle)
         elif out is x:  # in place: nothing more to check
@@ -236,7 +245,11 @@ class Communicator:
             self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
         if side:
             _arrays.record_stream(handle, owner, (xb, ob))
-        self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, _signature.encode(name, xb.dtype, op, xb.count))
+        sig = _signature.encode(name, xb.dtype, op, xb.count)
+        if fmt:
+            self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
+        else:
+            self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig)
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
@@ -728,6 +741,13 @@ class Communicator:
             warnings.warn("ubnext.Communicator was not closed", ResourceWarning, stacklevel=2)
 
     # -- internals --------------------------------------------------------------------
+    @functools.cached_property
+    def _arch(self) -> int:
+        """The device's compute capability, e.g. 90 (read once, when a call first needs it)."""
+        import cupy
+
+        return int(cupy.cuda.Device(self.device).compute_capability)
+
     def _check_open(self, name: str) -> None:
         if self._closed:
             raise ClosedError(f"{name}: the communicator is closed")

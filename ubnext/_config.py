@@ -206,6 +206,14 @@ class Config:
         "table shipped for H200.",
         local="the path may differ; the ranks check that the tables they read agree (ubnext._table.agreed_table)",
     )
+    quantized: str = _field(
+        "UBNEXT_QUANTIZED", "off", _choice("off", "int8", "fp8"),
+        "Opt in to the quantized two-shot all-reduce (lossy, with a stated error bound: "
+        "README \"Quantized all-reduce\"): `off`, `int8` or `fp8` (e4m3, sm_89+). When set, "
+        "`auto` reduces bfloat16/float16 sums and averages in that format, and "
+        "`precision=` can pick either format per call; it reserves the receive areas in "
+        "the pool (36 MiB per rank).",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -12,6 +12,7 @@ streams and threads.
 
 from __future__ import annotations
 
+from . import _quant
 from ._algorithms import ALGORITHMS, DTYPES
 from ._copies import aligned as _aligned, copy as _copy
 from ._sliced import Sliced
@@ -40,6 +41,20 @@ class Dispatcher:
         self._order.enter(stream, owner)
         try:
             self._all_reduce(algo, xb, ob, op, stream, sig)
+        finally:
+            self._order.leave()
+
+    def quantized(self, fmt: str, xb, ob, op: str, stream: int, owner, sig: int) -> None:
+        """Quantized all-reduce of ``xb`` into ``ob`` in ``fmt``, in launches of at most
+        ``_quant.LAUNCH_BYTES`` (whole groups, so every launch's groups are the message's)."""
+        eng = self._node.engine
+        width = DTYPES[xb.dtype][1]
+        chunk = _quant.LAUNCH_BYTES // width
+        self._order.enter(stream, owner)
+        try:
+            for start in range(0, xb.count, chunk):
+                eng.quantized(fmt, xb.dtype, op, xb.ptr + start * width, ob.ptr + start * width,
+                              min(chunk, xb.count - start), sig, stream)
         finally:
             self._order.leave()
 

@@ -13,9 +13,11 @@ import numpy as np
 from ._algorithms import ALGORITHMS, DTYPES, compile_defines
 from ._heap import SlotPlan
 from ._kernels import compile_module
+from . import _quant
 from ._launch import F32, I32, U64, Launcher
 from ._layout import STATES, set_unit, twoshot_norm_rows
-from ._protocol import LAUNCH_STATE, LAUNCH_STATE_BYTES, MAX_BLOCKS, VEC_BYTES, field_offset, sentinel_word
+from ._protocol import (LAUNCH_STATE, LAUNCH_STATE_BYTES, MAX_BLOCKS, THREADS, VEC_BYTES, field_offset,
+                        sentinel_word)
 from ._shapes import lamport_shape, norm_shape, twoshot_blocks
 
 #: parameters of each entry point (kernels/lamport.cu, kernels/twoshot.cu): base, stride,
@@ -85,6 +87,9 @@ class Engine:
                          for t in ("unicast", "multicast")}
         self.staging_off = plan.offset("staging")
         self.staging_ptr = pool.local_ptr(self.staging_off)
+        # the quantized two-shot: flags, launch state, receive areas and their bytes (0: not opted in)
+        self._quant = (plan.offset("flags.quant"), pool.local_ptr(plan.offset("quant.state")),
+                       plan.offset("quant"), plan.nbytes("quant"))
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
@@ -178,6 +183,24 @@ class Engine:
         blocks = twoshot_blocks(alg, self._vectors(dtype, count, collective), self.nranks, self._blocks)
         self._kernel(algorithm, dtype, op, collective=collective)(blocks, alg.threads, stream, buf_off, src, dst,
                                                                   count, sig)
+
+    def quantized(self, fmt: str, dtype: str, op: str, src: int, dst: int, count: int, sig: int,
+                  stream: int) -> None:
+        """Quantized two-shot all-reduce (kernels/quant_twoshot.cu) of ``count`` elements
+        from local ``src`` into local ``dst`` (2-byte aligned; may be equal) in ``fmt``;
+        at most ``_quant.LAUNCH_BYTES`` of input. ``sig``: the call's signature."""
+        flags, state, area, nbytes = self._quant
+        if not nbytes:
+            raise AssertionError("engine: the quantized two-shot needs Config.quantized")
+        key = (f"quantized:{fmt}", dtype, op, False, 1, "all_reduce")  # shaped as _kernel's keys
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks))
+            launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS["ub_twoshot"],
+                                                       self._fixed + (flags, area), (state,))
+        slice_groups = -(-_quant.groups(count) // self.nranks)
+        threads = THREADS[_quant.SOURCE]
+        launcher(max(1, min(self._blocks, -(-slice_groups // threads))), threads, stream, src, dst, count, sig)
 
     def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:
         """Rows one fused launch of ``algorithm`` takes (of ``rows``; 0: not even one)."""

@@ -15,7 +15,7 @@ from ._protocol import FLAG_PHASES, LAUNCH_STATE_BYTES, MAX_BLOCKS, MAX_RANKS, T
 #: the LaunchState slots of the plan: one per Lamport family and element width (the
 #: sentinel's bit pattern depends on the width), one per barrier two-shot transport
 STATES = tuple([f"{family}{width}.state" for width in (2, 4) for family in ("lamport", "lamport_twoshot")]
-               + [f"twoshot.{transport}.state" for transport in ("unicast", "multicast")])
+               + [f"twoshot.{transport}.state" for transport in ("unicast", "multicast")] + ["quant.state"])
 #: bytes of the barrier flags and signatures of one transport (kernels/sync.cuh:
 #: flag_offset, signature_offset)
 FLAG_BYTES = (4 * FLAG_PHASES + 8) * MAX_BLOCKS * MAX_RANKS
@@ -24,7 +24,8 @@ FLAG_BYTES = (4 * FLAG_PHASES + 8) * MAX_BLOCKS * MAX_RANKS
 SCALE_ROW_VECS = 64
 
 
-def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, staging_bytes: int) -> SlotPlan:
+def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, staging_bytes: int,
+                quant_bytes: int = 0) -> SlotPlan:
     """The library slots of every segment, identical on every rank.
 
     Each Lamport family has one set of 3 receive buffers and a launch state per element
@@ -33,7 +34,9 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
     ``lamport_bytes`` and a signature header per rank; a two-shot buffer holds a
     reduce-scatter and an all-gather area of ``area(lamport_twoshot_bytes)``. The barrier
     two-shot kernels have a launch state and barrier flags per transport: the unicast
-    barrier stores epochs per source rank, the multicast one counts arrivals.
+    barrier stores epochs per source rank, the multicast one counts arrivals. The
+    quantized two-shot (opt-in) has a launch state, barrier flags and ``quant_bytes`` of
+    receive areas of its own (``_quant.area_bytes``; 0 where the communicator did not opt in).
     """
     plan = SlotPlan()
     for name in STATES:
@@ -43,6 +46,8 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
     for width in (2, 4):
         plan.add(f"lamport{width}", set_bytes("lamport", nranks, lamport_bytes))
         plan.add(f"lamport_twoshot{width}", set_bytes("lamport_twoshot", nranks, area(lamport_twoshot_bytes)))
+    plan.add("flags.quant", FLAG_BYTES)
+    plan.add("quant", quant_bytes)
     plan.add("staging", staging_bytes)
     return plan
 

@@ -18,6 +18,7 @@ from ._fdpass import FdChannel
 from ._heap import UserHeap
 from ._multicast import MulticastRange
 from ._pool import SymmetricPool
+from ._quant import quant_area_bytes
 from ._undo import UndoStack
 
 
@@ -64,7 +65,8 @@ class Node:
         lamport_bytes, lamport_twoshot_bytes = config.lamport_max_kb << 10, config.lamport_twoshot_max_kb << 10
         # unaligned arrays go through the staging slot, whatever the algorithm
         staging_bytes = max(config.staging_mb << 20, lamport_bytes, lamport_twoshot_bytes)
-        plan = plan_layout(local.size, lamport_bytes, lamport_twoshot_bytes, staging_bytes)
+        quant_bytes = quant_area_bytes(local.size, config.quantized)
+        plan = plan_layout(local.size, lamport_bytes, lamport_twoshot_bytes, staging_bytes, quant_bytes)
         pool_bytes = config.pool_mb << 20
         if plan.end >= pool_bytes:
             raise UbnextError(f"Communicator: UBNEXT_POOL_MB={config.pool_mb} leaves no room for user buffers; "

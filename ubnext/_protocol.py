@@ -25,7 +25,9 @@ TWOSHOT_ALIGN_VECS = 32
 #: threads of a row group (kernels/rmsnorm.cuh) and of the separate add + RMSNorm kernel
 NORM_THREADS = 1024
 #: threads per block of each all-reduce source's plain entry point (its launch bound)
-THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512}
+THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 256}
+#: elements per group of the quantized two-shot (one fp32 scale each; ubnext/_quant.py)
+QUANT_GROUP = 32
 #: ErrorRecord.peer of a counting wait, which waits for no rank in particular
 ANY_PEER = 0xFFFFFFFF
 
@@ -133,6 +135,7 @@ def header() -> str:
         "UB_TWOSHOT_ALIGN_VECS": TWOSHOT_ALIGN_VECS,
         "UB_NORM_THREADS": NORM_THREADS,
         "UB_ANY_PEER": f"{ANY_PEER:#x}u",
+        "UB_QUANT_GROUP": QUANT_GROUP,
         **{f"UB_{source.removesuffix('.cu').upper()}_THREADS": n for source, n in THREADS.items()},
     }
     lines = ["// Generated from ubnext/_protocol.py: the constants the kernels share with the host.",

@@ -28,6 +28,9 @@ kernel sources:
   +0.0), the row's sum of squares of ``res`` in the kernels' tree (``row_sums``),
   ``scale = 1 / sqrt(sumsq / hidden + eps)`` with every step rounded (``rms_scale``) and
   ``normed = round((res * scale) * weight)``.
+* Quantized two-shot (kernels/quant_twoshot.cu, opt-in): groups quantized, dequantized,
+  added in rank order 0..N-1 in fp32, quantized once, dequantized and rounded once; the
+  arithmetic is stated and emulated in ubnext/_quant.py (``quantized``).
 * NCCL reduces in an order of its own: ``exact`` predicts its bits only for inputs whose
   every partial result is exact, where any order gives the same bits.
 * NCCL reduces the ``TWOSHOT_ONLY`` dtypes as the barrier two-shot does (``integer``:
@@ -47,6 +50,7 @@ from collections.abc import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
+from . import _quant
 from ._protocol import SENTINEL_BITS, VEC_BYTES
 
 #: ubnext's dtype names -> numpy dtypes
@@ -237,6 +241,12 @@ def all_reduce(algorithm: str, inputs: Sequence[np.ndarray], op: str = "sum",
     if algorithm == "twoshot":
         return twoshot(inputs, op, launches)
     return ALL_REDUCE[algorithm](inputs, op)
+
+
+def quantized(inputs: Sequence[np.ndarray], fmt: str, op: str = "sum") -> np.ndarray:
+    """What the quantized two-shot in ``fmt`` stores on every rank (``_quant.all_reduce``;
+    launches of whole groups do not change it)."""
+    return _quant.all_reduce(inputs, fmt, op)
 
 
 # ---- reduce-scatter and all-gather ------------------------------------------------------

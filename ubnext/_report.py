@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from . import _quant
 from ._algorithms import ALGORITHMS, COLLECTIVES, DTYPES
 from ._units import human_bytes
 from ._config import _env_text
@@ -18,7 +19,8 @@ class Description(dict):
     Keys: ``rank``, ``ranks``, ``local_rank``, ``local_ranks``, ``device``,
     ``device_name``, ``path`` (kernels or NCCL only, and why), ``algorithms``,
     ``pool`` (bytes, user heap and free bytes; None without a pool), ``nvls``,
-    ``config`` (``UBNEXT_*`` -> value), ``tables`` (the selector tables, in
+    ``config`` (``UBNEXT_*`` -> value), ``quantized`` (whether and where ``auto``
+    quantizes: ``UBNEXT_QUANTIZED``), ``tables`` (the selector tables, in
     the order consulted), ``selection`` (every dtype -> ``[bytes, algorithm, reason]``
     for each of ``SIZES``: the all-reduce's) and ``collectives`` (reduce-scatter and
     all-gather -> their ``selection`` for bfloat16, sizes of the whole message). The
@@ -34,13 +36,16 @@ def report(comm) -> Description:
     from ._info import device_name
 
     config = comm.config
+    kernels = comm.path.startswith("kernels")
     return Description(
         rank=comm.rank, ranks=comm.size, local_rank=comm.local_rank, local_ranks=comm.local_size,
         device=comm.device, device_name=device_name(comm.device), path=comm.path,
         algorithms=comm.algorithms(), pool=comm.pool, nvls=_nvls(comm),
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
+        quantized=_quant.describe(config.quantized, kernels),
         tables=[t.source for t in comm.selector.tables],
-        selection={dtype: [[n, *_choice(comm, n, dtype)] for n in SIZES] for dtype in DTYPES},
+        selection={dtype: [[n, name, why + _quant.selection_note(config.quantized, kernels, dtype)]
+                           for n in SIZES for name, why in [_choice(comm, n, dtype)]] for dtype in DTYPES},
         collectives={c: {"bfloat16": [[n, *_choice(comm, n, "bfloat16", c)] for n in SIZES]}
                      for c in COLLECTIVES if c != "all_reduce"},
     )
@@ -81,6 +86,7 @@ def _render(d: Description) -> list[str]:
     lines.append(f"NVLink multicast: {'on' if nvls['enabled'] else 'off'} ({nvls['reason']})")
     lines.append("config:")
     lines += [f"  {k:<22} {_env_text(v) or '(empty)'}" for k, v in d["config"].items()]
+    lines.append(f"quantized all-reduce: {d['quantized']}")
     lines.append(f"selector tables: {', then '.join(d['tables'])}")
     lines.append('selection (algorithm="auto"):')
     for dtype, rows in d["selection"].items():

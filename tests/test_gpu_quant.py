@@ -1,0 +1,178 @@
+"""The quantized two-shot all-reduce (opt-in) on GPUs: every output element equals the host
+emulation (ubnext/_quant.py) bit for bit, on every rank alike, within the stated error
+bound; odd sizes, unaligned and in-place arrays, several launches, CUDA-graph replay; the
+opt-in rules (``auto`` quantizes only on a communicator that opted in; full precision
+otherwise, bit for bit as before).
+
+Runs at any world size, ranks sharing a GPU included:
+``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_quant.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_support import (Bordered, assert_same_bits_everywhere, check_all_reduce, collected, device, host,
+                         rank_inputs, recorded_launches, reference, require_gpu_and_torch)
+from ubnext import _quant
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(pool_mb=160, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
+
+
+@pytest.fixture(scope="module")
+def comm():
+    """A communicator that opted in (int8 for ``auto``; either format per call)."""
+    require_gpu_and_torch()
+    import ubnext
+
+    c = ubnext.Communicator(quantized="int8", **SMALL)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """A communicator that did not opt in."""
+    require_gpu_and_torch()
+    import ubnext
+
+    c = ubnext.Communicator(**SMALL)
+    yield c
+    c.close()
+
+
+def _formats(comm):
+    return [f for f in _quant.FORMATS if comm._arch >= _quant.FORMATS[f].min_arch]
+
+
+def check_quantized(comm, count: int, dtype: str, fmt: str, seed: int, *, op: str = "sum", place: str = "out",
+                    offset: int = 0, specials: bool = True, precision: str | None = None):
+    """One quantized all_reduce checked element by element against the emulation: poisoned,
+    bordered output (or in place), the input unchanged, the same bits on every rank, the
+    error within the bound (outside groups holding a NaN or infinity). Returns the launches."""
+    import torch
+
+    inputs = rank_inputs(count, dtype, comm.size, seed, specials)
+    x = Bordered(count, dtype, seed + 1, offset)
+    x.view.copy_(device(inputs[comm.rank]))
+    out = x
+    if place == "out":
+        out = Bordered(count, dtype, seed + 2, offset)
+        out.view.fill_(float("nan"))
+    with recorded_launches(comm) as launches:
+        result = comm.all_reduce(x.view, out=out.view, op=op, precision=precision or fmt)
+    assert result is out.view
+    torch.cuda.synchronize()
+    assert_same_bits_everywhere(comm, result)
+    assert {launch.kernel for launch in launches} == {f"quantized:{fmt}"}
+    want = reference.quantized(inputs, fmt, op)
+    got = host(result)
+    reference.assert_same_bits(got, want, f"quantized {fmt} {dtype} {op} of {count}")
+    out.assert_intact("quantized all_reduce (output)")
+    if place == "out":
+        x.assert_intact("quantized all_reduce (input)")
+        reference.assert_same_bits(host(x.view), inputs[comm.rank], "the call modified its input")
+    finite = np.all([np.isfinite(_quant._grouped(a)).all(axis=1) for a in inputs], axis=0)
+    errors = _quant.group_errors(inputs, got, op)[finite]
+    limit = _quant.bound(fmt, dtype, comm.size) + 1e-12
+    assert errors.size == 0 or errors.max() <= limit, f"error {errors.max()} over the bound {limit}"
+    return launches
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("count", [1, 31, 33, 4099, (1 << 20) + 3])
+def test_bit_for_bit_with_the_emulation(comm, dtype, count):
+    failures = []
+    for k, fmt in enumerate(_formats(comm)):
+        with collected(failures):
+            check_quantized(comm, count, dtype, fmt, seed=count + 10 * k)
+    assert not failures, "\n".join(failures[:5])
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+def test_avg_unaligned_in_place_and_plain_data(comm, fmt):
+    if fmt not in _formats(comm):
+        pytest.skip(f"{fmt} needs compute capability {_quant.FORMATS[fmt].min_arch}")
+    failures = []
+    for case in (dict(op="avg"), dict(offset=1), dict(place="in"), dict(specials=False, op="avg", offset=3)):
+        with collected(failures):
+            check_quantized(comm, 50_001, "bfloat16", fmt, seed=7, **case)
+    assert not failures, "\n".join(failures[:5])
+
+
+def test_messages_past_one_launch(comm):
+    """A message of several launches (_quant.LAUNCH_BYTES each) reduces like one."""
+    count = _quant.LAUNCH_BYTES // 2 + 37
+    launches = check_quantized(comm, count, "bfloat16", "int8", seed=3, specials=False)
+    assert len(launches) == 2
+
+
+def test_auto_quantizes_where_opted_in_and_exact_keeps_full_precision(comm):
+    import torch
+
+    count = 4099
+    failures = []
+    with collected(failures):  # auto: the communicator's format
+        check_quantized(comm, count, "bfloat16", "int8", seed=11, precision="auto")
+    inputs = rank_inputs(count, "bfloat16", comm.size, 12)
+    x = device(inputs[comm.rank])
+    with recorded_launches(comm) as launches:
+        got = comm.all_reduce(x, precision="exact")
+    torch.cuda.synchronize()
+    assert_same_bits_everywhere(comm, got)
+    with collected(failures):
+        name = {launch.kernel for launch in launches}
+        assert name == {comm.select(count * 2, "bfloat16")}, name
+        reference.assert_same_bits(host(got), reference.all_reduce(name.pop(), inputs, "sum", [count]), "exact")
+    with recorded_launches(comm) as launches:  # float32 and max: auto keeps full precision
+        comm.all_reduce(torch.ones(count, device="cuda"))
+        comm.all_reduce(device(inputs[comm.rank]), op="max")
+    torch.cuda.synchronize()
+    assert not any(launch.kernel.startswith("quantized") for launch in launches)
+    assert "int8: auto reduces" in str(comm.describe())
+    assert not failures, "\n".join(failures[:5])
+
+
+def test_without_the_opt_in_every_call_is_exact(plain):
+    import torch
+
+    import ubnext
+
+    _, launches = check_all_reduce(plain, 4099, "bfloat16", seed=21)
+    assert not any(launch.kernel.startswith("quantized") for launch in launches)
+    x = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ubnext.UbnextError, match="UBNEXT_QUANTIZED"):
+        plain.all_reduce(x, precision="int8")
+    assert plain._node.engine._quant[3] == 0  # no receive areas reserved
+    assert "auto never quantizes" in str(plain.describe())
+
+
+def test_cuda_graph_replay(comm):
+    """A captured quantized all-reduce replayed with new inputs into poisoned outputs."""
+    import torch
+
+    count = 100_003
+    x = torch.empty(count, device="cuda", dtype=torch.bfloat16)
+    y = Bordered(count, "bfloat16", seed=5)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):  # warm up: compiles the kernel outside capture
+        comm.all_reduce(x.fill_(1), out=y.view, precision="int8")
+    s.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        comm.all_reduce(x, out=y.view, precision="int8")
+    failures = []
+    for it in range(5):
+        inputs = rank_inputs(count, "bfloat16", comm.size, 500 + it)
+        x.copy_(device(inputs[comm.rank]))
+        y.view.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        with collected(failures):
+            reference.assert_same_bits(host(y.view), reference.quantized(inputs, "int8"), f"replay {it}")
+            y.assert_intact(f"replay {it}")
+    assert_same_bits_everywhere(comm, y.view)
+    assert not failures, "\n".join(failures[:5])

@@ -1,0 +1,237 @@
+"""The quantized all-reduce on the host: its arithmetic (the emulation the GPU tests
+compare with bit for bit), its error bound on random and heavy-tailed data, the opt-in
+rules, the configuration and the pool layout it needs."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ubnext import _quant
+from ubnext._config import Config
+from ubnext._errors import UbnextError
+from ubnext._layout import plan_layout
+
+NP = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+
+
+def _data(kind: str, dtype: str, count: int, rank: int) -> np.ndarray:
+    """Random inputs: normal, heavy-tailed (Student t with 2 degrees of freedom, like
+    activations), or normal with a few 1000x outliers."""
+    rng = np.random.default_rng([hash(kind) % 1000, rank, count])
+    if kind == "normal":
+        x = rng.standard_normal(count)
+    elif kind == "heavy":
+        x = rng.standard_t(2, count)
+    else:
+        x = rng.standard_normal(count)
+        x[rng.choice(count, max(1, count // 200), replace=False)] *= 1000
+    scale = 1.0 if dtype == "bfloat16" else 8.0  # float16: stay in its normal range
+    return (x * scale).astype(NP[dtype])
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+@pytest.mark.parametrize("dtype", list(NP))
+@pytest.mark.parametrize("kind", ["normal", "heavy", "outliers"])
+@pytest.mark.parametrize("nranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("op", list(_quant.OPS))
+def test_error_bound_holds(fmt, dtype, kind, nranks, op):
+    count = 32 * 257 + 5  # a partial last group
+    inputs = [_data(kind, dtype, count, r) for r in range(nranks)]
+    got = _quant.all_reduce(inputs, fmt, op)
+    assert got.dtype == NP[dtype] and got.shape == (count,)
+    errors = _quant.group_errors(inputs, got, op)
+    assert errors.max() <= _quant.bound(fmt, dtype, nranks), (errors.max(), _quant.bound(fmt, dtype, nranks))
+    assert errors.max() > _quant.FORMATS[fmt].step / 4  # lossy: the bound is not vacuous
+
+
+def test_bounds_are_the_stated_values():
+    assert _quant.bound("int8", "bfloat16", 4) == pytest.approx(2 / 254 + 2**-8, rel=2e-2)
+    assert _quant.bound("fp8", "bfloat16", 4) == pytest.approx(2 / 28 + 2**-8, rel=3e-2)
+    assert _quant.wire_fraction("int8") == _quant.wire_fraction("fp8") == 0.5625
+
+
+def test_int8_codes_round_to_nearest_even_and_scale_is_amax_over_127():
+    x = np.zeros((1, 32), np.float32)
+    x[0, :4] = [127.0, 0.5, 1.5, -2.5]  # scale 1: the codes are rint of the values
+    codes, scale = _quant.quantize(x, "int8")
+    assert scale[0] == 1.0 and list(codes[0, :4]) == [127.0, 0.0, 2.0, -2.0]
+    x[0, 0] = 254.0  # scale 2
+    codes, scale = _quant.quantize(x, "int8")
+    assert scale[0] == 2.0 and list(codes[0, :4]) == [127.0, 0.0, 1.0, -1.0]
+
+
+def test_fp8_codes_are_e4m3_nearest_even_up_to_448():
+    x = np.zeros((1, 32), np.float32)
+    x[0, :5] = [448.0, 1.0625, 1.1875, -3.0, 2.0**-9]  # scale 1; ties to even
+    codes, scale = _quant.quantize(x, "fp8")
+    assert scale[0] == 1.0 and list(codes[0, :5]) == [448.0, 1.0, 1.25, -3.0, 2.0**-9]
+
+
+def test_non_finite_values_poison_their_group_only():
+    x = np.ones((3, 32), np.float32)
+    x[0, 3], x[1, 7] = np.nan, np.inf
+    for fmt in _quant.FORMATS:
+        out = _quant.dequantize(*_quant.quantize(x, fmt))
+        assert np.isnan(out[:2]).all() and (out[2] == 1.0).all()
+
+
+def test_zero_groups_and_negative_zero_come_out_as_positive_zero():
+    for fmt in _quant.FORMATS:
+        for dtype in NP:
+            a = np.full(40, -0.0, NP[dtype])
+            out = _quant.all_reduce([a, a], fmt)
+            assert (out.view(np.uint16) == 0).all()
+
+
+def test_every_rank_order_of_addition_is_rank_order():
+    """The owner adds the dequantized contributions 0, 1, ..., N-1 in fp32: a value that
+    cancels first keeps the small ones (another order would lose them)."""
+    big, small = 2.0**20, 1.0
+    parts = [np.full(32, v, np.float32) for v in (big, -big, small, small)]
+    got = _quant.all_reduce([p.astype(NP["bfloat16"]) for p in parts], "int8")
+    assert (got.astype(np.float32) == 2.0).all()
+
+
+@pytest.mark.parametrize("count", [1, 31, 32, 33, 4099])
+def test_result_has_the_inputs_shape_and_ignores_the_padding(count):
+    a = _data("normal", "bfloat16", count, 0)
+    got = _quant.all_reduce([a.reshape(1, count)], "int8")
+    assert got.shape == (1, count)
+
+
+# ---- opt-in -------------------------------------------------------------------------------
+def _choose(precision="auto", algorithm="auto", dtype="bfloat16", op="sum", setting="int8", kernels=True,
+            arch=90):
+    return _quant.choose("all_reduce", precision, algorithm, dtype, op, setting, kernels, lambda: arch)
+
+
+def test_auto_never_quantizes_without_the_opt_in():
+    for dtype in ("bfloat16", "float16", "float32"):
+        for op in ("sum", "avg", "max"):
+            assert _choose(setting="off", dtype=dtype, op=op) is None
+
+
+def test_auto_quantizes_what_it_takes_once_opted_in():
+    assert _choose() == "int8" and _choose(setting="fp8", dtype="float16", op="avg") == "fp8"
+    # full precision for everything else
+    assert _choose(dtype="float32") is None and _choose(op="max") is None
+    assert _choose(algorithm="twoshot") is None and _choose(kernels=False) is None
+    assert _choose(precision="exact") is None
+
+
+def test_a_format_per_call_needs_the_opt_in_and_a_call_it_takes():
+    assert _choose(precision="fp8") == "fp8" and _choose(precision="int8", setting="fp8") == "int8"
+    for kwargs, words in (({"setting": "off"}, "UBNEXT_QUANTIZED"), ({"dtype": "float32"}, "float32"),
+                          ({"op": "max"}, "'max'"), ({"algorithm": "lamport"}, "algorithm='auto'"),
+                          ({"kernels": False}, "NCCL only")):
+        with pytest.raises(UbnextError, match=words):
+            _choose(precision="int8", **kwargs)
+
+
+def test_fp8_needs_sm89_and_unknown_precisions_raise():
+    with pytest.raises(UbnextError, match="8.9"):
+        _choose(precision="fp8", arch=80)
+    with pytest.raises(UbnextError, match="8.9"):
+        _choose(setting="fp8", arch=80)
+    assert _choose(precision="int8", arch=80) == "int8"
+    with pytest.raises(UbnextError, match="unknown precision"):
+        _choose(precision="int4")
+
+
+def test_describe_says_whether_auto_quantizes():
+    assert _quant.selection_note("off", True, "bfloat16") == _quant.selection_note("int8", True, "float32") == ""
+    assert "quantized two-shot in fp8" in _quant.selection_note("fp8", True, "float16")
+    assert "auto never quantizes" in _quant.describe("off", True)
+    assert "NCCL only" in _quant.describe("int8", False)
+    assert "int8: auto reduces" in _quant.describe("int8", True)
+
+
+def test_formats_carry_their_own_signatures():
+    from ubnext import _signature
+
+    sig = _signature.encode("all_reduce", "bfloat16", "sum", 4099)
+    tagged = {fmt: _quant.signature(sig, fmt) for fmt in _quant.FORMATS}
+    assert len({sig, *tagged.values()}) == 3 and all(t & 0xFFFF == 4099 for t in tagged.values())
+    assert all(t >> _signature.COUNT_BITS == sig >> _signature.COUNT_BITS for t in tagged.values())
+
+
+# ---- configuration and layout ----------------------------------------------------------------
+def test_config_opt_in(monkeypatch):
+    assert Config().quantized == "off"
+    monkeypatch.setenv("UBNEXT_QUANTIZED", "INT8")
+    assert Config.from_env().quantized == "int8"
+    with pytest.raises(ValueError, match="UBNEXT_QUANTIZED"):
+        Config(quantized="int4")
+
+
+def test_pool_reserves_the_areas_only_when_opted_in():
+    off = plan_layout(4, 1 << 20, 1 << 20, 1 << 20, _quant.quant_area_bytes(4, "off"))
+    on = plan_layout(4, 1 << 20, 1 << 20, 1 << 20, _quant.quant_area_bytes(4, "int8"))
+    assert off.nbytes("quant") == 0 and on.nbytes("quant") == _quant.area_bytes(4, _quant.LAUNCH_BYTES // 2)
+    assert on.offset("quant") % 16 == 0 and on.offset("flags.quant") % 16 == 0
+    assert "quant.state" in on
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
+def test_areas_hold_every_launch(nranks):
+    """Every launch up to LAUNCH_BYTES fits the areas (kernels/quant_twoshot.cu: QuantAreas),
+    with its codes at 16-byte aligned offsets."""
+    area = _quant.quant_area_bytes(nranks, "int8")
+    for count in (1, 33, 4099, _quant.LAUNCH_BYTES // 2 - 7, _quant.LAUNCH_BYTES // 2):
+        slice_groups = -(-_quant.groups(count) // nranks)
+        total = nranks * slice_groups
+        assert 2 * total * (_quant.GROUP + _quant.SCALE_BYTES) <= area
+        assert (total * _quant.GROUP) % 16 == 0
+
+
+# ---- benchmark option ----------------------------------------------------------------------
+def test_all_reduce_perf_takes_a_precision():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not installed
+    from bench import all_reduce_perf as arp
+
+    assert arp.parse_args(["-d", "bfloat16", "--precision", "int8"]).precision == "int8"
+    assert arp.parse_args([]).precision == "auto"
+    for argv in (["-d", "float", "--precision", "int8"], ["-d", "bf16", "-o", "max", "--precision", "fp8"],
+                 ["-d", "bf16", "--backend", "nccl", "--precision", "int8"]):
+        with pytest.raises(SystemExit):
+            arp.parse_args(argv)
+
+
+def test_quant_error_script_writes_its_table(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import quant_error
+
+    assert quant_error.main(["--count", "8192", "--ranks", "2", "--outdir", str(tmp_path)]) == 0
+    text = (tmp_path / "quant_error.txt").read_text()
+    assert "rows whose maximum exceeds the bound: 0" in text and "56.2% of bfloat16's" in text
+    assert (tmp_path / "quant_error.png").stat().st_size > 0 and (tmp_path / "quant_error.json").is_file()
+
+
+@pytest.mark.parametrize("setting", ["off", "int8"])
+def test_describe_report_shows_the_opt_in(monkeypatch, setting):
+    import types
+
+    from ubnext import _info, _report
+    from ubnext._select import Selector, buffer_limits
+
+    monkeypatch.setattr(_info, "device_name", lambda device: "fake")
+    cfg = Config(quantized=setting)
+    names = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
+    comm = types.SimpleNamespace(config=cfg, rank=0, size=4, local_rank=0, local_size=4, device=0,
+                                 path="kernels on the symmetric pool", algorithms=lambda: names, pool=None,
+                                 nvls=None, selector=Selector(4, buffer_limits(cfg), names))
+    d = _report.report(comm)
+    assert d["quantized"] == _quant.describe(setting, True) and d["config"]["UBNEXT_QUANTIZED"] == setting
+    text = str(d)
+    assert f"quantized all-reduce: {d['quantized']}" in text
+    noted = [why for _, _, why in d["selection"]["bfloat16"] if "quantized two-shot" in why]
+    assert len(noted) == (0 if setting == "off" else len(d["selection"]["bfloat16"]))
+    assert not any("quantized two-shot" in why for _, _, why in d["selection"]["float32"])

@@ -1,0 +1,55 @@
+"""The quantized two-shot kernel compiles through NVRTC without a GPU (sm_90a and sm_80;
+fp8 from sm_89), with exactly rounded fp32 arithmetic, as tests/test_kernels.py does for
+the algorithm table's kernels."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ubnext import _kernels, _protocol, _quant
+
+
+def _compile(fmt, dtype, op, nranks, arch):
+    return _kernels.compile_cubin(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, nranks), arch=arch)
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+@pytest.mark.parametrize("dtype", list(_quant.DTYPES))
+@pytest.mark.parametrize("nranks", [1, 2, 4, 8])
+def test_every_instantiation_compiles_for_sm90a(fmt, dtype, nranks):
+    for op in (_quant.OPS if nranks == 4 else ("sum",)):
+        cubin = _compile(fmt, dtype, op, nranks, "sm_90a")
+        assert cubin[:4] == b"\x7fELF" and _quant.ENTRY.encode() in cubin
+
+
+@pytest.mark.parametrize("dtype", list(_quant.DTYPES))
+def test_int8_compiles_for_sm80_and_fp8_from_sm89(dtype):
+    assert _quant.ENTRY.encode() in _compile("int8", dtype, "sum", 4, "sm_80")
+    assert _quant.ENTRY.encode() in _compile("fp8", dtype, "sum", 4, "sm_89")
+    assert _quant.FORMATS["fp8"].min_arch == 89
+    with pytest.raises(Exception, match="QFp8"):  # the host never asks for it (_quant.choose)
+        _compile("fp8", dtype, "sum", 4, "sm_80")
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+def test_fp32_steps_are_exactly_rounded(fmt):
+    """No FMA contraction, no approximate division: the host emulation reproduces the bits."""
+    ptx = _compile(fmt, "bfloat16", "avg", 4, "compute_90a").decode()
+    ops = {line.split()[0] for line in ptx.splitlines() if line.strip() and not line.strip().startswith("//")}
+    assert not any(o.startswith(("fma.", "div.approx", "div.full", "mad.f", "rcp.")) for o in ops), ops
+    assert {"div.rn.f32", "mul.rn.f32", "add.rn.f32"} <= ops
+    if fmt == "fp8":
+        assert {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2"} <= ops
+    else:
+        assert "cvt.rni.s32.f32" in ops
+    assert "ld.local" not in ptx and "st.local" not in ptx  # the groups stay in registers
+
+
+def test_source_takes_its_constants_from_the_protocol_header():
+    text = _kernels.source(_quant.SOURCE)
+    assert "#include" not in text and _protocol.header().split("#pragma once\n")[1] in text
+    assert f"#define UB_QUANT_GROUP {_quant.GROUP}\n" in text
+    bound = re.search(r"__launch_bounds__\((\w+)\)\s*\n\s*" + _quant.ENTRY + r"\(", text).group(1)
+    assert int(re.search(rf"#define {bound} (\d+)", text).group(1)) == _protocol.THREADS[_quant.SOURCE]
