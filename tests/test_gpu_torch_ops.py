@@ -1,7 +1,9 @@
-"""ubnext.torch's custom ops on GPUs: torch.library.opcheck of every op, the in-place
-torch.distributed form against Communicator.all_reduce bit for bit, and a function
-compiled with torch.compile(fullgraph=True) captured in a CUDA graph and replayed with
-results equal, bit for bit, to the same function run eagerly.
+"""ubnext.torch's custom ops on GPUs: torch.library.opcheck of every op, the
+torch.distributed forms and the functional ones against Communicator.all_reduce,
+reduce_scatter, all_gather and reduce_scatter_add_rmsnorm bit for bit (and the
+sequence-parallel gradients against the collectives they are), and a function compiled
+with torch.compile(fullgraph=True) captured in a CUDA graph and replayed with results
+equal, bit for bit, to the same function run eagerly.
 
 Run at N ranks with ``mpirun -n N python -m pytest -q tests/test_gpu_torch_ops.py``
 (ranks may share a GPU); skipped without a GPU.
@@ -23,7 +25,12 @@ def comm():
     require_gpu_and_torch()
     from tp_support import gpu_communicator
 
-    c = gpu_communicator(TOKENS * HIDDEN * 2, "bfloat16")
+    from gpu_support import skip_where_nccl_cannot_run
+
+    nbytes = TOKENS * HIDDEN * 2
+    c = gpu_communicator(nbytes, "bfloat16")
+    if "nccl" in (c.select(nbytes, "bfloat16", collective=k) for k in ("reduce_scatter", "all_gather")):
+        skip_where_nccl_cannot_run(c)
     yield c
     c.close()
 
@@ -54,6 +61,19 @@ def test_opcheck(comm):
                           (x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_(),
                            b.clone().requires_grad_(), 1e-6, h))
     torch.library.opcheck(ops.all_reduce_add_rmsnorm.default, (x, None, w, None, 0.0, h))
+    shard = (TOKENS // comm.size, HIDDEN)
+    rs = r[:shard[0]]
+    torch.library.opcheck(ops.reduce_scatter.default, (x, "sum", h))
+    torch.library.opcheck(ops.reduce_scatter.default, (x.clone().requires_grad_(), "avg", h))
+    torch.library.opcheck(ops.all_gather.default, (x[:2].clone().requires_grad_(), h))
+    torch.library.opcheck(ops.reduce_scatter_.default, (torch.empty(shard, dtype=x.dtype, device="cuda"), x, "max", h))
+    torch.library.opcheck(ops.all_gather_.default, (torch.empty(comm.size * 2, HIDDEN, dtype=x.dtype, device="cuda"),
+                                                    x[:2], h))
+    torch.library.opcheck(ops.reduce_scatter_add_rmsnorm.default, (x, rs, w, b, 1e-6, h))
+    torch.library.opcheck(ops.reduce_scatter_add_rmsnorm.default,
+                          (x.clone().requires_grad_(), rs.clone().requires_grad_(), w.clone().requires_grad_(),
+                           b.clone().requires_grad_(), 1e-6, h))
+    torch.library.opcheck(ops.reduce_scatter_add_rmsnorm.default, (x, None, w, None, 0.0, h))
     comm.synchronize()
 
 
@@ -72,6 +92,80 @@ def test_in_place_equals_communicator(comm, op):
     assert torch.equal(y.view(torch.int16), want.view(torch.int16))
 
 
+def bits(t):
+    import torch
+
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("op", ["SUM", "AVG", "MAX", "MIN"])
+def test_sequence_parallel_forms_equal_communicator(comm, op):
+    """reduce_scatter_tensor / all_gather_into_tensor (into NaN-filled outputs) and the
+    functional forms give Communicator.reduce_scatter's and all_gather's bits."""
+    import torch
+
+    import ubnext.torch as ut
+
+    x = operands(comm, 6)[0]
+    want = comm.reduce_scatter(x, op=op.lower())
+    out = torch.full((TOKENS // comm.size, HIDDEN), float("nan"), dtype=x.dtype, device="cuda")
+    assert ut.reduce_scatter_tensor(out, x, op=getattr(ut.ReduceOp, op), group=comm) is None
+    assert torch.equal(bits(out), bits(want))
+    assert torch.equal(bits(ut.functional.reduce_scatter(x, getattr(ut.ReduceOp, op), group=comm)), bits(want))
+    gathered = comm.all_gather(want)
+    into = torch.full((TOKENS, HIDDEN), float("nan"), dtype=x.dtype, device="cuda")
+    assert ut.all_gather_into_tensor(into, out, group=comm) is None
+    assert torch.equal(bits(into), bits(gathered))
+    assert torch.equal(bits(ut.functional.all_gather(out, group=comm)), bits(gathered))
+    comm.synchronize()
+
+
+@pytest.mark.parametrize("residual,bias", [(True, True), (False, False)])
+def test_fused_sequence_parallel_equals_communicator(comm, residual, bias):
+    """Forward: Communicator.reduce_scatter_add_rmsnorm's bits. Backward: x's gradient is
+    the all-gather of the residual shard's (the gradient of the pre-norm sum)."""
+    import torch
+
+    import ubnext.torch as ut
+
+    x, r, w, b = operands(comm, 7)
+    rs = r[comm.rank * (TOKENS // comm.size):(comm.rank + 1) * (TOKENS // comm.size)].clone()
+    want = comm.reduce_scatter_add_rmsnorm(x, rs if residual else None, w, eps=1e-6, bias=b if bias else None)
+    leaves = [t.clone().requires_grad_() for t in (x, rs, w, b)]
+    lx, lr, lw, lb = leaves
+    got = ut.functional.reduce_scatter_add_rmsnorm(lx, lr if residual else None, lw, lb if bias else None, 1e-6,
+                                                   group=comm)
+    for g, expected in zip(got, want):
+        assert torch.equal(bits(g), bits(expected))
+    torch.autograd.backward(got, [torch.randn(got[0].shape, device="cuda").bfloat16() for _ in range(2)])
+    if residual:
+        assert torch.equal(bits(lx.grad), bits(comm.all_gather(lr.grad)))
+    assert lx.grad.shape == x.shape and lw.grad.shape == w.shape and (lb.grad is not None) == bias
+    comm.synchronize()
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_sequence_parallel_gradients_are_the_transposed_collectives(comm, op):
+    """reduce_scatter's gradient is the all-gather of its gradient (avg: / size),
+    all_gather's the reduce-scatter (sum) of its gradient, bit for bit."""
+    import torch
+
+    import ubnext.torch as ut
+
+    x = operands(comm, 8)[0].requires_grad_()
+    y = ut.functional.reduce_scatter(x, op, group=comm)
+    g = operands(comm, 9)[0][:y.shape[0]].contiguous()
+    y.backward(g)
+    want = comm.all_gather(g)
+    assert torch.equal(bits(x.grad), bits(want if op == "sum" else want / comm.size))
+    s = operands(comm, 10)[0][:2].clone().requires_grad_()
+    gathered = ut.functional.all_gather(s, group=comm)
+    gg = operands(comm, 11)[0][:gathered.shape[0]].contiguous()
+    gathered.backward(gg)
+    assert torch.equal(bits(s.grad), bits(comm.reduce_scatter(gg)))
+    comm.synchronize()
+
+
 def test_compiled_function_replays_in_a_cuda_graph(comm):
     import torch
 
@@ -80,7 +174,16 @@ def test_compiled_function_replays_in_a_cuda_graph(comm):
     def step(x, residual, weight, bias):
         ut.all_reduce(x, group=comm)                                   # in place
         y = ut.functional.all_reduce(x * 2, "avg", group=comm)        # out of place
-        return ut.functional.all_reduce_add_rmsnorm(y, residual, weight, bias, 1e-6, group=comm)
+        normed, res = ut.functional.all_reduce_add_rmsnorm(y, residual, weight, bias, 1e-6, group=comm)
+        # sequence parallelism: every form of the reduce-scatter and all-gather
+        shard = ut.functional.reduce_scatter(normed, "sum", group=comm)
+        into = torch.empty_like(shard)
+        ut.reduce_scatter_tensor(into, res, group=comm)
+        gathered = torch.empty_like(normed)
+        ut.all_gather_into_tensor(gathered, into, group=comm)
+        sp_normed, sp_res = ut.functional.reduce_scatter_add_rmsnorm(ut.functional.all_gather(shard, group=comm),
+                                                                     into, weight, bias, 1e-6, group=comm)
+        return normed, res, gathered, sp_normed, sp_res
 
     explained = torch._dynamo.explain(step)(*[t.clone() for t in operands(comm, 3)])
     assert explained.graph_break_count == 0, explained.break_reasons

@@ -1,7 +1,8 @@
 """ubnext.torch's custom ops and torch.distributed-shaped API on CPU, with thread-rank
 communicators (tests/torch_fakes.py): schemas and mutation annotations, opcheck, fake
 implementations, zero graph breaks under torch._dynamo.explain, torch.compile(fullgraph)
-equal to eager, ReduceOp, in place against out of place, and the gradients."""
+equal to eager, ReduceOp, in place against out of place, and the gradients (the
+sequence-parallel ones at 1, 2 and 4 ranks against single-process references)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,22 @@ def test_schemas_and_mutations():
     assert str(ops.all_reduce_add_rmsnorm.default._schema) == (
         "ubnext::all_reduce_add_rmsnorm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, "
         "int group) -> (Tensor, Tensor)")
+    assert str(ops.reduce_scatter.default._schema) == "ubnext::reduce_scatter(Tensor x, str op, int group) -> Tensor"
+    assert str(ops.all_gather.default._schema) == "ubnext::all_gather(Tensor x, int group) -> Tensor"
+    assert str(ops.reduce_scatter_.default._schema) == (
+        "ubnext::reduce_scatter_(Tensor(a!) out, Tensor x, str op, int group) -> ()")
+    assert str(ops.all_gather_.default._schema) == "ubnext::all_gather_(Tensor(a!) out, Tensor x, int group) -> ()"
+    assert str(ops.reduce_scatter_add_rmsnorm.default._schema) == (
+        "ubnext::reduce_scatter_add_rmsnorm(Tensor x, Tensor? residual_shard, Tensor weight, Tensor? bias, "
+        "float eps, int group) -> (Tensor, Tensor)")
+    names = ("all_reduce", "all_reduce_", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather",
+             "reduce_scatter_", "all_gather_", "reduce_scatter_add_rmsnorm")
     writes = {name: [a.name for a in getattr(ops, name).default._schema.arguments
                      if a.alias_info is not None and a.alias_info.is_write]
-              for name in ("all_reduce", "all_reduce_", "all_reduce_add_rmsnorm")}
-    assert writes == {"all_reduce": [], "all_reduce_": ["x"], "all_reduce_add_rmsnorm": []}
+              for name in names}
+    assert writes == {"all_reduce": [], "all_reduce_": ["x"], "all_reduce_add_rmsnorm": [], "reduce_scatter": [],
+                      "all_gather": [], "reduce_scatter_": ["out"], "all_gather_": ["out"],
+                      "reduce_scatter_add_rmsnorm": []}
 
 
 def test_opcheck():
@@ -49,6 +62,36 @@ def test_opcheck():
     one_rank(body)
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_opcheck_sequence_parallel(size):
+    """The ops of sequence parallelism at 1 and 2 ranks (every rank runs opcheck's calls
+    in the same order); its AOT-dispatch test at 1 rank only (make_fx is not thread-safe)."""
+    utils = ["test_schema", "test_autograd_registration", "test_faketensor"]
+    utils += ["test_aot_dispatch_dynamic"] if size == 1 else []
+
+    def body(comm):
+        h = ut.handle(comm)
+        g = torch.Generator().manual_seed(comm.rank)
+        x, odd = torch.randn(4, 16, generator=g), torch.randn(3, 2, generator=g)
+        r, w, b = torch.randn(4 // comm.size, 16), torch.randn(16), torch.randn(16)
+        ops = torch.ops.ubnext
+        for op, args in [
+                (ops.reduce_scatter, (x, "sum", h)),
+                (ops.reduce_scatter, (x.clone().requires_grad_(), "avg", h)),
+                (ops.reduce_scatter, (odd.clone().requires_grad_(), "sum", h)),  # flat slices
+                (ops.all_gather, (x.clone().requires_grad_(), h)),
+                (ops.all_gather, (torch.randn((), generator=g).requires_grad_(), h)),
+                (ops.reduce_scatter_, (torch.empty(4 // comm.size, 16), x, "max", h)),
+                (ops.all_gather_, (torch.empty(4 * comm.size, 16), x, h)),
+                (ops.reduce_scatter_add_rmsnorm, (x, r, w, b, 1e-6, h)),
+                (ops.reduce_scatter_add_rmsnorm, (x.clone().requires_grad_(), r.requires_grad_(), w.requires_grad_(),
+                                                  b.requires_grad_(), 1e-6, h)),
+                (ops.reduce_scatter_add_rmsnorm, (x, None, w, None, 0.0, h))]:
+            torch.library.opcheck(op.default, args, test_utils=utils)
+
+    run_ranks(size, body)
+
+
 def test_fake_implementations():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -66,6 +109,53 @@ def test_fake_implementations():
     assert one_rank(body) == 0  # fake tensors run nothing
 
 
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("shape", [(8, 3), (8,), (6, 2), (2, 3, 4), ()])
+def test_fake_shapes_of_sequence_parallel_ops(size, shape):
+    """The fakes' shapes are Communicator's defaults: the reduce-scatter (shape[0] / size,
+    *shape[1:]) where size divides shape[0], else flat (k,); the all-gather (size *
+    shape[0], *shape[1:]), (size,) for 0-d; and they equal what the ops return."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    numel = torch.Size(shape).numel()
+    scatters = numel % size == 0
+    divides = bool(shape) and shape[0] % size == 0
+    want_rs = (shape[0] // size, *shape[1:]) if divides else (numel // size,)
+    want_ag = (size * shape[0], *shape[1:]) if shape else (size,)
+
+    def body(comm):
+        h = ut.handle(comm)
+        with FakeTensorMode():
+            x = torch.empty(shape, dtype=torch.bfloat16)
+            fake_ag = torch.ops.ubnext.all_gather(x, h)
+            fake_rs = torch.ops.ubnext.reduce_scatter(x, "sum", h) if scatters else None
+        real_ag = functional.all_gather(torch.ones(shape, dtype=torch.bfloat16), group=comm)
+        real_rs = functional.reduce_scatter(torch.ones(shape, dtype=torch.bfloat16), group=comm) if scatters else None
+        return fake_ag, real_ag, fake_rs, real_rs
+
+    for fake_ag, real_ag, fake_rs, real_rs in run_ranks(size, body):
+        assert fake_ag.shape == real_ag.shape == want_ag and fake_ag.dtype == torch.bfloat16
+        if scatters:
+            assert fake_rs.shape == real_rs.shape == want_rs and fake_rs.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_fake_shapes_of_the_fused_sequence_parallel_op(size):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def body(comm):
+        h = ut.handle(comm)
+        with FakeTensorMode():
+            x, w = torch.empty(8, 24, dtype=torch.bfloat16), torch.empty(24, dtype=torch.bfloat16)
+            n, r = torch.ops.ubnext.reduce_scatter_add_rmsnorm(x, torch.empty(8 // size, 24, dtype=torch.bfloat16), w,
+                                                               None, 1e-6, h)
+        return n, r, comm.calls
+
+    for n, r, calls in run_ranks(size, body):
+        assert n.shape == r.shape == (8 // size, 24) and n.dtype == r.dtype == torch.bfloat16
+        assert calls == 0
+
+
 def _uses_every_form(comm):
     def fn(x, residual, weight):
         ut.all_reduce(x, op=ut.ReduceOp.SUM, group=comm)
@@ -75,14 +165,30 @@ def _uses_every_form(comm):
     return fn
 
 
+def _uses_every_sequence_parallel_form(comm):
+    def fn(x, residual_shard, weight):
+        shard = functional.reduce_scatter(x, ut.ReduceOp.AVG, group=comm)
+        full = functional.all_gather(shard * 2, group=comm)
+        into = torch.empty_like(shard)
+        ut.reduce_scatter_tensor(into, full, op=ut.ReduceOp.SUM, group=comm)
+        gathered = torch.empty_like(full)
+        ut.all_gather_into_tensor(gathered, into, group=comm)
+        normed, residual = functional.reduce_scatter_add_rmsnorm(gathered, residual_shard, weight, None, 1e-6,
+                                                                 group=comm)
+        return normed, residual, gathered
+
+    return fn
+
+
 def test_dynamo_explain_has_no_graph_breaks():
     import tp_support as tp
 
     def body(comm):
         x, r, w = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
-        explained = torch._dynamo.explain(_uses_every_form(comm))(x, r, w)
-        assert explained.graph_break_count == 0, explained.break_reasons
-        assert explained.graph_count == 1
+        for fn in (_uses_every_form(comm), _uses_every_sequence_parallel_form(comm)):
+            explained = torch._dynamo.explain(fn)(x.clone(), r, w)
+            assert explained.graph_break_count == 0, explained.break_reasons
+            assert explained.graph_count == 1
         m = tp.mlp(comm, tp.weights(16, 32, 16, torch.float32, "cpu"), torch.float32, "cpu")
         explained = torch._dynamo.explain(m)(x, r)
         assert explained.graph_break_count == 0, explained.break_reasons
@@ -97,11 +203,37 @@ def test_compiled_equals_eager():
     def body(comm):
         g = torch.Generator().manual_seed(comm.rank)
         x, r, w = (torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g), torch.randn(16, generator=g))
-        fn = _uses_every_form(comm)
-        want = fn(x.clone(), r, w)
+        same = []
+        for fn in (_uses_every_form(comm), _uses_every_sequence_parallel_form(comm)):
+            want = fn(x.clone(), r, w)
+            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            got = compiled(x.clone(), r, w)
+            same += [torch.equal(a, b) for a, b in zip(got, want)]
+        return all(same)
+
+    assert one_rank(body)
+
+
+def test_compiled_sequence_parallel_backward_equals_eager():
+    """The sequence-parallel ops compiled (fullgraph) with their backwards (the transposed
+    collectives traced into the backward graph): the same gradients as eager."""
+    torch._dynamo.reset()
+
+    def fn(x, residual_shard, weight, bias, comm):
+        gathered = functional.all_gather(functional.reduce_scatter(x, "avg", group=comm), group=comm)
+        return functional.reduce_scatter_add_rmsnorm(gathered * 2, residual_shard, weight, bias, 1e-6, group=comm)
+
+    def body(comm):
+        g = torch.Generator().manual_seed(1)
+        data = [torch.randn(*s, generator=g) for s in ((4, 16), (4, 16), (16,), (16,))]
+        grads = [torch.randn(4, 16, generator=g) for _ in range(2)]
         compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-        got = compiled(x.clone(), r, w)
-        return all(torch.equal(a, b) for a, b in zip(got, want))
+        results = []
+        for f in (fn, compiled):
+            leaves = [t.clone().requires_grad_() for t in data]
+            torch.autograd.backward(f(*leaves, comm), grads)
+            results.append([t.grad for t in leaves])
+        return all(torch.equal(a, b) for a, b in zip(*results))
 
     assert one_rank(body)
 
@@ -145,6 +277,41 @@ def test_in_place_and_out_of_place():
         assert torch.equal(y, torch.full((6,), 3.0)) and torch.equal(t, torch.full((6,), 3.0))
 
 
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_distributed_forms_write_into_output(size):
+    """reduce_scatter_tensor and all_gather_into_tensor write into output (torch.distributed's
+    argument order) what the functional forms return."""
+    def body(comm):
+        g = torch.Generator().manual_seed(comm.rank)
+        x = torch.randn(2 * size, 3, generator=g)
+        out = torch.full((2, 3), float("nan"))
+        assert ut.reduce_scatter_tensor(out, x, op=ut.ReduceOp.MAX, group=comm) is None
+        assert torch.equal(out, functional.reduce_scatter(x, "max", group=comm))
+        gathered = torch.full((size * 2, 3), float("nan"))
+        assert ut.all_gather_into_tensor(gathered, out, group=comm, async_op=True).wait()
+        assert torch.equal(gathered, functional.all_gather(out, group=comm))
+        flat = torch.full((size * 2 * 3,), float("nan"))
+        ut.all_gather_into_tensor(flat, out, group=comm)  # any shapes of size x k elements
+        assert torch.equal(flat, gathered.reshape(-1))
+        return x, out, gathered
+
+    results = run_ranks(size, body)
+    reduced = rank_order([x for x, _, _ in results], "max")
+    for r, (_, out, gathered) in enumerate(results):
+        assert torch.equal(out, reduced[2 * r:2 * r + 2])
+        assert torch.equal(gathered, torch.cat([o for _, o, _ in results]))
+
+
+def test_distributed_forms_need_a_group():
+    with pytest.raises(UbnextError, match="pass group="):
+        ut.reduce_scatter_tensor(torch.ones(1), torch.ones(2))
+    with pytest.raises(UbnextError, match="pass group="):
+        ut.all_gather_into_tensor(torch.ones(2), torch.ones(1))
+    with pytest.raises(UbnextError, match="unsupported reduce op"):
+        one_rank(lambda comm: ut.reduce_scatter_tensor(torch.ones(1), torch.ones(1), op=ut.ReduceOp.PRODUCT,
+                                                       group=comm))
+
+
 @pytest.mark.parametrize("op,name", [("SUM", "sum"), ("AVG", "avg"), ("MAX", "max"), ("MIN", "min")])
 def test_reduce_ops_accepted(op, name):
     assert ut.op_name(getattr(ut.ReduceOp, op)) == name
@@ -186,12 +353,14 @@ def test_all_reduce_gradient_passes_through(op, scale):
     assert all(run_ranks(2, body))
 
 
-def test_max_has_no_gradient():
+@pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_max_and_min_have_no_gradient(name, op):
     def body(comm):
-        x = torch.randn(3, requires_grad=True)
-        functional.all_reduce(x, "max", group=comm).sum().backward()
+        x = torch.randn(4, requires_grad=True)
+        getattr(functional, name)(x, op, group=comm).sum().backward()
 
-    with pytest.raises(RuntimeError, match="'max' has no gradient"):
+    with pytest.raises(RuntimeError, match=f"{name}: op '{op}' has no gradient"):
         one_rank(body)
 
 
@@ -241,6 +410,106 @@ def test_fused_forward_is_its_reference():
         return all(torch.equal(a, b) for a, b in zip(got, want))
 
     assert one_rank(body)
+
+
+# ---- sequence-parallel gradients ----------------------------------------------------------
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("shape", [(8, 3), (2, 6)])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_reduce_scatter_gradient_is_the_all_gather(size, shape, op):
+    """Rank q's gradient of x is every rank's gradient of its slice, in rank order (avg:
+    divided by the ranks): bit for bit, also where size does not divide shape[0] (flat slices)."""
+    def body(comm):
+        g = torch.Generator().manual_seed(comm.rank)
+        x = torch.randn(shape, generator=g, requires_grad=True)
+        y = functional.reduce_scatter(x, op, group=comm)
+        grad = torch.randn(y.shape, generator=g)
+        y.backward(grad)
+        return x.grad, grad
+
+    results = run_ranks(size, body)
+    want = torch.cat([grad.reshape(-1) for _, grad in results]).reshape(shape) / (size if op == "avg" else 1)
+    for got, _ in results:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_all_gather_gradient_is_the_reduce_scatter(size):
+    """Rank r's gradient of x is the sum, in rank order, of every rank's gradient of slice r."""
+    def body(comm):
+        g = torch.Generator().manual_seed(comm.rank)
+        x = torch.randn(3, 5, generator=g, requires_grad=True)
+        y = functional.all_gather(x, group=comm)
+        assert y.shape == (3 * size, 5)
+        grad = torch.randn(y.shape, generator=g)
+        y.backward(grad)
+        return x.grad, grad
+
+    results = run_ranks(size, body)
+    for r, (got, _) in enumerate(results):
+        assert torch.equal(got, rank_order([grad[3 * r:3 * r + 3] for _, grad in results]))
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("residual,bias", [(True, True), (True, False), (False, False)])
+def test_fused_sequence_parallel_backward_matches_torch(size, residual, bias):
+    """reduce_scatter_add_rmsnorm's gradients (float32) against autograd through the
+    float64 unsharded computation (every rank's x summed, rows split among the ranks):
+    x's gradient is the whole one on every rank (bit for bit the same, the gathered
+    residual-shard gradients), the residual shard's its rows', and weight's and bias'
+    partial sums of this rank's rows add up over the ranks to the whole gradient."""
+    rows, hidden = 8, 32
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(rows, hidden, generator=g) for _ in range(size)]
+    res, w, b, gn, gr = (torch.randn(*s, generator=g) for s in ((rows, hidden), (hidden,), (hidden,),
+                                                                 (rows, hidden), (rows, hidden)))
+    m = rows // size
+
+    def body(comm):
+        sl = slice(comm.rank * m, (comm.rank + 1) * m)
+        lx, lr, lw, lb = (t.clone().requires_grad_() for t in (xs[comm.rank], res[sl], w, b))
+        n, ro = functional.reduce_scatter_add_rmsnorm(lx, lr if residual else None, lw, lb if bias else None, 1e-5,
+                                                      group=comm)
+        torch.autograd.backward((n, ro), (gn[sl], gr[sl]))
+        return lx.grad, lr.grad, lw.grad, lb.grad
+
+    results = run_ranks(size, body)
+    dxs = [t.double().requires_grad_() for t in xs]
+    dr, dw, db = (t.double().requires_grad_() for t in (res, w, b))
+    s = sum(dxs) + (db if bias else 0) + (dr if residual else 0)
+    rn = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * dw
+    torch.autograd.backward((rn, s), (gn.double(), gr.double()))
+
+    def close(got, want):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+    for r, (gx, grs, gw, gb) in enumerate(results):
+        assert torch.equal(gx, results[0][0])
+        close(gx, dxs[r].grad)
+        if residual:
+            assert torch.equal(grs, gx[r * m:(r + 1) * m])
+            close(grs, dr.grad[r * m:(r + 1) * m])
+        else:
+            assert grs is None
+        assert (gb is not None) == bias
+    close(sum(gw for _, _, gw, _ in results), dw.grad)
+    if bias:
+        close(sum(gb for _, _, _, gb in results), db.grad)
+
+
+def test_fused_sequence_parallel_forward_is_its_reference():
+    def body(comm):
+        g = torch.Generator().manual_seed(comm.rank)
+        x = torch.randn(4, 8, generator=g).bfloat16()
+        r, w = torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16()
+        got = functional.reduce_scatter_add_rmsnorm(x, r, w, None, 1e-6, group=comm)
+        return x, r, w, got
+
+    results = run_ranks(2, body)
+    reduced = rank_order([x for x, _, _, _ in results])
+    for rank, (_, r, w, got) in enumerate(results):
+        want = _rmsnorm.add_rmsnorm(reduced[2 * rank:2 * rank + 2], r, w, None, 1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 # ---- planned buffers ---------------------------------------------------------------------

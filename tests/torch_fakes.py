@@ -1,8 +1,10 @@
 """Communicators of threads for CPU tests of ubnext.torch: ``run_ranks(n, fn)`` runs
 ``fn(comm)`` on ``n`` threads, each with a ``ThreadComm`` of the group, and returns what
 each returned (raising the first error). A ThreadComm reduces CPU tensors in rank order
-in fp32, rounded once (``rank_order``), as ubnext's Lamport kernels do, and its fused call
-is that all-reduce followed by ubnext.torch's add + RMSNorm reference; every exchange
+in fp32, rounded once (``rank_order``), as ubnext's Lamport kernels do, and its fused calls
+are that all-reduce (or its rank's slice, the reduce-scatter, in the layout of
+torch.distributed.reduce_scatter_tensor) followed by ubnext.torch's add + RMSNorm
+reference; its all-gather concatenates in rank order; every exchange
 waits on a barrier with a timeout, so a rank that skips a collective fails the test."""
 
 from __future__ import annotations
@@ -59,6 +61,25 @@ class ThreadComm:
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None):
         return _rmsnorm.add_rmsnorm(self.all_reduce(x), residual, weight, bias, eps)
+
+    def reduce_scatter(self, x, out=None, op: str = "sum"):
+        k = x.numel() // self.size
+        flat = rank_order(self._gather(x), op).reshape(-1)[self.rank * k:(self.rank + 1) * k]
+        if out is not None:
+            out.copy_(flat.view(out.shape))
+            return out
+        rows = x.shape[0] // self.size if x.dim() and x.shape[0] % self.size == 0 else None
+        return flat.clone() if rows is None else flat.reshape(rows, *x.shape[1:]).clone()
+
+    def all_gather(self, x, out=None):
+        gathered = torch.cat([p.reshape(-1) for p in self._gather(x)])
+        if out is not None:
+            out.copy_(gathered.view(out.shape))
+            return out
+        return gathered.reshape(self.size * x.shape[0], *x.shape[1:]) if x.dim() else gathered
+
+    def reduce_scatter_add_rmsnorm(self, x, residual_shard, weight, eps: float = 1e-6, bias=None):
+        return _rmsnorm.add_rmsnorm(self.reduce_scatter(x), residual_shard, weight, bias, eps)
 
     def empty(self, shape, dtype: str = "float32", framework: str = "torch"):
         return torch.empty(shape, dtype=getattr(torch, dtype))

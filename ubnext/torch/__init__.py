@@ -4,15 +4,23 @@
     comm = ubnext.Communicator()
     ut.all_reduce(t, op=ut.ReduceOp.SUM, group=comm)      # in place, like dist.all_reduce
     y = ut.functional.all_reduce(t, "sum", group=comm)    # new tensor, differentiable
+    ut.reduce_scatter_tensor(shard, t, group=comm)        # into shard, like dist.reduce_scatter_tensor
 
 Which form does what:
 
 * ``all_reduce(t, op, group)``: in place (``torch.ops.ubnext.all_reduce_``), as
   ``torch.distributed.all_reduce``; no gradient. (``Communicator.all_reduce(t)`` instead
   returns a new tensor and leaves ``t`` unchanged.)
+* ``reduce_scatter_tensor(output, input, op, group)``, ``all_gather_into_tensor(output,
+  input, group)``: into ``output`` (``torch.ops.ubnext.reduce_scatter_``,
+  ``all_gather_``), as torch.distributed's; no gradient.
 * ``functional.all_reduce``, ``functional.all_reduce_add_rmsnorm``: out of place, as torch's
   functional collectives; differentiable with tensor-parallel meanings;
-  ``functional.copy_to_group``: forward identity, backward all-reduce.
+  ``functional.copy_to_group``: forward identity, backward all-reduce;
+  ``functional.reduce_scatter``, ``functional.all_gather``,
+  ``functional.reduce_scatter_add_rmsnorm``: the same with sequence-parallel meanings
+  (each other's transposes; the fused op's weight and bias gradients are this rank's
+  rows' partial sums).
 * ``torch.ops.ubnext.*``: the custom ops underneath (``_ops.OPS``), with fake
   implementations, so ``torch.compile(fullgraph=True)`` traces through every form and a
   compiled function replays in a CUDA graph.
@@ -35,7 +43,8 @@ from .tp import (AddRMSNormEpilogue, ColumnParallelLinear, RowParallelLinear, Te
 
 # ReduceOp is torch.distributed's, re-exported (documented there)
 __all__ = ["AddRMSNormEpilogue", "BufferPlan", "ColumnParallelLinear", "RowParallelLinear",
-           "TensorParallelAttentionOutput", "TensorParallelMLP", "all_reduce", "functional", "handle", "op_name"]
+           "TensorParallelAttentionOutput", "TensorParallelMLP", "all_gather_into_tensor", "all_reduce", "functional",
+           "handle", "op_name", "reduce_scatter_tensor"]
 
 
 class _Done:
@@ -73,4 +82,61 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     import torch
 
     torch.ops.ubnext.all_reduce_(tensor, op_name(op), handle(functional._required(group)))
+    return _Done() if async_op else None
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """Reduce-scatters ``input`` into ``output``, like ``torch.distributed.reduce_scatter_tensor``:
+    rank r's ``output`` gets elements ``[r * k, (r + 1) * k)`` of the reduction of every
+    rank's ``input`` (size x k elements).
+
+    Collective: yes: every rank of ``group`` calls it, in the same order.
+    Graph-capturable: yes, after a first eager call (as ``Communicator.reduce_scatter``);
+    torch.compile(fullgraph=True) traces it.
+
+    Args:
+        output: CUDA tensor of k elements, input's dtype, written (``input``'s slice r for in place).
+        input: CUDA tensor of size x k elements on the communicator's device.
+        op: ``ReduceOp.SUM``, ``AVG``, ``MAX`` or ``MIN`` (or their names).
+        group: the ``ubnext.Communicator`` (or its handle); required.
+        async_op: as for ``all_reduce``.
+
+    Returns:
+        None, or the work object with ``async_op``.
+
+    Raises:
+        UbnextError: an op ubnext does not reduce, no group, or what
+            ``Communicator.reduce_scatter`` raises.
+    """
+    import torch
+
+    torch.ops.ubnext.reduce_scatter_(output, input, op_name(op), handle(functional._required(group)))
+    return _Done() if async_op else None
+
+
+def all_gather_into_tensor(output, input, group=None, async_op: bool = False):
+    """Gathers every rank's ``input`` into ``output``, like
+    ``torch.distributed.all_gather_into_tensor``: rank r's ``input`` (k elements) at
+    elements ``[r * k, (r + 1) * k)`` of ``output`` on every rank.
+
+    Collective: yes: every rank of ``group`` calls it, in the same order.
+    Graph-capturable: yes, after a first eager call (as ``Communicator.all_gather``);
+    torch.compile(fullgraph=True) traces it.
+
+    Args:
+        output: CUDA tensor of size x k elements, input's dtype, written.
+        input: CUDA tensor of k elements (the same k on every rank), on the communicator's
+            device (``output``'s slice r for in place).
+        group: the ``ubnext.Communicator`` (or its handle); required.
+        async_op: as for ``all_reduce``.
+
+    Returns:
+        None, or the work object with ``async_op``.
+
+    Raises:
+        UbnextError: no group, or what ``Communicator.all_gather`` raises.
+    """
+    import torch
+
+    torch.ops.ubnext.all_gather_(output, input, handle(functional._required(group)))
     return _Done() if async_op else None

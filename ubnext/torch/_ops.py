@@ -4,16 +4,25 @@ One table, ``OPS``, holds every op: its schema (the communicator is the last arg
 an int handle from ``_registry.handle``), the arguments it mutates, what it runs on the
 communicator, its fake (meta) implementation for tracing (torch.compile, FakeTensor) and,
 for the differentiable ones, its backward. ``register()`` turns each entry into
-``torch.ops.ubnext.<name>``. A new collective is one entry: e.g. a reduce-scatter::
+``torch.ops.ubnext.<name>``. A new collective is one entry: e.g. the all-gather's::
 
-    "reduce_scatter": Op("(Tensor x, str op, int group) -> Tensor", (),
-                         lambda comm, x, op: comm.reduce_scatter(x, op=op),
-                         lambda x, op, group: x.new_empty((x.shape[0] // lookup(group).size, *x.shape[1:]))),
+    "all_gather": Op("(Tensor x, int group) -> Tensor", (),
+                     lambda comm, x: comm.all_gather(x), _all_gather_fake,
+                     _all_gather_backward, _all_gather_context),
+
+Out-of-place ops return new tensors; a name ending in ``_`` writes into its first
+argument (``Tensor(a!)``), as ``torch.distributed`` does, and has no gradient.
 
 The backwards carry the tensor-parallel meanings: the all-reduce of a row-parallel
 output passes its gradient through (each rank's partial sum contributed once to the
 replicated result; avg scales it by 1/size), and the fused all-reduce + add + RMSNorm
-passes the gradient of its pre-norm sum to x and the residual.
+passes the gradient of its pre-norm sum to x and the residual. The sequence-parallel
+ones are each other's transposes: a reduce-scatter's gradient is the all-gather of its
+gradient (avg: divided by size), an all-gather's the reduce-scatter (sum) of its
+gradient, and the fused reduce-scatter + add + RMSNorm all-gathers the gradient of its
+pre-norm sum into x's and gives it to the residual shard; its weight and bias gradients
+are this rank's rows' only, partial sums that the caller sums over the ranks (as
+Megatron-LM all-reduces its sequence-parallel norm weights' gradients).
 """
 
 from __future__ import annotations
@@ -66,22 +75,79 @@ def _all_reduce_backward(ctx, grad):
     raise RuntimeError(f"ubnext::all_reduce: op {ctx.op!r} has no gradient (sum and avg have)")
 
 
-# ---- all_reduce_add_rmsnorm -------------------------------------------------------------
+# ---- reduce_scatter / all_gather ---------------------------------------------------------
+def _group_size(group) -> int:
+    return lookup(group).size
+
+
+def _reduce_scatter_fake(x, op, group):
+    """Communicator.reduce_scatter's default out: (x.shape[0] / size, *x.shape[1:]) where
+    size divides x.shape[0], else flat (k,)."""
+    size = _group_size(group)
+    if x.dim() and x.shape[0] % size == 0:
+        return x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    return x.new_empty((x.numel() // size,))
+
+
+def _all_gather_fake(x, group):
+    """Communicator.all_gather's default out: (size * x.shape[0], *x.shape[1:]), (size,) for 0-d."""
+    size = _group_size(group)
+    return x.new_empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,))
+
+
+def _reduce_scatter_context(ctx, inputs, output):
+    x, ctx.op, ctx.group = inputs
+    ctx.shape = x.shape
+
+
+def _all_gather_context(ctx, inputs, output):
+    x, ctx.group = inputs
+    ctx.shape = x.shape
+
+
+def _reduce_scatter_backward(ctx, grad):
+    if ctx.op not in ("sum", "avg"):
+        raise RuntimeError(f"ubnext::reduce_scatter: op {ctx.op!r} has no gradient (sum and avg have)")
+    d = torch.ops.ubnext.all_gather(grad.contiguous(), ctx.group).reshape(ctx.shape)
+    return (d if ctx.op == "sum" else d / _group_size(ctx.group)), None, None
+
+
+def _all_gather_backward(ctx, grad):
+    return torch.ops.ubnext.reduce_scatter(grad.contiguous(), "sum", ctx.group).reshape(ctx.shape), None
+
+
+# ---- all_reduce_add_rmsnorm, reduce_scatter_add_rmsnorm ---------------------------------
 def _fused_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, _ = inputs
-    ctx.eps = eps
+    x, residual, weight, bias, eps, group = inputs
+    ctx.eps, ctx.group = eps, group
     ctx.has = (residual is not None, bias is not None)
     ctx.save_for_backward(output[1], weight)
 
 
-def _fused_backward(ctx, grad_normed, grad_residual):
+def _fused_grads(ctx, grad_normed, grad_residual, x_grad: Callable):
+    """The fused ops' gradients: that of the pre-norm sum (``residual_out``) to the
+    residual and, through ``x_grad(d, group)``, to x; weight and bias from this rank's rows."""
     residual_out, weight = ctx.saved_tensors
     d_sum, d_weight = _rmsnorm.backward(grad_normed, grad_residual, residual_out, weight, ctx.eps)
     dtype = residual_out.dtype
     d = d_sum.to(dtype)
     has_residual, has_bias = ctx.has
-    return (d, d if has_residual else None, None if d_weight is None else d_weight.to(weight.dtype),
+    return (x_grad(d, ctx.group), d if has_residual else None,
+            None if d_weight is None else d_weight.to(weight.dtype),
             d_sum.sum(0).to(dtype) if has_bias else None, None, None)
+
+
+def _fused_backward(ctx, grad_normed, grad_residual):
+    return _fused_grads(ctx, grad_normed, grad_residual, lambda d, group: d)
+
+
+def _sequence_parallel_fused_backward(ctx, grad_normed, grad_residual):
+    return _fused_grads(ctx, grad_normed, grad_residual, torch.ops.ubnext.all_gather)
+
+
+def _shard_fake(x, residual_shard, weight, bias, eps, group):
+    shard = x.new_empty((x.shape[0] // _group_size(group), *x.shape[1:]))
+    return shard, torch.empty_like(shard)
 
 
 def _all_reduce_in_place(comm, x, op):
@@ -90,6 +156,18 @@ def _all_reduce_in_place(comm, x, op):
 
 def _fused_run(comm, x, residual, weight, bias, eps):
     return comm.all_reduce_add_rmsnorm(x, residual, weight, eps=eps, bias=bias)
+
+
+def _reduce_scatter_into(comm, out, x, op):
+    comm.reduce_scatter(x, out=out, op=op)
+
+
+def _all_gather_into(comm, out, x):
+    comm.all_gather(x, out=out)
+
+
+def _sequence_parallel_fused_run(comm, x, residual_shard, weight, bias, eps):
+    return comm.reduce_scatter_add_rmsnorm(x, residual_shard, weight, eps=eps, bias=bias)
 
 
 OPS: dict[str, Op] = {
@@ -107,6 +185,24 @@ OPS: dict[str, Op] = {
         "(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, int group) -> (Tensor, Tensor)", (),
         _fused_run, lambda x, residual, weight, bias, eps, group: (torch.empty_like(x), torch.empty_like(x)),
         _fused_backward, _fused_context),
+    # sequence parallelism: this rank's slice of the reduction; every rank's x gathered
+    "reduce_scatter": Op("(Tensor x, str op, int group) -> Tensor", (),
+                         lambda comm, x, op: comm.reduce_scatter(x, op=op), _reduce_scatter_fake,
+                         _reduce_scatter_backward, _reduce_scatter_context),
+    "all_gather": Op("(Tensor x, int group) -> Tensor", (),
+                     lambda comm, x: comm.all_gather(x), _all_gather_fake,
+                     _all_gather_backward, _all_gather_context),
+    # into out, as torch.distributed.reduce_scatter_tensor / all_gather_into_tensor
+    "reduce_scatter_": Op("(Tensor(a!) out, Tensor x, str op, int group) -> ()", ("out",),
+                          _reduce_scatter_into,
+                          lambda out, x, op, group: None),
+    "all_gather_": Op("(Tensor(a!) out, Tensor x, int group) -> ()", ("out",),
+                      _all_gather_into,
+                      lambda out, x, group: None),
+    # (normed_shard, residual_shard_out), both new, rows / size x hidden
+    "reduce_scatter_add_rmsnorm": Op(
+        "(Tensor x, Tensor? residual_shard, Tensor weight, Tensor? bias, float eps, int group) -> (Tensor, Tensor)",
+        (), _sequence_parallel_fused_run, _shard_fake, _sequence_parallel_fused_backward, _fused_context),
 }
 
 

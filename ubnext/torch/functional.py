@@ -2,7 +2,8 @@
 
 Each returns a new tensor and leaves its inputs unchanged; torch.compile(fullgraph=True)
 traces them (they are ``torch.ops.ubnext`` custom ops), and their gradients carry the
-tensor-parallel meanings (see ``all_reduce``, ``copy_to_group``).
+tensor- and sequence-parallel meanings (see ``all_reduce``, ``copy_to_group``,
+``reduce_scatter``, ``all_gather``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
 from ._reduce_op import op_name
 from ._registry import handle
 
-__all__ = ["all_reduce", "all_reduce_add_rmsnorm", "copy_to_group"]
+__all__ = ["all_gather", "all_reduce", "all_reduce_add_rmsnorm", "copy_to_group", "reduce_scatter",
+           "reduce_scatter_add_rmsnorm"]
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
@@ -69,6 +71,93 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weigh
         UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises; no group.
     """
     return torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, bias, float(eps), handle(_required(group)))
+
+
+def reduce_scatter(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+    """Reduce-scatter into a new tensor (``torch.ops.ubnext.reduce_scatter``; as
+    ``Communicator.reduce_scatter``): rank r gets slice r of the reduction of every
+    rank's ``tensor`` (size x k elements); ``tensor`` is unchanged.
+
+    The gradient is the sequence-parallel one: the all-gather of the result's gradient
+    (avg: divided by the ranks), each rank's slice coming from the rank that holds it;
+    max and min raise in backward.
+
+    Collective: yes: every rank of ``group`` calls it, in the same order.
+    Graph-capturable: yes, after a first eager call (as ``Communicator.reduce_scatter``).
+
+    Args:
+        tensor: CUDA tensor of size x k elements, on the communicator's device.
+        op: ``torch.distributed.ReduceOp`` SUM/AVG/MAX/MIN, or ``"sum"``/``"avg"``/``"max"``/``"min"``.
+        group: the ``Communicator`` (or its handle from ``ubnext.torch.handle``).
+
+    Returns:
+        This rank's slice: shape (tensor.shape[0] / size, *tensor.shape[1:]) where size
+        divides tensor.shape[0], else (k,).
+
+    Raises:
+        UbnextError: an op ubnext does not reduce, no group, or what
+            ``Communicator.reduce_scatter`` raises (a count the ranks do not divide).
+    """
+    return torch.ops.ubnext.reduce_scatter(tensor, op_name(op), handle(_required(group)))
+
+
+def all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather into a new tensor (``torch.ops.ubnext.all_gather``; as
+    ``Communicator.all_gather``): every rank's ``tensor`` in rank order.
+
+    The gradient is the sequence-parallel one: the reduce-scatter (sum) of the result's
+    gradient, every rank's gradient of slice r summed into rank r's input.
+
+    Collective: yes: every rank of ``group`` calls it, in the same order.
+    Graph-capturable: yes, after a first eager call (as ``Communicator.all_gather``).
+
+    Args:
+        tensor: CUDA tensor, the same shape on every rank, on the communicator's device.
+        group: the ``Communicator`` (or its handle).
+
+    Returns:
+        Shape (size * tensor.shape[0], *tensor.shape[1:]) ((size,) for a 0-d tensor).
+
+    Raises:
+        UbnextError: no group, or what ``Communicator.all_gather`` raises.
+    """
+    return torch.ops.ubnext.all_gather(tensor, handle(_required(group)))
+
+
+def reduce_scatter_add_rmsnorm(x: torch.Tensor, residual_shard: torch.Tensor | None, weight: torch.Tensor,
+                               bias: torch.Tensor | None = None, eps: float = 1e-6, group=None):
+    """The sequence-parallel step, into new tensors
+    (``torch.ops.ubnext.reduce_scatter_add_rmsnorm``; as
+    ``Communicator.reduce_scatter_add_rmsnorm``): reduce-scatter of ``x`` by rows, bias +
+    residual-shard add and RMSNorm of this rank's rows.
+
+    Differentiable: the gradient of this rank's pre-norm sum ``residual_shard_out`` (the
+    one through the norm plus that of ``residual_shard_out`` itself) goes to
+    ``residual_shard``, and, all-gathered, to ``x`` (every rank's rows; collective in
+    backward). ``weight`` and ``bias`` get the gradient of this rank's rows only: partial
+    sums, different on every rank; sum them over the ranks before the optimizer step
+    (``ubnext.torch.all_reduce(weight.grad, group=comm)``), as Megatron-LM all-reduces its
+    sequence-parallel norm weights' gradients.
+
+    Collective: yes: every rank of ``group`` calls it, in the same order.
+    Graph-capturable: yes, after a first eager call of the same shape.
+
+    Args:
+        x: 2-D CUDA tensor (rows x hidden), rows a multiple of the ranks, this rank's partial sum.
+        residual_shard: (rows / size) x hidden, x's dtype, this rank's rows of the residual; or None.
+        weight: 1-D, hidden elements (the same on every rank).
+        bias: 1-D, hidden elements (the same on every rank), or None.
+        eps: finite, >= 0.
+        group: the ``Communicator`` (or its handle).
+
+    Returns:
+        ``(normed_shard, residual_shard_out)``, (rows / size) x hidden each.
+
+    Raises:
+        UbnextError: what ``Communicator.reduce_scatter_add_rmsnorm`` raises; no group.
+    """
+    return torch.ops.ubnext.reduce_scatter_add_rmsnorm(x, residual_shard, weight, bias, float(eps),
+                                                       handle(_required(group)))
 
 
 class _CopyToGroup(torch.autograd.Function):
