@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import ubnext.torch as ut  # noqa: E402
-from torch_fakes import rank_order, run_ranks  # noqa: E402
+from torch_fakes import ThreadComm, _Group, rank_order, run_ranks  # noqa: E402
 from ubnext import UbnextError  # noqa: E402
 from ubnext.torch import _rmsnorm, functional  # noqa: E402
 
@@ -532,3 +532,19 @@ def test_plan_assigns_keys_strictly_and_falls_back_once(monkeypatch):
 
     one_rank(body)
     assert len(logged) == 1 and "'oversized'" in logged[0] and "staging copy" in logged[0]
+
+
+def test_a_handle_carries_the_world_size_so_compiled_shapes_follow_it():
+    """The reduce-scatter's and all-gather's fake shapes come from the handle alone (its
+    low 16 bits), so graphs that torch.compile caches by their constants differ by world
+    size: a graph compiled at 1 rank is not reused at 2 (it expected unsharded shapes)."""
+    import ubnext.torch as ut
+    from ubnext.torch import _ops, _registry
+
+    comms = [ThreadComm(_Group(n), 0) for n in (1, 2, 4)]
+    handles = [ut.handle(c) for c in comms]
+    assert len(set(handles)) == 3
+    assert [_registry.size_of(h) for h in handles] == [1, 2, 4]
+    x = torch.empty(8, 3, device="meta")
+    assert [tuple(_ops._reduce_scatter_fake(x, "sum", h).shape) for h in handles] == [(8, 3), (4, 3), (2, 3)]
+    assert [tuple(_ops._all_gather_fake(x, h).shape) for h in handles] == [(8, 3), (16, 3), (32, 3)]

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from . import _rmsnorm
-from ._registry import lookup
+from ._registry import lookup, size_of
 
 NAMESPACE = "ubnext"
 
@@ -71,19 +71,15 @@ def _all_reduce_backward(ctx, grad):
     if ctx.op == "sum":
         return grad, None, None
     if ctx.op == "avg":
-        return grad / lookup(ctx.group).size, None, None
+        return grad / size_of(ctx.group), None, None
     raise RuntimeError(f"ubnext::all_reduce: op {ctx.op!r} has no gradient (sum and avg have)")
 
 
 # ---- reduce_scatter / all_gather ---------------------------------------------------------
-def _group_size(group) -> int:
-    return lookup(group).size
-
-
 def _reduce_scatter_fake(x, op, group):
     """Communicator.reduce_scatter's default out: (x.shape[0] / size, *x.shape[1:]) where
     size divides x.shape[0], else flat (k,)."""
-    size = _group_size(group)
+    size = size_of(group)
     if x.dim() and x.shape[0] % size == 0:
         return x.new_empty((x.shape[0] // size, *x.shape[1:]))
     return x.new_empty((x.numel() // size,))
@@ -91,7 +87,7 @@ def _reduce_scatter_fake(x, op, group):
 
 def _all_gather_fake(x, group):
     """Communicator.all_gather's default out: (size * x.shape[0], *x.shape[1:]), (size,) for 0-d."""
-    size = _group_size(group)
+    size = size_of(group)
     return x.new_empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,))
 
 
@@ -109,7 +105,7 @@ def _reduce_scatter_backward(ctx, grad):
     if ctx.op not in ("sum", "avg"):
         raise RuntimeError(f"ubnext::reduce_scatter: op {ctx.op!r} has no gradient (sum and avg have)")
     d = torch.ops.ubnext.all_gather(grad.contiguous(), ctx.group).reshape(ctx.shape)
-    return (d if ctx.op == "sum" else d / _group_size(ctx.group)), None, None
+    return (d if ctx.op == "sum" else d / size_of(ctx.group)), None, None
 
 
 def _all_gather_backward(ctx, grad):
@@ -146,7 +142,7 @@ def _sequence_parallel_fused_backward(ctx, grad_normed, grad_residual):
 
 
 def _shard_fake(x, residual_shard, weight, bias, eps, group):
-    shard = x.new_empty((x.shape[0] // _group_size(group), *x.shape[1:]))
+    shard = x.new_empty((x.shape[0] // size_of(group), *x.shape[1:]))
     return shard, torch.empty_like(shard)
 
 

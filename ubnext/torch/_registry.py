@@ -6,6 +6,11 @@ hands out (once per communicator; the same comm always gets the same handle, so
 compiled graphs and captured CUDA graphs stay valid). The handle is kept on the
 communicator (``_ubnext_torch_handle``), which torch.compile reads as a constant; the
 registry holds the communicators weakly, so a handle outlives nothing.
+
+A handle carries its communicator's size in its low 16 bits (``size_of``): the shapes of
+a reduce-scatter or all-gather depend on it, and the fake implementations read it from
+the handle, so a graph compiled for one world size is never taken from torch.compile's
+caches (keyed by the graph and its constants) for another.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from .._errors import UbnextError
 
 _ATTR = "_ubnext_torch_handle"
+_SIZE_BITS = 16
 _lock = threading.Lock()
 _next = itertools.count(1)
 _by_handle: dict[int, weakref.ref] = {}
@@ -39,7 +45,8 @@ def handle(group) -> int:
         The int handle.
 
     Raises:
-        Nothing (an unknown handle raises UbnextError when an op looks it up).
+        UbnextError: a communicator of 65536 ranks or more. (An unknown handle raises
+            UbnextError when an op looks it up.)
     """
     if isinstance(group, int):
         return group
@@ -52,10 +59,17 @@ def _register(group) -> int:
     with _lock:
         h = getattr(group, _ATTR, None)
         if h is None:
-            h = next(_next)
+            if not 0 < group.size < 1 << _SIZE_BITS:
+                raise UbnextError(f"ubnext.torch: a communicator of {group.size} ranks has no handle")
+            h = next(_next) << _SIZE_BITS | group.size
             _by_handle[h] = weakref.ref(group)
             setattr(group, _ATTR, h)
         return h
+
+
+def size_of(h: int) -> int:
+    """The size of the communicator of handle ``h``, read from the handle itself."""
+    return int(h) & ((1 << _SIZE_BITS) - 1)
 
 
 def lookup(h: int):
