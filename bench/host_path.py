@@ -1,0 +1,102 @@
+"""Where the host time of one eager ``all_reduce(x, out=y)`` goes, step by step.
+
+    python bench/host_path.py
+
+One process, one GPU, a communicator of one rank, 2 KiB of bfloat16 torch tensors. Each
+step of ``Communicator.all_reduce`` (``ubnext/_comm.py``, ``_dispatch.py``,
+``_engine.py``) is called on its own with the arguments the call gives it, in
+interleaved rounds, the GPU drained between samples; the whole call (out of place and
+in place) is timed beside them. The table gives the median and the minimum of host µs
+per call. Private names are used on purpose: this measures them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a script (python bench/host_path.py): bench/_standalone.py
+    import _standalone  # noqa: F401
+
+import ubnext  # noqa: E402
+from ubnext import _arrays, _signature  # noqa: E402
+from ubnext._algorithms import ALGORITHMS  # noqa: E402
+from ubnext._engine import lamport_shape  # noqa: E402
+from ubnext._protocol import VEC_BYTES  # noqa: E402
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="host_path", description=__doc__.split("\n\n")[0])
+    p.add_argument("--bytes", type=int, default=2048)
+    p.add_argument("-n", "--iters", type=int, default=300, help="calls per sample")
+    p.add_argument("--rounds", type=int, default=9)
+    return p.parse_args(argv)
+
+
+def steps(comm, nbytes: int) -> dict:
+    """name -> a callable making one call of that step, as ``all_reduce(x, out=y)`` does."""
+    import torch
+
+    x = torch.randn(nbytes // 2, device="cuda").bfloat16()
+    y = torch.empty_like(x)
+    name = "all_reduce"
+    handle, owner, _ = _arrays.launch_stream(None, x)
+    xb = _arrays.as_buffer(x, name, handle)
+    algo = comm._resolve(name, "auto", xb.nbytes, xb.dtype, "sum")
+    ob = _arrays.check_out(xb, y, name, handle)
+    sig = _signature.encode(name, xb.dtype, "sum", xb.count)
+    dispatch = comm._dispatch
+    engine = dispatch._node.engine
+    nvec = -(-xb.nbytes // VEC_BYTES)
+    found = {
+        "all_reduce(x, out=y)": lambda: comm.all_reduce(x, out=y),
+        "all_reduce(x, out=x)": lambda: comm.all_reduce(x, out=x),
+        "_check_open": lambda: comm._check_open(name),
+        "_arrays.launch_stream": lambda: _arrays.launch_stream(None, x),
+        "_arrays.as_buffer(x)": lambda: _arrays.as_buffer(x, name, handle),
+        "_resolve (cached)": lambda: comm._resolve(name, "auto", xb.nbytes, xb.dtype, "sum"),
+        "_arrays.check_out": lambda: _arrays.check_out(xb, y, name, handle),
+        "_signature.encode": lambda: _signature.encode(name, xb.dtype, "sum", xb.count),
+        "_dispatch.all_reduce": lambda: dispatch.all_reduce(algo, xb, ob, "sum", handle, owner, sig),
+        "engine.lamport": lambda: engine.lamport(algo, xb.dtype, "sum", xb.ptr, ob.ptr, xb.count, sig, handle),
+        "engine._kernel (lookup)": lambda: engine._kernel(algo, xb.dtype, "sum"),
+        "lamport_shape": lambda: lamport_shape(ALGORITHMS[algo], nvec, engine.nranks, engine._blocks),
+        "Launcher()": (lambda launch, shape: lambda: launch(*shape, handle, xb.ptr, ob.ptr, xb.count, sig))(
+            engine._kernel(algo, xb.dtype, "sum"), lamport_shape(ALGORITHMS[algo], nvec, engine.nranks, engine._blocks)),
+        "torch attributes of x": lambda: (x.data_ptr(), x.dtype, x.shape, x.is_contiguous(), x.get_device()),
+    }
+    return algo, found
+
+
+def main(argv=None) -> int:
+    import torch
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    comm = ubnext.Communicator()
+    try:
+        algo, found = steps(comm, args.bytes)
+        for fn in found.values():
+            for _ in range(200):
+                fn()
+        torch.cuda.synchronize()
+        samples = {k: [] for k in found}
+        for _ in range(args.rounds):
+            for k, fn in found.items():
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    fn()
+                samples[k].append((time.perf_counter() - t0) / args.iters * 1e6)
+                torch.cuda.synchronize()
+        print(f"# {args.bytes} B bfloat16, algorithm {algo}, {comm.size} rank(s): host µs per call, "
+              f"median (min) of {args.rounds} interleaved rounds of {args.iters}")
+        for k, v in samples.items():
+            v.sort()
+            print(f"  {k:<28} {v[len(v) // 2]:7.2f} ({v[0]:.2f})")
+    finally:
+        comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
