@@ -23,8 +23,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from gpu_support import (collected, expected_all_reduce, make_other_input, ran, recorded_launches,
-                         require_gpu_and_torch, skip_where_nccl_cannot_run)
+from gpu_support import (collected, communicator, expected_all_reduce, make_other_input, ran, recorded_launches,
+                         skip_where_nccl_cannot_run)
 from ubnext import _reference as reference
 
 pytestmark = pytest.mark.gpu
@@ -33,14 +33,7 @@ DTYPES = tuple(reference.TWOSHOT_ONLY)
 GUARD = 64  # canary bytes on each side of the output
 
 
-@pytest.fixture(scope="module")
-def comm():
-    require_gpu_and_torch()
-    import ubnext
-
-    c = ubnext.Communicator()
-    yield c
-    c.close()
+comm = pytest.fixture(scope="module", name="comm")(communicator)
 
 
 def rank_input(count: int, dtype: str, rank: int, seed: int) -> np.ndarray:
