@@ -13,20 +13,13 @@ import zlib
 
 import pytest
 
-from gpu_support import (DTYPES, SHARED, check_add_rmsnorm, check_all_reduce, collected, device, expected_add_rmsnorm,
-                         host, make_input, norm_operands, recorded_launches, reference, require_gpu_and_torch)
+from gpu_support import (DTYPES, SHARED, check_add_rmsnorm, check_all_reduce, collected, communicator, device,
+                         expected_add_rmsnorm, host, make_input, norm_operands, recorded_launches, reference)
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def comm():
-    require_gpu_and_torch()
-    import ubnext
-
-    c = ubnext.Communicator()
-    yield c
-    c.close()
+comm = pytest.fixture(scope="module", name="comm")(communicator)
 
 
 def run_and_check(comm, tokens, hidden, dtype, algo="auto", residual=True, bias=True, place="out",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import require_gpu_and_torch, torch_dtype
+from gpu_support import communicator, torch_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -18,14 +18,7 @@ WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
 WRAP = 1 << 32
 
 
-@pytest.fixture(scope="module")
-def comm():
-    require_gpu_and_torch()
-    import ubnext
-
-    c = ubnext.Communicator()
-    yield c
-    c.close()
+comm = pytest.fixture(scope="module", name="comm")(communicator)
 
 
 def _u32(ptr: int, value: int | None = None) -> int:
