@@ -70,9 +70,9 @@ def steps(comm, nbytes: int) -> dict:
 
 
 def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     comm = ubnext.Communicator()
     try:
         algo, found = steps(comm, args.bytes)
