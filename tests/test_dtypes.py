@@ -270,3 +270,16 @@ def test_describe_names_the_path_of_every_dtype(monkeypatch):
         text = str(d)
         assert f"  uint64\n    any size  {path:<8} " in text
         assert "  bfloat16\n       1 KiB  " in text  # the kernels' dtypes by size
+
+
+def test_a_call_that_needs_nccl_where_nccl_cannot_run_raises_before_any_launch():
+    """Ranks sharing a GPU (or a rank without NCCL), known alike on every rank since
+    construction: what only NCCL could run raises at once, naming why, instead of failing
+    in NCCL's setup (an exchange a rank without the library never reaches)."""
+    comm = bare_comm(nccl_problem=SHARED)
+    assert comm._resolve("all_reduce", "auto", 4096, "int32", "sum") == "twoshot"
+    with pytest.raises(UbnextError, match=f"reduce_scatter of int32 needs NCCL, which cannot run here \\({SHARED}\\)"):
+        comm._resolve("reduce_scatter", "auto", 4096, "int32", "sum", collective="reduce_scatter")
+    with pytest.raises(UbnextError, match="all_reduce of bfloat16 needs NCCL, which cannot run here"):
+        comm._resolve("all_reduce", "nccl", 4096, "bfloat16", "sum")
+    assert bare_comm()._resolve("all_reduce", "nccl", 4096, "bfloat16", "sum") == "nccl"

@@ -188,6 +188,18 @@ def test_in_place_views_are_taken(comm):
     assert [c[0] for c in comm._dispatch.calls] == ["reduce_scatter", "all_gather"]
 
 
+def test_in_place_is_the_global_ranks_slice(comm):
+    """Across nodes NCCL runs the call over every rank: rank r's slice is that of its
+    global rank, not its rank on the node (here global rank 5, local rank 1)."""
+    comm.rank, comm.size = 5, 8
+    x = buffer(32)
+    comm.reduce_scatter(x, out=buffer(4, ptr=x.ptr + 5 * 4 * 2))
+    comm.all_gather(buffer(4, ptr=x.ptr + 5 * 4 * 2), out=x)
+    with pytest.raises(UbnextError, match="overlaps"):
+        comm.reduce_scatter(x, out=buffer(4, ptr=x.ptr + 1 * 4 * 2))
+    assert [c[0] for c in comm._dispatch.calls] == ["reduce_scatter", "all_gather"]
+
+
 def test_other_dtypes_go_to_nccl(comm):
     comm.reduce_scatter(buffer(16, "float64"))
     comm.all_gather(buffer(4, "int32"))

@@ -73,7 +73,7 @@ class Communicator:
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._resolved: dict[tuple, str] = {}
-        self._local = None
+        self._local = self._node = None
         try:
             _agreement.check(config, bootstrap)  # before anything that the configuration shapes
             table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
@@ -82,9 +82,16 @@ class Communicator:
             cupy.cuda.Device(self.device).use()
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
             self._node = self._setup_node()
+            # where NCCL cannot run (ranks sharing a GPU, no NCCL library), the barrier
+            # two-shot takes what auto would give NCCL (an exchange: inside the undo)
+            nccl_problem = None if self._node is None else _nccl.cannot_run(self._local, self.device)
         except BaseException:
             self._closed = True
-            self._close_bootstraps()
+            try:
+                if self._node is not None:
+                    self._node.close(local=True)
+            finally:
+                self._close_bootstraps()
             raise
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
         node = self._node
@@ -93,9 +100,6 @@ class Communicator:
         usable = [name for name, alg in ALGORITHMS.items()
                   if not alg.is_kernel or (node is not None and (not alg.multicast or
                                                                  (node.multicast and not config.deterministic)))]
-        # where NCCL cannot run (ranks sharing a GPU, no NCCL library), the barrier two-shot
-        # takes what auto would give NCCL
-        nccl_problem = None if node is None else _nccl.cannot_run(self._local, self.device)
         if nccl_problem:
             log_once(f"nccl-problem:{nccl_problem}", f"Communicator: NCCL cannot run here ({nccl_problem}); "
                      f"auto gives ubnext's barrier two-shot what it would give NCCL", logging.INFO)
@@ -526,7 +530,8 @@ class Communicator:
         if out is None:
             return _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shape), name, handle)
         slice_bytes = min(count, xb.count) * DTYPES[xb.dtype][1]
-        return _arrays.check_part(xb, out, count, self._local.rank * slice_bytes, name, handle)
+        # rank r's slice: r is the global rank, NCCL's (the local rank on one node, the kernels')
+        return _arrays.check_part(xb, out, count, self.rank * slice_bytes, name, handle)
 
     @staticmethod
     def _operand(name: str, xb, arr, what: str, shape: tuple, handle: int):
@@ -792,7 +797,7 @@ class Communicator:
                          if collective == "all_reduce" else f"ubnext's kernels run no {collective} of float64")
                 raise UbnextError(f"{name}: deterministic mode (UBNEXT_DETERMINISTIC=1) cannot reduce float64 "
                                   f"here: {where}, and NCCL reduces in an order of its own")
-            return algo
+            return self._runnable(name, algo, dtype, collective)
         if algorithm not in ALGORITHMS:
             raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(ALGORITHMS)}")
         if not self._selector.fits(algorithm, 0 if fused else nbytes):  # 0: usable at all
@@ -806,7 +811,18 @@ class Communicator:
                               f"{', '.join(served)}")
         if not ALGORITHMS[algorithm].supports(dtype, op, collective):
             raise UbnextError(f"{name}: algorithm {algorithm!r} does not reduce {dtype} with op {op!r}")
-        return algorithm
+        return self._runnable(name, algorithm, dtype, collective)
+
+    def _runnable(self, name: str, algo: str, dtype: str, collective: str) -> str:
+        """``algo``, unless it is NCCL where NCCL cannot run (ranks sharing a GPU, a rank
+        without the library: known alike on every rank since construction), which raises
+        here, before any launch or exchange, instead of in NCCL's setup."""
+        problem = self._selector.nccl_problem
+        if algo == "nccl" and problem:
+            raise UbnextError(f"{name}: this {collective} of {dtype} needs NCCL, which cannot run here "
+                              f"({problem}); ubnext's kernels take {collective} of {', '.join(KERNEL_DTYPES)}"
+                              + (", and the barrier two-shot every dtype" if collective == "all_reduce" else ""))
+        return algo
 
     def _compare_across_ranks(self, name: str, call: tuple) -> None:
         calls = [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(call))]
