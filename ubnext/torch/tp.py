@@ -146,7 +146,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         """The all-reduced output (plus the bias). On the planned path the reduction runs in
         place in the planned buffer (no staging copy); without a bias the result is then a
-        view of that buffer, valid until this layer's next call.
+        view of that buffer, valid until the next planned call that uses the same buffer:
+        the plan's two buffers alternate between consecutive keys, so the layer two keys
+        on overwrites it (clone it to keep it longer).
 
         Collective: yes: every rank calls it, in the same order.
         Graph-capturable: yes, after a first eager call.
