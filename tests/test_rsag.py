@@ -349,3 +349,23 @@ def test_large_messages_run_in_launches_of_every_slice(monkeypatch):
     assert all(c[4] == 4000 and c[6] == 4 for c in rows)  # x's pitch, every rank's slice
     outs = [c for c in copies if c[0] == "copy"]
     assert [c[1] for c in outs] == [(1 << 21) + 2, (1 << 21) + 1602, (1 << 21) + 3202]
+
+
+def test_debug_mode_compares_where_each_rank_has_its_buffers_in_the_pool(comm):
+    """The kernels address the same pool offsets on every rank: in debug mode a rank with
+    its out in the pool (comm.empty) beside a rank with a plain array raises on every rank
+    before anything is launched, naming both."""
+    import pickle
+
+    segment = (1 << 20, 1 << 24)  # this rank's pool segment: [base, base + size)
+    pool = type("Pool", (), {"contains": lambda self, ptr, n: ptr - segment[0]
+                             if segment[0] <= ptr and ptr + n <= sum(segment) else None})()
+    comm._node = type("Node", (), {"pool": pool, "failure": lambda self, name, timeout: None})()
+    object.__setattr__(comm.config, "debug", True)
+    others = []  # what the other ranks' calls look like: plain arrays everywhere
+    comm.bootstrap = type("Boot", (), {"allgather": lambda self, b: [b, *others]})()
+    x = buffer(16, ptr=1 << 30)
+    others[:] = [pickle.dumps((16, "bfloat16", "sum", "lamport_twoshot", (None, 0)))] * 3
+    with pytest.raises(UbnextError, match=r"ranks disagree.*symmetric offsets=\(None, None\).*symmetric offsets=\(None, 0\)"):
+        comm.reduce_scatter(x, out=buffer(4, ptr=1 << 30 << 1), algorithm="lamport_twoshot")
+    assert comm._dispatch.calls == []

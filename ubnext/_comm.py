@@ -246,7 +246,7 @@ class Communicator:
         if xb.count == 0:
             return ob.obj
         if self.config.debug:
-            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
+            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo, self._symmetric((xb, ob))))
         if side:
             _arrays.record_stream(handle, owner, (xb, ob))
         sig = _signature.encode(name, xb.dtype, op, xb.count)
@@ -359,7 +359,8 @@ class Communicator:
 
         Args:
             x: CUDA array as ``all_reduce`` takes it, of size x k elements (any shape). An
-                array from ``empty()`` is read in place by the barrier two-shot.
+                array from ``empty()`` is read in place by the barrier two-shot; it must then
+                be used on every rank alike (``UBNEXT_DEBUG=1`` checks).
             out: where to write this rank's k elements (x's dtype; apart from x, or x's
                 slice r for in place); default: a new array of x's framework, of shape
                 (x.shape[0] / size, *x.shape[1:]) where size divides x.shape[0], else (k,).
@@ -410,7 +411,8 @@ class Communicator:
                 on every rank.
             out: where to write the size x k elements (x's dtype; apart from x, or with x
                 its slice r for in place). An array from ``empty()`` is written in place by
-                the barrier two-shot. Default: a new array of x's framework, of shape
+                the barrier two-shot; it must then be used on every rank alike
+                (``UBNEXT_DEBUG=1`` checks). Default: a new array of x's framework, of shape
                 (size * x.shape[0], *x.shape[1:]) ((size,) for a 0-d x).
             algorithm: ``"auto"`` (picked by out's bytes) or one of ``algorithms()`` that
                 has an all-gather (``lamport_twoshot``, ``twoshot``, ``nvls``, ``nccl``).
@@ -509,7 +511,7 @@ class Communicator:
         if k == 0:
             return False
         if self.config.debug:
-            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo))
+            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo, self._symmetric(buffers)))
         if side:
             _arrays.record_stream(handle, owner, buffers)
         return True
@@ -824,11 +826,19 @@ class Communicator:
                               + (", and the barrier two-shot every dtype" if collective == "all_reduce" else ""))
         return algo
 
+    def _symmetric(self, buffers: tuple) -> tuple:
+        """Where each buffer lies in this rank's pool segment (an offset, or None outside
+        it): the kernels address the same offsets on every rank, so ranks must agree."""
+        pool = None if self._node is None else self._node.pool
+        return tuple(None if pool is None else pool.contains(b.ptr, b.nbytes) for b in buffers)
+
     def _compare_across_ranks(self, name: str, call: tuple) -> None:
+        """Debug mode: every rank's (count, dtype, op, algorithm, pool offsets of its
+        buffers) must be the same; raises on every rank naming each rank's call."""
         calls = [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(call))]
         if any(c != calls[0] for c in calls):
-            rows = "; ".join(f"rank {r}: count={c[0]} dtype={c[1]} op={c[2]} algorithm={c[3]}"
-                             for r, c in enumerate(calls))
+            rows = "; ".join(f"rank {r}: count={c[0]} dtype={c[1]} op={c[2]} algorithm={c[3]} "
+                             f"symmetric offsets={c[4]}" for r, c in enumerate(calls))
             raise UbnextError(f"{name}: ranks disagree on the call ({rows})")
 
 
