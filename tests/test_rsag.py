@@ -369,3 +369,23 @@ def test_debug_mode_compares_where_each_rank_has_its_buffers_in_the_pool(comm):
     with pytest.raises(UbnextError, match=r"ranks disagree.*symmetric offsets=\(None, None\).*symmetric offsets=\(None, 0\)"):
         comm.reduce_scatter(x, out=buffer(4, ptr=1 << 30 << 1), algorithm="lamport_twoshot")
     assert comm._dispatch.calls == []
+
+
+def test_slices_past_a_2d_copys_pitch_are_copied_row_by_row(monkeypatch):
+    """A 2-D copy takes pitches below 2**31: slices of 2 GiB and more (a 2-rank
+    reduce-scatter of 4 GiB and up) are copied a row at a time instead of failing."""
+    import sys
+    import types
+
+    from ubnext import _copies
+
+    calls = []
+    runtime = types.SimpleNamespace(memcpy2DAsync=lambda *a: calls.append(("2d", a)),
+                                    memcpyAsync=lambda *a: calls.append(("1d", a)))
+    monkeypatch.setitem(sys.modules, "cupy.cuda", types.SimpleNamespace(runtime=runtime))
+    _copies.copy_rows(0x1000, 64, 0x9000, 128, 48, 3, 7)
+    assert calls == [("2d", (0x1000, 64, 0x9000, 128, 48, 3, 3, 7))]
+    calls.clear()
+    big = _copies.MAX_PITCH + 1
+    _copies.copy_rows(0x1000, 64, 1 << 40, big, 48, 2, 7)
+    assert calls == [("1d", (0x1000, 1 << 40, 48, 3, 7)), ("1d", (0x1000 + 64, (1 << 40) + big, 48, 3, 7))]
