@@ -5,8 +5,8 @@
 One process, one GPU, a communicator of one rank, 2 KiB of bfloat16 torch tensors. Each
 step of ``Communicator.all_reduce`` (``ubnext/_comm.py``, ``_dispatch.py``,
 ``_engine.py``) is called on its own with the arguments the call gives it, in
-interleaved rounds, the GPU drained between samples; the whole call (out of place and
-in place) is timed beside them. The table gives the median and the minimum of host µs
+interleaved rounds (``launch_floor.measure``), the GPU drained between samples; the
+whole call (out of place and in place) is timed beside them. The table gives the median and the minimum of host µs
 per call. Private names are used on purpose: this measures them.
 """
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a script (python bench/host_path.py): bench/_standalone.py
     import _standalone  # noqa: F401
 
 import ubnext  # noqa: E402
+from bench.launch_floor import measure  # noqa: E402
 from ubnext import _arrays, _signature  # noqa: E402
 from ubnext._algorithms import ALGORITHMS  # noqa: E402
 from ubnext._engine import lamport_shape  # noqa: E402
@@ -76,18 +76,7 @@ def main(argv=None) -> int:
     comm = ubnext.Communicator()
     try:
         algo, found = steps(comm, args.bytes)
-        for fn in found.values():
-            for _ in range(200):
-                fn()
-        torch.cuda.synchronize()
-        samples = {k: [] for k in found}
-        for _ in range(args.rounds):
-            for k, fn in found.items():
-                t0 = time.perf_counter()
-                for _ in range(args.iters):
-                    fn()
-                samples[k].append((time.perf_counter() - t0) / args.iters * 1e6)
-                torch.cuda.synchronize()
+        samples = measure(found, args.iters, args.rounds, torch.cuda.synchronize)
         print(f"# {args.bytes} B bfloat16, algorithm {algo}, {comm.size} rank(s): host µs per call, "
               f"median (min) of {args.rounds} interleaved rounds of {args.iters}")
         for k, v in samples.items():

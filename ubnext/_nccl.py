@@ -19,6 +19,7 @@ from typing import Any
 
 from . import _devices
 from ._algorithms import DTYPES
+from ._copies import copy
 from ._errors import ClosedError, UbnextError
 
 __all__ = ["NcclComm", "cannot_run", "load_problem"]
@@ -273,10 +274,7 @@ class NcclComm:
         if self.size != 1 or op != "avg":
             return False
         if send_ptr != recv_ptr and count:
-            from cupy.cuda import runtime
-
-            runtime.memcpyAsync(recv_ptr, send_ptr, count * DTYPES[dtype][1], runtime.memcpyDeviceToDevice,
-                                stream_ptr)
+            copy(recv_ptr, send_ptr, count * DTYPES[dtype][1], stream_ptr)
         return True
 
     def _call(self, nccl: Any, name: str, call: str, send_ptr: int, recv_ptr: int, count: int, dtype: str,
