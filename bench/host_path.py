@@ -6,8 +6,9 @@ One process, one GPU, a communicator of one rank, 2 KiB of bfloat16 torch tensor
 step of ``Communicator.all_reduce`` (``ubnext/_comm.py``, ``_dispatch.py``,
 ``_engine.py``) is called on its own with the arguments the call gives it, in
 interleaved rounds (``launch_floor.measure``), the GPU drained between samples; the
-whole call (out of place and in place) is timed beside them. The table gives the median and the minimum of host µs
-per call. Private names are used on purpose: this measures them.
+whole call (out of place and in place) is timed beside them. The table gives the
+median and the minimum of host µs per call. Private names are used on purpose: this
+measures them.
 """
 
 from __future__ import annotations
