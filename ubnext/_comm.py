@@ -227,11 +227,7 @@ class Communicator:
         from several threads need an order of their own.
         """
         name = "all_reduce"
-        self._check_open(name)
-        handle, owner, side = _arrays.launch_stream(stream, x)
-        xb = _arrays.as_buffer(x, name, handle)
-        if xb.device != self.device:
-            raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
+        handle, owner, side, xb = self._open_call(name, x, stream)
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
         fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, self.config.quantized, self._node is not None,
@@ -243,12 +239,8 @@ class Communicator:
             ob = xb
         else:
             ob = _arrays.check_out(xb, out, name, handle)
-        if xb.count == 0:
+        if not self._prepare(name, algo, xb, xb.count, op, handle, owner, side, (xb, ob)):
             return ob.obj
-        if self.config.debug:
-            self._compare_across_ranks(name, (xb.count, xb.dtype, op, algo, self._symmetric((xb, ob))))
-        if side:
-            _arrays.record_stream(handle, owner, (xb, ob))
         sig = _signature.encode(name, xb.dtype, op, xb.count)
         if fmt:
             self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
