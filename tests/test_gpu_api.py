@@ -176,26 +176,45 @@ def test_empty_returns_symmetric_arrays_and_frees_them(comm):
 
 def test_create_close_cycles_do_not_leak_device_memory():
     require_gpu_and_torch()
+    import socket
+
     import cupy
     import torch
+    from mpi4py import MPI
 
     import ubnext
 
+    devices = []
+
     def cycle():
         with ubnext.Communicator(**SMALL) as c:
+            devices.append(c.device)
             x = torch.ones(5000, device="cuda")
             c.all_reduce(x, out=x, algorithm="lamport")
             c.all_reduce(x, out=x, algorithm="twoshot")
             torch.cuda.synchronize()
             assert x[0].item() == comm_size_sq(c.size)
 
+    # Free memory is the device's: every rank reads it between two barriers (never inside
+    # another rank's cycle), and the budget is per rank on the device (ranks may share it).
+    world = MPI.COMM_WORLD
+
+    def free_memory() -> int:
+        world.Barrier()
+        free = cupy.cuda.runtime.memGetInfo()[0]
+        world.Barrier()
+        return free
+
     for _ in range(3):
         cycle()
-    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    here = (socket.gethostname(), devices[-1])
+    sharing = world.allgather(here).count(here)
+    free_before = free_memory()
     for _ in range(50):
         cycle()
-    free_after = cupy.cuda.runtime.memGetInfo()[0]
-    assert free_before - free_after < 8 << 20, f"device memory shrank by {(free_before - free_after) >> 20} MiB"
+    free_after = free_memory()
+    lost = free_before - free_after
+    assert lost < sharing * (8 << 20), f"device memory shrank by {lost >> 20} MiB ({sharing} rank(s) on this GPU)"
 
 
 def comm_size_sq(n: int) -> float:

@@ -65,7 +65,7 @@ def check_nccl(comm, sharing: bool) -> None:
     try:
         comm.all_reduce(x, algorithm="nccl")
     except ubnext.UbnextError as e:
-        assert "NCCL cannot serve several ranks on one GPU" in str(e) and "\n" not in str(e), str(e)
+        assert "share one GPU, which NCCL refuses" in str(e) and "\n" not in str(e), str(e)
     else:
         raise AssertionError(f"rank {comm.rank}: NCCL accepted ranks sharing a GPU")
 
