@@ -1,6 +1,8 @@
-"""PNG plots from a ``bench/compare.py`` JSON report; runs on a machine without a GPU.
+"""PNG plots from a ``bench/compare.py`` JSON report, or from nccl-tests JSON files of
+``bench/*_perf.py -J``; runs on a machine without a GPU.
 
     python bench/plot.py bench/results/compare_NVIDIA-H200_4gpu_bfloat16_20260101-120000.json
+    python bench/plot.py --perf bench/results/quant_kernel_h100x1.png A.json B.json ...
 
 writes, next to the JSON (or into ``-o DIR``):
 
@@ -8,7 +10,9 @@ writes, next to the JSON (or into ``-o DIR``):
   one panel per mode (eager, graph), one line per candidate;
 * ``<stem>_busbw.png``: bus bandwidth (GB/s) vs message size.
 
-Only results with status "ok" are drawn; refused sizes leave gaps.
+Only results with status "ok" are drawn; refused sizes leave gaps. ``--perf PNG`` draws
+the out-of-place time of each nccl-tests file against message size, one line per file,
+named by its run's ``--backend``/``--algo``/``--precision``.
 """
 
 from __future__ import annotations
@@ -101,12 +105,57 @@ def plot_file(path: str, outdir: str | None = None) -> list[str]:
     return plot_document(doc, os.path.join(outdir or os.path.dirname(os.path.abspath(path)), stem))
 
 
+#: the options of a bench/*_perf.py run that name its line in a --perf plot
+_PERF_OPTIONS = ("--backend", "--algo", "--precision")
+
+
+def perf_label(doc: dict[str, Any]) -> str:
+    """``all_reduce_perf --precision int8`` from an nccl-tests JSON's ``args``."""
+    args = doc["args"]
+    named = [f"{a} {b}" for a, b in zip(args, args[1:]) if a in _PERF_OPTIONS]
+    return " ".join([args[0], *named])
+
+
+def plot_perf(paths: list[str], png: str) -> str:
+    """One PNG at ``png``: out-of-place time (us) per message size of each nccl-tests JSON
+    file, log-log; returns ``png``.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        rows = sorted(doc["results"], key=lambda r: r["size"])
+        ax.loglog([r["size"] for r in rows], [r["out_of_place"]["time"] for r in rows], marker="o", markersize=3,
+                  label=perf_label(doc))
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("time per call, out of place (us)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python bench/plot.py REPORT.json [...] [-o DIR]``."""
+    """``python bench/plot.py REPORT.json [...] [-o DIR]`` or ``--perf PNG PERF.json [...]``."""
     p = argparse.ArgumentParser(prog="plot", description="PNG plots from bench/compare.py JSON reports.")
-    p.add_argument("reports", nargs="+", help="JSON files written by bench/compare.py")
+    p.add_argument("reports", nargs="+", help="JSON files written by bench/compare.py (with --perf: by -J)")
     p.add_argument("-o", "--outdir", default=None, help="where PNGs go (default: beside each JSON)")
+    p.add_argument("--perf", metavar="PNG", default=None,
+                   help="draw the nccl-tests JSON files (bench/*_perf.py -J) into one PNG at this path")
     args = p.parse_args(argv)
+    if args.perf:
+        print(plot_perf(args.reports, args.perf))
+        return 0
     for report in args.reports:
         for png in plot_file(report, args.outdir):
             print(png)

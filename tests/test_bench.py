@@ -473,6 +473,21 @@ def test_plot_png_from_synthetic_json(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_perf_draws_nccl_tests_json(tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
+    paths = []
+    for k, precision in enumerate(("int8", "exact")):
+        doc = {"args": ["all_reduce_perf", "-b", "1M", "--precision", precision, "-J", "x.json"],
+               "results": [{"size": 1 << (20 + 2 * i), "out_of_place": {"time": 10.0 * (i + 1) + k}}
+                           for i in (2, 0, 1)]}
+        paths.append(tmp_path / f"{precision}.json")
+        paths[-1].write_text(json.dumps(doc))
+    assert plot.perf_label(json.loads(paths[0].read_text())) == "all_reduce_perf --precision int8"
+    png = tmp_path / "perf.png"
+    assert plot.main(["--perf", str(png), *map(str, paths)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # --------------------------------------------------------------------------- several ranks
 
 
