@@ -1,8 +1,9 @@
 """The quantized two-shot all-reduce (opt-in) on GPUs: every output element equals the host
 emulation (ubnext/_quant.py) bit for bit, on every rank alike, within the stated error
 bound; odd sizes, unaligned and in-place arrays, several launches, CUDA-graph replay; the
-opt-in rules (``auto`` quantizes only on a communicator that opted in; full precision
-otherwise, bit for bit as before).
+opt-in rules (``auto`` quantizes only on a communicator that opted in, from
+``_quant.AUTO_MIN_BYTES`` at 2 ranks or more; full precision otherwise, bit for bit as
+before).
 
 Runs at any world size, ranks sharing a GPU included:
 ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_quant.py``.
@@ -111,25 +112,33 @@ def test_messages_past_one_launch(comm):
 
 
 def test_auto_quantizes_where_opted_in_and_exact_keeps_full_precision(comm):
+    """On the opted-in communicator auto quantizes from _quant.AUTO_MIN_BYTES at 2 ranks or
+    more; smaller messages, one rank, float32, max and precision="exact" keep full
+    precision, bit for bit as the plain path."""
     import torch
 
-    count = 4099
+    big = _quant.AUTO_MIN_BYTES // 2
     failures = []
-    with collected(failures):  # auto: the communicator's format
-        check_quantized(comm, count, "bfloat16", "int8", seed=11, precision="auto")
+    if comm.size > 1:
+        with collected(failures):  # auto: the communicator's format
+            check_quantized(comm, big, "bfloat16", "int8", seed=11, precision="auto", specials=False)
+    count = 4099
     inputs = rank_inputs(count, "bfloat16", comm.size, 12)
     x = device(inputs[comm.rank])
-    with recorded_launches(comm) as launches:
-        got = comm.all_reduce(x, precision="exact")
-    torch.cuda.synchronize()
-    assert_same_bits_everywhere(comm, got)
-    with collected(failures):
-        name = {launch.kernel for launch in launches}
-        assert name == {comm.select(count * 2, "bfloat16")}, name
-        reference.assert_same_bits(host(got), reference.all_reduce(name.pop(), inputs, "sum", [count]), "exact")
+    for precision in ("exact", "auto"):
+        with recorded_launches(comm) as launches:
+            got = comm.all_reduce(x, precision=precision)
+        torch.cuda.synchronize()
+        assert_same_bits_everywhere(comm, got)
+        with collected(failures):
+            name = {launch.kernel for launch in launches}
+            assert name == {comm.select(count * 2, "bfloat16")}, (precision, name)
+            reference.assert_same_bits(host(got), reference.all_reduce(name.pop(), inputs, "sum", [count]), precision)
     with recorded_launches(comm) as launches:  # float32 and max: auto keeps full precision
         comm.all_reduce(torch.ones(count, device="cuda"))
         comm.all_reduce(device(inputs[comm.rank]), op="max")
+        if comm.size == 1:  # one rank: auto keeps full precision at any size
+            comm.all_reduce(torch.ones(big, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
     assert not any(launch.kernel.startswith("quantized") for launch in launches)
     assert "int8: auto reduces" in str(comm.describe())

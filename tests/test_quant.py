@@ -102,9 +102,10 @@ def test_result_has_the_inputs_shape_and_ignores_the_padding(count):
 
 
 # ---- opt-in -------------------------------------------------------------------------------
-def _choose(precision="auto", algorithm="auto", dtype="bfloat16", op="sum", setting="int8", kernels=True,
-            arch=90):
-    return _quant.choose("all_reduce", precision, algorithm, dtype, op, setting, kernels, lambda: arch)
+def _choose(precision="auto", algorithm="auto", dtype="bfloat16", op="sum", nbytes=_quant.AUTO_MIN_BYTES,
+            nranks=2, setting="int8", kernels=True, arch=90):
+    return _quant.choose("all_reduce", precision, algorithm, dtype, op, nbytes, nranks, setting, kernels,
+                         lambda: arch)
 
 
 def test_auto_never_quantizes_without_the_opt_in():
@@ -119,6 +120,14 @@ def test_auto_quantizes_what_it_takes_once_opted_in():
     assert _choose(dtype="float32") is None and _choose(op="max") is None
     assert _choose(algorithm="twoshot") is None and _choose(kernels=False) is None
     assert _choose(precision="exact") is None
+
+
+def test_auto_quantizes_only_where_it_can_pay():
+    """Below AUTO_MIN_BYTES, or at one rank (nothing crosses a link), auto keeps full
+    precision; a format named per call still runs at any size and world size."""
+    assert _choose(nbytes=_quant.AUTO_MIN_BYTES - 2) is None and _choose(nranks=1) is None
+    assert _choose(nranks=8, nbytes=1 << 30) == "int8"
+    assert _choose(precision="int8", nbytes=64, nranks=1) == "int8"
 
 
 def test_a_format_per_call_needs_the_opt_in_and_a_call_it_takes():

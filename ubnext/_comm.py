@@ -209,7 +209,7 @@ class Communicator:
                 on it. Calls on different streams run in the order they were issued.
             precision: ``"auto"``: full precision unless the communicator opted in to the
                 quantized all-reduce (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16
-                sums and averages; ``"exact"``: full precision always; ``"int8"`` or ``"fp8"``
+                sums and averages of 16 MiB or more at 2 ranks or more; ``"exact"``: full precision always; ``"int8"`` or ``"fp8"``
                 (e4m3, sm_89+): the quantized two-shot in that format (opt-in communicators
                 only; lossy within the bound the README states, identical bits on every rank).
 
@@ -230,8 +230,8 @@ class Communicator:
         handle, owner, side, xb = self._open_call(name, x, stream)
         if op not in OPS:
             raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-        fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, self.config.quantized, self._node is not None,
-                            lambda: self._arch)
+        fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, xb.nbytes, self.size, self.config.quantized,
+                            self._node is not None, lambda: self._arch)
         algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
         if out is None:
             ob = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side), name, handle)

@@ -210,7 +210,8 @@ class Config:
         "UBNEXT_QUANTIZED", "off", _choice("off", "int8", "fp8"),
         "Opt in to the quantized two-shot all-reduce (lossy, with a stated error bound: "
         "README \"Quantized all-reduce\"): `off`, `int8` or `fp8` (e4m3, sm_89+). When set, "
-        "`auto` reduces bfloat16/float16 sums and averages in that format, and "
+        "`auto` reduces bfloat16/float16 sums and averages of 16 MiB or more at 2 ranks or "
+        "more in that format, and "
         "`precision=` can pick either format per call; it reserves the receive areas in "
         "the pool (36 MiB per rank).",
     )

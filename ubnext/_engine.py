@@ -199,8 +199,8 @@ class Engine:
             launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS["ub_twoshot"],
                                                        self._fixed + (flags, area), (state,))
         slice_groups = -(-_quant.groups(count) // self.nranks)
-        threads = THREADS[_quant.SOURCE]
-        launcher(max(1, min(self._blocks, -(-slice_groups // threads))), threads, stream, src, dst, count, sig)
+        blocks = max(1, min(self._blocks, -(-slice_groups // _quant.BLOCK_GROUPS)))
+        launcher(blocks, THREADS[_quant.SOURCE], stream, src, dst, count, sig)
 
     def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:
         """Rows one fused launch of ``algorithm`` takes (of ``rows``; 0: not even one)."""

@@ -25,7 +25,7 @@ TWOSHOT_ALIGN_VECS = 32
 #: threads of a row group (kernels/rmsnorm.cuh) and of the separate add + RMSNorm kernel
 NORM_THREADS = 1024
 #: threads per block of each all-reduce source's plain entry point (its launch bound)
-THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 256}
+THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 1024}
 #: elements per group of the quantized two-shot (one fp32 scale each; ubnext/_quant.py)
 QUANT_GROUP = 32
 #: ErrorRecord.peer of a counting wait, which waits for no rank in particular

@@ -52,6 +52,15 @@ AUTO, EXACT = "auto", "exact"
 #: 16-bit input bytes that one launch takes: the quantized receive areas are sized for it
 #: (quant_area_bytes); larger messages run in launches of this size
 LAUNCH_BYTES = 32 << 20
+#: groups of a slice that one block takes at least: a thread quantizes a whole group, so a
+#: block's 1024 threads (its launch bound) keep HBM busy on large messages, while short
+#: ones still spread over many SMs (threads past a block's part idle)
+BLOCK_GROUPS = 256
+#: the smallest message (input bytes) that ``auto`` quantizes on an opted-in communicator,
+#: and only with 2 ranks or more: below it a kernel's fixed cost dominates and the
+#: quantized two-shot, doing more arithmetic per byte, is slower than full precision
+#: (bench/NOTES.md, "Quantized two-shot kernel time"); one rank moves nothing over links
+AUTO_MIN_BYTES = 16 << 20
 #: unit roundoff of the output dtypes (half an ulp, relative)
 _UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 #: half of float16's subnormal spacing: the absolute error of rounding a tiny value to it
@@ -130,14 +139,15 @@ def compile_defines(fmt: str, dtype: str, op: str, nranks: int) -> dict[str, str
 
 
 # ---- opt-in ------------------------------------------------------------------------------
-def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, setting: str,
-           kernels: bool, arch: Callable[[], int]) -> str | None:
+def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbytes: int, nranks: int,
+           setting: str, kernels: bool, arch: Callable[[], int]) -> str | None:
     """The format a call runs in, or None for full precision. Pure.
 
     ``precision="auto"`` quantizes only where the communicator opted in (``setting``,
     ``Config.quantized``, is a format) and the call is one the quantized two-shot takes
-    (``algorithm="auto"``, a dtype of DTYPES, an op of OPS, kernels on the pool); every
-    other call keeps full precision. ``"exact"`` never quantizes; a format name asks for
+    (``algorithm="auto"``, a dtype of DTYPES, an op of OPS, kernels on the pool) where it
+    can pay: 2 ranks or more and at least AUTO_MIN_BYTES; every other call keeps full
+    precision. Every rank decides alike (the same call has the same bytes everywhere). ``"exact"`` never quantizes; a format name asks for
     that format and raises where the call cannot have it.
 
     Args:
@@ -145,6 +155,8 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, setti
         precision: one of PRECISIONS.
         algorithm: the call's ``algorithm=``.
         dtype, op: the call's.
+        nbytes: the message's bytes.
+        nranks: the communicator's size.
         setting: ``Config.quantized``.
         kernels: whether the communicator runs kernels on a symmetric pool.
         arch: returns the device's compute capability (e.g. 90); called only where a
@@ -159,7 +171,8 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, setti
     if precision == EXACT:
         return None
     if precision == AUTO:
-        if setting == "off" or algorithm != "auto" or not kernels or dtype not in DTYPES or op not in OPS:
+        if (setting == "off" or algorithm != "auto" or not kernels or dtype not in DTYPES or op not in OPS
+                or nranks < 2 or nbytes < AUTO_MIN_BYTES):
             return None
         fmt = setting
     else:
@@ -198,7 +211,8 @@ def describe(setting: str, kernels: bool) -> str:
                 "picks per call)")
     if not kernels:
         return f"{setting} requested, but this communicator runs NCCL only: every call keeps full precision"
-    return (f"{setting}: auto reduces {'/'.join(DTYPES)} {'/'.join(OPS)} in the quantized two-shot "
+    return (f"{setting}: auto reduces {'/'.join(DTYPES)} {'/'.join(OPS)} from {AUTO_MIN_BYTES >> 20} MiB "
+            f"at 2 ranks or more in the quantized two-shot "
             f"({wire_fraction(setting):.0%} of the bytes; error <= {bound(setting, 'bfloat16', 8):.4f} x the "
             f"group's magnitude for bfloat16); precision='exact' keeps a call exact")
 
@@ -208,7 +222,8 @@ def selection_note(setting: str, kernels: bool, dtype: str) -> str:
     sums and averages run quantized instead, where the communicator opted in."""
     if setting == "off" or not kernels or dtype not in DTYPES:
         return ""
-    return f"; {' and '.join(OPS)} run the quantized two-shot in {setting} instead (UBNEXT_QUANTIZED)"
+    return (f"; {' and '.join(OPS)} from {AUTO_MIN_BYTES >> 20} MiB at 2 ranks or more run the quantized "
+            f"two-shot in {setting} instead (UBNEXT_QUANTIZED)")
 
 
 # ---- host emulation, bit for bit ----------------------------------------------------------
