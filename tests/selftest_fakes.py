@@ -39,7 +39,7 @@ class FakeComm:
     def empty(self, shape, dtype):
         from ubnext._arrays import _cupy_dtype
 
-        return bench_fakes.ndarray(None, _host=np.zeros(shape, _reference.DTYPES[dtype])).view(_cupy_dtype(dtype))
+        return bench_fakes.ndarray(None, _host=np.zeros(shape, _reference.ALL_DTYPES[dtype])).view(_cupy_dtype(dtype))
 
     def all_reduce(self, x, out=None, op="sum", algorithm="auto", stream=None):
         self.calls += 1

@@ -23,7 +23,9 @@ from fake_driver import MulticastFakeDriver
 from selftest_fakes import ALL, KERNELS, FakeComm
 from thread_ranks import raise_first, run_ranks
 from ubnext import _cuda, _devices, _gate, _reference, _selfcheck, _selftest
+from ubnext._algorithms import DTYPES as ALL_DTYPES
 from ubnext._algorithms import KERNEL_DTYPES as DTYPES
+from ubnext._algorithms import TWOSHOT_ONLY_DTYPES
 from ubnext._config import Config
 from ubnext._errors import UbnextError
 from ubnext._select import buffer_limits
@@ -69,13 +71,14 @@ def test_plan_covers_every_algorithm_dtype_and_size_and_names_what_cannot_run():
     limits = buffer_limits(Config())
     cases = _selfcheck.plan(ALL, limits, {"nccl": "why"})
     assert {(c.algorithm, c.dtype, c.count) for c in cases} == {
-        (a, d, n) for a in KERNELS for d in DTYPES for n in _selfcheck.COUNTS}
+        (a, d, n) for a in KERNELS for d in DTYPES for n in _selfcheck.COUNTS} | {
+        ("twoshot", d, n) for d in TWOSHOT_ONLY_DTYPES for n in _selfcheck.COUNTS}  # the Lamport kernels: 3 dtypes
     big = _selfcheck.COUNTS[-1]
     for case in cases:
         assert case.symmetric == (case.nbytes >= _selfcheck.SYMMETRIC_BYTES)
         assert bool(case.skip) == (case.algorithm == "lamport" and case.nbytes > 1 << 20)
     assert next(c.skip for c in cases if c.skip) == "larger than UBNEXT_LAMPORT_MAX_KB=1024"
-    assert all(2 << 20 < c.nbytes < 5 << 20 for c in cases if c.count == big)  # a few MiB
+    assert all(1 << 20 < c.nbytes < 9 << 20 for c in cases if c.count == big)  # a few MiB
     assert _selfcheck.COUNTS[1] % 2 == 1
     # the first case of each kernel is its smallest (its first call compiles it)
     firsts = {}
@@ -84,7 +87,10 @@ def test_plan_covers_every_algorithm_dtype_and_size_and_names_what_cannot_run():
     assert set(firsts.values()) == {1}
     # NCCL runs in plain arrays at every size; exact inputs where the order is not the reference's
     nccl = _selfcheck.plan(["nccl", "nvls"], limits, {})
-    assert not any(c.symmetric for c in nccl if c.algorithm == "nccl") and all(c.exact for c in nccl)
+    assert {c.dtype for c in nccl if c.algorithm == "nccl"} == set(ALL_DTYPES)
+    assert {c.dtype for c in nccl if c.algorithm == "nvls"} == set(DTYPES)
+    assert not any(c.symmetric for c in nccl if c.algorithm == "nccl")
+    assert all(c.exact == (not _selfcheck.integer(c.dtype)) for c in nccl)  # integer sums: any order
     assert not any(c.exact for c in cases)
 
 
@@ -104,6 +110,23 @@ def test_inputs_are_reproducible_and_exact_where_the_order_is_unknown(dtype, nra
     exact = _selfcheck.make_inputs(dtype, count, nranks, exact=True)
     want = np.sum([x.astype(np.float64) for x in exact], axis=0)
     assert np.array_equal(_reference.exact(exact).astype(np.float64), want)  # raises if not exact
+
+
+@pytest.mark.parametrize("dtype", TWOSHOT_ONLY_DTYPES)
+def test_inputs_of_the_other_dtypes_reach_their_extremes(dtype):
+    """float64: as the other floats (NaN, inf, -0.0); integers: never zero, the largest
+    value at element 6, so that sums wrap; NCCL's and the two-shot's references agree."""
+    inputs = _selfcheck.make_inputs(dtype, 5000, 4, exact=False)
+    x0 = inputs[0]
+    assert x0.dtype == _reference.ALL_DTYPES[dtype]
+    if _selfcheck.integer(dtype):
+        assert (x0 != 0).all() and x0[6] == np.iinfo(x0.dtype).max
+        assert np.array_equal(_selfcheck.expected("nccl", inputs), _selfcheck.expected("twoshot", inputs))
+        assert _selfcheck.poison(dtype) != 0 and _selfcheck.make_inputs(dtype, 9, 2, exact=True)[0].any()
+    else:
+        assert np.isnan(x0[5]) and np.isinf(x0[3]) and np.signbit(x0[1]) and x0[1] == 0
+        exact = _selfcheck.make_inputs(dtype, 5000, 4, exact=True)
+        assert np.array_equal(_selfcheck.expected("nccl", exact), np.sum(exact, axis=0))
 
 
 def test_check_passes_the_reference_and_catches_any_wrong_bit():
@@ -144,18 +167,20 @@ def test_all_pass_prints_one_table_and_exits_0(fake_cupy):
     assert status == 0, out + err
     assert err == "" and comm.closed
     rows = table(out)
-    assert len(rows) == len(KERNELS) * len(DTYPES) * len(SMALL)
+    checks = (len(KERNELS) * len(DTYPES) + len(TWOSHOT_ONLY_DTYPES)) * len(SMALL)  # the two-shot: every dtype
+    assert len(rows) == checks == 48
+    assert {r[1] for r in rows if r[0] == "twoshot"} == set(ALL_DTYPES)
     assert all(r[5] == "pass" and float(r[6]) >= 0 for r in rows)
     lines = out.splitlines()
-    assert lines[0].startswith("ubnext ") and "selftest: 27 checks on 1 rank(s)" in lines[0]
+    assert lines[0].startswith("ubnext ") and "selftest: 48 checks on 1 rank(s)" in lines[0]
     assert lines[1] == "devices by rank: 0 (Fake GPU)"
     assert lines[2].split() == ["algorithm", "dtype", "elements", "bytes", "memory", "result", "us/call"]
     compile_line = [line for line in lines if line.startswith("kernel compile: ")]
-    assert len(compile_line) == 1 and " s for 9 kernels (the first call of each" in compile_line[0]
-    assert lines[-1].startswith("selftest passed: 27 checks on 1 rank(s), 0 not run; ")
+    assert len(compile_line) == 1 and " s for 16 kernels (the first call of each" in compile_line[0]
+    assert lines[-1].startswith("selftest passed: 48 checks on 1 rank(s), 0 not run; ")
     assert lines[-1].endswith(f" s (budget with a cold kernel cache: {_selfcheck.BUDGET_S} s)")
     # one checked call and CALLS timed calls per case
-    assert comm.calls == 27 * (1 + _selfcheck.CALLS)
+    assert comm.calls == 48 * (1 + _selfcheck.CALLS)
 
 
 @pytest.mark.parametrize("fault, says", [
@@ -175,7 +200,7 @@ def test_a_fault_in_one_case_exits_1_naming_it(fake_cupy, fault, says):
     assert failed[0][6:8] == ["rank", "0"]
     lines = out.splitlines()
     assert f"FAIL twoshot float16 1001 elements, rank 0: {says}" in "\n".join(lines)
-    assert lines[-1].startswith("selftest FAILED: 1 of 27 checks on 1 rank(s)")
+    assert lines[-1].startswith("selftest FAILED: 1 of 48 checks on 1 rank(s)")
 
 
 def test_lamport_past_its_buffers_is_not_run_and_says_which_setting(fake_cupy):
@@ -200,7 +225,7 @@ def test_nccl_runs_on_exact_inputs_where_it_loads(fake_cupy, monkeypatch):
     monkeypatch.setattr(_devices, "device_uuid", lambda ordinal: "GPU-0")
     status, out, _, _ = selftest(bench_fakes.Bootstrap())
     assert status == 0
-    assert len([r for r in table(out) if r[0] == "nccl" and r[5] == "pass"]) == len(DTYPES) * len(SMALL)
+    assert len([r for r in table(out) if r[0] == "nccl" and r[5] == "pass"]) == len(ALL_DTYPES) * len(SMALL)
     assert "NCCL setup (its first call): " in out
 
 

@@ -59,6 +59,8 @@ DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float
 #: the dtypes that among ubnext's kernels only the barrier two-shot reduces
 #: (ubnext._algorithms.TWOSHOT_ONLY_DTYPES): float64 and the 8-, 32- and 64-bit integers
 TWOSHOT_ONLY = {name: np.dtype(name) for name in ("float64", "int8", "uint8", "int32", "uint32", "int64", "uint64")}
+#: every dtype name of ubnext -> its numpy dtype
+ALL_DTYPES = {**DTYPES, **TWOSHOT_ONLY}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _F32 = np.float32
 #: values whose sums ``exact`` predicts in any order are multiples of this

@@ -20,12 +20,12 @@ import ml_dtypes
 import numpy as np
 
 from . import _reference
-from ._algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
+from ._algorithms import ALGORITHMS, DTYPES
 from ._select import Limits, bound
 
 #: elements of the checked messages: one, an odd size (not a whole 16-byte vector, under
 #: the Lamport one-shot's default bound in every dtype) and a few MiB (2 MiB + 6 B in 16-bit
-#: dtypes, 4 MiB + 12 B in fp32)
+#: dtypes, 4 MiB + 12 B in 32-bit ones, 1 MiB + 3 B in 8-bit ones, 8 MiB + 24 B in 64-bit ones)
 COUNTS = (1, 100_001, (1 << 20) + 3)
 #: messages of at least this many bytes run in ``comm.empty()`` buffers (symmetric memory:
 #: the kernels reduce them without a staging copy, the two-shot in one launch at any size);
@@ -36,7 +36,8 @@ CALLS = 10
 #: seed of the inputs
 SEED = 20
 #: seconds the selftest takes at most with a cold kernel cache, up to 8 ranks (README:
-#: "Selftest"): the first calls compile 9 kernels (NVRTC: 7-13 s for all 9 in one process),
+#: "Selftest"): the first calls compile 16 kernels (NVRTC: 7-13 s for the 9 of the 16-bit
+#: and fp32 dtypes in one process; the barrier two-shot of 7 more dtypes),
 #: NCCL sets up, and each rank computes the references (2.3 s at 8 ranks); with NVLink
 #: multicast 6 more kernels (6 s) and their checks
 BUDGET_S, NVLS_BUDGET_S = 60, 90
@@ -65,8 +66,9 @@ class Case:
 
     @property
     def exact(self) -> bool:
-        """Whether the inputs must be exact: the reference does not know the algorithm's order."""
-        return self.algorithm not in _reference.ALL_REDUCE
+        """Whether the inputs must be exact: the reference does not know the algorithm's
+        order, and the dtype is floating (integer sums wrap alike in any order)."""
+        return self.algorithm not in _reference.ALL_REDUCE and not integer(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,10 +117,16 @@ class Row:
     us: float | None = None
 
 
+def integer(dtype: str) -> bool:
+    """Whether ``dtype`` (a name of ``DTYPES``) is an integer type."""
+    return _reference.ALL_DTYPES[dtype].kind in "iu"
+
+
 def plan(algorithms: Sequence[str], limits: Limits, unavailable: dict[str, str],
-         dtypes: Sequence[str] = KERNEL_DTYPES, counts: Sequence[int] | None = None) -> list[Case]:
+         dtypes: Sequence[str] = tuple(DTYPES), counts: Sequence[int] | None = None) -> list[Case]:
     """The cases, by dtype, then size, then algorithm (the first case of each kernel is its
-    smallest). Pure.
+    smallest); an algorithm only in the dtypes it reduces (the Lamport and multicast
+    kernels: bfloat16, float16, float32). Pure.
 
     Args:
         algorithms: ``comm.algorithms()``.
@@ -130,7 +138,7 @@ def plan(algorithms: Sequence[str], limits: Limits, unavailable: dict[str, str],
     for dtype in dtypes:
         for count in COUNTS if counts is None else counts:
             for name in algorithms:
-                if name in unavailable:
+                if name in unavailable or not ALGORITHMS[name].supports(dtype, "sum"):
                     continue
                 nbytes = count * DTYPES[dtype][1]
                 setting = bound(name, nbytes, limits)
@@ -148,12 +156,21 @@ def make_inputs(dtype: str, count: int, nranks: int, exact: bool, seed: int = SE
     (overflow from two ranks on), and ``_reference.order_probe`` at every 1024th from
     element 8 (the reduction order shows in every dtype there). With ``exact``: nonzero
     multiples of ``_reference.EXACT_QUANTUM``, small enough that every partial sum over
-    ``nranks`` is exact in bfloat16 (``_reference.exact``).
+    ``nranks`` is exact in bfloat16 (``_reference.exact``). Integers: uniform over the
+    whole range, never zero, the largest value at element 6 (sums wrap from two ranks on);
+    ``exact`` changes nothing for them (any order gives the same bits).
     """
-    npdtype = _reference.DTYPES[dtype]
+    npdtype = _reference.ALL_DTYPES[dtype]
     inputs = []
     for rank in range(nranks):
         rng = np.random.default_rng([seed, rank, count, int(exact)])
+        if integer(dtype):
+            info = np.iinfo(npdtype)
+            x = rng.integers(info.min, info.max, count, dtype=npdtype, endpoint=True)
+            x[x == 0] = 1
+            x[6:7] = info.max
+            inputs.append(x)
+            continue
         if exact:
             top = max(1, min(16, 256 // nranks))  # |sum| <= nranks * top / 2 <= 128: 8 bits of 0.5
             k = rng.integers(1, top + 1, count) * (rng.integers(0, 2, count) * 2 - 1)
@@ -178,7 +195,18 @@ def expected(algorithm: str, inputs: Sequence[np.ndarray]) -> np.ndarray:
     barrier two-shot: its messages here fit the staging slot or are symmetric memory)."""
     if algorithm in _reference.ALL_REDUCE:
         return _reference.all_reduce(algorithm, inputs, "sum")
+    if inputs[0].dtype.kind in "iu":
+        return _reference.integer(inputs, "sum")
     return _reference.exact(inputs, "sum")
+
+
+def poison(dtype: str) -> int:
+    """The bits an output is filled with before a call: NaN for floating types, 0x5A in
+    every byte for integers (a value the checked sums hardly ever take)."""
+    npdtype = _reference.ALL_DTYPES[dtype]
+    if integer(dtype):
+        return int.from_bytes(b"\x5a" * npdtype.itemsize, "little")
+    return int(_reference.bits(np.full(1, np.nan, npdtype))[0])
 
 
 def check(case: Case, inputs: Sequence[np.ndarray], rank: int, got: np.ndarray, x_after: np.ndarray) -> str:

@@ -96,7 +96,7 @@ def _run_case(comm, case, inputs, stream, calls: int, first: bool) -> _selfcheck
         x, out = _array(comm, case), _array(comm, case)
         _bits(x).set(_reference.bits(inputs[comm.rank]), stream=stream)
         with stream:
-            _bits(out).fill(_reference.bits(np.full(1, np.nan, _reference.DTYPES[case.dtype]))[0])
+            _bits(out).fill(_selfcheck.poison(case.dtype))
         stream.synchronize()
 
         def call():
@@ -130,7 +130,7 @@ def _array(comm, case):
 
 
 def _bits_dtype(dtype: str) -> np.dtype:
-    return _reference.bits(np.zeros(1, _reference.DTYPES[dtype])).dtype
+    return _reference.bits(np.zeros(1, _reference.ALL_DTYPES[dtype])).dtype
 
 
 def _bits(array):
@@ -140,7 +140,7 @@ def _bits(array):
 def _host(array, dtype: str, stream) -> np.ndarray:
     bits = _bits(array).get(stream=stream)
     stream.synchronize()
-    return bits.view(_reference.DTYPES[dtype])
+    return bits.view(_reference.ALL_DTYPES[dtype])
 
 
 def main(nvls: bool = False, communicator: Callable[..., Any] | None = None,
