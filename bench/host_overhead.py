@@ -11,9 +11,16 @@ For each message size (bf16 torch tensors unless said), every candidate is calle
   launch queue: the larger of host and GPU time per call).
 
 Candidates: ``ubnext out=`` (a preallocated output), ``ubnext in-place``, ``ubnext new``
-(the call allocates the output), ``ubnext cupy`` (CuPy arrays, out=), and
-``torch.distributed`` (``dist.all_reduce``, in place). Maximum over ranks, median of
-``--repeats``. Rank 0 prints a table and writes ``<outdir>/<name>.json`` and ``.png``.
+(the call allocates the output), ``ubnext cupy`` (CuPy arrays, out=), ``ubnext fused``
+(``all_reduce_add_rmsnorm`` of rows of up to 4096 with a residual, preallocated outputs),
+``torch op`` (``torch.ops.ubnext.all_reduce_``, in place), ``torch.distributed``
+(``dist.all_reduce``, in place), and ``floor``: the fastest public launch path from
+Python, an empty kernel with the all-reduce's 11 parameters through cuda.bindings'
+``cuLaunchKernel`` with a prebuilt pack (bench/launch_floor.py; its ``total`` is the
+empty kernel's, not a collective's). Candidates are sampled in interleaved rounds, the
+order rotated each round (this host's speed drifts by phases). Maximum over ranks,
+median of ``--repeats``. Rank 0 prints a table and writes ``<outdir>/<name>.json`` and
+``.png``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from bench import _common as common  # noqa: E402
 from bench import _torchbench as tb  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CANDIDATES = ("ubnext out=", "ubnext in-place", "ubnext new", "ubnext cupy", "torch.distributed")
+CANDIDATES = ("ubnext out=", "ubnext in-place", "ubnext new", "ubnext cupy", "ubnext fused", "torch op",
+              "torch.distributed", "floor")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -49,18 +57,29 @@ def candidates(comm, nbytes: int, dtype: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    import ubnext.torch
+    from bench.launch_floor import launch_candidates
     from ubnext._arrays import wrap
 
     count = nbytes // {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
     x = torch.randn(count, device="cuda").to(getattr(torch, dtype))
     y = torch.empty_like(x)
     cx, cy = (wrap(t.data_ptr(), (count,), dtype, comm.device, "cupy", t) for t in (x.clone(), y.clone()))
+    hidden = min(count, 4096)  # rows of a model's hidden size (whole rows: sizes are powers of 2)
+    row = x.view(-1, hidden)
+    residual, weight = torch.randn_like(row), torch.ones(hidden, device="cuda", dtype=x.dtype)
+    normed, res_out = torch.empty_like(row), torch.empty_like(row)
+    op, group = torch.ops.ubnext.all_reduce_, ubnext.torch.handle(comm)
+    floor = launch_candidates()["cuda.bindings cuLaunchKernel"]
     return dict(zip(CANDIDATES, (
         lambda: comm.all_reduce(x, out=y),
         lambda: comm.all_reduce(x, out=x),
         lambda: comm.all_reduce(x),
         lambda: comm.all_reduce(cx, out=cy),
+        lambda: comm.all_reduce_add_rmsnorm(row, residual, weight, out=normed, residual_out=res_out),
+        lambda: op(x, "sum", group),
         lambda: dist.all_reduce(x),
+        floor,
     )))
 
 
@@ -88,10 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 def run(comm, args, argv) -> int:
     records = []
     for nbytes in args.bytes:
-        for name, fn in candidates(comm, nbytes, args.dtype).items():
+        found = candidates(comm, nbytes, args.dtype)
+        for fn in found.values():
             for _ in range(20):  # warm up: compiles, allocator caches
                 fn()
-            runs = [sample(fn, args.iters, comm.bootstrap) for _ in range(args.repeats)]
+        names, samples = list(found), {name: [] for name in found}
+        for r in range(args.repeats):  # interleaved rounds, the order rotated each round
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                samples[name].append(sample(found[name], args.iters, comm.bootstrap))
+        for name, runs in samples.items():
             records.append({"bytes": nbytes, "candidate": name,
                             "host_us": tb.median([h for h, _ in runs]), "total_us": tb.median([t for _, t in runs]),
                             "host_samples_us": [h for h, _ in runs], "total_samples_us": [t for _, t in runs]})
