@@ -72,10 +72,10 @@ def launch_candidates():
     launcher = Launcher(kernel, types, prefix=(1, 2, 3))
     args = (cupy.uint64(1), cupy.uint64(2), cupy.int32(3)) + tuple(cupy.uint64(v) for v in range(8))
 
-    keep = (slots, pack)  # the pack's memory, read through pack_ptr: the dict below keeps it
+    keep = (slots, pack)  # the pack's memory, read through pack_ptr: every launcher below keeps it
 
     def bindings(params):
-        def launch():
+        def launch(_keep=keep):
             (err,) = driver.cuLaunchKernel(cu_func, 1, 1, 1, 32, 1, 1, 0, stream, params, 0)
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"cuLaunchKernel: {err}")

@@ -277,6 +277,36 @@ def test_in_place_and_out_of_place():
         assert torch.equal(y, torch.full((6,), 3.0)) and torch.equal(t, torch.full((6,), 3.0))
 
 
+@pytest.mark.parametrize("name", ["all_reduce_", "reduce_scatter_", "all_gather_"])
+def test_ops_that_write_in_place_bump_the_version_autograd_checks(name, monkeypatch):
+    """The kernels write through raw pointers, which torch does not see: the ops bump the
+    written tensor's version, so a tensor saved for backward and then overwritten raises
+    instead of giving a wrong gradient. The fake collectives here write nothing (the
+    fakes' own copy_ would bump the version itself)."""
+    for method in ("all_reduce", "reduce_scatter", "all_gather"):
+        monkeypatch.setattr(ThreadComm, method, lambda self, x, out=None, op="sum": x if out is None else out)
+
+    def body(comm):
+        h = ut.handle(comm)
+        a = torch.ones(8, requires_grad=True)
+        b = a * 2
+        c = b * b  # saves b for backward
+        before = b._version
+        op = getattr(torch.ops.ubnext, name)
+        with torch.no_grad():
+            if name == "all_reduce_":
+                op(b, "sum", h)
+            elif name == "reduce_scatter_":
+                op(b, torch.ones(8), "sum", h)
+            else:
+                op(b, torch.ones(8), h)
+        assert b._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            c.sum().backward()
+
+    one_rank(body)
+
+
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_distributed_forms_write_into_output(size):
     """reduce_scatter_tensor and all_gather_into_tensor write into output (torch.distributed's
