@@ -147,8 +147,9 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbyte
     ``Config.quantized``, is a format) and the call is one the quantized two-shot takes
     (``algorithm="auto"``, a dtype of DTYPES, an op of OPS, kernels on the pool) where it
     can pay: 2 ranks or more and at least AUTO_MIN_BYTES; every other call keeps full
-    precision. Every rank decides alike (the same call has the same bytes everywhere). ``"exact"`` never quantizes; a format name asks for
-    that format and raises where the call cannot have it.
+    precision. Every rank decides alike (the same call has the same bytes everywhere).
+    ``"exact"`` never quantizes; a format name asks for that format and raises where the
+    call cannot have it.
 
     Args:
         name: the calling operation, for messages.
