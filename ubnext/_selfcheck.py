@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _reference
-from ._algorithms import ALGORITHMS, DTYPES
+from ._algorithms import ALGORITHMS, DTYPES, FLOAT_DTYPES
 from ._select import Limits, bound
 
 #: elements of the checked messages: one, an odd size (not a whole 16-byte vector, under
@@ -119,7 +119,7 @@ class Row:
 
 def integer(dtype: str) -> bool:
     """Whether ``dtype`` (a name of ``DTYPES``) is an integer type."""
-    return _reference.ALL_DTYPES[dtype].kind in "iu"
+    return dtype not in FLOAT_DTYPES
 
 
 def plan(algorithms: Sequence[str], limits: Limits, unavailable: dict[str, str],
