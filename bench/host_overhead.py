@@ -26,6 +26,7 @@ median of ``--repeats``. Rank 0 prints a table and writes ``<outdir>/<name>.json
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -65,7 +66,7 @@ def candidates(comm, nbytes: int, dtype: str) -> dict:
     x = torch.randn(count, device="cuda").to(getattr(torch, dtype))
     y = torch.empty_like(x)
     cx, cy = (wrap(t.data_ptr(), (count,), dtype, comm.device, "cupy", t) for t in (x.clone(), y.clone()))
-    hidden = min(count, 4096)  # rows of a model's hidden size (whole rows: sizes are powers of 2)
+    hidden = math.gcd(count, 4096)  # whole rows of up to a model's hidden size
     row = x.view(-1, hidden)
     residual, weight = torch.randn_like(row), torch.ones(hidden, device="cuda", dtype=x.dtype)
     normed, res_out = torch.empty_like(row), torch.empty_like(row)
