@@ -15,12 +15,6 @@
 
 template <int N> __device__ __forceinline__ u64 buffer_bytes(u64 slot_bytes) { return N * (slot_bytes + kVec); }
 
-// Pushes this rank's signature into its header of the current buffer of every rank.
-template <int N, class Tp>
-__device__ void lamport_push_signature(const Tp& tp, const LamportLaunch& l, u64 slot_bytes, u64 sig) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) tp.push_all(l.cur + N * slot_bytes + tp.rank * kVec, pack_signature(sig));
-}
-
 // Re-poisons the previous launch's slots and headers in this rank's segment.
 template <class T, int N>
 __device__ void lamport_repoison_slots(char* mine, const LamportLaunch& l, u64 slot_bytes) {
@@ -44,21 +38,23 @@ __device__ void lamport_allreduce(const Tp& tp, u64 set_off, u64 slot_bytes, con
 
   // 1. Push: my signature and input into header and slot [rank] of the current buffer of
   //    every rank.
-  lamport_push_signature<N>(tp, l, slot_bytes, sig);
+  push_signature(tp, l.cur + N * slot_bytes, sig);
   for (u64 i = first; i < span.nvec; i += step) {
     tp.push_all(l.cur + tp.rank * slot_bytes + i * kVec, clear_sentinel<T>(i == first ? v0 : span.load(x, i)));
   }
   // 2. Re-poison the previous launch's buffer in my own segment.
   char* mine = tp.seg(tp.rank);
   lamport_repoison_slots<T, N>(mine, l, slot_bytes);
-  // 3. Poll my copy of every slot until it has arrived (the first vector's loads are in
-  //    flight while the block checks the signatures), reduce in rank order, store.
+  // 3. Poll my copy of every slot until it has arrived (the first vector together with
+  //    the signatures, stored once the block agrees), reduce in rank order, store.
   uint4 v[N];
-  if (first < span.nvec) lamport_load<N>(mine + l.cur, slot_bytes, first, v);
-  lamport_agree<T, N>(mine + l.cur + N * slot_bytes, sig, c);
-  for (u64 i = first; i < span.nvec; i += step) {
-    if (i != first) lamport_load<N>(mine + l.cur, slot_bytes, i, v);
-    span.store(out, i, settle<T>(lamport_collect<T, Op, N>(mine + l.cur, slot_bytes, i, v, c)));
+  const bool has = first < span.nvec;
+  if (has) lamport_load<N>(mine + l.cur, slot_bytes, first, v);
+  const uint4 r0 = lamport_collect_first<T, Op, N>(mine + l.cur, slot_bytes, first, v, has,
+                                                   mine + l.cur + N * slot_bytes, sig, c);
+  if (has) span.store(out, first, settle<T>(r0));
+  for (u64 i = first + step; i < span.nvec; i += step) {
+    span.store(out, i, settle<T>(lamport_reduce<T, Op, N>(mine + l.cur, slot_bytes, i, c)));
   }
   finish_launch(c, l.s, (u32)span.nvec);
 }
@@ -82,7 +78,7 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
   const LamportLaunch l = lamport_begin(state, set_off, buffer_bytes<N>(slot_bytes));
   WaitCtx c = wait_ctx(state, tp.rank);
 
-  lamport_push_signature<N>(tp, l, slot_bytes, sig);
+  push_signature(tp, l.cur + N * slot_bytes, sig);
   for (u64 i = first; i < end; i += blockDim.x) {
     tp.push_all(l.cur + tp.rank * slot_bytes + i * kVec, clear_sentinel<T>(i == first ? v0 : ld_weak(x + i * kVec)));
   }

@@ -61,44 +61,6 @@ template <class T> __device__ void lamport_repoison(char* p, u64 vecs) {
   }
 }
 
-// Waits until v, loaded from p (pushed by `peer`), has no sentinel left, re-reading p;
-// false if the wait gave up (sync.cuh: spin), or if the communicator has failed for this
-// thread: data that arrived then is not used either (it may be another launch's).
-template <class T>
-__device__ __forceinline__ bool lamport_wait(const char* p, uint4& v, WaitCtx& c, int peer) {
-  if (!has_sentinel<T>(v)) return !c.failed;
-  return spin(c, peer, kSiteLamportPoll, [&] {
-    v = ld_volatile(p);
-    return !has_sentinel<T>(v);
-  });
-}
-
-// Loads vector i of slots 0..N-1 (slot r at buf + r * slot_bytes, pushed by rank r).
-template <int N>
-__device__ __forceinline__ void lamport_load(const char* buf, u64 slot_bytes, u64 i, uint4 (&v)[N]) {
-#pragma unroll
-  for (int r = 0; r < N; ++r) v[r] = ld_volatile(buf + r * slot_bytes + i * kVec);
-}
-
-// Waits until each of the N vectors loaded by lamport_load has arrived, then reduces
-// them in rank order and packs the result as T; poison if a wait gave up.
-template <class T, class Op, int N>
-__device__ uint4 lamport_collect(const char* buf, u64 slot_bytes, u64 i, uint4 (&v)[N], WaitCtx& c) {
-  bool ok = true;
-#pragma unroll
-  for (int r = 0; r < N; ++r) ok &= lamport_wait<T>(buf + r * slot_bytes + i * kVec, v[r], c, r);
-  return ok ? reduce_vectors<T, Op, N>(v) : Vec<T>::poison();
-}
-
-// Polls vector i of slots 0..N-1 until each has arrived, reduces them in rank order (all
-// N loads are issued before the first wait); poison if a wait gave up.
-template <class T, class Op, int N>
-__device__ uint4 lamport_reduce(const char* buf, u64 slot_bytes, u64 i, WaitCtx& c) {
-  uint4 v[N];
-  lamport_load<N>(buf, slot_bytes, i, v);
-  return lamport_collect<T, Op, N>(buf, slot_bytes, i, v, c);
-}
-
 // ---- call signatures (ubnext._signature) ---------------------------------------------
 // Every rank pushes its call's 64-bit signature into a header vector of each receiving
 // rank beside the data; a receiver compares every rank's with its own before it uses the
@@ -121,24 +83,120 @@ __device__ __forceinline__ u64 unpack_signature(const uint4& v) {
   return s;
 }
 
-// Every block calls it before its threads use pushed data: thread r < N waits for the
-// signature rank r pushed at headers + r * kVec and compares it with `sig`. Returns, in
-// every thread of the block, whether every rank called alike; a difference fails the
-// communicator (kFailMismatch, both signatures recorded).
+// Waits until v, loaded from p (pushed by `peer`), has no sentinel left, re-reading p;
+// false if the wait gave up (sync.cuh: spin), or if the communicator has failed for this
+// thread: data that arrived then is not used either (it may be another launch's).
+template <class T>
+__device__ __forceinline__ bool lamport_wait(const char* p, uint4& v, WaitCtx& c, int peer) {
+  if (!has_sentinel<T>(v)) return usable(c);
+  return spin(c, [=] { return peer; }, kSiteLamportPoll, [&] {
+    v = ld_volatile(p);
+    return !has_sentinel<T>(v);
+  });
+}
+
+// Loads vector i of slots 0..N-1 (slot r at buf + r * slot_bytes, pushed by rank r).
+template <int N>
+__device__ __forceinline__ void lamport_load(const char* buf, u64 slot_bytes, u64 i, uint4 (&v)[N]) {
+#pragma unroll
+  for (int r = 0; r < N; ++r) v[r] = ld_volatile(buf + r * slot_bytes + i * kVec);
+}
+
+// Waits until none of the vectors this thread wants holds the sentinel: when `data`, v[r]
+// (vector i of slot r at buf + r * slot_bytes, pushed by rank r) for every r; when
+// `header`, h (rank threadIdx.x's call signature, at hdr: see below), which must then
+// agree with `sig`: a difference fails the communicator at once (kFailMismatch, both
+// signatures recorded), so no thread keeps waiting for data that a peer called
+// differently will never send. Each round reloads every vector still pending, so vectors
+// that arrive together cost one load latency, not one each. False as lamport_wait; a
+// timeout names the lowest rank still pending.
 template <class T, int N>
-__device__ bool lamport_agree(const char* headers, u64 sig, WaitCtx& c) {
-  bool ok = true;
-  const int r = threadIdx.x;
-  if (r < N) {
-    uint4 h = ld_volatile(headers + r * kVec);
-    ok = lamport_wait<T>(headers + r * kVec, h, c, r);
+__device__ __forceinline__ bool lamport_arrive(const char* buf, u64 slot_bytes, u64 i, uint4 (&v)[N], bool data,
+                                               const char* hdr, uint4& h, bool header, u64 sig, WaitCtx& c) {
+  const auto pending = [&] {
+    u32 m = header && has_sentinel<T>(h) ? 1u << N : 0u;
+#pragma unroll
+    for (int r = 0; r < N; ++r) m |= data && has_sentinel<T>(v[r]) ? 1u << r : 0u;
+    return m;
+  };
+  u32 m = pending();
+  bool compared = !header;
+  const auto differs = [&] {  // once h has arrived: whether its signature differs (then fails)
+    if (compared || (m >> N & 1u)) return false;
+    compared = true;
     const u64 theirs = unpack_signature(h);
-    if (ok && theirs != sig) {
-      fail(c, kFailMismatch, r, 0, sig, theirs);
-      ok = false;
+    if (theirs != sig) fail(c, kFailMismatch, (int)threadIdx.x, 0, sig, theirs);
+    return theirs != sig;
+  };
+  if (differs()) return false;
+  if (m == 0u) return usable(c);
+  const auto peer = [&] { return __ffs(m) - 1 < N ? __ffs(m) - 1 : (int)threadIdx.x; };
+  return spin(c, peer, kSiteLamportPoll, [&] {
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      if (m >> r & 1u) v[r] = ld_volatile(buf + r * slot_bytes + i * kVec);
     }
-  }
+    if (m >> N & 1u) h = ld_volatile(hdr);
+    m = pending();
+    return differs() || m == 0u;
+  }) && !c.failed;
+}
+
+// Waits until each of the N vectors loaded by lamport_load has arrived, then reduces
+// them in rank order and packs the result as T; poison if a wait gave up.
+template <class T, class Op, int N>
+__device__ uint4 lamport_collect(const char* buf, u64 slot_bytes, u64 i, uint4 (&v)[N], WaitCtx& c) {
+  uint4 h;
+  const bool ok = lamport_arrive<T, N>(buf, slot_bytes, i, v, true, nullptr, h, false, 0, c);
+  return ok ? reduce_vectors<T, Op, N>(v) : Vec<T>::poison();
+}
+
+// Polls vector i of slots 0..N-1 until each has arrived, reduces them in rank order (all
+// N loads are issued before the first wait); poison if a wait gave up.
+template <class T, class Op, int N>
+__device__ uint4 lamport_reduce(const char* buf, u64 slot_bytes, u64 i, WaitCtx& c) {
+  uint4 v[N];
+  lamport_load<N>(buf, slot_bytes, i, v);
+  return lamport_collect<T, Op, N>(buf, slot_bytes, i, v, c);
+}
+
+// ---- signature checks ----------------------------------------------------------------
+// Pushes this rank's call signature into header [rank] (at hdr + rank * kVec) of every
+// rank: before the data, so that it arrives with them.
+template <class Tp> __device__ void push_signature(const Tp& tp, u64 hdr, u64 sig) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) tp.push_all(hdr + tp.rank * kVec, pack_signature(sig));
+}
+
+// The block's vote: whether every thread's waits succeeded (and so every rank's signature
+// agreed), in every thread of the block; after a failure every thread gives up.
+__device__ __forceinline__ bool block_vote(bool ok, WaitCtx& c) {
   ok = __syncthreads_and(ok);
   c.failed |= !ok;
   return ok;
+}
+
+// Every block calls it before its threads use pushed data: thread r < N waits for the
+// signature rank r pushed at headers + r * kVec and compares it with `sig`; then the block
+// votes. True in every thread if every rank called alike.
+template <class T, int N>
+__device__ bool lamport_agree(const char* headers, u64 sig, WaitCtx& c) {
+  const bool header = threadIdx.x < N;
+  const char* hdr = headers + threadIdx.x * kVec;
+  uint4 h = header ? ld_volatile(hdr) : make_uint4(0u, 0u, 0u, 0u), none[N];
+  return block_vote(lamport_arrive<T, N>(nullptr, 0, 0, none, false, hdr, h, header, sig, c), c);
+}
+
+// The first vector of a thread's loop, with the block's signature check: as
+// lamport_collect when `data` (v loaded by lamport_load), thread r < N polling rank r's
+// header in the same rounds (it was pushed just before the data), then the block's vote
+// before any result is used. Every thread of the block calls it; the result is poison
+// unless every wait succeeded and every rank called alike.
+template <class T, class Op, int N>
+__device__ uint4 lamport_collect_first(const char* buf, u64 slot_bytes, u64 i, uint4 (&v)[N], bool data,
+                                       const char* headers, u64 sig, WaitCtx& c) {
+  const bool header = threadIdx.x < N;
+  const char* hdr = headers + threadIdx.x * kVec;
+  uint4 h = header ? ld_volatile(hdr) : make_uint4(0u, 0u, 0u, 0u);
+  const bool ok = block_vote(lamport_arrive<T, N>(buf, slot_bytes, i, v, data, hdr, h, header, sig, c), c);
+  return ok ? reduce_vectors<T, Op, N>(v) : Vec<T>::poison();
 }

@@ -3,12 +3,12 @@
 // NVLink.
 //
 // Rank r owns slice r of the message. Every rank
-//   1. pushes slice s of its input into slot [rank] of rank s's reduce-scatter area, and
-//      its call signature into header [rank] there,
+//   1. pushes its call signature into header [rank] of every rank's reduce-scatter area,
+//      then slice s of its input into slot [rank] of rank s's reduce-scatter area,
 //   2. re-poisons the previous launch's buffer in its own segment,
-//   3. checks every rank's signature against its own, polls the N slots of its own slice,
-//      reduces them in rank order, pushes the result into every other rank's all-gather
-//      area and writes it to `out`,
+//   3. polls the N slots of its own slice, reduces them in rank order, pushes the result
+//      into every other rank's all-gather area and writes it to `out` (the first vectors
+//      once every rank's signature has arrived and agrees with its own),
 //   4. polls the other slices in its all-gather area and writes them to `out`.
 // A peer needs this rank's step-3 data of a launch to finish that launch, so it is at
 // most one launch ahead, as in the one-shot kernel.
@@ -65,19 +65,17 @@ __device__ void push_slices(const Tp& tp, u64 rs, u64 slice, u64 nvec, BlockPart
 // The headers of a reduce-scatter area: its last N vectors.
 template <int N> __device__ __forceinline__ u64 headers(u64 rs, u64 area_bytes) { return rs + area_bytes - N * kVec; }
 
-// Step 1 and 2 of both kernels, the signature's part: pushes this rank's signature into
-// header [rank] of every rank's current reduce-scatter area; re-poisons the headers of the
-// previous launch's reduce-scatter area in this rank's segment.
-template <class T, int N, class Tp>
-__device__ void signature_push_repoison(const Tp& tp, const LamportLaunch& l, u64 area_bytes, u64 sig) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) tp.push_all(headers<N>(l.cur, area_bytes) + tp.rank * kVec, pack_signature(sig));
-  lamport_repoison<T>(tp.seg(tp.rank) + headers<N>(l.old, area_bytes), N);
+// Step 1 of every kernel of the family, first: pushes this rank's signature into header
+// [rank] of every rank's current reduce-scatter area.
+template <int N, class Tp>
+__device__ void lamport_twoshot_sign(const Tp& tp, const LamportLaunch& l, u64 area_bytes, u64 sig) {
+  push_signature(tp, headers<N>(l.cur, area_bytes), sig);
 }
 
-// Step 3 of the all-reduce and the reduce-scatter: checks the signatures (the first
-// vector's loads in flight meanwhile), then polls the N slots of vector j of this rank's
-// slice (i = rank * slice + j < nvec) in the reduce-scatter area at rs, reduces them in
-// rank order (-0.0 cleared from the result, so that every rank stores the same bits) and
+// Step 3 of the all-reduce and the reduce-scatter: polls the N slots of vector j of this
+// rank's slice (i = rank * slice + j < nvec) in the reduce-scatter area at rs (the first
+// one together with the signatures, emitted once the block agrees), reduces them in rank
+// order (-0.0 cleared from the result, so that every rank stores the same bits) and
 // calls emit(i, j, r); after a failure r is poison, which goes the same way, so the other
 // ranks finish with poison, not waits.
 template <class T, class Op, int N, class Tp, class Emit>
@@ -86,14 +84,14 @@ __device__ void lamport_reduce_own(const Tp& tp, u64 rs, u64 area_bytes, u64 sli
   const char* mine = tp.seg(tp.rank);
   uint4 v[N];
   const u64 j0 = p.lo + threadIdx.x;
-  if (j0 < p.hi && tp.rank * slice + j0 < nvec) lamport_load<N>(mine + rs, slice * kVec, j0, v);
-  lamport_agree<T, N>(mine + headers<N>(rs, area_bytes), sig, c);
-  for (u64 j = j0; j < p.hi; j += blockDim.x) {
+  const bool has = j0 < p.hi && tp.rank * slice + j0 < nvec;
+  if (has) lamport_load<N>(mine + rs, slice * kVec, j0, v);
+  const uint4 r0 = lamport_collect_first<T, Op, N>(mine + rs, slice * kVec, j0, v, has,
+                                                   mine + headers<N>(rs, area_bytes), sig, c);
+  if (has) emit(tp.rank * slice + j0, j0, clear_sentinel<T>(r0));
+  for (u64 j = j0 + blockDim.x; j < p.hi; j += blockDim.x) {
     const u64 i = tp.rank * slice + j;
-    if (i < nvec) {
-      if (j != j0) lamport_load<N>(mine + rs, slice * kVec, j, v);
-      emit(i, j, clear_sentinel<T>(lamport_collect<T, Op, N>(mine + rs, slice * kVec, j, v, c)));
-    }
+    if (i < nvec) emit(i, j, clear_sentinel<T>(lamport_reduce<T, Op, N>(mine + rs, slice * kVec, j, c)));
   }
 }
 
@@ -118,13 +116,13 @@ __device__ void lamport_gather_others(const Tp& tp, const char* ag, u64 slice, u
 }
 
 // Step 2 of every kernel of the family: re-poisons both areas of the previous launch's
-// buffer and its headers, and pushes this rank's signature.
+// buffer and its headers.
 template <class T, int N, class Tp>
-__device__ void lamport_twoshot_repoison(const Tp& tp, const LamportLaunch& l, u64 area_bytes, u64 sig) {
+__device__ void lamport_twoshot_repoison(const Tp& tp, const LamportLaunch& l, u64 area_bytes) {
   char* mine = tp.seg(tp.rank);
   lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
   lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
-  signature_push_repoison<T, N>(tp, l, area_bytes, sig);
+  lamport_repoison<T>(mine + headers<N>(l.old, area_bytes), N);
 }
 
 template <class T, class Op, int N, class Tp>
@@ -138,10 +136,12 @@ __device__ void lamport_twoshot_allreduce(const Tp& tp, u64 set_off, u64 area_by
   const BlockPart p = block_part(slice);
   const u64 rs = l.cur, ag = l.cur + area_bytes;
 
-  // 1. Push slice s of my input into slot [rank] of rank s, my signature into its header.
+  // 1. Push my signature into header [rank] of every rank, slice s of my input into slot
+  //    [rank] of rank s.
+  lamport_twoshot_sign<N>(tp, l, area_bytes, sig);
   push_slices<T, N>(tp, rs, slice, span.nvec, p, [&](u64 i) { return span.load(x, i); });
   // 2. Re-poison both areas of the previous launch's buffer.
-  lamport_twoshot_repoison<T, N>(tp, l, area_bytes, sig);
+  lamport_twoshot_repoison<T, N>(tp, l, area_bytes);
   // 3. Reduce my slice; push it into every other rank's all-gather area, write it to `out`.
   lamport_reduce_own<T, Op, N>(tp, rs, area_bytes, slice, span.nvec, p, sig, c, [&](u64 i, u64, const uint4& r) {
     tp.push_peers(ag + i * kVec, r);
@@ -176,8 +176,9 @@ __device__ void lamport_twoshot_reduce_scatter(const Tp& tp, u64 set_off, u64 ar
   const LamportSlices<T, N> g(k, state, set_off, area_bytes);
   WaitCtx c = wait_ctx(state, tp.rank);
 
+  lamport_twoshot_sign<N>(tp, g.l, area_bytes, sig);
   push_slices<T, N>(tp, g.l.cur, g.slice, g.nvec, g.p, [&](u64 i) { return ld_weak(x + i * kVec); });
-  lamport_twoshot_repoison<T, N>(tp, g.l, area_bytes, sig);
+  lamport_twoshot_repoison<T, N>(tp, g.l, area_bytes);
   lamport_reduce_own<T, Op, N>(tp, g.l.cur, area_bytes, g.slice, g.nvec, g.p, sig, c,
                                [&](u64, u64 j, const uint4& r) { g.span.store(out, j, r); });
   finish_launch(c, g.l.s, (u32)g.nvec);
@@ -195,13 +196,14 @@ __device__ void lamport_twoshot_all_gather(const Tp& tp, u64 set_off, u64 area_b
   WaitCtx c = wait_ctx(state, tp.rank);
   const u64 ag = g.l.cur + area_bytes;
 
+  lamport_twoshot_sign<N>(tp, g.l, area_bytes, sig);
   for (u64 j = g.p.lo + threadIdx.x; j < g.p.hi; j += blockDim.x) {
     const u64 i = tp.rank * g.slice + j;
     const uint4 v = clear_sentinel<T>(g.span.load(x, j));
     tp.push_peers(ag + i * kVec, v);
     st_weak(out + i * kVec, v);
   }
-  lamport_twoshot_repoison<T, N>(tp, g.l, area_bytes, sig);
+  lamport_twoshot_repoison<T, N>(tp, g.l, area_bytes);
   lamport_agree<T, N>(tp.seg(tp.rank) + headers<N>(g.l.cur, area_bytes), sig, c);
   lamport_gather_others<T, N>(tp, tp.seg(tp.rank) + ag, g.slice, g.nvec, g.p, c,
                               [&](u64 i, const uint4& v) { st_weak(out + i * kVec, v); });
@@ -242,10 +244,12 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
   const u64 step = (u64)blockDim.x * gridDim.x;
   constexpr int kBatch = 4;
 
-  // 1. Push my rows of rank s's slice into slot [rank] of rank s (as the all-reduce does).
+  // 1. Push my signature, then my rows of rank s's slice into slot [rank] of rank s (as
+  //    the all-reduce does).
+  lamport_twoshot_sign<N>(tp, l, area_bytes, sig);
   push_slices<T, N>(tp, rs, rpr * vpr, rows * vpr, block_part(rpr * vpr), [&](u64 i) { return ld_weak(x + i * kVec); });
   // 2. Re-poison both areas of the previous launch's buffer.
-  lamport_twoshot_repoison<T, N>(tp, l, area_bytes, sig);
+  lamport_twoshot_repoison<T, N>(tp, l, area_bytes);
   // 3. My rows, by row groups, once the signatures agree: reduce, add bias and residual,
   //    push the sums, finish the row here, pushing its scale as soon as it is known.
   lamport_agree<T, N>(mine + headers<N>(rs, area_bytes), sig, c);

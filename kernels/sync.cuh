@@ -30,6 +30,7 @@ struct WaitCtx {
   LaunchState* state;
   int rank;
   bool failed;
+  u32 entry;    // LaunchState.broken as loaded at entry (checked by usable)
   u32 started;  // thread 0: LaunchState.blocks before this block counted itself started
 };
 
@@ -64,32 +65,33 @@ __device__ __forceinline__ void fail(WaitCtx& c, u32 kind, int peer, u32 site, u
   report(c.state, c.rank, kind, peer, site, mine, theirs);
 }
 
-// Whether the communicator has been marked broken (by any rank); records it as kFailPeer.
-__device__ __forceinline__ bool seen_broken(WaitCtx& c) {
-  const u32 b = ld_volatile_u32(&c.state->broken);
-  if (b != 0u) fail(c, kFailPeer, (int)(b & 0xffu) - 1, b >> 8);
-  return b != 0u;
+// The wait context of a launch of the family whose state is `state`, made by every thread
+// at its start. It loads the broken word without waiting for it: a communicator that was
+// already broken (a failure seen by an earlier launch, or announced by a peer) fails the
+// launch at its first use of data (usable), so the load's latency hides behind the
+// pushes. Thread 0 counts its block in LaunchState.blocks as started (finish_launch
+// counts it finished); the value is used only by finish_launch, so that latency is hidden too.
+__device__ __forceinline__ WaitCtx wait_ctx(LaunchState* state, int rank) {
+  WaitCtx c{state, rank, false, ld_volatile_u32(&state->broken), 0u};
+  if (threadIdx.x == 0) c.started = atomicAdd(&state->blocks, 1u << 16);
+  return c;
 }
 
-// The wait context of a launch of the family whose state is `state`, made by every thread
-// at its start; a communicator that is already broken (a failure seen by an earlier
-// launch, or announced by a peer) fails it from the start. Thread 0 counts its block in
-// LaunchState.blocks as started (finish_launch counts it finished); the value is used
-// only by finish_launch, so the atomic's latency is hidden.
-__device__ __forceinline__ WaitCtx wait_ctx(LaunchState* state, int rank) {
-  WaitCtx c{state, rank, false, 0u};
-  if (threadIdx.x == 0) c.started = atomicAdd(&state->blocks, 1u << 16);
-  seen_broken(c);
-  return c;
+// Whether this thread may use data: false once the communicator failed for it, or if it
+// was marked broken when the launch started (recorded then as kFailPeer). Every wait and
+// barrier asks before it lets data through.
+__device__ __forceinline__ bool usable(WaitCtx& c) {
+  if (c.entry != 0u && !c.failed) fail(c, kFailPeer, (int)(c.entry & 0xffu) - 1, c.entry >> 8);
+  return !c.failed;
 }
 
 // Spins until done() is true (returns true), or gives up (returns false): at once when
 // the communicator already failed for this thread, when it is marked broken, or after
-// the family's timeout (recorded as a timeout waiting for `peer` at `site`). The broken
-// word is loaded beside done()'s load, so a round takes no longer than before.
-template <class Done>
-__device__ __forceinline__ bool spin(WaitCtx& c, int peer, u32 site, Done done) {
-  if (c.failed) return false;
+// the family's timeout (recorded as a timeout waiting for rank peer() at `site`). The
+// broken word is loaded beside done()'s loads, so a round takes no longer than before.
+template <class Peer, class Done>
+__device__ __forceinline__ bool spin(WaitCtx& c, Peer peer, u32 site, Done done) {
+  if (!usable(c)) return false;
   const u64 t0 = globaltimer(), timeout_ns = ld_volatile_u64(&c.state->timeout_ns);
   while (true) {
     const u32 broken = ld_volatile_u32(&c.state->broken);
@@ -99,7 +101,7 @@ __device__ __forceinline__ bool spin(WaitCtx& c, int peer, u32 site, Done done) 
       return false;
     }
     if (globaltimer() - t0 > timeout_ns) {
-      fail(c, kFailTimeout, peer, site);
+      fail(c, kFailTimeout, peer(), site);
       return false;
     }
   }
@@ -114,7 +116,7 @@ __device__ __forceinline__ bool before(u32 v, u32 target) { return (int)(v - tar
 __device__ __forceinline__ bool wait_flag(const u32* flag, u32 target, WaitCtx& c, int peer,
                                           u32 site) {
   if (!before(ld_acquire_sys(flag), target)) return true;
-  return spin(c, peer, site, [&] { return !before(ld_acquire_sys(flag), target); });
+  return spin(c, [=] { return peer; }, site, [&] { return !before(ld_acquire_sys(flag), target); });
 }
 
 // Barrier flags in every rank's segment: u32 flags[UB_FLAG_PHASES][UB_MAX_BLOCKS][UB_MAX_RANKS];
@@ -152,7 +154,7 @@ __device__ __forceinline__ bool signature_agrees(const char* mine, u64 flags_off
 template <int N, class Tp>
 __device__ bool block_barrier(const Tp& tp, u64 flags_off, int phase, u32 value, u64 sig,
                               WaitCtx& c, u32 site) {
-  if (__syncthreads_or(c.failed)) return c.failed = true, false;
+  if (__syncthreads_or(!usable(c))) return c.failed = true, false;
   const int t = threadIdx.x;
   bool ok = true;
   if (t < N) {

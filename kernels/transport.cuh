@@ -166,7 +166,7 @@ template <int N> struct Multicast : Unicast<N> {
   // Whether it held, in every thread of the block; a block that failed before does not
   // arrive (sync.cuh: block_barrier).
   __device__ bool barrier(u64 flags_off, int phase, u32 value, u64 sig, WaitCtx& c, u32 site) const {
-    if (__syncthreads_or(c.failed)) return c.failed = true, false;
+    if (__syncthreads_or(!usable(c))) return c.failed = true, false;
     const int t = threadIdx.x;
     if (sig != 0 && t < N) *(volatile u64*)(seg(t) + flags_off + signature_offset(blockIdx.x, c.rank)) = sig;
     __syncthreads();
