@@ -162,9 +162,11 @@ __device__ uint4 lamport_reduce(const char* buf, u64 slot_bytes, u64 i, WaitCtx&
 
 // ---- signature checks ----------------------------------------------------------------
 // Pushes this rank's call signature into header [rank] (at hdr + rank * kVec) of every
-// rank: before the data, so that it arrives with them.
+// rank: before the data, so that it arrives with them, from block 0's last thread, which
+// has no data of its own in small messages (the first threads take the first vectors),
+// so the header leaves at once, beside the data.
 template <class Tp> __device__ void push_signature(const Tp& tp, u64 hdr, u64 sig) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) tp.push_all(hdr + tp.rank * kVec, pack_signature(sig));
+  if (blockIdx.x == 0 && threadIdx.x == blockDim.x - 1) tp.push_all(hdr + tp.rank * kVec, pack_signature(sig));
 }
 
 // The block's vote: whether every thread's waits succeeded (and so every rank's signature
