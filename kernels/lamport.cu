@@ -7,20 +7,20 @@
 // identical bits.
 //
 // Layout of a set (same offset in every segment): buffer b (of 3) at set_off + b * B,
-// B = N * slot_bytes + N * kVec: slot s at + s * slot_bytes, then header s at
-// + N * slot_bytes + s * kVec.
+// B = N * slot_bytes + N * kHeader: slot s at + s * slot_bytes, then header s at
+// + N * slot_bytes + s * kHeader.
 #include "lamport.cuh"
 #include "rmsnorm.cuh"
 #include "transport.cuh"
 
-template <int N> __device__ __forceinline__ u64 buffer_bytes(u64 slot_bytes) { return N * (slot_bytes + kVec); }
+template <int N> __device__ __forceinline__ u64 buffer_bytes(u64 slot_bytes) { return N * (slot_bytes + kHeader); }
 
 // Re-poisons the previous launch's slots and headers in this rank's segment.
 template <class T, int N>
 __device__ void lamport_repoison_slots(char* mine, const LamportLaunch& l, u64 slot_bytes) {
 #pragma unroll
   for (int r = 0; r < N; ++r) lamport_repoison<T>(mine + l.old + r * slot_bytes, l.s.prev_vecs);
-  lamport_repoison<T>(mine + l.old + N * slot_bytes, N);
+  repoison_headers<T, N>(mine + l.old + N * slot_bytes);
 }
 
 template <class T, class Op, int N, class Tp>

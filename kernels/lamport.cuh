@@ -161,12 +161,21 @@ __device__ uint4 lamport_reduce(const char* buf, u64 slot_bytes, u64 i, WaitCtx&
 }
 
 // ---- signature checks ----------------------------------------------------------------
-// Pushes this rank's call signature into header [rank] (at hdr + rank * kVec) of every
+// Each rank's signature header has a line of its own: header r at headers + r * kHeader.
+constexpr u64 kHeader = UB_HEADER_BYTES;
+
+// Re-poisons the N headers at `headers`, in this rank's segment.
+template <class T, int N> __device__ void repoison_headers(char* headers) {
+  const u32 s = sentinel_word<T>();
+  if (blockIdx.x == 0 && threadIdx.x < N) st_relaxed_sys(headers + threadIdx.x * kHeader, make_uint4(s, s, s, s));
+}
+
+// Pushes this rank's call signature into header [rank] (at hdr + rank * kHeader) of every
 // rank: before the data, so that it arrives with them, from block 0's last thread, which
 // has no data of its own in small messages (the first threads take the first vectors),
 // so the header leaves at once, beside the data.
 template <class Tp> __device__ void push_signature(const Tp& tp, u64 hdr, u64 sig) {
-  if (blockIdx.x == 0 && threadIdx.x == blockDim.x - 1) tp.push_all(hdr + tp.rank * kVec, pack_signature(sig));
+  if (blockIdx.x == 0 && threadIdx.x == blockDim.x - 1) tp.push_all(hdr + tp.rank * kHeader, pack_signature(sig));
 }
 
 // The block's vote: whether every thread's waits succeeded (and so every rank's signature
@@ -178,12 +187,12 @@ __device__ __forceinline__ bool block_vote(bool ok, WaitCtx& c) {
 }
 
 // Every block calls it before its threads use pushed data: thread r < N waits for the
-// signature rank r pushed at headers + r * kVec and compares it with `sig`; then the block
+// signature rank r pushed at headers + r * kHeader and compares it with `sig`; then the block
 // votes. True in every thread if every rank called alike.
 template <class T, int N>
 __device__ bool lamport_agree(const char* headers, u64 sig, WaitCtx& c) {
   const bool header = threadIdx.x < N;
-  const char* hdr = headers + threadIdx.x * kVec;
+  const char* hdr = headers + threadIdx.x * kHeader;
   uint4 h = header ? ld_volatile(hdr) : make_uint4(0u, 0u, 0u, 0u), none[N];
   return block_vote(lamport_arrive<T, N>(nullptr, 0, 0, none, false, hdr, h, header, sig, c), c);
 }
@@ -197,7 +206,7 @@ template <class T, class Op, int N>
 __device__ uint4 lamport_collect_first(const char* buf, u64 slot_bytes, u64 i, uint4 (&v)[N], bool data,
                                        const char* headers, u64 sig, WaitCtx& c) {
   const bool header = threadIdx.x < N;
-  const char* hdr = headers + threadIdx.x * kVec;
+  const char* hdr = headers + threadIdx.x * kHeader;
   uint4 h = header ? ld_volatile(hdr) : make_uint4(0u, 0u, 0u, 0u);
   const bool ok = block_vote(lamport_arrive<T, N>(buf, slot_bytes, i, v, data, hdr, h, header, sig, c), c);
   return ok ? reduce_vectors<T, Op, N>(v) : Vec<T>::poison();

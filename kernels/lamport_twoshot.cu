@@ -14,8 +14,8 @@
 // most one launch ahead, as in the one-shot kernel.
 //
 // Layout of a set (same offset in every segment): buffer b (of 3) at
-// set_off + b * 2 * area_bytes, its reduce-scatter area first (the N headers in its last
-// N vectors), then its all-gather area.
+// set_off + b * 2 * area_bytes, its reduce-scatter area first (the N headers, a line
+// each, at its end: headers<N>), then its all-gather area.
 #include "lamport.cuh"
 #include "rmsnorm.cuh"
 #include "transport.cuh"
@@ -62,8 +62,9 @@ __device__ void push_slices(const Tp& tp, u64 rs, u64 slice, u64 nvec, BlockPart
   }
 }
 
-// The headers of a reduce-scatter area: its last N vectors.
-template <int N> __device__ __forceinline__ u64 headers(u64 rs, u64 area_bytes) { return rs + area_bytes - N * kVec; }
+// The headers of a reduce-scatter area: its last N * kHeader bytes (the host makes the
+// area a multiple of kHeader).
+template <int N> __device__ __forceinline__ u64 headers(u64 rs, u64 area_bytes) { return rs + area_bytes - N * kHeader; }
 
 // Step 1 of every kernel of the family, first: pushes this rank's signature into header
 // [rank] of every rank's current reduce-scatter area.
@@ -122,7 +123,7 @@ __device__ void lamport_twoshot_repoison(const Tp& tp, const LamportLaunch& l, u
   char* mine = tp.seg(tp.rank);
   lamport_repoison<T>(mine + l.old, l.s.prev_vecs);
   lamport_repoison<T>(mine + l.old + area_bytes, l.s.prev_vecs);
-  lamport_repoison<T>(mine + headers<N>(l.old, area_bytes), N);
+  repoison_headers<T, N>(mine + headers<N>(l.old, area_bytes));
 }
 
 template <class T, class Op, int N, class Tp>

@@ -249,17 +249,21 @@ def test_library_slots_cover_every_lamport_family(nranks):
     two-shot area holds every rank's whole slice of its largest message."""
     from ubnext._algorithms import ALGORITHMS
     from ubnext._layout import plan_layout
-    from ubnext._protocol import LAUNCH_STATE_BYTES
+    from ubnext._protocol import HEADER_BYTES, LAUNCH_STATE_BYTES
 
     one, two = 64 << 10, (1 << 20) + 48
     plan = plan_layout(nranks, one, two, 8 << 20)
     families = {a.family for a in ALGORITHMS.values() if a.pushed}
     assert families == {"lamport", "lamport_twoshot"}
     for width in (2, 4):
-        assert plan.nbytes(f"lamport{width}") == 3 * nranks * (one + 16)  # slots and signature headers
+        assert plan.nbytes(f"lamport{width}") == 3 * nranks * (one + HEADER_BYTES)  # slots and signature headers
         area = plan.nbytes(f"lamport_twoshot{width}") // 6
         vectors = -(-two // 16)
-        assert nranks * -(-vectors // nranks) * 16 + nranks * 16 <= area  # slots and signature headers
+        assert nranks * -(-vectors // nranks) * 16 + nranks * HEADER_BYTES <= area  # slots and signature headers
+        # every rank's header starts a line of its own (kernels: kHeader)
+        for family in families:
+            assert plan.offset(f"{family}{width}") % HEADER_BYTES == 0
+        assert area % HEADER_BYTES == 0 and (one + HEADER_BYTES) % HEADER_BYTES == 0
         for family in families:
             assert plan.nbytes(f"{family}{width}.state") == LAUNCH_STATE_BYTES
     assert plan.offset("staging") + plan.nbytes("staging") == plan.end

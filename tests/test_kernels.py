@@ -216,7 +216,8 @@ def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
         for nbytes in {b for b in (1, 16, 17, 4096, max_kb * 1024 - 2, max_kb * 1024) if b <= max_kb * 1024}:
             nvec = -(-nbytes // 16)
             slice_vecs = -(-(-(-nvec // nranks)) // unit) * unit
-            assert nranks * slice_vecs * 16 + nranks * 16 <= area, (nranks, nbytes)
+            assert nranks * slice_vecs * 16 + nranks * _protocol.HEADER_BYTES <= area, (nranks, nbytes)
+    assert area % _protocol.HEADER_BYTES == 0  # the headers at its end start lines of their own
 
 
 @pytest.mark.parametrize("max_kb", [64, 2048, 16384])
@@ -232,7 +233,7 @@ def test_fused_lamport_twoshot_takes_its_largest_message_in_one_launch(max_kb, r
         # the kernel's bound: nranks slots of took / nranks rows, each with a 16-byte scale
         # (all-gather area), and nranks signature headers after the slots (reduce-scatter area)
         assert took * (row_bytes + 16) <= area
-        assert took * row_bytes + nranks * 16 <= area
+        assert took * row_bytes + nranks * _protocol.HEADER_BYTES <= area
 
 
 def test_compile_defines_cover_the_table():

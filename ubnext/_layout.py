@@ -10,7 +10,8 @@ staging slot; user buffers (``Communicator.empty``) follow.
 from __future__ import annotations
 
 from ._heap import SlotPlan
-from ._protocol import FLAG_PHASES, LAUNCH_STATE_BYTES, MAX_BLOCKS, MAX_RANKS, TWOSHOT_ALIGN_VECS, VEC_BYTES
+from ._protocol import (FLAG_PHASES, HEADER_BYTES, LAUNCH_STATE_BYTES, MAX_BLOCKS, MAX_RANKS, TWOSHOT_ALIGN_VECS,
+                        VEC_BYTES)
 
 #: the LaunchState slots of the plan: one per Lamport family and element width (the
 #: sentinel's bit pattern depends on the width), one per barrier two-shot transport
@@ -54,29 +55,33 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
 
 def set_bytes(family: str, nranks: int, unit: int) -> int:
     """Bytes of a Lamport family's set of 3 receive buffers whose kernels take ``unit``:
-    one-shot, nranks slots of ``unit`` bytes and a signature header vector per rank
-    (kernels/lamport.cu); two-shot, a reduce-scatter and an all-gather area of ``unit``
-    bytes (kernels/lamport_twoshot.cu)."""
-    return 3 * (nranks * (unit + VEC_BYTES) if family == "lamport" else 2 * unit)
+    one-shot, nranks slots of ``unit`` bytes and HEADER_BYTES per rank for its signature
+    header (kernels/lamport.cu); two-shot, a reduce-scatter and an all-gather area of
+    ``unit`` bytes (kernels/lamport_twoshot.cu)."""
+    return 3 * (nranks * (unit + HEADER_BYTES) if family == "lamport" else 2 * unit)
 
 
 def set_unit(family: str, nranks: int, nbytes: int) -> int:
     """The ``unit`` of a set of ``nbytes`` (the inverse of set_bytes)."""
-    return nbytes // (3 * nranks) - VEC_BYTES if family == "lamport" else nbytes // 6
+    return nbytes // (3 * nranks) - HEADER_BYTES if family == "lamport" else nbytes // 6
 
 
 def area(max_bytes: int) -> int:
     """Bytes of a Lamport two-shot area for messages up to ``max_bytes``: the slots of the
     reduce-scatter area are whole slices of whole TWOSHOT_ALIGN_VECS-vector units, up to
-    that many vectors per rank more than the message, followed by a signature header
-    vector per rank; the all-gather area of the fused kernel also holds a 16-byte scale
-    per row of at least SCALE_ROW_VECS vectors."""
+    that many vectors per rank more than the message, followed by HEADER_BYTES per rank
+    for its signature header, starting at a multiple of HEADER_BYTES; the all-gather area
+    of the fused kernel also holds a 16-byte scale per row of at least SCALE_ROW_VECS
+    vectors."""
     vecs = -(-max_bytes // VEC_BYTES)
-    return VEC_BYTES * (vecs + vecs // SCALE_ROW_VECS + (TWOSHOT_ALIGN_VECS + 1) * MAX_RANKS)
+    data = VEC_BYTES * (vecs + vecs // SCALE_ROW_VECS + TWOSHOT_ALIGN_VECS * MAX_RANKS)
+    return -(-data // HEADER_BYTES) * HEADER_BYTES + MAX_RANKS * HEADER_BYTES
 
 
 def twoshot_norm_rows(area_bytes: int, row_bytes: int, nranks: int) -> int:
     """Rows of ``row_bytes`` one fused Lamport two-shot launch takes with areas of
     ``area_bytes`` (kernels/lamport_twoshot.cu): every rank's slot holds ceil(rows / nranks)
-    rows, the all-gather area also a 16-byte scale per row."""
-    return (area_bytes // (row_bytes + VEC_BYTES)) // nranks * nranks
+    rows before the signature headers (reduce-scatter area), the all-gather area also a
+    16-byte scale per row."""
+    rows = min(area_bytes // (row_bytes + VEC_BYTES), (area_bytes - nranks * HEADER_BYTES) // row_bytes)
+    return rows // nranks * nranks

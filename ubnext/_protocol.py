@@ -22,6 +22,9 @@ FLAG_PHASES = 2
 #: Lamport two-shot slices and block parts are whole multiples of this many vectors, so
 #: that a warp's 512-byte access covers whole 128-byte lines
 TWOSHOT_ALIGN_VECS = 32
+#: bytes of room for each rank's Lamport call-signature header (a vector): a 128-byte line
+#: of its own, so that the ranks' header stores never share a line
+HEADER_BYTES = 128
 #: threads of a row group (kernels/rmsnorm.cuh) and of the separate add + RMSNorm kernel
 NORM_THREADS = 1024
 #: threads per block of each all-reduce source's plain entry point (its launch bound)
@@ -133,6 +136,7 @@ def header() -> str:
         "UB_SENTINEL32": f"{SENTINEL_BITS[4]:#x}u",
         "UB_FLAG_PHASES": FLAG_PHASES,
         "UB_TWOSHOT_ALIGN_VECS": TWOSHOT_ALIGN_VECS,
+        "UB_HEADER_BYTES": HEADER_BYTES,
         "UB_NORM_THREADS": NORM_THREADS,
         "UB_ANY_PEER": f"{ANY_PEER:#x}u",
         "UB_QUANT_GROUP": QUANT_GROUP,
