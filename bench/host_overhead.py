@@ -14,7 +14,10 @@ Candidates: ``ubnext out=`` (a preallocated output), ``ubnext in-place``, ``ubne
 (the call allocates the output), ``ubnext cupy`` (CuPy arrays, out=), ``ubnext fused``
 (``all_reduce_add_rmsnorm`` of rows of up to 4096 with a residual, preallocated outputs),
 ``torch op`` (``torch.ops.ubnext.all_reduce_``, in place), ``torch.distributed``
-(``dist.all_reduce``, in place), and ``floor``: the fastest public launch path from
+(``dist.all_reduce``, in place), torch symmetric memory's ``symm one-shot``
+(``torch.ops.symm_mem.one_shot_all_reduce_out``, symmetric input, plain output) and
+``symm two-shot`` (``two_shot_all_reduce_``, in place; both left out, with the reason
+printed, where torch cannot set symmetric memory up), and ``floor``: the fastest public launch path from
 Python, an empty kernel with the all-reduce's 11 parameters through cuda.bindings'
 ``cuLaunchKernel`` with a prebuilt pack (bench/launch_floor.py; its ``total`` is the
 empty kernel's, not a collective's). Candidates are sampled in interleaved rounds, the
@@ -39,7 +42,7 @@ from bench import _torchbench as tb  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CANDIDATES = ("ubnext out=", "ubnext in-place", "ubnext new", "ubnext cupy", "ubnext fused", "torch op",
-              "torch.distributed", "floor")
+              "torch.distributed", "symm one-shot", "symm two-shot", "floor")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -72,7 +75,7 @@ def candidates(comm, nbytes: int, dtype: str) -> dict:
     normed, res_out = torch.empty_like(row), torch.empty_like(row)
     op, group = torch.ops.ubnext.all_reduce_, ubnext.torch.handle(comm)
     floor = launch_candidates()["cuda.bindings cuLaunchKernel"]
-    return dict(zip(CANDIDATES, (
+    found = dict(zip(CANDIDATES[:7], (
         lambda: comm.all_reduce(x, out=y),
         lambda: comm.all_reduce(x, out=x),
         lambda: comm.all_reduce(x),
@@ -80,8 +83,34 @@ def candidates(comm, nbytes: int, dtype: str) -> dict:
         lambda: comm.all_reduce_add_rmsnorm(row, residual, weight, out=normed, residual_out=res_out),
         lambda: op(x, "sum", group),
         lambda: dist.all_reduce(x),
-        floor,
     )))
+    found.update(symm_mem_candidates(x))
+    found["floor"] = floor
+    return found
+
+
+def symm_mem_candidates(x) -> dict:
+    """torch symmetric memory's one-shot and two-shot all-reduce of x's size and dtype
+    (buffers allocated and rendezvoused here), or none, with the reason printed. Collective."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = dist.group.WORLD.group_name
+        one_in, two = (symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device) for _ in range(2))
+        for t in (one_in, two):
+            symm_mem.rendezvous(t, group)
+            t.copy_(x)
+        one_out, ops = torch.empty_like(x), torch.ops.symm_mem
+        ops.one_shot_all_reduce_out(one_in, "sum", group, out=one_out)
+        ops.two_shot_all_reduce_(two, "sum", group)
+    except (ImportError, RuntimeError) as exc:
+        print(f"# torch symmetric memory not measured: {exc}")
+        return {}
+    return {"symm one-shot": lambda: ops.one_shot_all_reduce_out(one_in, "sum", group, out=one_out),
+            "symm two-shot": lambda: ops.two_shot_all_reduce_(two, "sum", group)}
 
 
 def sample(fn, iters: int, bootstrap) -> tuple[float, float]:
