@@ -284,6 +284,7 @@ def nccl_comm(monkeypatch):
     from ubnext._comm import Communicator
     from ubnext._config import Config
     from ubnext._dispatch import Dispatcher
+    from ubnext._plans import Plans
     from ubnext._select import Selector, buffer_limits
 
     cuda = FakeCuda()
@@ -302,7 +303,7 @@ def nccl_comm(monkeypatch):
     order = LaunchOrder(0)
     comm.__dict__.update(
         config=config, rank=0, size=1, device=0, _closed=False, _node=None, _resolved={}, _selector=selector,
-        _dispatch=Dispatcher(None, selector.limits, order, None, 0),
+        _plans=Plans(), _dispatch=Dispatcher(None, selector.limits, order, None, 0),
     )
     comm._dispatch.nccl = RecordingNccl(order)
     yield comm, cuda
