@@ -241,7 +241,7 @@ class Communicator:
         if plan is not None:  # the call validated and launched before: the same launch
             if side:
                 xt, ot = plan.buffers
-                _arrays.record_stream(handle, owner, (xt._replace(obj=x), ot._replace(obj=out)))
+                _arrays.record_stream(handle, owner, (_arrays.Buffer(x, *xt), _arrays.Buffer(out, *ot)))
             self._dispatch.launch(plan.launch, handle, owner)
             return out
         xb = self._input(name, x, handle)
@@ -264,7 +264,7 @@ class Communicator:
             return ob.obj
         launch = self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig)
         if launch is not None and key is not None and not self.config.debug:  # debug mode compares every call
-            self._plans.put(key, Plan(Packed(*launch), (xb._replace(obj=None), ob._replace(obj=None))))
+            self._plans.put(key, Plan(Packed(*launch), (xb[1:], ob[1:])))
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
