@@ -6,9 +6,11 @@ One process, one GPU, a communicator of one rank, 2 KiB of bfloat16 torch tensor
 step of ``Communicator.all_reduce`` (``ubnext/_comm.py``, ``_dispatch.py``,
 ``_engine.py``) is called on its own with the arguments the call gives it, in
 interleaved rounds (``launch_floor.measure``), the GPU drained between samples; the
-whole call (out of place and in place) is timed beside them. The table gives the
-median and the minimum of host µs per call. Private names are used on purpose: this
-measures them.
+whole call (out of place and in place) is timed beside them. A repeated call takes its
+call plan (``ubnext/_plans.py``): the rows ``plan: ...`` are the steps of that path, the
+others those of a first call (the full path), which ``no plan`` times whole (the plans
+dropped before each call, so that it also makes its plan). The table gives the median and the
+minimum of host µs per call. Private names are used on purpose: this measures them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from bench.launch_floor import measure  # noqa: E402
 from ubnext import _arrays, _signature  # noqa: E402
 from ubnext._algorithms import ALGORITHMS  # noqa: E402
 from ubnext._engine import lamport_shape  # noqa: E402
+from ubnext._plans import all_reduce_key  # noqa: E402
 from ubnext._protocol import VEC_BYTES  # noqa: E402
 
 
@@ -50,9 +53,14 @@ def steps(comm, nbytes: int) -> dict:
     dispatch = comm._dispatch
     engine = dispatch._node.engine
     nvec = -(-xb.nbytes // VEC_BYTES)
+    comm.all_reduce(x, out=y)  # planned
+    key = all_reduce_key(x, y, "sum", "auto", "auto", handle, False)
+    plan = comm._plans.get(key)
+    assert plan is not None, "all_reduce(x, out=y) made no plan"
     found = {
         "all_reduce(x, out=y)": lambda: comm.all_reduce(x, out=y),
         "all_reduce(x, out=x)": lambda: comm.all_reduce(x, out=x),
+        "all_reduce(x, out=y), no plan": lambda: (comm._plans.clear(), comm.all_reduce(x, out=y)),
         "_check_open": lambda: comm._check_open(name),
         "_arrays.launch_stream": lambda: _arrays.launch_stream(None, x),
         "_arrays.as_buffer(x)": lambda: _arrays.as_buffer(x, name, handle),
@@ -66,6 +74,10 @@ def steps(comm, nbytes: int) -> dict:
         "Launcher()": (lambda launch, shape: lambda: launch(*shape, handle, xb.ptr, ob.ptr, xb.count, sig))(
             engine._kernel(algo, xb.dtype, "sum"), lamport_shape(ALGORITHMS[algo], nvec, engine.nranks, engine._blocks)),
         "torch attributes of x": lambda: (x.data_ptr(), x.dtype, x.shape, x.is_contiguous(), x.get_device()),
+        "plan: _arrays.identity(x)": lambda: _arrays.identity(x),
+        "plan: key + lookup": lambda: comm._plans.get(all_reduce_key(x, y, "sum", "auto", "auto", handle, False)),
+        "plan: _dispatch.launch": lambda: dispatch.launch(plan.launch, handle, owner),
+        "plan: Packed launch": lambda: plan.launch(handle),
     }
     return algo, found
 

@@ -10,7 +10,9 @@ points (two u64, an int, eight u64), so every candidate passes the same 11 value
 * ``cuda.bindings cuLaunchKernel``: the same driver call through cuda-python's public
   binding, with the same prebuilt pack;
 * ``cupy RawKernel()``: CuPy's public kernel call, arguments converted per call;
-* ``ubnext Launcher``: ``ubnext._launch.Launcher``, the pack written per call (8 values).
+* ``ubnext Launcher``: ``ubnext._launch.Launcher``, the pack written per call (8 values);
+* ``ubnext Packed``: ``ubnext._launch.Packed``, a call plan's launch: its own pack,
+  written once.
 
 Then the ways to read torch's current stream (``torch._C._cuda_getCurrentRawStream``,
 private, which ubnext uses, against the public ``torch.cuda.current_stream``) and CuPy's.
@@ -34,7 +36,7 @@ import time
 if __package__ in (None, ""):  # run as a script (python bench/launch_floor.py): bench/_standalone.py
     import _standalone  # noqa: F401
 
-from ubnext._launch import I32, U64, Launcher  # noqa: E402
+from ubnext._launch import I32, U64, Launcher, Packed  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SOURCE = r"""
@@ -70,6 +72,7 @@ def launch_candidates():
     func = kernel.kernel.ptr
     cu_func = driver.CUfunction(init_value=func)
     launcher = Launcher(kernel, types, prefix=(1, 2, 3))
+    packed = Packed(launcher, 1, 32, tuple(range(8)))
     args = (cupy.uint64(1), cupy.uint64(2), cupy.int32(3)) + tuple(cupy.uint64(v) for v in range(8))
 
     keep = (slots, pack)  # the pack's memory, read through pack_ptr: every launcher below keeps it
@@ -86,6 +89,7 @@ def launch_candidates():
         "cuda.bindings cuLaunchKernel": bindings(pack_ptr),
         "cupy RawKernel()": lambda: kernel((1,), (32,), args),
         "ubnext Launcher": lambda: launcher(1, 32, stream, *range(8)),
+        "ubnext Packed": lambda: packed(stream),
     }
 
 

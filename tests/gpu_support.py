@@ -295,9 +295,9 @@ class Launch:
         threads: threads per block.
         cluster: blocks per thread-block cluster (1: none).
         args: the launch's varying arguments (``Launcher.__call__``'s values, as
-            ubnext._engine.Engine passes them): ``x, out, n, sig`` (Lamport kernels),
-            ``buf_off, src, dst, n, sig`` (two-shot), ``x, rows, hidden, ...`` (fused and
-            separate add + RMSNorm).
+            ubnext._engine.Engine passes them, or a call plan's ``Packed.values``):
+            ``x, out, n, sig`` (Lamport kernels), ``buf_off, src, dst, n, sig`` (two-shot),
+            ``x, rows, hidden, ...`` (fused and separate add + RMSNorm).
         collective: the plain entry point's collective (``ubnext._algorithms.COLLECTIVES``;
             the reduce-scatter's and all-gather's ``n`` is elements per rank).
     """
@@ -333,23 +333,28 @@ class Launch:
 
 @contextlib.contextmanager
 def recorded_launches(comm):
-    """Records every kernel launch of ubnext in the block; yields the list of ``Launch``,
-    filled when the block ends (collective calls run unchanged; graphs capture them)."""
+    """Records every kernel launch of ubnext in the block, through a launcher's argument
+    pack or a call plan's (``_launch.Packed``); yields the list of ``Launch``, filled when
+    the block ends (collective calls run unchanged; graphs capture them)."""
     from ubnext import _launch
 
     raw = []
-    real = _launch.Launcher.__call__
+    real, real_packed = _launch.Launcher.__call__, _launch.Packed.__call__
 
     def spy(launcher, blocks, threads, stream, *args):
         raw.append((launcher, threads, args))
         return real(launcher, blocks, threads, stream, *args)
 
-    _launch.Launcher.__call__ = spy
+    def spy_packed(packed, stream):
+        raw.append((packed.launcher, packed.threads, packed.values))
+        return real_packed(packed, stream)
+
+    _launch.Launcher.__call__, _launch.Packed.__call__ = spy, spy_packed
     log: list[Launch] = []
     try:
         yield log
     finally:
-        _launch.Launcher.__call__ = real
+        _launch.Launcher.__call__, _launch.Packed.__call__ = real, real_packed
     log.extend(_identify(comm, launcher, threads, args) for launcher, threads, args in raw)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from stream_fakes import FakeCuda, FakeDriver, fake_kernel
 from ubnext import _launch, _streams
-from ubnext._launch import U64, Launcher
+from ubnext._launch import U64, Launcher, Packed
 from ubnext._streams import LEGACY, PER_THREAD, LaunchOrder, order_after
 
 DEVICE = 3
@@ -230,6 +230,35 @@ def test_launches_in_the_section_keep_their_arguments(monkeypatch):
     assert cuda.names().count("wait") == len(seen) - 1
 
 
+def test_packed_launches_from_two_threads_keep_their_arguments_without_the_section(monkeypatch):
+    """A call plan's launch (``Packed``) has a pack of its own, written once: the
+    control's interleaving (both threads inside a launch at once) changes nothing, and
+    its pack is the one the launcher packs for the same values."""
+    barrier = threading.Barrier(2, timeout=10)
+    seen, wrong = [], []
+
+    def on_launch(stream, read):
+        barrier.wait()
+        args = read()
+        seen.append(args)
+        if args != [PREFIX, *values_of(stream), SUFFIX]:
+            wrong.append(stream)
+
+    monkeypatch.setattr(_launch, "_cupy_driver", FakeDriver(NPARAMS, on_launch))
+    launcher = Launcher(fake_kernel(), (U64,) * NPARAMS, prefix=(PREFIX,), suffix=(SUFFIX,))
+    packed = {t: Packed(launcher, 1, 32, values_of(t)) for t in (A, B)}
+    workers = [threading.Thread(target=lambda t=t: [packed[t](t) for _ in range(100)]) for t in (A, B)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert len(seen) == 200 and not wrong
+    monkeypatch.setattr(_launch, "_cupy_driver", FakeDriver(NPARAMS, lambda stream, read: seen.append(read())))
+    launcher(1, 32, C, *values_of(C))
+    Packed(launcher, 1, 32, values_of(C))(C)
+    assert seen[-1] == seen[-2] == [PREFIX, *values_of(C), SUFFIX]
+
+
 # -- the Communicator's wiring ---------------------------------------------------------------
 
 
@@ -255,6 +284,7 @@ def nccl_comm(monkeypatch):
     from ubnext._comm import Communicator
     from ubnext._config import Config
     from ubnext._dispatch import Dispatcher
+    from ubnext._plans import Plans
     from ubnext._select import Selector, buffer_limits
 
     cuda = FakeCuda()
@@ -273,7 +303,7 @@ def nccl_comm(monkeypatch):
     order = LaunchOrder(0)
     comm.__dict__.update(
         config=config, rank=0, size=1, device=0, _closed=False, _node=None, _resolved={}, _selector=selector,
-        _dispatch=Dispatcher(None, selector.limits, order, None, 0),
+        _plans=Plans(), _dispatch=Dispatcher(None, selector.limits, order, None, 0),
     )
     comm._dispatch.nccl = RecordingNccl(order)
     yield comm, cuda

@@ -117,6 +117,25 @@ def as_buffer(x, op: str, stream: int) -> Buffer:
     return Buffer(x, "cupy", x.data.ptr, count, dtype, x.device.id, tuple(x.shape), count * _WIDTH[dtype])
 
 
+def identity(x) -> tuple | None:
+    """What ``as_buffer`` reads of a torch.Tensor or cupy.ndarray (those classes exactly,
+    not subclasses), as a hashable key: its class, address, shape, dtype, device and
+    contiguity, so that arrays with equal keys give equal Buffers (but for ``obj``), or
+    fail it alike. None for anything else, and for an array whose attributes cannot be
+    read (``as_buffer`` names the problem). Not collective; no CUDA call."""
+    kind = type(x)
+    torch = _torch()
+    try:
+        if torch is not None and kind is torch.Tensor:
+            return kind, x.get_device(), x.is_contiguous(), x.dtype, x.shape, x.data_ptr()
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and kind is cupy.ndarray:
+            return kind, x.device.id, x.flags.c_contiguous, x.dtype, x.shape, x.data.ptr
+    except Exception:  # e.g. a tensor without storage: as_buffer raises for it
+        pass
+    return None
+
+
 def _numpy_name(dtype, op: str) -> str:
     """The DTYPES name of a numpy dtype (numpy's dtype.name is slow, a few µs: looked up
     once per dtype)."""

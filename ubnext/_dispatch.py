@@ -36,11 +36,26 @@ class Dispatcher:
         self._epilogue = None
 
     # -- the calls ------------------------------------------------------------------
-    def all_reduce(self, algo: str, xb, ob, op: str, stream: int, owner, sig: int) -> None:
-        """All-reduce of buffer ``xb`` into ``ob`` by ``algo`` (``sig``: the call's signature)."""
+    def all_reduce(self, algo: str, xb, ob, op: str, stream: int, owner, sig: int):
+        """All-reduce of buffer ``xb`` into ``ob`` by ``algo`` (``sig``: the call's signature).
+
+        Returns:
+            Where the call was one kernel launch, that launch but for its stream
+            (``Engine.lamport_launch``: what ``_launch.Packed`` takes, for ``launch``),
+            else None (NCCL, launches in chunks, through the staging slot).
+        """
         self._order.enter(stream, owner)
         try:
-            self._all_reduce(algo, xb, ob, op, stream, sig)
+            return self._all_reduce(algo, xb, ob, op, stream, sig)
+        finally:
+            self._order.leave()
+
+    def launch(self, launch, stream: int, owner) -> None:
+        """``launch`` (a ``_launch.Packed`` of a launch ``all_reduce`` returned: a call
+        plan's) on ``stream``, in the launch section."""
+        self._order.enter(stream, owner)
+        try:
+            launch(stream)
         finally:
             self._order.leave()
 
@@ -136,34 +151,52 @@ class Dispatcher:
 
     # -- how each family runs --------------------------------------------------------
     def _all_reduce(self, algo, xb, ob, op, stream, sig):
+        """The all-reduce's work on ``stream``; returns its launch where it is one kernel
+        launch (``_single``), else None."""
         alg = ALGORITHMS[algo]
         if alg.family == "nccl":
             self._nccl().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
+            return None
+        launch = self._single(algo, xb, ob, op, sig)
+        if launch is not None:
+            launcher, blocks, threads, values = launch
+            launcher(blocks, threads, stream, *values)
         elif alg.pushed:
             self._lamport(algo, xb, ob, op, stream, sig)
         else:
             self._twoshot(algo, xb, ob, op, stream, sig)
+        return launch
+
+    def _single(self, algo, xb, ob, op, sig):
+        """The one kernel launch (``Engine.lamport_launch``) that all-reduces ``xb`` into
+        ``ob`` by kernel algorithm ``algo``, or None where it takes several: a Lamport family
+        kernel for a message within its buffers, the barrier two-shot for an ``out`` in the
+        pool (the result lands in out's buffer); both for 16-byte aligned arrays."""
+        eng = self._node.engine
+        if ALGORITHMS[algo].pushed:
+            if xb.nbytes <= self._limits[algo][0] and _aligned(xb.ptr, ob.ptr):
+                return eng.lamport_launch(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, sig)
+            return None
+        out_off = self._node.pool.contains(ob.ptr, ob.nbytes)
+        if out_off is not None and _aligned(xb.ptr, ob.ptr):
+            return eng.twoshot_launch(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count,
+                                      sig)
+        return None
 
     def _lamport(self, algo, xb, ob, op, stream, sig):
-        """A Lamport family kernel, in launches of at most its buffers' size (past them
-        only an ``in_launches`` kernel is chosen)."""
+        """A Lamport family kernel in launches of at most its buffers' size (past them only
+        an ``in_launches`` kernel is chosen), or through the staging slot (not aligned)."""
         eng = self._node.engine
-        bound = self._limits[algo][0]
-        if xb.nbytes <= bound and _aligned(xb.ptr, ob.ptr):
-            eng.lamport(algo, xb.dtype, op, xb.ptr, ob.ptr, xb.count, sig, stream)
-            return
 
         def launch(src, dst, n):  # 0: the chunk is in the staging slot
             eng.lamport(algo, xb.dtype, op, src or eng.staging_ptr, dst or eng.staging_ptr, n, sig, stream)
 
-        self._in_chunks(xb, ob, bound, launch, stream)
+        self._in_chunks(xb, ob, self._limits[algo][0], launch, stream)
 
     def _twoshot(self, algo, xb, ob, op, stream, sig):
-        eng, pool = self._node.engine, self._node.pool
-        out_off = pool.contains(ob.ptr, ob.nbytes)
-        if out_off is not None and _aligned(xb.ptr, ob.ptr):  # the result lands in out's buffer
-            eng.twoshot(algo, xb.dtype, op, out_off, 0 if xb.ptr == ob.ptr else xb.ptr, 0, xb.count, sig, stream)
-            return
+        """The barrier two-shot through the staging slot (an ``out`` outside the pool, or
+        arrays not aligned)."""
+        eng = self._node.engine
 
         def launch(src, dst, n):  # through the staging slot; 0: it holds the input / is the output
             eng.twoshot(algo, xb.dtype, op, eng.staging_off, src, dst, n, sig, stream)

@@ -160,9 +160,17 @@ class Engine:
         ``count`` elements per rank, its rank-sliced side as whole vectors per slice
         (kernels/lamport_twoshot.cu).
         """
+        launcher, blocks, threads, values = self.lamport_launch(algorithm, dtype, op, x, out, count, sig, collective)
+        launcher(blocks, threads, stream, *values)
+
+    def lamport_launch(self, algorithm: str, dtype: str, op: str, x: int, out: int, count: int, sig: int,
+                       collective: str = "all_reduce") -> tuple:
+        """The launch that ``lamport`` issues with these arguments but for its stream:
+        ``(launcher, blocks, threads, values)``, as ``launcher(blocks, threads, stream,
+        *values)`` launches it (``_launch.Packed`` takes the same)."""
         nvec = self._vectors(dtype, count, collective)
         blocks, threads = lamport_shape(ALGORITHMS[algorithm], nvec, self.nranks, self._blocks)
-        self._kernel(algorithm, dtype, op, collective=collective)(blocks, threads, stream, x, out, count, sig)
+        return self._kernel(algorithm, dtype, op, collective=collective), blocks, threads, (x, out, count, sig)
 
     def _vectors(self, dtype: str, count: int, collective: str) -> int:
         """Vectors of a message: of ``count`` elements, or of nranks slices of ``count``
@@ -179,10 +187,18 @@ class Engine:
         input / is the output. ``sig``: the call's signature. A reduce-scatter or all-gather
         (``collective``) takes ``count`` elements per rank (kernels/twoshot.cu).
         """
+        launcher, blocks, threads, values = self.twoshot_launch(algorithm, dtype, op, buf_off, src, dst, count, sig,
+                                                                collective)
+        launcher(blocks, threads, stream, *values)
+
+    def twoshot_launch(self, algorithm: str, dtype: str, op: str, buf_off: int, src: int, dst: int, count: int,
+                       sig: int, collective: str = "all_reduce") -> tuple:
+        """The launch that ``twoshot`` issues with these arguments but for its stream, as
+        ``lamport_launch`` gives it."""
         alg = ALGORITHMS[algorithm]
         blocks = twoshot_blocks(alg, self._vectors(dtype, count, collective), self.nranks, self._blocks)
-        self._kernel(algorithm, dtype, op, collective=collective)(blocks, alg.threads, stream, buf_off, src, dst,
-                                                                  count, sig)
+        return (self._kernel(algorithm, dtype, op, collective=collective), blocks, alg.threads,
+                (buf_off, src, dst, count, sig))
 
     def quantized(self, fmt: str, dtype: str, op: str, src: int, dst: int, count: int, sig: int,
                   stream: int) -> None:

@@ -1,0 +1,572 @@
+"""Call plans of eager all-reduces (no GPU): a repeated call with the same arguments
+launches the plan its first call made, and anything that could change what a call
+validates or launches misses the plan and runs the full path.
+
+The communicator here runs ubnext's kernel path on fakes: a real ``Engine`` and
+``Dispatcher`` over a fake pool, kernels that are never compiled, and a recording driver
+that reads every launch's argument pack. Arrays are CuPy arrays over addresses that are
+never dereferenced (and torch CPU tensors that say they are on device 0).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+import types
+import weakref
+
+import numpy as np
+import pytest
+
+from stream_fakes import FakeCuda, read_pack
+from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _engine, _launch, _streams
+from ubnext._algorithms import ALGORITHMS
+from ubnext._comm import Communicator
+from ubnext._config import Config
+from ubnext._dispatch import Dispatcher
+from ubnext._layout import STATES, plan_layout
+from ubnext._plans import MAX_PLANS, Plans
+from ubnext._quant import quant_area_bytes
+from ubnext._select import Selector, buffer_limits
+from ubnext._signature import encode
+
+CURRENT = 0x5100  # the current stream of CuPy (and torch) here
+A, B = 0x7A00, 0x7B00  # other streams
+SEGMENT = 1 << 40  # this rank's pool segment starts here
+NPARAMS = 11  # every plain all-reduce entry point's (and the quantized two-shot's)
+
+
+class FakePool:
+    """What the engine and the dispatcher read of a SymmetricPool: one rank's segment."""
+
+    base, stride, local_size, local_rank, device = SEGMENT, 1 << 30, 1, 0, 0
+
+    def local_ptr(self, offset):
+        return self.base + offset
+
+    def contains(self, ptr, nbytes):
+        offset = ptr - self.base
+        return offset if 0 <= offset and offset + nbytes <= self.stride else None
+
+
+class FakeNode:
+    """A node whose failure records say ``error`` (None: no failure)."""
+
+    def __init__(self, engine, pool):
+        self.engine, self.pool, self.error = engine, pool, None
+        self.closed, self.announced = None, []
+
+    def failure(self, name, timeout_s):
+        return self.error
+
+    def announce(self, kind, rank):
+        self.announced.append((kind, rank))
+
+    def close(self, local=False):
+        self.closed = local
+        return local
+
+
+class Driver:
+    """CuPy's driver binding, recording each launch: (kernel, blocks, threads, stream, args)."""
+
+    class CUDADriverError(Exception):
+        status = 1
+
+    def __init__(self):
+        self.launches = []
+
+    def launchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, pack_ptr, extra):  # noqa: N802 - CuPy's
+        self.launches.append((func, gx, bx, stream, tuple(read_pack(pack_ptr, NPARAMS))))
+
+
+class Counted:
+    """Wraps a function of ``_arrays``, counting its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def make_engine(monkeypatch, config):
+    """A real Engine over a fake pool; its kernels are fakes named by ``kernels``."""
+    kernels = {}
+
+    def compile_module(source, defines):
+        def get_function(entry):
+            ptr = 0xF000 + len(kernels)
+            kernels[ptr] = (source, entry, tuple(sorted(defines.items())))
+            return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=ptr))
+        return types.SimpleNamespace(get_function=get_function)
+
+    monkeypatch.setattr(_engine, "compile_module", compile_module)
+    import cupy
+
+    device = types.SimpleNamespace(attributes={"MultiProcessorCount": 132}, compute_capability="90")
+    lamport, lamport_twoshot = config.lamport_max_kb << 10, config.lamport_twoshot_max_kb << 10
+    staging = max(config.staging_mb << 20, lamport, lamport_twoshot)
+    plan = plan_layout(1, lamport, lamport_twoshot, staging, quant_area_bytes(1, config.quantized))
+    records = {name: 0x1000 + 64 * i for i, name in enumerate(STATES)}
+    with monkeypatch.context() as m:
+        m.setattr(cupy.cuda, "Device", lambda ordinal: device)
+        engine = _engine.Engine(FakePool(), plan, records, 0x900, config.timeout_s, 0)
+    return engine, kernels
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """The recording fakes (driver, runtime, validation counters) every test here uses."""
+    import cupy
+
+    driver = Driver()
+    monkeypatch.setattr(_launch, "_cupy_driver", driver)
+    cuda = FakeCuda()
+    monkeypatch.setattr(_streams, "CUDA", cuda)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=CURRENT))
+    as_buffer = Counted(_arrays.as_buffer)
+    monkeypatch.setattr(_arrays, "as_buffer", as_buffer)
+    recorded = []
+    monkeypatch.setattr(_arrays, "record_stream", lambda stream, owner, buffers: recorded.append(
+        (stream, [(b.framework, b.obj, b.device) for b in buffers])))
+    copies = []
+    monkeypatch.setattr(sys.modules["ubnext._dispatch"], "_copy", lambda *a: copies.append(a))
+    return types.SimpleNamespace(driver=driver, cuda=cuda, as_buffer=as_buffer, recorded=recorded, copies=copies,
+                                 monkeypatch=monkeypatch)
+
+
+@pytest.fixture
+def make_comm(fakes):
+    """``make_comm(**config)``: a Communicator of one rank on the fake kernel path."""
+    made = []
+
+    def make(**overrides):
+        config = Config.from_env(**overrides)
+        engine, kernels = make_engine(fakes.monkeypatch, config)
+        node = FakeNode(engine, engine.pool)
+        usable = [name for name, alg in ALGORITHMS.items() if not alg.multicast]
+        selector = Selector(1, buffer_limits(config), usable, None, None)
+        comm = Communicator.__new__(Communicator)
+        local = types.SimpleNamespace(rank=0, size=1, close=lambda: None, abort=lambda: None)
+        comm.__dict__.update(
+            config=config, rank=0, size=1, device=0, _closed=False, _node=node, _resolved={}, _selector=selector,
+            _nccl_reason=None, _arch=90, _watchdog=None, _local=local, _owns_bootstrap=False, bootstrap=None,
+            _plans=Plans(), _dispatch=Dispatcher(node, selector.limits, _streams.LaunchOrder(0), None, 0))
+        comm.kernels = kernels
+        made.append(comm)
+        return comm
+
+    yield make
+    for comm in made:
+        comm._closed = True
+
+
+def array(ptr, shape=(1024,), dtype="float32", device=0):
+    """A CuPy array over device address ``ptr`` (never read or written here)."""
+    import cupy
+
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    mem = cupy.cuda.UnownedMemory(ptr, max(n, 1), None, device_id=device)
+    return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+X, Y, Z = 0x10000000, 0x20000000, 0x30000000  # 16-byte aligned, outside the pool
+
+
+def entry(comm, launch):
+    """(source, entry point, defines) of a recorded launch's kernel."""
+    return comm.kernels[launch[0]]
+
+
+# -- a repeated call launches its plan --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("place", ["out", "in"])
+@pytest.mark.parametrize(("algorithm", "where"), [("lamport", X), ("lamport_twoshot", X), ("twoshot", SEGMENT + 4096)])
+def test_a_repeated_call_launches_what_its_first_call_launched_without_validating_again(
+        make_comm, fakes, algorithm, where, place):
+    comm = make_comm()
+    x = array(where)
+    out = x if place == "in" else array(where + (1 << 20))
+    for _ in range(3):
+        assert comm.all_reduce(x, out=out, algorithm=algorithm) is out
+    assert fakes.as_buffer.calls == (1 if place == "in" else 2)  # the first call's
+    first, *later = fakes.driver.launches
+    assert len(later) == 2 and all(launch == first for launch in later)
+    _, entry_point, defines = entry(comm, first)
+    assert entry_point == ALGORITHMS[algorithm].entry and ("UB_OP", "OpSum") in defines
+    # the signature the full path computes, in the slot before the launch state
+    assert first[4][-2] == encode("all_reduce", "float32", "sum", 1024)
+    assert first[3] == CURRENT
+    assert len(comm._plans) == 1
+
+
+def test_the_plan_launches_the_arguments_the_full_path_packs(make_comm, fakes):
+    """The same call on a communicator without the plan (a new one) packs the same bytes."""
+    x, out = array(X), array(Y)
+    warm = make_comm()
+    warm.all_reduce(x, out=out, op="max")
+    warm.all_reduce(x, out=out, op="max")
+    cold = make_comm()
+    cold.all_reduce(x, out=out, op="max")
+    planned, full = fakes.driver.launches[1], fakes.driver.launches[2]
+    assert planned[1:] == full[1:] and entry(warm, planned) == entry(cold, full)
+
+
+def test_a_plan_holds_no_array(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X), array(Y)
+    refs = weakref.ref(x), weakref.ref(out)
+    comm.all_reduce(x, out=out)
+    del x, out
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
+    assert len(comm._plans) == 1
+
+
+# -- anything else misses the plan --------------------------------------------------------------------
+
+
+CHANGES = {
+    "x's pointer": dict(x=array(X + 4096)),
+    "x's shape": dict(x=array(X, (32, 32)), out=array(Y, (32, 32))),
+    "x's dtype": dict(x=array(X, dtype="float16"), out=array(Y, dtype="float16")),
+    "out's pointer": dict(out=array(Z)),
+    "in place": dict(out=None),  # out=x
+    "op": dict(op="min"),
+    "algorithm": dict(algorithm="lamport_twoshot"),
+    "algorithm auto": dict(algorithm="auto"),
+    "precision": dict(precision="exact"),
+    "stream": dict(stream=A),
+}
+#: the changes whose launch differs in more than its stream
+DIFFERENT = ("x's pointer", "x's dtype", "out's pointer", "in place", "op", "algorithm")
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_changing_a_key_field_validates_again(make_comm, fakes, change):
+    comm = make_comm()
+    call = dict(x=array(X), out=array(Y), op="sum", algorithm="lamport", precision="auto", stream=None)
+    comm.all_reduce(**call)
+    comm.all_reduce(**call)
+    assert fakes.as_buffer.calls == 2
+    changed = {**call, **CHANGES[change]}
+    if changed["out"] is None:
+        changed["out"] = changed["x"]
+    comm.all_reduce(**changed)
+    assert fakes.as_buffer.calls == (3 if change == "in place" else 4), "the changed call took the plan"
+    comm.all_reduce(**changed)  # now planned too
+    assert fakes.as_buffer.calls == (3 if change == "in place" else 4)
+    assert len(comm._plans) == 2
+    launches = fakes.driver.launches
+    assert launches[2] == launches[3] and launches[0] == launches[1]
+    if change in DIFFERENT:
+        assert launches[2][1:] != launches[0][1:] or entry(comm, launches[2]) != entry(comm, launches[0])
+
+
+def test_the_current_stream_named_or_implied_is_one_plan(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X), array(Y)
+    comm.all_reduce(x, out=out)
+    comm.all_reduce(x, out=out, stream=CURRENT)
+    assert fakes.as_buffer.calls == 2 and len(comm._plans) == 1
+
+
+def test_the_same_count_in_another_shape_is_another_plan(make_comm, fakes):
+    comm = make_comm()
+    comm.all_reduce(array(X), out=array(Y))
+    comm.all_reduce(array(X, (2, 512)), out=array(Y, (2, 512)))
+    assert fakes.as_buffer.calls == 4 and len(comm._plans) == 2
+
+
+def test_a_non_contiguous_view_of_planned_memory_is_refused(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X, (32, 32)), array(Y, (32, 32))
+    comm.all_reduce(x, out=out)
+    with pytest.raises(UbnextError, match="not C-contiguous"):
+        comm.all_reduce(x.T, out=out)
+    with pytest.raises(UbnextError, match="not C-contiguous"):
+        comm.all_reduce(x, out=out.T)
+    assert len(fakes.driver.launches) == 1
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    (lambda: array(Z, (1000,)), "out has 1000 float32 elements, input has 1024 float32"),
+    (lambda: array(Z, dtype="float16"), "out has 1024 float16 elements"),
+    (lambda: array(X + 16), "out partially overlaps the input"),
+])
+def test_an_invalid_new_out_still_raises(make_comm, fakes, bad, message):
+    comm = make_comm()
+    x = array(X)
+    comm.all_reduce(x, out=array(Y))
+    comm.all_reduce(x, out=array(Y))
+    with pytest.raises(UbnextError, match=message):
+        comm.all_reduce(x, out=bad())
+    assert len(fakes.driver.launches) == 2
+
+
+def test_invalid_arguments_raise_as_before(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X), array(Y)
+    comm.all_reduce(x, out=out)
+    with pytest.raises(UbnextError, match="unsupported op 'prod'"):
+        comm.all_reduce(x, out=out, op="prod")
+    with pytest.raises(UbnextError, match="unknown precision"):
+        comm.all_reduce(x, out=out, precision="int4")
+    with pytest.raises(UbnextError, match="unknown algorithm"):
+        comm.all_reduce(x, out=out, algorithm="ring")
+    with pytest.raises(UbnextError, match="input is on device 1, communicator on device 0"):
+        comm.all_reduce(array(X, device=1), out=out, op=["sum"])  # unhashable: the full path's error
+    with pytest.raises(UbnextError, match="stream"):
+        comm.all_reduce(x, out=out, stream=object())
+    assert len(fakes.driver.launches) == 1 and len(comm._plans) == 1
+
+
+# -- what is never planned ------------------------------------------------------------------------------
+
+
+def test_a_new_output_is_allocated_and_validated_every_call(make_comm, fakes):
+    made = []
+    fakes.monkeypatch.setattr(_arrays, "empty_like", lambda x, *a, **k: made.append(1) or array(Z + len(made) * 8192))
+    comm = make_comm()
+    x = array(X)
+    for _ in range(3):
+        comm.all_reduce(x, algorithm="lamport")
+    assert len(made) == 3 and fakes.as_buffer.calls == 6 and len(comm._plans) == 0
+
+
+def test_nccl_calls_are_not_planned(make_comm, fakes):
+    calls = []
+    comm = make_comm()
+    comm._dispatch.nccl = types.SimpleNamespace(all_reduce=lambda *a: calls.append(a))
+    x, out = array(X), array(Y)
+    for _ in range(3):
+        comm.all_reduce(x, out=out, algorithm="nccl")
+    assert len(calls) == 3 and fakes.as_buffer.calls == 6 and len(comm._plans) == 0
+
+
+@pytest.mark.parametrize(("algorithm", "x", "out", "launches", "copies"), [
+    ("lamport", X + 2, Y, 1, 2),  # not 16-byte aligned: copied through the staging slot
+    ("twoshot", X, Y, 1, 0),  # out outside the pool: the kernel reads and writes the staging slot
+    ("lamport_twoshot", X, Y, 2, 0),  # past its buffers (2 KiB here): in launches of them
+])
+def test_calls_of_several_launches_or_through_the_staging_slot_are_not_planned(make_comm, fakes, algorithm, x, out,
+                                                                               launches, copies):
+    comm = make_comm(lamport_twoshot_max_kb=2)
+    for _ in range(2):
+        comm.all_reduce(array(x), out=array(out), algorithm=algorithm)
+    assert fakes.as_buffer.calls == 4 and len(comm._plans) == 0
+    assert len(fakes.driver.launches) == 2 * launches and len(fakes.copies) == 2 * copies
+
+
+def test_empty_arrays_are_not_planned(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X, (0,)), array(Y, (0,))
+    for _ in range(2):
+        assert comm.all_reduce(x, out=out) is out
+    assert fakes.driver.launches == [] and len(comm._plans) == 0
+
+
+def test_debug_mode_compares_the_ranks_every_call(make_comm, fakes):
+    sent = []
+    comm = make_comm(debug=True)
+    comm.bootstrap = types.SimpleNamespace(allgather=lambda b: sent.append(b) or [b])
+    x, out = array(X), array(Y)
+    for _ in range(3):
+        comm.all_reduce(x, out=out)
+    assert len(sent) == 3 and len(fakes.driver.launches) == 3 and len(comm._plans) == 0
+
+
+def test_quantized_calls_are_not_planned(make_comm, fakes):
+    comm = make_comm(quantized="int8")
+    x, out = array(X, dtype="float16"), array(Y, dtype="float16")
+    for _ in range(2):
+        comm.all_reduce(x, out=out, precision="int8")
+    assert [entry(comm, launch)[1] for launch in fakes.driver.launches] == ["ub_quant_twoshot"] * 2
+    assert fakes.as_buffer.calls == 4 and len(comm._plans) == 0
+    comm.all_reduce(x, out=out)  # the same arrays at full precision: planned
+    comm.all_reduce(x, out=out)
+    assert fakes.as_buffer.calls == 6 and len(comm._plans) == 1
+    assert entry(comm, fakes.driver.launches[-1])[1] != "ub_quant_twoshot"
+
+
+def test_arrays_of_other_frameworks_are_not_planned(make_comm, fakes):
+    """Viewing them orders their producer's stream before the launch: every call."""
+    fakes.monkeypatch.setattr(_arrays, "_pointer_device", lambda ptr, op, kind: 0)
+
+    class Interface:
+        def __init__(self, ptr, stream):
+            self.__cuda_array_interface__ = {"shape": (1024,), "typestr": "<f4", "data": (ptr, False),
+                                             "version": 3, "stream": stream}
+
+    comm = make_comm()
+    x, out = Interface(X, A), Interface(Y, None)
+    for _ in range(2):
+        comm.all_reduce(x, out=out)
+    assert fakes.as_buffer.calls == 4 and len(comm._plans) == 0
+    assert [c[2] for c in fakes.cuda.calls if c[0] == "record"] == [A, A]  # the producer's stream, each call
+
+
+# -- the communicator's state ------------------------------------------------------------------------
+
+
+def test_a_closed_communicator_raises_on_a_planned_call(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X), array(Y)
+    comm.all_reduce(x, out=out)
+    comm.close()
+    assert len(comm._plans) == 0
+    with pytest.raises(ClosedError, match="all_reduce: the communicator is closed"):
+        comm.all_reduce(x, out=out)
+    assert len(fakes.driver.launches) == 1
+
+
+def test_abort_drops_the_plans(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X), array(Y)
+    comm.all_reduce(x, out=out)
+    comm.abort()
+    assert len(comm._plans) == 0
+    with pytest.raises(ClosedError):
+        comm.all_reduce(x, out=out)
+
+
+def test_a_broken_communicator_raises_on_a_planned_call_and_drops_its_plans(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X), array(Y)
+    comm.all_reduce(x, out=out)
+    comm.all_reduce(x, out=out)
+    comm._node.error = CollectiveTimeoutError("all_reduce", 0, 1, "Lamport poll, launch 2", 4.0)
+    with pytest.raises(CollectiveTimeoutError, match="rank 0 waited more than 4 s for rank 1"):
+        comm.all_reduce(x, out=out)
+    assert len(comm._plans) == 0
+    with pytest.raises(CollectiveTimeoutError):
+        comm.all_reduce(x, out=out)
+    assert len(fakes.driver.launches) == 2
+
+
+def test_the_plans_are_bounded_the_oldest_dropped_first(make_comm, fakes):
+    comm = make_comm()
+    outs = [array(Z + i * 8192) for i in range(MAX_PLANS + 8)]
+    x = array(X)
+    for out in outs:
+        comm.all_reduce(x, out=out)
+    assert len(comm._plans) == MAX_PLANS
+    calls = fakes.as_buffer.calls
+    comm.all_reduce(x, out=outs[-1])  # among the newest: planned
+    assert fakes.as_buffer.calls == calls
+    comm.all_reduce(x, out=outs[0])  # the oldest: dropped
+    assert fakes.as_buffer.calls == calls + 2
+    assert len(comm._plans) == MAX_PLANS
+
+
+# -- streams and threads ----------------------------------------------------------------------------------
+
+
+def test_planned_calls_on_other_streams_keep_their_order(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X), array(Y)
+    for stream in (A, B, A, B):
+        comm.all_reduce(x, out=out, stream=stream)
+        comm.all_reduce(x, out=out, stream=stream)
+    assert fakes.as_buffer.calls == 4  # a plan per stream
+    waits = [c for c in fakes.cuda.calls if c[0] == "wait"]
+    assert [w[1] for w in waits] == [B, A, B]  # every change of stream waits for the previous one
+    assert [launch[3] for launch in fakes.driver.launches] == [A, A, B, B, A, A, B, B]
+    assert not fakes.cuda.live
+
+
+def test_planned_calls_on_a_side_stream_record_their_arrays_every_call(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X), array(Y)
+    for _ in range(3):
+        comm.all_reduce(x, out=out, stream=A)
+    comm.all_reduce(x, out=out)  # on the current stream: nothing recorded
+    assert fakes.as_buffer.calls == 4
+    assert fakes.recorded == [(A, [("cupy", x, 0), ("cupy", out, 0)])] * 3
+    comm.all_reduce(x, out=x, stream=A)
+    comm.all_reduce(x, out=x, stream=A)
+    assert fakes.recorded[-2:] == [(A, [("cupy", x, 0), ("cupy", x, 0)])] * 2
+
+
+def test_planned_calls_from_threads_launch_their_own_arguments(make_comm, fakes):
+    comm = make_comm()
+    threads, calls = 4, 200
+    errors = []
+
+    def run(t):
+        try:
+            x, out = array(X + t * (1 << 20)), array(Y + t * (1 << 20))
+            for _ in range(calls):
+                comm.all_reduce(x, out=out, algorithm="lamport", stream=A + t)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not errors, errors
+    assert fakes.as_buffer.calls == 2 * threads
+    launches = fakes.driver.launches
+    assert len(launches) == threads * calls
+    for func, blocks, block_threads, stream, args in launches:
+        t = stream - A
+        assert args[6:9] == (X + t * (1 << 20), Y + t * (1 << 20), 1024)
+
+
+# -- torch tensors ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_tensors(fakes):
+    """CPU tensors that say they are on device 0, on a current stream CURRENT."""
+    torch = pytest.importorskip("torch")
+    fakes.monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    fakes.monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: CURRENT, raising=False)
+    return torch
+
+
+def test_torch_tensors_are_planned(make_comm, fakes, cuda_tensors):
+    torch = cuda_tensors
+    comm = make_comm()
+    x, out = torch.empty(1024), torch.empty(1024)
+    for _ in range(3):
+        assert comm.all_reduce(x, out=out) is out
+        assert comm.all_reduce(x, out=x) is x
+    assert fakes.as_buffer.calls == 3 and len(comm._plans) == 2
+    launches = fakes.driver.launches
+    assert launches[0][4][6:8] == (x.data_ptr(), out.data_ptr()) and launches[0] == launches[2] == launches[4]
+    assert launches[1][4][6:8] == (x.data_ptr(), x.data_ptr()) and launches[1] == launches[3] == launches[5]
+    comm.all_reduce(x.view(32, 32), out=out.view(32, 32))  # another shape
+    comm.all_reduce(x.bfloat16(), out=out.bfloat16())  # another dtype (and memory)
+    with pytest.raises(UbnextError, match="not contiguous"):
+        comm.all_reduce(x.view(32, 32).t(), out=out.view(32, 32))
+    assert fakes.as_buffer.calls == 8
+
+
+def test_torch_tensors_on_a_side_stream_are_recorded_every_call(make_comm, fakes, cuda_tensors):
+    torch = cuda_tensors
+    comm = make_comm()
+    x, out = torch.empty(1024), torch.empty(1024)
+    for _ in range(2):
+        comm.all_reduce(x, out=out, stream=A)
+    assert fakes.as_buffer.calls == 2
+    assert fakes.recorded == [(A, [("torch", x, 0), ("torch", out, 0)])] * 2
+
+
+def test_identity_reads_what_as_buffer_reads(cuda_tensors):
+    torch = cuda_tensors
+    x = torch.empty(16)
+    key = _arrays.identity(x)
+    assert key == _arrays.identity(x) == _arrays.identity(x.view(16))
+    for other in (x[1:], x.view(4, 4), x.view(torch.int32), x[::2], torch.empty(16)):
+        assert _arrays.identity(other) != key
+    assert _arrays.identity(x.view(4, 4).t()) != _arrays.identity(x.view(4, 4))
+    assert _arrays.identity(torch.nn.Parameter(x)) is None  # subclasses: the full path only
+    assert _arrays.identity(np.ones(4)) is None and _arrays.identity([1.0]) is None
+    assert _arrays.identity(array(X)) != _arrays.identity(array(X, dtype="int32"))

@@ -1,0 +1,90 @@
+"""Call plans: the validated launch of an eager all-reduce, kept for the next call with
+the same arguments (issue 25: a call's host time went mostly to validating its arrays
+and packing its arguments, not to the launch).
+
+The first call with a key runs the full path: it validates, resolves the algorithm and
+launches. Where that was one kernel launch, the communicator keeps a :class:`Plan`: the
+launch with its argument pack written once (``_launch.Packed``). A later call with the
+same key (``all_reduce_key``: everything the validation and the launch read) checks
+that the communicator is open and not broken, enters the launch order, records its
+tensors on a side stream, and launches the plan. Everything else takes the full path
+every time: an output to allocate, arrays of other frameworks (viewing them orders their
+producer's stream), NCCL, launches in chunks or through the staging slot, the
+quantized all-reduce, empty arrays, and debug mode (which compares the ranks' calls).
+
+The key holds what may differ between calls; everything else the full path reads is
+fixed for the communicator's life: its configuration (frozen; debug mode plans nothing),
+the selector's tables, the pool, the engine's launchers (one per kernel, never
+replaced), and the checks are pure functions of the key (``_resolve`` caches them too).
+What can change, whether the communicator is open and whether a kernel recorded a
+failure, is checked on every call as before; the plans are dropped on ``close``,
+``abort`` and when a failure is seen. Plans hold addresses and the communicator's own
+launchers, never the caller's arrays.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+from . import _arrays
+from ._launch import Packed
+
+#: plans a communicator keeps (the oldest is dropped for a new one): about 2.5 KiB each. A
+#: loop that cycles through more keys than this misses every time, paying the key and a
+#: new plan (a few µs) on top of the full path: 256 takes a call per row-parallel layer of
+#: the largest tensor-parallel models (2 x 126 layers) without dropping any
+MAX_PLANS = 256
+
+
+class Plan(NamedTuple):
+    """What a planned call does besides the communicator's checks and the launch order.
+
+    Attributes:
+        launch: its one kernel launch, all arguments packed.
+        buffers: x's and out's Buffers but for their first field (``obj``, the array):
+            ``Buffer(x, *buffers[0])`` is x's, for ``_arrays.record_stream`` on a side
+            stream.
+    """
+
+    launch: Packed
+    buffers: tuple
+
+
+def all_reduce_key(x, out, op, algorithm, precision, stream: int, side: bool) -> tuple | None:
+    """The plan key of ``all_reduce(x, out=out, op=op, algorithm=algorithm, precision=precision)``
+    on the launch stream ``stream`` (``side``: another than the current one), or None where
+    the call is never planned (no ``out``: one is allocated; arrays that ``_arrays.identity``
+    does not name). Whether ``out`` is ``x`` is a field of its own."""
+    if out is None:
+        return None
+    xi = _arrays.identity(x)
+    oi = True if out is x else _arrays.identity(out)
+    if xi is None or oi is None:
+        return None
+    return xi, oi, op, algorithm, precision, stream, side
+
+
+class Plans:
+    """At most ``capacity`` plans by key, the oldest dropped first. Lookups (``get``) take
+    no lock, one dict read under the GIL; changes take one, so calls from several
+    threads may look up, add and clear at once."""
+
+    def __init__(self, capacity: int = MAX_PLANS):
+        self._plans: dict[tuple, Plan] = {}
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self.get = self._plans.get  # the dict is never replaced, only cleared
+
+    def put(self, key: tuple, plan: Plan) -> None:
+        with self._lock:
+            if key not in self._plans and len(self._plans) >= self._capacity:
+                del self._plans[next(iter(self._plans))]  # insertion order: the oldest
+            self._plans[key] = plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
