@@ -234,15 +234,8 @@ class Communicator:
         self._check_open(name)
         handle, owner, side = _arrays.launch_stream(stream, x)
         key = None if self._node is None else all_reduce_key(x, out, op, algorithm, precision, handle, side)
-        try:
-            plan = self._plans.get(key)
-        except TypeError:  # an unhashable argument: the full path names it
-            key = plan = None
-        if plan is not None:  # the call validated and launched before: the same launch
-            if side:
-                xt, ot = plan.buffers
-                _arrays.record_stream(handle, owner, (_arrays.Buffer(x, *xt), _arrays.Buffer(out, *ot)))
-            self._dispatch.launch(plan.launch, handle, owner)
+        planned, key = self._planned(key, handle, owner, side, (x, out))
+        if planned:
             return out
         xb = self._input(name, x, handle)
         if op not in OPS:
@@ -262,9 +255,7 @@ class Communicator:
         if fmt:
             self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
             return ob.obj
-        launch = self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig)
-        if launch is not None and key is not None and not self.config.debug:  # debug mode compares every call
-            self._plans.put(key, Plan(Packed(*launch), (xb[1:], ob[1:])))
+        self._keep(key, self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig), (xb, ob))
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
@@ -526,6 +517,36 @@ class Communicator:
         if side:
             _arrays.record_stream(handle, owner, buffers)
         return True
+
+    def _planned(self, key, handle: int, owner, side: bool, arrays: tuple) -> tuple:
+        """Launches the plan of ``key`` (``_plans``; None: the call is never planned), if the
+        communicator has one: the call validated and launched before, the same launch, in the
+        launch section, with ``arrays`` (the call's, in the order of ``Plan.buffers``)
+        recorded on a side stream. The caller has checked that the communicator is open.
+
+        Returns:
+            ``(launched, key)``: ``key`` for ``_keep`` after the full path, None where it is
+            unhashable (the full path names the argument).
+        """
+        try:
+            plan = self._plans.get(key)
+        except TypeError:
+            return False, None
+        if plan is None:
+            return False, key
+        if side:
+            _arrays.record_stream(handle, owner, [None if t is None else _arrays.Buffer(a, *t)
+                                                  for a, t in zip(arrays, plan.buffers)])
+        self._dispatch.launch(plan.launch, handle, owner)
+        return True, key
+
+    def _keep(self, key, launch, buffers: tuple) -> None:
+        """Keeps the one kernel launch of a call's full path (``launch``: the Dispatcher's,
+        None where the call was not one) as the plan of ``key`` (None: not planned), with
+        ``buffers`` (the call's Buffers, None for an array not given, as ``_planned``
+        records them). Debug mode plans nothing: it compares the ranks' calls every time."""
+        if launch is not None and key is not None and not self.config.debug:
+            self._plans.put(key, Plan(Packed(*launch), tuple(None if b is None else b[1:] for b in buffers)))
 
     def _open_call(self, name: str, x, stream) -> tuple:
         """The start of a call: the communicator open, its launch stream (``handle, owner,

@@ -5,7 +5,8 @@ and packing its arguments, not to the launch).
 The first call with a key runs the full path: it validates, resolves the algorithm and
 launches. Where that was one kernel launch, the communicator keeps a :class:`Plan`: the
 launch with its argument pack written once (``_launch.Packed``). A later call with the
-same key (``all_reduce_key``: everything the validation and the launch read) checks
+same key (``all_reduce_key``: everything the validation and the launch read, the
+collective's name first, so that keys of other collectives never equal it) checks
 that the communicator is open and not broken, enters the launch order, records its
 tensors on a side stream, and launches the plan. Everything else takes the full path
 every time: an output to allocate, arrays of other frameworks (viewing them orders their
@@ -42,9 +43,9 @@ class Plan(NamedTuple):
 
     Attributes:
         launch: its one kernel launch, all arguments packed.
-        buffers: x's and out's Buffers but for their first field (``obj``, the array):
-            ``Buffer(x, *buffers[0])`` is x's, for ``_arrays.record_stream`` on a side
-            stream.
+        buffers: the Buffers of the call's arrays but for their first field (``obj``, the
+            array), None for an array not given, in the order the call passes them to
+            ``_arrays.record_stream`` on a side stream: ``Buffer(x, *buffers[0])`` is x's.
     """
 
     launch: Packed
@@ -62,7 +63,7 @@ def all_reduce_key(x, out, op, algorithm, precision, stream: int, side: bool) ->
     oi = True if out is x else _arrays.identity(out)
     if xi is None or oi is None:
         return None
-    return xi, oi, op, algorithm, precision, stream, side
+    return "all_reduce", xi, oi, op, algorithm, precision, stream, side
 
 
 class Plans:
