@@ -18,7 +18,7 @@ from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._launch import Packed
 from ._node import Node
-from ._plans import Plan, Plans, all_reduce_key
+from ._plans import Plan, Plans, add_rmsnorm_key, all_reduce_key
 from ._protocol import MAX_RANKS
 from ._select import Selector, buffer_limits
 from ._streams import LaunchOrder
@@ -75,7 +75,7 @@ class Communicator:
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._resolved: dict[tuple, str] = {}
-        self._plans = Plans()  # eager all-reduces validated and launched before (_plans)
+        self._plans = Plans()  # eager calls validated and launched before (_plans)
         self._local = self._node = None
         try:
             _agreement.check(config, bootstrap)  # before anything that the configuration shapes
@@ -303,6 +303,11 @@ class Communicator:
         name = "all_reduce_add_rmsnorm"
         self._check_open(name)
         handle, owner, side = _arrays.launch_stream(stream, x)
+        key = None if self._node is None else add_rmsnorm_key(x, residual, weight, bias, out, residual_out, eps,
+                                                              algorithm, handle, side)
+        planned, key = self._planned(key, handle, owner, side, (x, residual, weight, bias, out, residual_out))
+        if planned:
+            return out, residual_out
         xb = _arrays.as_buffer(x, name, handle)
         if len(xb.shape) != 2:
             raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
@@ -336,8 +341,9 @@ class Communicator:
         aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
         chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
         if chunk:
-            self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
-                                       _signature.encode_fused(xb.dtype, rows, hidden))
+            self._keep(key, self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
+                                                       _signature.encode_fused(xb.dtype, rows, hidden)),
+                       (xb, rb, wb, bb, nb, ob))
         else:
             why = ("the NCCL engine" if algo == "nccl" else
                    f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
