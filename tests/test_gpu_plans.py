@@ -1,18 +1,22 @@
-"""GPU: call plans of eager all-reduces (``ubnext/_plans.py``). A repeated call with the
-same arrays launches the plan of its first call: the same kernel with the same
-arguments, reducing the arrays' contents at the time of the call, on torch tensors and
-CuPy arrays, out of place and in place, on the current stream, a side stream and in a
-CUDA graph. Calls that are not one kernel launch are never planned.
+"""GPU: call plans of eager all-reduces and fused all-reduce + add + RMSNorm calls
+(``ubnext/_plans.py``). A repeated call with the same arrays launches the plan of its
+first call: the same kernel with the same arguments, reducing the arrays' contents at
+the time of the call, on torch tensors and CuPy arrays, out of place and in place, on the
+current stream, a side stream and in a CUDA graph. Calls that are not one kernel launch
+are never planned.
 
-Every result is exact: inputs are small integers, so every sum is exact in float32. Runs
-at any world size (``mpirun -n N python -m pytest tests/test_gpu_plans.py``).
+Every all-reduce result is exact: inputs are small integers, so every sum is exact in
+float32. Fused calls are compared bit for bit with the host reference of the launches
+that ran (``gpu_support.expected_add_rmsnorm``, as tests/test_gpu_fused.py checks them).
+Runs at any world size (``mpirun -n N python -m pytest tests/test_gpu_plans.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from gpu_support import assert_same_bits_everywhere, recorded_launches, require_gpu_and_torch
+from gpu_support import (assert_same_bits_everywhere, device, expected_add_rmsnorm, host, norm_operands,
+                         recorded_launches, reference, require_gpu_and_torch)
 from ubnext._algorithms import ALGORITHMS
 
 pytestmark = pytest.mark.gpu
@@ -159,3 +163,140 @@ def test_a_planned_call_is_captured_and_replayed(comm):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"replay {seed} is wrong"
+
+
+# -- the fused all-reduce + add + RMSNorm ----------------------------------------------------------------
+
+TOKENS, HIDDEN, EPS = 8, 1024, 1e-5  # bfloat16: 16 KiB, one launch of every kernel
+
+
+class FusedCall:
+    """The arrays of a fused call with out= and residual_out= (bfloat16 torch tensors), filled
+    anew from ``gpu_support.norm_operands`` for each seed."""
+
+    def __init__(self, residual: bool = True, bias: bool = True, in_place: bool = False):
+        import torch
+
+        def rows():
+            return torch.empty(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+        self.x, self.out = rows(), rows()
+        self.residual = rows() if residual else None
+        self.weight = torch.empty(HIDDEN, device="cuda", dtype=torch.bfloat16)
+        self.bias = torch.empty(HIDDEN, device="cuda", dtype=torch.bfloat16) if bias else None
+        self.residual_out = self.residual if in_place else rows()
+
+    def fill(self, comm, seed: int) -> tuple:
+        """Writes the operands of ``seed`` and poisons the outputs (current stream); returns
+        the host operands (every rank's x, residual, weight, bias)."""
+        operands = norm_operands(comm, TOKENS, HIDDEN, "bfloat16", seed, self.residual is not None,
+                                 self.bias is not None)
+        inputs, residual, weight, bias = operands
+        for buf, value in ((self.x, inputs[comm.rank]), (self.residual, residual), (self.weight, weight),
+                           (self.bias, bias)):
+            if buf is not None:
+                buf.copy_(device(value))
+        self.out.fill_(float("nan"))
+        if self.residual_out is not self.residual:
+            self.residual_out.fill_(float("nan"))
+        return operands
+
+    def __call__(self, comm, **kwargs):
+        return comm.all_reduce_add_rmsnorm(self.x, self.residual, self.weight, eps=EPS, bias=self.bias,
+                                           out=self.out, residual_out=self.residual_out, **kwargs)
+
+    def check(self, comm, operands, launches, what: str) -> None:
+        """Both outputs against the reference of ``launches`` (after a synchronize), bit for bit."""
+        inputs, residual, weight, bias = operands
+        assert_same_bits_everywhere(comm, self.out)
+        assert_same_bits_everywhere(comm, self.residual_out)
+        want_n, want_r = expected_add_rmsnorm(launches, inputs, residual, bias, weight, EPS, True)
+        reference.assert_same_bits(host(self.residual_out), want_r, f"residual_out ({what})")
+        reference.assert_same_bits(host(self.out), want_n, f"normed ({what})")
+
+
+@pytest.mark.parametrize("operands", ["all", "no residual", "no bias", "in place"])
+@pytest.mark.parametrize("algorithm", ["lamport", "lamport_twoshot", "twoshot", "auto"])
+def test_repeated_fused_calls_launch_their_plan_on_the_current_contents(comm, algorithm, operands):
+    import torch
+
+    if algorithm != "auto" and not comm._selector.fits(algorithm, 0):
+        pytest.skip(f"{algorithm} does not run here")
+    call = FusedCall(operands != "no residual", operands != "no bias", operands == "in place")
+    comm._plans.clear()
+    logs = []
+    for seed in range(4):
+        values = call.fill(comm, seed)
+        with recorded_launches(comm) as launches:
+            normed, summed = call(comm, algorithm=algorithm)
+        assert normed is call.out and summed is call.residual_out
+        torch.cuda.synchronize()
+        call.check(comm, values, launches, f"call {seed}, {algorithm}")
+        logs.append(launches)
+    planned = len(logs[0]) == 1 and logs[0][0].fused
+    assert len(comm._plans) == (1 if planned else 0)
+    if planned:  # the same kernel with the same arguments, every call
+        assert all(log == logs[0] for log in logs[1:])
+
+
+def test_the_fused_plan_stores_the_bits_of_the_full_path(comm):
+    import torch
+
+    call = FusedCall()
+    outputs = []
+    for planned in (False, True):
+        if not planned:
+            comm._plans.clear()
+        call.fill(comm, 7)
+        call(comm)
+        torch.cuda.synchronize()
+        outputs.append((call.out.clone(), call.residual_out.clone()))
+    assert len(comm._plans) == 1
+    for full, plan in zip(*outputs):
+        assert torch.equal(full.view(torch.int16), plan.view(torch.int16))
+
+
+@pytest.mark.parametrize("how", ["stream=", "current"])
+def test_planned_fused_calls_on_a_side_stream(comm, how):
+    import torch
+
+    call = FusedCall()
+    s = torch.cuda.Stream()
+    comm._plans.clear()
+    for seed in range(3):
+        values = call.fill(comm, seed)
+        s.wait_stream(torch.cuda.current_stream())
+        with recorded_launches(comm) as launches:
+            if how == "stream=":
+                call(comm, algorithm="lamport", stream=s)
+            else:
+                with torch.cuda.stream(s):
+                    call(comm, algorithm="lamport")
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        call.check(comm, values, launches, f"call {seed} on a side stream ({how})")
+    assert len(comm._plans) == 1
+
+
+def test_a_planned_fused_call_is_captured_and_replayed(comm):
+    import torch
+
+    call = FusedCall()
+    s = torch.cuda.Stream()
+    comm._plans.clear()
+    call.fill(comm, 0)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call(comm, algorithm="lamport")  # eager: compiles and plans
+    s.synchronize()
+    assert len(comm._plans) == 1
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        with recorded_launches(comm) as launches:
+            call(comm, algorithm="lamport")
+    assert len(comm._plans) == 1 and [(launch.kernel, launch.fused) for launch in launches] == [("lamport", True)]
+    for seed in (1, 2, 3):
+        values = call.fill(comm, seed)
+        g.replay()
+        torch.cuda.synchronize()
+        call.check(comm, values, launches, f"replay {seed}")

@@ -1,6 +1,6 @@
-"""Call plans of eager all-reduces (no GPU): a repeated call with the same arguments
-launches the plan its first call made, and anything that could change what a call
-validates or launches misses the plan and runs the full path.
+"""Call plans of eager all-reduces and fused all-reduce + add + RMSNorm calls (no GPU): a
+repeated call with the same arguments launches the plan its first call made, and anything
+that could change what a call validates or launches misses the plan and runs the full path.
 
 The communicator here runs ubnext's kernel path on fakes: a real ``Engine`` and
 ``Dispatcher`` over a fake pool, kernels that are never compiled, and a recording driver
@@ -11,6 +11,7 @@ never dereferenced (and torch CPU tensors that say they are on device 0).
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
 import threading
 import types
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from stream_fakes import FakeCuda, read_pack
-from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _engine, _launch, _streams
+from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _engine, _launch, _quant, _streams
 from ubnext._algorithms import ALGORITHMS
 from ubnext._comm import Communicator
 from ubnext._config import Config
@@ -29,12 +30,17 @@ from ubnext._layout import STATES, plan_layout
 from ubnext._plans import MAX_PLANS, Plans
 from ubnext._quant import quant_area_bytes
 from ubnext._select import Selector, buffer_limits
-from ubnext._signature import encode
+from ubnext._signature import encode, encode_fused
 
 CURRENT = 0x5100  # the current stream of CuPy (and torch) here
 A, B = 0x7A00, 0x7B00  # other streams
 SEGMENT = 1 << 40  # this rank's pool segment starts here
-NPARAMS = 11  # every plain all-reduce entry point's (and the quantized two-shot's)
+#: parameters of each entry point (the quantized two-shot takes the two-shot's)
+NPARAMS = {**{entry: len(types) for entry, types in _engine._PARAMS.items()},
+           _quant.ENTRY: len(_engine._PARAMS["ub_twoshot"])}
+#: fake kernel address -> its entry point's parameters, over every fake engine (addresses are unique)
+PARAMS_AT: dict[int, int] = {}
+_ADDRESSES = itertools.count(0xF000)
 
 
 class FakePool:
@@ -78,7 +84,7 @@ class Driver:
         self.launches = []
 
     def launchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, pack_ptr, extra):  # noqa: N802 - CuPy's
-        self.launches.append((func, gx, bx, stream, tuple(read_pack(pack_ptr, NPARAMS))))
+        self.launches.append((func, gx, bx, stream, tuple(read_pack(pack_ptr, PARAMS_AT[func]))))
 
 
 class Counted:
@@ -98,8 +104,8 @@ def make_engine(monkeypatch, config):
 
     def compile_module(source, defines):
         def get_function(entry):
-            ptr = 0xF000 + len(kernels)
-            kernels[ptr] = (source, entry, tuple(sorted(defines.items())))
+            ptr = next(_ADDRESSES)
+            kernels[ptr], PARAMS_AT[ptr] = (source, entry, tuple(sorted(defines.items()))), NPARAMS[entry]
             return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=ptr))
         return types.SimpleNamespace(get_function=get_function)
 
@@ -131,7 +137,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_arrays, "as_buffer", as_buffer)
     recorded = []
     monkeypatch.setattr(_arrays, "record_stream", lambda stream, owner, buffers: recorded.append(
-        (stream, [(b.framework, b.obj, b.device) for b in buffers])))
+        (stream, [None if b is None else (b.framework, b.obj, b.device) for b in buffers])))
     copies = []
     monkeypatch.setattr(sys.modules["ubnext._dispatch"], "_copy", lambda *a: copies.append(a))
     return types.SimpleNamespace(driver=driver, cuda=cuda, as_buffer=as_buffer, recorded=recorded, copies=copies,
@@ -570,3 +576,359 @@ def test_identity_reads_what_as_buffer_reads(cuda_tensors):
     assert _arrays.identity(torch.nn.Parameter(x)) is None  # subclasses: the full path only
     assert _arrays.identity(np.ones(4)) is None and _arrays.identity([1.0]) is None
     assert _arrays.identity(array(X)) != _arrays.identity(array(X, dtype="int32"))
+
+
+# -- the fused all-reduce + add + RMSNorm ---------------------------------------------------------------
+
+R, WEIGHT, BIAS = 0x40000000, 0x50000000, 0x50100000  # residual, weight, bias: 16-byte aligned
+ROWS, HIDDEN = 4, 256  # 4 KiB of float32: one launch of every kernel here
+#: a fused launch's varying arguments, the last of its parameters but the launch state:
+#: x, rows, hidden, residual, bias, weight, normed, res_out, eps (fp32), signature
+VALUES = slice(-11, -1)
+
+
+def fused_args(shape=(ROWS, HIDDEN), dtype="float32", **changes) -> dict:
+    """The arguments of a fused call (all of them given; residual_out apart from residual)."""
+    rows = dict(shape=shape, dtype=dtype)
+    row = dict(shape=shape[-1:], dtype=dtype)
+    return {**dict(x=array(X, **rows), residual=array(R, **rows), weight=array(WEIGHT, **row),
+                   bias=array(BIAS, **row), out=array(Y, **rows), residual_out=array(Z, **rows), eps=1e-6,
+                   algorithm="lamport", stream=None), **changes}
+
+
+def fused(comm, call: dict):
+    return comm.all_reduce_add_rmsnorm(**call)
+
+
+def f32(value: float) -> int:
+    """The pack slot of a float32 parameter (its bits, upper bytes zero)."""
+    return int(np.array(value, np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("operands", ["all", "no residual", "no bias", "in place"])
+@pytest.mark.parametrize("algorithm", ["lamport", "lamport_twoshot", "twoshot"])
+def test_a_repeated_fused_call_launches_its_first_launch_without_validating_again(make_comm, fakes, algorithm,
+                                                                                  operands):
+    comm = make_comm()
+    call = fused_args(algorithm=algorithm)
+    if operands == "no residual":
+        call["residual"] = None
+    elif operands == "no bias":
+        call["bias"] = None
+    elif operands == "in place":
+        call["residual_out"] = call["residual"]
+    for _ in range(3):
+        normed, res_out = fused(comm, call)
+        assert normed is call["out"] and res_out is call["residual_out"]
+    validated = fakes.as_buffer.calls
+    assert validated == 6 - (operands in ("no residual", "no bias"))  # the first call's: one per array given
+    first, *later = fakes.driver.launches
+    assert len(later) == 2 and all(launch == first for launch in later)
+    assert entry(comm, first)[1] == ALGORITHMS[algorithm].norm_entry
+    residual = {"no residual": 0}.get(operands, R)
+    res_out = R if operands == "in place" else Z
+    assert first[4][VALUES] == (X, ROWS, HIDDEN, residual, 0 if operands == "no bias" else BIAS, WEIGHT, Y, res_out,
+                                f32(1e-6), encode_fused("float32", ROWS, HIDDEN))
+    assert first[3] == CURRENT and len(comm._plans) == 1
+
+
+@pytest.mark.parametrize("algorithm", ["lamport", "lamport_twoshot", "twoshot"])
+def test_the_fused_plan_launches_the_bytes_the_full_path_packs(make_comm, fakes, algorithm):
+    """The same call on a communicator without the plan (a new one) packs the same bytes."""
+    call = fused_args(algorithm=algorithm, eps=1e-5)
+    warm = make_comm()
+    fused(warm, call)
+    fused(warm, call)
+    cold = make_comm()
+    fused(cold, call)
+    planned, full = fakes.driver.launches[1], fakes.driver.launches[2]
+    assert planned[1:] == full[1:] and entry(warm, planned) == entry(cold, full)
+    assert fakes.as_buffer.calls == 12  # two full paths
+
+
+def test_a_fused_plan_holds_no_array(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args()
+    refs = [weakref.ref(call[k]) for k in ("x", "residual", "weight", "bias", "out", "residual_out")]
+    fused(comm, call)
+    del call
+    gc.collect()
+    assert all(ref() is None for ref in refs) and len(comm._plans) == 1
+
+
+def test_plans_of_all_reduce_and_of_the_fused_call_are_apart(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args()
+    fused(comm, call)
+    comm.all_reduce(call["x"], out=call["out"], algorithm="lamport")
+    fused(comm, call)
+    comm.all_reduce(call["x"], out=call["out"], algorithm="lamport")
+    assert len(comm._plans) == 2 and fakes.as_buffer.calls == 6 + 2
+    assert sorted(key[0] for key in comm._plans._plans) == ["all_reduce", "all_reduce_add_rmsnorm"]
+    kinds = [entry(comm, launch)[1] for launch in fakes.driver.launches]
+    assert kinds == ["ub_lamport_norm", "ub_lamport"] * 2
+
+
+FUSED_CHANGES = {
+    "x's pointer": dict(x=array(X + 4096, (ROWS, HIDDEN))),
+    "x's shape": dict(shape=(2 * ROWS, HIDDEN // 2)),  # every array's, at the same addresses
+    "x's dtype": dict(dtype="float16"),  # every array's
+    "residual's pointer": dict(residual=array(R + 8192, (ROWS, HIDDEN))),
+    "no residual": dict(residual=None),
+    "weight's pointer": dict(weight=array(WEIGHT + 4096, (HIDDEN,))),
+    "bias's pointer": dict(bias=array(BIAS + 4096, (HIDDEN,))),
+    "no bias": dict(bias=None),
+    "out's pointer": dict(out=array(Y + 8192, (ROWS, HIDDEN))),
+    "residual_out's pointer": dict(residual_out=array(Z + 8192, (ROWS, HIDDEN))),
+    "in place": dict(residual_out="residual"),  # residual_out=residual
+    "in place at residual's address": dict(residual_out=array(R, (ROWS, HIDDEN))),  # another object
+    "eps": dict(eps=1e-5),
+    "eps rounding to the same float32": dict(eps=1e-6 * (1 + 2**-40)),
+    "algorithm": dict(algorithm="lamport_twoshot"),
+    "algorithm auto": dict(algorithm="auto"),
+    "stream": dict(stream=A),
+}
+#: the changes whose launch differs in more than its stream
+FUSED_DIFFERENT = ("x's pointer", "x's shape", "x's dtype", "residual's pointer", "no residual", "weight's pointer",
+                   "bias's pointer", "no bias", "out's pointer", "residual_out's pointer", "in place",
+                   "in place at residual's address", "eps", "algorithm")
+
+
+@pytest.mark.parametrize("change", list(FUSED_CHANGES))
+def test_changing_a_fused_key_field_validates_again(make_comm, fakes, change):
+    comm = make_comm()
+    call = fused_args()
+    fused(comm, call)
+    fused(comm, call)
+    validated = fakes.as_buffer.calls
+    assert validated == 6
+    changes = dict(FUSED_CHANGES[change])
+    # new objects: where only their identity (_arrays.identity) is the same, the call is the same
+    changed = {**fused_args(changes.pop("shape", (ROWS, HIDDEN)), changes.pop("dtype", "float32")), **changes}
+    if isinstance(changed["residual_out"], str):
+        changed["residual_out"] = changed["residual"]
+    fused(comm, changed)
+    assert fakes.as_buffer.calls > validated, "the changed call took the plan"
+    validated = fakes.as_buffer.calls
+    fused(comm, changed)  # now planned too
+    assert fakes.as_buffer.calls == validated and len(comm._plans) == 2
+    launches = fakes.driver.launches
+    assert len(launches) == 4 and launches[2] == launches[3] and launches[0] == launches[1]
+    if change in FUSED_DIFFERENT:
+        assert launches[2][1:] != launches[0][1:] or entry(comm, launches[2]) != entry(comm, launches[0])
+    else:
+        assert launches[2][1:3] + launches[2][4:] == launches[0][1:3] + launches[0][4:]
+
+
+def test_the_same_fused_call_on_the_current_stream_named_or_implied_is_one_plan(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args()
+    fused(comm, call)
+    fused(comm, {**call, "stream": CURRENT})
+    assert fakes.as_buffer.calls == 6 and len(comm._plans) == 1
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(out=array(Y, (ROWS, HIDDEN // 2))), r"out must be float32 of shape \(4, 256\)"),
+    (dict(out=array(Y, (ROWS, HIDDEN), "float16")), "out must be float32"),
+    (dict(out=array(X + 16, (ROWS, HIDDEN))), "out overlaps x"),
+    (dict(residual_out=array(X, (ROWS, HIDDEN))), "residual_out overlaps x"),
+    (dict(residual_out=array(Y + 16, (ROWS, HIDDEN))), "out and residual_out overlap"),
+    (dict(residual_out=array(R + 16, (ROWS, HIDDEN))), "residual_out partially overlaps residual"),
+    (dict(residual=array(R, (ROWS, HIDDEN), device=1)), "residual must be float32 of shape .* on device 0"),
+    (dict(weight=array(WEIGHT, (HIDDEN,), "float16")), r"weight must be float32 of shape \(256,\)"),
+    (dict(bias=array(BIAS, (HIDDEN // 2,))), r"bias must be float32 of shape \(256,\)"),
+    (dict(x=array(X, (ROWS * HIDDEN,))), "x must be 2-D"),
+    (dict(x=array(X, (HIDDEN, ROWS)).T), "not C-contiguous"),
+    (dict(eps=-1e-6), "eps must be finite and >= 0"),
+    (dict(eps=float("nan")), "eps must be finite"),
+    (dict(eps="small"), "eps must be a number"),
+    (dict(algorithm="ring"), "unknown algorithm"),
+])
+def test_invalid_new_fused_arguments_still_raise(make_comm, fakes, change, message):
+    comm = make_comm()
+    call = fused_args()
+    fused(comm, call)
+    fused(comm, call)
+    with pytest.raises(UbnextError, match=message):
+        fused(comm, {**call, **change})
+    assert len(fakes.driver.launches) == 2 and len(comm._plans) == 1
+
+
+def test_an_unhashable_fused_argument_gets_the_full_paths_error(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args()
+    fused(comm, call)
+    with pytest.raises(UbnextError, match="x is on device 1"):
+        fused(comm, {**call, "x": array(X, (ROWS, HIDDEN), device=1), "algorithm": ["lamport"]})
+    assert len(fakes.driver.launches) == 1 and len(comm._plans) == 1
+
+
+# -- fused calls never planned ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("new", ["out", "residual_out", "both"])
+def test_fused_calls_with_new_outputs_are_validated_every_call(make_comm, fakes, new):
+    made = []
+    fakes.monkeypatch.setattr(_arrays, "empty_like", lambda x, *a, **k: made.append(1) or array(
+        Z + (1 << 20) + len(made) * 8192, (ROWS, HIDDEN)))
+    comm = make_comm()
+    call = fused_args()
+    for what in ("out", "residual_out") if new == "both" else (new,):
+        call[what] = None
+    for _ in range(3):
+        fused(comm, call)
+    assert len(made) == 3 * (2 if new == "both" else 1) and fakes.as_buffer.calls == 18
+    assert len(comm._plans) == 0 and len(fakes.driver.launches) == 3
+
+
+class Epilogue:
+    """Stands in for the separate add + RMSNorm kernel (``_epilogue.AddRmsNorm``), recording calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, dtype, x, rows, hidden, norm, eps, stream):
+        self.calls.append((dtype, x, rows, hidden, norm, eps, stream))
+
+
+@pytest.mark.parametrize("why", ["hidden not a multiple of 8", "not aligned", "nccl"])
+def test_fused_calls_taking_the_separate_kernel_are_not_planned(make_comm, fakes, why):
+    comm = make_comm()
+    comm._dispatch._epilogue = epilogue = Epilogue()
+    nccl = []
+    comm._dispatch.nccl = types.SimpleNamespace(all_reduce=lambda *a: nccl.append(a))
+    call = {"hidden not a multiple of 8": fused_args((ROWS, 100)),
+            "not aligned": fused_args(bias=array(BIAS + 4, (HIDDEN,))),
+            "nccl": fused_args(algorithm="nccl")}[why]
+    for _ in range(3):
+        fused(comm, call)
+    assert len(epilogue.calls) == 3 and fakes.as_buffer.calls == 18 and len(comm._plans) == 0
+    assert len(nccl if why == "nccl" else fakes.driver.launches) == 3  # the all-reduces
+    assert not any(entry(comm, launch)[1].endswith("_norm") for launch in fakes.driver.launches)
+
+
+def test_fused_calls_in_several_launches_are_not_planned(make_comm, fakes):
+    comm = make_comm(lamport_max_kb=2)  # slots of 2 KiB: rows of 1 KiB in launches of two
+    assert comm._node.engine.norm_rows("lamport", "float32", HIDDEN, ROWS) == 2
+    call = fused_args()
+    for _ in range(2):
+        fused(comm, call)
+    assert fakes.as_buffer.calls == 12 and len(comm._plans) == 0
+    assert len(fakes.driver.launches) == 4
+    assert all(entry(comm, launch)[1] == "ub_lamport_norm" for launch in fakes.driver.launches)
+
+
+def test_empty_fused_calls_are_not_planned(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args((0, HIDDEN))
+    for _ in range(2):
+        assert fused(comm, call) == (call["out"], call["residual_out"])
+    assert fakes.driver.launches == [] and len(comm._plans) == 0
+
+
+@pytest.mark.parametrize("eps", [0.0, -0.0, 0, 1, np.float32(1e-6), np.float64(1e-6)])
+def test_fused_calls_with_an_eps_other_than_a_positive_float_are_not_planned(make_comm, fakes, eps):
+    """Equal eps values may pack other bits (0.0 and -0.0) or be of other types: the full path converts them."""
+    comm = make_comm()
+    for _ in range(2):
+        fused(comm, fused_args(eps=eps))
+    assert fakes.as_buffer.calls == 12 and len(comm._plans) == 0
+    assert fakes.driver.launches[0] == fakes.driver.launches[1]
+    assert fakes.driver.launches[0][4][-3] == f32(eps)
+
+
+def test_debug_mode_compares_the_ranks_every_fused_call(make_comm, fakes):
+    sent = []
+    comm = make_comm(debug=True)
+    comm.bootstrap = types.SimpleNamespace(allgather=lambda b: sent.append(b) or [b])
+    call = fused_args()
+    for _ in range(3):
+        fused(comm, call)
+    assert len(sent) == 3 and len(fakes.driver.launches) == 3 and len(comm._plans) == 0
+
+
+def test_a_closed_communicator_raises_on_a_planned_fused_call(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args()
+    fused(comm, call)
+    comm.close()
+    assert len(comm._plans) == 0
+    with pytest.raises(ClosedError, match="all_reduce_add_rmsnorm: the communicator is closed"):
+        fused(comm, call)
+    assert len(fakes.driver.launches) == 1
+
+
+def test_abort_drops_the_fused_plans(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args()
+    fused(comm, call)
+    comm.abort()
+    assert len(comm._plans) == 0
+    with pytest.raises(ClosedError):
+        fused(comm, call)
+    assert len(fakes.driver.launches) == 1
+
+
+def test_a_broken_communicator_raises_on_a_planned_fused_call_and_drops_its_plans(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args()
+    fused(comm, call)
+    fused(comm, call)
+    comm._node.error = CollectiveTimeoutError("all_reduce_add_rmsnorm", 0, 1, "Lamport poll, launch 2", 4.0)
+    with pytest.raises(CollectiveTimeoutError, match="rank 0 waited more than 4 s for rank 1"):
+        fused(comm, call)
+    assert len(comm._plans) == 0
+    with pytest.raises(CollectiveTimeoutError):
+        fused(comm, call)
+    assert len(fakes.driver.launches) == 2
+
+
+# -- fused calls on streams, torch tensors -----------------------------------------------------------------
+
+
+def test_planned_fused_calls_on_a_side_stream_record_their_arrays_every_call(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args(stream=A, bias=None)
+    for _ in range(3):
+        fused(comm, call)
+    fused(comm, {**call, "stream": None})  # on the current stream: nothing recorded
+    assert fakes.as_buffer.calls == 10
+    arrays = [None if call[k] is None else ("cupy", call[k], 0)
+              for k in ("x", "residual", "weight", "bias", "out", "residual_out")]
+    assert fakes.recorded == [(A, arrays)] * 3  # the full path's, then the plan's
+
+
+def test_planned_fused_calls_on_other_streams_keep_their_order(make_comm, fakes):
+    comm = make_comm()
+    call = fused_args()
+    for stream in (A, B, A, B):
+        fused(comm, {**call, "stream": stream})
+    assert fakes.as_buffer.calls == 12  # a plan per stream
+    assert [w[1] for w in fakes.cuda.calls if w[0] == "wait"] == [B, A, B]
+    assert [launch[3] for launch in fakes.driver.launches] == [A, B, A, B]
+
+
+def test_torch_tensors_are_planned_in_fused_calls(make_comm, fakes, cuda_tensors):
+    torch = cuda_tensors
+    comm = make_comm()
+    x, residual, out, res_out = (torch.empty(ROWS, HIDDEN) for _ in range(4))
+    weight = torch.empty(HIDDEN)
+    for _ in range(3):
+        normed, rsum = comm.all_reduce_add_rmsnorm(x, residual, weight, out=out, residual_out=residual)
+        assert normed is out and rsum is residual
+        comm.all_reduce_add_rmsnorm(x, residual, weight, out=out, residual_out=res_out)
+    assert fakes.as_buffer.calls == 10 and len(comm._plans) == 2
+    launches = fakes.driver.launches
+    assert launches[0][4][VALUES][3:8] == (residual.data_ptr(), 0, weight.data_ptr(), out.data_ptr(),
+                                           residual.data_ptr())
+    assert launches[0] == launches[2] == launches[4] and launches[1] == launches[3] == launches[5]
+    comm.all_reduce_add_rmsnorm(x.bfloat16(), residual.bfloat16(), weight.bfloat16(), out=out.bfloat16(),
+                                residual_out=res_out.bfloat16())  # another dtype (and memory)
+    with pytest.raises(UbnextError, match="not contiguous"):
+        comm.all_reduce_add_rmsnorm(x, residual, weight, out=out.t().contiguous().t(), residual_out=res_out)
+    assert fakes.as_buffer.calls == 10 + 5 + 4 and len(fakes.driver.launches) == 7
+    weight_param = torch.nn.Parameter(weight)  # a subclass: the full path every call
+    for _ in range(2):
+        comm.all_reduce_add_rmsnorm(x, residual, weight_param, out=out, residual_out=res_out)
+    assert fakes.as_buffer.calls == 19 + 10 and len(comm._plans) == 3

@@ -18,7 +18,7 @@ from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._launch import Packed
 from ._node import Node
-from ._plans import Plan, Plans, all_reduce_key
+from ._plans import Plan, Plans, add_rmsnorm_key, all_reduce_key
 from ._protocol import MAX_RANKS
 from ._select import Selector, buffer_limits
 from ._streams import LaunchOrder
@@ -75,7 +75,7 @@ class Communicator:
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._resolved: dict[tuple, str] = {}
-        self._plans = Plans()  # eager all-reduces validated and launched before (_plans)
+        self._plans = Plans()  # eager calls validated and launched before (_plans)
         self._local = self._node = None
         try:
             _agreement.check(config, bootstrap)  # before anything that the configuration shapes
@@ -234,15 +234,8 @@ class Communicator:
         self._check_open(name)
         handle, owner, side = _arrays.launch_stream(stream, x)
         key = None if self._node is None else all_reduce_key(x, out, op, algorithm, precision, handle, side)
-        try:
-            plan = self._plans.get(key)
-        except TypeError:  # an unhashable argument: the full path names it
-            key = plan = None
-        if plan is not None:  # the call validated and launched before: the same launch
-            if side:
-                xt, ot = plan.buffers
-                _arrays.record_stream(handle, owner, (_arrays.Buffer(x, *xt), _arrays.Buffer(out, *ot)))
-            self._dispatch.launch(plan.launch, handle, owner)
+        planned, key = self._planned(key, handle, owner, side, (x, out))
+        if planned:
             return out
         xb = self._input(name, x, handle)
         if op not in OPS:
@@ -262,9 +255,7 @@ class Communicator:
         if fmt:
             self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
             return ob.obj
-        launch = self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig)
-        if launch is not None and key is not None and not self.config.debug:  # debug mode compares every call
-            self._plans.put(key, Plan(Packed(*launch), (xb[1:], ob[1:])))
+        self._keep(key, self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig), (xb, ob))
         return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
@@ -312,6 +303,11 @@ class Communicator:
         name = "all_reduce_add_rmsnorm"
         self._check_open(name)
         handle, owner, side = _arrays.launch_stream(stream, x)
+        key = None if self._node is None else add_rmsnorm_key(x, residual, weight, bias, out, residual_out, eps,
+                                                              algorithm, handle, side)
+        planned, key = self._planned(key, handle, owner, side, (x, residual, weight, bias, out, residual_out))
+        if planned:
+            return out, residual_out
         xb = _arrays.as_buffer(x, name, handle)
         if len(xb.shape) != 2:
             raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
@@ -345,8 +341,9 @@ class Communicator:
         aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
         chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
         if chunk:
-            self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
-                                       _signature.encode_fused(xb.dtype, rows, hidden))
+            self._keep(key, self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
+                                                       _signature.encode_fused(xb.dtype, rows, hidden)),
+                       (xb, rb, wb, bb, nb, ob))
         else:
             why = ("the NCCL engine" if algo == "nccl" else
                    f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
@@ -526,6 +523,36 @@ class Communicator:
         if side:
             _arrays.record_stream(handle, owner, buffers)
         return True
+
+    def _planned(self, key, handle: int, owner, side: bool, arrays: tuple) -> tuple:
+        """Launches the plan of ``key`` (``_plans``; None: the call is never planned), if the
+        communicator has one: the call validated and launched before, the same launch, in the
+        launch section, with ``arrays`` (the call's, in the order of ``Plan.buffers``)
+        recorded on a side stream. The caller has checked that the communicator is open.
+
+        Returns:
+            ``(launched, key)``: ``key`` for ``_keep`` after the full path, None where it is
+            unhashable (the full path names the argument).
+        """
+        try:
+            plan = self._plans.get(key)
+        except TypeError:
+            return False, None
+        if plan is None:
+            return False, key
+        if side:
+            _arrays.record_stream(handle, owner, [None if t is None else _arrays.Buffer(a, *t)
+                                                  for a, t in zip(arrays, plan.buffers)])
+        self._dispatch.launch(plan.launch, handle, owner)
+        return True, key
+
+    def _keep(self, key, launch, buffers: tuple) -> None:
+        """Keeps the one kernel launch of a call's full path (``launch``: the Dispatcher's,
+        None where the call was not one) as the plan of ``key`` (None: not planned), with
+        ``buffers`` (the call's Buffers, None for an array not given, as ``_planned``
+        records them). Debug mode plans nothing: it compares the ranks' calls every time."""
+        if launch is not None and key is not None and not self.config.debug:
+            self._plans.put(key, Plan(Packed(*launch), tuple(None if b is None else b[1:] for b in buffers)))
 
     def _open_call(self, name: str, x, stream) -> tuple:
         """The start of a call: the communicator open, its launch stream (``handle, owner,

@@ -51,8 +51,8 @@ class Dispatcher:
             self._order.leave()
 
     def launch(self, launch, stream: int, owner) -> None:
-        """``launch`` (a ``_launch.Packed`` of a launch ``all_reduce`` returned: a call
-        plan's) on ``stream``, in the launch section."""
+        """``launch`` (a ``_launch.Packed`` of a launch ``all_reduce`` or ``add_rmsnorm``
+        returned: a call plan's) on ``stream``, in the launch section."""
         self._order.enter(stream, owner)
         try:
             launch(stream)
@@ -80,9 +80,14 @@ class Dispatcher:
         return self._node.engine.norm_rows(algo, dtype, hidden, rows)
 
     def add_rmsnorm(self, algo: str, xb, rows: int, chunk: int, hidden: int, norm: tuple, eps: float,
-                    stream: int, owner, sig: int) -> None:
-        """Fused launches of ``chunk`` rows of ``xb`` (the last one the rest); ``norm``: the
-        addresses of residual (or 0), bias (or 0), weight, normed and res_out."""
+                    stream: int, owner, sig: int):
+        """Fused launches of ``chunk`` rows of ``xb`` (the last one the rest; ``rows`` > 0);
+        ``norm``: the addresses of residual (or 0), bias (or 0), weight, normed and res_out.
+
+        Returns:
+            Where the call was one launch (``rows`` <= ``chunk``), that launch but for its
+            stream (``Engine.add_rmsnorm_launch``, as ``all_reduce`` returns its own), else None.
+        """
         eng = self._node.engine
         row_bytes = hidden * DTYPES[xb.dtype][1]
         residual, bias, weight, normed, res_out = norm
@@ -91,10 +96,13 @@ class Dispatcher:
             for r0 in range(0, rows, chunk):
                 off = r0 * row_bytes
                 part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
-                eng.add_rmsnorm(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part, eps, sig,
-                                stream)
+                launch = eng.add_rmsnorm_launch(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part,
+                                                eps, sig)
+                launcher, blocks, threads, values = launch
+                launcher(blocks, threads, stream, *values)
         finally:
             self._order.leave()
+        return launch if rows <= chunk else None
 
     def unfused(self, algo: str, xb, nb, rows: int, hidden: int, norm: tuple, eps: float, stream: int,
                 owner, sig: int) -> None:

@@ -232,9 +232,10 @@ class Engine:
     def _staging_half(self) -> int:
         return self.staging_bytes // 2 // VEC_BYTES * VEC_BYTES
 
-    def add_rmsnorm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
-                    eps: float, sig: int, stream: int) -> None:
-        """Fused all-reduce + residual add + RMSNorm of ``rows`` x ``hidden`` elements.
+    def add_rmsnorm_launch(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
+                           eps: float, sig: int) -> tuple:
+        """The launch of a fused all-reduce + residual add + RMSNorm of ``rows`` x ``hidden``
+        elements but for its stream, as ``lamport_launch`` gives it.
 
         ``norm``: local addresses (residual or 0, bias or 0, weight, normed, res_out),
         all 16-byte aligned, outputs not overlapping ``x``; hidden a multiple of 8;
@@ -247,7 +248,7 @@ class Engine:
                 self._norm_launches.clear()
             launch = self._norm_launches[key] = self._norm_launch(algorithm, dtype, rows, hidden)
         launcher, blocks, threads, _ = launch
-        launcher(blocks, threads, stream, x, rows, hidden, *norm, eps, sig)
+        return launcher, blocks, threads, (x, rows, hidden, *norm, eps, sig)
 
     def _norm_launch(self, algorithm: str, dtype: str, rows: int, hidden: int) -> tuple:
         """The kernel and grid of a fused launch of ``rows`` x ``hidden``: (launcher,

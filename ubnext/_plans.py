@@ -1,22 +1,24 @@
-"""Call plans: the validated launch of an eager all-reduce, kept for the next call with
-the same arguments (issue 25: a call's host time went mostly to validating its arrays
-and packing its arguments, not to the launch).
+"""Call plans: the validated launch of an eager all-reduce or fused all-reduce + add +
+RMSNorm, kept for the next call with the same arguments (issue 25: a call's host time
+went mostly to validating its arrays and packing its arguments, not to the launch).
 
 The first call with a key runs the full path: it validates, resolves the algorithm and
 launches. Where that was one kernel launch, the communicator keeps a :class:`Plan`: the
 launch with its argument pack written once (``_launch.Packed``). A later call with the
-same key (``all_reduce_key``: everything the validation and the launch read) checks
+same key (``all_reduce_key``, ``add_rmsnorm_key``: everything the validation and the
+launch read, the collective's name first, so that the two never share a key) checks
 that the communicator is open and not broken, enters the launch order, records its
 tensors on a side stream, and launches the plan. Everything else takes the full path
 every time: an output to allocate, arrays of other frameworks (viewing them orders their
 producer's stream), NCCL, launches in chunks or through the staging slot, the
-quantized all-reduce, empty arrays, and debug mode (which compares the ranks' calls).
+quantized all-reduce, the fused call's separate add + RMSNorm kernel and an ``eps`` other
+than a float > 0, empty arrays, and debug mode (which compares the ranks' calls).
 
 The key holds what may differ between calls; everything else the full path reads is
 fixed for the communicator's life: its configuration (frozen; debug mode plans nothing),
 the selector's tables, the pool, the engine's launchers (one per kernel, never
-replaced), and the checks are pure functions of the key (``_resolve`` caches them too).
-What can change, whether the communicator is open and whether a kernel recorded a
+replaced) and launch shapes, and the checks are pure functions of the key (``_resolve``
+caches them too). What can change, whether the communicator is open and whether a kernel recorded a
 failure, is checked on every call as before; the plans are dropped on ``close``,
 ``abort`` and when a failure is seen. Plans hold addresses and the communicator's own
 launchers, never the caller's arrays.
@@ -42,9 +44,9 @@ class Plan(NamedTuple):
 
     Attributes:
         launch: its one kernel launch, all arguments packed.
-        buffers: x's and out's Buffers but for their first field (``obj``, the array):
-            ``Buffer(x, *buffers[0])`` is x's, for ``_arrays.record_stream`` on a side
-            stream.
+        buffers: the Buffers of the call's arrays but for their first field (``obj``, the
+            array), None for an array not given, in the order the call passes them to
+            ``_arrays.record_stream`` on a side stream: ``Buffer(x, *buffers[0])`` is x's.
     """
 
     launch: Packed
@@ -62,7 +64,29 @@ def all_reduce_key(x, out, op, algorithm, precision, stream: int, side: bool) ->
     oi = True if out is x else _arrays.identity(out)
     if xi is None or oi is None:
         return None
-    return xi, oi, op, algorithm, precision, stream, side
+    return "all_reduce", xi, oi, op, algorithm, precision, stream, side
+
+
+def add_rmsnorm_key(x, residual, weight, bias, out, residual_out, eps, algorithm, stream: int,
+                    side: bool) -> tuple | None:
+    """The plan key of ``all_reduce_add_rmsnorm(x, residual, weight, eps, bias, out,
+    residual_out, algorithm)`` on the launch stream ``stream`` (``side`` as for
+    ``all_reduce_key``), or None where the call is never planned: no ``out`` or no
+    ``residual_out`` (allocated), an ``eps`` other than a float > 0 (the launch packs it as
+    float32: -0.0 equals 0.0 but packs other bits, and other types convert on the full
+    path), arrays that ``_arrays.identity`` does not name. A residual or bias not given is
+    None; whether ``residual_out`` is ``residual`` (in place) is a field of its own."""
+    if out is None or residual_out is None or type(eps) is not float or not eps > 0:
+        return None
+    identity = _arrays.identity
+    xi, wi, oi = identity(x), identity(weight), identity(out)
+    ri = None if residual is None else identity(residual)
+    bi = None if bias is None else identity(bias)
+    roi = True if residual_out is residual else identity(residual_out)
+    if (xi is None or wi is None or oi is None or roi is None or (ri is None and residual is not None)
+            or (bi is None and bias is not None)):
+        return None
+    return "all_reduce_add_rmsnorm", xi, ri, wi, bi, oi, roi, eps, algorithm, stream, side
 
 
 class Plans:
