@@ -57,6 +57,25 @@ def communicator():
     c.close()
 
 
+#: buffers for a module's many small calls: every kernel takes a test's sizes in one launch
+SMALL = dict(pool_mb=128, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
+
+
+def small_torch_communicator():
+    """A Communicator of every rank on SMALL buffers with torch's current device set to its
+    own, closed at the end: the generator of a module's ``comm`` fixture; skips without a
+    GPU and torch."""
+    require_gpu_and_torch()
+    import torch
+
+    import ubnext
+
+    c = ubnext.Communicator(**SMALL)
+    torch.cuda.set_device(c.device)
+    yield c
+    c.close()
+
+
 def seed_of(*parts) -> int:
     """A seed from a test's parameters, the same on every rank."""
     return zlib.crc32("-".join(map(str, parts)).encode()) % 100000

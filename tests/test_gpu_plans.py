@@ -16,26 +16,15 @@ from __future__ import annotations
 import pytest
 
 from gpu_support import (assert_same_bits_everywhere, device, expected_add_rmsnorm, host, norm_operands,
-                         recorded_launches, reference, require_gpu_and_torch)
+                         recorded_launches, reference, small_torch_communicator)
 from ubnext._algorithms import ALGORITHMS
 
 pytestmark = pytest.mark.gpu
 
-SMALL = dict(pool_mb=128, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
 N = 4096  # float32 elements: 16 KiB, within every kernel's buffers
 
 
-@pytest.fixture(scope="module")
-def comm():
-    require_gpu_and_torch()
-    import torch
-
-    import ubnext
-
-    c = ubnext.Communicator(**SMALL)
-    torch.cuda.set_device(c.device)
-    yield c
-    c.close()
+comm = pytest.fixture(scope="module", name="comm")(small_torch_communicator)
 
 
 def as_torch(a):

@@ -13,25 +13,14 @@ import threading
 
 import pytest
 
-from gpu_support import require_gpu_and_torch
+from gpu_support import small_torch_communicator
 
 pytestmark = pytest.mark.gpu
 
-SMALL = dict(pool_mb=128, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
 SLEEP_MS = 200  # a delay far longer than any call here
 
 
-@pytest.fixture(scope="module")
-def comm():
-    require_gpu_and_torch()
-    import torch
-
-    import ubnext
-
-    c = ubnext.Communicator(**SMALL)
-    torch.cuda.set_device(c.device)
-    yield c
-    c.close()
+comm = pytest.fixture(scope="module", name="comm")(small_torch_communicator)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import itertools
 import sys
-import threading
 import types
 import weakref
 
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 from stream_fakes import FakeCuda, read_pack
+from thread_ranks import run_threads
 from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _engine, _launch, _quant, _streams
 from ubnext._algorithms import ALGORITHMS
 from ubnext._comm import Communicator
@@ -501,22 +501,13 @@ def test_planned_calls_on_a_side_stream_record_their_arrays_every_call(make_comm
 def test_planned_calls_from_threads_launch_their_own_arguments(make_comm, fakes):
     comm = make_comm()
     threads, calls = 4, 200
-    errors = []
 
     def run(t):
-        try:
-            x, out = array(X + t * (1 << 20)), array(Y + t * (1 << 20))
-            for _ in range(calls):
-                comm.all_reduce(x, out=out, algorithm="lamport", stream=A + t)
-        except BaseException as e:  # reported below
-            errors.append(e)
+        x, out = array(X + t * (1 << 20)), array(Y + t * (1 << 20))
+        for _ in range(calls):
+            comm.all_reduce(x, out=out, algorithm="lamport", stream=A + t)
 
-    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
-    assert not errors, errors
+    run_threads(threads, run)
     assert fakes.as_buffer.calls == 2 * threads
     launches = fakes.driver.launches
     assert len(launches) == threads * calls

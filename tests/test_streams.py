@@ -12,6 +12,7 @@ import weakref
 import pytest
 
 from stream_fakes import FakeCuda, FakeDriver, fake_kernel
+from thread_ranks import run_threads
 from ubnext import _launch, _streams
 from ubnext._launch import U64, Launcher, Packed
 from ubnext._streams import LEGACY, PER_THREAD, LaunchOrder, order_after
@@ -162,29 +163,20 @@ def launches_from_threads(monkeypatch, on_launch, section, threads=2, calls=300)
     (a LaunchOrder) if given."""
     monkeypatch.setattr(_launch, "_cupy_driver", FakeDriver(NPARAMS, on_launch))
     launcher = Launcher(fake_kernel(), (U64,) * NPARAMS, prefix=(PREFIX,), suffix=(SUFFIX,))
-    errors = []
 
     def run(t):
-        try:
-            for i in range(calls):
-                stream = (t + 1) * 100_000 + i
-                if section is None:
+        for i in range(calls):
+            stream = (t + 1) * 100_000 + i
+            if section is None:
+                launcher(1, 32, stream, *values_of(stream))
+            else:
+                section.enter(stream)
+                try:
                     launcher(1, 32, stream, *values_of(stream))
-                else:
-                    section.enter(stream)
-                    try:
-                        launcher(1, 32, stream, *values_of(stream))
-                    finally:
-                        section.leave()
-        except BaseException as e:  # reported by the test
-            errors.append(e)
+                finally:
+                    section.leave()
 
-    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
-    assert not errors, errors
+    run_threads(threads, run)
 
 
 def test_launches_from_two_threads_interleave_without_the_section(monkeypatch):

@@ -74,6 +74,27 @@ def run_ranks(n: int, fn: Callable[[ThreadBootstrap], Any]) -> list[Any]:
     return results
 
 
+def run_threads(n: int, fn: Callable[[int], Any]) -> None:
+    """Run ``fn(t)`` on ``n`` threads (t = 0 .. n-1), joined with a timeout; re-raises the
+    first exception a thread raised, and fails (AssertionError) when one does not finish."""
+    errors: list[BaseException] = []
+
+    def body(t: int) -> None:
+        try:
+            fn(t)
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(t,), daemon=True) for t in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S * 3)
+    assert not [t for t in threads if t.is_alive()], "threads hang"
+    if errors:
+        raise errors[0]
+
+
 def raise_first(results: list[Any]) -> list[Any]:
     """``results`` if no rank raised, else re-raise the first rank's exception."""
     for r in results:
