@@ -430,6 +430,21 @@ def test_a_closed_communicator_raises_on_a_planned_call(make_comm, fakes):
     assert len(fakes.driver.launches) == 1
 
 
+def test_a_communicator_closed_during_a_first_call_keeps_no_plan(make_comm, fakes):
+    # another thread closes it between the launch and the keeping of the plan
+    comm = make_comm()
+    dispatch = comm._dispatch.all_reduce
+
+    def launch_then_close(*args):
+        launch = dispatch(*args)
+        comm.close()
+        return launch
+
+    comm._dispatch.all_reduce = launch_then_close
+    comm.all_reduce(array(X), out=array(Y))
+    assert len(fakes.driver.launches) == 1 and len(comm._plans) == 0
+
+
 def test_abort_drops_the_plans(make_comm, fakes):
     comm = make_comm()
     x, out = array(X), array(Y)
@@ -564,7 +579,9 @@ def test_identity_reads_what_as_buffer_reads(cuda_tensors):
     for other in (x[1:], x.view(4, 4), x.view(torch.int32), x[::2], torch.empty(16)):
         assert _arrays.identity(other) != key
     assert _arrays.identity(x.view(4, 4).t()) != _arrays.identity(x.view(4, 4))
-    assert _arrays.identity(torch.nn.Parameter(x)) is None  # subclasses: the full path only
+    param = torch.nn.Parameter(x)  # a model's weight: a key of its own class
+    assert _arrays.identity(param) is not None and _arrays.identity(param) != key
+    assert _arrays.identity(x.as_subclass(type("Sub", (torch.Tensor,), {}))) is None  # other subclasses: never
     assert _arrays.identity(np.ones(4)) is None and _arrays.identity([1.0]) is None
     assert _arrays.identity(array(X)) != _arrays.identity(array(X, dtype="int32"))
 
@@ -919,7 +936,7 @@ def test_torch_tensors_are_planned_in_fused_calls(make_comm, fakes, cuda_tensors
     with pytest.raises(UbnextError, match="not contiguous"):
         comm.all_reduce_add_rmsnorm(x, residual, weight, out=out.t().contiguous().t(), residual_out=res_out)
     assert fakes.as_buffer.calls == 10 + 5 + 4 and len(fakes.driver.launches) == 7
-    weight_param = torch.nn.Parameter(weight)  # a subclass: the full path every call
+    weight_param = torch.nn.Parameter(weight)  # a model's weight: planned, as a key of its own class
     for _ in range(2):
         comm.all_reduce_add_rmsnorm(x, residual, weight_param, out=out, residual_out=res_out)
-    assert fakes.as_buffer.calls == 19 + 10 and len(comm._plans) == 3
+    assert fakes.as_buffer.calls == 19 + 5 and len(comm._plans) == 4

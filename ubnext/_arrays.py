@@ -118,15 +118,16 @@ def as_buffer(x, op: str, stream: int) -> Buffer:
 
 
 def identity(x) -> tuple | None:
-    """What ``as_buffer`` reads of a torch.Tensor or cupy.ndarray (those classes exactly,
-    not subclasses), as a hashable key: its class, address, shape, dtype, device and
+    """What ``as_buffer`` reads of a torch.Tensor, torch.nn.Parameter (a model's weights) or
+    cupy.ndarray (those classes exactly, not other subclasses, whose attributes may read
+    otherwise), as a hashable key: its class, address, shape, dtype, device and
     contiguity, so that arrays with equal keys give equal Buffers (but for ``obj``), or
     fail it alike. None for anything else, and for an array whose attributes cannot be
     read (``as_buffer`` names the problem). Not collective; no CUDA call."""
     kind = type(x)
     torch = _torch()
     try:
-        if torch is not None and kind is torch.Tensor:
+        if torch is not None and (kind is torch.Tensor or kind is torch.nn.Parameter):
             return kind, x.get_device(), x.is_contiguous(), x.dtype, x.shape, x.data_ptr()
         cupy = sys.modules.get("cupy")
         if cupy is not None and kind is cupy.ndarray:

@@ -550,8 +550,9 @@ class Communicator:
         """Keeps the one kernel launch of a call's full path (``launch``: the Dispatcher's,
         None where the call was not one) as the plan of ``key`` (None: not planned), with
         ``buffers`` (the call's Buffers, None for an array not given, as ``_planned``
-        records them). Debug mode plans nothing: it compares the ranks' calls every time."""
-        if launch is not None and key is not None and not self.config.debug:
+        records them). Debug mode plans nothing: it compares the ranks' calls every time; nor
+        does a communicator that another thread closed meanwhile (its plans are dropped)."""
+        if launch is not None and key is not None and not self.config.debug and not self._closed:
             self._plans.put(key, Plan(Packed(*launch), tuple(None if b is None else b[1:] for b in buffers)))
 
     def _open_call(self, name: str, x, stream) -> tuple:
