@@ -419,11 +419,12 @@ def test_arrays_of_other_frameworks_are_not_planned(make_comm, fakes):
 # -- the communicator's state ------------------------------------------------------------------------
 
 
-def test_a_closed_communicator_raises_on_a_planned_call(make_comm, fakes):
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_a_closed_or_aborted_communicator_drops_its_plans_and_raises_on_a_planned_call(make_comm, fakes, end):
     comm = make_comm()
     x, out = array(X), array(Y)
     comm.all_reduce(x, out=out)
-    comm.close()
+    getattr(comm, end)()
     assert len(comm._plans) == 0
     with pytest.raises(ClosedError, match="all_reduce: the communicator is closed"):
         comm.all_reduce(x, out=out)
@@ -443,16 +444,6 @@ def test_a_communicator_closed_during_a_first_call_keeps_no_plan(make_comm, fake
     comm._dispatch.all_reduce = launch_then_close
     comm.all_reduce(array(X), out=array(Y))
     assert len(fakes.driver.launches) == 1 and len(comm._plans) == 0
-
-
-def test_abort_drops_the_plans(make_comm, fakes):
-    comm = make_comm()
-    x, out = array(X), array(Y)
-    comm.all_reduce(x, out=out)
-    comm.abort()
-    assert len(comm._plans) == 0
-    with pytest.raises(ClosedError):
-        comm.all_reduce(x, out=out)
 
 
 def test_a_broken_communicator_raises_on_a_planned_call_and_drops_its_plans(make_comm, fakes):
@@ -856,24 +847,14 @@ def test_debug_mode_compares_the_ranks_every_fused_call(make_comm, fakes):
     assert len(sent) == 3 and len(fakes.driver.launches) == 3 and len(comm._plans) == 0
 
 
-def test_a_closed_communicator_raises_on_a_planned_fused_call(make_comm, fakes):
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_a_closed_or_aborted_communicator_raises_on_a_planned_fused_call(make_comm, fakes, end):
     comm = make_comm()
     call = fused_args()
     fused(comm, call)
-    comm.close()
+    getattr(comm, end)()
     assert len(comm._plans) == 0
     with pytest.raises(ClosedError, match="all_reduce_add_rmsnorm: the communicator is closed"):
-        fused(comm, call)
-    assert len(fakes.driver.launches) == 1
-
-
-def test_abort_drops_the_fused_plans(make_comm, fakes):
-    comm = make_comm()
-    call = fused_args()
-    fused(comm, call)
-    comm.abort()
-    assert len(comm._plans) == 0
-    with pytest.raises(ClosedError):
         fused(comm, call)
     assert len(fakes.driver.launches) == 1
 
