@@ -15,6 +15,7 @@ from __future__ import annotations
 from . import _quant
 from ._algorithms import ALGORITHMS, DTYPES
 from ._copies import aligned as _aligned, copy as _copy
+from ._launch import issue
 from ._sliced import Sliced
 
 
@@ -98,8 +99,7 @@ class Dispatcher:
                 part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
                 launch = eng.add_rmsnorm_launch(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part,
                                                 eps, sig)
-                launcher, blocks, threads, values = launch
-                launcher(blocks, threads, stream, *values)
+                issue(launch, stream)
         finally:
             self._order.leave()
         return launch if rows <= chunk else None
@@ -167,8 +167,7 @@ class Dispatcher:
             return None
         launch = self._single(algo, xb, ob, op, sig)
         if launch is not None:
-            launcher, blocks, threads, values = launch
-            launcher(blocks, threads, stream, *values)
+            issue(launch, stream)
         elif alg.pushed:
             self._lamport(algo, xb, ob, op, stream, sig)
         else:

@@ -14,7 +14,7 @@ from ._algorithms import ALGORITHMS, DTYPES, compile_defines
 from ._heap import SlotPlan
 from ._kernels import compile_module
 from . import _quant
-from ._launch import F32, I32, U64, Launcher
+from ._launch import F32, I32, U64, Launcher, issue
 from ._layout import STATES, set_unit, twoshot_norm_rows
 from ._protocol import (LAUNCH_STATE, LAUNCH_STATE_BYTES, MAX_BLOCKS, THREADS, VEC_BYTES, field_offset,
                         sentinel_word)
@@ -160,8 +160,7 @@ class Engine:
         ``count`` elements per rank, its rank-sliced side as whole vectors per slice
         (kernels/lamport_twoshot.cu).
         """
-        launcher, blocks, threads, values = self.lamport_launch(algorithm, dtype, op, x, out, count, sig, collective)
-        launcher(blocks, threads, stream, *values)
+        issue(self.lamport_launch(algorithm, dtype, op, x, out, count, sig, collective), stream)
 
     def lamport_launch(self, algorithm: str, dtype: str, op: str, x: int, out: int, count: int, sig: int,
                        collective: str = "all_reduce") -> tuple:
@@ -187,9 +186,7 @@ class Engine:
         input / is the output. ``sig``: the call's signature. A reduce-scatter or all-gather
         (``collective``) takes ``count`` elements per rank (kernels/twoshot.cu).
         """
-        launcher, blocks, threads, values = self.twoshot_launch(algorithm, dtype, op, buf_off, src, dst, count, sig,
-                                                                collective)
-        launcher(blocks, threads, stream, *values)
+        issue(self.twoshot_launch(algorithm, dtype, op, buf_off, src, dst, count, sig, collective), stream)
 
     def twoshot_launch(self, algorithm: str, dtype: str, op: str, buf_off: int, src: int, dst: int, count: int,
                        sig: int, collective: str = "all_reduce") -> tuple:

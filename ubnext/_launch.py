@@ -101,6 +101,13 @@ class Packed:
         _launch(self._func, self.blocks, self.threads, stream, self._pack_ptr)
 
 
+def issue(launch: tuple, stream: int) -> None:
+    """Launches ``launch`` on ``stream``: ``(launcher, blocks, threads, values)``, as the
+    engine's ``*_launch`` methods give it (``Packed`` takes the same)."""
+    launcher, blocks, threads, values = launch
+    launcher(blocks, threads, stream, *values)
+
+
 def _pointers(slots) -> tuple:
     """The array of pointers to the 8-byte slots of ``slots`` that ``cuLaunchKernel``
     takes, and its address."""
