@@ -196,6 +196,13 @@ def test_mismatched_calls_raise_on_every_rank(world, fresh, algo, case):
     if not in_band and algo == "twoshot":
         in_band = True  # the barrier two-shot's flags do not depend on the dtype
     call = dict(count=1 << 15, dtype="bfloat16", op="sum")
+    # every rank compiles both calls' kernels first, with matched calls: a rank that
+    # compiles its kernel on the mismatched call alone (seconds) keeps the others waiting
+    # past TIMEOUT_S, and they time out before its signature arrives
+    for warm in (call, {**call, **change}):
+        w = torch.ones(warm["count"], device="cuda", dtype=getattr(torch, warm["dtype"]))
+        comm.all_reduce(w, out=w, op=warm["op"], algorithm=algo)
+    comm.synchronize()
     if comm.rank == 1:
         call.update(change)
     x = torch.ones(call["count"], device="cuda", dtype=getattr(torch, call["dtype"]))
