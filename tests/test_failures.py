@@ -97,6 +97,26 @@ def test_the_watchdog_reports_a_failure_once_and_stops():
     assert seen == ["failed"] and len(polls) == 3  # no poll after the failure
 
 
+def test_the_watchdog_runs_its_start_on_its_thread_before_the_first_poll():
+    """The communicator makes its device current there, so that an announce, and whatever
+    the garbage collector frees on that thread, runs on its device, not device 0."""
+    import threading
+
+    from ubnext._watchdog import Watchdog
+
+    seen, polled = [], threading.Event()
+
+    def poll():
+        seen.append(("poll", threading.current_thread().name))
+        polled.set()
+
+    dog = Watchdog(poll, lambda failure: None, 0.01, "test-watchdog",
+                   start=lambda: seen.append(("start", threading.current_thread().name)))
+    assert polled.wait(5)
+    dog.stop()
+    assert seen[:2] == [("start", "test-watchdog"), ("poll", "test-watchdog")]
+
+
 def test_the_watchdog_stops_without_a_failure():
     from ubnext._watchdog import Watchdog
 

@@ -140,9 +140,13 @@ class StubEngine:
 
     def __init__(self, pool, *args, mc_base, deterministic):
         self.mc_base = mc_base
+        self.closed = False
 
     def initialize(self):
         pass
+
+    def close(self):
+        self.closed = True
 
 
 class StubFailureRecords:
@@ -299,6 +303,8 @@ def test_node_close_of_a_broken_node_waits_for_no_rank_and_releases_everything(m
         assert closed == "closed"
     nodes[1].close(local=True)
     assert fake.leaks() == []
+    # the kernel modules and the side stream go on this thread, not the garbage collector's
+    assert all(n.engine.closed and n._side is None for n in nodes)
 
 
 def test_node_announce_marks_every_family_of_every_rank(monkeypatch):

@@ -123,6 +123,30 @@ def test_the_previous_stream_object_is_kept_until_the_stream_changes():
     assert ref() is None
 
 
+def test_close_drops_the_previous_stream_object_and_destroys_the_pending_event():
+    """After ``close`` the order holds no CUDA object: a closed communicator's objects are
+    freed by the garbage collector on any thread, where destroying a stream or an event
+    makes a CUDA call on that thread's device (device 0: a context on another rank's GPU)."""
+
+    class Stream:
+        pass
+
+    cuda = FakeCuda()
+    order = LaunchOrder(DEVICE, cuda)
+    stream = Stream()
+    ref = weakref.ref(stream)
+    enter(order, A, stream)
+    del stream
+    order.close()
+    gc.collect()
+    assert ref() is None
+    threading.Thread(target=lambda: enter(order, PER_THREAD)).run()  # leaves an event recorded
+    assert cuda.live
+    order.close()
+    order.close()  # idempotent
+    assert not cuda.live
+
+
 def test_per_thread_default_streams_of_two_threads_are_ordered():
     """cudaStreamPerThread names another stream in each thread: a thread cannot record on
     the previous thread's one, so an event is recorded after each such call."""

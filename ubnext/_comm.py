@@ -116,8 +116,10 @@ class Communicator:
                      f"{setting} sizes its buffers for fewer; larger ones go to the next algorithm")
         self._watchdog = None
         if node is not None:
+            log, device = self._log, self.device  # the thread keeps no reference to the communicator
             self._watchdog = Watchdog(lambda: node.failure("watchdog", config.timeout_s),
-                                      lambda e: self._log.error("%s", e), _WATCHDOG_S, f"ubnext-watchdog-{self.rank}")
+                                      lambda e: log.error("%s", e), _WATCHDOG_S, f"ubnext-watchdog-{self.rank}",
+                                      start=lambda: cupy.cuda.runtime.setDevice(device))
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""

@@ -152,7 +152,10 @@ class Dispatcher:
             self._nccl().reduce_scatter(xb.ptr, ob.ptr, k, xb.dtype, op, stream)
 
     def close(self, local: bool) -> None:
-        """Releases the NCCL communicator (``local``: aborts it, waiting for no rank)."""
+        """Releases the NCCL communicator (``local``: aborts it, waiting for no rank), the
+        launch order's stream and event and the add + RMSNorm kernels, on this thread."""
+        self._epilogue = None
+        self._order.close()
         nccl, self.nccl = self.nccl, None
         if nccl is not None:
             nccl.abort() if local else nccl.close()

@@ -113,6 +113,14 @@ class Engine:
             self._words(self.plan.offset(name), self.plan.nbytes(name)).fill(np.uint32(sentinel_word(width)))
         cupy.cuda.Device(self.pool.device).synchronize()
 
+    def close(self) -> None:
+        """Drops the launchers and unloads the kernel modules, on the closing thread (left to
+        the garbage collector, they would be unloaded on whatever thread collects them).
+        Idempotent; the engine launches nothing afterwards."""
+        self._norm_launches.clear()
+        self._launchers.clear()
+        self._modules.clear()
+
     def _words(self, offset: int, nbytes: int):
         import cupy
 

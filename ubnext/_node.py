@@ -97,7 +97,9 @@ class Node:
             self._broken_ptrs = [self.pool.ptr(r, plan.offset(name) + state_field("broken"))
                                  for r in range(local.size) for name in STATES]
             self._own_broken = [p for p in self._broken_ptrs if self.pool.contains(p, 4) is not None]
+            undo.push(self.engine.close)
             self._side = cupy.cuda.Stream(non_blocking=True)  # announce() and broken() run on it
+            undo.push(self._drop_side)
             self._announce_lock, self._announced = threading.Lock(), False
             self.engine.initialize()
             self.heap = UserHeap(plan.end, self.pool.size)
@@ -105,6 +107,11 @@ class Node:
             for e in undo.unwind():  # keep the original error
                 warnings.warn(f"Communicator: cleanup after a failed setup: {e}", RuntimeWarning)
             raise
+
+    def _drop_side(self) -> None:
+        """Destroys the side stream on the closing thread (the garbage collector may free
+        it on a thread whose current device is another one, creating a context there)."""
+        self._side = None
 
     def _create_pool(self, device: int, nbytes: int) -> SymmetricPool:
         # Ranks agree that every segment was created before exchanging descriptors, so

@@ -197,6 +197,21 @@ class LaunchOrder:
         finally:
             self._release()
 
+    def close(self) -> None:
+        """Drops the previous call's stream object and destroys its pending event, on this
+        thread: a closed communicator's objects are left to the garbage collector, which
+        may free them on a thread whose current device is another one (destroying a CUDA
+        object there would create a context on that device). Idempotent; a later call
+        starts a new order."""
+        self._acquire()
+        try:
+            done, self._done = self._done, None
+            self._stream = self._thread = self._owner = None
+            if done is not None:
+                (self._cuda or CUDA).destroy(done)
+        finally:
+            self._release()
+
     def _change(self, stream: int, owner) -> None:
         thread = _this_thread() if stream == PER_THREAD else None
         if stream == self._stream and thread is self._thread:

@@ -23,16 +23,22 @@ class Watchdog:
         on_failure: called once with what ``poll`` returned.
         interval: seconds between polls.
         name: the thread's name.
+        start: called first on the thread, if given (the communicator makes its device
+            current there: a new thread's is device 0, where an announce's device switch,
+            or a CUDA object the garbage collector frees on this thread, would create a
+            context on another rank's GPU).
     """
 
     def __init__(self, poll: Callable[[], object], on_failure: Callable[[object], None], interval: float,
-                 name: str):
-        self._poll, self._on_failure, self._interval = poll, on_failure, interval
+                 name: str, start: Callable[[], None] | None = None):
+        self._poll, self._on_failure, self._interval, self._start = poll, on_failure, interval, start
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        if self._start is not None:
+            self._start()
         while not self._stop.wait(self._interval):
             failure = self._poll()
             if failure is not None:
