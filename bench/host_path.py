@@ -6,7 +6,9 @@ One process, one GPU, a communicator of one rank, 2 KiB of bfloat16 torch tensor
 step of ``Communicator.all_reduce`` (``ubnext/_comm.py``, ``_dispatch.py``,
 ``_engine.py``) is called on its own with the arguments the call gives it, in
 interleaved rounds (``launch_floor.measure``), the GPU drained between samples; the
-whole call (out of place and in place) is timed beside them. A repeated call takes its
+whole call (out of place and in place), the planned fused call of one row, and the
+launch floor (``bench/launch_floor.py``: an empty kernel of 11 parameters launched with
+a prebuilt pack) are timed beside them. A repeated call takes its
 call plan (``ubnext/_plans.py``): the rows ``plan: ...`` are the steps of that path, the
 others those of a first call (the full path), which ``no plan`` times whole (the plans
 dropped before each call, so that it also makes its plan). The table gives the median and the
@@ -22,11 +24,11 @@ if __package__ in (None, ""):  # run as a script (python bench/host_path.py): be
     import _standalone  # noqa: F401
 
 import ubnext  # noqa: E402
-from bench.launch_floor import measure  # noqa: E402
+from bench.launch_floor import launch_candidates, measure  # noqa: E402
 from ubnext import _arrays, _signature  # noqa: E402
 from ubnext._algorithms import ALGORITHMS  # noqa: E402
 from ubnext._engine import lamport_shape  # noqa: E402
-from ubnext._plans import all_reduce_key  # noqa: E402
+from ubnext._plans import add_rmsnorm_key, all_reduce_key  # noqa: E402
 from ubnext._protocol import VEC_BYTES  # noqa: E402
 
 
@@ -79,6 +81,18 @@ def steps(comm, nbytes: int) -> dict:
         "plan: _dispatch.launch": lambda: dispatch.launch(plan.launch, handle, owner),
         "plan: Packed launch": lambda: plan.launch(handle),
     }
+    # the fused call of one row of the same bytes, planned, and the launch floor's rows, in
+    # the same rounds: ratios to the floor are taken within one phase of the host
+    row, residual = x.view(1, -1), torch.randn_like(x).view(1, -1)
+    weight, normed, res_out = torch.randn_like(x), torch.empty_like(row), torch.empty_like(row)
+    comm.all_reduce_add_rmsnorm(row, residual, weight, out=normed, residual_out=res_out)
+    fused_key = add_rmsnorm_key(row, residual, weight, None, normed, res_out, 1e-6, "auto", handle, False)
+    assert comm._plans.get(fused_key) is not None, "all_reduce_add_rmsnorm made no plan"
+    found["all_reduce_add_rmsnorm, planned"] = lambda: comm.all_reduce_add_rmsnorm(
+        row, residual, weight, out=normed, residual_out=res_out)
+    floor = launch_candidates()
+    found["floor: cuda.bindings, prebuilt pack"] = floor["cuda.bindings cuLaunchKernel"]
+    found["CuPy launchKernel, prebuilt pack"] = floor["cupy launchKernel"]
     return algo, found
 
 
@@ -94,7 +108,7 @@ def main(argv=None) -> int:
               f"median (min) of {args.rounds} interleaved rounds of {args.iters}")
         for k, v in samples.items():
             v.sort()
-            print(f"  {k:<28} {v[len(v) // 2]:7.2f} ({v[0]:.2f})")
+            print(f"  {k:<36} {v[len(v) // 2]:7.2f} ({v[0]:.2f})")
     finally:
         comm.close()
     return 0
