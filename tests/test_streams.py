@@ -103,9 +103,10 @@ def test_a_failed_record_destroys_its_event_and_leaves_the_section():
     assert [c for c in cuda.calls if c[0] == "record"][-1][2] == A  # the wait for A is retried
 
 
-def test_the_previous_stream_object_is_kept_until_the_stream_changes():
-    """Its event is recorded when the next call comes on another stream, so the stream
-    must not be destroyed meanwhile (CuPy destroys a Stream when it is collected)."""
+def order_after_a_call_with_a_stream_object():
+    """``(cuda, order, ref)``: a launch order on a recording fake whose last call came on
+    stream A with a stream object that only the order holds now, and a weak reference to
+    that object."""
 
     class Stream:
         pass
@@ -113,9 +114,14 @@ def test_the_previous_stream_object_is_kept_until_the_stream_changes():
     cuda = FakeCuda()
     order = LaunchOrder(DEVICE, cuda)
     stream = Stream()
-    ref = weakref.ref(stream)
     enter(order, A, stream)
-    del stream
+    return cuda, order, weakref.ref(stream)
+
+
+def test_the_previous_stream_object_is_kept_until_the_stream_changes():
+    """Its event is recorded when the next call comes on another stream, so the stream
+    must not be destroyed meanwhile (CuPy destroys a Stream when it is collected)."""
+    cuda, order, ref = order_after_a_call_with_a_stream_object()
     gc.collect()
     assert ref() is not None
     enter(order, B)
@@ -127,16 +133,7 @@ def test_close_drops_the_previous_stream_object_and_destroys_the_pending_event()
     """After ``close`` the order holds no CUDA object: a closed communicator's objects are
     freed by the garbage collector on any thread, where destroying a stream or an event
     makes a CUDA call on that thread's device (device 0: a context on another rank's GPU)."""
-
-    class Stream:
-        pass
-
-    cuda = FakeCuda()
-    order = LaunchOrder(DEVICE, cuda)
-    stream = Stream()
-    ref = weakref.ref(stream)
-    enter(order, A, stream)
-    del stream
+    cuda, order, ref = order_after_a_call_with_a_stream_object()
     order.close()
     gc.collect()
     assert ref() is None
