@@ -4,6 +4,8 @@ it, on the numpy stand-in for CuPy (``bench_fakes.install``), with faults to inj
 
 from __future__ import annotations
 
+from stream_fakes import fake_context
+
 import numpy as np
 
 import bench_fakes
@@ -25,6 +27,7 @@ class FakeComm:
     """
 
     def __init__(self, bootstrap, algorithms=tuple(ALL), fault=None, nvls="auto", **config):
+        self._context = fake_context(0)  # the device guard, on a fake driver
         self.bootstrap, self.rank, self.size, self.device = bootstrap, bootstrap.rank, bootstrap.size, 0
         self.config = Config(**config)
         self.nvls = _gate.NvlsDecision(nvls == "1", "fake")

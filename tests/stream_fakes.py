@@ -75,3 +75,74 @@ class FakeDriver:
 
     def launchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, pack_ptr, extra):  # noqa: N802 - CuPy's name
         self._on_launch(stream, lambda: read_pack(pack_ptr, self._nparams))
+
+
+class FakeContexts:
+    """Stands in for ``ubnext._context.Driver``: one context per device (handle 0xC0 +
+    device), a current one per host thread (0: none), every change recorded.
+
+    Args:
+        streams: stream handle -> the context handle it belongs to (``stream_context``).
+    """
+
+    def __init__(self, streams: dict | None = None):
+        self.streams = dict(streams or {})
+        self.changes: list[tuple] = []   # (thread name, context made current)
+        self.retained: dict[int, int] = {}
+        self._current = threading.local()
+
+    @staticmethod
+    def of(device: int) -> int:
+        return 0xC0 + device
+
+    def current(self) -> int:
+        return getattr(self._current, "handle", 0)
+
+    def make_current(self, handle: int) -> None:
+        self._current.handle = handle
+        self.changes.append((threading.current_thread().name, handle))
+
+    def stream_context(self, stream: int) -> int:
+        """The context of ``stream``: as ``streams`` says, else the first retained device's."""
+        return self.streams.get(stream) or self.of(next(iter(self.retained), 0))
+
+    def retain(self, device: int) -> int:
+        self.retained[device] = self.retained.get(device, 0) + 1
+        return self.of(device)
+
+    def release(self, device: int) -> None:
+        self.retained[device] -= 1
+
+
+def fake_context(device: int, contexts: FakeContexts | None = None):
+    """A ``ubnext._context.Context`` of ``device`` on ``contexts`` (default: a new
+    FakeContexts)."""
+    from ubnext._context import Context
+
+    return Context(device, contexts or FakeContexts())
+
+
+def fake_order(device: int = 0, contexts: FakeContexts | None = None, cuda=None):
+    """A ``ubnext._streams.LaunchOrder`` on a fake context of ``device``."""
+    from ubnext._streams import LaunchOrder
+
+    return LaunchOrder(fake_context(device, contexts), cuda)
+
+
+def bare_communicator(order, **attrs):
+    """A Communicator built without a GPU: ``order`` (``fake_order``) as its launch section,
+    ``attrs`` as its attributes (what the test's calls read: ``_dispatch``, ``_node``,
+    ``_selector``...), and what ``close`` releases made of them (no watchdog, no bootstrap
+    of its own)."""
+    import weakref
+
+    from ubnext._comm import Communicator, _Owned
+    from ubnext._plans import Plans
+
+    comm = Communicator.__new__(Communicator)
+    comm.__dict__.update(rank=0, size=1, device=order.context.device, _closed=False, _resolved={}, _plans=Plans(),
+                         _node=None, _local=None, _order=order, _context=order.context)
+    comm.__dict__.update(attrs)
+    comm._owned = _Owned(order, comm._node, comm.__dict__.get("_dispatch"), None, comm._local, None, 0)
+    comm._finalizer = weakref.finalize(comm, lambda: None)
+    return comm

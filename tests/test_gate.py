@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from stream_fakes import fake_context
+
 from fake_driver import MulticastFakeDriver
 from thread_ranks import raise_first, run_ranks
 from ubnext._config import Config
@@ -219,7 +221,7 @@ def node_path(monkeypatch):
 
         def rank(boot):
             decision = decide(config.nvls, environ, boot, boot.rank, driver=fake)
-            node = node_module.Node(boot, boot.rank, config, decision, driver=fake)
+            node = node_module.Node(boot, fake_context(boot.rank), config, decision, driver=fake)
             try:
                 ptr = None if node.multicast is None else node.multicast.ptr
                 return decision, ptr, node.engine.mc_base
@@ -290,7 +292,7 @@ def test_node_close_of_a_broken_node_waits_for_no_rank_and_releases_everything(m
     monkeypatch.setattr(cupy.cuda, "Stream", StubStream)
     fake = MulticastFakeDriver()
     config = Config(nvls="0", pool_mb=16, staging_mb=1, lamport_max_kb=64, lamport_twoshot_max_kb=512)
-    nodes = run_ranks(2, lambda boot: node_module.Node(boot, boot.rank, config, NvlsDecision(False, "off"),
+    nodes = run_ranks(2, lambda boot: node_module.Node(boot, fake_context(boot.rank), config, NvlsDecision(False, "off"),
                                                        driver=fake))
     try:
         nodes[0].close(local=why == "local")
@@ -320,7 +322,7 @@ def test_node_announce_marks_every_family_of_every_rank(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Stream", StubStream)
     fake = MulticastFakeDriver()
     config = Config(nvls="0", pool_mb=16, staging_mb=1, lamport_max_kb=64, lamport_twoshot_max_kb=512)
-    nodes = run_ranks(3, lambda boot: node_module.Node(boot, boot.rank, config, NvlsDecision(False, "off"),
+    nodes = run_ranks(3, lambda boot: node_module.Node(boot, fake_context(boot.rank), config, NvlsDecision(False, "off"),
                                                        driver=fake))
     nodes[1].announce(1, 1)
     sets = [c.args for c in fake.calls if c.name == "cuMemsetD32Async"]

@@ -13,13 +13,14 @@ from __future__ import annotations
 import gc
 import itertools
 import sys
+import threading
 import types
 import weakref
 
 import numpy as np
 import pytest
 
-from stream_fakes import FakeCuda, read_pack
+from stream_fakes import FakeCuda, bare_communicator, fake_order, read_pack
 from thread_ranks import run_threads
 from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _engine, _launch, _quant, _streams
 from ubnext._algorithms import ALGORITHMS
@@ -68,6 +69,9 @@ class FakeNode:
 
     def announce(self, kind, rank):
         self.announced.append((kind, rank))
+
+    def announce_abort(self, rank):
+        self.announce("aborted", rank)
 
     def close(self, local=False):
         self.closed = local
@@ -155,12 +159,11 @@ def make_comm(fakes):
         node = FakeNode(engine, engine.pool)
         usable = [name for name, alg in ALGORITHMS.items() if not alg.multicast]
         selector = Selector(1, buffer_limits(config), usable, None, None)
-        comm = Communicator.__new__(Communicator)
         local = types.SimpleNamespace(rank=0, size=1, close=lambda: None, abort=lambda: None)
-        comm.__dict__.update(
-            config=config, rank=0, size=1, device=0, _closed=False, _node=node, _resolved={}, _selector=selector,
-            _nccl_reason=None, _arch=90, _watchdog=None, _local=local, _owns_bootstrap=False, bootstrap=None,
-            _plans=Plans(), _dispatch=Dispatcher(node, selector.limits, _streams.LaunchOrder(0), None, 0))
+        order = fake_order()
+        comm = bare_communicator(
+            order, config=config, _node=node, _selector=selector, _nccl_reason=None, _arch=90, _local=local,
+            _owns_bootstrap=False, bootstrap=None, _dispatch=Dispatcher(node, selector.limits, order, None, 0))
         comm.kernels = kernels
         made.append(comm)
         return comm
@@ -431,19 +434,35 @@ def test_a_closed_or_aborted_communicator_drops_its_plans_and_raises_on_a_planne
     assert len(fakes.driver.launches) == 1
 
 
-def test_a_communicator_closed_during_a_first_call_keeps_no_plan(make_comm, fakes):
-    # another thread closes it between the launch and the keeping of the plan
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_close_from_another_thread_waits_for_the_call_in_flight(make_comm, fakes, end):
+    """The call's section holds the communicator: a close (or abort) of another thread
+    releases nothing under a call that is launching, and drops the plan it kept."""
     comm = make_comm()
     dispatch = comm._dispatch.all_reduce
+    inside, go = threading.Event(), threading.Event()
 
-    def launch_then_close(*args):
+    def launch_then_wait(*args):
         launch = dispatch(*args)
-        comm.close()
+        inside.set()
+        assert go.wait(10)
         return launch
 
-    comm._dispatch.all_reduce = launch_then_close
-    comm.all_reduce(array(X), out=array(Y))
-    assert len(fakes.driver.launches) == 1 and len(comm._plans) == 0
+    comm._dispatch.all_reduce = launch_then_wait
+    caller = threading.Thread(target=lambda: comm.all_reduce(array(X), out=array(Y)))
+    closer = threading.Thread(target=getattr(comm, end))
+    caller.start()
+    assert inside.wait(10)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and comm._node.closed is None  # waiting for the call
+    go.set()
+    caller.join(10)
+    closer.join(10)
+    assert not caller.is_alive() and not closer.is_alive()
+    assert comm._owned.released and len(fakes.driver.launches) == 1 and len(comm._plans) == 0
+    with pytest.raises(ClosedError):
+        comm.all_reduce(array(X), out=array(Y))
 
 
 def test_a_broken_communicator_raises_on_a_planned_call_and_drops_its_plans(make_comm, fakes):

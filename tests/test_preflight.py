@@ -4,6 +4,8 @@ made itself (closed) or was given (left open)."""
 
 from __future__ import annotations
 
+from stream_fakes import fake_context
+
 import sys
 import types
 
@@ -104,6 +106,7 @@ def cpu_comm(monkeypatch):
     monkeypatch.setattr(sys.modules["cupy"].cuda.runtime, "getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(_preflight, "check", lambda op, config: None)
     monkeypatch.setattr(_comm, "map_devices", lambda local, device, current: 0)
+    monkeypatch.setattr(_comm, "Context", fake_context)
     made: list[SelfBootstrap] = []
     monkeypatch.setattr(ubnext.bootstrap, "default", lambda: made.append(SelfBootstrap()) or made[-1])
     return made

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from stream_fakes import bare_communicator, fake_order
+
 from ubnext import _arrays, _reference as reference, _signature
 from ubnext._algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES
 from ubnext._arrays import Buffer
@@ -122,11 +124,10 @@ def comm(monkeypatch):
     made = []
     monkeypatch.setattr(_arrays, "empty_like", lambda x, s, o, side, shape=None: made.append(shape) or
                         buffer(int(np.prod(shape)), x.dtype, 1 << 30, shape))
-    c = Communicator.__new__(Communicator)
     cfg = Config.from_env()
     local = type("Local", (), {"rank": 1, "size": 4})()
-    c.__dict__.update(config=cfg, _resolved={}, _closed=False, _node=None, _dispatch=Recorder(), rank=1, size=4, device=0,
-                      _local=local, _selector=Selector(4, buffer_limits(cfg), list(ALGORITHMS), None, ""))
+    c = bare_communicator(fake_order(), config=cfg, _dispatch=Recorder(), rank=1, size=4, _local=local,
+                          _selector=Selector(4, buffer_limits(cfg), list(ALGORITHMS), None, ""))
     c.made = made
     return c
 

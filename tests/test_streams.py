@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 
-from stream_fakes import FakeCuda, FakeDriver, fake_kernel
+from stream_fakes import FakeContexts, FakeCuda, FakeDriver, bare_communicator, fake_context, fake_kernel, fake_order
 from thread_ranks import run_threads
 from ubnext import _launch, _streams
 from ubnext._launch import U64, Launcher, Packed
@@ -22,14 +22,14 @@ A, B, C = 0x7A00, 0x7B00, 0x7C00  # stream handles
 
 
 def enter(order, stream, owner=None):
-    """One call's section (without launches)."""
-    order.enter(stream, owner)
-    order.leave()
+    """One call's section (without launches) on ``stream``."""
+    with order:
+        order.follow(stream, owner)
 
 
 def test_calls_on_one_stream_make_no_cuda_call():
     cuda = FakeCuda()
-    order = LaunchOrder(DEVICE, cuda)
+    order = LaunchOrder(fake_context(DEVICE), cuda)
     for _ in range(5):
         enter(order, A)
     assert cuda.calls == []
@@ -37,7 +37,7 @@ def test_calls_on_one_stream_make_no_cuda_call():
 
 def test_a_call_on_another_stream_waits_for_the_previous_stream():
     cuda = FakeCuda()
-    order = LaunchOrder(DEVICE, cuda)
+    order = LaunchOrder(fake_context(DEVICE), cuda)
     enter(order, A)
     enter(order, B)
     (event,) = [c[2] for c in cuda.calls if c[0] == "event"]
@@ -53,7 +53,7 @@ def test_a_call_on_another_stream_waits_for_the_previous_stream():
 
 def test_both_handles_of_the_legacy_default_stream_are_one_stream():
     cuda = FakeCuda()
-    order = LaunchOrder(DEVICE, cuda)
+    order = LaunchOrder(fake_context(DEVICE), cuda)
     enter(order, 0)
     enter(order, LEGACY)
     enter(order, 0)
@@ -64,7 +64,7 @@ def test_no_wait_crosses_the_border_of_a_graph_capture():
     """A capturing stream cannot wait for eager work (nor the reverse) without
     invalidating the capture; within one capture the wait is a graph edge."""
     cuda = FakeCuda(captures={B: 5, C: 5})
-    order = LaunchOrder(DEVICE, cuda)
+    order = LaunchOrder(fake_context(DEVICE), cuda)
     enter(order, A)
     enter(order, B)  # eager -> capturing: left out
     assert cuda.calls == []
@@ -90,7 +90,7 @@ def test_order_after_reports_whether_it_waited():
 
 def test_a_failed_record_destroys_its_event_and_leaves_the_section():
     cuda = FakeCuda()
-    order = LaunchOrder(DEVICE, cuda)
+    order = LaunchOrder(fake_context(DEVICE), cuda)
     enter(order, A)
     cuda.fail_record = True
     with pytest.raises(RuntimeError, match="record failed"):
@@ -112,7 +112,7 @@ def order_after_a_call_with_a_stream_object():
         pass
 
     cuda = FakeCuda()
-    order = LaunchOrder(DEVICE, cuda)
+    order = LaunchOrder(fake_context(DEVICE), cuda)
     stream = Stream()
     enter(order, A, stream)
     return cuda, order, weakref.ref(stream)
@@ -148,7 +148,7 @@ def test_per_thread_default_streams_of_two_threads_are_ordered():
     """cudaStreamPerThread names another stream in each thread: a thread cannot record on
     the previous thread's one, so an event is recorded after each such call."""
     cuda = FakeCuda()
-    order = LaunchOrder(DEVICE, cuda)
+    order = LaunchOrder(fake_context(DEVICE), cuda)
 
     def in_thread(fn):
         t = threading.Thread(target=fn)
@@ -191,11 +191,9 @@ def launches_from_threads(monkeypatch, on_launch, section, threads=2, calls=300)
             if section is None:
                 launcher(1, 32, stream, *values_of(stream))
             else:
-                section.enter(stream)
-                try:
+                with section:
+                    section.follow(stream)
                     launcher(1, 32, stream, *values_of(stream))
-                finally:
-                    section.leave()
 
     run_threads(threads, run)
 
@@ -218,7 +216,7 @@ def test_launches_from_two_threads_interleave_without_the_section(monkeypatch):
 
 def test_launches_in_the_section_keep_their_arguments(monkeypatch):
     cuda = FakeCuda()
-    order = LaunchOrder(DEVICE, cuda)
+    order = LaunchOrder(fake_context(DEVICE), cuda)
     seen, wrong = [], []
     inside = threading.Lock()  # taken by a launch; never contended if the section serializes
 
@@ -311,13 +309,10 @@ def nccl_comm(monkeypatch):
     monkeypatch.setattr(_arrays, "_capsule_array", capsule_array)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
     config = Config.from_env()
-    comm = Communicator.__new__(Communicator)
     selector = Selector(1, buffer_limits(config), ["nccl"], None, "test")
-    order = LaunchOrder(0)
-    comm.__dict__.update(
-        config=config, rank=0, size=1, device=0, _closed=False, _node=None, _resolved={}, _selector=selector,
-        _plans=Plans(), _dispatch=Dispatcher(None, selector.limits, order, None, 0),
-    )
+    order = fake_order()
+    comm = bare_communicator(order, config=config, _selector=selector,
+                             _dispatch=Dispatcher(None, selector.limits, order, None, 0))
     comm._dispatch.nccl = RecordingNccl(order)
     yield comm, cuda
     comm._closed = True

@@ -4,6 +4,8 @@ writing flow on a numpy stand-in for the GPU (tests/bench_fakes.py)."""
 
 from __future__ import annotations
 
+from stream_fakes import fake_context
+
 import json
 import time
 
@@ -99,6 +101,7 @@ class FakeComm:
     """One rank pretending to be ``size`` ranks; Lamport refuses more than ``lamport_max`` bytes."""
 
     def __init__(self, size=4, usable=tuple(ALL), lamport_max=1 * MiB):
+        self._context = fake_context(0)  # the device guard, on a fake driver
         self.rank, self.size, self.device = 0, size, 0
         self.bootstrap = FakeBootstrap()
         self._usable, self._lamport_max = list(usable), lamport_max

@@ -349,6 +349,23 @@ def record_stream(stream: int, owner, buffers) -> None:
             b.obj.record_stream(torch_stream)
 
 
+def mark_written(buffers) -> None:
+    """Tells autograd that the torch tensors among ``buffers`` (Buffers, or None) changed:
+    outputs the caller gave, which a call writes through their addresses, out of torch's
+    sight. Their version counters go up (as an in-place torch op's do), so that a backward
+    pass that saved one of them refuses it instead of computing a wrong gradient with the
+    new values. Not collective; no CUDA call."""
+    tensors = tuple([b.obj for b in buffers if b is not None and b.framework == "torch"])
+    if tensors:
+        increment_versions(tensors)
+
+
+def increment_versions(tensors: tuple) -> None:
+    """Increments the version counters of ``tensors`` (torch tensors written out of torch's
+    sight; see ``mark_written``). Tensors made in inference mode have none: left alone."""
+    _torch().autograd.graph.increment_version(tensors)
+
+
 def _torch_stream(stream: int, owner, device: int):
     torch = _torch()
     if isinstance(owner, torch.cuda.Stream):

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import math
 import os
 import pickle
+import weakref
 
 from . import _agreement, _arrays, _gate, _nccl, _preflight, _quant, _signature
 from ._algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES, OPS, UNICAST_OF, op_problem
 from ._config import Config
+from ._context import Context, caller_device
 from ._report import Description, report
 from ._devices import map_devices
 from ._dispatch import Dispatcher
@@ -27,6 +30,8 @@ from ._watchdog import Watchdog
 
 _RESOLVED_MAX = 4096  # calls whose algorithm a communicator remembers (cleared when full)
 _WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
+#: communicators not closed yet (weakly): the ones left open at exit are named in a warning
+_OPEN: weakref.WeakSet = weakref.WeakSet()
 
 
 class Communicator:
@@ -76,13 +81,14 @@ class Communicator:
         self._closed = False
         self._resolved: dict[tuple, str] = {}
         self._plans = Plans()  # eager calls validated and launched before (_plans)
-        self._local = self._node = None
+        self._local = self._node = self._context = None
         try:
             _agreement.check(config, bootstrap)  # before anything that the configuration shapes
             table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
             self._local = bootstrap.split_local()
-            self.device = map_devices(self._local, device, cupy.cuda.runtime.getDevice())
-            cupy.cuda.Device(self.device).use()
+            self.device = map_devices(self._local, device, caller_device())
+            cupy.cuda.Device(self.device).use()  # the caller's convenience, as torch.cuda.set_device
+            self._context = Context(self.device)
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
             self._node = self._setup_node()
             # where NCCL cannot run (ranks sharing a GPU, no NCCL library), the barrier
@@ -94,7 +100,11 @@ class Communicator:
                 if self._node is not None:
                     self._node.close(local=True)
             finally:
-                self._close_bootstraps()
+                try:
+                    self._close_bootstraps(self._local, self.bootstrap if self._owns_bootstrap else None)
+                finally:
+                    if self._context is not None:
+                        self._context.release()
             raise
         log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
         node = self._node
@@ -108,18 +118,30 @@ class Communicator:
                      f"auto gives ubnext's barrier two-shot what it would give NCCL", logging.INFO)
         self._selector = Selector(self._local.size, buffer_limits(config), usable, table, self._nccl_reason,
                                   config.deterministic, nccl_problem)
-        # every launch of a call runs in the launch section of LaunchOrder
-        self._dispatch = Dispatcher(node, self._selector.limits, LaunchOrder(self.device), bootstrap, self.device)
+        # every call runs in the launch section: this communicator's context, one thread, issue order
+        self._order = LaunchOrder(self._context)
+        self._dispatch = Dispatcher(node, self._selector.limits, self._order, bootstrap, self.device)
         for name, limit, setting in self._selector.capped():
             log_once(f"select:{name}:{setting}:{limit}",
                      f"Communicator: the selector table gives {name} messages up to {limit} bytes, but "
                      f"{setting} sizes its buffers for fewer; larger ones go to the next algorithm")
-        self._watchdog = None
+        watchdog = None
         if node is not None:
-            log, device = self._log, self.device  # the thread keeps no reference to the communicator
-            self._watchdog = Watchdog(lambda: node.failure("watchdog", config.timeout_s),
-                                      lambda e: log.error("%s", e), _WATCHDOG_S, f"ubnext-watchdog-{self.rank}",
-                                      start=lambda: cupy.cuda.runtime.setDevice(device))
+            # the thread holds neither the communicator nor its node (a dropped one is released)
+            log, context, node_ref = self._log, self._context, weakref.ref(node)
+
+            def poll():
+                n = node_ref()
+                return None if n is None else n.failure("watchdog", config.timeout_s)
+
+            watchdog = Watchdog(poll, lambda e: log.error("%s", e), _WATCHDOG_S, f"ubnext-watchdog-{self.rank}",
+                                start=context.enter)  # its announce and anything it frees: this device
+        # what close() releases, and a finalizer if the communicator is dropped without it
+        self._owned = _Owned(self._order, node, self._dispatch, watchdog, self._local,
+                             bootstrap if self._owns_bootstrap else None, self._local.rank)
+        self._finalizer = weakref.finalize(self, self._owned.drop)
+        self._finalizer.atexit = False  # at exit: only the warning of _warn_open
+        _OPEN.add(self)
 
     def _setup_node(self) -> Node | None:
         """The node's kernel resources, or None when every rank must use NCCL."""
@@ -133,7 +155,7 @@ class Communicator:
         node, error = None, None
         if reason is None:
             try:
-                node = Node(self._local, self.device, self.config, self._nvls)
+                node = Node(self._local, self._context, self.config, self._nvls)
             except UbnextError as e:
                 error = str(e)
         # Every rank must take the same path: agree on the outcome.
@@ -232,33 +254,36 @@ class Communicator:
         section), but every rank must issue its collectives in the same order, so calls
         from several threads need an order of their own.
         """
-        name = "all_reduce"
-        self._check_open(name)
-        handle, owner, side = _arrays.launch_stream(stream, x)
-        key = None if self._node is None else all_reduce_key(x, out, op, algorithm, precision, handle, side)
-        planned, key = self._planned(key, handle, owner, side, (x, out))
-        if planned:
-            return out
-        xb = self._input(name, x, handle)
-        if op not in OPS:
-            raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-        fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, xb.nbytes, self.size, self.config.quantized,
-                            self._node is not None, lambda: self._arch)
-        algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
-        if out is None:
-            ob = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side), name, handle)
-        elif out is x:  # in place: nothing more to check
-            ob = xb
-        else:
-            ob = _arrays.check_out(xb, out, name, handle)
-        if not self._prepare(name, algo, xb, xb.count, op, handle, owner, side, (xb, ob)):
+        with self._order:
+            name = "all_reduce"
+            self._check_open(name)
+            handle, owner, side = self._launch_stream(name, stream, x)
+            key = None if self._node is None else all_reduce_key(x, out, op, algorithm, precision, handle, side)
+            planned, key = self._planned(key, handle, owner, side, (x, out))
+            if planned:
+                return out
+            xb = self._input(name, x, handle)
+            if op not in OPS:
+                raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
+            fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, xb.nbytes, self.size, self.config.quantized,
+                                self._node is not None, lambda: self._arch)
+            algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
+            if out is None:
+                ob = self._new(name, xb, handle, owner, side)
+            elif out is x:  # in place: nothing more to check
+                ob = xb
+            else:
+                ob = _arrays.check_out(xb, out, name, handle)
+            if not self._prepare(name, algo, xb, xb.count, op, handle, owner, side, (xb, ob)):
+                return ob.obj
+            sig = _signature.encode(name, xb.dtype, op, xb.count)
+            if fmt:
+                self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
+            else:
+                self._keep(key, self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig), (xb, ob), (1,))
+            if out is not None:
+                _arrays.mark_written((ob,))
             return ob.obj
-        sig = _signature.encode(name, xb.dtype, op, xb.count)
-        if fmt:
-            self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
-            return ob.obj
-        self._keep(key, self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig), (xb, ob))
-        return ob.obj
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
                                residual_out=None, algorithm: str = "auto", stream=None):
@@ -302,60 +327,61 @@ class Communicator:
                 CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
                 communicator failed; its outputs hold NaN where results were not computed.
         """
-        name = "all_reduce_add_rmsnorm"
-        self._check_open(name)
-        handle, owner, side = _arrays.launch_stream(stream, x)
-        key = None if self._node is None else add_rmsnorm_key(x, residual, weight, bias, out, residual_out, eps,
-                                                              algorithm, handle, side)
-        planned, key = self._planned(key, handle, owner, side, (x, residual, weight, bias, out, residual_out))
-        if planned:
-            return out, residual_out
-        xb = _arrays.as_buffer(x, name, handle)
-        if len(xb.shape) != 2:
-            raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
-        if xb.device != self.device:
-            raise UbnextError(f"{name}: x is on device {xb.device}, communicator on device {self.device}")
-        rows, hidden = (int(d) for d in xb.shape)
-        eps = _check_eps(name, eps)
+        with self._order:
+            name = "all_reduce_add_rmsnorm"
+            self._check_open(name)
+            handle, owner, side = self._launch_stream(name, stream, x)
+            key = None if self._node is None else add_rmsnorm_key(x, residual, weight, bias, out, residual_out, eps,
+                                                                  algorithm, handle, side)
+            planned, key = self._planned(key, handle, owner, side, (x, residual, weight, bias, out, residual_out))
+            if planned:
+                return out, residual_out
+            xb = _arrays.as_buffer(x, name, handle)
+            if len(xb.shape) != 2:
+                raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
+            self._on_device(name, xb, "x")
+            rows, hidden = (int(d) for d in xb.shape)
+            eps = _check_eps(name, eps)
 
-        def operand(arr, what, shape):
-            return self._operand(name, xb, arr, what, shape, handle)
+            def operand(arr, what, shape):
+                return self._operand(name, xb, arr, what, shape, handle)
 
-        shape = (rows, hidden)
-        rb = None if residual is None else operand(residual, "residual", shape)
-        wb = operand(weight, "weight", (hidden,))
-        bb = None if bias is None else operand(bias, "bias", (hidden,))
-        nb = operand(_arrays.empty_like(xb, handle, owner, side) if out is None else out, "out", shape)
-        ob = operand(_arrays.empty_like(xb, handle, owner, side) if residual_out is None else residual_out,
-                     "residual_out", shape)
-        if _arrays.overlap(nb, ob):
-            raise UbnextError(f"{name}: out and residual_out overlap; they must be separate arrays")
-        for b, what in ((nb, "out"), (ob, "residual_out")):
-            if _arrays.overlap(b, xb):
-                raise UbnextError(f"{name}: {what} overlaps x; the outputs must be separate arrays")
-        if rb is not None and _arrays.overlap(ob, rb) and ob.ptr != rb.ptr:
-            raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
-                              f"for in place, or a separate array")
-        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, fused=True)
-        if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
+            shape = (rows, hidden)
+            rb = None if residual is None else operand(residual, "residual", shape)
+            wb = operand(weight, "weight", (hidden,))
+            bb = None if bias is None else operand(bias, "bias", (hidden,))
+            nb = self._new(name, xb, handle, owner, side) if out is None else operand(out, "out", shape)
+            ob = (self._new(name, xb, handle, owner, side) if residual_out is None else
+                  operand(residual_out, "residual_out", shape))
+            if _arrays.overlap(nb, ob):
+                raise UbnextError(f"{name}: out and residual_out overlap; they must be separate arrays")
+            for b, what in ((nb, "out"), (ob, "residual_out")):
+                if _arrays.overlap(b, xb):
+                    raise UbnextError(f"{name}: {what} overlaps x; the outputs must be separate arrays")
+            if rb is not None and _arrays.overlap(ob, rb) and ob.ptr != rb.ptr:
+                raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
+                                  f"for in place, or a separate array")
+            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, fused=True)
+            if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
+                return nb.obj, ob.obj
+            norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
+            aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
+            chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
+            if chunk:
+                self._keep(key, self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
+                                                           _signature.encode_fused(xb.dtype, rows, hidden)),
+                           (xb, rb, wb, bb, nb, ob), (4, 5))
+            else:
+                why = ("the NCCL engine" if algo == "nccl" else
+                       f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
+                       "arrays not 16-byte aligned" if not aligned else
+                       f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
+                plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
+                log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
+                self._dispatch.unfused(plain, xb, nb, rows, hidden, norm, eps, handle, owner,
+                                       _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
+            _arrays.mark_written((None if out is None else nb, None if residual_out is None else ob))
             return nb.obj, ob.obj
-        norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
-        aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
-        chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
-        if chunk:
-            self._keep(key, self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
-                                                       _signature.encode_fused(xb.dtype, rows, hidden)),
-                       (xb, rb, wb, bb, nb, ob))
-        else:
-            why = ("the NCCL engine" if algo == "nccl" else
-                   f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
-                   "arrays not 16-byte aligned" if not aligned else
-                   f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
-            plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
-            log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
-            self._dispatch.unfused(plain, xb, nb, rows, hidden, norm, eps, handle, owner,
-                                   _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
-        return nb.obj, ob.obj
 
     def reduce_scatter(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
         """Reduces ``x`` over the ranks and gives each rank its slice; never blocks the host.
@@ -389,22 +415,25 @@ class Communicator:
                 ConcurrentUseError): an earlier collective of this communicator failed; its
                 outputs hold NaN where results were not computed.
         """
-        name = "reduce_scatter"
-        handle, owner, side, xb = self._open_call(name, x, stream)
-        if op not in OPS:
-            raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-        if xb.count % self.size:
-            raise UbnextError(f"{name}: x has {xb.count} elements, which {self.size} ranks do not divide "
-                              f"(x holds size x k elements)")
-        k = xb.count // self.size
-        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op, collective=name)
-        shape = ((xb.shape[0] // self.size, *xb.shape[1:]) if xb.shape and xb.shape[0] % self.size == 0
-                 else (k,))
-        ob = self._part_out(name, xb, out, k, shape, handle, owner, side)
-        if self._prepare(name, algo, xb, k, op, handle, owner, side, (xb, ob)):
-            self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner,
-                                          _signature.encode(name, xb.dtype, op, xb.count))
-        return ob.obj
+        with self._order:
+            name = "reduce_scatter"
+            handle, owner, side, xb = self._open_call(name, x, stream)
+            if op not in OPS:
+                raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
+            if xb.count % self.size:
+                raise UbnextError(f"{name}: x has {xb.count} elements, which {self.size} ranks do not divide "
+                                  f"(x holds size x k elements)")
+            k = xb.count // self.size
+            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op, collective=name)
+            shape = ((xb.shape[0] // self.size, *xb.shape[1:]) if xb.shape and xb.shape[0] % self.size == 0
+                     else (k,))
+            ob = self._part_out(name, xb, out, k, shape, handle, owner, side)
+            if self._prepare(name, algo, xb, k, op, handle, owner, side, (xb, ob)):
+                self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner,
+                                              _signature.encode(name, xb.dtype, op, xb.count))
+                if out is not None:
+                    _arrays.mark_written((ob,))
+            return ob.obj
 
     def all_gather(self, x, out=None, algorithm: str = "auto", stream=None):
         """Gathers every rank's ``x`` into one array on every rank; never blocks the host.
@@ -436,20 +465,23 @@ class Communicator:
                 not divide, raised before any launch; a closed communicator.
                 BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
         """
-        name = "all_gather"
-        handle, owner, side, xb = self._open_call(name, x, stream)
-        k = xb.count
-        if out is not None:
-            total = _arrays.as_buffer(out, name, handle).count
-            if total % self.size:
-                raise UbnextError(f"{name}: out has {total} elements, which {self.size} ranks do not divide "
-                                  f"(out holds size x k elements)")
-        algo = self._resolve(name, algorithm, xb.nbytes * self.size, xb.dtype, collective=name)
-        shape = (self.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (self.size,)
-        ob = self._part_out(name, xb, out, k * self.size, shape, handle, owner, side)
-        if self._prepare(name, algo, xb, k, "-", handle, owner, side, (xb, ob)):
-            self._dispatch.all_gather(algo, xb, ob, k, handle, owner, _signature.encode(name, xb.dtype, "sum", ob.count))
-        return ob.obj
+        with self._order:
+            name = "all_gather"
+            handle, owner, side, xb = self._open_call(name, x, stream)
+            k = xb.count
+            if out is not None:
+                total = _arrays.as_buffer(out, name, handle).count
+                if total % self.size:
+                    raise UbnextError(f"{name}: out has {total} elements, which {self.size} ranks do not divide "
+                                      f"(out holds size x k elements)")
+            algo = self._resolve(name, algorithm, xb.nbytes * self.size, xb.dtype, collective=name)
+            shape = (self.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (self.size,)
+            ob = self._part_out(name, xb, out, k * self.size, shape, handle, owner, side)
+            if self._prepare(name, algo, xb, k, "-", handle, owner, side, (xb, ob)):
+                self._dispatch.all_gather(algo, xb, ob, k, handle, owner, _signature.encode(name, xb.dtype, "sum", ob.count))
+                if out is not None:
+                    _arrays.mark_written((ob,))
+            return ob.obj
 
     def reduce_scatter_add_rmsnorm(self, x, residual_shard, weight, eps: float = 1e-6, bias=None,
                                    algorithm: str = "auto", stream=None):
@@ -489,30 +521,31 @@ class Communicator:
                 raised before any launch; a closed communicator.
                 BrokenCommunicatorError and its kinds, as ``reduce_scatter`` raises them.
         """
-        name = "reduce_scatter_add_rmsnorm"
-        handle, owner, side, xb = self._open_call(name, x, stream)
-        if len(xb.shape) != 2:
-            raise UbnextError(f"{name}: x must be 2-D (rows x hidden), got shape {tuple(xb.shape)}")
-        rows, hidden = (int(d) for d in xb.shape)
-        if rows % self.size:
-            raise UbnextError(f"{name}: x has {rows} rows, which {self.size} ranks do not divide")
-        if xb.dtype not in KERNEL_DTYPES:
-            raise UbnextError(f"{name}: the add + RMSNorm takes {', '.join(KERNEL_DTYPES)}, not {xb.dtype}")
-        eps = _check_eps(name, eps)
-        shard = (rows // self.size, hidden)
-        rb = None if residual_shard is None else self._operand(name, xb, residual_shard, "residual_shard", shard,
-                                                               handle)
-        wb = self._operand(name, xb, weight, "weight", (hidden,), handle)
-        bb = None if bias is None else self._operand(name, xb, bias, "bias", (hidden,), handle)
-        nb = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shard), name, handle)
-        ob = _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shard), name, handle)
-        algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, collective="reduce_scatter")
-        if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
+        with self._order:
+            name = "reduce_scatter_add_rmsnorm"
+            handle, owner, side, xb = self._open_call(name, x, stream)
+            if len(xb.shape) != 2:
+                raise UbnextError(f"{name}: x must be 2-D (rows x hidden), got shape {tuple(xb.shape)}")
+            rows, hidden = (int(d) for d in xb.shape)
+            if rows % self.size:
+                raise UbnextError(f"{name}: x has {rows} rows, which {self.size} ranks do not divide")
+            if xb.dtype not in KERNEL_DTYPES:
+                raise UbnextError(f"{name}: the add + RMSNorm takes {', '.join(KERNEL_DTYPES)}, not {xb.dtype}")
+            eps = _check_eps(name, eps)
+            shard = (rows // self.size, hidden)
+            rb = None if residual_shard is None else self._operand(name, xb, residual_shard, "residual_shard", shard,
+                                                                   handle)
+            wb = self._operand(name, xb, weight, "weight", (hidden,), handle)
+            bb = None if bias is None else self._operand(name, xb, bias, "bias", (hidden,), handle)
+            nb = self._new(name, xb, handle, owner, side, shard)
+            ob = self._new(name, xb, handle, owner, side, shard)
+            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, collective="reduce_scatter")
+            if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
+                return nb.obj, ob.obj
+            norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
+            self._dispatch.reduce_scatter_add_rmsnorm(algo, xb, nb, shard[0], hidden, norm, eps, handle, owner,
+                                                      _signature.encode_fused(xb.dtype, rows, hidden, name))
             return nb.obj, ob.obj
-        norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
-        self._dispatch.reduce_scatter_add_rmsnorm(algo, xb, nb, shard[0], hidden, norm, eps, handle, owner,
-                                                  _signature.encode_fused(xb.dtype, rows, hidden, name))
-        return nb.obj, ob.obj
 
     def _prepare(self, name: str, algo: str, xb, k: int, op: str, handle: int, owner, side: bool,
                  buffers: tuple) -> bool:
@@ -546,36 +579,71 @@ class Communicator:
             _arrays.record_stream(handle, owner, [None if t is None else _arrays.Buffer(a, *t)
                                                   for a, t in zip(arrays, plan.buffers)])
         self._dispatch.launch(plan.launch, handle, owner)
+        if plan.written:
+            _arrays.increment_versions(tuple([arrays[i] for i in plan.written]))
         return True, key
 
-    def _keep(self, key, launch, buffers: tuple) -> None:
+    def _keep(self, key, launch, buffers: tuple, outputs: tuple) -> None:
         """Keeps the one kernel launch of a call's full path (``launch``: the Dispatcher's,
         None where the call was not one) as the plan of ``key`` (None: not planned), with
         ``buffers`` (the call's Buffers, None for an array not given, as ``_planned``
-        records them). Debug mode plans nothing: it compares the ranks' calls every time; nor
-        does a communicator that another thread closed meanwhile (its plans are dropped)."""
+        records them) and ``outputs`` (the places in ``buffers`` of the outputs; the torch
+        tensors among them have their versions incremented by a planned call). Debug mode
+        plans nothing: it compares the ranks' calls every time; nor does a communicator that
+        another thread closed meanwhile (its plans are dropped)."""
         if launch is not None and key is not None and not self.config.debug and not self._closed:
-            self._plans.put(key, Plan(Packed(*launch), tuple(None if b is None else b[1:] for b in buffers)))
+            written = tuple(i for i in outputs if buffers[i] is not None and buffers[i].framework == "torch")
+            self._plans.put(key, Plan(Packed(*launch), tuple(None if b is None else b[1:] for b in buffers),
+                                      written))
 
     def _open_call(self, name: str, x, stream) -> tuple:
         """The start of a call: the communicator open, its launch stream (``handle, owner,
         side``: ``_arrays.launch_stream``) and x as a Buffer on this communicator's device."""
         self._check_open(name)
-        handle, owner, side = _arrays.launch_stream(stream, x)
+        handle, owner, side = self._launch_stream(name, stream, x)
         return handle, owner, side, self._input(name, x, handle)
+
+    def _launch_stream(self, name: str, stream, x) -> tuple:
+        """The stream a call on ``x`` launches on (``_arrays.launch_stream``: ``handle, owner,
+        side``), in the section; a ``stream`` of another device than this communicator's
+        raises before anything is launched."""
+        handle, owner, side = _arrays.launch_stream(stream, x)
+        if stream is not None and not self._order.context.owns(handle):
+            raise UbnextError(f"{name}: stream {handle:#x} belongs to another device (or context) than the "
+                              f"communicator's, device {self.device}; pass a stream of device {self.device}")
+        return handle, owner, side
+
+    def _stream_arg(self, name: str, stream) -> int:
+        """The raw handle of a ``stream=`` given alone (``synchronize``), checked as
+        ``_launch_stream`` checks it."""
+        handle = _arrays.stream_handle(stream)
+        if not self._order.context.owns(handle):
+            raise UbnextError(f"{name}: stream {handle:#x} belongs to another device (or context) than the "
+                              f"communicator's, device {self.device}; pass a stream of device {self.device}")
+        return handle
 
     def _input(self, name: str, x, handle: int):
         """x as a Buffer on this communicator's device (``handle``: the launch stream)."""
-        xb = _arrays.as_buffer(x, name, handle)
-        if xb.device != self.device:
-            raise UbnextError(f"{name}: input is on device {xb.device}, communicator on device {self.device}")
-        return xb
+        return self._on_device(name, _arrays.as_buffer(x, name, handle), "input")
+
+    def _new(self, name: str, xb, handle: int, owner, side: bool, shape: tuple | None = None):
+        """A new output of x's framework (``_arrays.empty_like``: x's shape or ``shape``,
+        allocated on the launch stream) as a Buffer, checked to be on this communicator's
+        device like every array a call takes."""
+        return self._on_device(name, _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shape), name,
+                                                       handle), "a new output")
+
+    def _on_device(self, name: str, b, what: str):
+        """``b`` (a Buffer) where it is on this communicator's device; else raises."""
+        if b.device != self.device:
+            raise UbnextError(f"{name}: {what} is on device {b.device}, communicator on device {self.device}")
+        return b
 
     def _part_out(self, name: str, xb, out, count: int, shape: tuple, handle: int, owner, side: bool):
         """The output of a reduce-scatter (``count`` < x's) or all-gather: ``out`` checked
         (``_arrays.check_part``), or a new array of ``shape``."""
         if out is None:
-            return _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shape), name, handle)
+            return self._new(name, xb, handle, owner, side, shape)
         slice_bytes = min(count, xb.count) * DTYPES[xb.dtype][1]
         # rank r's slice: r is the global rank, NCCL's (the local rank on one node, the kernels')
         return _arrays.check_part(xb, out, count, self.rank * slice_bytes, name, handle)
@@ -612,20 +680,21 @@ class Communicator:
             UbnextError: pool exhausted (on every rank alike), no symmetric pool,
                 bad dtype/framework.
         """
-        name = "empty"
-        self._check_open(name)
-        if dtype not in DTYPES:
-            raise UbnextError(f"{name}: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-        if framework not in ("cupy", "torch"):
-            raise UbnextError(f"{name}: framework must be 'cupy' or 'torch', got {framework!r}")
-        if self._node is None:
-            raise UbnextError(f"{name}: this communicator has no symmetric memory pool (it uses NCCL)")
-        shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        count = 1
-        for d in shape:
-            count *= d
-        block = self._node.alloc(count * DTYPES[dtype][1])
-        return _arrays.wrap(block.ptr, shape, dtype, self.device, framework, block)
+        with self._order:
+            name = "empty"
+            self._check_open(name)
+            if dtype not in DTYPES:
+                raise UbnextError(f"{name}: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+            if framework not in ("cupy", "torch"):
+                raise UbnextError(f"{name}: framework must be 'cupy' or 'torch', got {framework!r}")
+            if self._node is None:
+                raise UbnextError(f"{name}: this communicator has no symmetric memory pool (it uses NCCL)")
+            shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+            count = 1
+            for d in shape:
+                count *= d
+            block = self._node.alloc(count * DTYPES[dtype][1])
+            return _arrays.wrap(block.ptr, shape, dtype, self.device, framework, block)
 
     def algorithms(self) -> list[str]:
         """Names of the algorithms this communicator can run (``algorithm=`` values besides ``"auto"``).
@@ -686,8 +755,9 @@ class Communicator:
             ClosedError: the communicator is closed.
             BrokenCommunicatorError: a collective of this communicator failed.
         """
-        self._check_open("describe")
-        return report(self)
+        with self._order:
+            self._check_open("describe")
+            return report(self)
 
     def synchronize(self, stream=None) -> None:
         """Waits for the device (or ``stream``, as ``all_reduce`` takes it); raises what a
@@ -705,14 +775,15 @@ class Communicator:
             BrokenCommunicatorError: a collective of this communicator failed (then every
             later call raises too).
         """
-        import cupy
+        with self._order:
+            import cupy
 
-        self._check_open("synchronize")
-        if stream is None:
-            cupy.cuda.Device(self.device).synchronize()
-        else:
-            cupy.cuda.runtime.streamSynchronize(_arrays.stream_handle(stream))
-        self._check_failures("synchronize")
+            self._check_open("synchronize")
+            if stream is None:
+                cupy.cuda.runtime.deviceSynchronize()  # the communicator's device: the section's context
+            else:
+                cupy.cuda.runtime.streamSynchronize(self._stream_arg("synchronize", stream))
+            self._check_failures("synchronize")
 
     def close(self) -> None:
         """Releases the pool, the NCCL communicator and the bootstrap the communicator
@@ -747,51 +818,40 @@ class Communicator:
             UbnextError: a release failed (as for ``close``); what follows it is released
                 all the same.
         """
-        if not self._closed and self._node is not None:
-            from ._protocol import FAIL_KINDS
-
-            aborted = next(code for code, (name, _) in FAIL_KINDS.items() if name == "kFailAborted")
-            self._node.announce(aborted, self._local.rank)
+        node = self._node
+        if not self._closed and node is not None:
+            # before the section: a call of another thread waiting in it (synchronize) gives up
+            node.announce_abort(self._local.rank)
         self._release(local=True)
 
     def _release(self, local: bool) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._plans.clear()
-        if self._watchdog is not None:
-            self._watchdog.stop()
-        node, self._node = self._node, None
-        try:
-            if node is not None:
-                local = node.close(local=local)  # a broken communicator closes locally
-        finally:
-            try:
-                self._dispatch.close(local)
-            finally:
-                self._close_bootstraps(local)
+        """close (``local``: abort): after any call of another thread, in the section."""
+        with self._order:
+            if self._closed:
+                return
+            self._closed = True
+            self._plans.clear()
+            self._node = None
+            self._finalizer.detach()
+            _OPEN.discard(self)
+            self._owned.release(local)
 
-    def _close_bootstraps(self, local: bool = False) -> None:
-        """Closes the node's view, then the bootstrap if ``default()`` made it; ``local``:
-        without waiting for any rank (Bootstrap.abort)."""
+    @staticmethod
+    def _close_bootstraps(local_boot, owned, local: bool = False) -> None:
+        """Closes the node's view ``local_boot``, then ``owned`` (the bootstrap ``default()``
+        made, or None); ``local``: without waiting for any rank (Bootstrap.abort)."""
         try:
-            if self._local is not None:
-                self._local.abort() if local else self._local.close()
+            if local_boot is not None:
+                local_boot.abort() if local else local_boot.close()
         finally:
-            if self._owns_bootstrap:
-                self.bootstrap.abort() if local else self.bootstrap.close()
+            if owned is not None:
+                owned.abort() if local else owned.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-    def __del__(self):
-        if not getattr(self, "_closed", True):
-            import warnings
-
-            warnings.warn("ubnext.Communicator was not closed", ResourceWarning, stacklevel=2)
 
     # -- internals --------------------------------------------------------------------
     @functools.cached_property
@@ -898,3 +958,72 @@ def _check_eps(name: str, eps) -> float:
     if not math.isfinite(eps) or eps < 0:
         raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
     return eps
+
+
+class _Owned:
+    """What a communicator releases: its node, NCCL communicator, launch order, watchdog,
+    bootstraps and the retain of its CUDA context. It holds no reference to the
+    communicator (nor does anything it holds), so that a communicator dropped without
+    ``close()`` becomes garbage and its finalizer (:meth:`drop`) gives everything back.
+
+    Args:
+        order: the communicator's LaunchOrder (its section, and its context).
+        node, dispatch, watchdog: the communicator's (node and watchdog may be None).
+        local_boot: the bootstrap of the node's ranks.
+        owned_boot: the bootstrap ``default()`` made for the communicator, or None.
+        local_rank: this rank's place on the node.
+    """
+
+    def __init__(self, order, node, dispatch, watchdog, local_boot, owned_boot, local_rank: int):
+        self.order, self.node, self.dispatch, self.watchdog = order, node, dispatch, watchdog
+        self.local_boot, self.owned_boot, self.local_rank = local_boot, owned_boot, local_rank
+        self.released = False
+
+    def release(self, local: bool) -> None:
+        """Stops the watchdog, closes the node (``local``: waiting for no rank; a broken
+        communicator closes locally too), the NCCL communicator and the bootstraps, then
+        releases the context's retain; each step runs even where one before it failed.
+        In the launch section. Idempotent.
+
+        Raises:
+            The first error of a release step.
+        """
+        if self.released:
+            return
+        self.released = True
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        node, self.node = self.node, None
+        try:
+            if node is not None:
+                local = node.close(local=local)
+        finally:
+            try:
+                self.dispatch.close(local)
+            finally:
+                try:
+                    Communicator._close_bootstraps(self.local_boot, self.owned_boot, local)
+                finally:
+                    self.order.context.release()
+
+    def drop(self) -> None:
+        """The finalizer of a communicator that became garbage without ``close()``: released
+        as ``abort()`` releases (its peers cannot be met from here: no collective, no rank
+        waited for), with the communicator's context current whatever thread collects it,
+        and a warning (once per process)."""
+        log_once("dropped", "ubnext.Communicator was dropped without close(): released locally, as abort() "
+                            "does (peers are not waited for); call close() on every rank, or use `with`")
+        if self.node is not None:
+            self.node.announce_abort(self.local_rank)
+        with self.order:
+            self.release(local=True)
+
+
+@atexit.register
+def _warn_open() -> None:
+    """At exit, communicators still open are only named in a warning: releasing them then
+    would make driver calls while CUDA and the interpreter shut down."""
+    count = len(_OPEN)
+    if count:
+        log_once("open-at-exit", f"{count} ubnext.Communicator(s) were not closed before exit; call close() "
+                                 f"on every rank (or use `with`)")

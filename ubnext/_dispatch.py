@@ -45,20 +45,14 @@ class Dispatcher:
             (``Engine.lamport_launch``: what ``_launch.Packed`` takes, for ``launch``),
             else None (NCCL, launches in chunks, through the staging slot).
         """
-        self._order.enter(stream, owner)
-        try:
-            return self._all_reduce(algo, xb, ob, op, stream, sig)
-        finally:
-            self._order.leave()
+        self._order.follow(stream, owner)
+        return self._all_reduce(algo, xb, ob, op, stream, sig)
 
     def launch(self, launch, stream: int, owner) -> None:
         """``launch`` (a ``_launch.Packed`` of a launch ``all_reduce`` or ``add_rmsnorm``
         returned: a call plan's) on ``stream``, in the launch section."""
-        self._order.enter(stream, owner)
-        try:
-            launch(stream)
-        finally:
-            self._order.leave()
+        self._order.follow(stream, owner)
+        launch(stream)
 
     def quantized(self, fmt: str, xb, ob, op: str, stream: int, owner, sig: int) -> None:
         """Quantized all-reduce of ``xb`` into ``ob`` in ``fmt``, in launches of at most
@@ -66,13 +60,10 @@ class Dispatcher:
         eng = self._node.engine
         width = DTYPES[xb.dtype][1]
         chunk = _quant.LAUNCH_BYTES // width
-        self._order.enter(stream, owner)
-        try:
-            for start in range(0, xb.count, chunk):
-                eng.quantized(fmt, xb.dtype, op, xb.ptr + start * width, ob.ptr + start * width,
-                              min(chunk, xb.count - start), sig, stream)
-        finally:
-            self._order.leave()
+        self._order.follow(stream, owner)
+        for start in range(0, xb.count, chunk):
+            eng.quantized(fmt, xb.dtype, op, xb.ptr + start * width, ob.ptr + start * width,
+                          min(chunk, xb.count - start), sig, stream)
 
     def fused_rows(self, algo: str, dtype: str, hidden: int, rows: int, aligned: bool) -> int:
         """Rows one fused launch of ``algo`` takes, or 0 where the call goes unfused."""
@@ -92,58 +83,43 @@ class Dispatcher:
         eng = self._node.engine
         row_bytes = hidden * DTYPES[xb.dtype][1]
         residual, bias, weight, normed, res_out = norm
-        self._order.enter(stream, owner)
-        try:
-            for r0 in range(0, rows, chunk):
-                off = r0 * row_bytes
-                part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
-                launch = eng.add_rmsnorm_launch(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part,
-                                                eps, sig)
-                issue(launch, stream)
-        finally:
-            self._order.leave()
+        self._order.follow(stream, owner)
+        for r0 in range(0, rows, chunk):
+            off = r0 * row_bytes
+            part = (residual + off if residual else 0, bias, weight, normed + off, res_out + off)
+            launch = eng.add_rmsnorm_launch(algo, xb.dtype, xb.ptr + off, min(chunk, rows - r0), hidden, part,
+                                            eps, sig)
+            issue(launch, stream)
         return launch if rows <= chunk else None
 
     def unfused(self, algo: str, xb, nb, rows: int, hidden: int, norm: tuple, eps: float, stream: int,
                 owner, sig: int) -> None:
         """The all-reduce of ``xb`` into ``nb`` by ``algo``, then the separate add + RMSNorm
         kernel on ``nb`` (in place: normed into ``nb``)."""
-        self._order.enter(stream, owner)
-        try:
-            self._all_reduce(algo, xb, nb, "sum", stream, sig)
-            self._add_rmsnorm()(xb.dtype, nb.ptr, rows, hidden, norm, eps, stream)
-        finally:
-            self._order.leave()
+        self._order.follow(stream, owner)
+        self._all_reduce(algo, xb, nb, "sum", stream, sig)
+        self._add_rmsnorm()(xb.dtype, nb.ptr, rows, hidden, norm, eps, stream)
 
     def reduce_scatter(self, algo: str, xb, ob, k: int, op: str, stream: int, owner, sig: int) -> None:
         """Reduce-scatter of ``xb`` (size x k elements) into ``ob`` (this rank's k) by ``algo``."""
-        self._order.enter(stream, owner)
-        try:
-            self._reduce_scatter(algo, xb, ob, k, op, stream, sig)
-        finally:
-            self._order.leave()
+        self._order.follow(stream, owner)
+        self._reduce_scatter(algo, xb, ob, k, op, stream, sig)
 
     def all_gather(self, algo: str, xb, ob, k: int, stream: int, owner, sig: int) -> None:
         """All-gather of ``xb`` (k elements) into ``ob`` (size x k) by ``algo``."""
-        self._order.enter(stream, owner)
-        try:
-            if ALGORITHMS[algo].is_kernel:
-                Sliced(self._node, self._limits, algo, xb.dtype, k, stream).all_gather(xb.ptr, ob.ptr, sig)
-            else:
-                self._nccl().all_gather(xb.ptr, ob.ptr, k, xb.dtype, stream)
-        finally:
-            self._order.leave()
+        self._order.follow(stream, owner)
+        if ALGORITHMS[algo].is_kernel:
+            Sliced(self._node, self._limits, algo, xb.dtype, k, stream).all_gather(xb.ptr, ob.ptr, sig)
+        else:
+            self._nccl().all_gather(xb.ptr, ob.ptr, k, xb.dtype, stream)
 
     def reduce_scatter_add_rmsnorm(self, algo: str, xb, nb, rows: int, hidden: int, norm: tuple, eps: float,
                                    stream: int, owner, sig: int) -> None:
         """The reduce-scatter of ``xb`` by rows into ``nb`` (this rank's ``rows``), then the
         separate add + RMSNorm kernel on ``nb`` (in place: normed into ``nb``)."""
-        self._order.enter(stream, owner)
-        try:
-            self._reduce_scatter(algo, xb, nb, rows * hidden, "sum", stream, sig)
-            self._add_rmsnorm()(xb.dtype, nb.ptr, rows, hidden, norm, eps, stream)
-        finally:
-            self._order.leave()
+        self._order.follow(stream, owner)
+        self._reduce_scatter(algo, xb, nb, rows * hidden, "sum", stream, sig)
+        self._add_rmsnorm()(xb.dtype, nb.ptr, rows, hidden, norm, eps, stream)
 
     def _reduce_scatter(self, algo, xb, ob, k, op, stream, sig):
         if ALGORITHMS[algo].is_kernel:

@@ -114,9 +114,11 @@ class Engine:
         cupy.cuda.Device(self.pool.device).synchronize()
 
     def close(self) -> None:
-        """Drops the launchers and unloads the kernel modules, on the closing thread (left to
-        the garbage collector, they would be unloaded on whatever thread collects them).
-        Idempotent; the engine launches nothing afterwards."""
+        """Drops the launchers and the engine's references to its kernel modules, on the
+        closing thread. The modules stay loaded: CuPy memoizes each compiled module per
+        device for the process (a communicator made again reuses it, as every communicator
+        with the same kernels does), and frees them at exit. Idempotent; the engine
+        launches nothing afterwards."""
         self._norm_launches.clear()
         self._launchers.clear()
         self._modules.clear()

@@ -43,7 +43,9 @@ class Node:
 
     Args:
         local: bootstrap of this node's ranks.
-        device: this rank's CUDA device (current).
+        context: this rank's device and CUDA context (``_context.Context``; current during
+            construction); the node's steps outside a call (announce, broken, close) make
+            it current themselves.
         config: the communicator's Config.
         nvls: the NVLS gate's decision; when enabled (mode ``UBNEXT_NVLS=1``), the pool
             is also mapped through a multicast object (:attr:`multicast`).
@@ -57,10 +59,12 @@ class Node:
             (the multicast setup included).
     """
 
-    def __init__(self, local, device: int, config, nvls, driver=None):
+    def __init__(self, local, context, config, nvls, driver=None):
         import cupy
 
         self._local = local
+        self._context = context
+        device = context.device
         self._driver = driver
         lamport_bytes, lamport_twoshot_bytes = config.lamport_max_kb << 10, config.lamport_twoshot_max_kb << 10
         # unaligned arrays go through the staging slot, whatever the algorithm
@@ -100,7 +104,9 @@ class Node:
             undo.push(self.engine.close)
             self._side = cupy.cuda.Stream(non_blocking=True)  # announce() and broken() run on it
             undo.push(self._drop_side)
-            self._announce_lock, self._announced = threading.Lock(), False
+            # announce and close exclude each other: an abort or the watchdog of another
+            # thread never writes into a pool that close is releasing
+            self._announce_lock, self._announced, self._closed = threading.Lock(), False, False
             self.engine.initialize()
             self.heap = UserHeap(plan.end, self.pool.size)
         except BaseException:
@@ -143,13 +149,20 @@ class Node:
         ``kind``, so that their waits give up and their launches write poison. Local; the
         stores go on a stream of their own, beside any kernel still waiting, and only they
         are waited for."""
-        import cupy
-
         word = broken_word(kind, rank)
-        with cupy.cuda.Device(self.pool.device):  # also from the watchdog's thread, which has no device yet
+        with self._announce_lock, self._context.current():  # from any thread (the watchdog's, abort's)
+            if self._closed:
+                return
             for ptr in self._broken_ptrs:
                 drv("cuMemsetD32Async", ptr, word, 1, self._side.ptr, driver=self._driver)
             self._side.synchronize()  # done when this returns: a peer told of it afterwards sees it
+
+    def announce_abort(self, rank: int) -> None:
+        """``announce`` that local rank ``rank`` gave the communicator up (``abort()``, or a
+        communicator dropped without ``close()``)."""
+        from ._protocol import FAIL_KINDS
+
+        self.announce(next(code for code, (name, _) in FAIL_KINDS.items() if name == "kFailAborted"), rank)
 
     def failure(self, op: str, timeout_s: float):
         """The error a kernel of this rank recorded, or None. The first time one is seen,
@@ -160,23 +173,19 @@ class Node:
             a ``BrokenCommunicatorError`` (or subclass) naming what failed, or None.
         """
         error = self.failures.error(op, timeout_s)
-        if error is not None:
-            with self._announce_lock:
-                if not self._announced:
-                    self._announced = True
-                    self.announce(*self.failures.origin())
+        if error is not None and not self._announced:
+            self._announced = True  # once: a second announce would only write the same words
+            self.announce(*self.failures.origin())
         return error
 
     def broken(self) -> bool:
         """Whether the communicator failed: a kernel of this rank recorded a failure, or a
         rank marked this rank's kernel families broken. Local; waits only for a read on a
         stream of its own."""
-        import cupy
-
         if self.failures.tripped:
             return True
         words = np.zeros(len(self._own_broken), np.uint32)
-        with cupy.cuda.Device(self.pool.device):
+        with self._context.current():
             for i, ptr in enumerate(self._own_broken):
                 drv("cuMemcpyDtoHAsync", words.ctypes.data + 4 * i, ptr, 4, self._side.ptr, driver=self._driver)
             self._side.synchronize()
@@ -203,13 +212,16 @@ class Node:
                           "after close", ResourceWarning, stacklevel=3)
         errors = []
         try:
-            cupy.cuda.Device(self.pool.device).synchronize()
+            with self._context.current():
+                cupy.cuda.Device(self.pool.device).synchronize()
         except cupy.cuda.runtime.CUDARuntimeError as e:
             errors.append(e)
         local = local or bool(errors) or self.broken()
         if not local:
             self._local.barrier()
-        errors += self._teardown.unwind()
+        with self._announce_lock, self._context.current():  # no announce writes into what is released
+            self._closed = True
+            errors += self._teardown.unwind()
         if errors:
             raise errors[0]
         return local

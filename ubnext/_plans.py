@@ -47,10 +47,14 @@ class Plan(NamedTuple):
         buffers: the Buffers of the call's arrays but for their first field (``obj``, the
             array), None for an array not given, in the order the call passes them to
             ``_arrays.record_stream`` on a side stream: ``Buffer(x, *buffers[0])`` is x's.
+        written: the places, in that order, of the torch tensors the launch writes (the
+            caller's outputs), whose versions a planned call increments as the full path
+            does (``_arrays.mark_written``).
     """
 
     launch: Packed
     buffers: tuple
+    written: tuple = ()
 
 
 def all_reduce_key(x, out, op, algorithm, precision, stream: int, side: bool) -> tuple | None:

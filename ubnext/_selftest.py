@@ -74,21 +74,22 @@ def run(comm, cases, calls: int = _selfcheck.CALLS) -> _selfcheck.RankReport:
     """This rank's outcome of every case (None where the case is skipped). Every rank runs
     the same calls in the same order; a call that raises fails its case on this rank
     (a broken communicator then fails the cases after it). Blocks the host."""
-    import cupy
+    with comm._context.current():  # its arrays and streams on the communicator's device
+        import cupy
 
-    stream = cupy.cuda.Stream(non_blocking=True)
-    outcomes, first, key, inputs = [], set(), None, None
-    for case in cases:
-        if case.skip:
-            outcomes.append(None)
-            continue
-        if key != (case.dtype, case.count, case.exact):  # the cases of one size share their inputs
-            key = (case.dtype, case.count, case.exact)
-            inputs = _selfcheck.make_inputs(case.dtype, case.count, comm.size, case.exact)
-        kernel = "nccl" if case.algorithm == "nccl" else (case.algorithm, case.dtype)  # NCCL: set up once
-        outcomes.append(_run_case(comm, case, inputs, stream, calls, kernel not in first))
-        first.add(kernel)
-    return _selfcheck.RankReport(comm.rank, comm.device, device_name(comm.device), outcomes)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        outcomes, first, key, inputs = [], set(), None, None
+        for case in cases:
+            if case.skip:
+                outcomes.append(None)
+                continue
+            if key != (case.dtype, case.count, case.exact):  # the cases of one size share their inputs
+                key = (case.dtype, case.count, case.exact)
+                inputs = _selfcheck.make_inputs(case.dtype, case.count, comm.size, case.exact)
+            kernel = "nccl" if case.algorithm == "nccl" else (case.algorithm, case.dtype)  # NCCL: set up once
+            outcomes.append(_run_case(comm, case, inputs, stream, calls, kernel not in first))
+            first.add(kernel)
+        return _selfcheck.RankReport(comm.rank, comm.device, device_name(comm.device), outcomes)
 
 
 def _run_case(comm, case, inputs, stream, calls: int, first: bool) -> _selfcheck.Outcome:

@@ -5,9 +5,10 @@ Lamport receive buffers and the staging slot, so no call may run before a call i
 ahead of it, whatever stream each is issued on. :class:`LaunchOrder` keeps that order:
 it remembers the stream of the last launch and, when a call comes on another stream,
 makes the new stream wait for an event recorded on the previous one. Nothing is done
-while the stream stays the same, and the host never waits. Its lock makes the launches
-of a call one section, so calls may come from several host threads (the argument packs
-of the launchers and the staging slot are shared by all calls).
+while the stream stays the same, and the host never waits. It is also the call's
+section: its lock makes each call one section, so calls may come from several host
+threads (the argument packs of the launchers and the staging slot are shared by all
+calls), and entering it makes the communicator's CUDA context current (``_context``).
 
 :func:`order_after` is the one wait: an event recorded on one stream and waited for by
 another. It serves the cross-stream order and arrays whose ``__cuda_array_interface__``
@@ -135,82 +136,99 @@ def order_after(producer: int, consumer: int, device: int, cuda: Cuda | None = N
 
 
 class LaunchOrder:
-    """The launch section of one communicator: its launches in issue order on any
-    stream, one host thread at a time.
+    """The launch section of one communicator: the communicator's CUDA context current, one
+    host thread at a time, launches in issue order on any stream.
 
-    Around every call's launches::
+    Every call of a communicator runs its whole body in the section::
 
-        order.enter(stream, owner)
-        try:
-            ...  # the call's launches, copies and NCCL calls on `stream`
-        finally:
-            order.leave()
+        with order:                      # the lock, then the communicator's context
+            ...                          # validation, outputs, plans
+            order.follow(stream, owner)  # before the call's first launch on `stream`
+            ...                          # its launches, copies and NCCL calls on `stream`
 
-    ``enter`` takes the lock, so that the launches of a call stay together (another
-    thread's launches do not come in between, nor overwrite the launchers' argument
-    packs under them), and makes ``stream`` wait for the stream of the previous launch
-    when it is another one. The per-thread default stream is another stream in every
-    thread, and a thread cannot name another thread's one, so ``leave`` records an event
-    after a call on it, for the next call to wait for.
+    Entering takes the lock, so that the launches of a call stay together (another
+    thread's launches do not come in between, nor overwrite the launchers' argument packs
+    under them, nor close the communicator under them), and makes the communicator's
+    context current where another one is (``_context.Context``): whatever device the
+    caller made current, the call's kernels, compiles, allocations and stream handle 0
+    are the communicator's. Leaving gives the caller's context back and releases the lock.
+    ``follow`` makes ``stream`` wait for the stream of the previous launch when it is
+    another one. The per-thread default stream is another stream in every thread, and a
+    thread cannot name another thread's one, so leaving records an event after a call on
+    it, for the next call to wait for.
 
     Args:
-        device: the communicator's CUDA device.
+        context: the communicator's ``_context.Context``.
         cuda: the runtime calls; default ``CUDA`` (looked up at each use).
     """
 
-    def __init__(self, device: int, cuda: Cuda | None = None):
-        self._device = device
+    def __init__(self, context, cuda: Cuda | None = None):
+        self.context = context
+        self._device = context.device
+        self._enter_context, self._leave_context = context.enter, context.leave
         self._cuda = cuda
         lock = threading.Lock()
         self._acquire, self._release = lock.acquire, lock.release
-        self._stream = None   # the raw handle of the previous launch's stream
-        self._thread = None   # the thread it came from, for the per-thread default stream
-        self._owner = None    # its stream object, kept so that it is not destroyed meanwhile
-        self._done = None     # event recorded after the previous launch (per-thread default stream)
+        self._caller = 0       # the context current when the section was entered
+        self._followed = None  # the stream this call launches on, once ``follow`` named it
+        self._stream = None    # the raw handle of the previous launch's stream
+        self._thread = None    # the thread it came from, for the per-thread default stream
+        self._owner = None     # its stream object, kept so that it is not destroyed meanwhile
+        self._done = None      # event recorded after the previous launch (per-thread default stream)
 
-    def enter(self, stream: int, owner=None) -> None:
-        """Enters the section for a call on ``stream`` (raw handle; ``owner``: the stream
-        object it came from, or None): blocks while another thread is in it, then orders
-        the launches that follow after those of the previous call. Costs the lock and one
-        comparison while the stream stays the same.
+    def __enter__(self) -> LaunchOrder:
+        """Blocks while another thread is in the section, then makes the communicator's
+        context current (one read of the current context while it already is).
 
         Raises:
-            CudaError or CuPy's CUDARuntimeError: the wait could not be queued (the
-                section is left; the next call tries again).
+            CuPy's CUDADriverError: the context could not be made current (the section is
+                left).
         """
         self._acquire()
-        if stream == self._stream and stream != PER_THREAD:
-            return
         try:
-            self._change(stream, owner)
+            self._caller = self._enter_context()
         except BaseException:
             self._release()
             raise
+        return self
 
-    def leave(self) -> None:
-        """Leaves the section entered by ``enter``."""
-        if self._stream != PER_THREAD:
-            self._release()
-            return
+    def __exit__(self, *exc) -> None:
+        """Records the event a call on the per-thread default stream leaves for the next
+        call, gives the caller's context back and leaves the section."""
         try:
-            self._record_done()
+            if self._followed == PER_THREAD:
+                self._record_done()
         finally:
-            self._release()
+            self._followed = None
+            try:
+                self._leave_context(self._caller)
+            finally:
+                self._release()
+
+    def follow(self, stream: int, owner=None) -> None:
+        """Orders the launches on ``stream`` (raw handle; ``owner``: the stream object it
+        came from, or None) that follow after those of the previous call. Costs one
+        comparison while the stream stays the same. Only inside the section.
+
+        Raises:
+            CudaError or CuPy's CUDARuntimeError: the wait could not be queued (the next
+                call tries again).
+        """
+        self._followed = stream
+        if stream == self._stream and stream != PER_THREAD:
+            return
+        self._change(stream, owner)
 
     def close(self) -> None:
         """Drops the previous call's stream object and destroys its pending event, on this
-        thread: a closed communicator's objects are left to the garbage collector, which
-        may free them on a thread whose current device is another one (destroying a CUDA
-        object there would create a context on that device). Idempotent; a later call
-        starts a new order."""
-        self._acquire()
-        try:
-            done, self._done = self._done, None
-            self._stream = self._thread = self._owner = None
-            if done is not None:
-                (self._cuda or CUDA).destroy(done)
-        finally:
-            self._release()
+        thread, in the section: a closed communicator's objects are left to the garbage
+        collector, which may free them on a thread whose current device is another one
+        (destroying a CUDA object there would create a context on that device).
+        Only inside the section. Idempotent; a later call starts a new order."""
+        done, self._done = self._done, None
+        self._stream = self._thread = self._owner = None
+        if done is not None:
+            (self._cuda or CUDA).destroy(done)
 
     def _change(self, stream: int, owner) -> None:
         thread = _this_thread() if stream == PER_THREAD else None

@@ -260,59 +260,60 @@ def write_atomically(path: str, document: dict[str, Any]) -> None:
 
 def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Measure, print, write (rank 0). Collective. Returns the exit status (the same on every rank)."""
-    import cupy
+    with comm._context.current():  # its arrays and streams on the communicator's device
+        import cupy
 
-    rank0 = comm.rank == 0
-    say = print if rank0 else (lambda *a, **k: None)
-    error = None
-    if rank0:
-        try:
-            existing_document(args.output)
-        except UbnextError as exc:
-            error = str(exc)
-    if comm.algorithms() == ["nccl"]:
-        error = f"tune: this communicator runs {comm.path}; there is nothing to choose"
-    error = comm.bootstrap.bcast_obj(error)
-    if error:
-        say(error, file=sys.stderr)
-        return 2
-    machine = device_name(comm.device)
-    stream = cupy.cuda.Stream(non_blocking=True)
-
-    def progress(text: str) -> None:
-        """Rank 0 shows what is being measured on one stderr line; "" clears it."""
+        rank0 = comm.rank == 0
+        say = print if rank0 else (lambda *a, **k: None)
+        error = None
         if rank0:
-            sys.stderr.write(f"\r# ubnext.tune {text:<46}" if text else f"\r{'':<60}\r")
-            sys.stderr.flush()
+            try:
+                existing_document(args.output)
+            except UbnextError as exc:
+                error = str(exc)
+        if comm.algorithms() == ["nccl"]:
+            error = f"tune: this communicator runs {comm.path}; there is nothing to choose"
+        error = comm.bootstrap.bcast_obj(error)
+        if error:
+            say(error, file=sys.stderr)
+            return 2
+        machine = device_name(comm.device)
+        stream = cupy.cuda.Stream(non_blocking=True)
 
-    rows, measured = {}, {}
-    for dtype in args.dtypes:
-        times = measure_dtype(comm, stream, dtype, args, progress)
-        winners = [winner(t, args.margin) for t in times]
-        progress("")
-        for line in report(comm.size, dtype, machine, args.sizes, times, winners, args):
-            say(line, flush=True)
-        rows[dtype] = table_rows(args.sizes, winners)
-        measured[dtype] = {
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "machine": machine,
-            "command": shlex.join([sys.executable, "-m", "ubnext.tune", *argv]),
-            "margin_percent": args.margin, "graph_calls": args.iters, "graph_launches": args.launches,
-            "repeats": args.repeats, "sizes": args.sizes, "winners": winners,
-            "us": {n: [t.get(n) for t in times] for n in ALGORITHMS if any(n in t for t in times)},
-        }
-    outcome = None
-    if rank0:
-        try:
-            doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured)
-            write_atomically(args.output, doc)
-            outcome = (f"# wrote {args.output} (world sizes {', '.join(doc['tables'])})\n"
-                       f"export UBNEXT_TUNE_FILE={shlex.quote(args.output)}")
-        except (OSError, UbnextError) as exc:
-            outcome = f"tune: cannot write {args.output}: {exc}"
-    outcome = comm.bootstrap.bcast_obj(outcome)
-    ok = outcome.startswith("# wrote")
-    say(outcome, file=sys.stdout if ok else sys.stderr, flush=True)
-    return 0 if ok else 1
+        def progress(text: str) -> None:
+            """Rank 0 shows what is being measured on one stderr line; "" clears it."""
+            if rank0:
+                sys.stderr.write(f"\r# ubnext.tune {text:<46}" if text else f"\r{'':<60}\r")
+                sys.stderr.flush()
+
+        rows, measured = {}, {}
+        for dtype in args.dtypes:
+            times = measure_dtype(comm, stream, dtype, args, progress)
+            winners = [winner(t, args.margin) for t in times]
+            progress("")
+            for line in report(comm.size, dtype, machine, args.sizes, times, winners, args):
+                say(line, flush=True)
+            rows[dtype] = table_rows(args.sizes, winners)
+            measured[dtype] = {
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "machine": machine,
+                "command": shlex.join([sys.executable, "-m", "ubnext.tune", *argv]),
+                "margin_percent": args.margin, "graph_calls": args.iters, "graph_launches": args.launches,
+                "repeats": args.repeats, "sizes": args.sizes, "winners": winners,
+                "us": {n: [t.get(n) for t in times] for n in ALGORITHMS if any(n in t for t in times)},
+            }
+        outcome = None
+        if rank0:
+            try:
+                doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured)
+                write_atomically(args.output, doc)
+                outcome = (f"# wrote {args.output} (world sizes {', '.join(doc['tables'])})\n"
+                           f"export UBNEXT_TUNE_FILE={shlex.quote(args.output)}")
+            except (OSError, UbnextError) as exc:
+                outcome = f"tune: cannot write {args.output}: {exc}"
+        outcome = comm.bootstrap.bcast_obj(outcome)
+        ok = outcome.startswith("# wrote")
+        say(outcome, file=sys.stdout if ok else sys.stderr, flush=True)
+        return 0 if ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

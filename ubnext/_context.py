@@ -1,0 +1,135 @@
+"""The communicator's CUDA context: current while ubnext works, the caller's given back.
+
+A call never depends on the caller's ambient CUDA state (DESIGN: the device and context
+invariant). Kernels are launched into the current context, CuPy compiles and memoizes
+modules for the current device, stream handle 0 is the current context's null stream,
+CuPy allocates on the current device, and a thread that never set a device has no
+current context at all. So whatever ubnext does on the device runs with the
+communicator's context current: :class:`Context` makes it current only where another is
+(one read of the current context while it already is) and gives the caller's back
+afterwards, also where the caller had none.
+
+The communicator's launch section (``_streams.LaunchOrder``) enters it for every call;
+the steps that run outside a call (close, abort, the watchdog's announce, a dropped
+communicator's release) enter it with ``with context.current():``.
+"""
+
+from __future__ import annotations
+
+from ._cuda import drv
+from ._streams import LEGACY, PER_THREAD
+
+#: stream handles that name a default stream of whatever context is current
+_DEFAULT_STREAMS = (0, LEGACY, PER_THREAD)
+
+
+def caller_device() -> int:
+    """The device the caller made current (the runtime's answer: 0 where the thread has
+    none): a communicator's default device, where the caller set one. Read only there;
+    every call uses the communicator's own."""
+    from cupy.cuda import runtime
+
+    return runtime.getDevice()
+
+
+class Driver:
+    """The context calls of the CUDA driver. Tests pass a recording fake with these methods.
+
+    ``current`` and ``make_current`` are CuPy's compiled driver bindings (the hot path:
+    about 0.05 µs each); the primary context is retained through ``cuda.bindings``.
+    """
+
+    def __init__(self):
+        from cupy_backends.cuda.api import driver
+
+        self.current = driver.ctxGetCurrent  # () -> the current context's handle (0: none)
+        self.make_current = driver.ctxSetCurrent  # (handle) -> None; 0 leaves the thread without one
+        self.stream_context = driver.streamGetCtx  # (stream handle) -> its context's handle
+
+    @staticmethod
+    def retain(device: int) -> int:
+        """The handle of ``device``'s primary context, retained (created if need be)."""
+        return int(drv("cuDevicePrimaryCtxRetain", drv("cuDeviceGet", device)))
+
+    @staticmethod
+    def release(device: int) -> None:
+        """Releases one retain of ``device``'s primary context."""
+        drv("cuDevicePrimaryCtxRelease", drv("cuDeviceGet", device))
+
+
+class Context:
+    """One device's primary CUDA context, held while a communicator lives.
+
+    Args:
+        device: the CUDA device ordinal (this process's numbering).
+        driver: the context calls (default: :class:`Driver`).
+
+    Attributes:
+        device: the ordinal.
+        handle: the context's handle (an int, as the driver's ``CUcontext``).
+
+    Raises:
+        CudaError: the primary context cannot be retained.
+    """
+
+    def __init__(self, device: int, driver: Driver | None = None):
+        driver = driver or Driver()
+        self.device = device
+        self.handle = driver.retain(device)
+        self._driver = driver
+        self._current, self._make_current = driver.current, driver.make_current
+        self._released = False
+
+    def enter(self) -> int:
+        """Makes this context current where it is not; returns the caller's (0: none), for
+        :meth:`leave`.
+
+        Raises:
+            CuPy's CUDADriverError: the context could not be made current.
+        """
+        caller = self._current()
+        if caller != self.handle:
+            self._make_current(self.handle)
+        return caller
+
+    def leave(self, caller: int) -> None:
+        """Gives the caller's context back (``caller``: what :meth:`enter` returned)."""
+        if caller != self.handle:
+            self._make_current(caller)
+
+    def owns(self, stream: int) -> bool:
+        """Whether stream handle ``stream`` belongs to this context: the handles of the
+        current context's default streams (0, legacy, per-thread) do in the section.
+
+        Raises:
+            CuPy's CUDADriverError: ``stream`` is no stream.
+        """
+        return stream in _DEFAULT_STREAMS or self._driver.stream_context(stream) == self.handle
+
+    def current(self) -> _Current:
+        """``with context.current():`` runs its body with this context current and gives
+        the caller's back (for the steps that run outside a call's launch section)."""
+        return _Current(self)
+
+    def release(self) -> None:
+        """Releases the retain taken at construction (the context itself lives on while
+        CUDA's runtime, CuPy or torch hold it). Idempotent."""
+        if not self._released:
+            self._released = True
+            self._driver.release(self.device)
+
+
+class _Current:
+    """The ``with`` form of ``Context.enter`` / ``Context.leave``."""
+
+    __slots__ = ("_context", "_caller")
+
+    def __init__(self, context: Context):
+        self._context = context
+
+    def __enter__(self) -> Context:
+        self._caller = self._context.enter()
+        return self._context
+
+    def __exit__(self, *exc) -> None:
+        self._context.leave(self._caller)
