@@ -303,7 +303,7 @@ def execute(args: argparse.Namespace, files: list[str], gpus: list[str] | None, 
 
 def rows_json(rows: list[dict]) -> str:
     """A JSON list with one row a line (compact, and diffs show the rows that changed)."""
-    return "[\n" + ",\n".join(json.dumps(r) for r in rows) + ("\n" if rows else "") + "]\n"
+    return "[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n" if rows else "[]\n"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
