@@ -1,6 +1,7 @@
 # Sourced first by every script that runs ubnext on a GPU machine: refuses to go on
 # unless NVLink multicast is switched off the way the shared hosts require it, and checks
-# that ubnext's own gate leaves it off (UBNEXT_NVLS must not opt in there).
+# that ubnext's own gate leaves it off (UBNEXT_NVLS must not opt in there). Run as a
+# script (`bash .ci/gpu_env.sh`, as .ci/gpu_suite.py does) it exits 3 on refusal, 0 otherwise.
 ubnext_require_multicast_off() {
     local bad=""
     [ "${NCCL_NVLS_ENABLE-}" = "0" ] || bad="$bad NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE-<unset>}"
