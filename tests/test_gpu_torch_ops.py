@@ -1,7 +1,8 @@
 """ubnext.torch's custom ops on GPUs: torch.library.opcheck of every op, the
 torch.distributed forms and the functional ones against Communicator.all_reduce,
 reduce_scatter, all_gather and reduce_scatter_add_rmsnorm bit for bit (and the
-sequence-parallel gradients against the collectives they are), and a function compiled
+sequence-parallel gradients against the collectives they are), the Communicator's own
+collectives compiled (torch.compile traces them into the ops), and a function compiled
 with torch.compile(fullgraph=True) captured in a CUDA graph and replayed with results
 equal, bit for bit, to the same function run eagerly.
 
@@ -204,4 +205,35 @@ def test_compiled_function_replays_in_a_cuda_graph(comm):
         for got, w in zip(outputs, want):
             assert torch.equal(got.view(torch.int16), w.view(torch.int16))
         assert torch.equal(static[0].view(torch.int16), comm.all_reduce(fresh[0]).view(torch.int16))  # mutated
+    comm.synchronize()
+
+
+def test_communicator_methods_compile_to_the_ops(comm):
+    """The Communicator's own collectives under torch.compile(fullgraph=True): no graph
+    break (each becomes its torch.ops.ubnext op, out= the mutating one), and the compiled
+    function's results equal, bit for bit, the same function run eagerly."""
+    import torch
+
+    def step(x, residual, weight, bias):
+        y = comm.all_reduce(x * 2) + 1
+        comm.all_reduce(y, out=y, op="max")
+        normed, res = comm.all_reduce_add_rmsnorm(y, residual, weight, eps=1e-6, bias=bias)
+        shard = comm.reduce_scatter(normed, op="avg")
+        into = torch.empty_like(shard)
+        comm.reduce_scatter(res, out=into)
+        gathered = comm.all_gather(into)
+        flat = torch.empty(gathered.numel(), dtype=gathered.dtype, device=gathered.device)
+        comm.all_gather(shard, out=flat)
+        sp_normed, sp_res = comm.reduce_scatter_add_rmsnorm(gathered, into, weight, eps=1e-6, bias=bias)
+        return y, normed, res, shard, gathered, flat, sp_normed, sp_res
+
+    explained = torch._dynamo.explain(step)(*operands(comm, 6))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in (7, 8):
+        args = operands(comm, seed)
+        want = step(*args)
+        got = compiled(*args)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and torch.equal(g.view(torch.int16), w.view(torch.int16))
     comm.synchronize()

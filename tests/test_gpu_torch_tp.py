@@ -78,7 +78,9 @@ def test_planned_buffers_same_bits_and_no_copy_kernel(comm):
     data = tp.inputs(TOKENS, HIDDEN, HEADS_FEATURES, dtype, "cuda")
     plan = BufferPlan(comm, TOKENS, {"mlp": HIDDEN, "attention-output": HIDDEN, "row": HIDDEN}, dtype)
     layers = [tp.mlp(comm, w, dtype, "cuda", plan), tp.attention_output(comm, w, dtype, "cuda", plan)]
-    row = RowParallelLinear(INTERMEDIATE, HIDDEN, comm, plan=plan, key="row", dtype=dtype, device="cuda")
+    # reuse_output: the buffer's view (by default a bias-less layer copies it out, one copy kernel)
+    row = RowParallelLinear(INTERMEDIATE, HIDDEN, comm, plan=plan, key="row", dtype=dtype, device="cuda",
+                            reuse_output=True)
     row.load_full(w["down"])
     cols = INTERMEDIATE // comm.size
     act = data["x"].repeat(1, INTERMEDIATE // HIDDEN)[:, comm.rank * cols:(comm.rank + 1) * cols].contiguous()

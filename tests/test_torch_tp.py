@@ -59,10 +59,12 @@ def test_planned_buffers_give_the_same_bits(size):
         tp.assert_equal_bits(planned, plain)
 
 
+@pytest.mark.parametrize("reuse_output", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_row_parallel_forward_planned_in_place(bias):
+def test_row_parallel_forward_planned_in_place(bias, reuse_output):
     """RowParallelLinear.forward on the planned path reduces in place in the buffer: the
-    same bits as the plain path, and (without bias) a view of the planned buffer."""
+    same bits as the plain path; the result is a view of the planned buffer only without
+    bias and with ``reuse_output=True`` (by default it is a tensor of its own)."""
     from ubnext.torch import RowParallelLinear
 
     g = torch.Generator().manual_seed(5)
@@ -71,7 +73,8 @@ def test_row_parallel_forward_planned_in_place(bias):
 
     def rank(comm):
         plan = BufferPlan(comm, TOKENS, {"row": HIDDEN}, torch.float32)
-        layer = RowParallelLinear(INTERMEDIATE, HIDDEN, comm, bias=bias, plan=plan, key="row")
+        layer = RowParallelLinear(INTERMEDIATE, HIDDEN, comm, bias=bias, plan=plan, key="row",
+                                  reuse_output=reuse_output)
         layer.load_full(weight, b)
         cols = INTERMEDIATE // comm.size
         xs = x[:, comm.rank * cols:(comm.rank + 1) * cols]
@@ -85,4 +88,40 @@ def test_row_parallel_forward_planned_in_place(bias):
 
     for planned, plain, in_buffer in run_ranks(2, rank):
         assert torch.equal(planned, plain)
-        assert in_buffer == (not bias)
+        assert in_buffer == (reuse_output and not bias)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_row_parallel_output_survives_the_next_planned_call(size):
+    """A bias-less planned RowParallelLinear's output is the caller's to keep: the layer's
+    next call, which reduces in the same planned buffer, leaves it as it was (it used to
+    be a view of the buffer, silently overwritten). With ``reuse_output=True`` it is that
+    view, and the next call overwrites it, as documented."""
+    from ubnext.torch import RowParallelLinear
+
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(HIDDEN, INTERMEDIATE, generator=g)
+    first, second = torch.randn(TOKENS, INTERMEDIATE, generator=g), torch.randn(TOKENS, INTERMEDIATE, generator=g)
+
+    def rank(comm):
+        plan = BufferPlan(comm, TOKENS, {"row": HIDDEN}, torch.float32, buffers=1)
+        layers = {}
+        for reuse in (False, True):
+            layers[reuse] = RowParallelLinear(INTERMEDIATE, HIDDEN, comm, plan=plan, key=f"row-{reuse}",
+                                              reuse_output=reuse)
+            layers[reuse].load_full(weight)
+        cols = INTERMEDIATE // comm.size
+        a, b = (t[:, comm.rank * cols:(comm.rank + 1) * cols] for t in (first, second))
+        with torch.no_grad():
+            want_a, want_b = layers[False](a).clone(), layers[False](b).clone()
+            out = {}
+            for reuse, layer in layers.items():
+                y = layer(a)
+                layer(b)  # the next planned call: the same buffer
+                out[reuse] = y
+        return want_a, want_b, out
+
+    for want_a, want_b, out in run_ranks(size, rank):
+        assert not torch.equal(want_a, want_b)
+        assert torch.equal(out[False], want_a)  # kept
+        assert torch.equal(out[True], want_b)  # reuse_output: overwritten by the next call

@@ -53,10 +53,11 @@ class ThreadComm:
         return parts
 
     def all_reduce(self, x, out=None, op: str = "sum"):
-        r = rank_order(self._gather(x), op)
+        # by elements, as the kernels reduce: the ranks' shapes of one count may differ
+        r = rank_order([p.reshape(-1) for p in self._gather(x)], op).view(x.shape)
         if out is None:
             return r
-        out.copy_(r)
+        out.copy_(r.view(out.shape))  # any shape of x's count, as Communicator.all_reduce takes
         return out
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None):
@@ -64,7 +65,7 @@ class ThreadComm:
 
     def reduce_scatter(self, x, out=None, op: str = "sum"):
         k = x.numel() // self.size
-        flat = rank_order(self._gather(x), op).reshape(-1)[self.rank * k:(self.rank + 1) * k]
+        flat = rank_order([p.reshape(-1) for p in self._gather(x)], op)[self.rank * k:(self.rank + 1) * k]
         if out is not None:
             out.copy_(flat.view(out.shape))
             return out
@@ -108,3 +109,19 @@ def run_ranks(n: int, fn):
     if first is not None:
         raise first
     return results
+
+
+def traced_communicator(comm: ThreadComm):
+    """A ``ubnext.Communicator`` for the tests of its methods under torch.compile, which
+    traces them into ``torch.ops.ubnext`` ops: it holds no GPU state (an eager call of its
+    methods raises ClosedError) and carries ``comm``'s handle, so the ops it is traced
+    into run on ``comm``, the thread communicator (keep ``comm`` alive meanwhile: the
+    registry holds it weakly)."""
+    import ubnext
+    from ubnext.torch import handle
+
+    stand = object.__new__(ubnext.Communicator)
+    stand._closed = True
+    stand.rank, stand.size = comm.rank, comm.size
+    stand._ubnext_torch_handle = handle(comm)
+    return stand

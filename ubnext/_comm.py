@@ -254,6 +254,9 @@ class Communicator:
         section), but every rank must issue its collectives in the same order, so calls
         from several threads need an order of their own.
         """
+        if _arrays.traced(x):
+            return _traced_call(self, "all_reduce", x, out=out, op=op, algorithm=algorithm, stream=stream,
+                                precision=precision)
         with self._order:
             name = "all_reduce"
             self._check_open(name)
@@ -327,6 +330,9 @@ class Communicator:
                 CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
                 communicator failed; its outputs hold NaN where results were not computed.
         """
+        if _arrays.traced(x):
+            return _traced_call(self, "all_reduce_add_rmsnorm", x, residual, weight, eps=eps, bias=bias, out=out,
+                                residual_out=residual_out, algorithm=algorithm, stream=stream)
         with self._order:
             name = "all_reduce_add_rmsnorm"
             self._check_open(name)
@@ -415,6 +421,8 @@ class Communicator:
                 ConcurrentUseError): an earlier collective of this communicator failed; its
                 outputs hold NaN where results were not computed.
         """
+        if _arrays.traced(x):
+            return _traced_call(self, "reduce_scatter", x, out=out, op=op, algorithm=algorithm, stream=stream)
         with self._order:
             name = "reduce_scatter"
             handle, owner, side, xb = self._open_call(name, x, stream)
@@ -465,6 +473,8 @@ class Communicator:
                 not divide, raised before any launch; a closed communicator.
                 BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
         """
+        if _arrays.traced(x):
+            return _traced_call(self, "all_gather", x, out=out, algorithm=algorithm, stream=stream)
         with self._order:
             name = "all_gather"
             handle, owner, side, xb = self._open_call(name, x, stream)
@@ -521,6 +531,9 @@ class Communicator:
                 raised before any launch; a closed communicator.
                 BrokenCommunicatorError and its kinds, as ``reduce_scatter`` raises them.
         """
+        if _arrays.traced(x):
+            return _traced_call(self, "reduce_scatter_add_rmsnorm", x, residual_shard, weight, eps=eps, bias=bias,
+                                algorithm=algorithm, stream=stream)
         with self._order:
             name = "reduce_scatter_add_rmsnorm"
             handle, owner, side, xb = self._open_call(name, x, stream)
@@ -947,6 +960,14 @@ class Communicator:
             rows = "; ".join(f"rank {r}: count={c[0]} dtype={c[1]} op={c[2]} algorithm={c[3]} "
                              f"symmetric offsets={c[4]}" for r, c in enumerate(calls))
             raise UbnextError(f"{name}: ranks disagree on the call ({rows})")
+
+
+def _traced_call(comm, name: str, *args, **kwargs):
+    """``comm.<name>(...)`` as a ``torch.ops.ubnext`` op, for dynamo (``_arrays.traced``):
+    ``ubnext.torch._traced.call``, imported here, not at the top (ubnext does not import torch)."""
+    from .torch import _traced
+
+    return _traced.call(comm, name, *args, **kwargs)
 
 
 def _check_eps(name: str, eps) -> float:

@@ -23,7 +23,8 @@ Which form does what:
   rows' partial sums).
 * ``torch.ops.ubnext.*``: the custom ops underneath (``_ops.OPS``), with fake
   implementations, so ``torch.compile(fullgraph=True)`` traces through every form and a
-  compiled function replays in a CUDA graph.
+  compiled function replays in a CUDA graph. The ``Communicator``'s own collectives on
+  torch tensors become these ops under torch.compile too (``_traced``).
 * ``tp``: tensor-parallel layers built on them; ``BufferPlan``: planned symmetric buffers
   the row-parallel GEMMs write into.
 

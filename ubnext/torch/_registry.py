@@ -5,7 +5,9 @@ of ``ubnext.torch`` name their communicator by an int handle that ``handle(comm)
 hands out (once per communicator; the same comm always gets the same handle, so
 compiled graphs and captured CUDA graphs stay valid). The handle is kept on the
 communicator (``_ubnext_torch_handle``), which torch.compile reads as a constant; the
-registry holds the communicators weakly, so a handle outlives nothing.
+registry holds the communicators weakly, so a handle outlives nothing: a collected
+communicator's entry is dropped (its weak reference's callback), and its handle is never
+handed out again.
 
 A handle carries its communicator's size in its low 16 bits (``size_of``): the shapes of
 a reduce-scatter or all-gather depend on it, and the fake implementations read it from
@@ -27,6 +29,7 @@ _ATTR = "_ubnext_torch_handle"
 _SIZE_BITS = 16
 _lock = threading.Lock()
 _next = itertools.count(1)
+#: handle -> weak reference to its communicator; an entry goes when its communicator does
 _by_handle: dict[int, weakref.ref] = {}
 
 
@@ -62,9 +65,23 @@ def _register(group) -> int:
             if not 0 < group.size < 1 << _SIZE_BITS:
                 raise UbnextError(f"ubnext.torch: a communicator of {group.size} ranks has no handle")
             h = next(_next) << _SIZE_BITS | group.size
-            _by_handle[h] = weakref.ref(group)
+            _by_handle[h] = weakref.ref(group, _forget(h))
             setattr(group, _ATTR, h)
         return h
+
+
+def _forget(h: int):
+    """The callback of handle ``h``'s weak reference: drops the entry when the communicator
+    is collected. Without the lock: the collection may run on a thread that holds it
+    (inside ``_register``), and a dict's pop is atomic; the handle is never reused, so the
+    entry it removes is its own. It closes over the dict, not the module's global, which
+    interpreter shutdown may have cleared."""
+    entries = _by_handle
+
+    def drop(ref) -> None:
+        entries.pop(h, None)
+
+    return drop
 
 
 def size_of(h: int) -> int:

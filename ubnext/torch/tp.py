@@ -89,6 +89,13 @@ class RowParallelLinear(nn.Module):
     into the planned symmetric buffer of ``key`` (no staging copy before the all-reduce); a
     call larger than planned, one that needs a gradient, or one traced by torch.compile
     (which plans its own memory) takes an ordinary tensor (the all-reduce then stages it).
+    ``forward`` returns a tensor of its own, which later calls leave alone: on the planned
+    path without a bias that is a copy of the reduced buffer (with a bias, the sum with
+    the bias is new anyway). ``reuse_output=True`` saves that copy: a bias-less planned
+    call then returns a view of the planned buffer itself, which the layer's next planned
+    call overwrites (and so does the call of any layer whose key shares the buffer: the
+    plan's buffers alternate between keys); use such a result before the next call, or
+    clone it.
 
     Collective: yes: ``forward`` (an all-reduce); ``partial`` is local.
     Graph-capturable: yes.
@@ -101,19 +108,23 @@ class RowParallelLinear(nn.Module):
         plan: a ``BufferPlan``, or None.
         key: this layer's key in ``plan`` (every rank the same); default: the layer's id.
         dtype, device: of the parameters.
+        reuse_output: with ``plan`` and no bias, ``forward`` returns the planned buffer's
+            view (no copy), overwritten by the layer's next planned call; default False:
+            a tensor of its own.
 
     Raises:
         UbnextError: in_features not a multiple of the ranks.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = False, plan=None, key=None,
-                 dtype=None, device=None):
+                 dtype=None, device=None, *, reuse_output: bool = False):
         super().__init__()
         self.group, self.rank, self.size = _ranks(group)
         local = _shard(in_features, self.size, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self.plan = plan
+        self.reuse_output = bool(reuse_output)
         self.key = key if key is not None else f"row-parallel-{id(self)}"
         if plan is not None:
             plan.assign(self.key)  # assigned at construction: the same order on every rank
@@ -128,7 +139,9 @@ class RowParallelLinear(nn.Module):
             x: (..., in_features / ranks), this rank's slice of the input features.
 
         Returns:
-            (tokens, out_features) partial sums (a view of the planned buffer on the planned path).
+            (tokens, out_features) partial sums: on the planned path a view of the planned
+            buffer, which the next planned call on that buffer overwrites (the layers
+            consume it at once; clone it to keep it).
 
         Raises:
             RuntimeError: shapes that do not fit (torch's GEMM).
@@ -145,10 +158,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         """The all-reduced output (plus the bias). On the planned path the reduction runs in
-        place in the planned buffer (no staging copy); without a bias the result is then a
-        view of that buffer, valid until the next planned call that uses the same buffer:
-        the plan's two buffers alternate between consecutive keys, so the layer two keys
-        on overwrites it (clone it to keep it longer).
+        place in the planned buffer (no staging copy), and the result is a new tensor (the
+        sum with the bias, or without one a copy of the buffer), except with
+        ``reuse_output=True`` and no bias: then it is a view of that buffer, valid until the
+        next planned call that uses the same buffer (this layer's next call, or that of a
+        layer whose key shares the buffer: the plan's buffers alternate between keys).
 
         Collective: yes: every rank calls it, in the same order.
         Graph-capturable: yes, after a first eager call.
@@ -157,7 +171,8 @@ class RowParallelLinear(nn.Module):
             x: (..., in_features / ranks), this rank's slice of the input features.
 
         Returns:
-            (..., out_features), the same on every rank.
+            (..., out_features), the same on every rank (the planned buffer's view only with
+            ``reuse_output=True`` and no bias).
 
         Raises:
             UbnextError: what ``Communicator.all_reduce`` raises.
@@ -165,7 +180,9 @@ class RowParallelLinear(nn.Module):
         partial = self.partial(x)
         if self.plan is not None and not torch.compiler.is_compiling() and self._planned(partial):
             torch.ops.ubnext.all_reduce_(partial, "sum", self.group)
-            y = partial
+            # the buffer is the plan's: the next planned call overwrites it, so the caller
+            # gets a copy unless it opted in to the view (the bias sum below is new anyway)
+            y = partial if self.reuse_output or self.bias is not None else partial.clone()
         else:
             y = functional.all_reduce(partial, "sum", self.group)
         if self.bias is not None:
