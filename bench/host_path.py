@@ -47,7 +47,7 @@ def steps(comm, nbytes: int) -> dict:
     x = torch.randn(nbytes // 2, device="cuda").bfloat16()
     y = torch.empty_like(x)
     name = "all_reduce"
-    handle, owner, _ = _arrays.launch_stream(None, x)
+    handle, owner, _ = _arrays.launch_stream(None, x, comm.device)
     xb = _arrays.as_buffer(x, name, handle)
     algo = comm._resolve(name, "auto", xb.nbytes, xb.dtype, "sum")
     ob = _arrays.check_out(xb, y, name, handle)
@@ -64,7 +64,7 @@ def steps(comm, nbytes: int) -> dict:
         "all_reduce(x, out=x)": lambda: comm.all_reduce(x, out=x),
         "all_reduce(x, out=y), no plan": lambda: (comm._plans.clear(), comm.all_reduce(x, out=y)),
         "_check_open": lambda: comm._check_open(name),
-        "_arrays.launch_stream": lambda: _arrays.launch_stream(None, x),
+        "_arrays.launch_stream": lambda: _arrays.launch_stream(None, x, comm.device),
         "_arrays.as_buffer(x)": lambda: _arrays.as_buffer(x, name, handle),
         "_resolve (cached)": lambda: comm._resolve(name, "auto", xb.nbytes, xb.dtype, "sum"),
         "_arrays.check_out": lambda: _arrays.check_out(xb, y, name, handle),
@@ -90,10 +90,36 @@ def steps(comm, nbytes: int) -> dict:
     assert comm._plans.get(fused_key) is not None, "all_reduce_add_rmsnorm made no plan"
     found["all_reduce_add_rmsnorm, planned"] = lambda: comm.all_reduce_add_rmsnorm(
         row, residual, weight, out=normed, residual_out=res_out)
+    order = comm._order
+    found["section: with comm._order"] = lambda: (order.__enter__(), order.__exit__(None, None, None))
+    # a call made while another context is current: the section switches to the
+    # communicator's and back (``foreign``: another GPU's primary context, or with one GPU
+    # a second context made on it); the two switches that put the foreign one current
+    # around the call are timed alone beside it
+    from cupy_backends.cuda.api import driver
+
+    mine, foreign = driver.ctxGetCurrent(), _foreign_context(comm.device)
+    found["all_reduce(x, out=y), foreign context"] = lambda: (
+        driver.ctxSetCurrent(foreign), comm.all_reduce(x, out=y), driver.ctxSetCurrent(mine))
+    found["two context switches"] = lambda: (driver.ctxSetCurrent(foreign), driver.ctxSetCurrent(mine))
     floor = launch_candidates()
     found["floor: cuda.bindings, prebuilt pack"] = floor["cuda.bindings cuLaunchKernel"]
     found["CuPy launchKernel, prebuilt pack"] = floor["cupy launchKernel"]
     return algo, found
+
+
+def _foreign_context(device: int) -> int:
+    """A context other than ``device``'s primary one: another GPU's primary context, or a
+    new context on ``device`` where it is the only GPU (left to the process's end)."""
+    from ubnext._cuda import drv
+
+    count = drv("cuDeviceGetCount")
+    if count > 1:
+        return int(drv("cuDevicePrimaryCtxRetain", drv("cuDeviceGet", (device + 1) % count)))
+    mine = drv("cuCtxGetCurrent")
+    made = drv("cuCtxCreate", None, 0, drv("cuDeviceGet", device))  # makes itself current
+    drv("cuCtxSetCurrent", mine)
+    return int(made)
 
 
 def main(argv=None) -> int:

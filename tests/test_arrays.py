@@ -54,7 +54,7 @@ def cupy_stream(monkeypatch):
     import cupy
 
     current = Stream(0x5100)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: current)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device=-1: current)
     return current
 
 
@@ -76,21 +76,21 @@ def test_stream_handle_accepts_ints_and_stream_objects():
 
 def test_launch_stream_of_an_array_that_is_not_torch_is_cupys_current(cupy_stream):
     x = object()
-    assert launch_stream(None, x) == (0x5100, cupy_stream, False)
+    assert launch_stream(None, x, 0) == (0x5100, cupy_stream, False)
     given = Stream(0x6200)
-    assert launch_stream(given, x) == (0x6200, given, True)
-    assert launch_stream(0x6200, x) == (0x6200, None, True)
-    assert launch_stream(0x5100, x) == (0x5100, None, False)  # the current one, named
+    assert launch_stream(given, x, 0) == (0x6200, given, True)
+    assert launch_stream(0x6200, x, 0) == (0x6200, None, True)
+    assert launch_stream(0x5100, x, 0) == (0x5100, None, False)  # the current one, named
 
 
 def test_launch_stream_of_a_tensor_is_torchs_current(monkeypatch):
     torch = fake_torch(monkeypatch, current=0x7700)
     t = torch.Tensor(device=2)
-    assert launch_stream(None, t) == (0x7700, None, False)
+    assert launch_stream(None, t, 0) == (0x7700, None, False)
     assert torch.asked == [2]
     s = torch.cuda.Stream(0x7800)
-    assert launch_stream(s, t) == (0x7800, s, True)
-    assert launch_stream(0x7700, t)[2] is False
+    assert launch_stream(s, t, 0) == (0x7800, s, True)
+    assert launch_stream(0x7700, t, 0)[2] is False
 
 
 def test_record_stream_marks_every_torch_tensor_for_the_side_stream(monkeypatch):

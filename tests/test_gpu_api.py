@@ -217,6 +217,54 @@ def test_create_close_cycles_do_not_leak_device_memory():
     assert lost < sharing * (8 << 20), f"device memory shrank by {lost >> 20} MiB ({sharing} rank(s) on this GPU)"
 
 
+def test_communicators_dropped_without_close_give_their_memory_back():
+    """A communicator that becomes garbage without ``close()`` (a notebook cell run again,
+    an elastic restart) is released locally by its finalizer: pool, peer mappings, pinned
+    words, watchdog. A peer's mapping keeps a segment alive until that peer has dropped its
+    communicator too, so memory is read once every rank has dropped and collected."""
+    require_gpu_and_torch()
+    import gc
+    import socket
+
+    import cupy
+    import torch
+    from mpi4py import MPI
+
+    import ubnext
+
+    world = MPI.COMM_WORLD
+    devices = []
+
+    def drop():
+        c = ubnext.Communicator(**SMALL)
+        devices.append(c.device)
+        x = torch.ones(5000, device=f"cuda:{c.device}")
+        c.all_reduce(x, out=x, algorithm="lamport")
+        c.all_reduce(x, out=x, algorithm="twoshot")
+        torch.cuda.synchronize(c.device)
+        assert x[0].item() == comm_size_sq(c.size)
+        # no close(): the communicator is garbage when this returns
+
+    def free_memory() -> int:
+        gc.collect()
+        world.Barrier()  # every rank has dropped its communicators: no peer maps a segment
+        gc.collect()
+        free = cupy.cuda.runtime.memGetInfo()[0]
+        world.Barrier()
+        return free
+
+    drop()  # compiles the kernels, sets CuPy's pools up
+    here = (socket.gethostname(), devices[-1])
+    sharing = world.allgather(here).count(here)
+    free_before = free_memory()
+    for _ in range(4):
+        drop()
+    free_after = free_memory()
+    lost = free_before - free_after
+    assert lost < sharing * (8 << 20), (f"device memory shrank by {lost >> 20} MiB after 4 dropped "
+                                        f"communicators ({sharing} rank(s) on this GPU)")
+
+
 def test_a_closed_communicator_leaves_no_cuda_object_to_the_garbage_collector():
     """``close`` releases the communicator's streams, events and kernel modules itself.
     Its objects form reference cycles, and what the garbage collector frees runs on

@@ -136,7 +136,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_launch, "_cupy_driver", driver)
     cuda = FakeCuda()
     monkeypatch.setattr(_streams, "CUDA", cuda)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=CURRENT))
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device=-1: types.SimpleNamespace(ptr=CURRENT))
     as_buffer = Counted(_arrays.as_buffer)
     monkeypatch.setattr(_arrays, "as_buffer", as_buffer)
     recorded = []

@@ -13,7 +13,7 @@ import pytest
 
 from stream_fakes import FakeContexts, FakeCuda, FakeDriver, bare_communicator, fake_context, fake_kernel, fake_order
 from thread_ranks import run_threads
-from ubnext import _launch, _streams
+from ubnext import UbnextError, _launch, _streams
 from ubnext._launch import U64, Launcher, Packed
 from ubnext._streams import LEGACY, PER_THREAD, LaunchOrder, order_after
 
@@ -278,10 +278,11 @@ class RecordingNccl:
     whether it was called inside the launch section."""
 
     def __init__(self, order):
-        self.order, self.calls = order, []
+        self.order, self.calls, self.contexts = order, [], []
 
     def all_reduce(self, src, dst, count, dtype, op, stream):
         self.calls.append((src, dst, count, stream, in_section(self.order)))
+        self.contexts.append(self.order.context._driver.current())  # current at the launch
 
 
 @pytest.fixture
@@ -307,7 +308,7 @@ def nccl_comm(monkeypatch):
         return cupy.ndarray((16,), "float32", memptr=cupy.cuda.MemoryPointer(mem, 0))
 
     monkeypatch.setattr(_arrays, "_capsule_array", capsule_array)
-    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device=-1: types.SimpleNamespace(ptr=0))
     config = Config.from_env()
     selector = Selector(1, buffer_limits(config), ["nccl"], None, "test")
     order = fake_order()
@@ -365,3 +366,73 @@ def test_all_reduce_hands_producers_the_stream_it_launches_on(nccl_comm):
     # the producer's stream C, then the previous call's stream A, both before the launch on B
     assert [r[2] for r in records] == [C, A] and all(w[1] == B for w in waits)
     assert comm._dispatch.nccl.calls[-1] == (0x30000, 0x20000, 16, B, True)
+
+
+# -- the device guard: the communicator's context in the section, the caller's given back --------
+
+
+def test_the_section_makes_the_communicators_context_current_and_gives_the_callers_back():
+    contexts = FakeContexts()
+    order = fake_order(DEVICE, contexts, FakeCuda())
+    mine, other = contexts.of(DEVICE), contexts.of(DEVICE + 1)
+    for caller in (other, 0):  # another device's context; none (a thread that never set a device)
+        contexts.make_current(caller)
+        contexts.changes.clear()
+        with order:
+            assert contexts.current() == mine
+        assert contexts.current() == caller
+        assert [c[1] for c in contexts.changes] == [mine, caller]
+    contexts.make_current(mine)
+    contexts.changes.clear()
+    with order:
+        order.follow(A)
+    assert contexts.changes == [] and contexts.current() == mine  # already current: no switch
+
+
+def test_a_failed_switch_leaves_the_section():
+    contexts = FakeContexts()
+
+    def refuse(handle):
+        raise RuntimeError("cuCtxSetCurrent failed")
+
+    contexts.make_current = refuse
+    order = fake_order(DEVICE, contexts, FakeCuda())
+    with pytest.raises(RuntimeError, match="cuCtxSetCurrent"):
+        with order:
+            pass
+    assert order._acquire(blocking=False), "the section stayed locked after a failed switch"
+    order._release()
+
+
+@pytest.mark.parametrize("where", ["another device current", "new thread without a context"])
+def test_a_call_runs_in_the_communicators_context_and_gives_the_callers_back(nccl_comm, where):
+    comm, _ = nccl_comm
+    contexts = comm._order.context._driver
+    mine = contexts.of(comm.device)
+    caller = contexts.of(comm.device + 2) if where == "another device current" else 0
+    after = []
+
+    def call():
+        if caller:
+            contexts.make_current(caller)
+        comm.all_reduce(Producer(0x10000), out=Producer(0x20000), algorithm="nccl", stream=A)
+        after.append(contexts.current())
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(10)
+    assert comm._dispatch.nccl.contexts == [mine]
+    assert after == [caller]
+
+
+def test_a_stream_of_another_context_raises_before_anything_is_launched(nccl_comm):
+    comm, cuda = nccl_comm
+    contexts = comm._order.context._driver
+    contexts.streams[B] = contexts.of(comm.device + 1)
+    out = Producer(0x20000)
+    with pytest.raises(UbnextError, match=r"all_reduce: stream 0x7b00 belongs to another device.*device 0"):
+        comm.all_reduce(Producer(0x10000), out=out, algorithm="nccl", stream=B)
+    assert comm._dispatch.nccl.calls == [] and out.streams == [] and cuda.calls == []
+    for handle in (0, LEGACY, PER_THREAD):  # the current context's default streams: the communicator's
+        comm.all_reduce(Producer(0x10000), out=out, algorithm="nccl", stream=handle)
+    assert [c[3] for c in comm._dispatch.nccl.calls] == [0, LEGACY, PER_THREAD]

@@ -117,11 +117,9 @@ def traced_communicator(comm: ThreadComm):
     methods raises ClosedError) and carries ``comm``'s handle, so the ops it is traced
     into run on ``comm``, the thread communicator (keep ``comm`` alive meanwhile: the
     registry holds it weakly)."""
-    import ubnext
+    from stream_fakes import bare_communicator, fake_order
     from ubnext.torch import handle
 
-    stand = object.__new__(ubnext.Communicator)
-    stand._closed = True
-    stand.rank, stand.size = comm.rank, comm.size
+    stand = bare_communicator(fake_order(), _closed=True, rank=comm.rank, size=comm.size)
     stand._ubnext_torch_handle = handle(comm)
     return stand

@@ -244,8 +244,8 @@ def _from_cai(x, desc: dict, op: str, stream: int):
     for d in shape:
         count *= d
     nbytes = count * _WIDTH[name]
-    device = _pointer_device(ptr, op, kind) if nbytes else cupy.cuda.runtime.getDevice()
-    if producer is not None:
+    device = _pointer_device(ptr, op, kind) if nbytes else -1  # no memory: CuPy's -1, the current device
+    if producer is not None and nbytes:  # nothing to read: no wait
         _streams.order_after(int(producer), stream, device)
     mem = cupy.cuda.UnownedMemory(ptr, nbytes, x, device_id=device)
     return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
@@ -400,14 +400,16 @@ def _torch_stream(stream: int, owner, device: int):
     return torch.cuda.ExternalStream(stream, device=device)
 
 
-def launch_stream(stream, x) -> tuple[int, object, bool]:
+def launch_stream(stream, x, device: int) -> tuple[int, object, bool]:
     """The stream a call on ``x`` launches on. Resolved before ``x`` is viewed, so that an
     array of another framework can be ordered before it (``as_buffer``).
 
     Args:
         stream: the caller's ``stream=``: None for the current stream of x's framework
-            (torch's for a tensor, CuPy's otherwise), or as ``stream_handle`` takes it.
+            (torch's of the tensor's device; CuPy's of ``device`` otherwise), or as
+            ``stream_handle`` takes it.
         x: the call's input, as the caller passed it.
+        device: the communicator's device (whatever device the caller made current).
 
     Returns:
         ``(handle, owner, side)``: the raw cudaStream_t; the stream object it came from
@@ -430,7 +432,7 @@ def launch_stream(stream, x) -> tuple[int, object, bool]:
     else:
         import cupy
 
-        now = cupy.cuda.get_current_stream()
+        now = cupy.cuda.get_current_stream(device)
         if stream is None:
             return now.ptr, now, False
         current = now.ptr

@@ -620,7 +620,7 @@ class Communicator:
         """The stream a call on ``x`` launches on (``_arrays.launch_stream``: ``handle, owner,
         side``), in the section; a ``stream`` of another device than this communicator's
         raises before anything is launched."""
-        handle, owner, side = _arrays.launch_stream(stream, x)
+        handle, owner, side = _arrays.launch_stream(stream, x, self.device)
         if stream is not None and not self._order.context.owns(handle):
             raise UbnextError(f"{name}: stream {handle:#x} belongs to another device (or context) than the "
                               f"communicator's, device {self.device}; pass a stream of device {self.device}")
