@@ -89,6 +89,7 @@ class FakeContexts:
         self.streams = dict(streams or {})
         self.changes: list[tuple] = []   # (thread name, context made current)
         self.retained: dict[int, int] = {}
+        self.primary: set[int] = set()  # devices whose primary context exists besides the retained
         self._current = threading.local()
 
     @staticmethod
@@ -99,8 +100,20 @@ class FakeContexts:
         return getattr(self._current, "handle", 0)
 
     def make_current(self, handle: int) -> None:
+        """As CUDA does: the runtime then takes the context's device as the thread's."""
         self._current.handle = handle
+        if handle:
+            self._current.device = handle - 0xC0
         self.changes.append((threading.current_thread().name, handle))
+
+    def runtime_device(self) -> int:
+        return getattr(self._current, "device", 0)
+
+    def set_runtime_device(self, device: int) -> None:
+        self.make_current(self.of(device))
+
+    def active(self, device: int) -> bool:
+        return device in self.retained or device in self.primary
 
     def stream_context(self, stream: int) -> int:
         """The context of ``stream``: as ``streams`` says, else the first retained device's."""

@@ -9,8 +9,8 @@ import types
 import numpy as np
 import pytest
 
-from stream_fakes import FakeCuda
-from ubnext import UbnextError, _arrays, _streams
+from stream_fakes import FakeContexts, FakeCuda
+from ubnext import UbnextError, _arrays, _context, _streams
 from ubnext._arrays import as_buffer, launch_stream, record_stream, stream_handle
 
 
@@ -150,6 +150,7 @@ def cuda(monkeypatch):
     """The runtime calls of stream ordering, faked and recorded."""
     fake = FakeCuda()
     monkeypatch.setattr(_streams, "CUDA", fake)
+    monkeypatch.setattr(_context, "_DRIVER", [FakeContexts()])  # keep_current around producers
     return fake
 
 

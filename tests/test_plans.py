@@ -20,9 +20,9 @@ import weakref
 import numpy as np
 import pytest
 
-from stream_fakes import FakeCuda, bare_communicator, fake_order, read_pack
+from stream_fakes import FakeContexts, FakeCuda, bare_communicator, fake_order, read_pack
 from thread_ranks import run_threads
-from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _engine, _launch, _quant, _streams
+from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _context, _engine, _launch, _quant, _streams
 from ubnext._algorithms import ALGORITHMS
 from ubnext._comm import Communicator
 from ubnext._config import Config
@@ -133,6 +133,7 @@ def fakes(monkeypatch):
     import cupy
 
     driver = Driver()
+    monkeypatch.setattr(_context, "_DRIVER", [FakeContexts()])  # keep_current around producers
     monkeypatch.setattr(_launch, "_cupy_driver", driver)
     cuda = FakeCuda()
     monkeypatch.setattr(_streams, "CUDA", cuda)

@@ -120,7 +120,7 @@ def buffer(count, dtype="bfloat16", ptr=1 << 20, shape=None):
 def comm(monkeypatch):
     """A 4-rank Communicator (local rank 1) without devices: buffers are Buffer tuples."""
     monkeypatch.setattr(_arrays, "as_buffer", lambda x, op, stream: x)
-    monkeypatch.setattr(_arrays, "launch_stream", lambda stream, x: (0, None, False))
+    monkeypatch.setattr(_arrays, "launch_stream", lambda stream, x, device: (0, None, False))
     made = []
     monkeypatch.setattr(_arrays, "empty_like", lambda x, s, o, side, shape=None: made.append(shape) or
                         buffer(int(np.prod(shape)), x.dtype, 1 << 30, shape))

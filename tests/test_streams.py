@@ -13,7 +13,7 @@ import pytest
 
 from stream_fakes import FakeContexts, FakeCuda, FakeDriver, bare_communicator, fake_context, fake_kernel, fake_order
 from thread_ranks import run_threads
-from ubnext import UbnextError, _launch, _streams
+from ubnext import UbnextError, _context, _launch, _streams
 from ubnext._launch import U64, Launcher, Packed
 from ubnext._streams import LEGACY, PER_THREAD, LaunchOrder, order_after
 
@@ -312,6 +312,7 @@ def nccl_comm(monkeypatch):
     config = Config.from_env()
     selector = Selector(1, buffer_limits(config), ["nccl"], None, "test")
     order = fake_order()
+    monkeypatch.setattr(_context, "_DRIVER", [order.context._driver])  # the section's contexts
     comm = bare_communicator(order, config=config, _selector=selector,
                              _dispatch=Dispatcher(None, selector.limits, order, None, 0))
     comm._dispatch.nccl = RecordingNccl(order)
@@ -404,25 +405,48 @@ def test_a_failed_switch_leaves_the_section():
     order._release()
 
 
-@pytest.mark.parametrize("where", ["another device current", "new thread without a context"])
+@pytest.mark.parametrize("where", ["another device current", "new thread without a context",
+                                   "new thread, its runtime device without a context"])
 def test_a_call_runs_in_the_communicators_context_and_gives_the_callers_back(nccl_comm, where):
+    """Also a thread without a context: none afterwards, and the runtime's device for its
+    next call as it was (CUDA's runtime takes the device of a context it saw current),
+    where setting it back creates no context."""
     comm, _ = nccl_comm
     contexts = comm._order.context._driver
     mine = contexts.of(comm.device)
     caller = contexts.of(comm.device + 2) if where == "another device current" else 0
+    runtime = 3 if "runtime device" in where else 0
+    contexts.primary.add(runtime)
     after = []
 
     def call():
         if caller:
             contexts.make_current(caller)
+        elif runtime:
+            contexts._current.device = runtime
         comm.all_reduce(Producer(0x10000), out=Producer(0x20000), algorithm="nccl", stream=A)
-        after.append(contexts.current())
+        after.append((contexts.current(), contexts.runtime_device()))
 
     thread = threading.Thread(target=call)
     thread.start()
     thread.join(10)
     assert comm._dispatch.nccl.contexts == [mine]
-    assert after == [caller]
+    assert after == [(caller, comm.device + 2 if caller else runtime)]
+
+
+def test_a_producer_that_switches_contexts_gives_the_section_its_context_back(nccl_comm):
+    """XLA's DLPack export makes its own device current on the calling thread: the call's
+    section takes its context back before anything is allocated or launched."""
+    comm, _ = nccl_comm
+    contexts = comm._order.context._driver
+
+    class Switching(Producer):
+        def __dlpack__(self, stream=None, max_version=None):
+            contexts.make_current(contexts.of(7))
+            return super().__dlpack__(stream, max_version)
+
+    comm.all_reduce(Switching(0x10000), out=Producer(0x20000), algorithm="nccl", stream=A)
+    assert comm._dispatch.nccl.contexts == [contexts.of(comm.device)]
 
 
 def test_a_stream_of_another_context_raises_before_anything_is_launched(nccl_comm):

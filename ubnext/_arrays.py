@@ -13,6 +13,7 @@ import sys
 from typing import NamedTuple
 
 from . import _streams
+from ._context import keep_current
 from ._algorithms import DTYPES
 from ._errors import UbnextError
 
@@ -175,7 +176,7 @@ def _numpy_name(dtype, op: str) -> str:
 def _foreign(x, op: str, stream: int):
     """A CuPy array viewing ``x``, an array of another framework, ordered before ``stream``."""
     try:
-        cai = getattr(x, "__cuda_array_interface__", None)
+        cai = keep_current(getattr, x, "__cuda_array_interface__", None)  # may run the producer's code
     except Exception:  # e.g. a sharded JAX array refuses it: DLPack may still work
         cai = None
     dlpack = hasattr(x, "__dlpack__")
@@ -204,9 +205,9 @@ def _from_dlpack(x, op: str, stream: int):
         consumer = _streams.LEGACY if stream == 0 else stream
     try:
         try:
-            capsule = x.__dlpack__(stream=consumer, max_version=_DLPACK_VERSION)
+            capsule = keep_current(x.__dlpack__, stream=consumer, max_version=_DLPACK_VERSION)
         except TypeError:  # a producer older than DLPack 1.0 takes no max_version
-            capsule = x.__dlpack__(stream=consumer)
+            capsule = keep_current(x.__dlpack__, stream=consumer)
         return _capsule_array(capsule)
     except Exception as e:  # host arrays, unknown devices or dtypes
         raise UbnextError(f"{op}: cannot view {type(x).__name__} as CUDA memory: {e}") from e

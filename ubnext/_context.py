@@ -42,9 +42,18 @@ class Driver:
     def __init__(self):
         from cupy_backends.cuda.api import driver
 
+        from cupy_backends.cuda.api import runtime
+
         self.current = driver.ctxGetCurrent  # () -> the current context's handle (0: none)
         self.make_current = driver.ctxSetCurrent  # (handle) -> None; 0 leaves the thread without one
         self.stream_context = driver.streamGetCtx  # (stream handle) -> its context's handle
+        # the runtime's device of a thread without a context: the one its next call would use
+        self.runtime_device, self.set_runtime_device = runtime.getDevice, runtime.setDevice
+
+    @staticmethod
+    def active(device: int) -> bool:
+        """Whether ``device``'s primary context exists (making it current creates none)."""
+        return bool(drv("cuDevicePrimaryCtxGetState", drv("cuDeviceGet", device))[1])
 
     @staticmethod
     def retain(device: int) -> int:
@@ -73,29 +82,47 @@ class Context:
     """
 
     def __init__(self, device: int, driver: Driver | None = None):
-        driver = driver or Driver()
+        driver = driver or _default_driver()
         self.device = device
         self.handle = driver.retain(device)
         self._driver = driver
         self._current, self._make_current = driver.current, driver.make_current
         self._released = False
 
-    def enter(self) -> int:
-        """Makes this context current where it is not; returns the caller's (0: none), for
-        :meth:`leave`.
+    def enter(self):
+        """Makes this context current where it is not; returns what :meth:`leave` gives
+        back: the caller's context, or for a thread without one (a new thread) the device
+        the runtime would use there.
 
         Raises:
             CuPy's CUDADriverError: the context could not be made current.
         """
         caller = self._current()
         if caller != self.handle:
+            if not caller:
+                caller = _Bare(self._driver.runtime_device())  # read before any context is current
             self._make_current(self.handle)
         return caller
 
-    def leave(self, caller: int) -> None:
+    def leave(self, caller) -> None:
         """Gives the caller's context back (``caller``: what :meth:`enter` returned)."""
         if caller != self.handle:
-            self._make_current(caller)
+            if caller.__class__ is _Bare:
+                self._leave_bare(caller.device)
+            else:
+                self._make_current(caller)
+
+    def _leave_bare(self, device: int) -> None:
+        """Leaves a thread that had no context without one, its runtime device as it was.
+        CUDA's runtime takes the device of a context it has seen current as the thread's
+        device, so the caller's one is set again, where that creates no context (its
+        primary context exists: as torch's device guard does); else the runtime keeps
+        this communicator's device for the thread's next runtime call."""
+        driver = self._driver
+        driver.make_current(0)
+        if driver.runtime_device() != device and driver.active(device):
+            driver.set_runtime_device(device)
+            driver.make_current(0)
 
     def owns(self, stream: int) -> bool:
         """Whether stream handle ``stream`` belongs to this context: the handles of the
@@ -117,6 +144,37 @@ class Context:
         if not self._released:
             self._released = True
             self._driver.release(self.device)
+
+
+class _Bare:
+    """The state of a caller's thread without a current context: the runtime's device."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: int):
+        self.device = device
+
+
+def keep_current(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, with the thread's current context given back afterwards
+    where ``fn`` changed it: foreign code called in a call's section (a DLPack producer's
+    export: XLA's switches to its own device) must not take the section's context away."""
+    driver = _default_driver()
+    before = driver.current()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if driver.current() != before:
+            driver.make_current(before)
+
+
+_DRIVER: list = []
+
+
+def _default_driver() -> Driver:
+    if not _DRIVER:
+        _DRIVER.append(Driver())
+    return _DRIVER[0]
 
 
 class _Current:
