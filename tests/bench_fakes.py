@@ -165,6 +165,10 @@ def install(monkeypatch: Any = None) -> types.ModuleType:
     setitem = monkeypatch.setitem if monkeypatch is not None else (lambda d, k, v: d.__setitem__(k, v))
     for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
         setitem(sys.modules, name, module)
+    from stream_fakes import FakeContexts
+    from ubnext import _context
+
+    setitem(_context.__dict__, "_DRIVER", [FakeContexts()])  # the device guard's driver calls
     return cupy
 
 

@@ -107,22 +107,7 @@ class Context:
     def leave(self, caller) -> None:
         """Gives the caller's context back (``caller``: what :meth:`enter` returned)."""
         if caller != self.handle:
-            if caller.__class__ is _Bare:
-                self._leave_bare(caller.device)
-            else:
-                self._make_current(caller)
-
-    def _leave_bare(self, device: int) -> None:
-        """Leaves a thread that had no context without one, its runtime device as it was.
-        CUDA's runtime takes the device of a context it has seen current as the thread's
-        device, so the caller's one is set again, where that creates no context (its
-        primary context exists: as torch's device guard does); else the runtime keeps
-        this communicator's device for the thread's next runtime call."""
-        driver = self._driver
-        driver.make_current(0)
-        if driver.runtime_device() != device and driver.active(device):
-            driver.set_runtime_device(device)
-            driver.make_current(0)
+            _restore(self._driver, caller)
 
     def owns(self, stream: int) -> bool:
         """Whether stream handle ``stream`` belongs to this context: the handles of the
@@ -155,17 +140,39 @@ class _Bare:
         self.device = device
 
 
+def _restore(driver: Driver, caller) -> None:
+    """Makes ``caller`` (a context handle, or a ``_Bare`` thread state) current again. A
+    thread that had no context is left without one, its runtime device as it was: CUDA's
+    runtime takes the device of a context it has seen current as the thread's device, so
+    the caller's one is set again, where that creates no context (its primary context
+    exists: as torch's device guard does); else the runtime keeps the other device for
+    the thread's next runtime call."""
+    if caller.__class__ is not _Bare:
+        driver.make_current(caller)
+        return
+    driver.make_current(0)
+    if driver.runtime_device() != caller.device and driver.active(caller.device):
+        driver.set_runtime_device(caller.device)
+        driver.make_current(0)
+
+
 def keep_current(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, with the thread's current context given back afterwards
-    where ``fn`` changed it: foreign code called in a call's section (a DLPack producer's
-    export: XLA's switches to its own device) must not take the section's context away."""
-    driver = _default_driver()
-    before = driver.current()
+    """``fn(*args, **kwargs)``, with the thread's current context (or, without one, its
+    runtime device) given back afterwards where ``fn`` changed it: foreign code called in
+    a call's section (a DLPack producer's export: XLA's switches to its own device) must
+    not take the section's context away, and a communicator made and closed by a helper
+    (the selftest's) must not leave its device current."""
+    try:
+        driver = _default_driver()
+        before = driver.current() or _Bare(driver.runtime_device())
+    except Exception:  # no CUDA driver can be loaded here: no context to keep; fn says what is wrong
+        return fn(*args, **kwargs)
     try:
         return fn(*args, **kwargs)
     finally:
-        if driver.current() != before:
-            driver.make_current(before)
+        now = driver.current()
+        if now != before and (before.__class__ is not _Bare or now or driver.runtime_device() != before.device):
+            _restore(driver, before)
 
 
 _DRIVER: list = []

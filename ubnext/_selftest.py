@@ -27,6 +27,7 @@ import numpy as np
 from . import _cli, _devices, _gate, _reference, _selfcheck, _timing
 from ._arrays import _cupy_dtype
 from ._comm import Communicator
+from ._context import keep_current
 from ._errors import UbnextError
 from ._info import device_name
 from ._nccl import _load_nccl
@@ -147,7 +148,8 @@ def _host(array, dtype: str, stream) -> np.ndarray:
 def main(nvls: bool = False, communicator: Callable[..., Any] | None = None,
          environ: Mapping[str, str] | None = None, out=None, err=None) -> int:
     """Runs the selftest on this rank; rank 0 prints the table to ``out``. Collective over
-    every rank the launcher started.
+    every rank the launcher started. The caller's current device is left as it was (the
+    selftest's communicator makes its own current while it lives).
 
     Args:
         nvls: opt in to NVLink multicast (``UBNEXT_NVLS=1``).
@@ -159,6 +161,10 @@ def main(nvls: bool = False, communicator: Callable[..., Any] | None = None,
         OK, FAILED or NOT_STARTED, the same on every rank (NOT_STARTED: the error line
         printed, the MPI job ended where other ranks would wait for this one).
     """
+    return keep_current(_main, nvls, communicator, environ, out, err)
+
+
+def _main(nvls, communicator, environ, out, err) -> int:
     environ = os.environ if environ is None else environ
     out, err = out or sys.stdout, err or sys.stderr
     start = time.perf_counter()
