@@ -563,3 +563,22 @@ def check_add_rmsnorm(comm, tokens: int, hidden: int, dtype: str, seed: int, *, 
     if rb is not None and rout is not rb:
         reference.assert_same_bits(host(rb.view), res, "all_reduce_add_rmsnorm modified residual")
     return got_n, got_r
+
+
+def cuda_core_api() -> tuple:
+    """cuda.core's ``Device`` and ``StridedMemoryView`` (from ``cuda.core``, or in older
+    releases ``cuda.core.experimental``); skips where the package is missing or its view
+    is no DLPack producer."""
+    pytest.importorskip("cuda.core")
+    try:
+        from cuda.core import Device
+        from cuda.core.utils import StridedMemoryView
+    except ImportError:
+        try:
+            from cuda.core.experimental import Device
+            from cuda.core.experimental.utils import StridedMemoryView
+        except ImportError as e:
+            pytest.skip(f"this cuda.core has no Device/StridedMemoryView ({e})")
+    if not hasattr(StridedMemoryView, "from_buffer") or not hasattr(StridedMemoryView, "__dlpack__"):
+        pytest.skip("this cuda.core's StridedMemoryView is no DLPack producer (from_buffer, __dlpack__)")
+    return Device, StridedMemoryView

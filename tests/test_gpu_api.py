@@ -174,11 +174,26 @@ def test_empty_returns_symmetric_arrays_and_frees_them(comm):
     assert comm._node.heap.used < used
 
 
+def free_memory(world) -> int:
+    """The device's free memory, read between two barriers of every rank (never inside
+    another rank's create/close or drop), garbage collected first on every rank (a peer's
+    mapping of a dropped communicator's segment goes with the peer's communicator)."""
+    import gc
+
+    import cupy
+
+    gc.collect()
+    world.Barrier()
+    gc.collect()
+    free = cupy.cuda.runtime.memGetInfo()[0]
+    world.Barrier()
+    return free
+
+
 def test_create_close_cycles_do_not_leak_device_memory():
     require_gpu_and_torch()
     import socket
 
-    import cupy
     import torch
     from mpi4py import MPI
 
@@ -199,20 +214,14 @@ def test_create_close_cycles_do_not_leak_device_memory():
     # another rank's cycle), and the budget is per rank on the device (ranks may share it).
     world = MPI.COMM_WORLD
 
-    def free_memory() -> int:
-        world.Barrier()
-        free = cupy.cuda.runtime.memGetInfo()[0]
-        world.Barrier()
-        return free
-
     for _ in range(3):
         cycle()
     here = (socket.gethostname(), devices[-1])
     sharing = world.allgather(here).count(here)
-    free_before = free_memory()
+    free_before = free_memory(world)
     for _ in range(50):
         cycle()
-    free_after = free_memory()
+    free_after = free_memory(world)
     lost = free_before - free_after
     assert lost < sharing * (8 << 20), f"device memory shrank by {lost >> 20} MiB ({sharing} rank(s) on this GPU)"
 
@@ -223,10 +232,8 @@ def test_communicators_dropped_without_close_give_their_memory_back():
     words, watchdog. A peer's mapping keeps a segment alive until that peer has dropped its
     communicator too, so memory is read once every rank has dropped and collected."""
     require_gpu_and_torch()
-    import gc
     import socket
 
-    import cupy
     import torch
     from mpi4py import MPI
 
@@ -245,21 +252,14 @@ def test_communicators_dropped_without_close_give_their_memory_back():
         assert x[0].item() == comm_size_sq(c.size)
         # no close(): the communicator is garbage when this returns
 
-    def free_memory() -> int:
-        gc.collect()
-        world.Barrier()  # every rank has dropped its communicators: no peer maps a segment
-        gc.collect()
-        free = cupy.cuda.runtime.memGetInfo()[0]
-        world.Barrier()
-        return free
 
     drop()  # compiles the kernels, sets CuPy's pools up
     here = (socket.gethostname(), devices[-1])
     sharing = world.allgather(here).count(here)
-    free_before = free_memory()
+    free_before = free_memory(world)
     for _ in range(4):
         drop()
-    free_after = free_memory()
+    free_after = free_memory(world)
     lost = free_before - free_after
     assert lost < sharing * (8 << 20), (f"device memory shrank by {lost >> 20} MiB after 4 dropped "
                                         f"communicators ({sharing} rank(s) on this GPU)")

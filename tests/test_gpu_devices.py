@@ -53,7 +53,7 @@ import threading
 import numpy as np
 import pytest
 
-from gpu_support import (SMALL, WIDTH, Bordered, as_framework, check_add_rmsnorm, check_all_reduce, collected,
+from gpu_support import (SMALL, WIDTH, Bordered, as_framework, check_add_rmsnorm, check_all_reduce, collected, cuda_core_api,
                          device, expected_add_rmsnorm, expected_all_reduce, host, make_input, norm_operands, ran,
                          rank_inputs, recorded_launches, reference, require_gpu_and_torch, seed_of, to_torch)
 from test_gpu_quant import check_quantized
@@ -1008,23 +1008,8 @@ def test_numba_array_made_on_the_communicators_device(comm, home, second, numba_
 
 @pytest.fixture(scope="module")
 def cuda_core(comm):
-    """cuda.core's Device and StridedMemoryView (``cuda.core`` or ``cuda.core.experimental``)."""
-    def probe():
-        pytest.importorskip("cuda.core")
-        try:
-            from cuda.core import Device
-            from cuda.core.utils import StridedMemoryView
-        except ImportError:
-            try:
-                from cuda.core.experimental import Device
-                from cuda.core.experimental.utils import StridedMemoryView
-            except ImportError as e:
-                pytest.skip(f"this cuda.core has no Device/StridedMemoryView ({e})")
-        if not hasattr(StridedMemoryView, "from_buffer") or not hasattr(StridedMemoryView, "__dlpack__"):
-            pytest.skip("this cuda.core's StridedMemoryView is no DLPack producer (from_buffer, __dlpack__)")
-        return Device, StridedMemoryView
-
-    return agreed(comm, probe)
+    """cuda.core's Device and StridedMemoryView (``gpu_support.cuda_core_api``)."""
+    return agreed(comm, cuda_core_api)
 
 
 @pytest.mark.parametrize("mode", MODES)

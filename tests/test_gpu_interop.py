@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from gpu_support import require_gpu_and_torch
+from gpu_support import cuda_core_api, require_gpu_and_torch
 
 # JAX takes 75 % of the GPU's memory at its first use unless told otherwise; the ranks
 # sharing a GPU, ubnext's pool and torch need room. Set before jax can be imported.
@@ -160,20 +160,8 @@ def test_numba_array_produced_on_its_stream_is_waited_for_without_the_host(comm,
 
 @pytest.fixture(scope="module")
 def cuda_core(comm):
-    """cuda.core's Device, Stream and StridedMemoryView (``cuda.core`` or, in older
-    releases, ``cuda.core.experimental``)."""
-    pytest.importorskip("cuda.core")
-    try:
-        from cuda.core import Device
-        from cuda.core.utils import StridedMemoryView
-    except ImportError:
-        try:
-            from cuda.core.experimental import Device
-            from cuda.core.experimental.utils import StridedMemoryView
-        except ImportError as e:
-            pytest.skip(f"this cuda.core has no Device/StridedMemoryView ({e})")
-    if not hasattr(StridedMemoryView, "from_buffer") or not hasattr(StridedMemoryView, "__dlpack__"):
-        pytest.skip("this cuda.core's StridedMemoryView is no DLPack producer (from_buffer, __dlpack__)")
+    """cuda.core's Device (current: the communicator's) and StridedMemoryView."""
+    Device, StridedMemoryView = cuda_core_api()
     device = Device(comm.device)
     device.set_current()
     return device, StridedMemoryView

@@ -24,11 +24,10 @@ from stream_fakes import FakeContexts, FakeCuda, bare_communicator, fake_order, 
 from thread_ranks import run_threads
 from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _context, _engine, _launch, _quant, _streams
 from ubnext._algorithms import ALGORITHMS
-from ubnext._comm import Communicator
 from ubnext._config import Config
 from ubnext._dispatch import Dispatcher
 from ubnext._layout import STATES, plan_layout
-from ubnext._plans import MAX_PLANS, Plans
+from ubnext._plans import MAX_PLANS
 from ubnext._quant import quant_area_bytes
 from ubnext._select import Selector, buffer_limits
 from ubnext._signature import encode, encode_fused

@@ -15,7 +15,6 @@ from stream_fakes import bare_communicator, fake_order
 from ubnext import _arrays, _reference as reference, _signature
 from ubnext._algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES
 from ubnext._arrays import Buffer
-from ubnext._comm import Communicator
 from ubnext._config import Config
 from ubnext._errors import UbnextError
 from ubnext._report import _choice

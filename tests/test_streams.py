@@ -293,10 +293,8 @@ def nccl_comm(monkeypatch):
     import cupy
 
     from ubnext import _arrays
-    from ubnext._comm import Communicator
     from ubnext._config import Config
     from ubnext._dispatch import Dispatcher
-    from ubnext._plans import Plans
     from ubnext._select import Selector, buffer_limits
 
     cuda = FakeCuda()

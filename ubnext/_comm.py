@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import math
 import os
 import pickle
 import weakref
@@ -17,6 +16,7 @@ from ._context import Context, caller_device
 from ._report import Description, report
 from ._devices import map_devices
 from ._dispatch import Dispatcher
+from ._epilogue import check_eps
 from ._errors import ClosedError, UbnextError
 from ._log import get_logger, log_once
 from ._launch import Packed
@@ -347,7 +347,7 @@ class Communicator:
                 raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
             self._on_device(name, xb, "x")
             rows, hidden = (int(d) for d in xb.shape)
-            eps = _check_eps(name, eps)
+            eps = check_eps(name, eps)
 
             def operand(arr, what, shape):
                 return self._operand(name, xb, arr, what, shape, handle)
@@ -544,7 +544,7 @@ class Communicator:
                 raise UbnextError(f"{name}: x has {rows} rows, which {self.size} ranks do not divide")
             if xb.dtype not in KERNEL_DTYPES:
                 raise UbnextError(f"{name}: the add + RMSNorm takes {', '.join(KERNEL_DTYPES)}, not {xb.dtype}")
-            eps = _check_eps(name, eps)
+            eps = check_eps(name, eps)
             shard = (rows // self.size, hidden)
             rb = None if residual_shard is None else self._operand(name, xb, residual_shard, "residual_shard", shard,
                                                                    handle)
@@ -968,17 +968,6 @@ def _traced_call(comm, name: str, *args, **kwargs):
     from .torch import _traced
 
     return _traced.call(comm, name, *args, **kwargs)
-
-
-def _check_eps(name: str, eps) -> float:
-    """``eps`` as a float, finite and >= 0."""
-    try:
-        eps = float(eps)
-    except (TypeError, ValueError):
-        raise UbnextError(f"{name}: eps must be a number, got {type(eps).__name__}") from None
-    if not math.isfinite(eps) or eps < 0:
-        raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
-    return eps
 
 
 class _Owned:

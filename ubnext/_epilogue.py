@@ -4,9 +4,12 @@ all-reduce by any engine, NCCL included). Local to this rank: no pool, no peers.
 
 from __future__ import annotations
 
+import math
+
 from ._algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, ROW_KEEP, norm_defines, row_threads
 from ._protocol import NORM_THREADS
 from ._kernels import compile_module
+from ._errors import UbnextError
 from ._launch import F32, U64, Launcher
 
 _PARAMS = (U64,) * 8 + (F32,)  # x, rows, hidden, residual, bias, weight, normed, res_out, eps
@@ -45,3 +48,15 @@ class AddRmsNorm:
         threads = row_threads(-(-vectors // per_thread))
         blocks = max(1, min(rows, self._sms * (_SM_THREADS // threads)))
         launcher(blocks, threads, stream, x, rows, hidden, *norm, eps)
+
+
+def check_eps(name: str, eps) -> float:
+    """``eps`` of an add + RMSNorm as a float, finite and >= 0 (``name``: the call, for the
+    message)."""
+    try:
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise UbnextError(f"{name}: eps must be a number, got {type(eps).__name__}") from None
+    if not math.isfinite(eps) or eps < 0:
+        raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
+    return eps

@@ -22,11 +22,10 @@ inputs, so compiled code has eager's gradients (none through the collective);
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._algorithms import OPS
+from .._epilogue import check_eps
 from .._errors import UbnextError
 from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
 from ._registry import handle
@@ -75,17 +74,6 @@ def _op(name: str, op) -> str:
     return op
 
 
-def _eps(name: str, eps) -> float:
-    """``eps`` as the methods check it (``_comm._check_eps``, which this module does not import)."""
-    try:
-        eps = float(eps)
-    except (TypeError, ValueError):
-        raise UbnextError(f"{name}: eps must be a number, got {type(eps).__name__}") from None
-    if not math.isfinite(eps) or eps < 0:
-        raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
-    return eps
-
-
 def _plain(t):
     """``t`` without autograd (the methods are not differentiable); None stays None."""
     return t.detach() if t is not None and t.requires_grad else t
@@ -121,7 +109,7 @@ def _all_reduce_add_rmsnorm(comm, x, residual, weight, eps=1e-6, bias=None, out=
                               f"given ones); leave {what} out and use the returned tensors, or call {name} outside "
                               f"the compiled region")
     return torch.ops.ubnext.all_reduce_add_rmsnorm(_plain(x), _plain(residual), _plain(weight), _plain(bias),
-                                                   _eps(name, eps), handle(comm))
+                                                   check_eps(name, eps), handle(comm))
 
 
 def _reduce_scatter(comm, x, out=None, op="sum", algorithm="auto", stream=None):
@@ -149,7 +137,7 @@ def _reduce_scatter_add_rmsnorm(comm, x, residual_shard, weight, eps=1e-6, bias=
     name = "reduce_scatter_add_rmsnorm"
     _untraceable(name, algorithm, stream)
     return torch.ops.ubnext.reduce_scatter_add_rmsnorm(_plain(x), _plain(residual_shard), _plain(weight),
-                                                       _plain(bias), _eps(name, eps), handle(comm))
+                                                       _plain(bias), check_eps(name, eps), handle(comm))
 
 
 #: method name -> its traced form (the method's signature, the communicator first)
