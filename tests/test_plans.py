@@ -940,3 +940,34 @@ def test_torch_tensors_are_planned_in_fused_calls(make_comm, fakes, cuda_tensors
     for _ in range(2):
         comm.all_reduce_add_rmsnorm(x, residual, weight_param, out=out, residual_out=res_out)
     assert fakes.as_buffer.calls == 19 + 5 and len(comm._plans) == 4
+
+
+def test_outputs_written_through_their_address_have_their_version_incremented(make_comm, fakes, cuda_tensors):
+    """The kernels write a caller's tensor out of torch's sight: its version counter goes up
+    on the full path and on the planned one (plain and fused calls), so that autograd
+    refuses a tensor it saved and the call overwrote, instead of a wrong gradient. x is
+    not written out of place; a new output is torch's own."""
+    torch = cuda_tensors
+    comm = make_comm()
+    x, out = torch.empty(1024), torch.empty(1024)
+    for call in range(3):  # the first call takes the full path, the others the plan
+        before = x._version, out._version
+        comm.all_reduce(x, out=out)
+        assert (x._version, out._version) == (before[0], before[1] + 1), call
+        comm.all_reduce(x, out=x)
+        assert x._version == before[0] + 1, call
+    xs, residual, normed, res_out = (torch.empty(ROWS, HIDDEN) for _ in range(4))
+    weight = torch.empty(HIDDEN)
+    for call in range(2):
+        before = [t._version for t in (xs, residual, weight, normed, res_out)]
+        comm.all_reduce_add_rmsnorm(xs, residual, weight, out=normed, residual_out=res_out)
+        assert [t._version for t in (xs, residual, weight, normed, res_out)] == [*before[:3], before[3] + 1,
+                                                                                  before[4] + 1], call
+
+    leaf = torch.ones(1024, requires_grad=True)
+    saved = leaf * 2  # saved by the product below for its gradient
+    loss = (saved * saved).sum()
+    with torch.no_grad():
+        comm.all_reduce(saved, out=saved)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
