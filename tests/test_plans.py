@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from stream_fakes import FakeContexts, FakeCuda, bare_communicator, fake_order, read_pack
+from test_devices import logged  # noqa: F401 (a fixture: the ubnext log records of a test)
 from thread_ranks import run_threads
 from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _context, _engine, _launch, _quant, _streams
 from ubnext._algorithms import ALGORITHMS
@@ -971,3 +972,25 @@ def test_outputs_written_through_their_address_have_their_version_incremented(ma
         comm.all_reduce(saved, out=saved)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_communicator_dropped_without_close_is_released_locally_by_its_finalizer(fakes, logged):
+    """What a communicator owns (``_comm._Owned``) holds no reference to it: once garbage,
+    its finalizer announces the abort to the node's ranks and closes the node locally (no
+    rank waited for), in the launch section, and warns."""
+    config = Config.from_env()
+    engine, _ = make_engine(fakes.monkeypatch, config)
+    node = FakeNode(engine, engine.pool)
+    selector = Selector(1, buffer_limits(config), [n for n, a in ALGORITHMS.items() if not a.multicast], None, None)
+    order = fake_order()
+    comm = bare_communicator(order, config=config, _node=node, _selector=selector,
+                             _dispatch=Dispatcher(node, selector.limits, order, None, 0))
+    comm._finalizer.detach()
+    comm._finalizer = weakref.finalize(comm, comm._owned.drop)  # as the constructor makes it
+    ref = weakref.ref(comm)
+    del comm
+    gc.collect()
+    assert ref() is None
+    assert node.announced == [("aborted", 0)] and node.closed is True
+    assert order.context._driver.retained[0] == 0  # the context's retain given back
+    assert [r.levelname for r in logged() if "dropped without close()" in r.getMessage()] == ["WARNING"]
