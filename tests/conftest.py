@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -122,3 +123,23 @@ def run_mpi() -> Callable[..., subprocess.CompletedProcess]:
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     return run
+
+
+@pytest.fixture
+def logged(caplog):
+    """``logged()``: the ``ubnext`` log records of the test so far (the logger does not
+    propagate, so caplog's handler is added to it); log_once starts afresh."""
+    from ubnext import _log
+
+    logger = _log.get_logger()  # set up now: a first setup inside the test would reset the level
+    level = logger.level
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    with _log._once_lock:
+        saved = set(_log._once_keys)
+        _log._once_keys.clear()
+    yield lambda: list(caplog.records)
+    logger.removeHandler(caplog.handler)
+    logger.setLevel(level)
+    with _log._once_lock:
+        _log._once_keys.update(saved)

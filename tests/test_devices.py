@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from thread_ranks import run_ranks
-from ubnext import _devices, _log
+from ubnext import _devices
 from ubnext._devices import DeviceView, assign, map_devices, shared
 from ubnext._errors import UbnextError
 
@@ -75,24 +75,6 @@ def test_uuid_formats_like_nvidia_smi():
     assert _devices.device_uuid(0, drv) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
     assert _devices.visible_uuids(UuidDriver([raw("a"), raw("b")])) == (
         "GPU-61616161-6161-6161-6161-616161616161", "GPU-62626262-6262-6262-6262-626262626262")
-
-
-@pytest.fixture
-def logged(caplog):
-    """``logged()``: the ``ubnext`` log records of the test so far (the logger does not
-    propagate, so caplog's handler is added to it); log_once starts afresh."""
-    logger = _log.get_logger()  # set up now: a first setup inside the test would reset the level
-    level = logger.level
-    logger.addHandler(caplog.handler)
-    logger.setLevel(logging.INFO)
-    with _log._once_lock:
-        saved = set(_log._once_keys)
-        _log._once_keys.clear()
-    yield lambda: list(caplog.records)
-    logger.removeHandler(caplog.handler)
-    logger.setLevel(level)
-    with _log._once_lock:
-        _log._once_keys.update(saved)
 
 
 def test_ranks_sharing_a_gpu_are_warned_once(logged):

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from stream_fakes import FakeContexts, FakeCuda, bare_communicator, fake_order, read_pack
-from test_devices import logged  # noqa: F401 (a fixture: the ubnext log records of a test)
 from thread_ranks import run_threads
 from ubnext import ClosedError, CollectiveTimeoutError, UbnextError, _arrays, _context, _engine, _launch, _quant, _streams
 from ubnext._algorithms import ALGORITHMS
