@@ -266,7 +266,7 @@ def test_communicators_dropped_without_close_give_their_memory_back():
 
 
 def test_a_closed_communicator_leaves_no_cuda_object_to_the_garbage_collector():
-    """``close`` releases the communicator's streams, events and kernel modules itself.
+    """``close`` releases the communicator's streams and events and drops its kernel modules itself.
     Its objects form reference cycles, and what the garbage collector frees runs on
     whatever thread collects: there a stream's destructor makes CUDA calls on that
     thread's device, device 0, creating a context (500 MiB) on another rank's GPU (the
