@@ -993,3 +993,22 @@ def test_a_communicator_dropped_without_close_is_released_locally_by_its_finaliz
     assert node.announced == [("aborted", 0)] and node.closed is True
     assert order.context._driver.retained[0] == 0  # the context's retain given back
     assert [r.levelname for r in logged() if "dropped without close()" in r.getMessage()] == ["WARNING"]
+
+
+def test_a_failed_node_close_leaves_the_rest_released_without_waiting_for_any_rank(make_comm, fakes):
+    """A step of close that fails (the device wait) means a broken job: what follows waits
+    for no rank (the node's bootstrap is aborted, not closed collectively)."""
+    comm = make_comm()
+    ends = []
+    comm._owned.local_boot = types.SimpleNamespace(close=lambda: ends.append("close"),
+                                                  abort=lambda: ends.append("abort"))
+
+    def failing_close(local=False):
+        raise RuntimeError("cudaErrorIllegalAddress")
+
+    comm._node.close = failing_close
+    with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress"):
+        comm.close()
+    assert ends == ["abort"] and comm._closed and comm._owned.released
+    comm.close()  # idempotent
+    assert ends == ["abort"]

@@ -458,3 +458,29 @@ def test_a_stream_of_another_context_raises_before_anything_is_launched(nccl_com
     for handle in (0, LEGACY, PER_THREAD):  # the current context's default streams: the communicator's
         comm.all_reduce(Producer(0x10000), out=out, algorithm="nccl", stream=handle)
     assert [c[3] for c in comm._dispatch.nccl.calls] == [0, LEGACY, PER_THREAD]
+
+
+def test_a_call_from_inside_a_call_of_the_same_communicator_raises_instead_of_waiting_for_itself(nccl_comm):
+    """Code that a call runs (a producer's export here; a finalizer, a torch subclass)
+    calling the same communicator: one clear error, not a thread waiting for itself."""
+    comm, _ = nccl_comm
+
+    class Reentrant(Producer):
+        def __dlpack__(self, stream=None, max_version=None):
+            comm.close()
+            return super().__dlpack__(stream, max_version)
+
+    raised = []
+
+    def call():
+        try:
+            comm.all_reduce(Reentrant(0x10000), out=Producer(0x20000), algorithm="nccl", stream=A)
+        except UbnextError as e:
+            raised.append(str(e))
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the call waited for itself"
+    assert len(raised) == 1 and "from inside one of its own calls" in raised[0] and not comm._closed
+    comm.all_reduce(Producer(0x10000), out=Producer(0x20000), algorithm="nccl", stream=A)  # the section was left

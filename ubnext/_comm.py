@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import pickle
+import threading
 import weakref
 
 from . import _agreement, _arrays, _gate, _nccl, _preflight, _quant, _signature
@@ -593,7 +594,7 @@ class Communicator:
                                                   for a, t in zip(arrays, plan.buffers)])
         self._dispatch.launch(plan.launch, handle, owner)
         if plan.written:
-            _arrays.increment_versions(tuple([arrays[i] for i in plan.written]))
+            _arrays.increment_versions([arrays[i] for i in plan.written])
         return True, key
 
     def _keep(self, key, launch, buffers: tuple, outputs: tuple) -> None:
@@ -835,6 +836,8 @@ class Communicator:
         if not self._closed and node is not None:
             # before the section: a call of another thread waiting in it (synchronize) gives up
             node.announce_abort(self._local.rank)
+        if self._closed:
+            return  # a close() in progress on another thread releases everything
         self._release(local=True)
 
     def _release(self, local: bool) -> None:
@@ -1001,12 +1004,15 @@ class _Owned:
         if self.released:
             return
         self.released = True
-        if self.watchdog is not None:
-            self.watchdog.stop()
         node, self.node = self.node, None
         try:
+            if self.watchdog is not None:
+                self.watchdog.stop()
             if node is not None:
                 local = node.close(local=local)
+        except BaseException:
+            local = True  # what follows waits for no rank after a failed step
+            raise
         finally:
             try:
                 self.dispatch.close(local)
@@ -1023,6 +1029,14 @@ class _Owned:
         and a warning (once per process)."""
         log_once("dropped", "ubnext.Communicator was dropped without close(): released locally, as abort() "
                             "does (peers are not waited for); call close() on every rank, or use `with`")
+        if self.watchdog is not None and self.watchdog.on_its_thread():
+            # collected on its own watchdog's thread, which may be inside the node's announce
+            # and which cannot wait for itself: released on a thread of its own
+            threading.Thread(target=self._drop, name="ubnext-dropped", daemon=True).start()
+        else:
+            self._drop()
+
+    def _drop(self) -> None:
         if self.node is not None:
             self.node.announce_abort(self.local_rank)
         with self.order:

@@ -9,9 +9,10 @@ communicator's context current: :class:`Context` makes it current only where ano
 (one read of the current context while it already is) and gives the caller's back
 afterwards, also where the caller had none.
 
-The communicator's launch section (``_streams.LaunchOrder``) enters it for every call;
-the steps that run outside a call (close, abort, the watchdog's announce, a dropped
-communicator's release) enter it with ``with context.current():``.
+The communicator's launch section (``_streams.LaunchOrder``) enters it for every call,
+close and a dropped communicator's release included; the steps that run outside the
+section (abort's and the watchdog's announce, the node's teardown) enter it with
+``with context.current():``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class Context:
         self.handle = driver.retain(device)
         self._driver = driver
         self._current, self._make_current = driver.current, driver.make_current
+        self.current_handle = driver.current  # the section reads it itself, calling enter only to switch
         self._released = False
 
     def enter(self):

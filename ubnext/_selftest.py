@@ -90,6 +90,7 @@ def run(comm, cases, calls: int = _selfcheck.CALLS) -> _selfcheck.RankReport:
             kernel = "nccl" if case.algorithm == "nccl" else (case.algorithm, case.dtype)  # NCCL: set up once
             outcomes.append(_run_case(comm, case, inputs, stream, calls, kernel not in first))
             first.add(kernel)
+        del stream, inputs  # destroyed here, in the communicator's context
         return _selfcheck.RankReport(comm.rank, comm.device, device_name(comm.device), outcomes)
 
 

@@ -24,6 +24,7 @@ as in NCCL.
 from __future__ import annotations
 
 import threading
+from threading import get_ident
 
 #: cudaStreamLegacy; handle 0 also means the legacy default stream (CuPy's and torch's null stream)
 LEGACY = 1
@@ -165,11 +166,13 @@ class LaunchOrder:
     def __init__(self, context, cuda: Cuda | None = None):
         self.context = context
         self._device = context.device
-        self._enter_context, self._leave_context = context.enter, context.leave
+        self._handle = context.handle
+        self._current = context.current_handle  # the driver's cuCtxGetCurrent
         self._cuda = cuda
         lock = threading.Lock()
         self._acquire, self._release = lock.acquire, lock.release
-        self._caller = 0       # the context current when the section was entered
+        self._holder = None    # the thread in the section (a call from inside it must not wait for it)
+        self._caller = 0       # what Context.enter returned: the caller's context or thread state
         self._followed = None  # the stream this call launches on, once ``follow`` named it
         self._stream = None    # the raw handle of the previous launch's stream
         self._thread = None    # the thread it came from, for the per-thread default stream
@@ -181,15 +184,29 @@ class LaunchOrder:
         context current (one read of the current context while it already is).
 
         Raises:
+            UbnextError: the thread in the section enters it again (code that a call runs,
+                a producer's export or a finalizer, calls the same communicator), which
+                would wait for itself forever.
             CuPy's CUDADriverError: the context could not be made current (the section is
                 left).
         """
-        self._acquire()
-        try:
-            self._caller = self._enter_context()
-        except BaseException:
-            self._release()
-            raise
+        if not self._acquire(False):
+            if self._holder == get_ident():
+                from ._errors import UbnextError
+
+                raise UbnextError("ubnext: a call of this communicator was made from inside one of its own "
+                                  "calls (a producer's export, a finalizer); make it after that call returns")
+            self._acquire()
+        self._holder = get_ident()
+        caller = self._current()
+        if caller != self._handle:
+            try:
+                caller = self.context.enter()
+            except BaseException:
+                self._holder = None
+                self._release()
+                raise
+        self._caller = caller
         return self
 
     def __exit__(self, *exc) -> None:
@@ -201,8 +218,10 @@ class LaunchOrder:
         finally:
             self._followed = None
             try:
-                self._leave_context(self._caller)
+                if self._caller != self._handle:
+                    self.context.leave(self._caller)
             finally:
+                self._holder = None
                 self._release()
 
     def follow(self, stream: int, owner=None) -> None:
@@ -214,10 +233,9 @@ class LaunchOrder:
             CudaError or CuPy's CUDARuntimeError: the wait could not be queued (the next
                 call tries again).
         """
-        self._followed = stream
-        if stream == self._stream and stream != PER_THREAD:
-            return
-        self._change(stream, owner)
+        if stream != self._stream or stream == PER_THREAD:
+            self._change(stream, owner)
+        self._followed = stream  # once ordered: a failed wait leaves the previous stream the one to follow
 
     def close(self) -> None:
         """Drops the previous call's stream object and destroys its pending event, on this

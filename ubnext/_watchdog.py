@@ -23,10 +23,10 @@ class Watchdog:
         on_failure: called once with what ``poll`` returned.
         interval: seconds between polls.
         name: the thread's name.
-        start: called first on the thread, if given (the communicator makes its device
-            current there: a new thread's is device 0, where an announce's device switch,
-            or a CUDA object the garbage collector frees on this thread, would create a
-            context on another rank's GPU).
+        start: called first on the thread, if given (the communicator makes its context
+            current there: a new thread has none, and a CUDA object the garbage collector
+            frees on this thread would otherwise create a context on device 0, another
+            rank's GPU).
     """
 
     def __init__(self, poll: Callable[[], object], on_failure: Callable[[object], None], interval: float,
@@ -44,6 +44,10 @@ class Watchdog:
             if failure is not None:
                 self._on_failure(failure)
                 return
+
+    def on_its_thread(self) -> bool:
+        """Whether the calling thread is the watchdog's."""
+        return self._thread is threading.current_thread()
 
     def stop(self) -> None:
         """Stops the thread and waits for it (at most one poll). Idempotent."""

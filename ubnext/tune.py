@@ -313,6 +313,7 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
         outcome = comm.bootstrap.bcast_obj(outcome)
         ok = outcome.startswith("# wrote")
         say(outcome, file=sys.stdout if ok else sys.stderr, flush=True)
+        del stream  # destroyed here, in the communicator's context
         return 0 if ok else 1
 
 
