@@ -251,8 +251,9 @@ class Communicator:
                 CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
                 communicator failed; its outputs hold NaN where results were not computed.
 
-        May be called from several threads (each call's launches are issued as one
-        section), but every rank must issue its collectives in the same order, so calls
+        May be called from any thread, whatever device is current there: each call runs
+        whole as one section with this communicator's context current, and gives the
+        caller's back. Every rank must issue its collectives in the same order, so calls
         from several threads need an order of their own.
         """
         if _arrays.traced(x):
@@ -603,9 +604,9 @@ class Communicator:
         ``buffers`` (the call's Buffers, None for an array not given, as ``_planned``
         records them) and ``outputs`` (the places in ``buffers`` of the outputs; the torch
         tensors among them have their versions incremented by a planned call). Debug mode
-        plans nothing: it compares the ranks' calls every time; nor does a communicator that
-        another thread closed meanwhile (its plans are dropped)."""
-        if launch is not None and key is not None and not self.config.debug and not self._closed:
+        plans nothing: it compares the ranks' calls every time. (No close can come between
+        the launch and this: close waits for the call's section.)"""
+        if launch is not None and key is not None and not self.config.debug:
             written = tuple(i for i in outputs if buffers[i] is not None and buffers[i].framework == "torch")
             self._plans.put(key, Plan(Packed(*launch), tuple(None if b is None else b[1:] for b in buffers),
                                       written))
