@@ -102,7 +102,7 @@ class Communicator:
                     self._node.close(local=True)
             finally:
                 try:
-                    self._close_bootstraps(self._local, self.bootstrap if self._owns_bootstrap else None)
+                    _close_bootstraps(self._local, self.bootstrap if self._owns_bootstrap else None)
                 finally:
                     if self._context is not None:
                         self._context.release()
@@ -623,19 +623,22 @@ class Communicator:
         side``), in the section; a ``stream`` of another device than this communicator's
         raises before anything is launched."""
         handle, owner, side = _arrays.launch_stream(stream, x, self.device)
-        if stream is not None and not self._order.context.owns(handle):
-            raise UbnextError(f"{name}: stream {handle:#x} belongs to another device (or context) than the "
-                              f"communicator's, device {self.device}; pass a stream of device {self.device}")
+        if stream is not None:
+            self._check_stream(name, handle)
         return handle, owner, side
 
     def _stream_arg(self, name: str, stream) -> int:
         """The raw handle of a ``stream=`` given alone (``synchronize``), checked as
         ``_launch_stream`` checks it."""
         handle = _arrays.stream_handle(stream)
+        self._check_stream(name, handle)
+        return handle
+
+    def _check_stream(self, name: str, handle: int) -> None:
+        """Raises where stream ``handle`` belongs to another context than this communicator's."""
         if not self._order.context.owns(handle):
             raise UbnextError(f"{name}: stream {handle:#x} belongs to another device (or context) than the "
                               f"communicator's, device {self.device}; pass a stream of device {self.device}")
-        return handle
 
     def _input(self, name: str, x, handle: int):
         """x as a Buffer on this communicator's device (``handle``: the launch stream)."""
@@ -853,17 +856,6 @@ class Communicator:
             _OPEN.discard(self)
             self._owned.release(local)
 
-    @staticmethod
-    def _close_bootstraps(local_boot, owned, local: bool = False) -> None:
-        """Closes the node's view ``local_boot``, then ``owned`` (the bootstrap ``default()``
-        made, or None); ``local``: without waiting for any rank (Bootstrap.abort)."""
-        try:
-            if local_boot is not None:
-                local_boot.abort() if local else local_boot.close()
-        finally:
-            if owned is not None:
-                owned.abort() if local else owned.close()
-
     def __enter__(self):
         return self
 
@@ -974,6 +966,17 @@ def _traced_call(comm, name: str, *args, **kwargs):
     return _traced.call(comm, name, *args, **kwargs)
 
 
+def _close_bootstraps(local_boot, owned, local: bool = False) -> None:
+    """Closes the node's view ``local_boot``, then ``owned`` (the bootstrap ``default()``
+    made, or None); ``local``: without waiting for any rank (Bootstrap.abort)."""
+    try:
+        if local_boot is not None:
+            local_boot.abort() if local else local_boot.close()
+    finally:
+        if owned is not None:
+            owned.abort() if local else owned.close()
+
+
 class _Owned:
     """What a communicator releases: its node, NCCL communicator, launch order, watchdog,
     bootstraps and the retain of its CUDA context. It holds no reference to the
@@ -1019,7 +1022,7 @@ class _Owned:
                 self.dispatch.close(local)
             finally:
                 try:
-                    Communicator._close_bootstraps(self.local_boot, self.owned_boot, local)
+                    _close_bootstraps(self.local_boot, self.owned_boot, local)
                 finally:
                     self.order.context.release()
 

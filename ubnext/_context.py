@@ -41,9 +41,7 @@ class Driver:
     """
 
     def __init__(self):
-        from cupy_backends.cuda.api import driver
-
-        from cupy_backends.cuda.api import runtime
+        from cupy_backends.cuda.api import driver, runtime
 
         self.current = driver.ctxGetCurrent  # () -> the current context's handle (0: none)
         self.make_current = driver.ctxSetCurrent  # (handle) -> None; 0 leaves the thread without one
@@ -87,8 +85,9 @@ class Context:
         self.device = device
         self.handle = driver.retain(device)
         self._driver = driver
-        self._current, self._make_current = driver.current, driver.make_current
-        self.current_handle = driver.current  # the section reads it itself, calling enter only to switch
+        self._make_current = driver.make_current
+        #: the driver's cuCtxGetCurrent (the section reads it itself, calling enter only to switch)
+        self.current_handle = driver.current
         self._released = False
 
     def enter(self):
@@ -99,7 +98,7 @@ class Context:
         Raises:
             CuPy's CUDADriverError: the context could not be made current.
         """
-        caller = self._current()
+        caller = self.current_handle()
         if caller != self.handle:
             if not caller:
                 caller = _Bare(self._driver.runtime_device())  # read before any context is current
@@ -173,7 +172,11 @@ def keep_current(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     finally:
         now = driver.current()
-        if now != before and (before.__class__ is not _Bare or now or driver.runtime_device() != before.device):
+        if before.__class__ is _Bare:  # had no context: changed if fn left one, or another runtime device
+            changed = bool(now) or driver.runtime_device() != before.device
+        else:
+            changed = now != before
+        if changed:
             _restore(driver, before)
 
 

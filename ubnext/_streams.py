@@ -239,10 +239,10 @@ class LaunchOrder:
 
     def close(self) -> None:
         """Drops the previous call's stream object and destroys its pending event, on this
-        thread, in the section: a closed communicator's objects are left to the garbage
-        collector, which may free them on a thread whose current device is another one
-        (destroying a CUDA object there would create a context on that device).
-        Only inside the section. Idempotent; a later call starts a new order."""
+        thread: a closed communicator's objects are left to the garbage collector, which
+        may free them on a thread whose current device is another one (destroying a CUDA
+        object there would create a context on that device). Only inside the section.
+        Idempotent; a later call starts a new order."""
         done, self._done = self._done, None
         self._stream = self._thread = self._owner = None
         if done is not None:
