@@ -582,3 +582,18 @@ def cuda_core_api() -> tuple:
     if not hasattr(StridedMemoryView, "from_buffer") or not hasattr(StridedMemoryView, "__dlpack__"):
         pytest.skip("this cuda.core's StridedMemoryView is no DLPack producer (from_buffer, __dlpack__)")
     return Device, StridedMemoryView
+
+
+def jax_gpu_devices(device: int) -> tuple:
+    """(JAX's first GPU, JAX's device of CUDA ordinal ``device``); skips where JAX, its GPU
+    backend or that device is missing."""
+    jax = pytest.importorskip("jax")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as e:
+        pytest.skip(f"jax has no GPU backend here ({e})")
+    mine = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == device]
+    if not mine:
+        pytest.skip(f"jax does not see device {device} (it sees {gpus})")
+    return gpus[0], mine[0]
+

@@ -190,9 +190,24 @@ def free_memory(world) -> int:
     return free
 
 
+def assert_memory_given_back(world, device: int, cycle, times: int, what: str) -> None:
+    """``cycle()`` ``times`` times on every rank gives the device's memory back: free memory
+    before and after (``free_memory``) within 8 MiB per rank on the device (ranks may share
+    it)."""
+    import socket
+
+    here = (socket.gethostname(), device)
+    sharing = world.allgather(here).count(here)
+    free_before = free_memory(world)
+    for _ in range(times):
+        cycle()
+    lost = free_before - free_memory(world)
+    assert lost < sharing * (8 << 20), (f"device memory shrank by {lost >> 20} MiB after {times} {what} "
+                                        f"({sharing} rank(s) on this GPU)")
+
+
 def test_create_close_cycles_do_not_leak_device_memory():
     require_gpu_and_torch()
-    import socket
 
     import torch
     from mpi4py import MPI
@@ -216,14 +231,7 @@ def test_create_close_cycles_do_not_leak_device_memory():
 
     for _ in range(3):
         cycle()
-    here = (socket.gethostname(), devices[-1])
-    sharing = world.allgather(here).count(here)
-    free_before = free_memory(world)
-    for _ in range(50):
-        cycle()
-    free_after = free_memory(world)
-    lost = free_before - free_after
-    assert lost < sharing * (8 << 20), f"device memory shrank by {lost >> 20} MiB ({sharing} rank(s) on this GPU)"
+    assert_memory_given_back(world, devices[-1], cycle, 50, "create/close cycles")
 
 
 def test_communicators_dropped_without_close_give_their_memory_back():
@@ -232,7 +240,6 @@ def test_communicators_dropped_without_close_give_their_memory_back():
     words, watchdog. A peer's mapping keeps a segment alive until that peer has dropped its
     communicator too, so memory is read once every rank has dropped and collected."""
     require_gpu_and_torch()
-    import socket
 
     import torch
     from mpi4py import MPI
@@ -252,17 +259,8 @@ def test_communicators_dropped_without_close_give_their_memory_back():
         assert x[0].item() == comm_size_sq(c.size)
         # no close(): the communicator is garbage when this returns
 
-
     drop()  # compiles the kernels, sets CuPy's pools up
-    here = (socket.gethostname(), devices[-1])
-    sharing = world.allgather(here).count(here)
-    free_before = free_memory(world)
-    for _ in range(4):
-        drop()
-    free_after = free_memory(world)
-    lost = free_before - free_after
-    assert lost < sharing * (8 << 20), (f"device memory shrank by {lost >> 20} MiB after 4 dropped "
-                                        f"communicators ({sharing} rank(s) on this GPU)")
+    assert_memory_given_back(world, devices[-1], drop, 4, "dropped communicators")
 
 
 def test_a_closed_communicator_leaves_no_cuda_object_to_the_garbage_collector():

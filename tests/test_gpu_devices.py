@@ -53,9 +53,10 @@ import threading
 import numpy as np
 import pytest
 
-from gpu_support import (SMALL, WIDTH, Bordered, as_framework, check_add_rmsnorm, check_all_reduce, collected, cuda_core_api,
-                         device, expected_add_rmsnorm, expected_all_reduce, host, make_input, norm_operands, ran,
-                         rank_inputs, recorded_launches, reference, require_gpu_and_torch, seed_of, to_torch)
+from gpu_support import (SMALL, WIDTH, Bordered, as_framework, check_add_rmsnorm, check_all_reduce, collected,
+                         cuda_core_api, device, expected_add_rmsnorm, expected_all_reduce, host, jax_gpu_devices,
+                         make_input, norm_operands, ran, rank_inputs, recorded_launches, reference,
+                         require_gpu_and_torch, seed_of, to_torch)
 from test_gpu_quant import check_quantized
 from test_gpu_rsag import check_all_gather, check_reduce_scatter, resolved
 from test_gpu_rsag import ran as rsag_ran
@@ -921,21 +922,26 @@ def test_cuda_graph_captured_under_a_foreign_device(comm, home, second, mode):
     f.assert_clean()
 
 
+def reduced_exactly(comm, f, what: str, call, inputs, setup=None):
+    """``f.run(what, call, setup)``: an all_reduce of another framework's array under f's
+    mode, its launches recorded; checked bit for bit against the host reference of
+    ``inputs`` (every rank's), and the caller's state unchanged (``f.assert_clean``).
+    Returns the output."""
+    import torch
+
+    with recorded_launches(comm) as launches:
+        out = f.run(what, call, setup=setup)
+    torch.cuda.synchronize(comm.device)
+    with on_comm_device(comm):
+        reference.assert_same_bits(host(to_torch(out)), expected_all_reduce(launches, inputs, "sum"), what)
+    f.assert_clean()
+    return out
+
+
 @pytest.fixture(scope="module")
 def jax_gpus(comm):
     """(JAX's GPU 0, JAX's device of the communicator's GPU); every rank skips alike."""
-    def probe():
-        jax = pytest.importorskip("jax")
-        try:
-            gpus = jax.devices("gpu")
-        except RuntimeError as e:
-            pytest.skip(f"jax has no GPU backend here ({e})")
-        mine = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == comm.device]
-        if not mine:
-            pytest.skip(f"jax does not see device {comm.device} (it sees {gpus})")
-        return gpus[0], mine[0]
-
-    return agreed(comm, probe)
+    return agreed(comm, lambda: jax_gpu_devices(comm.device))
 
 
 @pytest.mark.parametrize("mode", ("as-jax-left-it", *MODES))
@@ -945,7 +951,6 @@ def test_jax_array_moved_from_gpu_0(comm, home, second, jax_gpus, mode):
     CuPy result on the communicator's device, bit for bit."""
     import cupy
     import jax
-    import torch
 
     first, mine = jax_gpus
     count, dtype = 4099, "float32"
@@ -954,14 +959,8 @@ def test_jax_array_moved_from_gpu_0(comm, home, second, jax_gpus, mode):
         inputs = rank_inputs(count, dtype, comm.size, seed_of("jax", mode))
     a = jax.device_put(jax.device_put(inputs[comm.rank], first), mine)
     a.block_until_ready()
-    with recorded_launches(comm) as launches:
-        out = f.run("all_reduce of a JAX array", lambda: comm.all_reduce(a))
-    torch.cuda.synchronize(comm.device)
+    out = reduced_exactly(comm, f, "all_reduce of a JAX array", lambda: comm.all_reduce(a), inputs)
     assert isinstance(out, cupy.ndarray) and out.device.id == comm.device, f"got a {type(out).__name__} on {out.device}"
-    with on_comm_device(comm):
-        reference.assert_same_bits(host(to_torch(out)), expected_all_reduce(launches, inputs, "sum"),
-                                   "all_reduce of a JAX array")
-    f.assert_clean()
 
 
 @pytest.fixture(scope="module")
@@ -981,7 +980,6 @@ def test_numba_array_made_on_the_communicators_device(comm, home, second, numba_
     """A numba device array made on the communicator's device (``numba.cuda.gpus[d]``)
     while another device is current, all_reduced there: a CuPy result on the
     communicator's device, bit for bit."""
-    import torch
 
     cuda = numba_cuda
     count, dtype = 4099, "float32"
@@ -997,13 +995,7 @@ def test_numba_array_made_on_the_communicators_device(comm, home, second, numba_
         kept.append(d)
         return d
 
-    with recorded_launches(comm) as launches:
-        out = f.run("all_reduce of a numba array", lambda d: comm.all_reduce(d), setup=make)
-    torch.cuda.synchronize(comm.device)
-    with on_comm_device(comm):
-        reference.assert_same_bits(host(to_torch(out)), expected_all_reduce(launches, inputs, "sum"),
-                                   "all_reduce of a numba array")
-    f.assert_clean()
+    reduced_exactly(comm, f, "all_reduce of a numba array", lambda d: comm.all_reduce(d), inputs, setup=make)
 
 
 @pytest.fixture(scope="module")
@@ -1047,13 +1039,8 @@ def test_cuda_core_array_made_on_the_communicators_device(comm, home, second, cu
         kept.extend((stream, buf))
         return view
 
-    with recorded_launches(comm) as launches:
-        out = f.run("all_reduce of a cuda.core view", lambda view: comm.all_reduce(view), setup=make)
-    torch.cuda.synchronize(comm.device)
-    with on_comm_device(comm):
-        reference.assert_same_bits(host(to_torch(out)), expected_all_reduce(launches, inputs, "sum"),
-                                   "all_reduce of a cuda.core view")
-    f.assert_clean()
+    reduced_exactly(comm, f, "all_reduce of a cuda.core view", lambda view: comm.all_reduce(view), inputs,
+                    setup=make)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -16,7 +16,7 @@ import os
 import numpy as np
 import pytest
 
-from gpu_support import cuda_core_api, require_gpu_and_torch
+from gpu_support import cuda_core_api, jax_gpu_devices, require_gpu_and_torch
 
 # JAX takes 75 % of the GPU's memory at its first use unless told otherwise; the ranks
 # sharing a GPU, ubnext's pool and torch need room. Set before jax can be imported.
@@ -68,15 +68,7 @@ def non_blocking_stream(comm):
 
 @pytest.fixture(scope="module")
 def jax_device(comm):
-    jax = pytest.importorskip("jax")
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as e:
-        pytest.skip(f"jax has no GPU backend here ({e})")
-    mine = [d for d in gpus if getattr(d, "local_hardware_id", d.id) == comm.device]
-    if not mine:
-        pytest.skip(f"jax does not see device {comm.device} (it sees {gpus})")
-    return mine[0]
+    return jax_gpu_devices(comm.device)[1]
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["cupy-current-stream", "stream="])
