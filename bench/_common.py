@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from ubnext import _cli, _timing, _units
+from ubnext._selection.table import human_bytes as human_bytes  # re-exported for bench scripts
+from ubnext._tools import cli as _cli
+from ubnext._tools import timing as _timing
 
 # --------------------------------------------------------------------------- dtypes and ops
 
@@ -108,7 +110,6 @@ def parse_ops(text: str) -> list[str]:
 # They live in ubnext (python -m ubnext.tune uses them too); the benchmarks use them from here.
 
 parse_size, size_arg, size_list = _cli.parse_size, _cli.size_arg, _cli.size_list
-human_bytes = _units.human_bytes
 capture_graph, elapsed_per_op, timer = _timing.capture_graph, _timing.elapsed_per_op, _timing.timer
 run_or_abort = _cli.run_or_abort
 

@@ -22,7 +22,7 @@ MODES = ("eager", "graph")
 def multicast_disabled(environ: Any = os.environ) -> bool:
     """True when any of the host's opt-out variables asks for no NVLink multicast
     (the same list as ubnext's own gate)."""
-    from ubnext._gate import env_blockers
+    from ubnext._environment.nvls_gate import env_blockers
 
     return bool(env_blockers(environ))
 

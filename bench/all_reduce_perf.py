@@ -11,7 +11,7 @@ around ``-n`` back-to-back calls (eager), or around ``-G`` launches of a CUDA
 graph holding ``-n`` calls, and combined over ranks per ``-a`` (as nccl-tests:
 0 rank 0, 1 average, 2 minimum, 3 maximum). busbw = algbw * 2(n-1)/n.
 
-``--backend nccl`` runs the real NCCL (``ubnext._nccl.NcclComm``) on the same
+``--backend nccl`` runs the real NCCL (``ubnext._engine.nccl.NcclComm``) on the same
 kind of buffers, measured the same way, so both can be compared in one job.
 The exit status is 1 when any element was wrong.
 
@@ -83,7 +83,7 @@ def build_parser(program: Program = ALL_REDUCE_PERF) -> argparse.ArgumentParser:
                    help="time over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 1)")
     p.add_argument("-J", "--output_file", default="", help="write results as nccl-tests JSON to this file")
     p.add_argument("--backend", choices=("ubnext", "nccl"), default="ubnext",
-                   help="ubnext, or the real NCCL through ubnext._nccl.NcclComm (default ubnext)")
+                   help="ubnext, or the real NCCL through ubnext._engine.nccl.NcclComm (default ubnext)")
     p.add_argument("--algo", choices=program.algorithms, default="auto",
                    help="ubnext algorithm (backend ubnext only; default auto)")
     p.add_argument("--precision", choices=("auto", "exact", "int8", "fp8"), default="auto",
@@ -229,7 +229,7 @@ def open_world(args: argparse.Namespace) -> World:
     import cupy
 
     import ubnext
-    from ubnext._nccl import NcclComm
+    from ubnext._engine.nccl import NcclComm
 
     if args.symmetric:
         overrides = pool_mb_for(2 * args.maxbytes)
@@ -302,7 +302,7 @@ def check(world: World, args: argparse.Namespace, dtype: common.DType, op: str, 
         launch()
     got = common.download(recv, expected.size, dtype, world.stream)
     if args.precision in ("int8", "fp8"):  # the quantized all-reduce's result, bit for bit
-        from ubnext import _reference
+        from ubnext._tools import reference as _reference
 
         inputs = [world.collective.data(world.size, r, count, seed, op)[0].astype(dtype.numpy)
                   for r in range(world.size)]

@@ -6,7 +6,7 @@ For each size (``-b``..``-e``, times ``-f``) and each candidate:
 
 * ``ubnext-auto`` and ``ubnext-<name>`` for every name in ``comm.algorithms()``,
   in place on symmetric memory (``comm.empty``, the zero-copy path);
-* ``nccl``: the real NCCL (``ubnext._nccl.NcclComm``), in place on plain cupy memory;
+* ``nccl``: the real NCCL (``ubnext._engine.nccl.NcclComm``), in place on plain cupy memory;
 * when torch imports: ``torch-oneshot`` (``torch.ops.symm_mem.one_shot_all_reduce_out``,
   symmetric input, plain output), ``torch-twoshot``
   (``torch.ops.symm_mem.two_shot_all_reduce_``, in place on symmetric memory) and
@@ -124,7 +124,7 @@ class Candidate:
 
 def ubnext_refuses(exc: BaseException) -> bool:
     """Whether ``exc`` is ubnext refusing its arguments (not a CUDA error or a timeout)."""
-    from ubnext._errors import CollectiveTimeoutError, CudaError, UbnextError
+    from ubnext._protocol.errors import CollectiveTimeoutError, CudaError, UbnextError
 
     fatal = isinstance(exc, (CudaError, CollectiveTimeoutError))
     return isinstance(exc, (ValueError, UbnextError)) and not fatal
@@ -250,7 +250,7 @@ def open_session(args: argparse.Namespace) -> Session:
     import cupy
 
     import ubnext
-    from ubnext._nccl import NcclComm
+    from ubnext._engine.nccl import NcclComm
 
     count = ALL_REDUCE.count(args.maxbytes, args.dtype.itemsize, 1)
     comm = ubnext.Communicator(**pool_mb_for(count * args.dtype.itemsize))

@@ -63,7 +63,7 @@ def candidates(comm, nbytes: int, dtype: str) -> dict:
 
     import ubnext.torch
     from bench.launch_floor import launch_candidates
-    from ubnext._arrays import wrap
+    from ubnext._interop.arrays import wrap
 
     count = nbytes // {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
     x = torch.randn(count, device="cuda").to(getattr(torch, dtype))

@@ -3,13 +3,13 @@
     python bench/host_path.py
 
 One process, one GPU, a communicator of one rank, 2 KiB of bfloat16 torch tensors. Each
-step of ``Communicator.all_reduce`` (``ubnext/_comm.py``, ``_dispatch.py``,
+step of ``Communicator.all_reduce`` (``ubnext/_api/communicator.py``, ``_dispatch.py``,
 ``_engine.py``) is called on its own with the arguments the call gives it, in
 interleaved rounds (``launch_floor.measure``), the GPU drained between samples; the
 whole call (out of place and in place), the planned fused call of one row, and the
 launch floor (``bench/launch_floor.py``: an empty kernel of 11 parameters launched with
 a prebuilt pack) are timed beside them. A repeated call takes its
-call plan (``ubnext/_plans.py``): the rows ``plan: ...`` are the steps of that path, the
+call plan (``ubnext/_api/plans.py``): the rows ``plan: ...`` are the steps of that path, the
 others those of a first call (the full path), which ``no plan`` times whole (the plans
 dropped before each call, so that it also makes its plan). The table gives the median and the
 minimum of host µs per call. Private names are used on purpose: this measures them.
@@ -25,11 +25,13 @@ if __package__ in (None, ""):  # run as a script (python bench/host_path.py): be
 
 import ubnext  # noqa: E402
 from bench.launch_floor import launch_candidates, measure  # noqa: E402
-from ubnext import _arrays, _signature  # noqa: E402
-from ubnext._algorithms import ALGORITHMS  # noqa: E402
-from ubnext._engine import lamport_shape  # noqa: E402
-from ubnext._plans import add_rmsnorm_key, all_reduce_key  # noqa: E402
-from ubnext._protocol import VEC_BYTES  # noqa: E402
+from ubnext._api.plans import add_rmsnorm_key, all_reduce_key  # noqa: E402
+from ubnext._engine.engine import lamport_shape  # noqa: E402
+from ubnext._engine.launch import issue  # noqa: E402
+from ubnext._interop import arrays as _arrays  # noqa: E402
+from ubnext._protocol import signature as _signature  # noqa: E402
+from ubnext._protocol.algorithms import ALGORITHMS  # noqa: E402
+from ubnext._protocol.constants import VEC_BYTES  # noqa: E402
 
 
 def parse_args(argv):
@@ -70,7 +72,7 @@ def steps(comm, nbytes: int) -> dict:
         "_arrays.check_out": lambda: _arrays.check_out(xb, y, name, handle),
         "_signature.encode": lambda: _signature.encode(name, xb.dtype, "sum", xb.count),
         "_dispatch.all_reduce": lambda: dispatch.all_reduce(algo, xb, ob, "sum", handle, owner, sig),
-        "engine.lamport": lambda: engine.lamport(algo, xb.dtype, "sum", xb.ptr, ob.ptr, xb.count, sig, handle),
+        "engine.lamport": lambda: issue(engine.lamport(algo, xb.dtype, "sum", xb.ptr, ob.ptr, xb.count, sig), handle),
         "engine._kernel (lookup)": lambda: engine._kernel(algo, xb.dtype, "sum"),
         "lamport_shape": lambda: lamport_shape(ALGORITHMS[algo], nvec, engine.nranks, engine._blocks),
         "Launcher()": (lambda launch, shape: lambda: launch(*shape, handle, xb.ptr, ob.ptr, xb.count, sig))(
@@ -111,7 +113,7 @@ def steps(comm, nbytes: int) -> dict:
 def _foreign_context(device: int) -> int:
     """A context other than ``device``'s primary one: another GPU's primary context, or a
     new context on ``device`` where it is the only GPU (left to the process's end)."""
-    from ubnext._cuda import drv
+    from ubnext._environment.cuda import drv
 
     count = drv("cuDeviceGetCount")
     if count > 1:

@@ -6,12 +6,12 @@ One process, one GPU. The kernel has the parameter list of ubnext's all-reduce e
 points (two u64, an int, eight u64), so every candidate passes the same 11 values:
 
 * ``cupy launchKernel``: CuPy's compiled binding of ``cuLaunchKernel`` with a prebuilt
-  argument pack (a private CuPy module; what ``ubnext._launch`` calls);
+  argument pack (a private CuPy module; what ``ubnext._engine.launch`` calls);
 * ``cuda.bindings cuLaunchKernel``: the same driver call through cuda-python's public
   binding, with the same prebuilt pack;
 * ``cupy RawKernel()``: CuPy's public kernel call, arguments converted per call;
-* ``ubnext Launcher``: ``ubnext._launch.Launcher``, the pack written per call (8 values);
-* ``ubnext Packed``: ``ubnext._launch.Packed``, a call plan's launch: its own pack,
+* ``ubnext Launcher``: ``ubnext._engine.launch.Launcher``, the pack written per call (8 values);
+* ``ubnext Packed``: ``ubnext._engine.launch.Packed``, a call plan's launch: its own pack,
   written once.
 
 Then the ways to read torch's current stream (``torch._C._cuda_getCurrentRawStream``,
@@ -36,7 +36,7 @@ import time
 if __package__ in (None, ""):  # run as a script (python bench/launch_floor.py): bench/_standalone.py
     import _standalone  # noqa: F401
 
-from ubnext._launch import I32, U64, Launcher, Packed  # noqa: E402
+from ubnext._engine.launch import I32, U64, Launcher, Packed  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SOURCE = r"""

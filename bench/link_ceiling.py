@@ -96,7 +96,7 @@ def candidates(comm, nbytes: int, module) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ubnext._launch import I32, U64, Launcher
+    from ubnext._engine.launch import I32, U64, Launcher
 
     n = comm.size
     chunk = 2 * nbytes // n // 16                       # vectors to / from each peer

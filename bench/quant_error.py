@@ -2,7 +2,7 @@
 
     python bench/quant_error.py [--count 1048576] [--outdir bench/results]
 
-The GPU kernel's result equals ubnext/_quant.py's host emulation bit for bit
+The GPU kernel's result equals ubnext/_protocol/quant.py's host emulation bit for bit
 (tests/test_gpu_quant.py), so the emulation measures the kernel's error without a GPU.
 For every format, input dtype, rank count and kind of data, every rank's input of
 ``--count`` elements is reduced by the emulation (sum); each group's error is its largest
@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: bench/_standalone.py puts the 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ubnext import _quant  # noqa: E402
+from ubnext._protocol import quant as _quant  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KINDS = ("normal", "heavy", "outliers", "channels")

@@ -166,7 +166,8 @@ def install(monkeypatch: Any = None) -> types.ModuleType:
     for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.nccl", nccl)):
         setitem(sys.modules, name, module)
     from stream_fakes import FakeContexts
-    from ubnext import _context
+
+    from ubnext._interop import context as _context
 
     setitem(_context.__dict__, "_DRIVER", [FakeContexts()])  # the device guard's driver calls
     return cupy

@@ -20,9 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import pytest
-
 import nvls_guard
+import pytest
 
 nvls_guard.install()
 
@@ -43,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
 @functools.lru_cache(maxsize=None)
 def _gpu_unavailable_reason() -> str | None:
     """Why no CUDA device is usable ("no GPU: ..." where there is none), or None if one is."""
-    from ubnext._preflight import gpu_problem
+    from ubnext._environment.preflight import gpu_problem
 
     return gpu_problem()
 
@@ -129,7 +128,7 @@ def run_mpi() -> Callable[..., subprocess.CompletedProcess]:
 def logged(caplog):
     """``logged()``: the ``ubnext`` log records of the test so far (the logger does not
     propagate, so caplog's handler is added to it); log_once starts afresh."""
-    from ubnext import _log
+    from ubnext._environment import log as _log
 
     logger = _log.get_logger()  # set up now: a first setup inside the test would reset the level
     level = logger.level

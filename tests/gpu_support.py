@@ -1,7 +1,7 @@
 """Helpers of the GPU tests: one communicator per module, inputs every rank regenerates
 for every other rank, outputs poisoned and bordered by canary bytes, the kernel launches
 of a call recorded, and every output element compared bit for bit with the host
-reference (ubnext/_reference.py) computed from every rank's inputs in the order of the
+reference (ubnext/_tools/reference.py) computed from every rank's inputs in the order of the
 kernels that ran.
 
 The same test bodies run at 1 rank (plain pytest) and at N ranks
@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 import pytest
 
-from ubnext import _reference as reference
+from ubnext._tools import reference
 
 DTYPES = tuple(reference.DTYPES)
 WIDTH = {name: dtype.itemsize for name, dtype in reference.DTYPES.items()}
@@ -191,8 +191,8 @@ def reduced_by_nccl(comm, algorithm: str, nbytes: int, dtype: str, fused: bool =
 
 def skip_where_nccl_cannot_run(comm) -> None:
     """Skips a test that NCCL must reduce where ranks share a GPU, which NCCL refuses
-    (ubnext._nccl raises). Collective (an allgather)."""
-    from ubnext import _devices
+    (ubnext._engine.nccl raises). Collective (an allgather)."""
+    from ubnext._environment import devices as _devices
 
     clashes = _devices.shared(comm.bootstrap.allgather_obj(_devices.device_uuid(comm.device)))
     if clashes:
@@ -260,7 +260,7 @@ def as_framework(t, framework: str):
     import cupy
     import torch
 
-    from ubnext._arrays import _cupy_dtype
+    from ubnext._interop.arrays import _cupy_dtype
 
     ints = t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
     return cupy.from_dlpack(ints).view(_cupy_dtype(str(t.dtype).replace("torch.", "")))
@@ -314,10 +314,10 @@ class Launch:
         threads: threads per block.
         cluster: blocks per thread-block cluster (1: none).
         args: the launch's varying arguments (``Launcher.__call__``'s values, as
-            ubnext._engine.Engine passes them, or a call plan's ``Packed.values``):
+            ubnext._engine.engine.Engine passes them, or a call plan's ``Packed.values``):
             ``x, out, n, sig`` (Lamport kernels), ``buf_off, src, dst, n, sig`` (two-shot),
             ``x, rows, hidden, ...`` (fused and separate add + RMSNorm).
-        collective: the plain entry point's collective (``ubnext._algorithms.COLLECTIVES``;
+        collective: the plain entry point's collective (``ubnext._protocol.algorithms.COLLECTIVES``;
             the reduce-scatter's and all-gather's ``n`` is elements per rank).
     """
 
@@ -355,7 +355,7 @@ def recorded_launches(comm):
     """Records every kernel launch of ubnext in the block, through a launcher's argument
     pack or a call plan's (``_launch.Packed``); yields the list of ``Launch``, filled when
     the block ends (collective calls run unchanged; graphs capture them)."""
-    from ubnext import _launch
+    from ubnext._engine import launch as _launch
 
     raw = []
     real, real_packed = _launch.Launcher.__call__, _launch.Packed.__call__

@@ -4,14 +4,15 @@ it, on the numpy stand-in for CuPy (``bench_fakes.install``), with faults to inj
 
 from __future__ import annotations
 
+import bench_fakes
+import numpy as np
 from stream_fakes import fake_context
 
-import numpy as np
-
-import bench_fakes
-from ubnext import _gate, _reference, _selfcheck
-from ubnext._config import Config
-from ubnext._errors import BrokenCommunicatorError
+from ubnext._environment import nvls_gate as _gate
+from ubnext._environment.config import Config
+from ubnext._protocol.errors import BrokenCommunicatorError
+from ubnext._tools import reference as _reference
+from ubnext._tools import selfcheck as _selfcheck
 
 KERNELS = ["lamport", "lamport_twoshot", "twoshot"]
 ALL = KERNELS + ["nccl"]
@@ -40,7 +41,7 @@ class FakeComm:
         return list(self._algorithms)
 
     def empty(self, shape, dtype):
-        from ubnext._arrays import _cupy_dtype
+        from ubnext._interop.arrays import _cupy_dtype
 
         return bench_fakes.ndarray(None, _host=np.zeros(shape, _reference.ALL_DTYPES[dtype])).view(_cupy_dtype(dtype))
 

@@ -1,5 +1,5 @@
 """Recording fakes for the stream tests (no GPU): the CUDA runtime calls of
-``ubnext._streams`` and the driver launch of ``ubnext._launch``."""
+``ubnext._interop.streams`` and the driver launch of ``ubnext._engine.launch``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import types
 
 
 class FakeCuda:
-    """Stands in for ``ubnext._streams.Cuda``: records every call in order.
+    """Stands in for ``ubnext._interop.streams.Cuda``: records every call in order.
 
     Args:
         captures: stream handle -> the id of the CUDA graph capture it is in (absent: 0,
@@ -63,7 +63,7 @@ def read_pack(pack_ptr: int, count: int) -> list[int]:
 
 
 class FakeDriver:
-    """Stands in for CuPy's driver binding in ``ubnext._launch``: ``launchKernel`` calls
+    """Stands in for CuPy's driver binding in ``ubnext._engine.launch``: ``launchKernel`` calls
     ``on_launch(args, stream)`` with the parameters the launch would pass."""
 
     class CUDADriverError(Exception):
@@ -78,7 +78,7 @@ class FakeDriver:
 
 
 class FakeContexts:
-    """Stands in for ``ubnext._context.Driver``: one context per device (handle 0xC0 +
+    """Stands in for ``ubnext._interop.context.Driver``: one context per device (handle 0xC0 +
     device), a current one per host thread (0: none), every change recorded.
 
     Args:
@@ -128,16 +128,16 @@ class FakeContexts:
 
 
 def fake_context(device: int, contexts: FakeContexts | None = None):
-    """A ``ubnext._context.Context`` of ``device`` on ``contexts`` (default: a new
+    """A ``ubnext._interop.context.Context`` of ``device`` on ``contexts`` (default: a new
     FakeContexts)."""
-    from ubnext._context import Context
+    from ubnext._interop.context import Context
 
     return Context(device, contexts or FakeContexts())
 
 
 def fake_order(device: int = 0, contexts: FakeContexts | None = None, cuda=None):
-    """A ``ubnext._streams.LaunchOrder`` on a fake context of ``device``."""
-    from ubnext._streams import LaunchOrder
+    """A ``ubnext._interop.streams.LaunchOrder`` on a fake context of ``device``."""
+    from ubnext._interop.streams import LaunchOrder
 
     return LaunchOrder(fake_context(device, contexts), cuda)
 
@@ -149,13 +149,14 @@ def bare_communicator(order, **attrs):
     of its own)."""
     import weakref
 
-    from ubnext._comm import Communicator, _Owned
-    from ubnext._plans import Plans
+    from ubnext._api.communicator import Communicator
+    from ubnext._api.lifetime import Owned
+    from ubnext._api.plans import Plans
 
     comm = Communicator.__new__(Communicator)
     comm.__dict__.update(rank=0, size=1, device=order.context.device, _closed=False, _resolved={}, _plans=Plans(),
                          _node=None, _local=None, _order=order, _context=order.context)
     comm.__dict__.update(attrs)
-    comm._owned = _Owned(order, comm._node, comm.__dict__.get("_dispatch"), None, comm._local, None, 0)
+    comm._owned = Owned(order, comm._node, comm.__dict__.get("_dispatch"), None, comm._local, None, 0)
     comm._finalizer = weakref.finalize(comm, lambda: None)
     return comm

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from thread_ranks import run_ranks
-from ubnext import _agreement
-from ubnext._config import Config
-from ubnext._errors import UbnextError
+
+from ubnext._api import agreement as _agreement
+from ubnext._environment.config import Config
+from ubnext._protocol.errors import UbnextError
 
 
 def test_every_config_field_is_agreed_or_exempt_with_its_reason():
@@ -64,7 +64,7 @@ def test_the_communicator_checks_before_any_setup(monkeypatch):
     """Communicator() compares the ranks before its pool or devices (the check raises on
     a CPU machine before anything needs a GPU)."""
     import ubnext
-    from ubnext import _preflight
+    from ubnext._environment import preflight as _preflight
 
     monkeypatch.setattr(_preflight, "check", lambda op, config: None)
 

@@ -8,10 +8,13 @@ import types
 
 import numpy as np
 import pytest
-
 from stream_fakes import FakeContexts, FakeCuda
-from ubnext import UbnextError, _arrays, _context, _streams
-from ubnext._arrays import as_buffer, launch_stream, record_stream, stream_handle
+
+from ubnext import UbnextError
+from ubnext._interop import arrays as _arrays
+from ubnext._interop import context as _context
+from ubnext._interop import streams as _streams
+from ubnext._interop.arrays import as_buffer, launch_stream, record_stream, stream_handle
 
 
 @pytest.mark.parametrize("obj", [np.ones(4, np.float32), [1.0, 2.0], 3.0, "x"])

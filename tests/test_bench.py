@@ -17,9 +17,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # bench/ is not part of the installed package
 
 import bench_fakes as fakes  # noqa: E402
+
 from bench import _common as common  # noqa: E402
-from bench import all_reduce_perf as arp  # noqa: E402
 from bench import _torchbench, compare, plot  # noqa: E402
+from bench import all_reduce_perf as arp  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
 BF16, HALF, FLOAT = common.DTYPES["bfloat16"], common.DTYPES["half"], common.DTYPES["float"]
@@ -515,7 +516,7 @@ def test_benchmarks_import_without_gpu_modules():
 
 def test_link_ceiling_defaults_and_kernels_compile():
     from bench import link_ceiling
-    from ubnext._cuda import nvrtc_compile
+    from ubnext._environment.cuda import nvrtc_compile
 
     args = link_ceiling.parse_args([])
     assert args.bytes == [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ubnext._errors import ClosedError, UbnextError
+from ubnext._protocol.errors import ClosedError, UbnextError
 from ubnext.bootstrap import Bootstrap, MPIBootstrap, SelfBootstrap, TorchBootstrap, node_id
 from ubnext.bootstrap._base import _SubsetBootstrap
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ubnext._config import Config
-from ubnext._log import get_logger, log_once
+from ubnext._environment.config import Config
+from ubnext._environment.log import get_logger, log_once
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

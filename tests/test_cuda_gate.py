@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from ubnext._cuda import check, drv, nvrtc_compile
-from ubnext._errors import CudaError
+from ubnext._environment.cuda import check, drv, nvrtc_compile
+from ubnext._protocol.errors import CudaError
 
 driver = pytest.importorskip("cuda.bindings.driver")
 runtime = pytest.importorskip("cuda.bindings.runtime")

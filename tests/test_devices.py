@@ -1,4 +1,4 @@
-"""Device mapping by UUID (ubnext._devices): the assignment rule over gathered views,
+"""Device mapping by UUID (ubnext._environment.devices): the assignment rule over gathered views,
 the shared-GPU warning, different CUDA_VISIBLE_DEVICES lists, and the UUID query
 against a fake driver; ranks are threads (thread_ranks)."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from thread_ranks import run_ranks
-from ubnext import _devices
-from ubnext._devices import DeviceView, assign, map_devices, shared
-from ubnext._errors import UbnextError
+
+from ubnext._environment import devices as _devices
+from ubnext._environment.devices import DeviceView, assign, map_devices, shared
+from ubnext._protocol.errors import UbnextError
 
 A, B, C, D = (f"GPU-{i}" for i in "ABCD")
 

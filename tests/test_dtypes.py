@@ -9,12 +9,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ubnext import _reference as reference
-from ubnext._algorithms import ALGORITHMS, DTYPES, FLOAT_DTYPES, KERNEL_DTYPES, OPS, TWOSHOT_ONLY_DTYPES, op_problem
-from ubnext._comm import Communicator
-from ubnext._config import Config
-from ubnext._errors import UbnextError
-from ubnext._select import Selector, buffer_limits
+from ubnext._api.communicator import Communicator
+from ubnext._environment.config import Config
+from ubnext._protocol.algorithms import (
+    ALGORITHMS,
+    DTYPES,
+    FLOAT_DTYPES,
+    KERNEL_DTYPES,
+    OPS,
+    TWOSHOT_ONLY_DTYPES,
+    op_problem,
+)
+from ubnext._protocol.errors import UbnextError
+from ubnext._selection.select import Selector, buffer_limits
+from ubnext._tools import reference
 
 OTHERS = [d for d in DTYPES if d not in KERNEL_DTYPES]
 KERNELS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
@@ -157,7 +165,7 @@ def test_deterministic_mode_takes_float64_to_the_kernel_and_refuses_it_without_o
 
 def test_nccl_enums_cover_every_dtype():
     nccl = pytest.importorskip("cupy.cuda.nccl")
-    from ubnext._nccl import _tables
+    from ubnext._engine.nccl import _tables
 
     dtypes, ops = _tables(nccl)
     assert set(dtypes) == set(DTYPES) and set(ops) == set(OPS)
@@ -167,7 +175,7 @@ def test_nccl_enums_cover_every_dtype():
 
 
 def test_arrays_name_numpy_dtypes_of_every_kind():
-    from ubnext import _arrays
+    from ubnext._interop import arrays as _arrays
 
     for name in OTHERS:
         assert _arrays._numpy_name(np.dtype(name), "all_reduce") == name
@@ -243,7 +251,7 @@ class _Local:
 
 
 def test_nccl_cannot_run_where_ranks_share_a_gpu_or_lack_the_library(monkeypatch):
-    from ubnext import _nccl
+    from ubnext._engine import nccl as _nccl
 
     monkeypatch.setattr(_nccl._devices, "device_uuid", lambda device: f"GPU-{device}")
     assert _nccl.cannot_run(_Local([("GPU-0", None), ("GPU-1", None)]), 0) is None
@@ -256,9 +264,9 @@ def test_nccl_cannot_run_where_ranks_share_a_gpu_or_lack_the_library(monkeypatch
 def test_describe_names_the_path_of_every_dtype(monkeypatch):
     from types import SimpleNamespace
 
-    from ubnext import _info, _report
+    from ubnext._api import report as _report
 
-    monkeypatch.setattr(_info, "device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "Fake GPU")
     cfg = Config.from_env()
     for problem, path in ((None, "nccl"), ("local ranks 0, 1 share one GPU, which NCCL refuses", "twoshot")):
         comm = SimpleNamespace(rank=0, size=4, device=0, config=cfg, pool=None, path="kernels", local_rank=0,

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext import _signature
-from ubnext._errors import (BrokenCommunicatorError, CollectiveMismatchError, CollectiveTimeoutError,
-                            ConcurrentUseError, UbnextError)
-from ubnext._failures import broken_word, error_of
-from ubnext._protocol import ANY_PEER, FAIL_KINDS, WAIT_SITES
+from ubnext._engine.failures import broken_word, error_of
+from ubnext._protocol import signature as _signature
+from ubnext._protocol.constants import ANY_PEER, FAIL_KINDS, WAIT_SITES
+from ubnext._protocol.errors import (
+    BrokenCommunicatorError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    ConcurrentUseError,
+    UbnextError,
+)
 
 KIND = {name: code for code, (name, _) in FAIL_KINDS.items()}
 SITE = {name: code for code, (name, _) in WAIT_SITES.items()}
@@ -79,7 +84,7 @@ def test_every_error_is_a_ubnext_error():
 def test_the_watchdog_reports_a_failure_once_and_stops():
     import threading
 
-    from ubnext._watchdog import Watchdog
+    from ubnext._api.lifetime import Watchdog
 
     polls, seen, done = [], [], threading.Event()
 
@@ -102,7 +107,7 @@ def test_the_watchdog_runs_its_start_on_its_thread_before_the_first_poll():
     the garbage collector frees on that thread, runs on its device, not device 0."""
     import threading
 
-    from ubnext._watchdog import Watchdog
+    from ubnext._api.lifetime import Watchdog
 
     seen, polled = [], threading.Event()
 
@@ -118,7 +123,7 @@ def test_the_watchdog_runs_its_start_on_its_thread_before_the_first_poll():
 
 
 def test_the_watchdog_stops_without_a_failure():
-    from ubnext._watchdog import Watchdog
+    from ubnext._api.lifetime import Watchdog
 
     polls = []
     dog = Watchdog(lambda: polls.append(1), lambda failure: None, 0.01, "test-watchdog")

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from ubnext import _fdpass
-from ubnext._errors import ClosedError, UbnextError
-from ubnext._fdpass import FdChannel
+from ubnext._memory import descriptors as _fdpass
+from ubnext._memory.descriptors import FdChannel
+from ubnext._protocol.errors import ClosedError, UbnextError
 from ubnext.bootstrap import Bootstrap, SelfBootstrap
 
 JOIN_TIMEOUT_S = 60.0

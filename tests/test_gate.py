@@ -7,14 +7,13 @@ Ranks run as threads (``thread_ranks``) sharing one recording fake driver.
 from __future__ import annotations
 
 import pytest
-
-from stream_fakes import fake_context
-
 from fake_driver import MulticastFakeDriver
+from stream_fakes import fake_context
 from thread_ranks import raise_first, run_ranks
-from ubnext._config import Config
-from ubnext._errors import UbnextError
-from ubnext._gate import ENV_BLOCKERS, OPT_IN, NvlsDecision, decide, env_blockers, fallback, verdict
+
+from ubnext._environment.config import Config
+from ubnext._environment.nvls_gate import ENV_BLOCKERS, OPT_IN, NvlsDecision, decide, env_blockers, fallback, verdict
+from ubnext._protocol.errors import UbnextError
 
 BLOCKERS = [f"{var}={value}" for var, value in ENV_BLOCKERS]
 
@@ -208,7 +207,7 @@ def node_path(monkeypatch):
     """
     import cupy
 
-    import ubnext._node as node_module
+    import ubnext._engine.node as node_module
 
     monkeypatch.setattr(node_module, "Engine", StubEngine)
     monkeypatch.setattr(node_module, "FailureRecords", StubFailureRecords)
@@ -283,7 +282,7 @@ def test_node_close_of_a_broken_node_waits_for_no_rank_and_releases_everything(m
     never come) and still releases everything; a device error is raised after that."""
     import cupy
 
-    import ubnext._node as node_module
+    import ubnext._engine.node as node_module
 
     monkeypatch.setattr(node_module, "Engine", StubEngine)
     monkeypatch.setattr(node_module, "FailureRecords", StubFailureRecords)
@@ -312,9 +311,9 @@ def test_node_close_of_a_broken_node_waits_for_no_rank_and_releases_everything(m
 def test_node_announce_marks_every_family_of_every_rank(monkeypatch):
     import cupy
 
-    import ubnext._node as node_module
-    from ubnext._layout import STATES
-    from ubnext._failures import broken_word
+    import ubnext._engine.node as node_module
+    from ubnext._engine.failures import broken_word
+    from ubnext._memory.heap import STATES
 
     monkeypatch.setattr(node_module, "Engine", StubEngine)
     monkeypatch.setattr(node_module, "FailureRecords", StubFailureRecords)

@@ -1,7 +1,7 @@
 """All-reduce correctness on GPUs: every algorithm x dtype x size, in and out of place,
 CuPy and torch, plain and symmetric buffers. Every output element is compared bit for
 bit with the host reference computed in the order of the kernels that ran
-(ubnext/_reference.py; NCCL on exactly representable inputs), outputs are poisoned and
+(ubnext/_tools/reference.py; NCCL on exactly representable inputs), outputs are poisoned and
 bordered by canary bytes, and every rank must hold the same bits.
 
 Run at N ranks with ``mpirun -n N python -m pytest -q tests/test_gpu_allreduce.py``;
@@ -11,7 +11,6 @@ skipped without a GPU.
 from __future__ import annotations
 
 import pytest
-
 from gpu_support import DTYPES, WIDTH, check_all_reduce, require_gpu_and_torch, seed_of
 
 pytestmark = pytest.mark.gpu
@@ -142,11 +141,11 @@ def test_lamport_twoshot_at_and_past_its_limit(comm, dtype, extra):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_thread", [2, 3])
 def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
-    """Messages whose launches run on the narrow blocks (ubnext._shapes.lamport_twoshot_threads):
+    """Messages whose launches run on the narrow blocks (ubnext._engine.engine.lamport_twoshot_threads):
     each thread pushes, reduces and gathers 2 or 3 vectors in turn; also with a partial
     last vector."""
-    from ubnext import _shapes
-    from ubnext._algorithms import ALGORITHMS
+    from ubnext._engine import engine as _shapes
+    from ubnext._protocol.algorithms import ALGORITHMS
 
     blocks, alg = comm._node.engine._blocks, ALGORITHMS["lamport_twoshot"]
     per_vec = 16 // WIDTH[dtype]

@@ -7,9 +7,17 @@ Runs at any world size (``mpirun -n N python -m pytest tests/test_gpu_api.py``).
 from __future__ import annotations
 
 import pytest
-
-from gpu_support import (Bordered, collected, device, expected_all_reduce, host, rank_inputs, recorded_launches,
-                         reference, require_gpu_and_torch)
+from gpu_support import (
+    Bordered,
+    collected,
+    device,
+    expected_all_reduce,
+    host,
+    rank_inputs,
+    recorded_launches,
+    reference,
+    require_gpu_and_torch,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,6 @@ import os
 import sys
 
 import pytest
-
 from gpu_support import require_gpu_and_torch
 from launch_support import SCRIPTS, clean_env, free_port, run_all
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gpu_support import device, host, make_other_input, rank_inputs, require_gpu_and_torch
-from ubnext import _reference as reference
+
+from ubnext._tools import reference
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,7 @@ reduce_scatter_add_rmsnorm, ``empty()``, ``synchronize()``, explicit streams (in
 under a foreign device, ubnext.torch's ops and a tensor-parallel layer's forward,
 ``tune.run``, the selftest, and ``close()`` / ``abort()`` of a second communicator.
 Every result is compared bit for bit
-with the host reference (``ubnext/_reference.py``, through the helpers of
+with the host reference (``ubnext/_tools/reference.py``, through the helpers of
 ``gpu_support`` and the other GPU test modules), outputs are poisoned and bordered by canary
 bytes, every returned array must be on the communicator's device, and after every test a
 tiny kernel must still run on every visible device (the bug this guards against killed the
@@ -52,15 +52,35 @@ import threading
 
 import numpy as np
 import pytest
-
-from gpu_support import (SMALL, WIDTH, Bordered, as_framework, check_add_rmsnorm, check_all_reduce, collected,
-                         cuda_core_api, device, expected_add_rmsnorm, expected_all_reduce, host, jax_gpu_devices,
-                         make_input, norm_operands, ran, rank_inputs, recorded_launches, reference,
-                         require_gpu_and_torch, seed_of, to_torch)
+from gpu_support import (
+    SMALL,
+    WIDTH,
+    Bordered,
+    as_framework,
+    check_add_rmsnorm,
+    check_all_reduce,
+    collected,
+    cuda_core_api,
+    device,
+    expected_add_rmsnorm,
+    expected_all_reduce,
+    host,
+    jax_gpu_devices,
+    make_input,
+    norm_operands,
+    ran,
+    rank_inputs,
+    recorded_launches,
+    reference,
+    require_gpu_and_torch,
+    seed_of,
+    to_torch,
+)
 from test_gpu_quant import check_quantized
 from test_gpu_rsag import check_all_gather, check_reduce_scatter, resolved
 from test_gpu_rsag import ran as rsag_ran
-from ubnext._algorithms import ALGORITHMS
+
+from ubnext._protocol.algorithms import ALGORITHMS
 
 # JAX takes 75 % of a GPU's memory at its first use unless told otherwise; four ranks that
 # each see every GPU would starve each other. Set before jax can be imported (in a test).
@@ -1050,7 +1070,7 @@ def test_tune_under_a_foreign_device(comm, home, second, mode, tmp_path):
     table with a positive time for every algorithm that took the size, and leaves the
     caller's device as it was."""
     from ubnext import tune
-    from ubnext._table import load_table
+    from ubnext._selection.table import load_table
 
     f = Foreign(comm, mode, home, second)
     path = comm.bootstrap.bcast_obj(str(tmp_path / "tune.json") if comm.rank == 0 else None)
@@ -1076,7 +1096,8 @@ def test_selftest_under_a_foreign_device(comm, home, second, mode, monkeypatch):
     nothing here)."""
     import io
 
-    from ubnext import _selfcheck, _selftest
+    from ubnext._tools import selfcheck as _selfcheck
+    from ubnext._tools import selftest as _selftest
 
     monkeypatch.setattr(_selfcheck, "COUNTS", (1, 7))
     f = Foreign(comm, mode, home, second)

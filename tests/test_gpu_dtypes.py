@@ -2,7 +2,7 @@
 
 ubnext's barrier two-shot (``algorithm="twoshot"``) reduces them, float64 in float64 and
 integers in their own type, wrapping around: every output element matches the host
-reference in the kernel's order bit for bit (ubnext/_reference.py: ``twoshot``), with canary
+reference in the kernel's order bit for bit (ubnext/_tools/reference.py: ``twoshot``), with canary
 bytes around the output, the input unchanged, the same bits on every rank, through the
 kernel's copy-in/copy-out, in place on symmetric memory, through the staging slot for
 unaligned arrays, and replayed from a CUDA graph. ``auto`` hands these dtypes to NCCL
@@ -22,10 +22,17 @@ import hashlib
 
 import numpy as np
 import pytest
+from gpu_support import (
+    collected,
+    communicator,
+    expected_all_reduce,
+    make_other_input,
+    ran,
+    recorded_launches,
+    skip_where_nccl_cannot_run,
+)
 
-from gpu_support import (collected, communicator, expected_all_reduce, make_other_input, ran, recorded_launches,
-                         skip_where_nccl_cannot_run)
-from ubnext import _reference as reference
+from ubnext._tools import reference
 
 pytestmark = pytest.mark.gpu
 
@@ -171,10 +178,11 @@ def test_twoshot_replays_from_a_cuda_graph(comm, dtype):
 
 # ---- auto: NCCL where it runs, else the two-shot ---------------------------------------------
 def test_auto_takes_the_two_shot_exactly_where_nccl_cannot_run(comm):
-    from ubnext import _devices, _nccl
+    from ubnext._environment import devices as _devices
+    from ubnext._environment import install as _install
 
     shared = _devices.shared(comm.bootstrap.allgather_obj(_devices.device_uuid(comm.device)))
-    cannot = bool(shared) or any(comm.bootstrap.allgather_obj(_nccl.load_problem()))
+    cannot = bool(shared) or any(comm.bootstrap.allgather_obj(_install.nccl_problem()))
     assert bool(comm.selector.nccl_problem) == cannot, comm.selector.nccl_problem
     for dtype in DTYPES:
         name, why = comm.selector.explain(4096, dtype)

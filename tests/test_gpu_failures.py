@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from gpu_support import require_gpu_and_torch
 
 pytestmark = pytest.mark.gpu

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
-import nvls_guard
 import gpu_support
+import nvls_guard
+import pytest
 from gpu_support import gpu_count, require_gpu_and_torch
+
 from ubnext.bootstrap import Bootstrap
 from ubnext.bootstrap._base import _SubsetBootstrap
 
@@ -36,18 +36,18 @@ SIZES = (1, 1000, 70_000, 1 << 20)  # elements
 def logged(monkeypatch):
     """The communicator's ``log_once`` calls as ``(key, message, first)``; the process-wide
     "already logged" set starts empty, so a fallback seen in an earlier test is logged again."""
-    import ubnext._comm
-    import ubnext._log
+    import ubnext._api.communicator
+    import ubnext._environment.log
 
-    monkeypatch.setattr(ubnext._log, "_once_keys", set())
+    monkeypatch.setattr(ubnext._environment.log, "_once_keys", set())
     calls = []
 
     def record(key, msg, level=logging.WARNING):
-        first = ubnext._log.log_once(key, msg, level)
+        first = ubnext._environment.log.log_once(key, msg, level)
         calls.append((key, msg, first))
         return first
 
-    monkeypatch.setattr(ubnext._comm, "log_once", record)
+    monkeypatch.setattr(ubnext._api.communicator, "log_once", record)
     return calls
 
 
@@ -100,7 +100,7 @@ def test_a_pool_too_small_for_the_library_slots_uses_nccl(logged):
 
 
 def test_b_no_p2p_uses_nccl_without_hanging(monkeypatch, logged):
-    from ubnext._pool import PeerAccessError, SymmetricPool
+    from ubnext._memory.pool import PeerAccessError, SymmetricPool
 
     def no_p2p(self, peer, name, *args):
         raise PeerAccessError(name, 217, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED: injected by the test", peer)
@@ -179,11 +179,11 @@ def test_d_lamport_sized_message_above_lamport_max_goes_to_twoshot(logged, tmp_p
 def multicast_forbidden(monkeypatch):
     """Any cuMulticast* attribute taken from the driver ubnext uses is recorded (and
     answered with an error, never with the real function); the test asserts none was."""
-    import ubnext._cuda
-    import ubnext._gate
-    import ubnext._multicast
+    import ubnext._environment.cuda
+    import ubnext._environment.nvls_gate
+    import ubnext._memory.multicast
 
-    real = ubnext._cuda.default_driver()
+    real = ubnext._environment.cuda.default_driver()
     seen = []
 
     class NoMulticast:
@@ -194,7 +194,7 @@ def multicast_forbidden(monkeypatch):
             return getattr(real, name)
 
     guard = NoMulticast()
-    for module in (ubnext._cuda, ubnext._gate, ubnext._multicast):
+    for module in (ubnext._environment.cuda, ubnext._environment.nvls_gate, ubnext._memory.multicast):
         monkeypatch.setattr(module, "default_driver", lambda: guard)
     before = len(nvls_guard.attempts)
     yield seen

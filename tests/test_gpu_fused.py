@@ -1,5 +1,5 @@
 """Fused all-reduce + residual add + RMSNorm on GPUs. Both outputs are compared bit for
-bit with the host reference (ubnext/_reference.py) computed in the order of the kernels
+bit with the host reference (ubnext/_tools/reference.py) computed in the order of the kernels
 that ran, their row groups included; outputs are poisoned and bordered by canary bytes.
 
 Run at N ranks with ``mpirun -n N python -m pytest -q tests/test_gpu_fused.py``;
@@ -12,9 +12,21 @@ from __future__ import annotations
 import zlib
 
 import pytest
-
-from gpu_support import (DTYPES, SHARED, check_add_rmsnorm, check_all_reduce, collected, communicator, device,
-                         expected_add_rmsnorm, host, make_input, norm_operands, recorded_launches, reference)
+from gpu_support import (
+    DTYPES,
+    SHARED,
+    check_add_rmsnorm,
+    check_all_reduce,
+    collected,
+    communicator,
+    device,
+    expected_add_rmsnorm,
+    host,
+    make_input,
+    norm_operands,
+    recorded_launches,
+    reference,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,6 @@ import os
 
 import numpy as np
 import pytest
-
 from gpu_support import cuda_core_api, jax_gpu_devices, require_gpu_and_torch
 
 # JAX takes 75 % of the GPU's memory at its first use unless told otherwise; the ranks

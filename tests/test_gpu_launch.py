@@ -9,7 +9,6 @@ import re
 import sys
 
 import pytest
-
 from launch_support import LAUNCH_VARS, SCRIPTS, clean_env, run_all
 
 pytestmark = pytest.mark.gpu

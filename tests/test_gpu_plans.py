@@ -1,5 +1,5 @@
 """GPU: call plans of eager all-reduces and fused all-reduce + add + RMSNorm calls
-(``ubnext/_plans.py``). A repeated call with the same arrays launches the plan of its
+(``ubnext/_api/plans.py``). A repeated call with the same arrays launches the plan of its
 first call: the same kernel with the same arguments, reducing the arrays' contents at
 the time of the call, on torch tensors and CuPy arrays, out of place and in place, on the
 current stream, a side stream and in a CUDA graph. Calls that are not one kernel launch
@@ -14,10 +14,18 @@ Runs at any world size (``mpirun -n N python -m pytest tests/test_gpu_plans.py``
 from __future__ import annotations
 
 import pytest
+from gpu_support import (
+    assert_same_bits_everywhere,
+    device,
+    expected_add_rmsnorm,
+    host,
+    norm_operands,
+    recorded_launches,
+    reference,
+    small_torch_communicator,
+)
 
-from gpu_support import (assert_same_bits_everywhere, device, expected_add_rmsnorm, host, norm_operands,
-                         recorded_launches, reference, small_torch_communicator)
-from ubnext._algorithms import ALGORITHMS
+from ubnext._protocol.algorithms import ALGORITHMS
 
 pytestmark = pytest.mark.gpu
 

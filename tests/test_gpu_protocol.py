@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gpu_support import communicator, torch_dtype
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +38,7 @@ def plant_epoch_below_wrap(comm, family: str, width: int, before_wrap: int) -> i
     only the wrap itself can break the rotation. Collective; returns the planted epoch."""
     import torch
 
-    from ubnext._protocol import LAUNCH_STATE
+    from ubnext._protocol.constants import LAUNCH_STATE
 
     torch.cuda.synchronize()
     comm.bootstrap.barrier()  # no rank still runs a launch of the family

@@ -1,5 +1,5 @@
 """The quantized two-shot all-reduce (opt-in) on GPUs: every output element equals the host
-emulation (ubnext/_quant.py) bit for bit, on every rank alike, within the stated error
+emulation (ubnext/_protocol/quant.py) bit for bit, on every rank alike, within the stated error
 bound; odd sizes, unaligned and in-place arrays, several launches, CUDA-graph replay; the
 opt-in rules (``auto`` quantizes only on a communicator that opted in, from
 ``_quant.AUTO_MIN_BYTES`` at 2 ranks or more; full precision otherwise, bit for bit as
@@ -13,10 +13,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_support import (
+    Bordered,
+    assert_same_bits_everywhere,
+    check_all_reduce,
+    collected,
+    device,
+    host,
+    rank_inputs,
+    recorded_launches,
+    reference,
+    require_gpu_and_torch,
+)
 
-from gpu_support import (Bordered, assert_same_bits_everywhere, check_all_reduce, collected, device, host,
-                         rank_inputs, recorded_launches, reference, require_gpu_and_torch)
-from ubnext import _quant
+from ubnext._protocol import quant as _quant
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
 """Reduce-scatter and all-gather correctness on GPUs: every algorithm x kernel dtype x size
 (1 element per rank, 7, 4 KiB, about 1M+3 in all; 64 MiB for bfloat16 only), in and out of
 place, plain, unaligned and symmetric buffers. Every output element is compared bit for
-bit with the host reference in the order of the kernels that ran (ubnext/_reference.py:
+bit with the host reference in the order of the kernels that ran (ubnext/_tools/reference.py:
 reduce_scatter, all_gather; NCCL on exactly representable inputs), outputs are poisoned
 and bordered by canary bytes, the all-gather's bits are the same on every rank; CUDA-graph
 replay; back-to-back calls interleaved with all_reduce; the fused sequence-parallel step
@@ -16,13 +16,25 @@ NCCL runs are skipped where ranks share a GPU; skipped without a GPU.
 from __future__ import annotations
 
 import pytest
-
 from gpu_support import (
-    WIDTH, Bordered, as_framework, assert_same_bits_everywhere, collected, communicator, device, host,
-    norm_operands, rank_inputs, recorded_launches, seed_of, skip_where_nccl_cannot_run, to_torch,
+    WIDTH,
+    Bordered,
+    as_framework,
+    assert_same_bits_everywhere,
+    collected,
+    communicator,
+    device,
+    host,
+    norm_operands,
+    rank_inputs,
+    recorded_launches,
+    seed_of,
+    skip_where_nccl_cannot_run,
+    to_torch,
 )
-from ubnext import _reference as reference
-from ubnext._algorithms import KERNEL_DTYPES
+
+from ubnext._protocol.algorithms import KERNEL_DTYPES
+from ubnext._tools import reference
 
 pytestmark = pytest.mark.gpu
 

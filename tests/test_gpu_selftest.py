@@ -16,10 +16,12 @@ import sys
 import time
 
 import pytest
-
 from launch_support import LAUNCH_VARS, clean_env, run_all
-from ubnext import Communicator, _selfcheck, _selftest
-from ubnext._algorithms import KERNEL_DTYPES, TWOSHOT_ONLY_DTYPES
+
+from ubnext import Communicator
+from ubnext._protocol.algorithms import KERNEL_DTYPES, TWOSHOT_ONLY_DTYPES
+from ubnext._tools import selfcheck as _selfcheck
+from ubnext._tools import selftest as _selftest
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from gpu_support import small_torch_communicator
 
 pytestmark = pytest.mark.gpu

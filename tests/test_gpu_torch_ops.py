@@ -13,7 +13,6 @@ Run at N ranks with ``mpirun -n N python -m pytest -q tests/test_gpu_torch_ops.p
 from __future__ import annotations
 
 import pytest
-
 from gpu_support import require_gpu_and_torch
 
 pytestmark = pytest.mark.gpu
@@ -24,9 +23,8 @@ TOKENS, HIDDEN = 8, 256
 @pytest.fixture(scope="module")
 def comm():
     require_gpu_and_torch()
-    from tp_support import gpu_communicator
-
     from gpu_support import skip_where_nccl_cannot_run
+    from tp_support import gpu_communicator
 
     nbytes = TOKENS * HIDDEN * 2
     c = gpu_communicator(nbytes, "bfloat16")

@@ -17,8 +17,7 @@ import pytest
 pytest.importorskip("torch", reason="ubnext.torch needs torch")
 
 import tp_support as tp  # noqa: E402
-from gpu_support import (device, expected_add_rmsnorm, expected_all_reduce, host, ran,  # noqa: E402
-                         recorded_launches)
+from gpu_support import device, expected_add_rmsnorm, expected_all_reduce, host, ran, recorded_launches  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

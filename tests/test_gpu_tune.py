@@ -38,7 +38,7 @@ def test_describe_matches_select_and_is_the_same_on_every_rank(comm):
 def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
     import ubnext
     from ubnext import tune
-    from ubnext._table import load_table
+    from ubnext._selection.table import load_table
 
     path = comm.bootstrap.bcast_obj(str(tmp_path / "tune.json") if comm.rank == 0 else None)
     argv = ["-o", path, "-b", "4K", "-e", "1M", "-f", "16", "-n", "4", "-G", "2", "--repeats", "3",

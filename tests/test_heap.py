@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from ubnext._errors import UbnextError
-from ubnext._heap import SlotPlan, UserHeap
+from ubnext._memory.heap import SlotPlan, UserHeap
+from ubnext._protocol.errors import UbnextError
 
 # -- SlotPlan ---------------------------------------------------------------
 
@@ -247,9 +247,9 @@ def test_library_slots_cover_every_lamport_family(nranks):
     """Every Lamport family of the algorithm table has a launch state and a set of three
     buffers per element width (Engine.initialize poisons exactly these), and a Lamport
     two-shot area holds every rank's whole slice of its largest message."""
-    from ubnext._algorithms import ALGORITHMS
-    from ubnext._layout import plan_layout
-    from ubnext._protocol import HEADER_BYTES, LAUNCH_STATE_BYTES
+    from ubnext._memory.heap import plan_layout
+    from ubnext._protocol.algorithms import ALGORITHMS
+    from ubnext._protocol.constants import HEADER_BYTES, LAUNCH_STATE_BYTES
 
     one, two = 64 << 10, (1 << 20) + 48
     plan = plan_layout(nranks, one, two, 8 << 20)

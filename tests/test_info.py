@@ -12,9 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from ubnext import Config, _info, _report
-from ubnext._select import Selector, buffer_limits
-from ubnext._table import load_table
+from ubnext import Config
+from ubnext._api import report as _report
+from ubnext._selection.select import Selector, buffer_limits
+from ubnext._selection.table import load_table
+from ubnext._tools import info as _info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
@@ -92,7 +94,7 @@ def fake_comm(usable=("lamport", "twoshot", "nccl"), nccl_reason=None, table=Non
 
 @pytest.fixture(autouse=True)
 def no_device(monkeypatch):
-    monkeypatch.setattr(_info, "device_name", lambda device: "Fake GPU")
+    monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "Fake GPU")
 
 
 def test_describe_reports_path_pool_tables_and_selection():

@@ -1,4 +1,4 @@
-"""The install checks of ``ubnext._install``: ``import ubnext`` names the install lines
+"""The install checks of ``ubnext._environment.install``: ``import ubnext`` names the install lines
 when CuPy or cuda-bindings is missing, ``check_packages`` refuses mixed CUDA packages,
 and ``check_driver`` gives one line when the driver is older than a CUDA runtime
 ubnext loads. Fakes stand in for module lookup, package metadata and the CUDA version
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ubnext import UbnextError, _install
-from ubnext._install import CHOICES, CudaVersions, check_driver, check_install, check_packages
+from ubnext import UbnextError
+from ubnext._environment import install as _install
+from ubnext._environment.install import CHOICES, CudaVersions, check_driver, check_install, check_packages
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +100,7 @@ def test_import_ubnext_without_cupy_fails_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import ubnext"], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == f"ubnext._errors.UbnextError: import ubnext: CuPy is not installed; {CHOICES}"
+    assert last == f"ubnext._protocol.errors.UbnextError: import ubnext: CuPy is not installed; {CHOICES}"
 
 
 # --------------------------------------------------------------------------- check_driver
@@ -184,7 +185,7 @@ def test_nvrtc_that_does_not_load_names_the_install_line(monkeypatch):
 
 
 def test_info_prints_the_driver_check(monkeypatch):
-    from ubnext import _info
+    from ubnext._tools import info as _info
 
     monkeypatch.setattr(_info, "check_driver", lambda op: CudaVersions(13000, (("cupy-cuda13x 14.2.0", 13020),)))
     assert _info.driver_check() == "driver check: ok, CUDA driver 13.0 runs cupy-cuda13x 14.2.0 (CUDA 13.2)"

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from ubnext import _kernels, _layout, _protocol
-from ubnext._algorithms import (ALGORITHMS, DTYPES, KERNEL_DTYPES, NORM_ENTRY, NORM_SOURCE, OPS, ROW_KEEP,
-                                 TWOSHOT_ONLY_DTYPES, compile_defines, norm_defines)
-from ubnext._protocol import MAX_RANKS, NORM_THREADS
+from ubnext._engine import kernels as _kernels
+from ubnext._memory import heap as _layout
+from ubnext._protocol import constants as _protocol
+from ubnext._protocol.algorithms import (
+    ALGORITHMS,
+    DTYPES,
+    KERNEL_DTYPES,
+    NORM_ENTRY,
+    NORM_SOURCE,
+    OPS,
+    ROW_KEEP,
+    TWOSHOT_ONLY_DTYPES,
+    compile_defines,
+    norm_defines,
+)
+from ubnext._protocol.constants import MAX_RANKS, NORM_THREADS
 
 KERNEL_ALGOS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
 
@@ -75,7 +87,7 @@ def test_the_other_dtypes_accumulate_in_their_own_type(dtype):
 
 
 def test_lamport_kernels_and_integer_average_refuse_to_compile():
-    from ubnext._errors import CudaError
+    from ubnext._protocol.errors import CudaError
 
     with pytest.raises(CudaError, match="the Lamport kernels carry 16- and 32-bit floating types only"):
         _compile("lamport_twoshot", "int32", "sum", 2)
@@ -132,7 +144,7 @@ def test_multicast_reduce_scatter_and_all_gather_use_the_switch(dtype):
 def test_multicast_kernels_compile_for_sm100a_when_nvrtc_knows_it():
     from cuda.bindings import nvrtc
 
-    from ubnext._cuda import check
+    from ubnext._environment.cuda import check
 
     archs = check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
     if 100 not in archs:
@@ -148,7 +160,7 @@ def test_separate_norm_kernel_compiles(dtype):
 
 
 def test_compile_error_carries_the_log(monkeypatch):
-    from ubnext._errors import CudaError
+    from ubnext._protocol.errors import CudaError
 
     monkeypatch.setattr(_kernels, "source", lambda name: "this is not CUDA")
     with pytest.raises(CudaError, match="nvrtcCompileProgram"):
@@ -164,7 +176,7 @@ def test_sources_are_self_contained_with_the_generated_protocol_header():
     assert f"#define UB_MAX_RANKS {MAX_RANKS}\n" in header and f"#define UB_NORM_THREADS {NORM_THREADS}\n" in header
     for source, threads in _protocol.THREADS.items():
         assert f"#define UB_{source[:-3].upper()}_THREADS {threads}\n" in header
-    # the separate kernel's vectors per thread (ubnext._epilogue) are the ones it keeps
+    # the separate kernel's vectors per thread (ubnext._engine.epilogue) are the ones it keeps
     norm = _kernels.source(NORM_SOURCE)
     assert "#ifndef UB_ROW_KEEP" in norm and norm_defines("bfloat16")["UB_ROW_KEEP"] == str(ROW_KEEP)
 
@@ -192,7 +204,7 @@ def test_no_protocol_constant_is_written_in_a_kernel_file():
 def test_protocol_structs_have_the_host_layout():
     import ctypes
 
-    from ubnext import _failures
+    from ubnext._engine import failures as _failures
 
     assert _protocol.LAUNCH_STATE_BYTES == 48 and _protocol.struct_bytes(_protocol.ERROR_RECORD) == 40
     assert [f for f, _ in _failures._Record._fields_] == [f for _, f, _ in _protocol.ERROR_RECORD]
@@ -262,8 +274,8 @@ def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors, largest):
     row over a cluster of blocks: never more blocks than the launch may use, never more
     than ``largest`` per cluster (8: one-shot, 4: two-shot), never less than 4 warps of
     vectors per block, never more than 32 warps per cluster (kernels/rmsnorm.cuh: row_sum)."""
-    from ubnext._algorithms import row_threads
-    from ubnext._shapes import CLUSTER_BLOCK_VECTORS, row_cluster
+    from ubnext._engine.engine import CLUSTER_BLOCK_VECTORS, row_cluster
+    from ubnext._protocol.algorithms import row_threads
 
     blocks = 132
     cluster = row_cluster(rows, vectors, blocks, largest)
@@ -279,7 +291,7 @@ def test_row_cluster_spreads_few_rows_over_clusters(rows, vectors, largest):
 
 
 def test_row_cluster_examples():
-    from ubnext._shapes import TWOSHOT_MAX_CLUSTER, row_cluster
+    from ubnext._engine.engine import TWOSHOT_MAX_CLUSTER, row_cluster
 
     assert row_cluster(1, 1024, 132) == 8  # one token of hidden 8192 bf16: 8 SMs
     assert row_cluster(16, 1024, 132) == 8
@@ -296,7 +308,7 @@ def test_lamport_twoshot_narrow_blocks_where_threads_get_two_or_three_vectors():
     """Plain Lamport two-shot launches run on NARROW_THREADS threads per block exactly where
     a block's part of a slice (32-vector units, as kernels/lamport_twoshot.cu's
     block_part) gives each of them 2 or 3 vectors."""
-    from ubnext._shapes import NARROW_THREADS, lamport_twoshot_threads
+    from ubnext._engine.engine import NARROW_THREADS, lamport_twoshot_threads
 
     mib = (1 << 20) // 16  # vectors per MiB
     assert lamport_twoshot_threads(2 * mib, 4, 132, 512) == NARROW_THREADS  # 2 MiB, 4 ranks: parts of 256
@@ -337,7 +349,7 @@ def test_fused_lamport_entry_carries_its_cluster_shape(algorithm, cluster):
 
 
 def test_cluster_instantiation_refuses_pre_hopper_targets():
-    from ubnext._errors import CudaError
+    from ubnext._protocol.errors import CudaError
 
     with pytest.raises(CudaError, match="sm_90 or newer"):
         _kernels.compile_cubin("lamport.cu", compile_defines("bfloat16", "sum", 4, cluster=8), arch="sm_80")
@@ -350,9 +362,9 @@ def test_launcher_packs_every_parameter_where_its_pointer_says(monkeypatch):
     import ctypes
     import types
 
-    from ubnext import _launch
-    from ubnext._errors import CudaError
-    from ubnext._launch import F32, I32, U64, Launcher
+    from ubnext._engine import launch as _launch
+    from ubnext._engine.launch import F32, I32, U64, Launcher
+    from ubnext._protocol.errors import CudaError
 
     class DriverError(Exception):
         def __init__(self, status):
@@ -393,7 +405,7 @@ def test_launch_bounds_admit_the_tables_block_size(algorithm):
 
 def test_cmake_compile_gate_builds_every_kernel(tmp_path):
     """CMakeLists.txt builds every kernels/*.cu with nvcc, with the protocol header it
-    generates from ubnext/_protocol.py (the compile gate beside NVRTC)."""
+    generates from ubnext/_protocol/constants.py (the compile gate beside NVRTC)."""
     import shutil
     import subprocess
 

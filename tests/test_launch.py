@@ -11,11 +11,11 @@ import sys
 import threading
 
 import pytest
-
 from launch_support import LAUNCH_VARS, REPO, SCRIPTS, clean_env, free_port, run_all
 from thread_ranks import raise_first, run_ranks
+
 from ubnext import bootstrap
-from ubnext._errors import UbnextError
+from ubnext._protocol.errors import UbnextError
 from ubnext.bootstrap import SelfBootstrap, StoreBootstrap, TorchBootstrap
 from ubnext.bootstrap._launch import detect
 
@@ -326,7 +326,7 @@ def test_real_mpi_sees_one_rank_where_the_launcher_announced_two():
                           env=clean_env(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="1"))
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ubnext._errors.UbnextError: bootstrap.default: the launcher started 2 ranks "
+    assert last.startswith("ubnext._protocol.errors.UbnextError: bootstrap.default: the launcher started 2 ranks "
                            "(OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=1) but MPI sees rank 0 of 1"), proc.stderr
 
 

@@ -14,13 +14,13 @@ import threading
 import warnings
 
 import pytest
-
 from fake_driver import MIB, MulticastFakeDriver
 from thread_ranks import raise_first, run_ranks
-from ubnext._errors import ClosedError, UbnextError
-from ubnext._fdpass import FdChannel
-from ubnext._multicast import MulticastRange
-from ubnext._pool import SymmetricPool
+
+from ubnext._memory.descriptors import FdChannel
+from ubnext._memory.multicast import MulticastRange
+from ubnext._memory.pool import SymmetricPool
+from ubnext._protocol.errors import ClosedError, UbnextError
 
 N = 4
 POOL_BYTES = 7 * MIB  # rounded to 8 MiB by the pool (2 MiB granularity)

@@ -1,14 +1,14 @@
-"""CPU tests of ubnext._nccl.NcclComm against a recording stand-in for cupy.cuda.nccl."""
+"""CPU tests of ubnext._engine.nccl.NcclComm against a recording stand-in for cupy.cuda.nccl."""
 
 from __future__ import annotations
 
 import sys
 
+import bench_fakes as fakes
 import pytest
 
-import bench_fakes as fakes
-from ubnext._errors import ClosedError, UbnextError
-from ubnext._nccl import NcclComm
+from ubnext._engine.nccl import NcclComm
+from ubnext._protocol.errors import ClosedError, UbnextError
 
 UID = bytes(range(128))
 
@@ -32,7 +32,7 @@ class Boot:
 @pytest.fixture(autouse=True)
 def device_uuids(monkeypatch):
     """Device ordinal d is GPU-d (no driver on this machine)."""
-    monkeypatch.setattr("ubnext._devices.device_uuid", lambda ordinal: f"GPU-{ordinal}")
+    monkeypatch.setattr("ubnext._environment.devices.device_uuid", lambda ordinal: f"GPU-{ordinal}")
 
 
 def install_nccl(monkeypatch, *, names_new_enums=True, uid_error=False):

@@ -21,7 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 
 import ubnext
-from ubnext import _install
+from ubnext._environment import install as _install
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CUDA_MAJORS = sorted(_install.CUPY_BUILDS)
@@ -57,11 +57,11 @@ def test_the_cuda_packages_are_of_one_major():
 
 def test_nccl_loads_without_a_gpu():
     """libnccl comes with the install and CuPy loads it: the NCCL engine's import path."""
-    from ubnext._nccl import _load_nccl
+    from ubnext._environment.install import load_nccl
 
     major = installed_major()
     assert metadata.version(f"nvidia-nccl-cu{major}"), "the NCCL wheel of the CUDA major is installed"
-    nccl = _load_nccl("test")
+    nccl = load_nccl("test")
     assert nccl.available
     version = nccl.get_version()
     assert version >= 21801, f"NCCL {version} loaded"

@@ -7,10 +7,10 @@ import os
 import warnings
 
 import pytest
-
 from fake_driver import MIB, FakeDriver, fd_is_open
-from ubnext._errors import ClosedError, CudaError, UbnextError
-from ubnext._pool import PeerAccessError, SymmetricPool
+
+from ubnext._memory.pool import PeerAccessError, SymmetricPool
+from ubnext._protocol.errors import ClosedError, CudaError, UbnextError
 
 LOCAL_SIZE = 4
 LOCAL_RANK = 1

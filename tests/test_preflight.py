@@ -1,21 +1,21 @@
-"""One-line errors before any collective setup (ubnext._preflight), from faked CuPy
+"""One-line errors before any collective setup (ubnext._environment.preflight), from faked CuPy
 failures, and what Communicator construction and close do with the bootstrap it
 made itself (closed) or was given (left open)."""
 
 from __future__ import annotations
 
-from stream_fakes import fake_context
-
 import sys
 import types
 
-import pytest
-
 import bench_fakes as fakes
+import pytest
+from stream_fakes import fake_context
+
 import ubnext
-from ubnext import _comm, _preflight
-from ubnext._config import Config
-from ubnext._errors import UbnextError
+from ubnext._api import communicator as _comm
+from ubnext._environment import preflight as _preflight
+from ubnext._environment.config import Config
+from ubnext._protocol.errors import UbnextError
 from ubnext.bootstrap import SelfBootstrap
 
 
@@ -28,7 +28,7 @@ class CUDARuntimeError(RuntimeError):
 def fake_cupy(monkeypatch, count=None, error=None, driver=0, runtime=13020):
     """A ``cupy`` whose runtime reports ``count`` devices or raises ``error``; the driver
     check (``_install``) sees ``driver`` and CuPy's ``runtime``."""
-    from ubnext import _install
+    from ubnext._environment import install as _install
 
     versions = _install.CudaVersions(driver, (("cupy-cuda13x 14.2.0", runtime),))
     monkeypatch.setattr(_install, "query_versions", lambda op="": versions)
@@ -80,7 +80,7 @@ def test_a_usable_gpu_passes(monkeypatch):
 def test_nccl_is_required_only_where_every_call_goes_to_it(monkeypatch):
     fakes.install(monkeypatch)  # its nccl cannot be loaded
     monkeypatch.setattr(_preflight, "gpu_problem", lambda: None)
-    from ubnext import _install
+    from ubnext._environment import install as _install
 
     monkeypatch.setattr(_install, "check_driver", lambda op="", versions=None: None)
     _preflight.check("Communicator", Config())

@@ -8,10 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ubnext import _quant
-from ubnext._config import Config
-from ubnext._errors import UbnextError
-from ubnext._layout import plan_layout
+from ubnext._environment.config import Config
+from ubnext._memory.heap import plan_layout
+from ubnext._protocol import quant as _quant
+from ubnext._protocol.errors import UbnextError
 
 NP = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
@@ -158,7 +158,7 @@ def test_describe_says_whether_auto_quantizes():
 
 
 def test_formats_carry_their_own_signatures():
-    from ubnext import _signature
+    from ubnext._protocol import signature as _signature
 
     sig = _signature.encode("all_reduce", "bfloat16", "sum", 4099)
     tagged = {fmt: _quant.signature(sig, fmt) for fmt in _quant.FORMATS}
@@ -228,10 +228,10 @@ def test_quant_error_script_writes_its_table(tmp_path):
 def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     import types
 
-    from ubnext import _info, _report
-    from ubnext._select import Selector, buffer_limits
+    from ubnext._api import report as _report
+    from ubnext._selection.select import Selector, buffer_limits
 
-    monkeypatch.setattr(_info, "device_name", lambda device: "fake")
+    monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "fake")
     cfg = Config(quantized=setting)
     names = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
     comm = types.SimpleNamespace(config=cfg, rank=0, size=4, local_rank=0, local_size=4, device=0,

@@ -8,7 +8,9 @@ import re
 
 import pytest
 
-from ubnext import _kernels, _protocol, _quant
+from ubnext._engine import kernels as _kernels
+from ubnext._protocol import constants as _protocol
+from ubnext._protocol import quant as _quant
 
 
 def _compile(fmt, dtype, op, nranks, arch):

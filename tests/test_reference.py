@@ -1,4 +1,4 @@
-"""CPU tests of the host reference (ubnext/_reference.py) that the GPU tests compare with bit
+"""CPU tests of the host reference (ubnext/_tools/reference.py) that the GPU tests compare with bit
 for bit: its roundings are the IEEE ones, its results agree with fp64 within the
 roundings the kernels make, its orders are the kernels' (and different from each other
 where that matters), and its checker catches planted kernel mutations."""
@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ubnext import _reference as ref
+from ubnext._tools import reference as ref
 
 DTYPES = tuple(ref.DTYPES)
 OPS = ("sum", "avg", "max", "min")

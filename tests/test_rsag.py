@@ -9,17 +9,18 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from stream_fakes import bare_communicator, fake_order
 
-from ubnext import _arrays, _reference as reference, _signature
-from ubnext._algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES
-from ubnext._arrays import Buffer
-from ubnext._config import Config
-from ubnext._errors import UbnextError
-from ubnext._report import _choice
-from ubnext._select import Selector, buffer_limits
-from ubnext._table import parse_table
+from ubnext._api.report import _choice
+from ubnext._environment.config import Config
+from ubnext._interop import arrays as _arrays
+from ubnext._interop.arrays import Buffer
+from ubnext._protocol import signature as _signature
+from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES
+from ubnext._protocol.errors import UbnextError
+from ubnext._selection.select import Selector, buffer_limits
+from ubnext._selection.table import parse_table
+from ubnext._tools import reference
 
 MIB = 1 << 20
 
@@ -287,10 +288,10 @@ class FakeEngine:
         self.launches = []
 
     def lamport(self, *args):
-        self.launches.append(("lamport", *args))
+        return ("lamport", *args)
 
     def twoshot(self, *args):
-        self.launches.append(("twoshot", *args))
+        return ("twoshot", *args)
 
 
 class FakePool:
@@ -299,12 +300,15 @@ class FakePool:
 
 
 def sliced(monkeypatch, algo, dtype, k, limit=1 << 30):
-    from ubnext import _sliced
+    from ubnext._engine import sliced as _sliced
 
     copies = []
     monkeypatch.setattr(_sliced, "copy", lambda *a: copies.append(("copy", *a)))
     monkeypatch.setattr(_sliced, "copy_rows", lambda *a: copies.append(("rows", *a)))
     node = type("Node", (), {"engine": FakeEngine(), "pool": FakePool()})()
+    # an issued launch, recorded with its stream before the collective it names
+    monkeypatch.setattr(_sliced, "issue", lambda launch, stream: node.engine.launches.append(
+        (*launch[:-1], stream, launch[-1])))
     return _sliced.Sliced(node, {"lamport_twoshot": (limit, "X")}, algo, dtype, k, 7), node.engine, copies
 
 
@@ -377,7 +381,7 @@ def test_slices_past_a_2d_copys_pitch_are_copied_row_by_row(monkeypatch):
     import sys
     import types
 
-    from ubnext import _copies
+    from ubnext._engine import copies as _copies
 
     calls = []
     runtime = types.SimpleNamespace(memcpy2DAsync=lambda *a: calls.append(("2d", a)),

@@ -8,9 +8,10 @@ import json
 import pytest
 
 from ubnext import UbnextError
-from ubnext._algorithms import ALGORITHMS, KERNEL_DTYPES as DTYPES
-from ubnext._select import Selector, bound
-from ubnext._table import ANY_WORLD, agreed_table, default_table, load_table, parse_table
+from ubnext._protocol.algorithms import ALGORITHMS
+from ubnext._protocol.algorithms import KERNEL_DTYPES as DTYPES
+from ubnext._selection.select import Selector, bound
+from ubnext._selection.table import ANY_WORLD, agreed_table, default_table, load_table, parse_table
 
 ALL = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
 KiB, MiB = 1 << 10, 1 << 20
@@ -302,8 +303,8 @@ def test_multicast_instantiations_replace_their_unicast_rows():
 
 
 def test_deterministic_mode_takes_the_barrier_two_shot_where_a_row_gives_nccl():
-    from ubnext._config import Config
-    from ubnext._select import Selector, buffer_limits
+    from ubnext._environment.config import Config
+    from ubnext._selection.select import Selector, buffer_limits
 
     usable = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
     plain = Selector(4, buffer_limits(Config()), usable)

@@ -14,21 +14,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
-
 import bench_fakes
+import numpy as np
 import nvls_guard
+import pytest
 from fake_driver import MulticastFakeDriver
 from selftest_fakes import ALL, KERNELS, FakeComm
 from thread_ranks import raise_first, run_ranks
-from ubnext import _cuda, _devices, _gate, _reference, _selfcheck, _selftest
-from ubnext._algorithms import DTYPES as ALL_DTYPES
-from ubnext._algorithms import KERNEL_DTYPES as DTYPES
-from ubnext._algorithms import TWOSHOT_ONLY_DTYPES
-from ubnext._config import Config
-from ubnext._errors import UbnextError
-from ubnext._select import buffer_limits
+
+from ubnext._environment import cuda as _cuda
+from ubnext._environment import devices as _devices
+from ubnext._environment import nvls_gate as _gate
+from ubnext._environment.config import Config
+from ubnext._protocol.algorithms import DTYPES as ALL_DTYPES
+from ubnext._protocol.algorithms import KERNEL_DTYPES as DTYPES
+from ubnext._protocol.algorithms import TWOSHOT_ONLY_DTYPES
+from ubnext._protocol.errors import UbnextError
+from ubnext._selection.select import buffer_limits
+from ubnext._tools import reference as _reference
+from ubnext._tools import selfcheck as _selfcheck
+from ubnext._tools import selftest as _selftest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
@@ -342,7 +347,7 @@ def run_cli(*args, env=None):
 
 
 def test_the_command_without_a_gpu_is_one_line_and_exit_2():
-    from ubnext._preflight import gpu_problem
+    from ubnext._environment.preflight import gpu_problem
 
     problem = gpu_problem()
     if problem is None:

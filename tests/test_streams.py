@@ -1,5 +1,5 @@
 """Stream order and thread safety of a communicator's launches, on a recording fake of
-the CUDA runtime (no GPU): ``ubnext._streams`` and the argument packs of ``ubnext._launch``."""
+the CUDA runtime (no GPU): ``ubnext._interop.streams`` and the argument packs of ``ubnext._engine.launch``."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ import types
 import weakref
 
 import pytest
-
 from stream_fakes import FakeContexts, FakeCuda, FakeDriver, bare_communicator, fake_context, fake_kernel, fake_order
 from thread_ranks import run_threads
-from ubnext import UbnextError, _context, _launch, _streams
-from ubnext._launch import U64, Launcher, Packed
-from ubnext._streams import LEGACY, PER_THREAD, LaunchOrder, order_after
+
+from ubnext import UbnextError
+from ubnext._engine import launch as _launch
+from ubnext._engine.launch import U64, Launcher, Packed
+from ubnext._interop import context as _context
+from ubnext._interop import streams as _streams
+from ubnext._interop.streams import LEGACY, PER_THREAD, LaunchOrder, order_after
 
 DEVICE = 3
 A, B, C = 0x7A00, 0x7B00, 0x7C00  # stream handles
@@ -292,10 +295,10 @@ def nccl_comm(monkeypatch):
     viewed over pointers taken to be device 0's."""
     import cupy
 
-    from ubnext import _arrays
-    from ubnext._config import Config
-    from ubnext._dispatch import Dispatcher
-    from ubnext._select import Selector, buffer_limits
+    from ubnext._engine.dispatch import Dispatcher
+    from ubnext._environment.config import Config
+    from ubnext._interop import arrays as _arrays
+    from ubnext._selection.select import Selector, buffer_limits
 
     cuda = FakeCuda()
     monkeypatch.setattr(_streams, "CUDA", cuda)

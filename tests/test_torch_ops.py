@@ -10,8 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import ubnext.torch as ut  # noqa: E402
 from torch_fakes import ThreadComm, _Group, rank_order, run_ranks  # noqa: E402
+
+import ubnext.torch as ut  # noqa: E402
 from ubnext import UbnextError  # noqa: E402
 from ubnext.torch import _rmsnorm, functional  # noqa: E402
 

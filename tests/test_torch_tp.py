@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 import tp_support as tp  # noqa: E402
 from torch_fakes import rank_order, run_ranks  # noqa: E402
+
 from ubnext.torch import BufferPlan, _rmsnorm  # noqa: E402
 
 HIDDEN, INTERMEDIATE, HEADS_FEATURES, TOKENS = 64, 128, 64, 12

@@ -19,9 +19,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import ubnext.torch as ut  # noqa: E402
 from torch_fakes import rank_order, run_ranks, traced_communicator  # noqa: E402
-from ubnext import ClosedError, UbnextError, _arrays  # noqa: E402
+
+import ubnext.torch as ut  # noqa: E402
+from ubnext import ClosedError, UbnextError
+from ubnext._interop import arrays as _arrays  # noqa: E402
 from ubnext.torch import _traced  # noqa: E402
 
 
@@ -132,7 +134,7 @@ def test_traced_is_false_in_eager_code():
 
 def test_traced_needs_no_torch():
     """ubnext core does not import torch for the predicate (nor at all)."""
-    code = ("import sys, ubnext, ubnext._arrays as a\n"
+    code = ("import sys, ubnext, ubnext._interop.arrays as a\n"
             "assert not a.traced(object()) and not a.traced(None)\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -141,7 +143,7 @@ def test_traced_needs_no_torch():
 def test_traced_first_asked_under_dynamo():
     """The predicate's first call (which looks torch up once) may be under tracing."""
     code = ("import torch\n"
-            "from ubnext import _arrays\n"
+            "from ubnext._interop import arrays as _arrays\n"
             "assert _arrays._compiling is _arrays._compiling_before_torch\n"
             "fn = torch.compile(lambda x: x + 1 if _arrays.traced(x) else x - 1, fullgraph=True, backend='eager')\n"
             "assert torch.equal(fn(torch.zeros(2)), torch.ones(2))\n"

@@ -4,18 +4,17 @@ writing flow on a numpy stand-in for the GPU (tests/bench_fakes.py)."""
 
 from __future__ import annotations
 
-from stream_fakes import fake_context
-
 import json
 import time
 
+import bench_fakes as fakes
 import numpy as np
 import pytest
+from stream_fakes import fake_context
 
-import bench_fakes as fakes
 from ubnext import UbnextError, tune
-from ubnext._select import Selector
-from ubnext._table import load_table
+from ubnext._selection.select import Selector
+from ubnext._selection.table import load_table
 
 KiB, MiB = 1 << 10, 1 << 20
 ALL = ["lamport", "twoshot", "nccl"]

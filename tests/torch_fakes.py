@@ -118,6 +118,7 @@ def traced_communicator(comm: ThreadComm):
     into run on ``comm``, the thread communicator (keep ``comm`` alive meanwhile: the
     registry holds it weakly)."""
     from stream_fakes import bare_communicator, fake_order
+
     from ubnext.torch import handle
 
     stand = bare_communicator(fake_order(), _closed=True, rank=comm.rank, size=comm.size)

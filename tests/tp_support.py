@@ -20,8 +20,9 @@ BF16_BOUND = 2.0 ** -5
 def gpu_communicator(nbytes: int, dtype: str):
     """A communicator for the GPU tests of ubnext.torch, on its device; skips where NCCL
     would reduce ``nbytes`` of ``dtype`` but cannot (ranks sharing a GPU). Collective."""
-    import ubnext
     from gpu_support import require_gpu_and_torch, skip_where_nccl_cannot_run
+
+    import ubnext
 
     require_gpu_and_torch()
     c = ubnext.Communicator()

@@ -7,17 +7,24 @@
 See the README for configuration (``UBNEXT_*``) and the algorithms.
 """
 
-from . import _install
+from ubnext._environment import install as _install
 
 _install.check_install()  # one line naming the install choices, before anything needs CuPy or cuda-bindings
 
-from . import bootstrap  # noqa: E402
-from ._algorithms import ALGORITHMS, DTYPES, OPS  # noqa: E402
-from ._comm import Communicator  # noqa: E402
-from ._config import Config  # noqa: E402
-from ._errors import (BrokenCommunicatorError, ClosedError, CollectiveMismatchError,  # noqa: E402
-                      CollectiveTimeoutError, ConcurrentUseError, CudaError, UbnextError)
-from ._version import __version__ as __version__  # noqa: E402 (re-exported)
+from ubnext import bootstrap  # noqa: E402
+from ubnext._api.communicator import Communicator  # noqa: E402
+from ubnext._environment.config import Config  # noqa: E402
+from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, OPS  # noqa: E402
+from ubnext._protocol.errors import (  # noqa: E402
+                      BrokenCommunicatorError,
+                      ClosedError,
+                      CollectiveMismatchError,
+                      CollectiveTimeoutError,
+                      ConcurrentUseError,
+                      CudaError,
+                      UbnextError,
+)
+from ubnext._version import __version__ as __version__  # noqa: E402 (re-exported)
 
 __all__ = [
     "ALGORITHMS",

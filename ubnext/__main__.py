@@ -16,9 +16,9 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from ._cli import run_or_abort
-from ._errors import UbnextError
-from ._info import gpu_count, report
+from ubnext._protocol.errors import UbnextError
+from ubnext._tools.cli import run_or_abort
+from ubnext._tools.info import gpu_count, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; ``argv`` defaults to ``sys.argv[1:]``."""
     args = build_parser().parse_args(argv)
     if args.command == "selftest":
-        from ._selftest import main as selftest
+        from ubnext._tools.selftest import main as selftest
 
         return selftest(nvls=args.nvls)
     return info(with_comm=args.comm)
@@ -73,7 +73,7 @@ def info(with_comm: bool, out: Callable[[str], None] = print, environ: Mapping[s
     if gpu_count()[0] == 0:
         say("  no CUDA device: no communicator to describe")
         return 0 if not with_comm else 1
-    from ._comm import Communicator
+    from ubnext._api.communicator import Communicator
 
     try:
         comm = Communicator()

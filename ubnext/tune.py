@@ -14,7 +14,7 @@ only when it is at least ``--margin`` percent faster. Adjacent sizes with the
 same winner become one table row; the last row has no upper limit.
 
 Rank 0 prints the timings and writes the table (``-o``, format of
-``ubnext._table``). A file that already exists is merged into: the measured
+``ubnext._selection.table``). A file that already exists is merged into: the measured
 world size and dtypes are replaced, every other entry is kept. All ranks see the
 same (max over ranks) times, and rank 0's outcome is broadcast, so every rank
 exits alike; a failing rank aborts the whole MPI job.
@@ -34,12 +34,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
-from ._cli import run_or_abort, size_arg, size_list
-from ._units import human_bytes
-from ._errors import CollectiveTimeoutError, CudaError, UbnextError
-from ._info import device_name
-from ._table import FORMAT, load_table, parse_table
+from ubnext._environment.devices import device_name
+from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
+from ubnext._protocol.errors import CollectiveTimeoutError, CudaError, UbnextError
+from ubnext._selection.table import FORMAT, human_bytes, load_table, parse_table
+from ubnext._tools.cli import run_or_abort, size_arg, size_list
 
 #: times of one size: algorithm -> µs, or None where the communicator refused the size
 Times = dict[str, float | None]
@@ -192,7 +191,7 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
     outside any capture); a refusal there (the size exceeds the algorithm's
     limit) is the same on every rank, and the ranks check that it is.
     """
-    from ._timing import timer
+    from ubnext._tools.timing import timer
 
     def launch() -> None:
         comm.all_reduce(send, out=recv, algorithm=name, stream=stream)
@@ -218,7 +217,7 @@ def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) 
     """Times of every usable algorithm at every size, for one dtype. Collective."""
     import cupy
 
-    from ._arrays import _cupy_dtype
+    from ubnext._interop.arrays import _cupy_dtype
 
     width = DTYPES[dtype][1]
     send = cupy.zeros((args.sizes[-1] // width,), dtype=_cupy_dtype(dtype))
@@ -319,7 +318,7 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; ``argv`` defaults to ``sys.argv[1:]``. Collective over ``MPI.COMM_WORLD``."""
-    from ._comm import Communicator
+    from ubnext._api.communicator import Communicator
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)

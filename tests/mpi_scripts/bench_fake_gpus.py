@@ -12,9 +12,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parents[1])]
 
-from mpi4py import MPI  # noqa: E402
-
 import bench_fakes as fakes  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 cupy = fakes.install()
 

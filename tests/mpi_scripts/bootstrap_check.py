@@ -15,8 +15,8 @@ import traceback
 
 from mpi4py import MPI
 
-from ubnext._errors import ClosedError
-from ubnext._fdpass import FdChannel
+from ubnext._memory.descriptors import FdChannel
+from ubnext._protocol.errors import ClosedError
 from ubnext.bootstrap import Bootstrap, MPIBootstrap
 
 

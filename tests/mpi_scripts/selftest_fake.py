@@ -17,11 +17,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parents[1])]
 
-from mpi4py import MPI  # noqa: E402
-
 import bench_fakes  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 from selftest_fakes import KERNELS, FakeComm  # noqa: E402
-from ubnext import UbnextError, _selfcheck, _selftest  # noqa: E402
+
+from ubnext import UbnextError
+from ubnext._tools import selfcheck as _selfcheck
+from ubnext._tools import selftest as _selftest  # noqa: E402
 
 bench_fakes.install()
 _selfcheck.COUNTS = (1, 7)

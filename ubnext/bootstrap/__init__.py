@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .._errors import UbnextError
+from ubnext._protocol.errors import UbnextError
+
 from ._base import Bootstrap, SelfBootstrap, node_id
 from ._launch import Launch, detect
 from ._mpi import MPIBootstrap

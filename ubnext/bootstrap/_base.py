@@ -17,7 +17,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import ClosedError
+from ubnext._protocol.errors import ClosedError
 
 __all__ = ["Bootstrap", "SelfBootstrap", "node_id"]
 

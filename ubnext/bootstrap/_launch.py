@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .._errors import UbnextError
+from ubnext._protocol.errors import UbnextError
 
 __all__ = ["MPI_VARS", "Launch", "detect"]
 

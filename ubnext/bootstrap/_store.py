@@ -26,7 +26,8 @@ import itertools
 from datetime import timedelta
 from typing import Any
 
-from .._errors import UbnextError
+from ubnext._protocol.errors import UbnextError
+
 from ._base import Bootstrap, _check_bytes
 
 __all__ = ["StoreBootstrap"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import UbnextError
+from ubnext._protocol.errors import UbnextError
+
 from ._base import Bootstrap, _check_bytes
 
 __all__ = ["TorchBootstrap"]

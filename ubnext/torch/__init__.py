@@ -39,8 +39,13 @@ from . import functional
 from ._planner import BufferPlan
 from ._reduce_op import op_name
 from ._registry import handle
-from .tp import (AddRMSNormEpilogue, ColumnParallelLinear, RowParallelLinear, TensorParallelAttentionOutput,
-                 TensorParallelMLP)
+from .tp import (
+    AddRMSNormEpilogue,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelAttentionOutput,
+    TensorParallelMLP,
+)
 
 # ReduceOp is torch.distributed's, re-exported (documented there)
 __all__ = ["AddRMSNormEpilogue", "BufferPlan", "ColumnParallelLinear", "RowParallelLinear",

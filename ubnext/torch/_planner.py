@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from .._log import log_once
+from ubnext._environment.log import log_once
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

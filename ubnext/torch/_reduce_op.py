@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .._algorithms import OPS
-from .._errors import UbnextError
+from ubnext._protocol.algorithms import OPS
+from ubnext._protocol.errors import UbnextError
 
 
 def op_name(op) -> str:

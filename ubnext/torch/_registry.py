@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .._errors import UbnextError
+from ubnext._protocol.errors import UbnextError
 
 _ATTR = "_ubnext_torch_handle"
 _SIZE_BITS = 16

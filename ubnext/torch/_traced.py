@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from .._algorithms import OPS
-from .._epilogue import check_eps
-from .._errors import UbnextError
+from ubnext._engine.epilogue import check_eps
+from ubnext._protocol.algorithms import OPS
+from ubnext._protocol.errors import UbnextError
+
 from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
 from ._registry import handle
 

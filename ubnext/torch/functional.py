@@ -194,7 +194,7 @@ def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
 
 def _required(group):
     if group is None:
-        from .._errors import UbnextError
+        from ubnext._protocol.errors import UbnextError
 
         raise UbnextError("ubnext.torch: pass group=<ubnext.Communicator>; ubnext has no default group")
     return group

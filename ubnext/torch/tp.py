@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._errors import UbnextError
+from ubnext._protocol.errors import UbnextError
+
 from . import functional
 from ._registry import handle, lookup
 

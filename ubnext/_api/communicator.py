@@ -1,0 +1,759 @@
+"""The Communicator: ubnext's public, collective API."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+from ubnext._api import agreement as _agreement
+from ubnext._api import lifetime
+from ubnext._api.calls import CallSteps
+from ubnext._api.plans import Plans, add_rmsnorm_key, all_reduce_key
+from ubnext._api.report import Description, report
+from ubnext._engine import nccl as _nccl
+from ubnext._engine.dispatch import Dispatcher
+from ubnext._engine.epilogue import check_eps
+from ubnext._engine.node import Node
+from ubnext._environment import nvls_gate as _gate
+from ubnext._environment import preflight as _preflight
+from ubnext._environment.config import Config
+from ubnext._environment.devices import map_devices
+from ubnext._environment.log import get_logger, log_once
+from ubnext._interop import arrays as _arrays
+from ubnext._interop.context import Context, caller_device
+from ubnext._interop.streams import LaunchOrder
+from ubnext._protocol import quant as _quant
+from ubnext._protocol import signature as _signature
+from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES, OPS
+from ubnext._protocol.constants import MAX_RANKS
+from ubnext._protocol.errors import UbnextError
+from ubnext._selection.select import Selector, buffer_limits
+from ubnext._selection.table import agreed_table
+
+_WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
+
+
+class Communicator(CallSteps):
+    """A group of ranks that all-reduce, reduce-scatter and all-gather together.
+
+    Creating one is collective over ``bootstrap``: every rank of it must construct
+    its Communicator at the same time. On one node whose GPUs reach each other
+    (P2P), ubnext's kernels run on a symmetric memory pool; otherwise, and for what
+    the kernels do not cover, the work goes to NCCL (logged once with the reason).
+
+    Collective: yes, over ``bootstrap``. Blocks the host.
+    Graph-capturable: no (it allocates and maps memory and exchanges with the other ranks).
+
+    Args:
+        bootstrap: a ``ubnext.bootstrap.Bootstrap``; default: ``ubnext.bootstrap.default()``,
+            every rank the launcher started (mpirun, srun, torchrun, an initialized
+            torch.distributed group), closed again by ``close()``.
+        device: CUDA device ordinal; default: the current device if the caller set
+            one (non-zero), else the first GPU (by UUID) no other rank of the node
+            has taken (several ranks on one GPU work, with a warning).
+        config: a ``Config``; default ``Config.from_env(**overrides)``.
+        **overrides: Config fields that win over the ``UBNEXT_*`` environment.
+
+    Raises:
+        UbnextError: invalid configuration; no usable GPU, CuPy, MPI or NCCL (one line
+            with the fix, raised before any collective setup); a launcher whose ranks
+            the bootstrap does not see; or a setup step failed on this rank.
+    """
+
+    def __init__(self, bootstrap=None, device=None, config: Config | None = None, **overrides):
+        if config is None:
+            config = Config.from_env(**overrides)
+        elif overrides:
+            raise TypeError("Communicator: pass either config= or keyword overrides, not both")
+        self.config = config
+        _preflight.check("Communicator", config)  # no GPU, no NCCL...: one line, before anything collective
+        import cupy
+
+        self._owns_bootstrap = bootstrap is None  # default()'s is closed by close(), a caller's is not
+        if bootstrap is None:
+            from ubnext.bootstrap import default
+
+            bootstrap = default()
+        self.bootstrap = bootstrap
+        self.rank, self.size = bootstrap.rank, bootstrap.size
+        self._log = get_logger(config, self.rank)
+        self._closed = False
+        self._resolved: dict[tuple, str] = {}
+        self._plans = Plans()  # eager calls validated and launched before (_plans)
+        self._local = self._node = self._context = None
+        try:
+            _agreement.check(config, bootstrap)  # before anything that the configuration shapes
+            table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
+            self._local = bootstrap.split_local()
+            self.device = map_devices(self._local, device, caller_device())
+            cupy.cuda.Device(self.device).use()  # the caller's convenience, as torch.cuda.set_device
+            self._context = Context(self.device)
+            self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
+            self._node = self._setup_node()
+            # where NCCL cannot run (ranks sharing a GPU, no NCCL library), the barrier
+            # two-shot takes what auto would give NCCL (an exchange: inside the undo)
+            nccl_problem = None if self._node is None else _nccl.cannot_run(self._local, self.device)
+        except BaseException:
+            self._closed = True
+            try:
+                if self._node is not None:
+                    self._node.close(local=True)
+            finally:
+                try:
+                    lifetime.close_bootstraps(self._local, self.bootstrap if self._owns_bootstrap else None)
+                finally:
+                    if self._context is not None:
+                        self._context.release()
+            raise
+        log_once(f"nvls:{self._nvls}", f"Communicator: NVLink multicast {self._nvls}", logging.INFO)
+        node = self._node
+        # NCCL always; kernels need the pool; multicast kernels reduce in the switch's order,
+        # which deterministic mode does not take
+        usable = [name for name, alg in ALGORITHMS.items()
+                  if not alg.is_kernel or (node is not None and (not alg.multicast or
+                                                                 (node.multicast and not config.deterministic)))]
+        if nccl_problem:
+            log_once(f"nccl-problem:{nccl_problem}", f"Communicator: NCCL cannot run here ({nccl_problem}); "
+                     f"auto gives ubnext's barrier two-shot what it would give NCCL", logging.INFO)
+        self._selector = Selector(self._local.size, buffer_limits(config), usable, table, self._nccl_reason,
+                                  config.deterministic, nccl_problem)
+        # every call runs in the launch section: this communicator's context, one thread, issue order
+        self._order = LaunchOrder(self._context)
+        self._dispatch = Dispatcher(node, self._selector.limits, self._order, bootstrap, self.device)
+        for name, limit, setting in self._selector.capped():
+            log_once(f"select:{name}:{setting}:{limit}",
+                     f"Communicator: the selector table gives {name} messages up to {limit} bytes, but "
+                     f"{setting} sizes its buffers for fewer; larger ones go to the next algorithm")
+        watchdog = None
+        if node is not None:
+            # the thread holds neither the communicator nor its node (a dropped one is released)
+            log, context, node_ref = self._log, self._context, weakref.ref(node)
+
+            def poll():
+                n = node_ref()
+                return None if n is None else n.failure("watchdog", config.timeout_s)
+
+            watchdog = lifetime.Watchdog(poll, lambda e: log.error("%s", e), _WATCHDOG_S, f"ubnext-watchdog-{self.rank}",
+                                start=context.enter)  # its announce and anything it frees: this device
+        # what close() releases, and a finalizer if the communicator is dropped without it
+        self._owned = lifetime.Owned(self._order, node, self._dispatch, watchdog, self._local,
+                             bootstrap if self._owns_bootstrap else None, self._local.rank)
+        self._finalizer = weakref.finalize(self, self._owned.drop)
+        self._finalizer.atexit = False  # at exit: only the warning of _warn_open
+        lifetime.OPEN.add(self)
+
+    def _setup_node(self) -> Node | None:
+        """The node's kernel resources, or None when every rank must use NCCL."""
+        reason = None
+        if self._local.size != self.size:
+            reason = f"ranks span several nodes ({self._local.size} of {self.size} on this one)"
+        elif self.size > MAX_RANKS:
+            reason = f"{self.size} ranks on one node; the kernels serve at most {MAX_RANKS}"
+        elif self.config.algorithm == "nccl":
+            reason = "UBNEXT_ALGO=nccl"
+        node, error = None, None
+        if reason is None:
+            try:
+                node = Node(self._local, self._context, self.config, self._nvls)
+            except UbnextError as e:
+                error = str(e)
+        # Every rank must take the same path: agree on the outcome.
+        errors = [e for e in self._local.allgather_obj(error) if e]
+        if reason is None and errors:
+            reason = f"symmetric memory setup failed: {errors[0]}"
+        if reason is not None:
+            if node is not None:
+                node.close()
+                node = None
+            log_once(f"node:{reason}", f"Communicator: using NCCL for every call: {reason}")
+            if self._nvls.enabled:
+                self._nvls = _gate.fallback(self.config.nvls, f"there is no symmetric memory pool ({reason})")
+        self._nccl_reason = reason
+        return node
+
+    # -- public API -------------------------------------------------------------------
+    @property
+    def nvls(self) -> _gate.NvlsDecision:
+        """Whether this communicator uses NVLink multicast, and why (``enabled``, ``reason``)."""
+        return self._nvls
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's place among the ranks of its node."""
+        return self._local.rank
+
+    @property
+    def local_size(self) -> int:
+        """Ranks of this node in the communicator."""
+        return self._local.size
+
+    @property
+    def path(self) -> str:
+        """Where calls run: ``"kernels on the symmetric pool"``, or ``"NCCL only: <why>"``."""
+        return "kernels on the symmetric pool" if self._nccl_reason is None else f"NCCL only: {self._nccl_reason}"
+
+    @property
+    def selector(self) -> Selector:
+        """The selector ``algorithm="auto"`` consults: its ``tables``, ``explain(nbytes, dtype)``
+        (algorithm and reason) and ``fits(algorithm, nbytes)``."""
+        return self._selector
+
+    @property
+    def pool(self) -> dict | None:
+        """The symmetric pool: ``{"bytes", "user_heap_bytes", "user_heap_free_bytes"}`` per
+        rank, or None where everything runs on NCCL."""
+        node = self._node
+        if node is None:
+            return None
+        return {"bytes": node.pool.size, "user_heap_bytes": node.heap.capacity,
+                "user_heap_free_bytes": node.heap.free_bytes}
+
+    def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None,
+                   precision: str = "auto"):
+        """All-reduces ``x`` over the ranks; never blocks the host.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call per dtype, op and algorithm (which
+        compiles the kernel; NCCL's first call sets NCCL up).
+
+        Args:
+            x: CUDA array (torch.Tensor, cupy.ndarray, ``__cuda_array_interface__`` or
+                ``__dlpack__``), contiguous, of a dtype of ``ubnext.DTYPES``, on this
+                communicator's device. Arrays from ``empty()`` are reduced without
+                copies (in place, or into an ``out`` from ``empty()``); a buffer from
+                ``empty()`` must then be used on every rank alike.
+            out: where to write the result (same count and dtype; may be ``x``);
+                default: a new array of x's framework.
+            op: ``"sum"``, ``"avg"`` (floating-point dtypes), ``"max"`` or ``"min"``.
+            algorithm: ``"auto"`` or one of ``algorithms()`` (float64 and the integer
+                dtypes: ``"twoshot"`` or ``"nccl"``).
+            stream: torch/CuPy/cuda.core stream or raw handle; default: the current
+                stream of x's framework (CuPy's for other inputs, whose producers are
+                ordered before it: ``__dlpack__(stream=...)``, or the interface's
+                ``stream``). On a stream other than the current one, torch tensors are
+                recorded on it for the caching allocator and a new ``out`` is allocated
+                on it. Calls on different streams run in the order they were issued.
+            precision: ``"auto"``: full precision unless the communicator opted in to the
+                quantized all-reduce (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16
+                sums and averages of 16 MiB or more at 2 ranks or more; ``"exact"``: full
+                precision always; ``"int8"`` or ``"fp8"`` (e4m3, sm_89+): the quantized
+                two-shot in that format (opt-in communicators only; lossy within the bound
+                the README states, identical bits on every rank).
+
+        Returns:
+            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
+
+        Raises:
+            UbnextError: invalid arguments (before anything is launched), closed
+                communicator. BrokenCommunicatorError (CollectiveTimeoutError,
+                CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
+                communicator failed; its outputs hold NaN where results were not computed.
+
+        May be called from any thread, whatever device is current there: each call runs
+        whole as one section with this communicator's context current, and gives the
+        caller's back. Every rank must issue its collectives in the same order, so calls
+        from several threads need an order of their own.
+        """
+        if _arrays.traced(x):
+            return _traced_call(self, "all_reduce", x, out=out, op=op, algorithm=algorithm, stream=stream,
+                                precision=precision)
+        with self._order:
+            name = "all_reduce"
+            self._check_open(name)
+            handle, owner, side = self._launch_stream(name, stream, x)
+            key = None if self._node is None else all_reduce_key(x, out, op, algorithm, precision, handle, side)
+            planned, key = self._planned(key, handle, owner, side, (x, out))
+            if planned:
+                return out
+            xb = self._input(name, x, handle)
+            if op not in OPS:
+                raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
+            fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, xb.nbytes, self.size, self.config.quantized,
+                                self._node is not None, lambda: self._arch)
+            algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
+            if out is None:
+                ob = self._new(name, xb, handle, owner, side)
+            elif out is x:  # in place: nothing more to check
+                ob = xb
+            else:
+                ob = _arrays.check_out(xb, out, name, handle)
+            if not self._prepare(name, algo, xb, xb.count, op, handle, owner, side, (xb, ob)):
+                return ob.obj
+            sig = _signature.encode(name, xb.dtype, op, xb.count)
+            if fmt:
+                self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
+            else:
+                self._keep(key, self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig), (xb, ob), (1,))
+            if out is not None:
+                _arrays.mark_written((ob,))
+            return ob.obj
+
+    def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
+                               residual_out=None, algorithm: str = "auto", stream=None):
+        """All-reduce, residual add and RMSNorm in one kernel; never blocks the host.
+
+        For ``x`` of shape (tokens, hidden)::
+
+            residual_out = all_reduce(x) + bias + residual
+            normed = residual_out / sqrt(mean(residual_out ** 2, axis=-1) + eps) * weight
+
+        in fp32 arithmetic, with the all-reduced values and ``residual_out`` rounded to
+        x's dtype first (as the unfused sequence would). ``residual``, ``weight`` and
+        ``bias`` must hold the same values on every rank (as in tensor parallelism); every
+        rank then gets the same bits. Hidden sizes that are a multiple of 8 with 16-byte
+        aligned arrays take the fused kernels; anything else runs the all-reduce, then
+        ubnext's separate add + RMSNorm kernel (logged once).
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call of the same shape, dtype and
+        algorithm (which compiles its kernels).
+
+        Args:
+            x: 2-D CUDA array (tokens x hidden), bfloat16/float16/float32.
+            residual: same shape and dtype as x, or None (plain all-reduce + RMSNorm).
+            weight: 1-D, hidden elements, x's dtype.
+            eps: finite, >= 0.
+            bias: 1-D, hidden elements, x's dtype, or None.
+            out: where to write ``normed`` (x's shape and dtype, not overlapping x);
+                default: new.
+            residual_out: where to write the residual sum (may be ``residual`` for in
+                place, must not be ``out``); default: new.
+            algorithm: ``"auto"`` or one of ``algorithms()`` (picked by x's bytes).
+            stream: as for ``all_reduce``.
+
+        Returns:
+            ``(normed, residual_out)``, in x's framework.
+
+        Raises:
+            UbnextError: invalid arguments (before anything is launched), closed
+                communicator. BrokenCommunicatorError (CollectiveTimeoutError,
+                CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
+                communicator failed; its outputs hold NaN where results were not computed.
+        """
+        if _arrays.traced(x):
+            return _traced_call(self, "all_reduce_add_rmsnorm", x, residual, weight, eps=eps, bias=bias, out=out,
+                                residual_out=residual_out, algorithm=algorithm, stream=stream)
+        with self._order:
+            name = "all_reduce_add_rmsnorm"
+            self._check_open(name)
+            handle, owner, side = self._launch_stream(name, stream, x)
+            key = None if self._node is None else add_rmsnorm_key(x, residual, weight, bias, out, residual_out, eps,
+                                                                  algorithm, handle, side)
+            planned, key = self._planned(key, handle, owner, side, (x, residual, weight, bias, out, residual_out))
+            if planned:
+                return out, residual_out
+            xb = _arrays.as_buffer(x, name, handle)
+            if len(xb.shape) != 2:
+                raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
+            self._on_device(name, xb, "x")
+            rows, hidden = (int(d) for d in xb.shape)
+            eps = check_eps(name, eps)
+
+            def operand(arr, what, shape):
+                return self._operand(name, xb, arr, what, shape, handle)
+
+            shape = (rows, hidden)
+            rb = None if residual is None else operand(residual, "residual", shape)
+            wb = operand(weight, "weight", (hidden,))
+            bb = None if bias is None else operand(bias, "bias", (hidden,))
+            nb = self._new(name, xb, handle, owner, side) if out is None else operand(out, "out", shape)
+            ob = (self._new(name, xb, handle, owner, side) if residual_out is None else
+                  operand(residual_out, "residual_out", shape))
+            if _arrays.overlap(nb, ob):
+                raise UbnextError(f"{name}: out and residual_out overlap; they must be separate arrays")
+            for b, what in ((nb, "out"), (ob, "residual_out")):
+                if _arrays.overlap(b, xb):
+                    raise UbnextError(f"{name}: {what} overlaps x; the outputs must be separate arrays")
+            if rb is not None and _arrays.overlap(ob, rb) and ob.ptr != rb.ptr:
+                raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
+                                  f"for in place, or a separate array")
+            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, fused=True)
+            if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
+                return nb.obj, ob.obj
+            norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
+            aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
+            chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
+            if chunk:
+                self._keep(key, self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
+                                                           _signature.encode_fused(xb.dtype, rows, hidden)),
+                           (xb, rb, wb, bb, nb, ob), (4, 5))
+            else:
+                why = ("the NCCL engine" if algo == "nccl" else
+                       f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
+                       "arrays not 16-byte aligned" if not aligned else
+                       f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
+                plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
+                log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
+                self._dispatch.unfused(plain, xb, nb, rows, hidden, norm, eps, handle, owner,
+                                       _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
+            _arrays.mark_written((None if out is None else nb, None if residual_out is None else ob))
+            return nb.obj, ob.obj
+
+    def reduce_scatter(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
+        """Reduces ``x`` over the ranks and gives each rank its slice; never blocks the host.
+
+        The layout of ``torch.distributed.reduce_scatter_tensor``: ``x`` holds size x k
+        elements, and rank r gets the reduction of elements ``[r * k, (r + 1) * k)``.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call per dtype, op and algorithm (as
+        ``all_reduce``).
+
+        Args:
+            x: CUDA array as ``all_reduce`` takes it, of size x k elements (any shape). An
+                array from ``empty()`` is read in place by the barrier two-shot; it must then
+                be used on every rank alike (``UBNEXT_DEBUG=1`` checks).
+            out: where to write this rank's k elements (x's dtype; apart from x, or x's
+                slice r for in place); default: a new array of x's framework, of shape
+                (x.shape[0] / size, *x.shape[1:]) where size divides x.shape[0], else (k,).
+            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
+            algorithm: ``"auto"`` (picked by x's bytes) or one of ``algorithms()`` that has a
+                reduce-scatter (``lamport_twoshot``, ``twoshot``, ``nvls``, ``nccl``).
+            stream: as for ``all_reduce``.
+
+        Returns:
+            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
+
+        Raises:
+            UbnextError: invalid arguments, among them a count that the world size does not
+                divide (before anything is launched); closed communicator.
+                BrokenCommunicatorError (CollectiveTimeoutError, CollectiveMismatchError,
+                ConcurrentUseError): an earlier collective of this communicator failed; its
+                outputs hold NaN where results were not computed.
+        """
+        if _arrays.traced(x):
+            return _traced_call(self, "reduce_scatter", x, out=out, op=op, algorithm=algorithm, stream=stream)
+        with self._order:
+            name = "reduce_scatter"
+            handle, owner, side, xb = self._open_call(name, x, stream)
+            if op not in OPS:
+                raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
+            if xb.count % self.size:
+                raise UbnextError(f"{name}: x has {xb.count} elements, which {self.size} ranks do not divide "
+                                  f"(x holds size x k elements)")
+            k = xb.count // self.size
+            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op, collective=name)
+            shape = ((xb.shape[0] // self.size, *xb.shape[1:]) if xb.shape and xb.shape[0] % self.size == 0
+                     else (k,))
+            ob = self._part_out(name, xb, out, k, shape, handle, owner, side)
+            if self._prepare(name, algo, xb, k, op, handle, owner, side, (xb, ob)):
+                self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner,
+                                              _signature.encode(name, xb.dtype, op, xb.count))
+                if out is not None:
+                    _arrays.mark_written((ob,))
+            return ob.obj
+
+    def all_gather(self, x, out=None, algorithm: str = "auto", stream=None):
+        """Gathers every rank's ``x`` into one array on every rank; never blocks the host.
+
+        The layout of ``torch.distributed.all_gather_into_tensor``: ``out`` holds size x k
+        elements, rank r's ``x`` (k elements) at ``[r * k, (r + 1) * k)``.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call per dtype and algorithm (as
+        ``all_reduce``).
+
+        Args:
+            x: CUDA array as ``all_reduce`` takes it, k elements (any shape), the same k
+                on every rank.
+            out: where to write the size x k elements (x's dtype; apart from x, or with x
+                its slice r for in place). An array from ``empty()`` is written in place by
+                the barrier two-shot; it must then be used on every rank alike
+                (``UBNEXT_DEBUG=1`` checks). Default: a new array of x's framework, of shape
+                (size * x.shape[0], *x.shape[1:]) ((size,) for a 0-d x).
+            algorithm: ``"auto"`` (picked by out's bytes) or one of ``algorithms()`` that
+                has an all-gather (``lamport_twoshot``, ``twoshot``, ``nvls``, ``nccl``).
+            stream: as for ``all_reduce``.
+
+        Returns:
+            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
+
+        Raises:
+            UbnextError: bad arguments, among them an ``out`` whose count the world size does
+                not divide, raised before any launch; a closed communicator.
+                BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
+        """
+        if _arrays.traced(x):
+            return _traced_call(self, "all_gather", x, out=out, algorithm=algorithm, stream=stream)
+        with self._order:
+            name = "all_gather"
+            handle, owner, side, xb = self._open_call(name, x, stream)
+            k = xb.count
+            if out is not None:
+                total = _arrays.as_buffer(out, name, handle).count
+                if total % self.size:
+                    raise UbnextError(f"{name}: out has {total} elements, which {self.size} ranks do not divide "
+                                      f"(out holds size x k elements)")
+            algo = self._resolve(name, algorithm, xb.nbytes * self.size, xb.dtype, collective=name)
+            shape = (self.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (self.size,)
+            ob = self._part_out(name, xb, out, k * self.size, shape, handle, owner, side)
+            if self._prepare(name, algo, xb, k, "-", handle, owner, side, (xb, ob)):
+                self._dispatch.all_gather(algo, xb, ob, k, handle, owner, _signature.encode(name, xb.dtype, "sum", ob.count))
+                if out is not None:
+                    _arrays.mark_written((ob,))
+            return ob.obj
+
+    def reduce_scatter_add_rmsnorm(self, x, residual_shard, weight, eps: float = 1e-6, bias=None,
+                                   algorithm: str = "auto", stream=None):
+        """The sequence-parallel step: reduce-scatter by tokens, residual add and RMSNorm of
+        this rank's tokens; never blocks the host.
+
+        For ``x`` of shape (rows, hidden), rows a multiple of the world size, rank r's
+        shard is rows ``[r * rows / size, (r + 1) * rows / size)``::
+
+            residual_out = reduce_scatter(x) + bias + residual_shard
+            normed = residual_out / sqrt(mean(residual_out ** 2, axis=-1) + eps) * weight
+
+        with the arithmetic of ``all_reduce_add_rmsnorm``'s separate add + RMSNorm kernel
+        (fp32, the reduced values and ``residual_out`` rounded to x's dtype first). It runs
+        as the reduce-scatter kernel, then that kernel on this rank's rows.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call of the same shape, dtype and
+        algorithm (which compiles its kernels).
+
+        Args:
+            x: 2-D CUDA array (rows x hidden), bfloat16/float16/float32.
+            residual_shard: (rows / size) x hidden, x's dtype, or None.
+            weight: 1-D, hidden elements, x's dtype.
+            eps: finite, >= 0.
+            bias: 1-D, hidden elements, x's dtype, or None.
+            algorithm: ``"auto"`` or one of ``algorithms()`` with a reduce-scatter (picked
+                by x's bytes).
+            stream: as for ``all_reduce``.
+
+        Returns:
+            ``(normed_shard, residual_shard_out)``: new (rows / size) x hidden arrays in x's
+            framework.
+
+        Raises:
+            UbnextError: bad arguments, among them rows that the world size does not divide,
+                raised before any launch; a closed communicator.
+                BrokenCommunicatorError and its kinds, as ``reduce_scatter`` raises them.
+        """
+        if _arrays.traced(x):
+            return _traced_call(self, "reduce_scatter_add_rmsnorm", x, residual_shard, weight, eps=eps, bias=bias,
+                                algorithm=algorithm, stream=stream)
+        with self._order:
+            name = "reduce_scatter_add_rmsnorm"
+            handle, owner, side, xb = self._open_call(name, x, stream)
+            if len(xb.shape) != 2:
+                raise UbnextError(f"{name}: x must be 2-D (rows x hidden), got shape {tuple(xb.shape)}")
+            rows, hidden = (int(d) for d in xb.shape)
+            if rows % self.size:
+                raise UbnextError(f"{name}: x has {rows} rows, which {self.size} ranks do not divide")
+            if xb.dtype not in KERNEL_DTYPES:
+                raise UbnextError(f"{name}: the add + RMSNorm takes {', '.join(KERNEL_DTYPES)}, not {xb.dtype}")
+            eps = check_eps(name, eps)
+            shard = (rows // self.size, hidden)
+            rb = None if residual_shard is None else self._operand(name, xb, residual_shard, "residual_shard", shard,
+                                                                   handle)
+            wb = self._operand(name, xb, weight, "weight", (hidden,), handle)
+            bb = None if bias is None else self._operand(name, xb, bias, "bias", (hidden,), handle)
+            nb = self._new(name, xb, handle, owner, side, shard)
+            ob = self._new(name, xb, handle, owner, side, shard)
+            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, collective="reduce_scatter")
+            if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
+                return nb.obj, ob.obj
+            norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
+            self._dispatch.reduce_scatter_add_rmsnorm(algo, xb, nb, shard[0], hidden, norm, eps, handle, owner,
+                                                      _signature.encode_fused(xb.dtype, rows, hidden, name))
+            return nb.obj, ob.obj
+
+    def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
+        """A new array in symmetric memory.
+
+        All-reduce on it (in place, or with it as ``out``) moves no extra copies.
+        The memory returns to the pool when the array and all its views are gone.
+        Not available when the communicator runs on NCCL only.
+
+        Collective: yes: every rank calls it, with the same shapes, in the same order.
+        Graph-capturable: no (it allocates).
+
+        Args:
+            shape: int or tuple of ints.
+            dtype: a key of ``ubnext.DTYPES``.
+            framework: ``"cupy"`` or ``"torch"``.
+
+        Returns:
+            A CuPy array (``framework="cupy"``) or torch tensor of ``shape`` and ``dtype`` on
+            this communicator's device, contents undefined.
+
+        Raises:
+            UbnextError: pool exhausted (on every rank alike), no symmetric pool,
+                bad dtype/framework.
+        """
+        with self._order:
+            name = "empty"
+            self._check_open(name)
+            if dtype not in DTYPES:
+                raise UbnextError(f"{name}: unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+            if framework not in ("cupy", "torch"):
+                raise UbnextError(f"{name}: framework must be 'cupy' or 'torch', got {framework!r}")
+            if self._node is None:
+                raise UbnextError(f"{name}: this communicator has no symmetric memory pool (it uses NCCL)")
+            shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+            count = 1
+            for d in shape:
+                count *= d
+            block = self._node.alloc(count * DTYPES[dtype][1])
+            return _arrays.wrap(block.ptr, shape, dtype, self.device, framework, block)
+
+    def algorithms(self) -> list[str]:
+        """Names of the algorithms this communicator can run (``algorithm=`` values besides ``"auto"``).
+
+        Collective: no.
+        Graph-capturable: yes (host only).
+
+        Returns:
+            The names, in the order of ``ubnext.ALGORITHMS``.
+
+        Raises:
+            Nothing; a closed communicator answers too.
+        """
+        return [name for name in ALGORITHMS if self._selector.fits(name, 0)]
+
+    def select(self, nbytes: int, dtype: str, fused: bool = False, collective: str = "all_reduce") -> str:
+        """The algorithm ``"auto"`` picks for a message of ``nbytes`` bytes: of
+        ``all_reduce``, or with ``fused`` of ``all_reduce_add_rmsnorm``, or of
+        ``collective`` (``"reduce_scatter"``, ``"all_gather"``: ``nbytes`` of the whole
+        message, size x k elements, as their calls pass it).
+
+        Collective: no.
+        Graph-capturable: yes (host only).
+
+        Args:
+            nbytes: the message's bytes.
+            dtype: a key of ``ubnext.DTYPES``.
+            fused: the choice of ``all_reduce_add_rmsnorm`` instead of ``all_reduce``.
+            collective: ``"all_reduce"``, ``"reduce_scatter"`` or ``"all_gather"``
+                (``reduce_scatter_add_rmsnorm`` runs the reduce-scatter's choice).
+
+        Returns:
+            One of ``algorithms()``.
+
+        Raises:
+            UbnextError: ``UBNEXT_ALGO`` names an algorithm that cannot take ``nbytes``;
+                ``fused`` with a dtype the fused kernels do not take.
+            KeyError: ``dtype`` is not a key of ``ubnext.DTYPES``, or an unknown ``collective``.
+        """
+        if dtype not in DTYPES:
+            raise KeyError(f"select: unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+        if collective not in COLLECTIVES:
+            raise KeyError(f"select: unknown collective {collective!r}; use one of {', '.join(COLLECTIVES)}")
+        return self._resolve("select", "auto", nbytes, dtype, fused=fused, collective=collective)
+
+    def describe(self) -> Description:
+        """What this communicator runs and why: ranks, device, kernels or NCCL only (and why),
+        pool, NVLink multicast, configuration, selector tables, and the algorithm ``"auto"``
+        takes for 1 KiB to 1 GiB per dtype with the reason.
+
+        Collective: no.
+        Graph-capturable: no (it reads device properties; call it outside a capture).
+
+        Returns:
+            A dict (JSON-ready); ``print(comm.describe())`` shows it as a report.
+
+        Raises:
+            ClosedError: the communicator is closed.
+            BrokenCommunicatorError: a collective of this communicator failed.
+        """
+        with self._order:
+            self._check_open("describe")
+            return report(self)
+
+    def synchronize(self, stream=None) -> None:
+        """Waits for the device (or ``stream``, as ``all_reduce`` takes it); raises what a
+        kernel recorded meanwhile.
+
+        Collective: no. Blocks the host.
+        Graph-capturable: no (it waits for the device).
+
+        Args:
+            stream: a stream as ``all_reduce`` takes it; default: every stream of the device.
+
+        Raises:
+            ClosedError: the communicator is closed.
+            CollectiveTimeoutError, CollectiveMismatchError, ConcurrentUseError or
+            BrokenCommunicatorError: a collective of this communicator failed (then every
+            later call raises too).
+        """
+        with self._order:
+            import cupy
+
+            self._check_open("synchronize")
+            if stream is None:
+                cupy.cuda.runtime.deviceSynchronize()  # the communicator's device: the section's context
+            else:
+                cupy.cuda.runtime.streamSynchronize(self._stream_arg("synchronize", stream))
+            self._check_failures("synchronize")
+
+    def close(self) -> None:
+        """Releases the pool, the NCCL communicator and the bootstrap the communicator
+        created (not one passed in). Idempotent.
+
+        Collective: yes: it waits for this device's work, then for every rank. On a broken
+        communicator (a collective failed, see BrokenCommunicatorError) it is local and
+        bounded: it waits for no other rank, since a failed peer may never come. Arrays
+        from ``empty()`` must not be used afterwards.
+        Graph-capturable: no.
+
+        Raises:
+            UbnextError: a release failed: a driver call of the pool (CudaError) or the
+                bootstrap's exchange (e.g. a lost TCPStore); what follows it is released
+                all the same.
+        """
+        self._release(local=False)
+
+    def abort(self) -> None:
+        """Gives the communicator up at once, like ``ncclCommAbort``; idempotent; safe in
+        error handlers and elastic restarts.
+
+        Marks the communicator broken on every rank of the node (their waiting kernels
+        give up, and their next call raises BrokenCommunicatorError), waits for this
+        device (its kernels give up their waits too), then releases everything without
+        waiting for any other rank. The process can create a new communicator.
+
+        Collective: no (local: it waits for no other rank).
+        Graph-capturable: no.
+
+        Raises:
+            UbnextError: a release failed (as for ``close``); what follows it is released
+                all the same.
+        """
+        node = self._node
+        if not self._closed and node is not None:
+            # before the section: a call of another thread waiting in it (synchronize) gives up
+            node.announce_abort(self._local.rank)
+        if self._closed:
+            return  # a close() in progress on another thread releases everything
+        self._release(local=True)
+
+    def _release(self, local: bool) -> None:
+        """close (``local``: abort): after any call of another thread, in the section."""
+        with self._order:
+            if self._closed:
+                return
+            self._closed = True
+            self._plans.clear()
+            self._node = None
+            self._finalizer.detach()
+            lifetime.OPEN.discard(self)
+            self._owned.release(local)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals --------------------------------------------------------------------
+
+
+def _traced_call(comm, name: str, *args, **kwargs):
+    """``comm.<name>(...)`` as a ``torch.ops.ubnext`` op, for dynamo (``_arrays.traced``):
+    ``ubnext.torch._traced.call``, imported here, not at the top (ubnext does not import torch)."""
+    from ubnext.torch import _traced
+
+    return _traced.call(comm, name, *args, **kwargs)

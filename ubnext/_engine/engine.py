@@ -1,0 +1,353 @@
+"""Launching ubnext's kernels on the symmetric pool.
+
+The engine owns the kernel cache (a module per instantiation, a launcher per entry
+point with its constant arguments packed once) and issues launches; the pool layout is
+``heap.plan_layout``'s. It never synchronizes the host: each launch goes on the caller's
+stream. The launch shapes (grid, block and cluster sizes: pure functions of a launch's
+size and the machine) end this module; the rules and the measurements behind them are in
+bench/NOTES.md ("Launch-shape rules").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ubnext._engine.kernels import compile_module
+from ubnext._engine.launch import F32, I32, U64, Launcher
+from ubnext._memory.heap import STATES, SlotPlan, round_up, set_unit, twoshot_norm_rows
+from ubnext._protocol import quant as _quant
+from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, compile_defines, row_threads
+from ubnext._protocol.constants import (
+    LAUNCH_STATE,
+    LAUNCH_STATE_BYTES,
+    MAX_BLOCKS,
+    NORM_THREADS,
+    THREADS,
+    TWOSHOT_ALIGN_VECS,
+    VEC_BYTES,
+    field_offset,
+    sentinel_word,
+)
+
+#: parameters of each entry point (kernels/lamport.cu, kernels/twoshot.cu): base, stride,
+#: rank, mc, then 64-bit values; the fused ones take eps (fp32) before the signature and
+#: the launch state.
+_PARAMS = {
+    "ub_lamport": (U64, U64, I32) + (U64,) * 8,
+    "ub_lamport_twoshot": (U64, U64, I32) + (U64,) * 8,
+    "ub_twoshot": (U64, U64, I32) + (U64,) * 8,
+    "ub_lamport_twoshot_rs": (U64, U64, I32) + (U64,) * 8,
+    "ub_lamport_twoshot_ag": (U64, U64, I32) + (U64,) * 8,
+    "ub_twoshot_rs": (U64, U64, I32) + (U64,) * 8,
+    "ub_twoshot_ag": (U64, U64, I32) + (U64,) * 8,
+    "ub_lamport_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
+    "ub_lamport_twoshot_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
+    "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32, U64, U64),
+}
+_NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
+
+
+
+class Engine:
+    """Runs the all-reduce kernels of one communicator.
+
+    Args:
+        pool: the node's SymmetricPool.
+        plan: its library slots (``plan_layout``).
+        records: ``{state name: device address of its ErrorRecord}`` (``FailureRecords``).
+        tripped: device address of the word any completed record sets (``FailureRecords``).
+        timeout_s: bound on every device wait.
+        max_blocks: blocks per launch (0 = SM count).
+        mc_base: device address of the pool's multicast mapping (``MulticastRange.ptr``:
+            byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
+        deterministic: compile every kernel in deterministic mode (``Config.deterministic``).
+    """
+
+    def __init__(self, pool, plan: SlotPlan, records: dict[str, int], tripped: int, timeout_s: float,
+                 max_blocks: int, mc_base: int = 0, deterministic: bool = False):
+        import cupy
+
+        self.pool = pool
+        self.plan = plan
+        self.nranks = pool.local_size
+        self.rank = pool.local_rank
+        self.staging_bytes = plan.nbytes("staging")
+        self._records, self._tripped = records, tripped
+        self._deterministic = deterministic
+        self._timeout_ns = int(timeout_s * 1e9)
+        device = cupy.cuda.Device(pool.device)
+        sms = device.attributes["MultiProcessorCount"]
+        self._blocks = min(max_blocks or sms, sms, MAX_BLOCKS)
+        # thread-block clusters (sm_90+) for the Lamport kernels' fused launches of few rows
+        self._cluster_rows = int(device.compute_capability) >= 90
+        self._modules: dict[tuple, object] = {}
+        self._launchers: dict[tuple, Launcher] = {}
+        #: (algorithm, dtype, rows, hidden) -> a fused launch's (launcher, blocks, threads, cluster)
+        self._norm_launches: dict[tuple, tuple] = {}
+        self._mc_base = mc_base
+        # constant arguments and addresses, computed once
+        self._fixed = (pool.base, pool.stride, self.rank, mc_base)
+        # (family, width) -> (set offset, launch state, the kernels' buffer size argument:
+        # one-shot slot bytes, two-shot area bytes)
+        self._sets = {(f, w): (plan.offset(f"{f}{w}"), pool.local_ptr(plan.offset(f"{f}{w}.state")),
+                               set_unit(f, self.nranks, plan.nbytes(f"{f}{w}")))
+                      for f in ("lamport", "lamport_twoshot") for w in (2, 4)}
+        self._twoshot = {t: (plan.offset(f"flags.{t}"), pool.local_ptr(plan.offset(f"twoshot.{t}.state")))
+                         for t in ("unicast", "multicast")}
+        self.staging_off = plan.offset("staging")
+        self.staging_ptr = pool.local_ptr(self.staging_off)
+        # the quantized two-shot: flags, launch state, receive areas and their bytes (0: not opted in)
+        self._quant = (plan.offset("flags.quant"), pool.local_ptr(plan.offset("quant.state")),
+                       plan.offset("quant"), plan.nbytes("quant"))
+
+    # -- setup ----------------------------------------------------------------------
+    def initialize(self) -> None:
+        """Zeroes states and flags, gives every state its ErrorRecord and timeout, fills
+        every Lamport family's buffers with the sentinel.
+
+        Blocks the host until done; the caller then runs a barrier so that no peer
+        pushes into a buffer that is still being filled.
+        """
+        import cupy
+
+        self._words(0, self.staging_off).fill(0)
+        for name in STATES:
+            fields = np.zeros(LAUNCH_STATE_BYTES // 8, np.uint64)
+            fields[field_offset(LAUNCH_STATE, "record") // 8] = self._records[name]
+            fields[field_offset(LAUNCH_STATE, "tripped") // 8] = self._tripped
+            fields[field_offset(LAUNCH_STATE, "timeout_ns") // 8] = self._timeout_ns
+            self._words(self.plan.offset(name), LAUNCH_STATE_BYTES).set(fields.view(np.uint32))
+        for family, width in self._sets:
+            name = f"{family}{width}"
+            self._words(self.plan.offset(name), self.plan.nbytes(name)).fill(np.uint32(sentinel_word(width)))
+        cupy.cuda.Device(self.pool.device).synchronize()
+
+    def close(self) -> None:
+        """Drops the launchers and the engine's references to its kernel modules, on the
+        closing thread. The modules stay loaded: CuPy memoizes each compiled module per
+        device for the process (a communicator made again reuses it, as every communicator
+        with the same kernels does), and frees them at exit. Idempotent; the engine
+        launches nothing afterwards."""
+        self._norm_launches.clear()
+        self._launchers.clear()
+        self._modules.clear()
+
+    def _words(self, offset: int, nbytes: int):
+        import cupy
+
+        mem = cupy.cuda.UnownedMemory(self.pool.local_ptr(offset), nbytes, self, device_id=self.pool.device)
+        return cupy.ndarray((nbytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(mem, 0))
+
+    # -- launches -------------------------------------------------------------------
+    def _kernel(self, algorithm: str, dtype: str, op: str, fused: bool = False, cluster: int = 1,
+                collective: str = "all_reduce") -> Launcher:
+        """The launcher of ``algorithm``'s entry point of ``collective`` (``fused``: the
+        add + RMSNorm one, compiled for thread-block clusters of ``cluster`` blocks)."""
+        key = (algorithm, dtype, op, fused, cluster, collective)
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            alg = ALGORITHMS[algorithm]
+            entry = alg.norm_entry if fused else alg.entry_of(collective)
+            if alg.multicast and not self._mc_base:
+                raise AssertionError(f"engine: {algorithm} needs the multicast mapping")
+            mkey = (alg.source, alg.transport, dtype, op, cluster)
+            module = self._modules.get(mkey)
+            if module is None:
+                defines = compile_defines(dtype, op, self.nranks, alg.transport, cluster, self._deterministic)
+                module = self._modules[mkey] = compile_module(alg.source, defines)
+            prefix, state = self._constants(alg, DTYPES[dtype][1], fused)
+            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix, (state,))
+        return launcher
+
+    def _constants(self, alg, width: int, fused: bool) -> tuple[tuple, int]:
+        """The leading parameters of ``alg``'s entry points that never change, and its launch state."""
+        if alg.family == "twoshot":
+            flags, state = self._twoshot[alg.transport]
+            slots = (self.staging_off, self.staging_off + self._staging_half(), flags) if fused else (flags,)
+            return self._fixed + slots, state
+        set_off, state, unit = self._sets[alg.family, width]
+        return self._fixed + (set_off, unit), state
+
+    def lamport(self, algorithm: str, dtype: str, op: str, x: int, out: int, count: int, sig: int,
+                collective: str = "all_reduce") -> tuple:
+        """The launch of an all-reduce of ``count`` elements from local ``x`` into local
+        ``out`` by a Lamport family kernel (``lamport``, ``lamport_twoshot``,
+        ``nvls_lamport``); ``sig``: the call's signature (``signature``), which every rank's
+        launch must carry alike.
+
+        Both 16-byte aligned; ``x`` may equal ``out``; bytes within the algorithm's limit.
+        A reduce-scatter or all-gather (``collective``; the Lamport two-shot only) takes
+        ``count`` elements per rank, its rank-sliced side as whole vectors per slice
+        (kernels/lamport_twoshot.cu).
+
+        Returns:
+            ``(launcher, blocks, threads, values)``: ``launch.issue(launch, stream)`` issues
+            it, ``launch.Packed`` keeps it for a call plan. Every launch method of the
+            engine returns this, and none issues.
+        """
+        nvec = self._vectors(dtype, count, collective)
+        blocks, threads = lamport_shape(ALGORITHMS[algorithm], nvec, self.nranks, self._blocks)
+        return self._kernel(algorithm, dtype, op, collective=collective), blocks, threads, (x, out, count, sig)
+
+    def _vectors(self, dtype: str, count: int, collective: str) -> int:
+        """Vectors of a message: of ``count`` elements, or of nranks slices of ``count``
+        elements each in whole vectors (the reduce-scatter and all-gather)."""
+        nvec = -(-count * DTYPES[dtype][1] // VEC_BYTES)
+        return nvec if collective == "all_reduce" else self.nranks * nvec
+
+    def twoshot(self, algorithm: str, dtype: str, op: str, buf_off: int, src: int, dst: int, count: int,
+                sig: int, collective: str = "all_reduce") -> tuple:
+        """The launch of a two-shot all-reduce in place on the buffer at ``buf_off`` of
+        every segment, as ``lamport`` gives it.
+
+        ``algorithm``: "twoshot" or "nvls". ``src``/``dst``: local 16-byte aligned
+        addresses to copy in from / out to, or 0 when the buffer already holds the
+        input / is the output. ``sig``: the call's signature. A reduce-scatter or all-gather
+        (``collective``) takes ``count`` elements per rank (kernels/twoshot.cu).
+        """
+        alg = ALGORITHMS[algorithm]
+        blocks = twoshot_blocks(alg, self._vectors(dtype, count, collective), self.nranks, self._blocks)
+        return (self._kernel(algorithm, dtype, op, collective=collective), blocks, alg.threads,
+                (buf_off, src, dst, count, sig))
+
+    def quantized(self, fmt: str, dtype: str, op: str, src: int, dst: int, count: int, sig: int) -> tuple:
+        """The launch of a quantized two-shot all-reduce (kernels/quant_twoshot.cu) of
+        ``count`` elements from local ``src`` into local ``dst`` (2-byte aligned; may be
+        equal) in ``fmt``, as ``lamport`` gives it; at most ``quant.LAUNCH_BYTES`` of input.
+        ``sig``: the call's signature."""
+        flags, state, area, nbytes = self._quant
+        if not nbytes:
+            raise AssertionError("engine: the quantized two-shot needs Config.quantized")
+        key = (f"quantized:{fmt}", dtype, op, False, 1, "all_reduce")  # shaped as _kernel's keys
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks))
+            launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS["ub_twoshot"],
+                                                       self._fixed + (flags, area), (state,))
+        slice_groups = -(-_quant.groups(count) // self.nranks)
+        blocks = max(1, min(self._blocks, -(-slice_groups // _quant.BLOCK_GROUPS)))
+        return launcher, blocks, THREADS[_quant.SOURCE], (src, dst, count, sig)
+
+    def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:
+        """Rows one fused launch of ``algorithm`` takes (of ``rows``; 0: not even one)."""
+        alg = ALGORITHMS[algorithm]
+        width = DTYPES[dtype][1]
+        row_bytes = hidden * width
+        if alg.family == "lamport":  # a message of whole rows that fits a slot
+            return min(rows, self._sets[alg.family, width][2] // row_bytes)
+        if alg.family == "lamport_twoshot":
+            return twoshot_norm_rows(self._sets[alg.family, width][2], row_bytes, self.nranks)
+        return self._staging_half() // row_bytes  # two staging halves: input/normed, residual
+
+    def _staging_half(self) -> int:
+        return self.staging_bytes // 2 // VEC_BYTES * VEC_BYTES
+
+    def add_rmsnorm(self, algorithm: str, dtype: str, x: int, rows: int, hidden: int, norm: tuple,
+                    eps: float, sig: int) -> tuple:
+        """The launch of a fused all-reduce + residual add + RMSNorm of ``rows`` x ``hidden``
+        elements, as ``lamport`` gives it.
+
+        ``norm``: local addresses (residual or 0, bias or 0, weight, normed, res_out),
+        all 16-byte aligned, outputs not overlapping ``x``; hidden a multiple of 8;
+        rows <= ``norm_rows``.
+        """
+        key = (algorithm, dtype, rows, hidden)
+        launch = self._norm_launches.get(key)
+        if launch is None:
+            if len(self._norm_launches) >= _NORM_LAUNCHES_MAX:
+                self._norm_launches.clear()
+            launch = self._norm_launches[key] = self._norm_launch(algorithm, dtype, rows, hidden)
+        launcher, blocks, threads, _ = launch
+        return launcher, blocks, threads, (x, rows, hidden, *norm, eps, sig)
+
+    def _norm_launch(self, algorithm: str, dtype: str, rows: int, hidden: int) -> tuple:
+        """The kernel and grid of a fused launch of ``rows`` x ``hidden``: (launcher,
+        blocks, threads per block, blocks per cluster). The launcher's entry point is
+        compiled for its cluster size, so a plain launch forms the clusters."""
+        vpr = hidden * DTYPES[dtype][1] // VEC_BYTES
+        blocks, threads, cluster = norm_shape(ALGORITHMS[algorithm], rows, vpr, self.nranks, self._blocks,
+                                              self._cluster_rows)
+        return self._kernel(algorithm, dtype, "sum", fused=True, cluster=cluster), blocks, threads, cluster
+
+
+# Launch shapes: the grid, block and cluster sizes of every kernel launch.
+
+#: portable thread-block cluster size (the one-shot's fused clusters)
+MAX_CLUSTER = 8
+#: largest cluster of the fused Lamport two-shot, whose clusters finish this rank's share
+#: of the rows while the other ranks' rows arrive: smaller clusters leave SMs for them
+TWOSHOT_MAX_CLUSTER = 4
+#: least vectors of a row per block of a cluster
+CLUSTER_BLOCK_VECTORS = 128
+#: threads per block of the Lamport two-shot's narrow launches (lamport_twoshot_threads)
+NARROW_THREADS = 128
+
+
+def row_cluster(rows: int, vectors: int, blocks: int, largest: int = MAX_CLUSTER) -> int:
+    """Blocks per cluster that finish one row of ``vectors`` 16-byte vectors when a launch
+    of ``rows`` rows may use ``blocks`` blocks: a power of two up to ``largest``, with a
+    cluster for every row and at least CLUSTER_BLOCK_VECTORS vectors per block, so that a
+    few long rows spread their polls and passes over several SMs. Rows that one block
+    covers with a vector per thread stay on one block."""
+    if vectors < NORM_THREADS:
+        return 1
+    cluster = 1
+    while (cluster * 2 <= largest and rows * cluster * 2 <= blocks
+           and vectors >= cluster * 2 * CLUSTER_BLOCK_VECTORS):
+        cluster *= 2
+    return cluster
+
+
+def lamport_shape(alg, nvec: int, nranks: int, max_blocks: int) -> tuple[int, int]:
+    """(blocks, threads per block) of a plain launch of the Lamport family ``alg`` on
+    ``nvec`` vectors: a block per ``alg.threads`` vectors, at most ``max_blocks`` (the
+    two-shot kernel gives each block a part of every slice), on the narrow blocks of
+    ``lamport_twoshot_threads`` where they apply."""
+    blocks = max(1, min(max_blocks, -(-nvec // alg.threads)))
+    threads = alg.threads
+    if alg.family == "lamport_twoshot":
+        threads = lamport_twoshot_threads(nvec, nranks, blocks, threads)
+    return blocks, threads
+
+
+def lamport_twoshot_threads(nvec: int, nranks: int, blocks: int, threads: int) -> int:
+    """Threads per block of a plain Lamport two-shot launch of ``nvec`` vectors on
+    ``blocks`` blocks (``threads``: the kernel's own). NARROW_THREADS where a block's
+    part of a slice (kernels/lamport_twoshot.cu: block_part) gives each of them 2 or 3
+    vectors: a thread's pushes leave in order, so its first vectors are reduced and
+    gathered while the later ones still cross NVLink. With one vector per thread there is
+    nothing to overlap, and with more, fewer pushes are in flight."""
+    slice_vecs = round_up(-(-nvec // nranks), TWOSHOT_ALIGN_VECS)
+    part = round_up(-(-slice_vecs // blocks), TWOSHOT_ALIGN_VECS)
+    return NARROW_THREADS if 2 * NARROW_THREADS <= part <= 3 * NARROW_THREADS else threads
+
+
+def twoshot_blocks(alg, nvec: int, nranks: int, max_blocks: int) -> int:
+    """Blocks of a barrier two-shot launch of ``nvec`` vectors: one per ``alg.threads``
+    vectors of a slice, at most ``max_blocks``; the multicast barrier counts arrivals per
+    block, so every launch of it has ``max_blocks`` (the unicast one takes any grid)."""
+    return grid(alg, -(-(-(-nvec // nranks)) // alg.threads), max_blocks)
+
+
+def grid(alg, wanted: int, max_blocks: int) -> int:
+    """``wanted`` blocks, at least 1 and at most ``max_blocks``; always ``max_blocks`` for a
+    multicast barrier two-shot (whose counting barrier needs the same grid every launch)."""
+    return max_blocks if alg.multicast else max(1, min(max_blocks, wanted))
+
+
+def norm_shape(alg, rows: int, vpr: int, nranks: int, max_blocks: int, clusters: bool) -> tuple[int, int, int]:
+    """(blocks, threads per block, blocks per cluster) of a fused launch of ``rows`` rows of
+    ``vpr`` vectors by ``alg``; ``clusters``: whether the device runs thread-block clusters."""
+    # rows that each rank normalizes: all (one-shot) or its own (two-shot kernels)
+    owned = rows if alg.family == "lamport" else -(-rows // nranks)
+    # few of them: a cluster per row, so a row's polls and passes run on several SMs
+    largest = MAX_CLUSTER if alg.family == "lamport" else TWOSHOT_MAX_CLUSTER
+    cluster = row_cluster(owned, vpr, max_blocks, largest) if alg.pushed and clusters else 1
+    if alg.family == "twoshot":  # a block per owned row
+        blocks = grid(alg, owned, max_blocks)
+    elif alg.family == "lamport" and cluster > 1:
+        blocks = cluster * rows
+    else:  # enough blocks for every row, and for the pushes at ~`threads` vectors per block
+        wanted = max(rows, -(-rows * vpr // alg.threads))
+        blocks = max(cluster, min(max_blocks, wanted) // cluster * cluster)
+    return blocks, row_threads(vpr, cluster), cluster

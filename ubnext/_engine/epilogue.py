@@ -1,0 +1,62 @@
+"""The separate residual add + RMSNorm kernel: the unfused path of
+``Communicator.all_reduce_add_rmsnorm`` (any hidden size and alignment, after an
+all-reduce by any engine, NCCL included). Local to this rank: no pool, no peers."""
+
+from __future__ import annotations
+
+import math
+
+from ubnext._engine.kernels import compile_module
+from ubnext._engine.launch import F32, U64, Launcher
+from ubnext._protocol.algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, ROW_KEEP, norm_defines, row_threads
+from ubnext._protocol.constants import NORM_THREADS
+from ubnext._protocol.errors import UbnextError
+
+_PARAMS = (U64,) * 8 + (F32,)  # x, rows, hidden, residual, bias, weight, normed, res_out, eps
+_SM_THREADS = 2048  # threads resident on one SM (sm_90)
+
+
+class AddRmsNorm:
+    """Launches ``ub_add_rmsnorm`` (kernels/rmsnorm.cu); one compiled kernel per dtype.
+
+    Args:
+        sms: the device's multiprocessors. A launch has one row per block (grid-stride
+            beyond) and as many blocks as the SMs hold at once.
+    """
+
+    def __init__(self, sms: int):
+        self._sms = sms
+        self._one_each = sms * NORM_THREADS  # vectors that a full block on every SM covers a thread each
+        self._launchers: dict[str, Launcher] = {}
+
+    def __call__(self, dtype: str, x: int, rows: int, hidden: int, norm: tuple, eps: float,
+                 stream: int) -> None:
+        """``normed, res_out = rmsnorm(x + bias + residual) * weight, x + bias + residual``.
+
+        ``norm``: local addresses (residual or 0, bias or 0, weight, normed, res_out);
+        ``x`` is the all-reduced input and may equal ``normed``.
+        """
+        launcher = self._launchers.get(dtype)
+        if launcher is None:
+            module = compile_module(NORM_SOURCE, norm_defines(dtype))
+            launcher = self._launchers[dtype] = Launcher(module.get_function(NORM_ENTRY), _PARAMS)
+        vectors = -(-hidden * DTYPES[dtype][1] // 16)
+        # A thread per 16 bytes of a row while a full block on every SM covers the array
+        # (a row's passes on the most threads); larger arrays: ROW_KEEP vectors per thread,
+        # so that more, smaller blocks share an SM (bench/NOTES.md).
+        per_thread = 1 if rows * vectors <= self._one_each else ROW_KEEP
+        threads = row_threads(-(-vectors // per_thread))
+        blocks = max(1, min(rows, self._sms * (_SM_THREADS // threads)))
+        launcher(blocks, threads, stream, x, rows, hidden, *norm, eps)
+
+
+def check_eps(name: str, eps) -> float:
+    """``eps`` of an add + RMSNorm as a float, finite and >= 0 (``name``: the call, for the
+    message)."""
+    try:
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise UbnextError(f"{name}: eps must be a number, got {type(eps).__name__}") from None
+    if not math.isfinite(eps) or eps < 0:
+        raise UbnextError(f"{name}: eps must be finite and >= 0, got {eps}")
+    return eps

@@ -1,0 +1,315 @@
+"""Quantized all-reduce (opt-in): the formats, their exact arithmetic, and its error bound.
+
+The quantized two-shot (kernels/quant_twoshot.cu) moves each group of GROUP elements as
+GROUP one-byte codes and one fp32 scale. The arithmetic, which the kernel and the host
+emulation here compute alike, bit for bit (fp32 throughout, IEEE round to nearest even,
+no fused multiply-add):
+
+* quantize a group ``x`` (fp32): ``amax = max |x|``; ``scale = amax / QMAX`` (fp32
+  division); if any element is NaN or infinite, ``scale = NaN``. Where ``scale > 0``:
+  ``y = min(max(x / scale, -QMAX), QMAX)`` (fp32 division) and the code is ``y`` rounded
+  to the format: int8 ``rint(y)`` (ties to even), fp8 the e4m3 value nearest ``y`` (ties
+  to even). Elsewhere (a group of zeros, a scale that underflows to 0, or a NaN scale)
+  every code is 0.
+* dequantize: ``code * scale`` (the code widened exactly to fp32, one fp32 product).
+  A group with a NaN or infinity thus comes out as NaN, every element of it.
+* the all-reduce of a group: every rank's group quantized and dequantized; the owner
+  adds them in rank order 0..N-1 in fp32 (starting from rank 0's value), divides by N
+  for ``avg``, quantizes the sum once, and every rank dequantizes that and rounds it to
+  the input dtype once (to nearest even). A message's last group is padded with zeros.
+
+The error bound (:func:`bound`) is stated per group, relative to ``M``, the sum over the
+ranks of each rank's largest magnitude in the group (divided by N for ``avg``): every
+element of a group's result differs from the exact (fp64) reduction of the inputs by at
+most ``bound * M``. Its derivation is next to the function; bench/quant_error.py measures
+it on random and heavy-tailed data (bench/results/quant_error.txt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ubnext._protocol.algorithms import compile_defines as _base_defines
+from ubnext._protocol.constants import QUANT_GROUP
+from ubnext._protocol.errors import UbnextError
+from ubnext._protocol.signature import COUNT_BITS
+
+#: the kernel source and its entry point (parameters as kernels/twoshot.cu's ub_twoshot)
+SOURCE, ENTRY = "quant_twoshot.cu", "ub_quant_twoshot"
+#: elements per group (one scale each)
+GROUP = QUANT_GROUP
+#: bytes of a group's scale (fp32)
+SCALE_BYTES = 4
+#: the input dtypes the quantized all-reduce takes, and the ops
+DTYPES = ("bfloat16", "float16")
+OPS = ("sum", "avg")
+#: precision values besides the formats: the communicator's choice, and full precision
+AUTO, EXACT = "auto", "exact"
+#: 16-bit input bytes that one launch takes: the quantized receive areas are sized for it
+#: (quant_area_bytes); larger messages run in launches of this size
+LAUNCH_BYTES = 32 << 20
+#: groups of a slice that one block takes at least: a thread quantizes a whole group, so a
+#: block's 1024 threads (its launch bound) keep HBM busy on large messages, while short
+#: ones still spread over many SMs (threads past a block's part idle)
+BLOCK_GROUPS = 256
+#: the smallest message (input bytes) that ``auto`` quantizes on an opted-in communicator,
+#: and only with 2 ranks or more: below it a kernel's fixed cost dominates and the
+#: quantized two-shot, doing more arithmetic per byte, is slower than full precision
+#: (bench/NOTES.md, "Quantized two-shot kernel time"); one rank moves nothing over links
+AUTO_MIN_BYTES = 16 << 20
+#: unit roundoff of the output dtypes (half an ulp, relative)
+_UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+#: half of float16's subnormal spacing: the absolute error of rounding a tiny value to it
+_ABS = {"bfloat16": 0.0, "float16": 2.0**-25}
+_F32 = np.float32
+
+
+@dataclass(frozen=True)
+class Format:
+    """One quantized format.
+
+    Attributes:
+        name: the ``precision=`` value and ``UBNEXT_QUANTIZED`` value.
+        kernel: the codec struct of kernels/quant.cuh (compiled in as UB_QFMT).
+        qmax: the largest code magnitude (the group's largest magnitude maps to it).
+        step: the largest rounding error of one quantization, relative to the group's
+            largest magnitude: int8 half a code (0.5 / 127); e4m3 half the spacing of the
+            codes just below 448 (16 / 448).
+        min_arch: the least compute capability that converts to it in hardware.
+    """
+
+    name: str
+    kernel: str
+    qmax: float
+    step: float
+    min_arch: int
+
+    def encode(self, y: np.ndarray) -> np.ndarray:
+        """fp32 values ``y`` (already within +-qmax) rounded to codes, as fp32 values."""
+        if self.name == "int8":  # through int8: a code of -0.0 is +0
+            return np.rint(y).astype(np.int8).astype(_F32)
+        return y.astype(ml_dtypes.float8_e4m3fn).astype(_F32)
+
+
+#: format name -> Format
+FORMATS = {f.name: f for f in (Format("int8", "QInt8", 127.0, 0.5 / 127, 0),
+                                Format("fp8", "QFp8", 448.0, 16.0 / 448, 89))}
+#: every value ``precision=`` takes
+PRECISIONS = (AUTO, EXACT, *FORMATS)
+
+
+def bytes_per_element(fmt: str) -> float:
+    """Bytes that cross the links per element in ``fmt``: a code and a share of its scale."""
+    del fmt  # every format has one-byte codes
+    return 1 + SCALE_BYTES / GROUP
+
+
+def wire_fraction(fmt: str, dtype: str = "bfloat16") -> float:
+    """The quantized two-shot's bytes over the full-precision two-shot's, per element."""
+    return bytes_per_element(fmt) / {"bfloat16": 2, "float16": 2}[dtype]
+
+
+def groups(count: int) -> int:
+    """Groups of a message of ``count`` elements (the last one padded with zeros)."""
+    return -(-count // GROUP)
+
+
+def area_bytes(nranks: int, launch_elems: int) -> int:
+    """Bytes of the quantized receive areas for launches of up to ``launch_elems``
+    elements (kernels/quant_twoshot.cu: QuantAreas): a reduce-scatter area of N slots
+    of S groups and an all-gather area of N * S groups, codes then scales, where
+    S = ceil(G / N) groups per slice."""
+    slice_groups = -(-groups(launch_elems) // nranks)
+    return 2 * nranks * slice_groups * (GROUP + SCALE_BYTES)
+
+
+def quant_area_bytes(nranks: int, setting: str) -> int:
+    """The pool bytes of the quantized receive areas of a communicator whose
+    ``Config.quantized`` is ``setting``: none where it is ``"off"``."""
+    return 0 if setting == "off" else area_bytes(nranks, LAUNCH_BYTES // 2)
+
+
+def compile_defines(fmt: str, dtype: str, op: str, nranks: int) -> dict[str, str]:
+    """Preprocessor definitions of an instantiation of kernels/quant_twoshot.cu."""
+    return {**_base_defines(dtype, op, nranks), "UB_QFMT": FORMATS[fmt].kernel}
+
+
+# ---- opt-in ------------------------------------------------------------------------------
+def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbytes: int, nranks: int,
+           setting: str, kernels: bool, arch: Callable[[], int]) -> str | None:
+    """The format a call runs in, or None for full precision. Pure.
+
+    ``precision="auto"`` quantizes only where the communicator opted in (``setting``,
+    ``Config.quantized``, is a format) and the call is one the quantized two-shot takes
+    (``algorithm="auto"``, a dtype of DTYPES, an op of OPS, kernels on the pool) where it
+    can pay: 2 ranks or more and at least AUTO_MIN_BYTES; every other call keeps full
+    precision. Every rank decides alike (the same call has the same bytes everywhere).
+    ``"exact"`` never quantizes; a format name asks for that format and raises where the
+    call cannot have it.
+
+    Args:
+        name: the calling operation, for messages.
+        precision: one of PRECISIONS.
+        algorithm: the call's ``algorithm=``.
+        dtype, op: the call's.
+        nbytes: the message's bytes.
+        nranks: the communicator's size.
+        setting: ``Config.quantized``.
+        kernels: whether the communicator runs kernels on a symmetric pool.
+        arch: returns the device's compute capability (e.g. 90); called only where a
+            format is chosen.
+
+    Raises:
+        UbnextError: an unknown precision; a format that the call cannot take, or that
+            the communicator did not opt in to, or fp8 on a device before sm_89.
+    """
+    if precision not in PRECISIONS:
+        raise UbnextError(f"{name}: unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if precision == EXACT:
+        return None
+    if precision == AUTO:
+        if (setting == "off" or algorithm != "auto" or not kernels or dtype not in DTYPES or op not in OPS
+                or nranks < 2 or nbytes < AUTO_MIN_BYTES):
+            return None
+        fmt = setting
+    else:
+        fmt = precision
+        problem = (f"it takes {' and '.join(DTYPES)}, not {dtype}" if dtype not in DTYPES else
+                   f"it takes op {' or '.join(OPS)}, not {op!r}" if op not in OPS else
+                   f"it is its own algorithm: pass algorithm='auto', not {algorithm!r}" if algorithm != "auto" else
+                   "the communicator opted out: set UBNEXT_QUANTIZED=int8|fp8 (or Communicator(quantized=...)) "
+                   "to reserve its buffers" if setting == "off" else
+                   "this communicator runs NCCL only" if not kernels else None)
+        if problem:
+            raise UbnextError(f"{name}: precision={fmt!r} runs the quantized two-shot, but {problem}")
+    have = arch()
+    if have < FORMATS[fmt].min_arch:
+        raise UbnextError(f"{name}: precision {fmt!r} needs compute capability {FORMATS[fmt].min_arch / 10:.1f} "
+                          f"or newer (this device: {have / 10:.1f}); use int8")
+    return fmt
+
+
+#: bits of a call signature's count field (``_signature``) above which the format is carried
+TAG_SHIFT = COUNT_BITS - 4
+
+
+def signature(sig: int, fmt: str) -> int:
+    """A quantized call's signature: the plain one (``_signature.encode``) with the format's
+    number (1, 2) in the top 4 bits of its count field, so that ranks calling with different
+    formats (which share the kernel's flags and areas) fail with CollectiveMismatchError
+    instead of mixing codes; counts stay far below 2**TAG_SHIFT elements."""
+    return sig | (list(FORMATS).index(fmt) + 1) << TAG_SHIFT
+
+
+def describe(setting: str, kernels: bool) -> str:
+    """One line for ``describe()``: whether and where ``auto`` quantizes."""
+    if setting == "off":
+        return ("off: auto never quantizes (opt in with UBNEXT_QUANTIZED=int8|fp8; then precision= "
+                "picks per call)")
+    if not kernels:
+        return f"{setting} requested, but this communicator runs NCCL only: every call keeps full precision"
+    return (f"{setting}: auto reduces {'/'.join(DTYPES)} {'/'.join(OPS)} from {AUTO_MIN_BYTES >> 20} MiB "
+            f"at 2 ranks or more in the quantized two-shot "
+            f"({wire_fraction(setting):.0%} of the bytes; error <= {bound(setting, 'bfloat16', 8):.4f} x the "
+            f"group's magnitude for bfloat16); precision='exact' keeps a call exact")
+
+
+def selection_note(setting: str, kernels: bool, dtype: str) -> str:
+    """What ``describe()`` adds to the reason of ``auto``'s choice for ``dtype``: that its
+    sums and averages run quantized instead, where the communicator opted in."""
+    if setting == "off" or not kernels or dtype not in DTYPES:
+        return ""
+    return (f"; {' and '.join(OPS)} from {AUTO_MIN_BYTES >> 20} MiB at 2 ranks or more run the quantized "
+            f"two-shot in {setting} instead (UBNEXT_QUANTIZED)")
+
+
+# ---- host emulation, bit for bit ----------------------------------------------------------
+def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """Groups ``x`` (fp32, shape (G, GROUP)) -> (codes as fp32 values, fp32 scales (G,))."""
+    f = FORMATS[fmt]
+    x = np.asarray(x, _F32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax = np.max(np.abs(x), axis=1)
+        scale = amax / _F32(f.qmax)
+        scale = np.where(np.all(np.isfinite(x), axis=1), scale, _F32(np.nan)).astype(_F32)
+        ok = scale > 0
+        y = np.where(ok[:, None], x / np.where(ok, scale, _F32(1))[:, None], _F32(0)).astype(_F32)
+        y = np.minimum(np.maximum(y, _F32(-f.qmax)), _F32(f.qmax))
+    return f.encode(y), scale
+
+
+def dequantize(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """codes * scale per group, one fp32 product."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (codes * scale[:, None]).astype(_F32)
+
+
+def _round_trip(x: np.ndarray, fmt: str) -> np.ndarray:
+    return dequantize(*quantize(x, fmt))
+
+
+def _grouped(a: np.ndarray) -> np.ndarray:
+    """A flat array widened to fp32 and padded with zeros to whole groups: (G, GROUP)."""
+    flat = np.asarray(a).reshape(-1).astype(_F32)
+    out = np.zeros(groups(flat.size) * GROUP, _F32)
+    out[:flat.size] = flat
+    return out.reshape(-1, GROUP)
+
+
+def all_reduce(inputs, fmt: str, op: str = "sum") -> np.ndarray:
+    """The quantized all-reduce of ``inputs`` (one bfloat16/float16 array per rank, in rank
+    order), as every rank's kernel computes it: quantize, dequantize, add in rank order
+    in fp32, quantize once, dequantize, round to the dtype. Returns x's dtype and shape."""
+    first = np.asarray(inputs[0])
+    parts = [_round_trip(_grouped(x), fmt) for x in inputs]
+    acc = parts[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        for p in parts[1:]:
+            acc = (acc + p).astype(_F32)
+        if op == "avg":
+            acc = (acc / _F32(len(parts))).astype(_F32)
+        out = _round_trip(acc, fmt).reshape(-1)[:first.size].astype(first.dtype)
+    return out.reshape(first.shape)
+
+
+# ---- the error bound ----------------------------------------------------------------------
+def bound(fmt: str, dtype: str, nranks: int) -> float:
+    """The largest error of the quantized all-reduce, per group, relative to ``M`` (the
+    sum over ranks of each rank's largest magnitude in the group; for ``avg``, M / N),
+    for groups of finite values whose sum does not overflow.
+
+    With c = FORMATS[fmt].step and u the output dtype's unit roundoff: each rank's
+    dequantized group is off by at most c * A_r (its largest magnitude A_r), so the sum
+    of them by c * M; the fp32 additions (and avg's division) add at most
+    (N + 1) * 2^-24 * M(1 + c); the owner's quantization of a sum whose largest magnitude
+    is at most M(1 + c) adds c * M(1 + c); the final rounding u * M(1 + c)^2. The fp32
+    roundings of x / scale and of code * scale add about 2^-24 per quantization, covered
+    by doubling the fp32 term. Not covered: a float16 result below its normal range
+    (an absolute error up to 2^-25 more: :func:`absolute_slack`) and a group whose scale
+    underflows fp32 (largest magnitude below about 1e-43: it comes out as zeros).
+    """
+    c, u = FORMATS[fmt].step, _UNIT[dtype]
+    return c + c * (1 + c) + u * (1 + c) ** 2 + (nranks + 1) * 2.0**-23 * (1 + c)
+
+
+def absolute_slack(dtype: str) -> float:
+    """The absolute error that rounding to ``dtype`` may add beyond :func:`bound` (float16
+    subnormals)."""
+    return _ABS[dtype]
+
+
+def group_errors(inputs, result: np.ndarray, op: str = "sum") -> np.ndarray:
+    """Per group, the largest |result - exact| over ``M`` (see :func:`bound`); groups of
+    zeros (M = 0) give 0. ``exact``: the inputs reduced in fp64."""
+    x = np.stack([_grouped(a).astype(np.float64) for a in inputs])  # (N, G, GROUP)
+    exact = x.sum(axis=0)
+    m = np.abs(x).max(axis=2).sum(axis=0)
+    if op == "avg":
+        exact, m = exact / len(inputs), m / len(inputs)
+    got = _grouped(result).astype(np.float64)
+    err = np.abs(got - exact).max(axis=1)
+    return np.where(m > 0, err / np.where(m > 0, m, 1.0), 0.0)

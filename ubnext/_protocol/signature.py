@@ -1,0 +1,63 @@
+"""Call signatures: what a rank says it is calling, carried in band by the kernels.
+
+Every launch carries a 64-bit signature of its call — the collective, dtype, op and
+element count (the whole message's: size x k for the reduce-scatter and all-gather; for
+the fused calls, rows and hidden size) — next to the data or flags the
+kernels already exchange. A kernel that receives a signature other than its own fails
+the communicator with ``kFailMismatch`` and both signatures, so ranks that call with
+different arguments get ``CollectiveMismatchError`` instead of a result, with no host
+round trip added.
+
+Layout (bits): 63..60 collective, 59..56 dtype, 55..52 op, 51..0 count; the fused call's
+count is ``rows << HIDDEN_BITS | hidden``.
+"""
+
+from __future__ import annotations
+
+from ubnext._protocol.algorithms import DTYPES, OPS
+
+#: collectives that carry a signature, in code order (code 0 is never used)
+COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm")
+#: the fused calls, whose count is rows and hidden size
+_FUSED = ("all_reduce_add_rmsnorm", "reduce_scatter_add_rmsnorm")
+COUNT_BITS = 52
+HIDDEN_BITS = 20
+_DTYPES = tuple(DTYPES)
+_OPS = tuple(OPS)
+#: (collective, dtype, op) -> the signature's bits above the count
+_HEAD = {(c, d, o): (ci + 1) << 60 | di << 56 | oi << 52
+         for ci, c in enumerate(COLLECTIVES) for di, d in enumerate(_DTYPES) for oi, o in enumerate(_OPS)}
+
+
+def encode(collective: str, dtype: str, op: str, count: int) -> int:
+    """The signature of a call of ``collective`` on ``count`` elements of ``dtype`` with ``op``.
+
+    Raises:
+        ValueError: a count that does not fit its field.
+    """
+    if not 0 <= count < 1 << COUNT_BITS:
+        raise ValueError(f"signature: count {count} does not fit {COUNT_BITS} bits")
+    return _HEAD[collective, dtype, op] | count
+
+
+def encode_fused(dtype: str, rows: int, hidden: int, collective: str = "all_reduce_add_rmsnorm") -> int:
+    """The signature of a fused ``collective`` (``all_reduce_add_rmsnorm`` or
+    ``reduce_scatter_add_rmsnorm``) of ``rows`` x ``hidden`` elements."""
+    if hidden >= 1 << HIDDEN_BITS or rows >= 1 << (COUNT_BITS - HIDDEN_BITS):
+        raise ValueError(f"signature: {rows} x {hidden} does not fit")
+    return encode(collective, dtype, "sum", rows << HIDDEN_BITS | hidden)
+
+
+def text(signature: int) -> str:
+    """Words for a signature, e.g. ``"all_reduce of 4096 bfloat16 (sum)"``."""
+    code, dtype, op = signature >> 60, signature >> 56 & 0xF, signature >> 52 & 0xF
+    count = signature & ((1 << COUNT_BITS) - 1)
+    if not 1 <= code <= len(COLLECTIVES) or dtype >= len(_DTYPES) or op >= len(_OPS):
+        return f"an unknown call (signature {signature:#018x})"
+    collective = COLLECTIVES[code - 1]
+    if collective in _FUSED:
+        rows, hidden = count >> HIDDEN_BITS, count & ((1 << HIDDEN_BITS) - 1)
+        return f"{collective} of {rows} x {hidden} {_DTYPES[dtype]}"
+    if collective == "all_gather":
+        return f"{collective} of {count} {_DTYPES[dtype]}"
+    return f"{collective} of {count} {_DTYPES[dtype]} ({_OPS[op]})"

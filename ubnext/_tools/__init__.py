@@ -1,0 +1,9 @@
+"""What the command-line tools and benchmarks share.
+
+Owns: ``python -m ubnext selftest`` (``selftest``, its checks in ``selfcheck``), the host
+reference of the kernels' arithmetic, bit for bit (``reference``), ``python -m ubnext
+info`` (``info``), timing calls on the GPU (``timing``), and byte sizes on command lines
+as nccl-tests writes them (``cli``).
+Imports: every layer, the Communicator included; nothing imports it but the entry points,
+``ubnext.tune`` and the benchmarks.
+"""
