@@ -1,6 +1,6 @@
 """Call plans: the validated launch of an eager all-reduce or fused all-reduce + add +
-RMSNorm, kept for the next call with the same arguments (issue 25: a call's host time
-went mostly to validating its arrays and packing its arguments, not to the launch).
+RMSNorm, kept for the next call with the same arguments (a call's host time goes mostly
+to validating its arrays and packing its arguments, not to the launch).
 
 The first call with a key runs the full path: it validates, resolves the algorithm and
 launches. Where that was one kernel launch, the communicator keeps a :class:`Plan`: the
@@ -32,10 +32,10 @@ from typing import NamedTuple
 from ubnext._engine.launch import Packed
 from ubnext._interop import arrays as _arrays
 
-#: plans a communicator keeps (the oldest is dropped for a new one): about 2.5 KiB each. A
-#: loop that cycles through more keys than this misses every time, paying the key and a
-#: new plan (a few µs) on top of the full path: 256 takes a call per row-parallel layer of
-#: the largest tensor-parallel models (2 x 126 layers) without dropping any
+#: plans a communicator keeps (the oldest is dropped for a new one). A loop that cycles
+#: through more keys than this misses every time, paying the key and a new plan on top of
+#: the full path: 256 takes a call per row-parallel layer of the largest tensor-parallel
+#: models (2 x 126 layers) without dropping any
 MAX_PLANS = 256
 
 

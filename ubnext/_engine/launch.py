@@ -10,12 +10,10 @@ they launch the same way. A ``Packed`` launch has an argument pack of its own, w
 once: a call plan (``_plans``) launches it without packing anything.
 
 The binding-layer exception (ubnext's other CUDA calls use CuPy's public API, or
-``cuda.bindings`` through ``_cuda``): ``cupy_backends.cuda.api.driver`` is private. Host
-µs per launch of an empty kernel with these 11 parameters, one H100 host
-(bench/launch_floor.py; bench/results/launch_floor_h100.txt, a slow phase of the host,
-and bench/NOTES.md): CuPy's binding with a prebuilt pack 4.2-4.5, cuda.bindings'
-``cuLaunchKernel`` with the same pack 5.0-5.6 (+1.1 µs, 25 %), CuPy's public
-``RawKernel()`` 12.2-12.8; in a fast phase 3.4, 3.9 and 8.0-8.3.
+``cuda.bindings`` through ``cuda``): ``cupy_backends.cuda.api.driver`` is private, and
+taken because it is the cheapest launch Python has, cheaper than ``cuda.bindings``'
+``cuLaunchKernel`` with the same pack and far cheaper than CuPy's public ``RawKernel()``
+(bench/launch_floor.py; the figures are in bench/NOTES.md).
 """
 
 from __future__ import annotations

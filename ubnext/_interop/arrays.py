@@ -71,8 +71,8 @@ def traced(x) -> bool:
     """Whether ``x`` is a torch tensor that torch.compile's dynamo is tracing (the
     Communicator's collectives then become ``torch.ops.ubnext`` ops: ``ubnext.torch._traced``).
     False in eager code at the cost of one more call, which returns False (the eager hot
-    path takes it on every collective: about 50 ns in all on CPython 3.11, against 25 for
-    the call of an empty function), and without torch, which it never imports. Dynamo
+    path takes it on every collective, so it does no more), and without torch, which it
+    never imports. Dynamo
     traces it without a graph break. Not collective; no CUDA call."""
     return _compiling() and isinstance(x, sys.modules["torch"].Tensor)
 
@@ -399,8 +399,8 @@ def increment_versions(tensors) -> None:
     """Increments the version counters of ``tensors`` (a tuple or list of torch tensors
     written out of torch's sight; see ``mark_written``). Tensors made in inference mode
     have none: left alone. torch's own binding, the one
-    ``torch.autograd.graph.increment_version`` calls, is bound once (0.2 µs against 0.6 with
-    the wrapper's checks)."""
+    ``torch.autograd.graph.increment_version`` calls, is bound once (the hot path skips the
+    wrapper's checks)."""
     if not _INCREMENT:
         torch = _torch()
         _INCREMENT.append(getattr(torch._C, "_increment_version", None) or torch.autograd.graph.increment_version)
@@ -441,8 +441,8 @@ def launch_stream(stream, x, device: int) -> tuple[int, object, bool]:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         device = x.get_device()
-        # torch's private raw-stream read: 0.1 µs against 1.7-1.9 for the public
-        # torch.cuda.current_stream(device).cuda_stream (bench/results/launch_floor_h100.txt)
+        # torch's private raw-stream read: a fraction of the public
+        # torch.cuda.current_stream(device).cuda_stream's cost (bench/NOTES.md)
         current = torch._C._cuda_getCurrentRawStream(device) if device >= 0 else 0  # host: as_buffer refuses
         if stream is None:
             return current, None, False

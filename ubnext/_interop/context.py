@@ -36,8 +36,9 @@ def caller_device() -> int:
 class Driver:
     """The context calls of the CUDA driver. Tests pass a recording fake with these methods.
 
-    ``current`` and ``make_current`` are CuPy's compiled driver bindings (the hot path:
-    about 0.05 µs each); the primary context is retained through ``cuda.bindings``.
+    ``current`` and ``make_current`` are CuPy's compiled driver bindings (every call reads
+    the current context: the cheapest binding); the primary context is retained through
+    ``cuda.bindings``.
     """
 
     def __init__(self):

@@ -235,8 +235,8 @@ def register() -> None:
     """Defines ``torch.ops.ubnext.<name>`` for every entry of ``OPS`` (once per process).
 
     Through ``torch.library.Library`` rather than ``torch.library.custom_op``, which
-    wraps every eager call in Python autograd and version-bump layers (in place: 23.8
-    against 6.4 µs per call of an empty op, bench/NOTES.md): the kernel is registered
+    wraps every eager call in Python autograd and version-bump layers (several times the
+    cost of the op itself, bench/NOTES.md): the kernel is registered
     for CompositeExplicitAutograd, the fake and the backward through ``torch.library``,
     and a mutating op bumps the versions of what it writes (``_version_bump``), as
     custom_op does.
