@@ -6,6 +6,9 @@
   script`` and fails the test with the output when the job fails or hangs.
   Tests that use it carry ``@pytest.mark.mpi``.
 * No test process can call a real ``cuMulticast*`` function (``nvls_guard``).
+* The summary counts the kernel variants compiled through NVRTC
+  (``ubnext._engine.kernels.compile_cubin``): distinct (source, defines, architecture),
+  summed over the xdist workers, with the NVRTC version and the compile time.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -29,6 +33,75 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Set by the launchers when this pytest itself runs as an MPI rank.
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+#: this process's compiles: variant (source, architecture, defines) -> compiles of it; seconds
+_COMPILED: dict[str, int] = {}
+_COMPILE_SECONDS = [0.0]
+
+
+def _count_compiles() -> None:
+    """Wraps ``compile_cubin`` to count the variants compiled (every kernel test calls it)."""
+    from ubnext._engine import kernels
+
+    compile_cubin = kernels.compile_cubin
+
+    @functools.wraps(compile_cubin)
+    def counted(name: str, defines: dict[str, str], arch: str = "sm_90a") -> bytes:
+        start = time.perf_counter()
+        image = compile_cubin(name, defines, arch)
+        _COMPILE_SECONDS[0] += time.perf_counter() - start
+        variant = " ".join([name, arch, *(f"{k}={v}" for k, v in sorted(defines.items()))])
+        _COMPILED[variant] = _COMPILED.get(variant, 0) + 1
+        return image
+
+    kernels.compile_cubin = counted
+
+
+def _nvrtc_version() -> str:
+    try:
+        from cuda.bindings import nvrtc
+
+        _, major, minor = nvrtc.nvrtcVersion()
+        return f"{major}.{minor}"
+    except Exception as exc:  # reported, not fatal: the count still prints
+        return f"unknown ({exc})"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _count_compiles()
+    config._ubnext_compiled = {"variants": _COMPILED, "seconds": _COMPILE_SECONDS, "nvrtc": set()}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None and _COMPILED:  # an xdist worker: hand the counts to the controller
+        workeroutput["ubnext_compiled"] = dict(_COMPILED)
+        workeroutput["ubnext_compile_seconds"] = _COMPILE_SECONDS[0]
+        workeroutput["ubnext_nvrtc"] = _nvrtc_version()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # xdist's hook, called on the controller
+    output = getattr(node, "workeroutput", {})
+    counts = node.config._ubnext_compiled
+    for variant, n in output.get("ubnext_compiled", {}).items():
+        counts["variants"][variant] = counts["variants"].get(variant, 0) + n
+    counts["seconds"][0] += output.get("ubnext_compile_seconds", 0.0)
+    if "ubnext_nvrtc" in output:
+        counts["nvrtc"].add(output["ubnext_nvrtc"])
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    counts = getattr(config, "_ubnext_compiled", None)
+    if counts is None or getattr(config, "workeroutput", None) is not None or not counts["variants"]:
+        return
+    nvrtc = ", ".join(sorted(counts["nvrtc"])) or _nvrtc_version()
+    variants = counts["variants"]
+    terminalreporter.write_line(
+        f"kernel variants compiled: {len(variants)} (NVRTC {nvrtc}; {sum(variants.values())} compiles, "
+        f"{counts['seconds'][0]:.0f} s of compile time over the workers)"
+    )
 
 
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:

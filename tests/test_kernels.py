@@ -1,5 +1,22 @@
 """Kernel sources compile for sm_90a through NVRTC, without a GPU (CI's compile gate),
-and the algorithm table and compile options agree with each other."""
+and the algorithm table and compile options agree with each other.
+
+The gate (test_every_kernel_variant_compiles_for_sm90a, gate_cases) compiles every kernel
+algorithm -- a kernel source and its transport -- for every dtype and every op it takes,
+once each. The world size turns with the dtype and the op, so every algorithm, and every
+(algorithm, dtype) with its four ops, compiles at 1, 2, 4 and 8 ranks, but not every
+(dtype, op) at every world size. The cases are separate tests, so ``pytest -n auto``
+compiles them on every core. `.ci/run` runs the gate a second time with the CUDA 12
+packages (with tests/test_quant_kernels.py's gate and the separate norm kernel).
+
+The full rank matrix compiles in the GPU suites: a communicator compiles, through
+``cupy.RawModule``, each instantiation it launches at its own node's rank count
+(``ubnext._engine.engine``: ``compile_defines(dtype, op, self.nranks, ...)``), and
+tests/test_gpu_allreduce.py's ``test_ops`` launches every unicast kernel algorithm with
+every dtype and op; `.ci/gpu_suite.py` runs it at 1, 2, 4 and 8 ranks (configurations
+r1, r2, r4, r8x2; tests/gpu_suite/summary.md records which ran). The multicast algorithms
+(nvls, nvls_lamport) do not compile there -- the GPU suites run with NVLink multicast
+off -- so their world sizes are compiled here only, as the rotation above gives them."""
 
 from __future__ import annotations
 
@@ -31,20 +48,54 @@ def _compile(algorithm, dtype, op, nranks, arch="sm_90a", deterministic=False):
     return _kernels.compile_cubin(alg.source, defines, arch=arch)
 
 
-@pytest.mark.parametrize("algorithm", KERNEL_ALGOS)
-@pytest.mark.parametrize("dtype", list(KERNEL_DTYPES))
-@pytest.mark.parametrize("nranks", [1, 2, 4, 8])
-def test_every_instantiation_compiles_for_sm90a(algorithm, dtype, nranks):
+#: the world sizes the gate compiles: each (algorithm, dtype) of KERNEL_DTYPES meets them
+#: all over its four ops, and so every algorithm meets them all
+RANKS = (1, 2, 4, 8)
+
+
+def gate_cases():
+    """The compile gate: every kernel algorithm (a kernel source and its transport) x every
+    dtype x every op it takes, once each, at a world size that turns with the dtype and
+    the op (RANKS[(dtype index + op index) % 4]); see the module docstring."""
+    for algorithm in KERNEL_ALGOS:
+        for i, dtype in enumerate(DTYPES):
+            for j, op in enumerate(OPS):
+                if ALGORITHMS[algorithm].supports(dtype, op):
+                    nranks = RANKS[(i + j) % len(RANKS)]
+                    yield pytest.param(algorithm, dtype, op, nranks, id=f"{algorithm}-{dtype}-{op}-{nranks}")
+
+
+GATE = [tuple(case.values) for case in gate_cases()]
+
+
+def test_the_gate_covers_every_source_dtype_op_transport_and_world_size():
+    """Every (source, transport, dtype, op) an algorithm takes compiles once; every algorithm
+    at every world size; every (algorithm, dtype) with its four ops at every world size."""
+    taken = {(ALGORITHMS[a].source, ALGORITHMS[a].transport, d, o)
+             for a in KERNEL_ALGOS for d in DTYPES for o in OPS if ALGORITHMS[a].supports(d, o)}
+    compiled = [(ALGORITHMS[a].source, ALGORITHMS[a].transport, d, o) for a, d, o, _ in GATE]
+    assert sorted(compiled) == sorted(taken) and len(set(compiled)) == len(compiled)
+    for algorithm in KERNEL_ALGOS:
+        assert {n for a, _, _, n in GATE if a == algorithm} == set(RANKS), algorithm
+        for dtype in DTYPES:
+            if all(ALGORITHMS[algorithm].supports(dtype, op) for op in OPS):
+                assert {n for a, d, _, n in GATE if (a, d) == (algorithm, dtype)} == set(RANKS)
+    assert {a for a, *_ in GATE} == set(KERNEL_ALGOS) and {d for _, d, _, _ in GATE} == set(DTYPES)
+
+
+@pytest.mark.parametrize("algorithm,dtype,op,nranks", list(gate_cases()))
+def test_every_kernel_variant_compiles_for_sm90a(algorithm, dtype, op, nranks):
+    """One CUBIN per gate case, with every entry point of the algorithm (float64 and the
+    integers: the barrier two-shot's plain one, the fused one takes 16/32-bit floats)."""
     alg = ALGORITHMS[algorithm]
-    ops = list(OPS) if nranks == 4 else ["sum"]  # every op once; every width and world size
-    for op in ops:
-        if not alg.supports(dtype, op):
-            continue
-        cubin = _compile(algorithm, dtype, op, nranks)
-        assert cubin[:4] == b"\x7fELF", "NVRTC did not return a CUBIN"
-        for entry in (alg.entry, alg.norm_entry, alg.rs_entry, alg.ag_entry):
-            if entry is not None:
-                assert entry.encode() in cubin, f"entry point {entry} missing from the CUBIN"
+    cubin = _compile(algorithm, dtype, op, nranks)
+    assert cubin[:4] == b"\x7fELF", "NVRTC did not return a CUBIN"
+    if dtype in TWOSHOT_ONLY_DTYPES:
+        assert alg.entry.encode() in cubin and alg.norm_entry.encode() not in cubin
+        return
+    for entry in (alg.entry, alg.norm_entry, alg.rs_entry, alg.ag_entry):
+        if entry is not None:
+            assert entry.encode() in cubin, f"entry point {entry} missing from the CUBIN"
 
 
 def _ptx_instructions(ptx: bytes) -> set[str]:
@@ -55,18 +106,16 @@ def _twoshot_ops(dtype):
     return [op for op in OPS if ALGORITHMS["twoshot"].supports(dtype, op)]
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("dtype", TWOSHOT_ONLY_DTYPES)
-def test_the_barrier_two_shot_compiles_for_every_other_dtype(dtype, arch):
-    """float64 and the integers: every op at 4 ranks, every world size with sum, and the
-    deterministic mode; the plain entry point only (the fused one takes 16/32-bit floats)."""
+def test_the_barrier_two_shot_compiles_every_other_dtype_for_sm80_and_deterministic(dtype):
+    """float64 and the integers, whose every op compiles in the gate above (sm_90a): sum for
+    sm_80, and the deterministic mode; the plain entry point only (the fused one takes
+    16/32-bit floats)."""
     alg = ALGORITHMS["twoshot"]
-    cases = [(op, 4, False) for op in _twoshot_ops(dtype)] + [("sum", n, False) for n in (1, 2, 8)]
-    cases.append(("max" if dtype != "float64" else "avg", 4, True))
-    for op, nranks, deterministic in cases:
-        cubin = _compile("twoshot", dtype, op, nranks, arch, deterministic)
+    for op, arch, deterministic in (("sum", "sm_80", False), ("max" if dtype != "float64" else "avg", "sm_90a", True)):
+        cubin = _compile("twoshot", dtype, op, 4, arch, deterministic)
         assert cubin[:4] == b"\x7fELF", "NVRTC did not return a CUBIN"
-        assert alg.entry.encode() in cubin and alg.norm_entry.encode() not in cubin, (op, nranks)
+        assert alg.entry.encode() in cubin and alg.norm_entry.encode() not in cubin, (op, arch)
 
 
 @pytest.mark.parametrize("dtype", TWOSHOT_ONLY_DTYPES)

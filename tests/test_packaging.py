@@ -3,8 +3,8 @@ major (CuPy, cuda-bindings, NVRTC, NCCL) that load without a GPU, the extras tha
 install them, the license, the version in one place, and benchmark scripts that
 run on the installed ubnext rather than the checkout beside them.
 
-CI runs this file in the ``cu13`` and in the ``cu12`` environment (README, "Run
-the tests"), so both install lines are checked for what they bring.
+CI runs this file in the ``cu13`` environment (README, "Run the tests") and in the
+``cu12`` one (.ci/run's CUDA 12 gate), so both extras are checked for what they bring.
 """
 
 from __future__ import annotations

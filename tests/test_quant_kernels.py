@@ -17,13 +17,32 @@ def _compile(fmt, dtype, op, nranks, arch):
     return _kernels.compile_cubin(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, nranks), arch=arch)
 
 
-@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
-@pytest.mark.parametrize("dtype", list(_quant.DTYPES))
-@pytest.mark.parametrize("nranks", [1, 2, 4, 8])
-def test_every_instantiation_compiles_for_sm90a(fmt, dtype, nranks):
-    for op in (_quant.OPS if nranks == 4 else ("sum",)):
-        cubin = _compile(fmt, dtype, op, nranks, "sm_90a")
-        assert cubin[:4] == b"\x7fELF" and _quant.ENTRY.encode() in cubin
+#: the world sizes the gate compiles, turning with the dtype and the op as in tests/test_kernels.py
+RANKS = (1, 2, 4, 8)
+
+
+def gate_cases():
+    """Every format x dtype x op once, each format at every world size (the full rank
+    matrix compiles in the GPU suite, tests/test_gpu_quant.py, at the ranks it runs)."""
+    for i, fmt in enumerate(_quant.FORMATS):
+        for j, dtype in enumerate(_quant.DTYPES):
+            for k, op in enumerate(_quant.OPS):
+                nranks = RANKS[(2 * i + 2 * j + k) % len(RANKS)]
+                yield pytest.param(fmt, dtype, op, nranks, id=f"{fmt}-{dtype}-{op}-{nranks}")
+
+
+def test_the_gate_covers_every_format_dtype_op_and_world_size():
+    cases = [tuple(case.values) for case in gate_cases()]
+    assert sorted(c[:3] for c in cases) == sorted(
+        (f, d, o) for f in _quant.FORMATS for d in _quant.DTYPES for o in _quant.OPS)
+    for fmt in _quant.FORMATS:
+        assert {n for f, _, _, n in cases if f == fmt} == set(RANKS), fmt
+
+
+@pytest.mark.parametrize("fmt,dtype,op,nranks", list(gate_cases()))
+def test_every_instantiation_compiles_for_sm90a(fmt, dtype, op, nranks):
+    cubin = _compile(fmt, dtype, op, nranks, "sm_90a")
+    assert cubin[:4] == b"\x7fELF" and _quant.ENTRY.encode() in cubin
 
 
 @pytest.mark.parametrize("dtype", list(_quant.DTYPES))
