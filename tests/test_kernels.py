@@ -6,7 +6,11 @@ algorithm -- a kernel source and its transport -- for every dtype and every op i
 once each. The world size turns with the dtype and the op, so every algorithm, and every
 (algorithm, dtype) with its four ops, compiles at 1, 2, 4 and 8 ranks, but not every
 (dtype, op) at every world size. The cases are separate tests, so ``pytest -n auto``
-compiles them on every core. `.ci/run` runs the gate a second time with the CUDA 12
+compiles them on every core, and they compile in NVRTC's fast-compile mode
+(``compile_cubin(fast=True)``: front end, code generation and ptxas's checks of every
+instruction, without device optimization, about 4x faster); every algorithm also compiles
+once fully optimized, as ubnext compiles what it launches
+(test_every_kernel_algorithm_compiles_with_full_optimization). `.ci/run` runs the gate a second time with the CUDA 12
 packages (with tests/test_quant_kernels.py's gate and the separate norm kernel).
 
 The full rank matrix compiles in the GPU suites: a communicator compiles, through
@@ -42,10 +46,10 @@ from ubnext._protocol.constants import MAX_RANKS, NORM_THREADS
 KERNEL_ALGOS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
 
 
-def _compile(algorithm, dtype, op, nranks, arch="sm_90a", deterministic=False):
+def _compile(algorithm, dtype, op, nranks, arch="sm_90a", deterministic=False, fast=False):
     alg = ALGORITHMS[algorithm]
     defines = compile_defines(dtype, op, nranks, alg.transport, deterministic=deterministic)
-    return _kernels.compile_cubin(alg.source, defines, arch=arch)
+    return _kernels.compile_cubin(alg.source, defines, arch=arch, fast=fast)
 
 
 #: the world sizes the gate compiles: each (algorithm, dtype) of KERNEL_DTYPES meets them
@@ -88,11 +92,23 @@ def test_every_kernel_variant_compiles_for_sm90a(algorithm, dtype, op, nranks):
     """One CUBIN per gate case, with every entry point of the algorithm (float64 and the
     integers: the barrier two-shot's plain one, the fused one takes 16/32-bit floats)."""
     alg = ALGORITHMS[algorithm]
-    cubin = _compile(algorithm, dtype, op, nranks)
+    cubin = _compile(algorithm, dtype, op, nranks, fast=True)
     assert cubin[:4] == b"\x7fELF", "NVRTC did not return a CUBIN"
     if dtype in TWOSHOT_ONLY_DTYPES:
         assert alg.entry.encode() in cubin and alg.norm_entry.encode() not in cubin
         return
+    for entry in (alg.entry, alg.norm_entry, alg.rs_entry, alg.ag_entry):
+        if entry is not None:
+            assert entry.encode() in cubin, f"entry point {entry} missing from the CUBIN"
+
+
+@pytest.mark.parametrize("algorithm", KERNEL_ALGOS)
+def test_every_kernel_algorithm_compiles_with_full_optimization(algorithm):
+    """The gate compiles in NVRTC's fast-compile mode; each algorithm compiles once here as
+    ubnext compiles what it launches, fully optimized (every entry point, 4 ranks)."""
+    alg = ALGORITHMS[algorithm]
+    cubin = _compile(algorithm, "bfloat16", "sum", 4)
+    assert cubin[:4] == b"\x7fELF", "NVRTC did not return a CUBIN"
     for entry in (alg.entry, alg.norm_entry, alg.rs_entry, alg.ag_entry):
         if entry is not None:
             assert entry.encode() in cubin, f"entry point {entry} missing from the CUBIN"
@@ -113,7 +129,7 @@ def test_the_barrier_two_shot_compiles_every_other_dtype_for_sm80_and_determinis
     16/32-bit floats)."""
     alg = ALGORITHMS["twoshot"]
     for op, arch, deterministic in (("sum", "sm_80", False), ("max" if dtype != "float64" else "avg", "sm_90a", True)):
-        cubin = _compile("twoshot", dtype, op, 4, arch, deterministic)
+        cubin = _compile("twoshot", dtype, op, 4, arch, deterministic, fast=True)
         assert cubin[:4] == b"\x7fELF", "NVRTC did not return a CUBIN"
         assert alg.entry.encode() in cubin and alg.norm_entry.encode() not in cubin, (op, arch)
 

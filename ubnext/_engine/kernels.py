@@ -54,15 +54,21 @@ def options(defines: dict[str, str]) -> tuple[str, ...]:
     return BASE_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
 
 
-def compile_cubin(name: str, defines: dict[str, str], arch: str = "sm_90a") -> bytes:
+def compile_cubin(name: str, defines: dict[str, str], arch: str = "sm_90a", fast: bool = False) -> bytes:
     """Compiles ``kernels/<name>`` with NVRTC, no GPU needed (CI's compile gate).
+
+    ``fast``: NVRTC's fast-compile mode (``--Ofast-compile=max``, NVRTC 12.8 and later):
+    the front end, code generation and ptxas's checks of every instruction, without the
+    device optimizations, for a gate that checks that every variant compiles. The kernels
+    ubnext launches are compiled with full optimization (:func:`compile_module`).
 
     Raises:
         CudaError: with the compiler log, if compilation fails.
     """
     from ubnext._environment.cuda import nvrtc_compile
 
-    return nvrtc_compile(source(name), name, list(options(defines)) + [f"--gpu-architecture={arch}"])
+    fast_options = ["--Ofast-compile=max"] if fast else []
+    return nvrtc_compile(source(name), name, list(options(defines)) + [f"--gpu-architecture={arch}"] + fast_options)
 
 
 def compile_module(name: str, defines: dict[str, str]):
