@@ -12,7 +12,7 @@ Example::
     print(Config.markdown_table())            # the README table
 
 Print the table with
-``python -c "from ubnext._environment.config import Config; print(Config.markdown_table())"``.
+``python -c "from ubnext import Config; print(Config.markdown_table())"``.
 """
 
 from __future__ import annotations
