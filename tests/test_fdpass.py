@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ubnext._memory import descriptors as _fdpass
+from ubnext._memory import descriptors
 from ubnext._memory.descriptors import FdChannel
 from ubnext._protocol.errors import ClosedError, UbnextError
 from ubnext.bootstrap import Bootstrap, SelfBootstrap
@@ -174,7 +174,7 @@ def _symlinked_dir(path: str) -> str:
     [(_public_dir, "has mode 0o755, expected 0o700"), (_symlinked_dir, "is a symlink")],
 )
 def test_setup_rejects_unsafe_directory(tmp_path, monkeypatch, make, message):
-    monkeypatch.setattr(_fdpass.tempfile, "mkdtemp", _fake_mkdtemp(tmp_path, make))
+    monkeypatch.setattr(descriptors.tempfile, "mkdtemp", _fake_mkdtemp(tmp_path, make))
     results, errors = run_ranks(2, lambda boot: FdChannel(boot, timeout_s=5))
     for err in errors:
         assert isinstance(err, UbnextError)
@@ -189,7 +189,7 @@ def test_setup_rejects_foreign_owner(tmp_path, monkeypatch):
         os.chown(path, os.getuid() + 1, -1)
         return path
 
-    monkeypatch.setattr(_fdpass.tempfile, "mkdtemp", _fake_mkdtemp(tmp_path, foreign))
+    monkeypatch.setattr(descriptors.tempfile, "mkdtemp", _fake_mkdtemp(tmp_path, foreign))
     with pytest.raises(UbnextError, match="is owned by uid"):
         FdChannel(SelfBootstrap(), timeout_s=5)
 
@@ -234,7 +234,7 @@ def serve_in_thread(sock: socket.socket, senders: set[int], timeout_s: float = 1
 
     def target() -> None:
         try:
-            box["result"] = _fdpass._serve_one("test", sock, TOKEN, senders, time.monotonic() + timeout_s)
+            box["result"] = descriptors._serve_one("test", sock, TOKEN, senders, time.monotonic() + timeout_s)
         except BaseException as exc:
             box["error"] = exc
 
@@ -263,7 +263,7 @@ def test_protocol_happy_path(listener):
     sock, path = listener
     box = serve_in_thread(sock, {1, 2})
     fd = memfd_with(b"payload")
-    _fdpass._send_fd("test", path, TOKEN, 2, fd, time.monotonic() + 10)
+    descriptors._send_fd("test", path, TOKEN, 2, fd, time.monotonic() + 10)
     sender, got = finish(box)["result"]
     assert sender == 2 and os.pread(got, 16, 0) == b"payload"
     os.close(got)
@@ -273,10 +273,10 @@ def test_protocol_happy_path(listener):
 @pytest.mark.parametrize(
     ("hello", "nfds", "message"),
     [
-        (_fdpass._HELLO.pack(b"x" * 32, 1), 1, "sent a wrong token; descriptor rejected"),
-        (_fdpass._HELLO.pack(TOKEN, 7), 1, "claims to be local rank 7, expected one of [1]"),
-        (_fdpass._HELLO.pack(TOKEN, 1), 0, "must send exactly one descriptor (got 0)"),
-        (_fdpass._HELLO.pack(TOKEN, 1), 2, "must send exactly one descriptor"),
+        (descriptors._HELLO.pack(b"x" * 32, 1), 1, "sent a wrong token; descriptor rejected"),
+        (descriptors._HELLO.pack(TOKEN, 7), 1, "claims to be local rank 7, expected one of [1]"),
+        (descriptors._HELLO.pack(TOKEN, 1), 0, "must send exactly one descriptor (got 0)"),
+        (descriptors._HELLO.pack(TOKEN, 1), 2, "must send exactly one descriptor"),
     ],
 )
 def test_receiver_rejects_bad_hello(listener, hello, nfds, message):
@@ -307,7 +307,7 @@ def test_sender_refuses_receiver_without_token(listener):
     t.start()
     fd = memfd_with(b"secret")
     with pytest.raises(UbnextError, match="did not present the job token; descriptor not sent"):
-        _fdpass._send_fd("test", path, TOKEN, 1, fd, time.monotonic() + 10)
+        descriptors._send_fd("test", path, TOKEN, 1, fd, time.monotonic() + 10)
     t.join(JOIN_TIMEOUT_S)
     assert box["heard"] == b""
     os.close(fd)
@@ -317,7 +317,7 @@ def test_receiver_times_out_without_sender(listener):
     sock, _ = listener
     t0 = time.monotonic()
     with pytest.raises(UbnextError, match=r"timed out waiting for local rank\(s\) \[1\]"):
-        _fdpass._serve_one("test", sock, TOKEN, {1}, time.monotonic() + 0.3)
+        descriptors._serve_one("test", sock, TOKEN, {1}, time.monotonic() + 0.3)
     assert time.monotonic() - t0 < 5
 
 
@@ -326,31 +326,31 @@ def test_sender_times_out_without_challenge(listener):
     fd = memfd_with(b"x")
     t0 = time.monotonic()
     with pytest.raises(UbnextError, match="timed out sending a descriptor"):
-        _fdpass._send_fd("test", path, TOKEN, 1, fd, time.monotonic() + 0.3)
+        descriptors._send_fd("test", path, TOKEN, 1, fd, time.monotonic() + 0.3)
     assert time.monotonic() - t0 < 5
     os.close(fd)
 
 
 def test_sender_rejects_missing_socket(tmp_path):
     with pytest.raises(UbnextError, match="cannot send a descriptor to"):
-        _fdpass._send_fd("test", str(tmp_path / "nope.sock"), TOKEN, 1, 0, time.monotonic() + 5)
+        descriptors._send_fd("test", str(tmp_path / "nope.sock"), TOKEN, 1, 0, time.monotonic() + 5)
 
 
 def test_uid_mismatch_rejected_on_both_sides(listener, monkeypatch):
     sock, path = listener
-    monkeypatch.setattr(_fdpass.os, "getuid", lambda: os.geteuid() + 1)
+    monkeypatch.setattr(descriptors.os, "getuid", lambda: os.geteuid() + 1)
     with pytest.raises(UbnextError, match=r"receiver at .* runs as uid \d+, not \d+; refused"):
-        _fdpass._send_fd("test", path, TOKEN, 1, 0, time.monotonic() + 5)
+        descriptors._send_fd("test", path, TOKEN, 1, 0, time.monotonic() + 5)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
         client.connect(path)
         with pytest.raises(UbnextError, match=r"connecting process .* runs as uid"):
-            _fdpass._serve_one("test", sock, TOKEN, {1}, time.monotonic() + 5)
+            descriptors._serve_one("test", sock, TOKEN, {1}, time.monotonic() + 5)
 
 
 def test_socket_path_too_long(monkeypatch):
     long_dir = tempfile.mkdtemp(prefix="ubnext-" + "x" * 120)
     try:
-        monkeypatch.setattr(_fdpass.tempfile, "mkdtemp", lambda prefix="": long_dir)
+        monkeypatch.setattr(descriptors.tempfile, "mkdtemp", lambda prefix="": long_dir)
         with pytest.raises(UbnextError, match="set TMPDIR to a shorter directory"):
             FdChannel(SelfBootstrap(), timeout_s=5)
     finally:

@@ -144,7 +144,7 @@ def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
     """Messages whose launches run on the narrow blocks (ubnext._engine.engine.lamport_twoshot_threads):
     each thread pushes, reduces and gathers 2 or 3 vectors in turn; also with a partial
     last vector."""
-    from ubnext._engine import engine as _shapes
+    from ubnext._engine import engine as _engine
     from ubnext._protocol.algorithms import ALGORITHMS
 
     blocks, alg = comm._node.engine._blocks, ALGORITHMS["lamport_twoshot"]
@@ -152,11 +152,11 @@ def test_lamport_twoshot_on_narrow_blocks(comm, dtype, per_thread):
     # the widest launch whose blocks each get per_thread vectors per narrow thread (at 1
     # rank, where a launch has a block per 512 vectors, that is a one-block launch)
     widest = next(b for b in range(blocks, 0, -1)
-                  if _shapes.lamport_shape(alg, b * per_thread * _shapes.NARROW_THREADS * comm.size, comm.size,
-                                           blocks) == (b, _shapes.NARROW_THREADS))
+                  if _engine.lamport_shape(alg, b * per_thread * _engine.NARROW_THREADS * comm.size, comm.size,
+                                           blocks) == (b, _engine.NARROW_THREADS))
     for extra in (0, -3):
-        count = widest * per_thread * _shapes.NARROW_THREADS * comm.size * per_vec + extra
+        count = widest * per_thread * _engine.NARROW_THREADS * comm.size * per_vec + extra
         nvec = -(-count // per_vec)
-        assert _shapes.lamport_shape(alg, nvec, comm.size, blocks) == (widest, _shapes.NARROW_THREADS)
+        assert _engine.lamport_shape(alg, nvec, comm.size, blocks) == (widest, _engine.NARROW_THREADS)
         _, launches = check_all_reduce(comm, count, dtype, 31 + per_thread + extra, algorithm="lamport_twoshot")
-        assert [launch.threads for launch in launches] == [_shapes.NARROW_THREADS]
+        assert [launch.threads for launch in launches] == [_engine.NARROW_THREADS]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 
 from ubnext._engine import kernels as _kernels
-from ubnext._memory import heap as _layout
+from ubnext._memory import heap as _heap
 from ubnext._protocol import constants as _protocol
 from ubnext._protocol.algorithms import (
     ALGORITHMS,
@@ -288,7 +288,7 @@ def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
     # kernels/lamport_twoshot.cu: N slots of round_up(ceil(nvec / N), UB_TWOSHOT_ALIGN_VECS)
     # vectors, then N signature headers at the end of the reduce-scatter area
     unit = _protocol.TWOSHOT_ALIGN_VECS
-    area = _layout.area(max_kb * 1024)
+    area = _heap.area(max_kb * 1024)
     for nranks in range(1, MAX_RANKS + 1):
         for nbytes in {b for b in (1, 16, 17, 4096, max_kb * 1024 - 2, max_kb * 1024) if b <= max_kb * 1024}:
             nvec = -(-nbytes // 16)
@@ -302,10 +302,10 @@ def test_lamport_twoshot_area_holds_every_rounded_slice(max_kb):
 def test_fused_lamport_twoshot_takes_its_largest_message_in_one_launch(max_kb, row_bytes):
     # rows of >= 1 KiB: the all-gather area has room for their scales at the full message
     rows = max_kb * 1024 // row_bytes
-    area = _layout.area(max_kb * 1024)
+    area = _heap.area(max_kb * 1024)
     for nranks in range(1, MAX_RANKS + 1):
         whole = rows // nranks * nranks
-        took = _layout.twoshot_norm_rows(area, row_bytes, nranks)
+        took = _heap.twoshot_norm_rows(area, row_bytes, nranks)
         assert took >= whole and took % nranks == 0, (nranks, took, whole)
         # the kernel's bound: nranks slots of took / nranks rows, each with a 16-byte scale
         # (all-gather area), and nranks signature headers after the slots (reduce-scatter area)
