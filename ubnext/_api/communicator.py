@@ -87,9 +87,10 @@ class Communicator(CallSteps):
             table = agreed_table(config.tune_file, bootstrap) if config.tune_file else None
             self._local = bootstrap.split_local()
             self.device = map_devices(self._local, device, caller_device())
-            # the selector tables' entries are chosen for local rank 0's GPU, alike on every rank
-            machine, mixed = agreed_machine(self._local, device_name(self.device))
             cupy.cuda.Device(self.device).use()  # the caller's convenience, as torch.cuda.set_device
+            # the selector tables' entries are chosen for local rank 0's GPU, alike on every rank
+            # (the name read with this communicator's device current: no other device is touched)
+            machine, mixed = agreed_machine(self._local, device_name(self.device))
             self._context = Context(self.device)
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
             self._node = self._setup_node()
