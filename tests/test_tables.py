@@ -175,6 +175,59 @@ def test_every_rank_chooses_the_same_entry_with_mixed_gpus():
     assert len({t.digest() for t in table.entries}) == len(table.entries)
 
 
+def test_a_rank_that_cannot_read_its_gpu_name_still_joins_the_allgather():
+    """The name is read inside agreed_machine: a read that fails contributes None (a GPU not
+    known) instead of leaving the other ranks waiting in the allgather."""
+    class Recording:
+        def __init__(self, others):
+            self.others, self.sent = others, []
+
+        def allgather_obj(self, obj):
+            self.sent.append(obj)
+            return [obj, *self.others]
+
+    def broken():
+        raise RuntimeError("cudaErrorUnknown")
+
+    local = Recording(["NVIDIA H200"])
+    machine, note = agreed_machine(local, broken)  # local rank 0 cannot read its name
+    assert local.sent == [None] and machine == Machine() and "could not be read" in note
+    assert agreed_machine(Recording(["NVIDIA H200"]), lambda: "NVIDIA H200") == (Machine("NVIDIA H200"), "")
+
+
+def test_the_communicator_reads_the_gpu_name_inside_the_allgather(monkeypatch):
+    """Communicator(): a rank whose GPU name cannot be read does not leave the node's other
+    ranks waiting in agreed_machine's allgather: every rank gets past it (to the next step,
+    stopped here by a fake Context)."""
+    import cupy
+    from thread_ranks import run_ranks
+
+    import ubnext
+    from ubnext._api import communicator as _comm
+
+    class Stop(Exception):
+        pass
+
+    def device_name(device):
+        import threading
+
+        if threading.current_thread().name == "rank1":
+            raise RuntimeError("cudaErrorUnknown: cannot describe the device")
+        return "NVIDIA H200"
+
+    def context(device):
+        raise Stop("past agreed_machine")
+
+    monkeypatch.setattr(_comm._preflight, "check", lambda op, config: None)
+    monkeypatch.setattr(_comm, "map_devices", lambda local, device, current: local.rank)
+    monkeypatch.setattr(_comm, "caller_device", lambda: 0)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: SimpleNamespace(use=lambda: None))
+    monkeypatch.setattr(_comm, "device_name", device_name)
+    monkeypatch.setattr(_comm, "Context", context)
+    results = run_ranks(2, lambda boot: ubnext.Communicator(bootstrap=boot))
+    assert all(isinstance(r, Stop) for r in results), results
+
+
 def test_agreed_table_compares_every_entry(tmp_path):
     path = write(tmp_path, document(entry(), entry(gpu="NVIDIA H100")))
     here = load_table(path)

@@ -88,6 +88,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
@@ -469,19 +470,31 @@ def agreed_table(path: str, bootstrap) -> TableFile:
     return table
 
 
-def agreed_machine(local, gpu: str) -> tuple[Machine, str]:
+def agreed_machine(local, gpu: str | None | Callable[[], str]) -> tuple[Machine, str]:
     """The machine key every rank of ``local`` (a node's bootstrap) chooses its entries for:
     the GPU name of local rank 0, so that ranks of a node with mixed GPUs still choose
     alike. Collective (one allgather).
 
+    Args:
+        local: the node's bootstrap.
+        gpu: this rank's GPU name, or a function that reads it. A read that fails counts
+            as a GPU not known (None) and this rank still joins the allgather, so no rank
+            is left waiting in it (as ``nvls_gate.decide`` treats an attribute it cannot read).
+
     Returns:
         ``(machine, note)``: ``note`` names the GPUs when the ranks' differ, else "".
     """
+    if callable(gpu):
+        try:
+            gpu = gpu()
+        except Exception:  # a device it cannot describe: the fallback entry, alike on every rank
+            gpu = None
     names = local.allgather_obj(gpu)
     note = ""
     if len(set(names)) > 1:
-        note = (f"the local ranks have different GPUs ({', '.join(dict.fromkeys(names))}); every rank "
-                f"chooses the selector table entry of local rank 0's, {names[0]}")
+        shown = [name or "a GPU whose name could not be read" for name in names]
+        note = (f"the local ranks have different GPUs ({', '.join(dict.fromkeys(shown))}); every rank "
+                f"chooses the selector table entry of local rank 0's, {shown[0]}")
     return Machine(gpu=names[0]), note
 
 
