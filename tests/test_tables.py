@@ -256,9 +256,12 @@ def test_a_format_1_file_loads_as_one_entry_for_any_machine(tmp_path):
     (only,) = table.entries
     assert only.key == ("*",) * 4 and only.label == "any machine"
     assert only.note.startswith("format-1 table (machine: NVIDIA H200 (2 and 4 GPUs")
+    # the other collectives' rows come along (else they would fall through to the default table)
+    assert set(only.by_collective) == set(old["collectives"]) == {"reduce_scatter", "all_gather"}
+    assert only.by_collective == default_table().entry(H200).by_collective
     for machine in (Machine("NVIDIA H200"), Machine("NVIDIA B200", link="pcie", mode="eager"), Machine()):
         chosen = table.choose(machine)
-        assert chosen.rows == only.rows
+        assert chosen.rows == only.rows and chosen.by_collective == only.by_collective
     assert table.choose(Machine("NVIDIA B200")).why == "format-1 file: one entry for any machine"
     assert table.document["format"] == 2 and table.document["entries"][0]["tables"] == old["tables"]
 
@@ -303,6 +306,8 @@ def test_tune_merges_into_a_format_1_file_as_format_2():
     assert doc["format"] == 2 and [t.key for t in table.entries] == [
         ("*",) * 4, ("NVIDIA H100 80GB HBM3", "nvlink", "plain", "graph")]
     assert table.entries[0].entry["tables"] == old["tables"]
+    assert table.entries[0].entry["collectives"] == old["collectives"]
+    assert table.entries[0].by_collective == default_table().entry(H200).by_collective
     assert table.choose(Machine("NVIDIA H100 80GB HBM3")).rows == {"2": {"bfloat16": ((None, "nccl"),)}}
     assert table.choose(Machine("NVIDIA B200")).gpu == "*"  # the old rows serve other GPUs
     assert table.choose(Machine("NVIDIA H200")).gpu == "NVIDIA H100 80GB HBM3"  # but the family first
