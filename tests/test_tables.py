@@ -308,7 +308,10 @@ def test_tune_merges_into_a_format_1_file_as_format_2():
     assert table.entries[0].entry["tables"] == old["tables"]
     assert table.entries[0].entry["collectives"] == old["collectives"]
     assert table.entries[0].by_collective == default_table().entry(H200).by_collective
-    assert table.choose(Machine("NVIDIA H100 80GB HBM3")).rows == {"2": {"bfloat16": ((None, "nccl"),)}}
+    # the new entry starts from the format-1 rows that served this GPU: only 2 ranks bfloat16 changed
+    h100 = table.choose(Machine("NVIDIA H100 80GB HBM3"))
+    assert h100.rows == {**table.entries[0].rows, "2": {**table.entries[0].rows["2"], "bfloat16": ((None, "nccl"),)}}
+    assert h100.by_collective == table.entries[0].by_collective
     assert table.choose(Machine("NVIDIA B200")).gpu == "*"  # the old rows serve other GPUs
     assert table.choose(Machine("NVIDIA H200")).gpu == "NVIDIA H100 80GB HBM3"  # but the family first
     assert old == json.loads(OLD_H200.read_text())  # not mutated
@@ -340,13 +343,38 @@ def test_tune_run_writes_an_entry_for_the_gpu_it_ran_on(monkeypatch, tmp_path, c
     out.write_text(OLD_H200.read_text())  # an older tune file: merged into, as format 2
     argv = ["-o", str(out), "-e", "64M"]
     assert tune.run(FakeComm(4, usable=ALL), tune.parse_args(argv), argv) == 0
-    assert "# wrote " + str(out) + " (entry Fake GPU nvlink plain graph: world sizes 4)" in capsys.readouterr().out
+    # the new entry starts from the format-1 rows (2, 4, '*'), 4 ranks bfloat16 measured
+    assert "# wrote " + str(out) + " (entry Fake GPU nvlink plain graph: world sizes 2, 4, *)" in capsys.readouterr().out
     written = json.loads(out.read_text())
     assert written["format"] == 2
     assert [(e["gpu"], e["link"], e["placement"], e["mode"]) for e in written["entries"]] == [
         ("*", "*", "*", "*"), ("Fake GPU", "nvlink", "plain", "graph")]
     chosen = load_table(str(out)).choose(Machine("Fake GPU"))
-    assert chosen.why == "exact match" and set(chosen.rows) == {"4"}
+    assert chosen.why == "exact match" and set(chosen.rows) == {"2", "4", "*"}
+    assert set(chosen.entry["measured"]) == {"4"}
+
+
+def test_tune_rerun_over_a_format_1_file_changes_only_what_it_measured(tmp_path):
+    """A format-1 file tuned at 2 and 4 ranks on this GPU, tuned again at 4 ranks (as run()
+    merges: into load_table(...).document): 2 ranks, the other dtypes and the other
+    collectives keep the file's rows on this GPU, as format 1's merge kept them; other GPUs
+    keep the rows for any machine."""
+    old = {"format": 1, "machine": "NVIDIA H200",
+           "tables": {"2": {"bfloat16": [[None, "twoshot"]]}, "4": {"bfloat16": [[None, "twoshot"]],
+                                                                    "float32": [[None, "twoshot"]]}},
+           "collectives": {"reduce_scatter": {"tables": {"*": {"bfloat16": [[None, "twoshot"]]}}}}}
+    path = write(tmp_path, old)
+    doc = tune.merged_document(load_table(path).document, "NVIDIA H200", 4, {"bfloat16": [[None, "nccl"]]},
+                               {"bfloat16": {}})
+    table = parse_table(doc, "t")
+    limits, usable = buffer_limits(Config.from_env({})), ["lamport", "lamport_twoshot", "twoshot", "nccl"]
+    for gpu, four in (("NVIDIA H200", "nccl"), ("NVIDIA B200", "twoshot")):
+        two = Selector(2, limits, usable, table, machine=Machine(gpu))
+        assert two.select(1 << 20, "bfloat16") == "twoshot", gpu  # not the default table's lamport
+        assert two.select(1 << 10, "bfloat16", "reduce_scatter") == "twoshot", gpu
+        four_ranks = Selector(4, limits, usable, table, machine=Machine(gpu))
+        assert four_ranks.select(1 << 10, "bfloat16") == four and four_ranks.select(1 << 10, "float32") == "twoshot"
+    assert "NVIDIA H200" in table.entry(H200).note and set(table.entry(H200).entry["measured"]) == {"4"}
 
 
 # --------------------------------------------------------------------------- describe and info

@@ -19,7 +19,8 @@ Rank 0 prints the timings and writes the table (``-o``, format 2 of
 merged into: in this machine's entry (added when the file has none) the measured world
 size and dtypes are replaced; its other world sizes and dtypes, and the other
 machines' entries, are kept. A format-1 file is rewritten as format 2, its rows kept
-as an entry for any machine. All ranks see the
+as an entry for any machine; an entry added beside such an entry starts from its rows,
+so what a run does not measure keeps serving this machine as before. All ranks see the
 same (max over ranks) times, and rank 0's outcome is broadcast, so every rank
 exits alike; a failing rank aborts the whole MPI job.
 """
@@ -41,7 +42,8 @@ from typing import Any
 from ubnext._environment.devices import device_name
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
 from ubnext._protocol.errors import CollectiveTimeoutError, CudaError, UbnextError
-from ubnext._selection.table import DEFAULT_LINK, FORMAT, FORMAT_1, human_bytes, load_table, parse_table, upgrade
+from ubnext._selection.table import (ANY, DEFAULT_LINK, FORMAT, FORMAT_1, Machine, human_bytes, load_table,
+                                     parse_table, upgrade)
 from ubnext._tools.cli import run_or_abort, size_arg, size_list
 
 #: times of one size: algorithm -> µs, or None where the communicator refused the size
@@ -111,7 +113,10 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
     Returns:
         A new document: the entry of this machine key (added when there is none) with
         ``tables[world][dtype]`` and ``measured[world][dtype]`` replaced; its other world
-        sizes and dtypes, and every other entry, kept.
+        sizes and dtypes, and every other entry, kept. An entry added where an entry for any
+        GPU served this machine (a format-1 file's rows) starts from that entry's rows
+        (``tables``, ``collectives``): a communicator takes one entry of a file, so what
+        this run did not measure keeps serving this machine as before, as format 1's merge kept it.
     """
     if existing is None:
         doc: dict[str, Any] = {"format": FORMAT, "entries": []}
@@ -123,6 +128,15 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
     entry = next((e for e in doc["entries"] if all(e.get(k) == v for k, v in key.items())), None)
     if entry is None:
         entry = {**key, "tables": {}}
+        served = parse_table(doc, "the table being merged into").choose(Machine(machine, link, placement, mode)) \
+            if doc["entries"] else None
+        if served is not None and served.gpu == ANY and all(
+                getattr(served, k) in (v, ANY) for k, v in key.items() if k != "gpu"):
+            entry["tables"] = copy.deepcopy(served.entry["tables"])
+            if "collectives" in served.entry:
+                entry["collectives"] = copy.deepcopy(served.entry["collectives"])
+            entry["note"] = (f"rows not measured on {machine} start from those of the entry for {served.label}, "
+                             f"which served it before this entry was added")
         doc["entries"].append(entry)
     entry["tables"].setdefault(str(world), {}).update(rows)
     entry.setdefault("measured", {}).setdefault(str(world), {}).update(measured)

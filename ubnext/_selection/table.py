@@ -70,7 +70,9 @@ the same machine key, so every rank takes the same entry.
 "note": ..., "measured": ...}``, written by earlier ``python -m ubnext.tune``) still loads:
 as one entry whose key is ``"*"`` throughout (it applies to any machine), its
 ``machine`` text kept in the entry's note. ``python -m ubnext.tune`` merging into such
-a file writes it back as format 2, the old rows kept as that ``"*"`` entry.
+a file writes it back as format 2, the old rows kept as that ``"*"`` entry; the entry it
+adds for the machine it ran on starts from those rows (a communicator takes one entry of
+a file, so what the run did not measure keeps serving that machine).
 
 **Quantized thresholds** (today ``_quant.AUTO_MIN_BYTES``, one size for every machine)
 fit the same format as another key of an entry, ``"quantized": {"note": ..., "tables":
