@@ -1079,7 +1079,8 @@ def test_tune_under_a_foreign_device(comm, home, second, mode, tmp_path):
     status = f.run("tune.run", lambda: tune.run(comm, tune.parse_args(argv), argv))
     comm.bootstrap.barrier()  # rank 0 has written the table
     assert status == 0, f"tune.run returned {status}"
-    record = load_table(path).document["measured"][str(comm.size)]["bfloat16"]
+    (entry,) = load_table(path).entries  # a new file: the entry of the GPU tune ran on
+    record = entry.entry["measured"][str(comm.size)]["bfloat16"]
     assert record["sizes"] == [4 << 10]
     times = [t for row in record["us"].values() for t in row if t is not None]
     assert times and all(t > 0 for t in times), record["us"]

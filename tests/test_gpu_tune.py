@@ -35,6 +35,18 @@ def test_describe_matches_select_and_is_the_same_on_every_rank(comm):
     assert all(s == selections[0] for s in selections)
 
 
+def test_the_default_table_entry_is_chosen_for_this_gpu_alike_on_every_rank(comm):
+    d = comm.describe()
+    (chosen,) = d["tables"]
+    assert chosen.startswith("default table: NVIDIA H200 nvlink plain graph (")
+    if d["device_name"] == "NVIDIA H200":
+        assert chosen.endswith("(exact match)")
+    else:
+        assert f"no entry for {comm.bootstrap.allgather_obj(d['device_name'])[0]}" in chosen
+    digests = comm.bootstrap.allgather_obj([t.digest() for t in comm._selector.tables])
+    assert all(x == digests[0] for x in digests)
+
+
 def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
     import ubnext
     from ubnext import tune
@@ -47,13 +59,14 @@ def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
     if comm.rank == 0:
         assert f"export UBNEXT_TUNE_FILE={path}" in capsys.readouterr().out
     comm.bootstrap.barrier()
-    table = load_table(path)
+    (table,) = load_table(path).entries  # a new file: the entry of the GPU tune ran on
+    assert table.gpu == comm.describe()["device_name"] and table.key[1:] == ("nvlink", "plain", "graph")
     assert set(table.rows[str(comm.size)]) == {"bfloat16", "float32"}
-    record = table.document["measured"][str(comm.size)]["bfloat16"]
+    record = table.entry["measured"][str(comm.size)]["bfloat16"]
     assert record["sizes"] == [4 << 10, 64 << 10, 1 << 20]
     assert all(t is None or t > 0 for times in record["us"].values() for t in times)
     with ubnext.Communicator(pool_mb=64, staging_mb=8, lamport_twoshot_max_kb=2048, tune_file=path) as tuned:
-        assert tuned.describe()["tables"][0] == f"tune file {path}"
+        assert tuned.describe()["tables"][0] == f"tune file {path}: {table.label} (exact match)"
         winners = dict(zip(record["sizes"], record["winners"]))
         for nbytes, name in winners.items():
             if tuned._selector.fits(name, nbytes):

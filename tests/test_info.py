@@ -43,7 +43,9 @@ def test_info_prints_versions_config_and_tables_without_a_gpu():
     assert "  no CUDA device (" in out
     assert "UBNEXT_POOL_MB         512        environment" in out
     assert "UBNEXT_ALGO            auto       default" in out
-    assert "default table h200: NVIDIA H200" in out
+    assert "default table:\n    entry NVIDIA H200 nvlink plain graph: world sizes 2 (" in out
+    assert "for a GPU not known here: entry NVIDIA H200 nvlink plain graph (GPU not known: NVIDIA H200, " \
+           "nearest measured (first such entry))" in out
     assert "UBNEXT_TUNE_FILE: not set" in out
 
 
@@ -103,7 +105,8 @@ def test_describe_reports_path_pool_tables_and_selection():
     assert d["path"] == "kernels on the symmetric pool" and d["local_ranks"] == 4
     assert d["nvls"] == {"enabled": False, "reason": "not available in this build"}
     assert d["config"]["UBNEXT_POOL_MB"] == 1024
-    assert d["tables"] == ["default table h200"]
+    assert d["tables"] == ["default table: NVIDIA H200 nvlink plain graph (GPU not known: NVIDIA H200, "
+                           "nearest measured (first such entry))"]
     assert [row[0] for row in d["selection"]["bfloat16"]] == _report.SIZES
     assert _report.SIZES[0] == 1 << 10 and _report.SIZES[-1] == 1 << 30
     text = str(d)
@@ -111,8 +114,8 @@ def test_describe_reports_path_pool_tables_and_selection():
     assert "pool: 1024.0 MiB per rank; user heap 700.0 MiB, 600.0 MiB free" in text
     assert "NVLink multicast: off (not available in this build)" in text
     assert "  UBNEXT_LAMPORT_MAX_KB  1024" in text
-    assert "       4 KiB  lamport  table row ≤ 256 KiB for 4 ranks bfloat16 (default table h200)" in text
-    assert "       1 GiB  nccl     table row > 32 MiB for 4 ranks float32 (default table h200)" in text
+    assert "       4 KiB  lamport  table row ≤ 256 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)" in text
+    assert "       1 GiB  nccl     table row > 32 MiB for 4 ranks float32 (default table: NVIDIA H200 nvlink plain graph)" in text
 
 
 def test_describe_explains_the_reduce_scatter_and_all_gather_choice():
@@ -121,7 +124,7 @@ def test_describe_explains_the_reduce_scatter_and_all_gather_choice():
         rows = d["collectives"][collective]["bfloat16"]
         assert [row[0] for row in rows] == _report.SIZES
         assert rows[0][1:] == ["lamport_twoshot",
-                               f"table row ≤ 32 MiB for 4 ranks bfloat16 ({collective}, default table h200)"]
+                               f"table row ≤ 32 MiB for 4 ranks bfloat16 ({collective}, default table: NVIDIA H200 nvlink plain graph)"]
         assert rows[-1][1] == "nccl"
         assert f"  {collective} bfloat16" in str(d)
     d = _report.report(fake_comm(usable=("lamport", "lamport_twoshot", "twoshot", "nccl"), algorithm="lamport"))
@@ -141,6 +144,7 @@ def test_describe_nccl_only_forced_algorithm_nvls_and_tune_file(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"format": 1, "machine": "m", "tables": {"4": {"bfloat16": [[None, "twoshot"]]}}}))
     d = _report.report(fake_comm(table=load_table(str(path))))
-    assert d["tables"] == [f"tune file {path}", "default table h200"]
+    assert d["tables"][0] == f"tune file {path}: any machine (format-1 file: one entry for any machine)"
+    assert d["tables"][1].startswith("default table: NVIDIA H200 nvlink plain graph (")
     assert d["selection"]["bfloat16"][0][1] == "twoshot"
-    assert "selector tables: tune file " in str(d) and ", then default table h200" in str(d)
+    assert "selector tables: tune file " in str(d) and ", then default table: NVIDIA H200" in str(d)

@@ -158,3 +158,41 @@ def test_benchmark_scripts_import_the_installed_ubnext(script, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"ubnext from {site / 'ubnext' / '__init__.py'}" in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------------- the wheel's data files
+
+
+def test_the_wheel_ships_the_default_selector_table(tmp_path):
+    """The wheel built from pyproject.toml holds ``ubnext/tables/default.json`` (package-data of
+    ``ubnext.tables``, which has no ``__init__.py``), and an installed copy finds and loads it
+    through ``importlib.resources`` (``_selection.table.default_table``)."""
+    import zipfile
+
+    setuptools = pytest.importorskip("setuptools")
+    needed = int(re.search(r"setuptools>=(\d+)", (REPO_ROOT / "pyproject.toml").read_text()).group(1))
+    if int(setuptools.__version__.split(".")[0]) < needed:
+        pytest.skip(f"building the wheel needs setuptools>={needed}, this environment has {setuptools.__version__}")
+    src = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info beside pyproject.toml
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO_ROOT / name, src / name)
+    for name in ("ubnext", "kernels"):
+        shutil.copytree(REPO_ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("ubnext-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        tables = sorted(n for n in z.namelist() if n.startswith("ubnext/tables/"))
+        assert tables == ["ubnext/tables/default.json"], tables
+        z.extractall(tmp_path / "site")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    code = ("import ubnext; from ubnext._selection.table import default_table; t = default_table(); "
+            "print(ubnext.__file__); print(len(t.entries), t.entries[0].label)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [str(tmp_path / "site" / "ubnext" / "__init__.py"),
+                                        "1 NVIDIA H200 nvlink plain graph"], proc.stdout

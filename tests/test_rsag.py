@@ -63,7 +63,7 @@ def test_default_rows_follow_the_all_reduce_switch(collective):
 def test_explain_names_the_collectives_rows(collective):
     name, why = selector(4).explain(4096, "bfloat16", collective)
     assert name == "lamport_twoshot"
-    assert f"4 ranks bfloat16 ({collective}, default table h200)" in why
+    assert f"4 ranks bfloat16 ({collective}, default table: NVIDIA H200 nvlink plain graph)" in why
     name, why = selector(4).explain(4096, "int8", collective)
     assert name == "nccl" and "NCCL reduces int8" in why
 
@@ -79,7 +79,7 @@ def test_multicast_and_deterministic_replacements_serve_the_collective():
 def test_table_rows_of_a_collective_are_checked():
     doc = {"format": 1, "machine": "m", "tables": {"*": {"bfloat16": [[None, "nccl"]]}}}
     table = parse_table({**doc, "collectives": {"all_gather": {"tables": {"4": {"float32": [[None, "twoshot"]]}}}}},
-                        "t")
+                        "t").entries[0]
     assert table.lookup(4, "bfloat16", "all_gather")[0] == ((None, "twoshot"),)
     assert table.lookup(4, "bfloat16", "reduce_scatter") is None  # left to the next table
     with pytest.raises(UbnextError, match=r"collectives\['reduce_scatter'\].tables\['4'\]\['bfloat16'\]: row 1: "

@@ -37,8 +37,8 @@ def doc(tables, **extra):
 
 
 def test_default_table_matches_the_measurements():
-    t = default_table()
-    assert t.source == "default table h200"
+    t = default_table().entry(("NVIDIA H200", "nvlink", "plain", "graph"))
+    assert t.source == "default table" and t.where == "default table: NVIDIA H200 nvlink plain graph"
     for world in ("2", "4", ANY_WORLD):
         assert set(t.rows[world]) == set(DTYPES)  # every dtype spelled out
         assert t.rows[world]["float16"] == t.rows[world]["bfloat16"] == t.rows[world]["float32"]
@@ -112,7 +112,7 @@ def test_a_row_past_the_lamport_twoshot_buffers_runs_it_in_launches(tmp_path):
     assert [sel.select(n, "bfloat16") for n in (16 * MiB, 16 * MiB + 2, 32 * MiB, 32 * MiB + 2)] == [
         "lamport_twoshot", "lamport_twoshot", "lamport_twoshot", "nccl"]
     assert sel.explain(32 * MiB, "bfloat16")[1] == (
-        f"table row ≤ 32 MiB for 4 ranks bfloat16 (tune file {tmp_path / 't.json'}); "
+        f"table row ≤ 32 MiB for 4 ranks bfloat16 (tune file {tmp_path / 't.json'}: any machine); "
         "in launches of 16 MiB (UBNEXT_LAMPORT_TWOSHOT_MAX_KB=16384)")
     assert sel.capped() == []
     bigger = Selector(4, lim(1 * MiB, 64 * MiB), ALL, table)
@@ -152,19 +152,19 @@ def test_bound_names_the_setting_that_keeps_an_algorithm_from_a_size():
 def test_explain_names_the_row_and_the_table():
     sel = Selector(4, lim(1 * MiB), ALL)
     assert sel.explain(2048, "bfloat16") == (
-        "lamport", "table row ≤ 256 KiB for 4 ranks bfloat16 (default table h200)")
+        "lamport", "table row ≤ 256 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)")
     assert sel.explain(2 * MiB, "float16") == (
-        "lamport_twoshot", "table row ≤ 32 MiB for 4 ranks float16 (default table h200)")
+        "lamport_twoshot", "table row ≤ 32 MiB for 4 ranks float16 (default table: NVIDIA H200 nvlink plain graph)")
     assert sel.explain(1 << 30, "float32") == (
-        "nccl", "table row > 32 MiB for 4 ranks float32 (default table h200)")
+        "nccl", "table row > 32 MiB for 4 ranks float32 (default table: NVIDIA H200 nvlink plain graph)")
     name, why = Selector(6, lim(1 * MiB), ALL).explain(1024, "bfloat16")
-    assert (name, why) == ("lamport", "table row ≤ 256 KiB for 6 ranks (via '*') bfloat16 (default table h200)")
+    assert (name, why) == ("lamport", "table row ≤ 256 KiB for 6 ranks (via '*') bfloat16 (default table: NVIDIA H200 nvlink plain graph)")
 
 
 def test_explain_says_why_a_row_was_skipped():
     sel = Selector(4, lim(128 * KiB), ALL)
     assert sel.explain(200 * KiB, "bfloat16") == (
-        "lamport_twoshot", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
+        "lamport_twoshot", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph); "
                            "lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=128")
     assert sel.select(200 * KiB, "bfloat16") == "lamport_twoshot"
 
@@ -195,31 +195,33 @@ def test_tune_file_round_trip_and_fallback_to_the_default(tmp_path):
     path = write(tmp_path, doc({"4": {"bfloat16": [[64 * KiB, "lamport"], [None, "nccl"]],
                                       "float32": [[32 * KiB, "lamport"], [None, "twoshot"]]}}))
     table = load_table(path)
-    assert table.source == f"tune file {path}" and table.machine == "test GPU"
+    assert table.source == f"tune file {path}" and table.format == 1
+    assert "machine: test GPU" in table.entries[0].note and table.entries[0].key == ("*",) * 4
     sel = Selector(4, lim(1 * MiB), ALL, table)
     assert sel.select(1024, "bfloat16") == "lamport"
     assert sel.select(1 * MiB, "bfloat16") == "nccl"
     assert sel.select(48 * KiB, "float32") == "twoshot"  # the dtype dimension
     assert sel.select(1 * MiB, "float32") == "twoshot"
     name, why = sel.explain(1 * MiB, "float16")  # no float16 rows: bfloat16's (same width)
-    assert name == "nccl" and f"4 ranks bfloat16 (no float16 rows) (tune file {path})" in why
+    assert name == "nccl" and f"4 ranks bfloat16 (no float16 rows) (tune file {path}: any machine)" in why
     # A world size the file lacks uses the shipped table.
-    assert Selector(2, lim(1 * MiB), ALL, table).explain(1024, "bfloat16")[1].endswith("(default table h200)")
+    assert Selector(2, lim(1 * MiB), ALL, table).explain(1024, "bfloat16")[1].endswith("(default table: NVIDIA H200 nvlink plain graph)")
 
 
 def test_tune_file_star_entry_covers_other_world_sizes(tmp_path):
     table = load_table(write(tmp_path, doc({"*": {"float32": [[None, "nccl"]]}})))
     name, why = Selector(2, lim(1 * MiB), ALL, table).explain(1024, "bfloat16")
     assert name == "nccl"
-    assert why == f"table row (any size) for 2 ranks (via '*') float32 (no bfloat16 rows) ({table.source})"
+    assert why == f"table row (any size) for 2 ranks (via '*') float32 (no bfloat16 rows) ({table.source}: any machine)"
 
 
 @pytest.mark.parametrize("document, message", [
     ("{not json", "cannot read tune file"),
     ([1, 2], "expected a JSON object"),
-    ({"4": [[65536, "lamport"]]}, "missing key(s) format, machine, tables"),
+    ({"4": [[65536, "lamport"]]}, "missing key(s) format, entries"),
+    ({"format": 1, "tables": {}}, "missing key(s) machine (a format-1 table has format, machine, tables"),
     (doc({"4": {"bfloat16": [[None, "nccl"]]}}, extra=1), "unknown key(s) extra"),
-    ({"format": 2, "machine": "", "tables": {}}, "format 2 is not supported"),
+    ({"format": 3, "machine": "", "tables": {}}, "format 3 is not supported; this ubnext reads formats 2 and 1"),
     (doc({}), "tables must be a non-empty object"),
     (doc({"four": {"bfloat16": [[None, "nccl"]]}}), "tables key 'four' is not a world size"),
     (doc({"0": {"bfloat16": [[None, "nccl"]]}}), "tables key '0' is not a world size"),
@@ -249,9 +251,13 @@ def test_missing_tune_file(tmp_path):
 
 def test_parse_table_keeps_the_document():
     d = doc({"2": {"float16": [[None, "twoshot"]]}}, note="n", measured={})
-    t = parse_table(d, "x")
-    assert t.document is d and t.rows == {"2": {"float16": ((None, "twoshot"),)}}
+    f = parse_table(d, "x")
+    t = f.entries[0]
+    assert t.entry["tables"] == d["tables"] and t.entry["measured"] == {} and "n" in t.note
+    assert t.rows == {"2": {"float16": ((None, "twoshot"),)}}
     assert all(name in ALGORITHMS for rows in t.rows["2"].values() for _, name in rows)
+    d2 = f.document
+    assert parse_table(d2, "y").document is d2 and d2["format"] == 2  # format 2 kept as it is
 
 
 class _Ranks:
@@ -266,7 +272,7 @@ class _Ranks:
 
 def test_agreed_table_raises_on_every_rank_when_one_rank_fails(tmp_path):
     path = write(tmp_path, doc({"4": {"bfloat16": [[None, "nccl"]]}}))
-    assert agreed_table(path, _Ranks([None, None])).rows["4"]
+    assert agreed_table(path, _Ranks([None, None])).entries[0].rows["4"]
     with pytest.raises(UbnextError, match=r"UBNEXT_TUNE_FILE \(rank 1\): selector: cannot read"):
         agreed_table(path, _Ranks([None, ("selector: cannot read tune file x: gone", None)]))
     with pytest.raises(UbnextError, match="the ranks read different tables"):
@@ -279,7 +285,7 @@ def test_an_open_last_row_whose_buffers_are_too_small_falls_past_the_table():
     assert sel.select(2 * MiB, "bfloat16") == "lamport_twoshot"
     name, why = sel.explain(4 * MiB, "bfloat16")
     assert name == "twoshot"
-    assert why.startswith("no table row fits for 4 ranks bfloat16 (tune file t): first usable of twoshot ≤ 8 MiB, nccl")
+    assert why.startswith("no table row fits for 4 ranks bfloat16 (tune file t: any machine): first usable of twoshot ≤ 8 MiB, nccl")
     assert "lamport_twoshot does not fit: > UBNEXT_LAMPORT_TWOSHOT_MAX_KB=2048" in why
 
 
@@ -297,7 +303,7 @@ def test_multicast_instantiations_replace_their_unicast_rows():
     assert sel.select(4 * MiB, "bfloat16") == "nvls"
     assert sel.select(256 * MiB, "bfloat16") == "nccl"
     assert sel.explain(4 * MiB, "bfloat16") == (
-        "nvls", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table h200); "
+        "nvls", "table row ≤ 32 MiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph); "
                 "NVLink multicast: nvls in place of lamport_twoshot")
     assert Selector(4, lim(1024), usable=with_mc).select(4096, "float32") == "nvls"
 

@@ -57,14 +57,22 @@ def test_table_rows_merge_adjacent_sizes_and_leave_the_last_open():
 def test_merged_document_keeps_other_world_sizes_and_dtypes():
     four = tune.merged_document(None, "GPU A", 4, {"bfloat16": [[512 * KiB, "lamport"], [None, "nccl"]]},
                                 {"bfloat16": {"winners": []}})
-    assert four["format"] == 1 and four["machine"] == "GPU A"
+    assert four["format"] == 2 and len(four["entries"]) == 1
+    a = four["entries"][0]
+    assert {k: a[k] for k in ("gpu", "link", "placement", "mode")} == {
+        "gpu": "GPU A", "link": "nvlink", "placement": "plain", "mode": "graph"}
     both = tune.merged_document(four, "GPU A", 2, {"bfloat16": [[None, "twoshot"]]}, {"bfloat16": {}})
-    assert set(both["tables"]) == {"4", "2"} and both["machine"] == "GPU A"
-    again = tune.merged_document(both, "GPU B", 4, {"float32": [[None, "nccl"]]}, {"float32": {}})
-    assert set(again["tables"]["4"]) == {"bfloat16", "float32"}      # dtype granularity
-    assert again["tables"]["4"]["bfloat16"] == four["tables"]["4"]["bfloat16"]
-    assert again["machine"] == "GPU A; GPU B"
-    assert four["tables"] == {"4": {"bfloat16": [[512 * KiB, "lamport"], [None, "nccl"]]}}  # not mutated
+    assert len(both["entries"]) == 1 and set(both["entries"][0]["tables"]) == {"4", "2"}
+    again = tune.merged_document(both, "GPU A", 4, {"float32": [[None, "nccl"]]}, {"float32": {}})
+    tables = again["entries"][0]["tables"]
+    assert set(tables["4"]) == {"bfloat16", "float32"}      # dtype granularity
+    assert tables["4"]["bfloat16"] == a["tables"]["4"]["bfloat16"]
+    assert a["tables"] == {"4": {"bfloat16": [[512 * KiB, "lamport"], [None, "nccl"]]}}  # not mutated
+    # another machine: its own entry; the first kept as it was
+    other = tune.merged_document(again, "GPU B", 4, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
+    assert [e["gpu"] for e in other["entries"]] == ["GPU A", "GPU B"]
+    assert other["entries"][0] == again["entries"][0]
+    assert other["entries"][1]["tables"] == {"4": {"bfloat16": [[None, "nccl"]]}}
 
 
 def test_merged_document_refuses_what_ubnext_cannot_read():
@@ -167,15 +175,19 @@ def test_run_measures_writes_merges_and_prints_the_export_line(cupy, monkeypatch
     assert "# rows for 4 ranks bfloat16: ≤ 512 KiB lamport, ≤ 32 MiB twoshot, then nccl" in text
     assert "   256 MiB           —" in text  # lamport refused: shown as a dash
     table = load_table(str(out))
-    assert table.rows["4"]["bfloat16"] == ((512 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
-    record = table.document["measured"]["4"]["bfloat16"]
+    assert table.format == 2 and len(table.entries) == 1
+    entry = table.entries[0]
+    assert entry.rows["4"]["bfloat16"] == ((512 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
+    record = entry.entry["measured"]["4"]["bfloat16"]
     assert record["sizes"] == args.sizes and len(record["us"]["nccl"]) == 19 and record["margin_percent"] == 3
 
     # A second run at 2 ranks, other dtypes, lands in the same file.
     args2 = tune.parse_args(["-o", str(out), "--dtype", "float32", "-e", "64M"])
     assert tune.run(FakeComm(2), args2, []) == 0
     table = load_table(str(out))
-    assert set(table.rows) == {"4", "2"} and set(table.rows["2"]) == {"float32"}
+    assert len(table.entries) == 1  # the same machine's entry
+    rows = table.entries[0].rows
+    assert set(rows) == {"4", "2"} and set(rows["2"]) == {"float32"}
     limits = {"lamport": (1 * MiB, "UBNEXT_LAMPORT_MAX_KB=1024")}
     sel = Selector(4, limits, ALL, table)
     assert sel.select(256 * KiB, "bfloat16") == "lamport" and sel.select(1 << 30, "bfloat16") == "nccl"

@@ -13,9 +13,14 @@ winner of a size is the fastest algorithm, but a ubnext kernel wins over NCCL
 only when it is at least ``--margin`` percent faster. Adjacent sizes with the
 same winner become one table row; the last row has no upper limit.
 
-Rank 0 prints the timings and writes the table (``-o``, format of
-``ubnext._selection.table``). A file that already exists is merged into: the measured
-world size and dtypes are replaced, every other entry is kept. All ranks see the
+Rank 0 prints the timings and writes the table (``-o``, format 2 of
+``ubnext._selection.table``): an entry keyed by this machine (the GPU's name, the
+``nvlink`` link, ``plain`` arrays, ``graph`` mode). A file that already exists is
+merged into: in this machine's entry (added when the file has none) the measured world
+size and dtypes are replaced; its other world sizes and dtypes, and the other
+machines' entries, are kept. A format-1 file is rewritten as format 2, its rows kept
+as an entry for any machine; an entry added beside such an entry starts from its rows,
+so what a run does not measure keeps serving this machine as before. All ranks see the
 same (max over ranks) times, and rank 0's outcome is broadcast, so every rank
 exits alike; a failing rank aborts the whole MPI job.
 """
@@ -37,7 +42,8 @@ from typing import Any
 from ubnext._environment.devices import device_name
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
 from ubnext._protocol.errors import CollectiveTimeoutError, CudaError, UbnextError
-from ubnext._selection.table import FORMAT, human_bytes, load_table, parse_table
+from ubnext._selection.table import (ANY, DEFAULT_LINK, FORMAT, FORMAT_1, Machine, human_bytes, load_table,
+                                     parse_table, upgrade)
 from ubnext._tools.cli import run_or_abort, size_arg, size_list
 
 #: times of one size: algorithm -> µs, or None where the communicator refused the size
@@ -90,25 +96,50 @@ def table_rows(sizes: Sequence[int], winners: Sequence[str]) -> list[list]:
 
 
 def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
-                    rows: dict[str, list], measured: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The table document after tuning ``world`` ranks for the dtypes in ``rows``.
+                    rows: dict[str, list], measured: dict[str, dict[str, Any]],
+                    link: str = DEFAULT_LINK, placement: str = "plain", mode: str = "graph") -> dict[str, Any]:
+    """The table document (format 2) after tuning ``world`` ranks for the dtypes in ``rows``.
 
     Args:
-        existing: the document already in the output file, or None.
-        machine: this machine, e.g. ``"NVIDIA H200"``.
+        existing: the document already in the output file (format 2, or a format-1
+            document, which is converted: its rows become an entry for any machine), or None.
+        machine: this machine's GPU, e.g. ``"NVIDIA H200"``: the entry's ``gpu``.
         world: the measured world size.
         rows: dtype -> table rows (:func:`table_rows`).
-        measured: dtype -> the record of the measurement (kept under ``measured``).
+        measured: dtype -> the record of the measurement (kept under the entry's ``measured``).
+        link, placement, mode: the rest of the entry's machine key (what tune measures:
+            plain arrays in CUDA graphs; the link ubnext assumes, ``table.DEFAULT_LINK``).
 
     Returns:
-        A new document: ``existing`` with ``tables[world][dtype]`` and
-        ``measured[world][dtype]`` replaced; other world sizes and dtypes kept.
+        A new document: the entry of this machine key (added when there is none) with
+        ``tables[world][dtype]`` and ``measured[world][dtype]`` replaced; its other world
+        sizes and dtypes, and every other entry, kept. An entry added where an entry for any
+        GPU served this machine (a format-1 file's rows) starts from that entry's rows
+        (``tables``, ``collectives``): a communicator takes one entry of a file, so what
+        this run did not measure keeps serving this machine as before, as format 1's merge kept it.
     """
-    doc = copy.deepcopy(existing) if existing else {"format": FORMAT, "machine": machine, "tables": {}}
-    machines = [m for m in doc["machine"].split("; ") if m]
-    doc["machine"] = "; ".join(dict.fromkeys([*machines, machine]))
-    doc["tables"].setdefault(str(world), {}).update(rows)
-    doc.setdefault("measured", {}).setdefault(str(world), {}).update(measured)
+    if existing is None:
+        doc: dict[str, Any] = {"format": FORMAT, "entries": []}
+    elif existing.get("format") == FORMAT_1:
+        doc = upgrade(existing)
+    else:
+        doc = copy.deepcopy(existing)
+    key = {"gpu": machine, "link": link, "placement": placement, "mode": mode}
+    entry = next((e for e in doc["entries"] if all(e.get(k) == v for k, v in key.items())), None)
+    if entry is None:
+        entry = {**key, "tables": {}}
+        served = parse_table(doc, "the table being merged into").choose(Machine(machine, link, placement, mode)) \
+            if doc["entries"] else None
+        if served is not None and served.gpu == ANY and all(
+                getattr(served, k) in (v, ANY) for k, v in key.items() if k != "gpu"):
+            entry["tables"] = copy.deepcopy(served.entry["tables"])
+            if "collectives" in served.entry:
+                entry["collectives"] = copy.deepcopy(served.entry["collectives"])
+            entry["note"] = (f"rows not measured on {machine} start from those of the entry for {served.label}, "
+                             f"which served it before this entry was added")
+        doc["entries"].append(entry)
+    entry["tables"].setdefault(str(world), {}).update(rows)
+    entry.setdefault("measured", {}).setdefault(str(world), {}).update(measured)
     parse_table(doc, "the table being written")  # never write what ubnext cannot read
     return doc
 
@@ -305,7 +336,10 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
             try:
                 doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured)
                 write_atomically(args.output, doc)
-                outcome = (f"# wrote {args.output} (world sizes {', '.join(doc['tables'])})\n"
+                entry = next(e for e in doc["entries"] if e["gpu"] == machine and e["link"] == DEFAULT_LINK
+                             and e["placement"] == "plain" and e["mode"] == "graph")
+                outcome = (f"# wrote {args.output} (entry {machine} {DEFAULT_LINK} plain graph: world sizes "
+                           f"{', '.join(entry['tables'])})\n"
                            f"export UBNEXT_TUNE_FILE={shlex.quote(args.output)}")
             except (OSError, UbnextError) as exc:
                 outcome = f"tune: cannot write {args.output}: {exc}"

@@ -18,7 +18,7 @@ from ubnext._engine.node import Node
 from ubnext._environment import nvls_gate as _gate
 from ubnext._environment import preflight as _preflight
 from ubnext._environment.config import Config
-from ubnext._environment.devices import map_devices
+from ubnext._environment.devices import device_name, map_devices
 from ubnext._environment.log import get_logger, log_once
 from ubnext._interop import arrays as _arrays
 from ubnext._interop.context import Context, caller_device
@@ -29,7 +29,7 @@ from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_
 from ubnext._protocol.constants import MAX_RANKS
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import agreed_table
+from ubnext._selection.table import agreed_machine, agreed_table
 
 _WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
 
@@ -88,6 +88,10 @@ class Communicator(CallSteps):
             self._local = bootstrap.split_local()
             self.device = map_devices(self._local, device, caller_device())
             cupy.cuda.Device(self.device).use()  # the caller's convenience, as torch.cuda.set_device
+            # the selector tables' entries are chosen for local rank 0's GPU, alike on every rank
+            # (the name read with this communicator's device current: no other device is touched;
+            # read inside agreed_machine, so a rank that cannot read it still joins the allgather)
+            machine, mixed = agreed_machine(self._local, lambda: device_name(self.device))
             self._context = Context(self.device)
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
             self._node = self._setup_node()
@@ -116,8 +120,10 @@ class Communicator(CallSteps):
         if nccl_problem:
             log_once(f"nccl-problem:{nccl_problem}", f"Communicator: NCCL cannot run here ({nccl_problem}); "
                      f"auto gives ubnext's barrier two-shot what it would give NCCL", logging.INFO)
+        if mixed:
+            log_once(f"mixed-gpus:{mixed}", f"Communicator: {mixed}", logging.INFO)
         self._selector = Selector(self._local.size, buffer_limits(config), usable, table, self._nccl_reason,
-                                  config.deterministic, nccl_problem)
+                                  config.deterministic, nccl_problem, machine)
         # every call runs in the launch section: this communicator's context, one thread, issue order
         self._order = LaunchOrder(self._context)
         self._dispatch = Dispatcher(node, self._selector.limits, self._order, bootstrap, self.device)

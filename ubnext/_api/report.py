@@ -21,7 +21,8 @@ class Description(dict):
     ``pool`` (bytes, user heap and free bytes; None without a pool), ``nvls``,
     ``config`` (``UBNEXT_*`` -> value), ``quantized`` (whether and where ``auto``
     quantizes: ``UBNEXT_QUANTIZED``), ``tables`` (the selector tables, in
-    the order consulted), ``selection`` (every dtype -> ``[bytes, algorithm, reason]``
+    the order consulted: each the entry chosen for this machine and why, ``"default table:
+    NVIDIA H200 nvlink plain graph (exact match)"``), ``selection`` (every dtype -> ``[bytes, algorithm, reason]``
     for each of ``SIZES``: the all-reduce's) and ``collectives`` (reduce-scatter and
     all-gather -> their ``selection`` for bfloat16, sizes of the whole message). The
     report shows a dtype's rows as one where they all agree.
@@ -43,7 +44,7 @@ def report(comm) -> Description:
         algorithms=comm.algorithms(), pool=comm.pool, nvls=_nvls(comm),
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
         quantized=_quant.describe(config.quantized, kernels),
-        tables=[t.source for t in comm.selector.tables],
+        tables=[f"{t.where} ({t.why})" for t in comm.selector.tables],
         selection={dtype: [[n, name, why + _quant.selection_note(config.quantized, kernels, dtype)]
                            for n in SIZES for name, why in [_choice(comm, n, dtype)]] for dtype in DTYPES},
         collectives={c: {"bfloat16": [[n, *_choice(comm, n, "bfloat16", c)] for n in SIZES]}

@@ -201,9 +201,10 @@ class Config:
     )
     tune_file: str = _field(
         "UBNEXT_TUNE_FILE", "", _PATH,
-        "Selector table (JSON: world size × dtype × size → algorithm) written by "
-        "`python -m ubnext.tune`; world sizes it lacks, and an empty value, use the "
-        "table shipped for H200.",
+        "Selector table (JSON, format 2: machine entries of world size × dtype × size → algorithm; "
+        "format 1 still read) written by `python -m ubnext.tune`; a communicator takes the entry for "
+        "local rank 0's GPU (or the nearest measured); world sizes it lacks, and an empty value, use the "
+        "shipped table (`ubnext/tables/default.json`).",
         local="the path may differ; the ranks check that the tables they read agree (ubnext._selection.table.agreed_table)",
     )
     quantized: str = _field(

@@ -4,7 +4,11 @@ The choice is a pure function of (collective, message bytes, dtype, world size, 
 the communicator can run), identical on every rank, so every rank launches the same
 kernel. The size thresholds come from a selector table (``_table``): a tune
 file (``UBNEXT_TUNE_FILE``, written by ``python -m ubnext.tune``) first, for the
-world sizes it covers, then the table shipped in the package.
+world sizes it covers, then the table shipped in the package; of each, the entry
+for this machine (``TableFile.choose``: the GPU of local rank 0, the ``"nvlink"``
+link, ``"plain"`` arrays, ``"graph"`` mode). The selector does not know whether a
+call's arrays are pool buffers: the ``"plain"`` entries serve every call (choosing
+the ``"pool"`` entries for pool buffers is a follow-up).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import dataclasses
 
 from ubnext._environment.config import Config
 from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, FLOAT_DTYPES, KERNEL_DTYPES, UNICAST_OF
-from ubnext._selection.table import Row, Table, default_table, human_bytes
+from ubnext._selection.table import Machine, Row, TableFile, default_table, human_bytes
 
 #: unicast algorithm -> the multicast kernel that replaces it: its own multicast
 #: instantiation, and NVLS two-shot for the Lamport two-shot (the seed's order puts
@@ -77,18 +81,23 @@ class Selector:
         nccl_problem: why NCCL cannot run on this communicator (``_nccl.cannot_run``: ranks
             sharing a GPU, NCCL not loadable), or None: then the barrier two-shot, which
             takes every dtype and any size, runs wherever NCCL would.
+        machine: what the entries of the tables are chosen for (``TableFile.choose``);
+            None: a GPU not known here, nvlink, plain arrays, graph mode (the fallback
+            entry). :attr:`tables` are the chosen entries, each with ``why``.
 
     The dtypes outside the tables (``TWOSHOT_ONLY_DTYPES``: float64, the integers) go to
     NCCL, the engine tuned for them, except where it cannot run or deterministic mode
     takes a float64 from it: then to the barrier two-shot, ubnext's one kernel for them.
     """
 
-    def __init__(self, nranks: int, limits: Limits, usable: list[str], table: Table | None = None,
-                 nccl_reason: str = "", deterministic: bool = False, nccl_problem: str | None = None):
+    def __init__(self, nranks: int, limits: Limits, usable: list[str], table: TableFile | None = None,
+                 nccl_reason: str = "", deterministic: bool = False, nccl_problem: str | None = None,
+                 machine: Machine | None = None):
         self.nranks = nranks
         self.deterministic = deterministic
         self.nccl_problem = nccl_problem
-        self.tables = [t for t in (table, default_table()) if t is not None]
+        self.machine = machine or Machine()
+        self.tables = [t.choose(self.machine) for t in (table, default_table()) if t is not None]
         self.limits = limits
         self._usable = set(usable)
         self._nccl_reason = nccl_reason
@@ -180,7 +189,7 @@ class Selector:
         """``(algorithm, why)`` for a ``collective`` of ``nbytes`` bytes of ``dtype``.
 
         ``why`` names the table row and its source, e.g. ``"table row ≤ 512 KiB for
-        4 ranks bfloat16 (default table h200)"``, and every row skipped on the way
+        4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)"``, and every row skipped on the way
         (``"lamport does not fit: > UBNEXT_LAMPORT_MAX_KB=256"``).
         """
         unicast, index = self._walk(nbytes, dtype, collective)

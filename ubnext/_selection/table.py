@@ -1,81 +1,208 @@
-"""Selector tables: which algorithm takes a message, by world size, dtype and size.
+"""Selector tables: which algorithm takes a message, by machine, world size, dtype and size.
 
-One JSON format serves the table shipped in the package (``tables/h200.json``,
-measured on 2x and 4xH200) and the files ``python -m ubnext.tune`` writes
-(``UBNEXT_TUNE_FILE``)::
+One JSON format (format 2) serves the table shipped in the package
+(``ubnext/tables/default.json``) and the files ``python -m ubnext.tune`` writes
+(``UBNEXT_TUNE_FILE``). A document is a list of entries, each measured on one kind
+of machine::
 
-    {"format": 1,
-     "machine": "NVIDIA H200",
-     "tables": {"4": {"bfloat16": [[524288, "lamport"], [33554432, "twoshot"], [null, "nccl"]],
-                      "float32":  [[524288, "lamport"], [null, "twoshot"]]},
-                "*": {"bfloat16": [[262144, "lamport"], [null, "twoshot"]]}}}
+    {"format": 2,
+     "note": "...",
+     "entries": [
+      {"gpu": "NVIDIA H200", "link": "nvlink", "placement": "plain", "mode": "graph",
+       "note": "...",
+       "tables": {"4": {"bfloat16": [[262144, "lamport"], [33554432, "lamport_twoshot"], [null, "nccl"]]},
+                  "*": {"bfloat16": [[262144, "lamport"], [33554432, "twoshot"], [null, "nccl"]]}},
+       "collectives": {"reduce_scatter": {"note": "...", "tables": {...}}, "all_gather": {...}},
+       "measured": {...}}]}
 
-``tables`` maps a world size (ranks of the node; ``"*"``: world sizes without
-an entry of their own) to ``{dtype: rows}``. Rows ascend by ``max_bytes``; a
-message takes the first row it does not exceed whose algorithm the
-communicator can run; ``null`` (last row only) means no upper limit. A dtype
-without rows uses the rows of another dtype of that world size (same element
-size first). Optional keys: ``note`` (text), ``measured`` (what tune
-measured, kept for the record) and ``collectives``: rows of the other collectives,
+**The machine key** of an entry (all four required; ``"*"`` in any of them: any value):
+
+- ``gpu``: the CUDA device name as ``cupy.cuda.runtime.getDeviceProperties(d)["name"]``
+  gives it (``"NVIDIA H200"``, ``"NVIDIA H100 80GB HBM3"``).
+- ``link``: how the GPUs reach each other, ``"nvlink"`` or ``"pcie"``. ubnext has no
+  reliable source for it today (peer access says whether a GPU can map another's memory,
+  not over what; ``devices.py`` matches GPUs by UUID only), and it runs on NVLink nodes,
+  so a communicator asks for ``"nvlink"`` (:data:`DEFAULT_LINK`); a tune file measured
+  on a PCIe node says ``"pcie"`` by hand until ubnext detects the link.
+- ``placement``: the arrays of the calls measured: ``"plain"`` (the caller's arrays,
+  through the staging copy) or ``"pool"`` (buffers from ``comm.empty()``, in place).
+  The selector does not know the placement of a call when it chooses (the choice is made
+  once per communicator), so a communicator takes the ``"plain"`` entries; choosing per
+  call (pool buffers skip the staging copy, which moves the crossovers) is a follow-up.
+- ``mode``: how the calls were issued: ``"graph"`` (back to back in a CUDA graph, what
+  ``python -m ubnext.tune`` measures), ``"dependent"`` (a kernel between calls) or
+  ``"eager"``. A communicator asks for ``"graph"``.
+
+There is no GPU-count key: the world sizes that key ``tables`` (the ranks of the node
+that took part in the measurement) are the GPU counts the rows were measured at, and
+one entry holds every count measured on that machine (``"*"``: the others). A GPU
+count beside them could only say how many GPUs the node had besides those that took
+part, which the rows do not depend on where every GPU has its own links (NVSwitch); a
+node whose GPUs are wired differently (PCIe pairs) differs by ``link``.
+
+**The rows** (``tables``, and ``collectives``, as in format 1): ``tables`` maps a world
+size (``"*"``: world sizes without an entry of their own) to ``{dtype: rows}``. Rows
+ascend by ``max_bytes``; a message takes the first row it does not exceed whose
+algorithm the communicator can run; ``null`` (last row only) means no upper limit. A
+dtype without rows uses the rows of another dtype of that world size (same element
+size first). ``collectives`` holds the rows of the other collectives,
 ``{"reduce_scatter": {"note": "...", "tables": {...}}, "all_gather": {...}}`` in the
 same form as ``tables`` (whose rows are the all-reduce's); a table without rows for a
-collective leaves it to the next table (the default one has rows for every collective).
+collective leaves it to the next table (the default one has rows for every
+collective). Optional keys of an entry: ``note`` (text), ``measured`` (what tune
+measured, kept for the record), ``collectives``; of the document: ``note``. Two entries
+may not have the same key.
+
+**Choosing the entry** (:meth:`TableFile.choose`, once per communicator, for the GPU
+name of the node's local rank 0, so every rank chooses alike): among the entries whose
+``link`` is the machine's or ``"*"`` (all entries where none is), the same ``gpu``; then
+the same family (the letters of the model number: ``H`` for H100/H200/H800, ``A`` for
+A100, ``B`` for B200); then ``gpu: "*"``; then any other measured GPU (the nearest
+measured being the first such entry of the file). Among those: the same ``link`` before
+``"*"``, then the same ``placement`` (then ``"*"``), then the same ``mode`` (then
+``"*"``); ties go to the entry listed first. The choice and why are shown by ``describe()`` and
+``python -m ubnext info``: ``"default table: NVIDIA H200 nvlink plain graph (no entry for
+NVIDIA H100 80GB HBM3: NVIDIA H200, nearest measured of the same family (H))"``. Every
+rank reads the same document (:func:`agreed_table` checks the digests) and chooses for
+the same machine key, so every rank takes the same entry.
+
+**Format 1** (``{"format": 1, "machine": "<text>", "tables": ..., "collectives": ...,
+"note": ..., "measured": ...}``, written by earlier ``python -m ubnext.tune``) still loads:
+as one entry whose key is ``"*"`` throughout (it applies to any machine), its
+``machine`` text kept in the entry's note. ``python -m ubnext.tune`` merging into such
+a file writes it back as format 2, the old rows kept as that ``"*"`` entry; the entry it
+adds for the machine it ran on starts from those rows (a communicator takes one entry of
+a file, so what the run did not measure keeps serving that machine).
+
+**Quantized thresholds** (today ``_quant.AUTO_MIN_BYTES``, one size for every machine)
+fit the same format as another key of an entry, ``"quantized": {"note": ..., "tables":
+{"<world size>"|"*": {dtype: [[max_bytes, "exact"], [null, "int8"]]}}}``: rows in the
+same form whose second element is a precision (``"exact"`` or a quantized format)
+instead of an algorithm, chosen by the same machine key, so a GPU that nobody measured
+takes the quantized crossover of the nearest measured machine as it does the algorithm.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
 from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES
 from ubnext._protocol.errors import UbnextError
 
-FORMAT = 1
-#: The ``tables`` key of the world sizes without an entry of their own.
-ANY_WORLD = "*"
-_REQUIRED = ("format", "machine", "tables")
-_OPTIONAL = ("note", "measured", "collectives")
+FORMAT = 2
+#: The format of earlier tune files, still read (as one entry for any machine).
+FORMAT_1 = 1
+#: The ``tables`` key of the world sizes without an entry of their own; as a machine
+#: key's value: any.
+ANY_WORLD = ANY = "*"
+#: The shipped table, in ``ubnext/tables/``.
+DEFAULT_FILE = "default.json"
+#: The machine key of an entry and the values each may take (besides ``"*"``).
+KEYS = {"gpu": None, "link": ("nvlink", "pcie"), "placement": ("plain", "pool"),
+        "mode": ("graph", "dependent", "eager")}
+#: The link a communicator asks for: ubnext cannot tell the link yet (module docstring).
+DEFAULT_LINK = "nvlink"
+_REQUIRED = ("format", "entries")
+_OPTIONAL = ("note",)
+_ENTRY_REQUIRED = (*KEYS, "tables")
+_ENTRY_OPTIONAL = ("note", "measured", "collectives")
+_V1_REQUIRED = ("format", "machine", "tables")
+_V1_OPTIONAL = ("note", "measured", "collectives")
 
 #: ``(max_bytes or None for no limit, algorithm)``
 Row = tuple[int | None, str]
 
 
 @dataclass(frozen=True)
-class Table:
-    """A validated selector table.
+class Machine:
+    """What a communicator chooses a table entry for.
 
     Attributes:
-        source: where it came from, for messages: ``"default table h200"`` or
-            ``"tune file /abs/path.json"``.
-        machine: the file's ``machine`` text.
+        gpu: the CUDA device name (``"NVIDIA H200"``), or None where it is not known.
+        link, placement, mode: as the entries' keys (module docstring).
+    """
+
+    gpu: str | None = None
+    link: str = DEFAULT_LINK
+    placement: str = "plain"
+    mode: str = "graph"
+
+    def label(self) -> str:
+        return " ".join([self.gpu or "unknown GPU", self.link, self.placement, self.mode])
+
+
+def family(gpu: str | None) -> str | None:
+    """The letters of a GPU name's model number: ``"NVIDIA H100 80GB HBM3"`` -> ``"H"``,
+    ``"NVIDIA GB200"`` -> ``"GB"``; None where the name has no such model number. Pure."""
+    found = re.search(r"\b([A-Z]{1,3})\d{2,4}[A-Z]*\b", gpu or "")
+    return found.group(1) if found else None
+
+
+@dataclass(frozen=True)
+class Table:
+    """One validated entry of a selector table document: one machine's rows.
+
+    Attributes:
+        source: where the document came from: ``"default table"`` or ``"tune file /abs/path.json"``.
+        gpu, link, placement, mode: the entry's machine key (``"*"``: any).
         rows: world key (``"4"``, ``"*"``) -> dtype -> ascending rows (of the all-reduce).
-        document: the JSON document itself (``python -m ubnext.tune`` merges into it).
+        entry: the entry's JSON object.
         by_collective: collective other than the all-reduce -> its rows, as ``rows``.
+        why: why :meth:`TableFile.choose` chose it (``"exact match"``, or the fallback); "" before.
     """
 
     source: str
-    machine: str
+    gpu: str
+    link: str
+    placement: str
+    mode: str
     rows: dict[str, dict[str, tuple[Row, ...]]]
-    document: dict[str, Any] = field(repr=False, compare=False)
+    entry: dict[str, Any] = field(repr=False, compare=False)
     by_collective: dict[str, dict[str, dict[str, tuple[Row, ...]]]] = field(default_factory=dict)
+    why: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.gpu, self.link, self.placement, self.mode
+
+    @property
+    def label(self) -> str:
+        """``"NVIDIA H200 nvlink plain graph"`` (``"*"`` shown as ``*``, a GPU ``"*"`` as ``any GPU``;
+        ``"any machine"`` where every key is ``"*"``)."""
+        if self.key == (ANY,) * 4:
+            return "any machine"
+        return " ".join(["any GPU" if self.gpu == ANY else self.gpu, self.link, self.placement, self.mode])
+
+    @property
+    def where(self) -> str:
+        """``"default table: NVIDIA H200 nvlink plain graph"``: the source and the entry."""
+        return f"{self.source}: {self.label}"
+
+    @property
+    def note(self) -> str:
+        return self.entry.get("note", "")
 
     def lookup(self, nranks: int, dtype: str, collective: str = "all_reduce") -> tuple[tuple[Row, ...], str] | None:
         """The rows for ``nranks`` ranks, ``dtype`` and ``collective``, and a description of
         where they come from.
 
         Returns:
-            ``(rows, "4 ranks bfloat16 (default table h200)")`` (the collective named
-            before the source when it is not the all-reduce); the description says when
-            the rows are another world size's (``"*"``) or another dtype's. None when the
-            table has neither ``nranks`` nor ``"*"`` for the collective.
+            ``(rows, "4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)")`` (the
+            collective named before the source when it is not the all-reduce); the
+            description says when the rows are another world size's (``"*"``) or another
+            dtype's. None when the entry has neither ``nranks`` nor ``"*"`` for the collective.
         """
         tables = self.rows if collective == "all_reduce" else self.by_collective.get(collective, {})
-        source = self.source if collective == "all_reduce" else f"{collective}, {self.source}"
+        source = self.where if collective == "all_reduce" else f"{collective}, {self.where}"
         for key in (str(nranks), ANY_WORLD):
             by_dtype = tables.get(key)
             if by_dtype is None:
@@ -87,9 +214,71 @@ class Table:
         return None
 
     def digest(self) -> str:
-        """A hash of the rows: equal on every rank that read the same table."""
-        rows = {"all_reduce": self.rows, **self.by_collective}
+        """A hash of the key and the rows: equal on every rank that chose the same entry."""
+        rows = {"key": self.key, "all_reduce": self.rows, **self.by_collective}
         return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TableFile:
+    """A validated selector table document: its entries, one per machine key.
+
+    Attributes:
+        source: ``"default table"`` or ``"tune file /abs/path.json"``.
+        entries: the entries, in the document's order.
+        document: the document in format 2 (a format-1 document converted: one ``"*"`` entry);
+            ``python -m ubnext.tune`` merges into it.
+        format: the format the document was written in (1 or 2).
+    """
+
+    source: str
+    entries: tuple[Table, ...]
+    document: dict[str, Any] = field(repr=False, compare=False)
+    format: int = FORMAT
+
+    def entry(self, key: tuple[str, str, str, str]) -> Table | None:
+        """The entry whose machine key is ``key`` (``(gpu, link, placement, mode)``), or None."""
+        return next((t for t in self.entries if t.key == tuple(key)), None)
+
+    def choose(self, machine: Machine) -> Table:
+        """The entry for ``machine`` (the rule in the module docstring), with ``why`` set. Pure."""
+        fam = family(machine.gpu)
+
+        def gpu_rank(t: Table) -> int:
+            if machine.gpu is not None and t.gpu == machine.gpu:
+                return 0
+            if t.gpu != ANY and fam is not None and family(t.gpu) == fam:
+                return 1
+            return 2 if t.gpu == ANY else 3
+
+        def rank(value: str, wanted: str) -> int:
+            return 0 if value == wanted else 1 if value == ANY else 2
+
+        # another link only where no entry has this one or "*"; then the GPU, the link's "*",
+        # placement, mode, the file's order
+        ranked = [((rank(t.link, machine.link) == 2, gpu_rank(t), rank(t.link, machine.link),
+                    rank(t.placement, machine.placement), rank(t.mode, machine.mode)), i, t)
+                  for i, t in enumerate(self.entries)]
+        (_, gpu, link, placement, mode), _, chosen = min(ranked, key=lambda r: (r[0], r[1]))
+        reasons = []
+        if link == 2:
+            reasons.append(f"no {machine.link} entry: {chosen.link}'s")
+        if gpu and self.format == FORMAT_1:
+            reasons.append("format-1 file: one entry for any machine")
+        elif gpu:
+            lacking = f"no entry for {machine.gpu}" if machine.gpu else "GPU not known"
+            reasons.append(f"{lacking}: " + {
+                1: f"{chosen.gpu}, nearest measured of the same family ({fam})",
+                2: "the entry for any GPU",
+                3: f"{chosen.gpu}, nearest measured (first such entry)"}[gpu])
+        for what, got, value in (("placement", placement, machine.placement), ("mode", mode, machine.mode)):
+            if got == 2:
+                reasons.append(f"no {value} {what} entry: {getattr(chosen, what)}'s")
+        return replace(chosen, why="; ".join(reasons) or "exact match")
+
+    def digest(self) -> str:
+        """A hash of every entry's key and rows: equal on every rank that read the same table."""
+        return hashlib.sha256(json.dumps([t.digest() for t in self.entries]).encode()).hexdigest()
 
 
 def _closest_dtype(dtype: str, by_dtype: dict[str, Any]) -> str:
@@ -100,40 +289,98 @@ def _closest_dtype(dtype: str, by_dtype: dict[str, Any]) -> str:
     return (same_width or [d for d in KERNEL_DTYPES if d in by_dtype])[0]
 
 
-def parse_table(document: Any, source: str) -> Table:
-    """Validate a table document (the parsed JSON).
+def upgrade(document: dict[str, Any]) -> dict[str, Any]:
+    """A format-1 document (checked by :func:`parse_table`) as format 2: one entry whose
+    machine key is ``"*"`` throughout, its ``machine`` text kept in the entry's note. Pure."""
+    entry = {k: ANY for k in KEYS}
+    note = f"format-1 table (machine: {document['machine']}), read as one entry for any machine"
+    entry["note"] = f"{note}. {document['note']}" if document.get("note") else note
+    entry["tables"] = copy.deepcopy(document["tables"])
+    for key in ("collectives", "measured"):
+        if key in document:
+            entry[key] = copy.deepcopy(document[key])
+    return {"format": FORMAT, "entries": [entry]}
+
+
+def parse_table(document: Any, source: str) -> TableFile:
+    """Validate a table document (the parsed JSON), format 2 or format 1.
 
     Raises:
-        UbnextError: ``"selector: <source>: <what is wrong, and where>"``.
+        UbnextError: ``"selector: <source>: <what is wrong, and where>"``; in an entry,
+            where names it: ``"entries[0] (NVIDIA H200 nvlink plain graph): tables['4']: ..."``.
     """
     def fail(problem: str) -> UbnextError:
         return UbnextError(f"selector: {source}: {problem}")
 
     if not isinstance(document, dict):
-        raise fail(f"expected a JSON object {{\"format\": {FORMAT}, \"machine\": ..., \"tables\": ...}}, "
+        raise fail(f"expected a JSON object {{\"format\": {FORMAT}, \"entries\": [...]}}, "
                    f"got {type(document).__name__}")
-    missing = [k for k in _REQUIRED if k not in document]
+    if "format" in document and document["format"] not in (FORMAT, FORMAT_1):
+        raise fail(f"format {document['format']!r} is not supported; this ubnext reads formats "
+                   f"{FORMAT} and {FORMAT_1}")
+    if document.get("format") == FORMAT_1:
+        _check_keys(document, _V1_REQUIRED, _V1_OPTIONAL, f"a format-{FORMAT_1} table", fail)
+        if not isinstance(document["machine"], str):
+            raise fail("machine must be a string")
+        entry = upgrade(document)["entries"][0]
+        return TableFile(source, (_parse_entry(entry, source, fail),), {"format": FORMAT, "entries": [entry]},
+                         FORMAT_1)
+    _check_keys(document, _REQUIRED, _OPTIONAL, f"a format-{FORMAT} table", fail)
+    if not isinstance(document.get("note", ""), str):
+        raise fail("note must be a string")
+    raw = document["entries"]
+    if not isinstance(raw, list) or not raw:
+        raise fail("entries must be a non-empty list of objects {\"gpu\": ..., \"link\": ..., "
+                   "\"placement\": ..., \"mode\": ..., \"tables\": ...}")
+    entries: list[Table] = []
+    for i, entry in enumerate(raw):
+        name = f"entries[{i}]"
+        if isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in KEYS):
+            name += f" ({' '.join(entry[k] for k in KEYS)})"
+        table = _parse_entry(entry, source, lambda p, n=name: fail(f"{n}: {p}"))
+        twin = next((j for j, t in enumerate(entries) if t.key == table.key), None)
+        if twin is not None:
+            raise fail(f"{name}: the same machine key as entries[{twin}]; merge their rows into one entry")
+        entries.append(table)
+    return TableFile(source, tuple(entries), document, FORMAT)
+
+
+def _check_keys(obj: dict, required: tuple, optional: tuple, what: str, fail) -> None:
+    missing = [k for k in required if k not in obj]
     if missing:
-        raise fail(f"missing key(s) {', '.join(missing)} (a format-{FORMAT} table has "
-                   f"{', '.join(_REQUIRED)}; python -m ubnext.tune writes one)")
-    unknown = sorted(set(document) - set(_REQUIRED) - set(_OPTIONAL))
+        raise fail(f"missing key(s) {', '.join(missing)} ({what} has {', '.join(required)}"
+                   f"{'; python -m ubnext.tune writes one' if 'format' in required else ''})")
+    unknown = sorted(set(obj) - set(required) - set(optional))
     if unknown:
-        raise fail(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(_REQUIRED + _OPTIONAL)}")
-    if document["format"] != FORMAT:
-        raise fail(f"format {document['format']!r} is not supported; this ubnext reads format {FORMAT}")
-    if not isinstance(document["machine"], str):
-        raise fail("machine must be a string")
-    rows = _parse_tables(document["tables"], "tables", "all_reduce", fail)
-    collectives = document.get("collectives", {})
+        raise fail(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(required + optional)}")
+
+
+def _parse_entry(entry: Any, source: str, fail) -> Table:
+    """One entry of a format-2 document -> its Table; ``fail(problem)`` names the entry."""
+    if not isinstance(entry, dict):
+        raise fail(f"must be an object with {', '.join(_ENTRY_REQUIRED)}, got {type(entry).__name__}")
+    _check_keys(entry, _ENTRY_REQUIRED, _ENTRY_OPTIONAL, "an entry", fail)
+    for key, allowed in KEYS.items():
+        value = entry[key]
+        if not isinstance(value, str) or not value.strip():
+            raise fail(f"{key} must be a non-empty string")
+        if allowed is not None and value not in (*allowed, ANY):
+            raise fail(f"{key} {value!r} is not one of {', '.join(allowed)} (or \"*\")")
+    for key in ("note",):
+        if not isinstance(entry.get(key, ""), str):
+            raise fail(f"{key} must be a string")
+    rows = _parse_tables(entry["tables"], "tables", "all_reduce", fail)
+    collectives = entry.get("collectives", {})
     others = [c for c in COLLECTIVES if c != "all_reduce"]
     if not isinstance(collectives, dict) or any(c not in others for c in collectives):
         raise fail(f"collectives must be an object whose keys are among {', '.join(others)}")
     by_collective = {}
-    for name, entry in collectives.items():
-        if not isinstance(entry, dict) or "tables" not in entry or set(entry) - {"tables", "note"}:
+    for name, rows_of in collectives.items():
+        if not isinstance(rows_of, dict) or "tables" not in rows_of or set(rows_of) - {"tables", "note"}:
             raise fail(f"collectives[{name!r}] must be an object {{\"note\": ..., \"tables\": ...}}")
-        by_collective[name] = _parse_tables(entry["tables"], f"collectives[{name!r}].tables", name, fail)
-    return Table(source, document["machine"], rows, document, by_collective)
+        by_collective[name] = _parse_tables(rows_of["tables"], f"collectives[{name!r}].tables", name, fail)
+    return Table(source, entry["gpu"], entry["link"], entry["placement"], entry["mode"], rows, entry,
+                 by_collective)
 
 
 def _parse_tables(tables: Any, where: str, collective: str, fail) -> dict[str, dict[str, tuple[Row, ...]]]:
@@ -181,8 +428,8 @@ def _parse_rows(raw: Any, fail, collective: str = "all_reduce") -> tuple[Row, ..
     return tuple(rows)
 
 
-def load_table(path: str) -> Table:
-    """Read and validate a tune file.
+def load_table(path: str) -> TableFile:
+    """Read and validate a tune file (format 2, or format 1 as one entry for any machine).
 
     Raises:
         UbnextError: unreadable file, not JSON, or an invalid table (the
@@ -198,13 +445,13 @@ def load_table(path: str) -> Table:
 
 
 @functools.lru_cache(maxsize=None)
-def default_table() -> Table:
-    """The table shipped in the package (``ubnext/tables/h200.json``)."""
-    text = resources.files("ubnext").joinpath("tables").joinpath("h200.json").read_text(encoding="utf-8")
-    return parse_table(json.loads(text), "default table h200")
+def default_table() -> TableFile:
+    """The table shipped in the package (``ubnext/tables/default.json``)."""
+    text = resources.files("ubnext").joinpath("tables").joinpath(DEFAULT_FILE).read_text(encoding="utf-8")
+    return parse_table(json.loads(text), "default table")
 
 
-def agreed_table(path: str, bootstrap) -> Table:
+def agreed_table(path: str, bootstrap) -> TableFile:
     """:func:`load_table` on every rank of ``bootstrap``, checked to agree. Collective.
 
     Raises:
@@ -223,6 +470,34 @@ def agreed_table(path: str, bootstrap) -> Table:
     if len({digest for _, digest in outcomes}) > 1:
         raise UbnextError(f"Communicator: UBNEXT_TUNE_FILE {path}: the ranks read different tables")
     return table
+
+
+def agreed_machine(local, gpu: str | None | Callable[[], str]) -> tuple[Machine, str]:
+    """The machine key every rank of ``local`` (a node's bootstrap) chooses its entries for:
+    the GPU name of local rank 0, so that ranks of a node with mixed GPUs still choose
+    alike. Collective (one allgather).
+
+    Args:
+        local: the node's bootstrap.
+        gpu: this rank's GPU name, or a function that reads it. A read that fails counts
+            as a GPU not known (None) and this rank still joins the allgather, so no rank
+            is left waiting in it (as ``nvls_gate.decide`` treats an attribute it cannot read).
+
+    Returns:
+        ``(machine, note)``: ``note`` names the GPUs when the ranks' differ, else "".
+    """
+    if callable(gpu):
+        try:
+            gpu = gpu()
+        except Exception:  # a device it cannot describe: the fallback entry, alike on every rank
+            gpu = None
+    names = local.allgather_obj(gpu)
+    note = ""
+    if len(set(names)) > 1:
+        shown = [name or "a GPU whose name could not be read" for name in names]
+        note = (f"the local ranks have different GPUs ({', '.join(dict.fromkeys(shown))}); every rank "
+                f"chooses the selector table entry of local rank 0's, {shown[0]}")
+    return Machine(gpu=names[0]), note
 
 
 def human_bytes(nbytes: int) -> str:

@@ -19,7 +19,7 @@ from ubnext._environment.devices import device_name
 from ubnext._environment.install import check_driver, version_text
 from ubnext._protocol.algorithms import ALGORITHMS
 from ubnext._protocol.errors import UbnextError
-from ubnext._selection.table import default_table, load_table
+from ubnext._selection.table import FORMAT, Machine, default_table, load_table
 
 #: Distributions whose versions matter (metadata only: nothing is imported): the
 #: CUDA packages of either extra (``cu13``, ``cu12``), then the others.
@@ -118,23 +118,43 @@ def config_lines(environ: Mapping[str, str]) -> list[str]:
     return lines
 
 
-def table_lines(environ: Mapping[str, str]) -> list[str]:
-    """The shipped table and the tune file (checked: it loads, or why not)."""
-    def summary(table) -> str:
-        worlds = ", ".join(f"{w} ({'/'.join(table.rows[w])})" for w in table.rows)
-        return f"{table.machine}; world sizes {worlds}"
+def table_lines(environ: Mapping[str, str], gpu: str | None = None) -> list[str]:
+    """The shipped table and the tune file (checked: it loads, or why not): each one's
+    entries, and the entry a communicator on GPU ``gpu`` (GPU 0's name; None: no GPU
+    here) chooses, and why."""
+    machine = Machine(gpu=gpu)
+    wanted = f"{gpu} {machine.link} {machine.placement} {machine.mode}" if gpu else "a GPU not known here"
 
-    lines = [f"{default_table().source}: {summary(default_table())}"]
+    def summary(tables) -> list[str]:
+        lines = []
+        for t in tables.entries:
+            worlds = ", ".join(f"{w} ({'/'.join(t.rows[w])})" for w in t.rows)
+            lines.append(f"  entry {t.label}: world sizes {worlds}")
+        chosen = tables.choose(machine)
+        lines.append(f"  for {wanted}: entry {chosen.label} ({chosen.why})")
+        return lines
+
+    default = default_table()
+    lines = [f"{default.source}:", *summary(default)]
     path = environ.get("UBNEXT_TUNE_FILE", "").strip()
     if not path:
         lines.append("UBNEXT_TUNE_FILE: not set (the default table serves every world size)")
     else:
         try:
             table = load_table(path)
-            lines.append(f"{table.source} (UBNEXT_TUNE_FILE): {summary(table)}; consulted first")
+            old = f" (format {table.format}: one entry for any machine)" if table.format != FORMAT else ""
+            lines += [f"{table.source} (UBNEXT_TUNE_FILE){old}: consulted first", *summary(table)]
         except UbnextError as exc:
             lines.append(f"UBNEXT_TUNE_FILE is not usable: {exc}")
     return lines
+
+
+def _gpu_name(count: int) -> str | None:
+    """GPU 0's name, or None without a GPU (or where it cannot be read)."""
+    try:
+        return device_name(0) if count else None
+    except Exception:  # a driver that lists a device it cannot describe: info still prints
+        return None
 
 
 def report(environ: Mapping[str, str], mpi: str) -> list[str]:
@@ -144,7 +164,7 @@ def report(environ: Mapping[str, str], mpi: str) -> list[str]:
         ("versions", [*versions(), f"MPI: {mpi}"]),
         ("GPUs", gpus(count) if count else [f"no CUDA device ({why})"]),
         ("configuration (UBNEXT_*)", config_lines(environ)),
-        ("selector tables", table_lines(environ)),
+        ("selector tables", table_lines(environ, _gpu_name(count))),
         ("algorithms", [f"{a.name}: {a.summary}" for a in ALGORITHMS.values()]),
     ]
     lines = []

@@ -1,0 +1,419 @@
+"""Selector tables keyed by machine (format 2): validation that names the entry and the
+key, the choice of the entry (exact, the fallbacks, alike on every rank), format-1 files,
+``python -m ubnext.tune`` writing and merging format 2, and what describe()/info say.
+The H200 rows carried over from format 1 choose as before, checked over a grid."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ubnext import UbnextError, tune
+from ubnext._environment.config import Config
+from ubnext._protocol.algorithms import COLLECTIVES, DTYPES, KERNEL_DTYPES
+from ubnext._selection.select import Selector, buffer_limits
+from ubnext._selection.table import (
+    FORMAT, Machine, agreed_machine, agreed_table, default_table, family, load_table, parse_table)
+
+KiB, MiB = 1 << 10, 1 << 20
+#: The shipped table as it was in format 1 (ubnext/tables/h200.json before format 2), verbatim.
+OLD_H200 = Path(__file__).with_name("selector_h200_format1.json")
+H200 = ("NVIDIA H200", "nvlink", "plain", "graph")
+
+
+def entry(gpu="NVIDIA H200", link="nvlink", placement="plain", mode="graph", rows=None, **extra):
+    return {"gpu": gpu, "link": link, "placement": placement, "mode": mode,
+            "tables": {"*": {"bfloat16": rows or [[None, "nccl"]]}}, **extra}
+
+
+def document(*entries, **extra):
+    return {"format": FORMAT, "entries": list(entries), **extra}
+
+
+def write(tmp_path, doc, name="t.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+# --------------------------------------------------------------------------- the format
+
+
+def test_default_table_is_format_2_with_the_h200_rows_unchanged():
+    old = json.loads(OLD_H200.read_text())
+    shipped = default_table()
+    assert shipped.format == 2 and [t.key for t in shipped.entries] == [H200]
+    h200 = shipped.entry(H200)
+    assert h200.entry["tables"] == old["tables"] and h200.entry["collectives"] == old["collectives"]
+    assert "NVIDIA H200 (2 and 4 GPUs, NVLink" in h200.note  # the format-1 machine text, kept
+
+
+def test_default_table_file_is_the_one_packaged():
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '"ubnext.tables" = ["*.json"]' in text
+    assert (Path(__file__).resolve().parents[1] / "ubnext" / "tables" / "default.json").is_file()
+    assert not (Path(__file__).resolve().parents[1] / "ubnext" / "tables" / "h200.json").exists()
+
+
+@pytest.mark.parametrize("doc, message", [
+    (document(), "entries must be a non-empty list"),
+    (document(entry(), extra=1), "unknown key(s) extra"),
+    ({"format": 2, "tables": {}}, "missing key(s) entries"),
+    (document([1]), "entries[0]: must be an object with gpu, link, placement, mode, tables, got list"),
+    (document({k: v for k, v in entry().items() if k != "link"}), "entries[0]: missing key(s) link"),
+    (document(entry(link="infiniband")),
+     "entries[0] (NVIDIA H200 infiniband plain graph): link 'infiniband' is not one of nvlink, pcie (or \"*\")"),
+    (document(entry(placement="pinned")),
+     "entries[0] (NVIDIA H200 nvlink pinned graph): placement 'pinned' is not one of plain, pool"),
+    (document(entry(mode="stream")),
+     "entries[0] (NVIDIA H200 nvlink plain stream): mode 'stream' is not one of graph, dependent, eager"),
+    (document(entry(gpu="")), "entries[0] ( nvlink plain graph): gpu must be a non-empty string"),
+    (document(entry(), entry(gpu=7)), "entries[1]: gpu must be a non-empty string"),
+    (document(entry(), entry(rows=[[10, "ring"]], gpu="NVIDIA H100")),
+     "entries[1] (NVIDIA H100 nvlink plain graph): tables['*']['bfloat16']: row 1: unknown algorithm 'ring'"),
+    (document(entry(), entry(note=3)), "entries[1] (NVIDIA H200 nvlink plain graph): note must be a string"),
+    (document(entry(), entry(mode="eager"), entry()),
+     "entries[2] (NVIDIA H200 nvlink plain graph): the same machine key as entries[0]"),
+    (document(entry(collectives={"all_gather": {"tables": {"4": {"bfloat16": [[None, "lamport"]]}}}})),
+     "entries[0] (NVIDIA H200 nvlink plain graph): collectives['all_gather'].tables['4']['bfloat16']: "
+     "row 1: lamport has no all_gather kernel"),
+    (document(entry(), note=["x"]), "note must be a string"),
+])
+def test_format_2_errors_name_the_entry_and_the_key(tmp_path, doc, message):
+    path = write(tmp_path, doc)
+    with pytest.raises(UbnextError) as info:
+        load_table(path)
+    text = str(info.value)
+    assert text.startswith(f"selector: tune file {path}: ")
+    assert message in text
+
+
+# --------------------------------------------------------------------------- choosing the entry
+
+
+def shipped_like():
+    """A document with several machines: H200 NVLink (plain and pool), H100 PCIe, a '*' entry."""
+    return parse_table(document(
+        entry(rows=[[None, "lamport_twoshot"]]),
+        entry(placement="pool", rows=[[None, "lamport"]]),
+        entry(gpu="NVIDIA H100 80GB HBM3", link="pcie", rows=[[None, "twoshot"]]),
+        entry(gpu="*", rows=[[1024, "lamport"], [None, "nccl"]]),
+    ), "default table")
+
+
+def test_choose_takes_the_exact_machine():
+    t = shipped_like().choose(Machine("NVIDIA H200"))
+    assert t.key == H200 and t.why == "exact match"
+    pool = shipped_like().choose(Machine("NVIDIA H200", placement="pool"))
+    assert pool.key == ("NVIDIA H200", "nvlink", "pool", "graph") and pool.why == "exact match"
+    pcie = shipped_like().choose(Machine("NVIDIA H100 80GB HBM3", link="pcie"))
+    assert pcie.gpu == "NVIDIA H100 80GB HBM3" and pcie.why == "exact match"
+
+
+def test_an_unmeasured_gpu_takes_the_same_family_then_star_then_the_first_entry():
+    # H100 on NVLink: the only H100 entry is PCIe, so the same link wins: H200 (family H)
+    # before the '*' entry
+    t = shipped_like().choose(Machine("NVIDIA H100 80GB HBM3"))
+    assert t.key == H200
+    assert t.why == "no entry for NVIDIA H100 80GB HBM3: NVIDIA H200, nearest measured of the same family (H)"
+    # B200: no family entry on NVLink: the '*' entry
+    b = shipped_like().choose(Machine("NVIDIA B200"))
+    assert b.gpu == "*" and b.why == "no entry for NVIDIA B200: the entry for any GPU"
+    # no '*' entry either: the first entry of the file with the same link
+    only = parse_table(document(entry(gpu="NVIDIA A100-SXM4-80GB"), entry()), "t")
+    first = only.choose(Machine("NVIDIA B200"))
+    assert first.gpu == "NVIDIA A100-SXM4-80GB"
+    assert first.why == "no entry for NVIDIA B200: NVIDIA A100-SXM4-80GB, nearest measured (first such entry)"
+    unknown = only.choose(Machine())
+    assert unknown.gpu == "NVIDIA A100-SXM4-80GB" and unknown.why.startswith("GPU not known: ")
+
+
+def test_another_link_only_as_a_last_resort_and_missing_placement_or_mode_fall_back():
+    pcie_only = parse_table(document(entry(link="pcie")), "t").choose(Machine("NVIDIA H200"))
+    assert pcie_only.link == "pcie" and pcie_only.why == "no nvlink entry: pcie's"
+    # the same GPU on another link loses to an entry for any GPU on this one
+    other_link = parse_table(document(entry(link="pcie"), entry(gpu="*", link="*")), "t")
+    assert other_link.choose(Machine("NVIDIA H200")).gpu == "*"
+    assert other_link.choose(Machine("NVIDIA H200", link="pcie")).gpu == "NVIDIA H200"
+    eager = shipped_like().choose(Machine("NVIDIA H200", mode="eager"))
+    assert eager.key == H200 and eager.why == "no eager mode entry: graph's"
+    # placement: the plain entry is listed first, yet pool asks for the pool entry
+    assert shipped_like().choose(Machine("NVIDIA H200", placement="pool")).placement == "pool"
+
+
+def test_family_of_gpu_names():
+    assert family("NVIDIA H100 80GB HBM3") == family("NVIDIA H200") == family("NVIDIA H800") == "H"
+    assert family("NVIDIA A100-SXM4-80GB") == "A" and family("NVIDIA GB200") == "GB"
+    assert family("NVIDIA L40S") == "L" and family("NVIDIA GeForce RTX 4090") is None and family(None) is None
+
+
+class _Local:
+    """``allgather_obj`` over pretend local ranks: rank r contributes ``values[r]``."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def allgather_obj(self, obj):
+        return list(self.values)
+
+
+def test_every_rank_chooses_the_same_entry_with_mixed_gpus():
+    names = ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    chosen = []
+    for _ in names:  # each rank of the node
+        machine, note = agreed_machine(_Local(names), "whatever this rank sees")
+        assert machine == Machine("NVIDIA H200") and "different GPUs" in note and "NVIDIA H200" in note
+        chosen.append(shipped_like().choose(machine).digest())
+    assert len(set(chosen)) == 1
+    assert agreed_machine(_Local(["NVIDIA H200"] * 2), "NVIDIA H200") == (Machine("NVIDIA H200"), "")
+    # different entries have different digests (so a disagreement would show)
+    table = shipped_like()
+    assert len({t.digest() for t in table.entries}) == len(table.entries)
+
+
+def test_a_rank_that_cannot_read_its_gpu_name_still_joins_the_allgather():
+    """The name is read inside agreed_machine: a read that fails contributes None (a GPU not
+    known) instead of leaving the other ranks waiting in the allgather."""
+    class Recording:
+        def __init__(self, others):
+            self.others, self.sent = others, []
+
+        def allgather_obj(self, obj):
+            self.sent.append(obj)
+            return [obj, *self.others]
+
+    def broken():
+        raise RuntimeError("cudaErrorUnknown")
+
+    local = Recording(["NVIDIA H200"])
+    machine, note = agreed_machine(local, broken)  # local rank 0 cannot read its name
+    assert local.sent == [None] and machine == Machine() and "could not be read" in note
+    assert agreed_machine(Recording(["NVIDIA H200"]), lambda: "NVIDIA H200") == (Machine("NVIDIA H200"), "")
+
+
+def test_the_communicator_reads_the_gpu_name_inside_the_allgather(monkeypatch):
+    """Communicator(): a rank whose GPU name cannot be read does not leave the node's other
+    ranks waiting in agreed_machine's allgather: every rank gets past it (to the next step,
+    stopped here by a fake Context)."""
+    import cupy
+    from thread_ranks import run_ranks
+
+    import ubnext
+    from ubnext._api import communicator as _comm
+
+    class Stop(Exception):
+        pass
+
+    def device_name(device):
+        import threading
+
+        if threading.current_thread().name == "rank1":
+            raise RuntimeError("cudaErrorUnknown: cannot describe the device")
+        return "NVIDIA H200"
+
+    def context(device):
+        raise Stop("past agreed_machine")
+
+    monkeypatch.setattr(_comm._preflight, "check", lambda op, config: None)
+    monkeypatch.setattr(_comm, "map_devices", lambda local, device, current: local.rank)
+    monkeypatch.setattr(_comm, "caller_device", lambda: 0)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: SimpleNamespace(use=lambda: None))
+    monkeypatch.setattr(_comm, "device_name", device_name)
+    monkeypatch.setattr(_comm, "Context", context)
+    results = run_ranks(2, lambda boot: ubnext.Communicator(bootstrap=boot))
+    assert all(isinstance(r, Stop) for r in results), results
+
+
+def test_agreed_table_compares_every_entry(tmp_path):
+    path = write(tmp_path, document(entry(), entry(gpu="NVIDIA H100")))
+    here = load_table(path)
+
+    class Ranks:
+        def __init__(self, other):
+            self.other = other
+
+        def allgather_obj(self, obj):
+            return [obj, self.other]
+
+    assert agreed_table(path, Ranks((None, here.digest()))).digest() == here.digest()
+    changed = parse_table(document(entry(), entry(gpu="NVIDIA H100", rows=[[None, "twoshot"]])), "x")
+    with pytest.raises(UbnextError, match="the ranks read different tables"):
+        agreed_table(path, Ranks((None, changed.digest())))
+
+
+# --------------------------------------------------------------------------- format 1
+
+
+def test_a_format_1_file_loads_as_one_entry_for_any_machine(tmp_path):
+    old = json.loads(OLD_H200.read_text())
+    path = write(tmp_path, old)
+    table = load_table(path)
+    assert table.format == 1 and len(table.entries) == 1
+    (only,) = table.entries
+    assert only.key == ("*",) * 4 and only.label == "any machine"
+    assert only.note.startswith("format-1 table (machine: NVIDIA H200 (2 and 4 GPUs")
+    # the other collectives' rows come along (else they would fall through to the default table)
+    assert set(only.by_collective) == set(old["collectives"]) == {"reduce_scatter", "all_gather"}
+    assert only.by_collective == default_table().entry(H200).by_collective
+    for machine in (Machine("NVIDIA H200"), Machine("NVIDIA B200", link="pcie", mode="eager"), Machine()):
+        chosen = table.choose(machine)
+        assert chosen.rows == only.rows and chosen.by_collective == only.by_collective
+    assert table.choose(Machine("NVIDIA B200")).why == "format-1 file: one entry for any machine"
+    assert table.document["format"] == 2 and table.document["entries"][0]["tables"] == old["tables"]
+
+
+# --------------------------------------------------------------------------- the same choices as before
+
+
+def _selections(selector):
+    sizes = [1 << s for s in range(4, 31)] + [(1 << s) + 16 for s in range(4, 31)]
+    return {(c, dtype, n): (selector.select(n, dtype, c), selector.explain(n, dtype, c)[0])
+            for c in COLLECTIVES for dtype in KERNEL_DTYPES for n in sizes} | {
+        ("fused", dtype, n): selector.select_fused(n, dtype) for dtype in KERNEL_DTYPES for n in sizes}
+
+
+@pytest.mark.parametrize("usable", [
+    ["lamport", "lamport_twoshot", "twoshot", "nccl"],
+    ["lamport", "twoshot", "nccl"],
+    ["lamport", "lamport_twoshot", "twoshot", "nccl", "nvls_lamport", "nvls"],
+])
+@pytest.mark.parametrize("config", [{}, {"lamport_max_kb": 128}, {"lamport_twoshot_max_kb": 2048}])
+def test_the_h200_rows_choose_as_the_format_1_table_did(usable, config):
+    """Old: the format-1 file's rows (consulted first, and covering every world size and
+    collective, they decide everything). New: the shipped format-2 table on an H200, on a
+    GPU nobody measured, and with no GPU known. Same algorithm everywhere."""
+    old_table = parse_table(json.loads(OLD_H200.read_text()), "old")
+    limits = buffer_limits(Config.from_env({}, **config))
+    for nranks in (1, 2, 3, 4, 8):
+        old = _selections(Selector(nranks, limits, usable, old_table))
+        for machine in (Machine("NVIDIA H200"), Machine("NVIDIA H100 80GB HBM3"), None):
+            new = Selector(nranks, limits, usable, machine=machine)
+            assert new.tables[0].key == H200
+            assert _selections(new) == old, (nranks, machine)
+
+
+# --------------------------------------------------------------------------- tune
+
+
+def test_tune_merges_into_a_format_1_file_as_format_2():
+    old = json.loads(OLD_H200.read_text())
+    doc = tune.merged_document(old, "NVIDIA H100 80GB HBM3", 2, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
+    table = parse_table(doc, "t")
+    assert doc["format"] == 2 and [t.key for t in table.entries] == [
+        ("*",) * 4, ("NVIDIA H100 80GB HBM3", "nvlink", "plain", "graph")]
+    assert table.entries[0].entry["tables"] == old["tables"]
+    assert table.entries[0].entry["collectives"] == old["collectives"]
+    assert table.entries[0].by_collective == default_table().entry(H200).by_collective
+    # the new entry starts from the format-1 rows that served this GPU: only 2 ranks bfloat16 changed
+    h100 = table.choose(Machine("NVIDIA H100 80GB HBM3"))
+    assert h100.rows == {**table.entries[0].rows, "2": {**table.entries[0].rows["2"], "bfloat16": ((None, "nccl"),)}}
+    assert h100.by_collective == table.entries[0].by_collective
+    assert table.choose(Machine("NVIDIA B200")).gpu == "*"  # the old rows serve other GPUs
+    assert table.choose(Machine("NVIDIA H200")).gpu == "NVIDIA H100 80GB HBM3"  # but the family first
+    assert old == json.loads(OLD_H200.read_text())  # not mutated
+
+
+def test_tune_replaces_only_its_machines_rows():
+    base = document(entry(), entry(gpu="NVIDIA H100", rows=[[None, "twoshot"]]))
+    doc = tune.merged_document(copy.deepcopy(base), "NVIDIA H100", 4, {"bfloat16": [[None, "nccl"]]},
+                               {"bfloat16": {"winners": ["nccl"]}})
+    assert doc["entries"][0] == base["entries"][0]
+    h100 = doc["entries"][1]
+    assert h100["tables"] == {"*": {"bfloat16": [[None, "twoshot"]]}, "4": {"bfloat16": [[None, "nccl"]]}}
+    assert h100["measured"] == {"4": {"bfloat16": {"winners": ["nccl"]}}}
+    pool = tune.merged_document(doc, "NVIDIA H100", 4, {"bfloat16": [[None, "lamport"]]}, {}, placement="pool")
+    assert [(e["gpu"], e["placement"]) for e in pool["entries"]] == [
+        ("NVIDIA H200", "plain"), ("NVIDIA H100", "plain"), ("NVIDIA H100", "pool")]
+
+
+def test_tune_run_writes_an_entry_for_the_gpu_it_ran_on(monkeypatch, tmp_path, capsys):
+    import bench_fakes as fakes
+    from test_tune import ALL, FakeComm, synthetic_times
+
+    cupy = fakes.install(monkeypatch)
+    cupy.zeros = lambda shape, dtype: fakes.empty(shape, dtype)
+    cupy.empty_like = lambda a: fakes.empty(a.host.shape, a.host.dtype)
+    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: [
+        synthetic_times(n, comm.algorithms()) for n in args.sizes])
+    out = tmp_path / "tune.json"
+    out.write_text(OLD_H200.read_text())  # an older tune file: merged into, as format 2
+    argv = ["-o", str(out), "-e", "64M"]
+    assert tune.run(FakeComm(4, usable=ALL), tune.parse_args(argv), argv) == 0
+    # the new entry starts from the format-1 rows (2, 4, '*'), 4 ranks bfloat16 measured
+    assert "# wrote " + str(out) + " (entry Fake GPU nvlink plain graph: world sizes 2, 4, *)" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["format"] == 2
+    assert [(e["gpu"], e["link"], e["placement"], e["mode"]) for e in written["entries"]] == [
+        ("*", "*", "*", "*"), ("Fake GPU", "nvlink", "plain", "graph")]
+    chosen = load_table(str(out)).choose(Machine("Fake GPU"))
+    assert chosen.why == "exact match" and set(chosen.rows) == {"2", "4", "*"}
+    assert set(chosen.entry["measured"]) == {"4"}
+
+
+def test_tune_rerun_over_a_format_1_file_changes_only_what_it_measured(tmp_path):
+    """A format-1 file tuned at 2 and 4 ranks on this GPU, tuned again at 4 ranks (as run()
+    merges: into load_table(...).document): 2 ranks, the other dtypes and the other
+    collectives keep the file's rows on this GPU, as format 1's merge kept them; other GPUs
+    keep the rows for any machine."""
+    old = {"format": 1, "machine": "NVIDIA H200",
+           "tables": {"2": {"bfloat16": [[None, "twoshot"]]}, "4": {"bfloat16": [[None, "twoshot"]],
+                                                                    "float32": [[None, "twoshot"]]}},
+           "collectives": {"reduce_scatter": {"tables": {"*": {"bfloat16": [[None, "twoshot"]]}}}}}
+    path = write(tmp_path, old)
+    doc = tune.merged_document(load_table(path).document, "NVIDIA H200", 4, {"bfloat16": [[None, "nccl"]]},
+                               {"bfloat16": {}})
+    table = parse_table(doc, "t")
+    limits, usable = buffer_limits(Config.from_env({})), ["lamport", "lamport_twoshot", "twoshot", "nccl"]
+    for gpu, four in (("NVIDIA H200", "nccl"), ("NVIDIA B200", "twoshot")):
+        two = Selector(2, limits, usable, table, machine=Machine(gpu))
+        assert two.select(1 << 20, "bfloat16") == "twoshot", gpu  # not the default table's lamport
+        assert two.select(1 << 10, "bfloat16", "reduce_scatter") == "twoshot", gpu
+        four_ranks = Selector(4, limits, usable, table, machine=Machine(gpu))
+        assert four_ranks.select(1 << 10, "bfloat16") == four and four_ranks.select(1 << 10, "float32") == "twoshot"
+    assert "NVIDIA H200" in table.entry(H200).note and set(table.entry(H200).entry["measured"]) == {"4"}
+
+
+# --------------------------------------------------------------------------- describe and info
+
+
+def _fake_comm(selector):
+    cfg = Config.from_env({})
+    return SimpleNamespace(rank=0, size=4, device=0, config=cfg, pool=None, path="kernels on the symmetric pool",
+                           local_rank=0, local_size=4, selector=selector, algorithms=lambda: ["lamport", "nccl"])
+
+
+def test_describe_says_which_entry_and_why(monkeypatch):
+    from ubnext._api import report as _report
+
+    monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    limits = buffer_limits(Config.from_env({}))
+    d = _report.report(_fake_comm(Selector(4, limits, ["lamport", "nccl"], machine=Machine("NVIDIA H200"))))
+    assert d["tables"] == ["default table: NVIDIA H200 nvlink plain graph (exact match)"]
+    h100 = Selector(4, limits, ["lamport", "nccl"], machine=Machine("NVIDIA H100 80GB HBM3"))
+    d = _report.report(_fake_comm(h100))
+    assert d["tables"] == ["default table: NVIDIA H200 nvlink plain graph (no entry for NVIDIA H100 80GB HBM3: "
+                           "NVIDIA H200, nearest measured of the same family (H))"]
+    text = str(d)
+    assert "selector tables: default table: NVIDIA H200 nvlink plain graph (no entry for NVIDIA H100" in text
+    assert "table row ≤ 256 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)" in text
+    assert set(d["selection"]) == set(DTYPES)
+
+
+def test_info_lists_the_entries_and_the_choice_for_gpu_0(tmp_path):
+    from ubnext._tools import info as _info
+
+    lines = _info.table_lines({}, "NVIDIA H100 80GB HBM3")
+    assert lines[0] == "default table:"
+    assert lines[1].startswith("  entry NVIDIA H200 nvlink plain graph: world sizes 2 (bfloat16/float16/float32), 4")
+    assert lines[2] == ("  for NVIDIA H100 80GB HBM3 nvlink plain graph: entry NVIDIA H200 nvlink plain graph "
+                        "(no entry for NVIDIA H100 80GB HBM3: NVIDIA H200, nearest measured of the same family (H))")
+    assert _info.table_lines({}, "NVIDIA H200")[2].endswith("entry NVIDIA H200 nvlink plain graph (exact match)")
+    path = write(tmp_path, json.loads(OLD_H200.read_text()))
+    lines = _info.table_lines({"UBNEXT_TUNE_FILE": path}, "NVIDIA H200")
+    assert f"tune file {path} (UBNEXT_TUNE_FILE) (format 1: one entry for any machine): consulted first" in lines
+    assert "  for NVIDIA H200 nvlink plain graph: entry any machine (format-1 file: one entry for any machine)" \
+        in lines
