@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import shlex
@@ -95,6 +96,12 @@ def table_rows(sizes: Sequence[int], winners: Sequence[str]) -> list[list]:
     return rows
 
 
+def entry_of(document: dict[str, Any], key: dict[str, str]) -> dict[str, Any] | None:
+    """The entry of a format-2 ``document`` whose machine key is ``key`` (gpu, link,
+    placement, mode), or None."""
+    return next((e for e in document["entries"] if all(e.get(k) == v for k, v in key.items())), None)
+
+
 def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
                     rows: dict[str, list], measured: dict[str, dict[str, Any]],
                     link: str = DEFAULT_LINK, placement: str = "plain", mode: str = "graph") -> dict[str, Any]:
@@ -125,7 +132,7 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
     else:
         doc = copy.deepcopy(existing)
     key = {"gpu": machine, "link": link, "placement": placement, "mode": mode}
-    entry = next((e for e in doc["entries"] if all(e.get(k) == v for k, v in key.items())), None)
+    entry = entry_of(doc, key)
     if entry is None:
         entry = {**key, "tables": {}}
         served = parse_table(doc, "the table being merged into").choose(Machine(machine, link, placement, mode)) \
@@ -336,9 +343,9 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
             try:
                 doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured)
                 write_atomically(args.output, doc)
-                entry = next(e for e in doc["entries"] if e["gpu"] == machine and e["link"] == DEFAULT_LINK
-                             and e["placement"] == "plain" and e["mode"] == "graph")
-                outcome = (f"# wrote {args.output} (entry {machine} {DEFAULT_LINK} plain graph: world sizes "
+                written = Machine(machine)  # the key merged_document's defaults give the entry
+                entry = entry_of(doc, dataclasses.asdict(written))
+                outcome = (f"# wrote {args.output} (entry {written.label()}: world sizes "
                            f"{', '.join(entry['tables'])})\n"
                            f"export UBNEXT_TUNE_FILE={shlex.quote(args.output)}")
             except (OSError, UbnextError) as exc:

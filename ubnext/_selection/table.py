@@ -322,9 +322,8 @@ def parse_table(document: Any, source: str) -> TableFile:
         _check_keys(document, _V1_REQUIRED, _V1_OPTIONAL, f"a format-{FORMAT_1} table", fail)
         if not isinstance(document["machine"], str):
             raise fail("machine must be a string")
-        entry = upgrade(document)["entries"][0]
-        return TableFile(source, (_parse_entry(entry, source, fail),), {"format": FORMAT, "entries": [entry]},
-                         FORMAT_1)
+        converted = upgrade(document)
+        return TableFile(source, (_parse_entry(converted["entries"][0], source, fail),), converted, FORMAT_1)
     _check_keys(document, _REQUIRED, _OPTIONAL, f"a format-{FORMAT} table", fail)
     if not isinstance(document.get("note", ""), str):
         raise fail("note must be a string")
@@ -366,9 +365,8 @@ def _parse_entry(entry: Any, source: str, fail) -> Table:
             raise fail(f"{key} must be a non-empty string")
         if allowed is not None and value not in (*allowed, ANY):
             raise fail(f"{key} {value!r} is not one of {', '.join(allowed)} (or \"*\")")
-    for key in ("note",):
-        if not isinstance(entry.get(key, ""), str):
-            raise fail(f"{key} must be a string")
+    if not isinstance(entry.get("note", ""), str):
+        raise fail("note must be a string")
     rows = _parse_tables(entry["tables"], "tables", "all_reduce", fail)
     collectives = entry.get("collectives", {})
     others = [c for c in COLLECTIVES if c != "all_reduce"]

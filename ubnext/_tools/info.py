@@ -123,7 +123,7 @@ def table_lines(environ: Mapping[str, str], gpu: str | None = None) -> list[str]
     entries, and the entry a communicator on GPU ``gpu`` (GPU 0's name; None: no GPU
     here) chooses, and why."""
     machine = Machine(gpu=gpu)
-    wanted = f"{gpu} {machine.link} {machine.placement} {machine.mode}" if gpu else "a GPU not known here"
+    wanted = machine.label() if gpu else "a GPU not known here"
 
     def summary(tables) -> list[str]:
         lines = []
