@@ -8,7 +8,9 @@ step of ``Communicator.all_reduce`` (``ubnext/_api/communicator.py``, ``_dispatc
 interleaved rounds (``launch_floor.measure``), the GPU drained between samples; the
 whole call (out of place and in place), the planned fused call of one row, and the
 launch floor (``bench/launch_floor.py``: an empty kernel of 11 parameters launched with
-a prebuilt pack) are timed beside them. A repeated call takes its
+a prebuilt pack) are timed beside them, and so are the planned calls of a second
+communicator made with ``pdl=False`` (rows ``..., pdl off``: CuPy's ``cuLaunchKernel``
+binding instead of the dependent launch's ``cuLaunchKernelEx``). A repeated call takes its
 call plan (``ubnext/_api/plans.py``): the rows ``plan: ...`` are the steps of that path, the
 others those of a first call (the full path), which ``no plan`` times whole (the plans
 dropped before each call, so that it also makes its plan). The table gives the median and the
@@ -42,8 +44,9 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def steps(comm, nbytes: int) -> dict:
-    """name -> a callable making one call of that step, as ``all_reduce(x, out=y)`` does."""
+def steps(comm, nbytes: int, plain) -> dict:
+    """name -> a callable making one call of that step, as ``all_reduce(x, out=y)`` does;
+    ``plain``: the communicator made with ``pdl=False``."""
     import torch
 
     x = torch.randn(nbytes // 2, device="cuda").bfloat16()
@@ -104,9 +107,17 @@ def steps(comm, nbytes: int) -> dict:
     found["all_reduce(x, out=y), foreign context"] = lambda: (
         driver.ctxSetCurrent(foreign), comm.all_reduce(x, out=y), driver.ctxSetCurrent(mine))
     found["two context switches"] = lambda: (driver.ctxSetCurrent(foreign), driver.ctxSetCurrent(mine))
+    for _ in range(2):  # a repeated call has its plan
+        for other in (x, y):
+            plain.all_reduce(x, out=other)
+    plain_plan = plain._plans.get(all_reduce_key(x, y, "sum", "auto", "auto", handle, False))
+    found["all_reduce(x, out=y), pdl off"] = lambda: plain.all_reduce(x, out=y)
+    found["all_reduce(x, out=x), pdl off"] = lambda: plain.all_reduce(x, out=x)
+    found["plan: Packed launch, pdl off"] = lambda: plain_plan.launch(handle)
     floor = launch_candidates()
     found["floor: cuda.bindings, prebuilt pack"] = floor["cuda.bindings cuLaunchKernel"]
     found["CuPy launchKernel, prebuilt pack"] = floor["cupy launchKernel"]
+    found["floor: Packed, dependent"] = floor["ubnext Packed, dependent"]
     return algo, found
 
 
@@ -128,9 +139,10 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    comm = ubnext.Communicator()
+    comm, plain = ubnext.Communicator(), ubnext.Communicator(pdl=False, pool_mb=512)
     try:
-        algo, found = steps(comm, args.bytes)
+        assert comm._node.engine.dependent, "pdl is off: the device is older than sm_90, or UBNEXT_PDL=0"
+        algo, found = steps(comm, args.bytes, plain)
         samples = measure(found, args.iters, args.rounds, torch.cuda.synchronize)
         print(f"# {args.bytes} B bfloat16, algorithm {algo}, {comm.size} rank(s): host µs per call, "
               f"median (min) of {args.rounds} interleaved rounds of {args.iters}")
@@ -138,6 +150,7 @@ def main(argv=None) -> int:
             v.sort()
             print(f"  {k:<36} {v[len(v) // 2]:7.2f} ({v[0]:.2f})")
     finally:
+        plain.close()
         comm.close()
     return 0
 

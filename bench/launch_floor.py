@@ -12,7 +12,10 @@ points (two u64, an int, eight u64), so every candidate passes the same 11 value
 * ``cupy RawKernel()``: CuPy's public kernel call, arguments converted per call;
 * ``ubnext Launcher``: ``ubnext._engine.launch.Launcher``, the pack written per call (8 values);
 * ``ubnext Packed``: ``ubnext._engine.launch.Packed``, a call plan's launch: its own pack,
-  written once.
+  written once;
+* ``ubnext Launcher, dependent`` and ``ubnext Packed, dependent``: the same with
+  programmatic dependent launch (``Config.pdl``: libcuda's ``cuLaunchKernelEx`` through
+  ctypes, the launch config prebuilt).
 
 Then the ways to read torch's current stream (``torch._C._cuda_getCurrentRawStream``,
 private, which ubnext uses, against the public ``torch.cuda.current_stream``) and CuPy's.
@@ -73,6 +76,8 @@ def launch_candidates():
     cu_func = driver.CUfunction(init_value=func)
     launcher = Launcher(kernel, types, prefix=(1, 2, 3))
     packed = Packed(launcher, 1, 32, tuple(range(8)))
+    dependent = Launcher(kernel, types, prefix=(1, 2, 3), dependent=True)
+    dependent_packed = Packed(dependent, 1, 32, tuple(range(8)))
     args = (cupy.uint64(1), cupy.uint64(2), cupy.int32(3)) + tuple(cupy.uint64(v) for v in range(8))
 
     keep = (slots, pack)  # the pack's memory, read through pack_ptr: every launcher below keeps it
@@ -90,6 +95,8 @@ def launch_candidates():
         "cupy RawKernel()": lambda: kernel((1,), (32,), args),
         "ubnext Launcher": lambda: launcher(1, 32, stream, *range(8)),
         "ubnext Packed": lambda: packed(stream),
+        "ubnext Launcher, dependent": lambda: dependent(1, 32, stream, *range(8)),
+        "ubnext Packed, dependent": lambda: dependent_packed(stream),
     }
 
 

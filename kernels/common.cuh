@@ -352,6 +352,38 @@ __device__ __forceinline__ u64 globaltimer() {
 }
 
 // ---------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90 and later; the host launches every kernel with
+// the programmatic stream-serialization attribute unless Config.pdl is off:
+// ubnext._engine.launch). Such a launch may start while the kernel before it on the
+// stream is still running, so its launch and set-up overlap that kernel's tail.
+// ---------------------------------------------------------------------------------
+
+// Returns once the grids this one depends on (the kernel before it on the stream) have
+// completed and their writes are visible to it; at once for a launch without the
+// attribute. Every entry point calls it before it reads its input or any state a
+// previous kernel may still use (launch state, flags, buffers, staging).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel on the stream, if launched with the attribute, be scheduled once
+// every block of this one has called this or exited. Always correct: that kernel still
+// waits (grid_dependency_wait) for this one to complete before it touches its results.
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The first step of an entry point that keeps no launch state (sync.cuh: enter_launch).
+__device__ __forceinline__ void enter_dependent() {
+  grid_dependency_wait();
+  launch_dependents();
+}
+
+// ---------------------------------------------------------------------------------
 // Partial vectors: the last vector of a message may hold fewer than kPer elements.
 // ---------------------------------------------------------------------------------
 

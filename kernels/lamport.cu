@@ -104,6 +104,7 @@ __device__ void lamport_add_rmsnorm(const Tp& tp, u64 set_off, u64 slot_bytes, c
 extern "C" __global__ void __launch_bounds__(UB_LAMPORT_THREADS)
 ub_lamport(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 slot_bytes,
            const char* x, char* out, u64 n, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   lamport_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, set_off, slot_bytes, x, out, n, sig, state);
 }
@@ -113,6 +114,7 @@ ub_lamport_norm(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 slo
                 const char* x, u64 rows, u64 hidden, const char* residual, const char* bias,
                 const char* weight, char* normed, char* res_out, float eps, u64 sig,
                 LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
   lamport_add_rmsnorm<UB_T, UB_NRANKS>(tp, set_off, slot_bytes, x, rows, a, sig, state);

@@ -309,6 +309,7 @@ __device__ void lamport_twoshot_add_rmsnorm(const Tp& tp, u64 set_off, u64 area_
 extern "C" __global__ void __launch_bounds__(UB_LAMPORT_TWOSHOT_THREADS, 1)
 ub_lamport_twoshot(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 area_bytes,
                    const char* x, char* out, u64 n, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   lamport_twoshot_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, set_off, area_bytes, x, out, n, sig, state);
 }
@@ -316,6 +317,7 @@ ub_lamport_twoshot(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 
 extern "C" __global__ void __launch_bounds__(UB_LAMPORT_TWOSHOT_THREADS, 1)
 ub_lamport_twoshot_rs(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 area_bytes,
                       const char* x, char* out, u64 k, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   lamport_twoshot_reduce_scatter<UB_T, UB_OP, UB_NRANKS>(tp, set_off, area_bytes, x, out, k, sig, state);
 }
@@ -323,6 +325,7 @@ ub_lamport_twoshot_rs(char* base, u64 stride, int rank, char* mc, u64 set_off, u
 extern "C" __global__ void __launch_bounds__(UB_LAMPORT_TWOSHOT_THREADS, 1)
 ub_lamport_twoshot_ag(char* base, u64 stride, int rank, char* mc, u64 set_off, u64 area_bytes,
                       const char* x, char* out, u64 k, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   lamport_twoshot_all_gather<UB_T, UB_NRANKS>(tp, set_off, area_bytes, x, out, k, sig, state);
 }
@@ -332,6 +335,7 @@ ub_lamport_twoshot_norm(char* base, u64 stride, int rank, char* mc, u64 set_off,
                         u64 area_bytes, const char* x, u64 rows, u64 hidden,
                         const char* residual, const char* bias, const char* weight,
                         char* normed, char* res_out, float eps, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
   lamport_twoshot_add_rmsnorm<UB_T, UB_NRANKS>(tp, set_off, area_bytes, x, rows, a, sig, state);

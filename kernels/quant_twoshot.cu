@@ -104,6 +104,7 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
 extern "C" __global__ void __launch_bounds__(UB_QUANT_TWOSHOT_THREADS)
 ub_quant_twoshot(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 area_off,
                  const char* src, char* dst, u64 n, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const Unicast<UB_NRANKS> tp{base, stride, rank, mc};
   quant_twoshot_allreduce<UB_T, UB_OP, UB_QFMT, UB_NRANKS>(tp, flags_off, area_off, src, dst, n, sig, state);
 }

@@ -57,6 +57,7 @@ __device__ void add_rmsnorm_rows(const char* x, u64 rows, const NormArgs& a) {
 extern "C" __global__ void __launch_bounds__(UB_NORM_THREADS)
 ub_add_rmsnorm(const char* x, u64 rows, u64 hidden, const char* residual, const char* bias,
                const char* weight, char* normed, char* res_out, float eps) {
+  enter_dependent();
   const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
   add_rmsnorm_rows<UB_T>(x, rows, a);
 }

@@ -177,6 +177,18 @@ __device__ bool block_barrier(const Tp& tp, u64 flags_off, int phase, u32 value,
   return ok;
 }
 
+// The first step of every entry point with a launch state: block 0 stamps the global
+// timer into LaunchState.entered_ns (a word no kernel reads: the host reads it to see
+// programmatic dependent launch in effect, a stamp earlier than the end of the kernel
+// before), then the grid waits for the kernel before it (everything after reads the
+// state, the input or the buffers) and lets the next one be scheduled (common.cuh).
+__device__ __forceinline__ void enter_launch(LaunchState* state) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(&state->entered_ns), "l"(globaltimer()) : "memory");
+  }
+  enter_dependent();
+}
+
 // What a launch reads of its family's LaunchState at entry.
 struct LaunchView {
   u32 epoch;      // launches completed: barrier flag values grow with it (wrap-around safe)

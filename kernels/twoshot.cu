@@ -240,6 +240,7 @@ __device__ void twoshot_add_rmsnorm(const Tp& tp, u64 buf_off, u64 res_off, u64 
 extern "C" __global__ void __launch_bounds__(UB_TWOSHOT_THREADS)
 ub_twoshot(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 buf_off,
            const char* src, char* dst, u64 n, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   twoshot_allreduce<UB_T, UB_OP, UB_NRANKS>(tp, buf_off, flags_off, src, dst, n, sig, state);
 }
@@ -247,6 +248,7 @@ ub_twoshot(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 buf_of
 extern "C" __global__ void __launch_bounds__(UB_TWOSHOT_THREADS)
 ub_twoshot_rs(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 buf_off,
               const char* src, char* dst, u64 k, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   twoshot_reduce_scatter<UB_T, UB_OP, UB_NRANKS>(tp, buf_off, flags_off, src, dst, k, sig, state);
 }
@@ -254,6 +256,7 @@ ub_twoshot_rs(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 buf
 extern "C" __global__ void __launch_bounds__(UB_TWOSHOT_THREADS)
 ub_twoshot_ag(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 buf_off,
               const char* src, char* dst, u64 k, u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   twoshot_all_gather<UB_T, UB_NRANKS>(tp, buf_off, flags_off, src, dst, k, sig, state);
 }
@@ -264,6 +267,7 @@ ub_twoshot_norm(char* base, u64 stride, int rank, char* mc, u64 buf_off, u64 res
                 u64 flags_off, const char* x, u64 rows, u64 hidden, const char* residual,
                 const char* bias, const char* weight, char* normed, char* res_out, float eps,
                 u64 sig, LaunchState* state) {
+  enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const NormArgs a{residual, bias, weight, normed, res_out, hidden, eps};
   twoshot_add_rmsnorm<UB_T, UB_NRANKS>(tp, buf_off, res_off, flags_off, x, rows, a, sig, state);

@@ -62,9 +62,26 @@ def read_pack(pack_ptr: int, count: int) -> list[int]:
     return [ctypes.c_uint64.from_address(p).value for p in pointers]
 
 
+def read_launch_config(config_ptr: int) -> tuple:
+    """A ``cuLaunchKernelEx`` config's (grid, block, stream, attributes): attributes as
+    (id, the value's first 32-bit word) pairs; a 1-D grid and no shared memory checked."""
+    from ubnext._engine.launch import LaunchAttribute, LaunchConfig
+
+    config = LaunchConfig.from_address(config_ptr)
+    assert (config.gridDimY, config.gridDimZ, config.blockDimY, config.blockDimZ, config.sharedMemBytes) == (1,) * 4 + (0,)
+    attributes = (LaunchAttribute * config.numAttrs).from_address(config.attrs)
+    return (config.gridDimX, config.blockDimX, config.hStream or 0,
+            [(a.id, int.from_bytes(a.value[:4], "little")) for a in attributes])
+
+
+#: what a dependent launch's config carries: programmatic stream serialization allowed
+PROGRAMMATIC = [(6, 1)]
+
+
 class FakeDriver:
     """Stands in for CuPy's driver binding in ``ubnext._engine.launch``: ``launchKernel`` calls
-    ``on_launch(args, stream)`` with the parameters the launch would pass."""
+    ``on_launch(args, stream)`` with the parameters the launch would pass; ``launch_ex``
+    stands in for libcuda's ``cuLaunchKernelEx`` (``_launch._launch_ex``) alike."""
 
     class CUDADriverError(Exception):
         status = 1
@@ -75,6 +92,12 @@ class FakeDriver:
 
     def launchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, pack_ptr, extra):  # noqa: N802 - CuPy's name
         self._on_launch(stream, lambda: read_pack(pack_ptr, self._nparams))
+
+    def launch_ex(self, config_ptr, func, pack_ptr, extra) -> int:
+        _, _, stream, attributes = read_launch_config(config_ptr)
+        assert attributes == PROGRAMMATIC and extra is None
+        self._on_launch(stream, lambda: read_pack(pack_ptr, self._nparams))
+        return 0
 
 
 class FakeContexts:

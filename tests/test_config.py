@@ -31,6 +31,7 @@ DEFAULTS = {
     "deterministic": False,
     "tune_file": "",
     "quantized": "off",
+    "pdl": True,
 }
 
 

@@ -139,8 +139,8 @@ def test_an_unreadable_attribute_counts_as_unsupported():
 class StubEngine:
     """Stands in for the Engine (which needs a GPU); keeps what the node passed."""
 
-    def __init__(self, pool, *args, mc_base, deterministic):
-        self.mc_base = mc_base
+    def __init__(self, pool, *args, mc_base, deterministic, pdl):
+        self.mc_base, self.pdl = mc_base, pdl
         self.closed = False
 
     def initialize(self):

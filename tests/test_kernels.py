@@ -29,6 +29,7 @@ import pytest
 from ubnext._engine import kernels as _kernels
 from ubnext._memory import heap as _heap
 from ubnext._protocol import constants as _protocol
+from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import (
     ALGORITHMS,
     DTYPES,
@@ -271,14 +272,15 @@ def test_protocol_structs_have_the_host_layout():
 
     from ubnext._engine import failures as _failures
 
-    assert _protocol.LAUNCH_STATE_BYTES == 48 and _protocol.struct_bytes(_protocol.ERROR_RECORD) == 40
+    assert _protocol.LAUNCH_STATE_BYTES == 56 and _protocol.struct_bytes(_protocol.ERROR_RECORD) == 40
     assert [f for f, _ in _failures._Record._fields_] == [f for _, f, _ in _protocol.ERROR_RECORD]
     for _, field, _ in _protocol.ERROR_RECORD:  # ctypes lays the record out as the compiler does
         assert getattr(_failures._Record, field).offset == _protocol.field_offset(_protocol.ERROR_RECORD, field)
     assert ctypes.sizeof(_failures._Record) == 40
     assert _protocol.field_offset(_protocol.LAUNCH_STATE, "record") == 24
+    assert _protocol.field_offset(_protocol.LAUNCH_STATE, "entered_ns") == 48
     header = _protocol.header()  # the kernels compile it with these sizes asserted
-    assert 'static_assert(sizeof(LaunchState) == 48, "LaunchState layout");' in header
+    assert 'static_assert(sizeof(LaunchState) == 56, "LaunchState layout");' in header
     assert 'static_assert(sizeof(ErrorRecord) == 40, "ErrorRecord layout");' in header
     assert _protocol.sentinel_word(2) == 0x80008000 and _protocol.sentinel_word(4) == 0x80000000
 
@@ -455,6 +457,108 @@ def test_launcher_packs_every_parameter_where_its_pointer_says(monkeypatch):
     with pytest.raises(CudaError, match="cuLaunchKernel") as info:
         launcher(1, 32, 666, 0, 0, 0.0)
     assert info.value.code == 400
+
+
+def test_a_dependent_launcher_asks_for_programmatic_serialization_and_packs_alike(monkeypatch):
+    """A dependent launcher (Config.pdl) launches through cuLaunchKernelEx with the
+    programmatic stream-serialization attribute, its grid, block and stream, and the same
+    argument pack as a plain one; a call plan's Packed launch too; a failed launch raises
+    CudaError naming cuLaunchKernelEx."""
+    import types
+
+    from stream_fakes import PROGRAMMATIC, read_launch_config, read_pack
+
+    from ubnext._engine import launch as _launch
+    from ubnext._engine.launch import U64, Launcher, Packed
+    from ubnext._protocol.errors import CudaError
+
+    launches = []
+
+    def launch_ex(config_ptr, func, pack_ptr, extra):
+        blocks, threads, stream, attributes = read_launch_config(config_ptr)
+        launches.append((func, blocks, threads, stream, attributes, extra, tuple(read_pack(pack_ptr, 4))))
+        return 700 if stream == 666 else 0
+
+    monkeypatch.setattr(_launch, "_launch_ex", launch_ex)
+    monkeypatch.setattr(_launch, "_cupy_driver", None)  # a plain launch would fail
+    kernel = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00))
+    launcher = Launcher(kernel, (U64,) * 4, prefix=(1,), suffix=(4,), dependent=True)
+    launcher(5, 256, 77, 2, 3)
+    planned = Packed(launcher, 7, 128, (20, 30))
+    launcher(6, 64, 78, 12, 13)  # the plan keeps its own pack and config
+    planned(79)
+    planned(80)
+    assert launches == [(0xF00, 5, 256, 77, PROGRAMMATIC, None, (1, 2, 3, 4)),
+                        (0xF00, 6, 64, 78, PROGRAMMATIC, None, (1, 12, 13, 4)),
+                        (0xF00, 7, 128, 79, PROGRAMMATIC, None, (1, 20, 30, 4)),
+                        (0xF00, 7, 128, 80, PROGRAMMATIC, None, (1, 20, 30, 4))]
+    with pytest.raises(CudaError, match="cuLaunchKernelEx") as info:
+        launcher(1, 32, 666, 0, 0)
+    assert info.value.code == 700
+
+
+def test_the_launch_config_has_cuda_h_layout(tmp_path):
+    """LaunchConfig and LaunchAttribute (ubnext._engine.launch) have the sizes and offsets
+    of cuda.h's CUlaunchConfig and CUlaunchAttribute, and the attribute id is cuda.h's."""
+    import shutil
+    import subprocess
+
+    from ubnext._engine.launch import PROGRAMMATIC_STREAM_SERIALIZATION, SHAPE_AND_STREAM, LaunchAttribute, LaunchConfig
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc on PATH (cuda.h and its host compiler)")
+    fields = ("gridDimX", "blockDimX", "sharedMemBytes", "hStream", "attrs", "numAttrs")
+    program = tmp_path / "layout.c"
+    program.write_text("#include <stdio.h>\n#include <stddef.h>\n#include <cuda.h>\nint main(void) {\n"
+                       + "".join(f'  printf("%zu\\n", offsetof(CUlaunchConfig, {f}));\n' for f in fields)
+                       + '  printf("%zu\\n%zu\\n%zu\\n%d\\n", sizeof(CUlaunchConfig), sizeof(CUlaunchAttribute), '
+                         "offsetof(CUlaunchAttribute, value), (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);\n"
+                         "  return 0;\n}\n")
+    built = subprocess.run([nvcc, str(program), "-o", str(tmp_path / "layout")],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    printed = [int(v) for v in subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True,
+                                              check=True).stdout.split()]
+    ours = [getattr(LaunchConfig, f).offset for f in fields] + [
+        ctypes_sizeof(LaunchConfig), ctypes_sizeof(LaunchAttribute), LaunchAttribute.value.offset,
+        PROGRAMMATIC_STREAM_SERIALIZATION]
+    assert ours == printed
+    assert SHAPE_AND_STREAM.size == LaunchConfig.attrs.offset  # grid .. stream, as one pack
+
+
+def ctypes_sizeof(struct_type) -> int:
+    import ctypes
+
+    return ctypes.sizeof(struct_type)
+
+
+@pytest.mark.parametrize("source", sorted({a.source for a in ALGORITHMS.values() if a.is_kernel}
+                                          | {NORM_SOURCE, _quant.SOURCE}))
+def test_every_entry_point_waits_for_the_kernel_before_it_before_touching_memory(source):
+    """Programmatic dependent launch lets a kernel start before the one before it on the
+    stream has ended: in every entry point's PTX, the grid-dependency wait comes before
+    every memory access but the parameters' loads and block 0's entry stamp (one store),
+    and the trigger for dependents follows it."""
+    import re
+
+    alg = next((a for a in ALGORITHMS.values() if a.is_kernel and a.source == source), None)
+    defines = (compile_defines("bfloat16", "sum", 4, alg.transport) if alg else norm_defines("bfloat16")
+               if source == NORM_SOURCE else _quant.compile_defines("int8", "bfloat16", "sum", 4))
+    ptx = _kernels.compile_cubin(source, defines, arch="compute_90a").decode(errors="replace")
+    entries = re.findall(r"\.entry (\w+)\(", ptx)
+    assert entries
+    for entry in entries:
+        body = _entry_ptx(ptx.encode(), entry).decode()
+        body = body[body.index("{"):]
+        wait = body.index("griddepcontrol.wait;")
+        assert body.index("griddepcontrol.launch_dependents;") > wait
+        before = [line.split()[0] for line in body[:wait].splitlines()
+                  if re.match(r"\s*(ld|st|atom|red|multimem|cp|prefetch)\.", line)]
+        stamps = [i for i in before if i.startswith("st.")]
+        assert all(i.startswith("ld.param") for i in before if not i.startswith("st.")), (entry, before)
+        assert stamps == (["st.relaxed.gpu.global.u64"] if "LaunchState" in _kernels.source(source)
+                          and entry != NORM_ENTRY else []), (entry, stamps)
 
 
 @pytest.mark.parametrize("algorithm", KERNEL_ALGOS)

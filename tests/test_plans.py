@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 import pytest
-from stream_fakes import FakeContexts, FakeCuda, bare_communicator, fake_order, read_pack
+from stream_fakes import PROGRAMMATIC, FakeContexts, FakeCuda, bare_communicator, fake_order, read_launch_config, read_pack
 from thread_ranks import run_threads
 
 from ubnext import ClosedError, CollectiveTimeoutError, UbnextError
@@ -95,6 +95,12 @@ class Driver:
     def launchKernel(self, func, gx, gy, gz, bx, by, bz, shared, stream, pack_ptr, extra):  # noqa: N802 - CuPy's
         self.launches.append((func, gx, bx, stream, tuple(read_pack(pack_ptr, PARAMS_AT[func]))))
 
+    def launch_ex(self, config_ptr, func, pack_ptr, extra) -> int:  # libcuda's cuLaunchKernelEx
+        blocks, threads, stream, attributes = read_launch_config(config_ptr)
+        assert attributes == PROGRAMMATIC and extra is None
+        self.launches.append((func, blocks, threads, stream, tuple(read_pack(pack_ptr, PARAMS_AT[func]))))
+        return 0
+
 
 class Counted:
     """Wraps a function of ``_arrays``, counting its calls."""
@@ -140,6 +146,7 @@ def fakes(monkeypatch):
     driver = Driver()
     monkeypatch.setattr(_context, "_DRIVER", [FakeContexts()])  # keep_current around producers
     monkeypatch.setattr(_launch, "_cupy_driver", driver)
+    monkeypatch.setattr(_launch, "_launch_ex", driver.launch_ex)
     cuda = FakeCuda()
     monkeypatch.setattr(_streams, "CUDA", cuda)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device=-1: types.SimpleNamespace(ptr=CURRENT))

@@ -126,7 +126,8 @@ class Communicator(CallSteps):
                                   config.deterministic, nccl_problem, machine)
         # every call runs in the launch section: this communicator's context, one thread, issue order
         self._order = LaunchOrder(self._context)
-        self._dispatch = Dispatcher(node, self._selector.limits, self._order, bootstrap, self.device)
+        self._dispatch = Dispatcher(node, self._selector.limits, self._order, bootstrap, self.device,
+                                    self.config.pdl)
         for name, limit, setting in self._selector.capped():
             log_once(f"select:{name}:{setting}:{limit}",
                      f"Communicator: the selector table gives {name} messages up to {limit} bytes, but "

@@ -31,9 +31,9 @@ class Dispatcher:
         device: the CUDA device ordinal.
     """
 
-    def __init__(self, node, limits: dict, order, bootstrap, device: int):
+    def __init__(self, node, limits: dict, order, bootstrap, device: int, pdl: bool = True):
         self._node, self._limits, self._order = node, limits, order
-        self._bootstrap, self._device = bootstrap, device
+        self._bootstrap, self._device, self._pdl = bootstrap, device, pdl
         self.nccl = None  # the NCCL communicator, once a call needed it
         self._epilogue = None
 
@@ -218,7 +218,9 @@ class Dispatcher:
             import cupy
 
             from ubnext._engine.epilogue import AddRmsNorm
+            from ubnext._engine.launch import programmatic
 
-            self._epilogue = AddRmsNorm(cupy.cuda.Device(self._device).attributes["MultiProcessorCount"])
+            self._epilogue = AddRmsNorm(cupy.cuda.Device(self._device).attributes["MultiProcessorCount"],
+                                        programmatic(self._pdl, self._device))
         return self._epilogue
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ubnext._engine.kernels import compile_module
-from ubnext._engine.launch import F32, I32, U64, Launcher
+from ubnext._engine.launch import F32, I32, U64, Launcher, programmatic
 from ubnext._memory.heap import STATES, SlotPlan, round_up, set_unit, twoshot_norm_rows
 from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, compile_defines, row_threads
@@ -61,10 +61,11 @@ class Engine:
         mc_base: device address of the pool's multicast mapping (``MulticastRange.ptr``:
             byte ``o`` of it is byte ``o`` of every segment), or 0 without NVLS.
         deterministic: compile every kernel in deterministic mode (``Config.deterministic``).
+        pdl: launch with programmatic dependent launch where the device has it (``Config.pdl``).
     """
 
     def __init__(self, pool, plan: SlotPlan, records: dict[str, int], tripped: int, timeout_s: float,
-                 max_blocks: int, mc_base: int = 0, deterministic: bool = False):
+                 max_blocks: int, mc_base: int = 0, deterministic: bool = False, pdl: bool = True):
         import cupy
 
         self.pool = pool
@@ -74,6 +75,7 @@ class Engine:
         self.staging_bytes = plan.nbytes("staging")
         self._records, self._tripped = records, tripped
         self._deterministic = deterministic
+        self.dependent = programmatic(pdl, pool.device)
         self._timeout_ns = int(timeout_s * 1e9)
         device = cupy.cuda.Device(pool.device)
         sms = device.attributes["MultiProcessorCount"]
@@ -132,6 +134,18 @@ class Engine:
         self._launchers.clear()
         self._modules.clear()
 
+    def entries(self) -> dict[str, int]:
+        """The global timer (ns) when block 0 of the latest launch of each kernel family
+        entered, before its grid-dependency wait (LaunchState.entered_ns; 0 before the
+        first launch), by state name: earlier than the end of the kernel before it on the
+        stream where programmatic dependent launch is in effect. Synchronizes the device."""
+        import cupy
+
+        word = field_offset(LAUNCH_STATE, "entered_ns") // 4
+        cupy.cuda.Device(self.pool.device).synchronize()
+        return {name: int(self._words(self.plan.offset(name), LAUNCH_STATE_BYTES).get()[word:word + 2]
+                          .view(np.uint64)[0]) for name in STATES}
+
     def _words(self, offset: int, nbytes: int):
         import cupy
 
@@ -156,7 +170,8 @@ class Engine:
                 defines = compile_defines(dtype, op, self.nranks, alg.transport, cluster, self._deterministic)
                 module = self._modules[mkey] = compile_module(alg.source, defines)
             prefix, state = self._constants(alg, DTYPES[dtype][1], fused)
-            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix, (state,))
+            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix, (state,),
+                                                        self.dependent)
         return launcher
 
     def _constants(self, alg, width: int, fused: bool) -> tuple[tuple, int]:
@@ -223,7 +238,7 @@ class Engine:
         if launcher is None:
             module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks))
             launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS["ub_twoshot"],
-                                                       self._fixed + (flags, area), (state,))
+                                                       self._fixed + (flags, area), (state,), self.dependent)
         slice_groups = -(-_quant.groups(count) // self.nranks)
         blocks = max(1, min(self._blocks, -(-slice_groups // _quant.BLOCK_GROUPS)))
         return launcher, blocks, THREADS[_quant.SOURCE], (src, dst, count, sig)

@@ -22,10 +22,11 @@ class AddRmsNorm:
     Args:
         sms: the device's multiprocessors. A launch has one row per block (grid-stride
             beyond) and as many blocks as the SMs hold at once.
+        dependent: launch with programmatic dependent launch (``_launch.programmatic``).
     """
 
-    def __init__(self, sms: int):
-        self._sms = sms
+    def __init__(self, sms: int, dependent: bool = False):
+        self._sms, self._dependent = sms, dependent
         self._one_each = sms * NORM_THREADS  # vectors that a full block on every SM covers a thread each
         self._launchers: dict[str, Launcher] = {}
 
@@ -39,7 +40,8 @@ class AddRmsNorm:
         launcher = self._launchers.get(dtype)
         if launcher is None:
             module = compile_module(NORM_SOURCE, norm_defines(dtype))
-            launcher = self._launchers[dtype] = Launcher(module.get_function(NORM_ENTRY), _PARAMS)
+            launcher = self._launchers[dtype] = Launcher(module.get_function(NORM_ENTRY), _PARAMS,
+                                                          dependent=self._dependent)
         vectors = -(-hidden * DTYPES[dtype][1] // 16)
         # A thread per 16 bytes of a row while a full block on every SM covers the array
         # (a row's passes on the most threads); larger arrays: ROW_KEEP vectors per thread,

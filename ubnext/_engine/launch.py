@@ -1,19 +1,30 @@
 """Low-overhead kernel launches: one driver call with a prebuilt argument pack.
 
 A ``Launcher`` holds, for one compiled entry point, one buffer with an 8-byte slot per
-parameter and the array of pointers to those slots that ``cuLaunchKernel`` takes. The
+parameter and the array of pointers to those slots that the driver takes. The
 parameters that never change (pool addresses, library slots, the timeout record) are
 written once; a call packs the others into their slots with one ``struct`` call and
-launches through CuPy's compiled binding of ``cuLaunchKernel``. Kernels that run in
-thread-block clusters carry their cluster shape (kernels/rmsnorm.cuh: UB_CLUSTER), so
-they launch the same way. A ``Packed`` launch has an argument pack of its own, written
-once: a call plan (``_plans``) launches it without packing anything.
+launches. Kernels that run in thread-block clusters carry their cluster shape
+(kernels/rmsnorm.cuh: UB_CLUSTER), so they launch the same way. A ``Packed`` launch has
+an argument pack of its own, written once: a call plan (``_plans``) launches it without
+packing anything.
 
-The binding-layer exception (ubnext's other CUDA calls use CuPy's public API, or
-``cuda.bindings`` through ``cuda``): ``cupy_backends.cuda.api.driver`` is private, and
-taken because it is the cheapest launch Python has, cheaper than ``cuda.bindings``'
-``cuLaunchKernel`` with the same pack and far cheaper than CuPy's public ``RawKernel()``
-(bench/launch_floor.py; the figures are in bench/NOTES.md).
+Two ways to the driver, chosen per launcher:
+
+* **dependent** (programmatic dependent launch, ``Config.pdl``, sm_90 and later):
+  ``cuLaunchKernelEx`` with the programmatic stream-serialization attribute, so the
+  kernel may start while the kernel before it on the stream finishes; every entry point
+  waits for that kernel before it reads anything it wrote (kernels/common.cuh:
+  grid_dependency_wait). The ``CUlaunchConfig`` is built once per launcher (and per
+  ``Packed``); a call writes its grid, block and stream into it with one ``struct`` call
+  and makes one ctypes call into libcuda, whose argument types are set once.
+* **plain**: ``cuLaunchKernel`` through CuPy's compiled binding. The binding-layer
+  exception (ubnext's other CUDA calls use CuPy's public API, or ``cuda.bindings``
+  through ``cuda``): ``cupy_backends.cuda.api.driver`` is private, and taken because it
+  is the cheapest launch Python has, cheaper than ``cuda.bindings``' ``cuLaunchKernel``
+  with the same pack and far cheaper than CuPy's public ``RawKernel()``
+  (bench/launch_floor.py; the figures are in bench/NOTES.md). CuPy has no
+  ``cuLaunchKernelEx``.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from cupy_backends.cuda.api import driver as _cupy_driver
 from ubnext._protocol.errors import CudaError
 
 U64, I32, F32 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_float
+_UINT = ctypes.c_uint32
 
 #: how a parameter of each type is packed into its 8-byte slot (little-endian)
 _SLOT_FORMAT = {U64: "Q", I32: "i4x", F32: "f4x"}
@@ -40,6 +52,7 @@ class Launcher:
         types: one of U64, I32, F32 per kernel parameter, in order.
         prefix: values of the leading parameters, the same on every launch.
         suffix: values of the trailing parameters, the same on every launch.
+        dependent: launch with programmatic dependent launch (the module docstring).
 
     A call passes the values of the parameters in between. The argument pack is
     reused: calls must not overlap (a Communicator launches only inside its
@@ -47,9 +60,11 @@ class Launcher:
     launch has a pack of its own). One per communicator and kernel.
     """
 
-    def __init__(self, kernel, types, prefix=(), suffix=()):
+    def __init__(self, kernel, types, prefix=(), suffix=(), dependent: bool = False):
         self.kernel = kernel  # keeps the module loaded
         self._func = kernel.kernel.ptr
+        self.dependent = dependent
+        self._config = _DependentConfig() if dependent else None
         self._slots = ctypes.create_string_buffer(_SLOT * len(types))
         self._pack, self._pack_ptr = _pointers(self._slots)
         end = len(types) - len(suffix)
@@ -65,7 +80,10 @@ class Launcher:
     def __call__(self, blocks: int, threads: int, stream: int, *values) -> None:
         """Launches a 1-D grid on ``stream``; raises CudaError if the launch fails."""
         self._varying.pack_into(self._slots, self._offset, *values)
-        _launch(self._func, blocks, threads, stream, self._pack_ptr)
+        if self._config is None:
+            _launch(self._func, blocks, threads, stream, self._pack_ptr)
+        else:
+            self._config.launch(self._func, blocks, threads, stream, self._pack_ptr)
 
     def _filled(self, values: tuple):
         """A new argument buffer with the constant parameters and ``values``."""
@@ -86,17 +104,24 @@ class Packed:
         values: the parameters between the launcher's prefix and suffix.
     """
 
-    __slots__ = ("launcher", "blocks", "threads", "values", "_func", "_slots", "_pack", "_pack_ptr")
+    __slots__ = ("launcher", "blocks", "threads", "values", "_func", "_slots", "_pack", "_pack_ptr", "_config")
 
     def __init__(self, launcher: Launcher, blocks: int, threads: int, values: tuple):
         self.launcher, self.blocks, self.threads, self.values = launcher, blocks, threads, values
         self._func = launcher._func
         self._slots = launcher._filled(values)
         self._pack, self._pack_ptr = _pointers(self._slots)
+        self._config = None
+        if launcher.dependent:
+            self._config = _DependentConfig()
+            self._config.shape(blocks, threads)
 
     def __call__(self, stream: int) -> None:
         """Launches on ``stream``; raises CudaError if the launch fails."""
-        _launch(self._func, self.blocks, self.threads, stream, self._pack_ptr)
+        if self._config is None:
+            _launch(self._func, self.blocks, self.threads, stream, self._pack_ptr)
+        else:
+            self._config.launch_shaped(self._func, stream, self._pack_ptr)
 
 
 def issue(launch: tuple, stream: int) -> None:
@@ -123,9 +148,100 @@ def _launch(func: int, blocks: int, threads: int, stream: int, pack_ptr: int) ->
         raise _launch_error(e.status) from None
 
 
-def _launch_error(rc: int) -> CudaError:
+def _launch_error(rc: int, call: str = "cuLaunchKernel") -> CudaError:
     from cuda.bindings import driver
 
     from ubnext._environment.cuda import error_text
 
-    return CudaError("cuLaunchKernel", rc, error_text(driver.CUresult(rc)))
+    return CudaError(call, rc, error_text(driver.CUresult(rc)))
+
+
+# ---- programmatic dependent launch: cuLaunchKernelEx through ctypes ----------------------
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", _UINT), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h)."""
+
+    _fields_ = [("gridDimX", _UINT), ("gridDimY", _UINT), ("gridDimZ", _UINT),
+                ("blockDimX", _UINT), ("blockDimY", _UINT), ("blockDimZ", _UINT),
+                ("sharedMemBytes", _UINT), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("numAttrs", _UINT)]
+
+
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+#: a launch's grid, block and stream as LaunchConfig lays them out, packed by one call:
+#: grid x, y, z, block x, y, z, shared bytes, padding, the stream
+SHAPE_AND_STREAM = struct.Struct("<7I4xQ")
+_STREAM = struct.Struct("<Q")
+_STREAM_OFFSET = LaunchConfig.hStream.offset
+
+
+def _programmatic_attribute() -> LaunchAttribute:
+    attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    struct.pack_into("<i", attribute, LaunchAttribute.value.offset, 1)  # programmaticStreamSerializationAllowed
+    return attribute
+
+
+_ATTRIBUTE = _programmatic_attribute()  # read-only: every launch config points at it
+_launch_ex = None  # libcuda's cuLaunchKernelEx, loaded at the first dependent launcher
+
+
+def _driver_launch_ex():
+    """libcuda's ``cuLaunchKernelEx`` as a ctypes function (its argument types set once)."""
+    global _launch_ex
+    if _launch_ex is None:
+        function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        function.argtypes = (ctypes.c_void_p,) * 4
+        function.restype = ctypes.c_int
+        _launch_ex = function
+    return _launch_ex
+
+
+def programmatic(pdl: bool, device: int) -> bool:
+    """Whether launches on ``device`` are dependent ones: ``Config.pdl`` and a device of
+    compute capability 9.0 or later (where the kernels' griddepcontrol instructions run)."""
+    import cupy
+
+    return pdl and int(cupy.cuda.Device(device).compute_capability) >= 90
+
+
+class _DependentConfig:
+    """One ``CUlaunchConfig`` with the programmatic stream-serialization attribute, and the
+    driver's ``cuLaunchKernelEx``. Not shared between threads (as a Launcher's pack)."""
+
+    __slots__ = ("_config", "_address", "_driver", "_stream")
+
+    def __init__(self):
+        self._config = LaunchConfig(gridDimY=1, gridDimZ=1, blockDimY=1, blockDimZ=1,
+                                    attrs=ctypes.addressof(_ATTRIBUTE), numAttrs=1)
+        self._address = ctypes.addressof(self._config)
+        self._driver = _driver_launch_ex()
+        self._stream = 0  # the config's stream (a call plan's rarely changes: written only then)
+
+    def shape(self, blocks: int, threads: int) -> None:
+        """Sets the grid and block (a ``Packed`` launch's, once)."""
+        SHAPE_AND_STREAM.pack_into(self._config, 0, blocks, 1, 1, threads, 1, 1, 0, 0)
+
+    def launch(self, func: int, blocks: int, threads: int, stream: int, pack_ptr: int) -> None:
+        SHAPE_AND_STREAM.pack_into(self._config, 0, blocks, 1, 1, threads, 1, 1, 0, stream)
+        self._stream = stream
+        self._issue(func, pack_ptr)
+
+    def launch_shaped(self, func: int, stream: int, pack_ptr: int) -> None:
+        """Launches with the grid and block that ``shape`` set."""
+        if stream != self._stream:
+            _STREAM.pack_into(self._config, _STREAM_OFFSET, stream)
+            self._stream = stream
+        self._issue(func, pack_ptr)
+
+    def _issue(self, func: int, pack_ptr: int) -> None:
+        rc = self._driver(self._address, func, pack_ptr, None)
+        if rc:
+            raise _launch_error(rc, "cuLaunchKernelEx")

@@ -96,7 +96,7 @@ class Node:
             self.engine = Engine(self.pool, plan, self.failures.device_ptr, self.failures.tripped_ptr,
                                  config.timeout_s, config.max_blocks,
                                  mc_base=0 if self.multicast is None else self.multicast.ptr,
-                                 deterministic=config.deterministic)
+                                 deterministic=config.deterministic, pdl=config.pdl)
             self._broken_ptrs = [self.pool.ptr(r, plan.offset(name) + state_field("broken"))
                                  for r in range(local.size) for name in STATES]
             self._own_broken = [p for p in self._broken_ptrs if self.pool.contains(p, 4) is not None]

@@ -216,6 +216,14 @@ class Config:
         "`precision=` can pick either format per call; it reserves the receive areas in "
         "the pool (36 MiB per rank).",
     )
+    pdl: bool = _field(
+        "UBNEXT_PDL", True, _BOOL,
+        "Programmatic dependent launch (sm_90+): each ubnext kernel may start while the kernel "
+        "before it on the stream ends, its launch and set-up hidden under that kernel's tail, "
+        "and waits inside for that kernel's results; `0` starts each after the one before has "
+        "completed.",
+        local="this rank's launches only",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

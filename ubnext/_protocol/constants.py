@@ -65,6 +65,8 @@ LAUNCH_STATE = (
     ("u64", "record", "device address of the family's ErrorRecord (set by the host)"),
     ("u64", "tripped", "device address of the word that any completed ErrorRecord sets (set by the host)"),
     ("u64", "timeout_ns", "bound on every wait of the family (set by the host)"),
+    ("u64", "entered_ns", "global timer (ns) when block 0 of the latest launch entered, before its "
+                          "grid-dependency wait (written there only; read by the host)"),
 )
 #: One per LaunchState, in host-mapped pinned memory, written by the thread that claimed
 #: it: (type, field, meaning). ``flag`` is written last.

@@ -1,0 +1,246 @@
+"""GPU: programmatic dependent launch (``Config.pdl``).
+
+A producer kernel lets its dependents start at once (``griddepcontrol.launch_dependents``),
+spins, and only then writes the collective's input, which held NaN until then: the
+collective's result must be the one of the finished input, eager, from a call plan and
+replayed from a CUDA graph, for every kernel family. And PDL must be in effect: with it
+on, the collective's kernel enters (block 0's global-timer stamp, LaunchState.entered_ns,
+taken before its grid-dependency wait) before the producer's last block ends; with
+``pdl=False`` after. Runs at any world size (``mpirun -n N python -m pytest
+tests/test_gpu_pdl.py``); the stamps need sm_90 or later.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gpu_support import SMALL, require_gpu_and_torch
+
+pytestmark = pytest.mark.gpu
+
+#: how long the producer spins before it writes: far longer than the host takes from the
+#: producer's launch to the collective's (at 100 µs a first call's sometimes took longer)
+SPIN_NS = 2_000_000
+COUNT = 4096  # float32 elements: every kernel family takes it in one launch
+
+_PRODUCER = r"""
+typedef unsigned long long u64;
+__device__ __forceinline__ u64 now() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Copies src to dst after spinning spin_ns, having let its dependents start first;
+// end_ns gets the latest block's end (after its stores).
+extern "C" __global__ void late_copy(const unsigned* src, unsigned* dst, u64 words, u64 spin_ns,
+                                     u64* end_ns) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  const u64 t0 = now();
+  while (now() - t0 < spin_ns) {
+  }
+  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x)
+    dst[i] = src[i];
+  __syncthreads();
+  if (threadIdx.x == 0) atomicMax(end_ns, now());
+}
+"""
+
+
+def _communicator(pdl: bool):
+    require_gpu_and_torch()
+    import ubnext
+
+    c = ubnext.Communicator(**SMALL, pdl=pdl)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def comm():
+    yield from _communicator(True)
+
+
+@pytest.fixture(scope="module")
+def comm_off():
+    yield from _communicator(False)
+
+
+@pytest.fixture(scope="module")
+def producer(comm):
+    import cupy
+
+    with cupy.cuda.Device(comm.device):
+        return cupy.RawModule(code=_PRODUCER).get_function("late_copy")
+
+
+def _sm90(comm) -> bool:
+    import cupy
+
+    return int(cupy.cuda.Device(comm.device).compute_capability) >= 90
+
+
+class Late:
+    """Writes ``src`` into ``dst`` late, by the producer kernel, on ``stream``; ``end``
+    holds the producer's end stamp once it ran."""
+
+    def __init__(self, producer, src, dst, stream):
+        import cupy
+
+        self.producer, self.src, self.dst, self.stream = producer, src, dst, stream
+        self.end = cupy.zeros(1, cupy.uint64)
+
+    def __call__(self, spin_ns: int = SPIN_NS):
+        import cupy
+
+        words = self.src.nbytes // 4
+        self.dst.view(cupy.uint32).fill(0x7FC00000)  # NaN until the producer writes
+        self.end.fill(0)
+        self.producer((8,), (256,), (self.src, self.dst, cupy.uint64(words), cupy.uint64(spin_ns), self.end),
+                      stream=self.stream)
+
+
+def _state(algorithm: str) -> str:
+    return {"lamport": "lamport4", "lamport_twoshot": "lamport_twoshot4",
+            "twoshot": "twoshot.unicast"}[algorithm] + ".state"
+
+
+def _inputs(comm, count: int, seed: int):
+    """This rank's input of small integers (float32) and the exact sum over the ranks."""
+    base = (np.arange(count, dtype=np.float32) * (seed + 3)) % 61
+    return base + seed + comm.rank, base * comm.size + seed * comm.size + sum(range(comm.size))
+
+
+def _collective(comm, kind: str, x, out, algorithm: str, stream):
+    if kind == "all_reduce":
+        return comm.all_reduce(x, out=out, algorithm=algorithm, stream=stream)
+    if kind == "reduce_scatter":
+        return comm.reduce_scatter(x, out=out, algorithm=algorithm, stream=stream)
+    return comm.all_gather(x, out=out, algorithm=algorithm, stream=stream)
+
+
+ALGORITHMS = ("lamport", "lamport_twoshot", "twoshot")
+
+
+@pytest.mark.parametrize("mode", ["eager", "planned", "graph"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_late_producer_never_yields_a_wrong_sum_and_the_kernel_enters_before_it_ends(
+        comm, producer, algorithm, mode):
+    import cupy
+
+    if algorithm not in comm.algorithms():
+        pytest.skip(f"{algorithm} does not run on this communicator")
+    with cupy.cuda.Device(comm.device):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host, expected = _inputs(comm, COUNT, seed=len(mode) + len(algorithm))
+        src, x, out = cupy.asarray(host), comm.empty(COUNT, "float32"), comm.empty(COUNT, "float32")
+        late = Late(producer, src, x, stream)
+        with stream:
+            late(spin_ns=0)
+            comm.all_reduce(x, out=out, algorithm=algorithm, stream=stream)  # compiles; a first plan
+            stream.synchronize()
+            calls = 3 if mode == "planned" else 1
+            if mode == "graph":
+                stream.begin_capture()
+                late()
+                comm.all_reduce(x, out=out, algorithm=algorithm, stream=stream)
+                graph = stream.end_capture()
+            for _ in range(calls):
+                out.fill(np.nan)
+                if mode == "graph":
+                    graph.launch(stream)
+                else:
+                    late()
+                    comm.all_reduce(x, out=out, algorithm=algorithm, stream=stream)
+                stream.synchronize()
+                np.testing.assert_array_equal(cupy.asnumpy(out), expected, strict=True)
+        entered = comm._node.engine.entries()[_state(algorithm)]
+        end = int(late.end.get()[0])
+    if _sm90(comm):
+        assert 0 < entered < end, (f"{algorithm} ({mode}) entered {(entered - end) / 1e3:+.1f} µs after the "
+                                   "producer ended: programmatic dependent launch is not in effect")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_with_pdl_off_the_kernel_enters_after_the_producer_ends(comm_off, producer, algorithm):
+    import cupy
+
+    if algorithm not in comm_off.algorithms():
+        pytest.skip(f"{algorithm} does not run on this communicator")
+    assert not comm_off._node.engine.dependent
+    with cupy.cuda.Device(comm_off.device):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host, expected = _inputs(comm_off, COUNT, seed=7)
+        src, x, out = cupy.asarray(host), comm_off.empty(COUNT, "float32"), comm_off.empty(COUNT, "float32")
+        late = Late(producer, src, x, stream)
+        with stream:
+            for _ in range(2):
+                late()
+                comm_off.all_reduce(x, out=out, algorithm=algorithm, stream=stream)
+            stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(out), expected, strict=True)
+        entered = comm_off._node.engine.entries()[_state(algorithm)]
+        assert entered > int(late.end.get()[0]) > 0
+
+
+@pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("algorithm", ["lamport_twoshot", "twoshot"])
+def test_reduce_scatter_and_all_gather_wait_for_a_late_producer(comm, producer, kind, algorithm):
+    """The result from a late input equals the result from the same input written well
+    before (both exact: small integers)."""
+    import cupy
+
+    if algorithm not in comm.algorithms():
+        pytest.skip(f"{algorithm} does not run on this communicator")
+    shard = COUNT // 4
+    count_in, count_out = (shard * comm.size, shard) if kind == "reduce_scatter" else (shard, shard * comm.size)
+    with cupy.cuda.Device(comm.device):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host, _ = _inputs(comm, count_in, seed=11)
+        src, x, out = cupy.asarray(host), comm.empty(count_in, "float32"), comm.empty(count_out, "float32")
+        late = Late(producer, src, x, stream)
+        results = []
+        with stream:
+            for spin in (0, SPIN_NS):
+                late(spin_ns=spin)
+                if spin == 0:
+                    stream.synchronize()
+                out.fill(np.nan)
+                _collective(comm, kind, x, out, algorithm, stream)
+                stream.synchronize()
+                results.append(cupy.asnumpy(out))
+    assert not np.isnan(results[0]).any()
+    np.testing.assert_array_equal(results[1], results[0], strict=True)
+
+
+@pytest.mark.parametrize("algorithm", ["lamport", "lamport_twoshot", "twoshot"])
+def test_the_fused_add_rmsnorm_waits_for_a_late_producer(comm, producer, algorithm):
+    """The fused call's outputs from a late input equal those from the input written well
+    before, bit for bit."""
+    import cupy
+
+    if algorithm not in comm.algorithms():
+        pytest.skip(f"{algorithm} does not run on this communicator")
+    tokens, hidden = 4, 1024
+    with cupy.cuda.Device(comm.device):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host, _ = _inputs(comm, tokens * hidden, seed=13)
+        src = cupy.asarray(host)
+        x = comm.empty((tokens, hidden), "float32")
+        residual = cupy.asarray((np.arange(tokens * hidden, dtype=np.float32) % 7).reshape(tokens, hidden))
+        weight = cupy.asarray(np.linspace(0.5, 1.5, hidden, dtype=np.float32))
+        late = Late(producer, src, x, stream)
+        results = []
+        with stream:
+            for spin in (0, SPIN_NS):
+                late(spin_ns=spin)
+                if spin == 0:
+                    stream.synchronize()
+                normed, res_out = comm.all_reduce_add_rmsnorm(x, residual, weight, algorithm=algorithm,
+                                                              stream=stream)
+                stream.synchronize()
+                results.append((cupy.asnumpy(normed), cupy.asnumpy(res_out)))
+    assert not np.isnan(results[0][1]).any()
+    for late_result, on_time in zip(results[1], results[0]):
+        np.testing.assert_array_equal(late_result, on_time, strict=True)
