@@ -48,18 +48,18 @@ extern "C" __global__ void late_copy(const unsigned* src, unsigned* dst, u64 wor
 """
 
 
-def _communicator(pdl: bool):
+def _communicator(pdl: bool, **config):
     require_gpu_and_torch()
     import ubnext
 
-    c = ubnext.Communicator(**SMALL, pdl=pdl)
+    c = ubnext.Communicator(**SMALL, pdl=pdl, **config)
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
 def comm():
-    yield from _communicator(True)
+    yield from _communicator(True, quantized="int8")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,17 @@ def _sm90(comm) -> bool:
     return int(cupy.cuda.Device(comm.device).compute_capability) >= 90
 
 
+def _words(a):
+    """A CuPy uint32 view of a CuPy array or torch tensor (any dtype, even byte count)."""
+    import cupy
+
+    if hasattr(a, "data_ptr"):
+        import torch
+
+        a = cupy.asarray(a.view(torch.int32))
+    return a.view(cupy.uint32)
+
+
 class Late:
     """Writes ``src`` into ``dst`` late, by the producer kernel, on ``stream``; ``end``
     holds the producer's end stamp once it ran."""
@@ -88,17 +99,16 @@ class Late:
     def __init__(self, producer, src, dst, stream):
         import cupy
 
-        self.producer, self.src, self.dst, self.stream = producer, src, dst, stream
+        self.producer, self.src, self.dst, self.stream = producer, _words(src), _words(dst), stream
         self.end = cupy.zeros(1, cupy.uint64)
 
     def __call__(self, spin_ns: int = SPIN_NS):
         import cupy
 
-        words = self.src.nbytes // 4
-        self.dst.view(cupy.uint32).fill(0x7FC00000)  # NaN until the producer writes
+        self.dst.fill(0x7FC07FC0)  # NaN (float32, and both halves as 16-bit floats) until the producer writes
         self.end.fill(0)
-        self.producer((8,), (256,), (self.src, self.dst, cupy.uint64(words), cupy.uint64(spin_ns), self.end),
-                      stream=self.stream)
+        self.producer((8,), (256,), (self.src, self.dst, cupy.uint64(self.src.size), cupy.uint64(spin_ns),
+                                     self.end), stream=self.stream)
 
 
 def _state(algorithm: str) -> str:
@@ -244,3 +254,35 @@ def test_the_fused_add_rmsnorm_waits_for_a_late_producer(comm, producer, algorit
     assert not np.isnan(results[0][1]).any()
     for late_result, on_time in zip(results[1], results[0]):
         np.testing.assert_array_equal(late_result, on_time, strict=True)
+
+
+def test_the_quantized_all_reduce_waits_for_a_late_producer(comm, producer):
+    """The quantized two-shot's result from a late input equals the one from the input
+    written well before, bit for bit, and its kernel enters before the producer ends."""
+    import cupy
+    import torch
+
+    if comm.size < 2:
+        pytest.skip("the quantized all-reduce runs at 2 ranks or more")
+    count = 1 << 16
+    with cupy.cuda.Device(comm.device):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        host, _ = _inputs(comm, count, seed=17)
+        src = torch.from_numpy(host).to(device=f"cuda:{comm.device}", dtype=torch.bfloat16)
+        x = comm.empty(count, "bfloat16", framework="torch")
+        late = Late(producer, src, x, stream)
+        results = []
+        with stream:
+            for spin in (0, SPIN_NS):
+                late(spin_ns=spin)
+                if spin == 0:
+                    stream.synchronize()
+                out = comm.all_reduce(x, precision="int8", stream=stream)
+                stream.synchronize()
+                results.append(out.float().cpu().numpy())
+        entered = comm._node.engine.entries()["quant.state"]
+        end = int(late.end.get()[0])
+    assert not np.isnan(results[0]).any()
+    np.testing.assert_array_equal(results[1], results[0], strict=True)
+    if _sm90(comm):
+        assert 0 < entered < end
