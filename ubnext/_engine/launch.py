@@ -64,7 +64,7 @@ class Launcher:
         self.kernel = kernel  # keeps the module loaded
         self._func = kernel.kernel.ptr
         self.dependent = dependent
-        self._config = _DependentConfig() if dependent else None
+        self._ex = _Dependent() if dependent else None
         self._slots = ctypes.create_string_buffer(_SLOT * len(types))
         self._pack, self._pack_ptr = _pointers(self._slots)
         end = len(types) - len(suffix)
@@ -80,10 +80,15 @@ class Launcher:
     def __call__(self, blocks: int, threads: int, stream: int, *values) -> None:
         """Launches a 1-D grid on ``stream``; raises CudaError if the launch fails."""
         self._varying.pack_into(self._slots, self._offset, *values)
-        if self._config is None:
+        ex = self._ex
+        if ex is None:
             _launch(self._func, blocks, threads, stream, self._pack_ptr)
-        else:
-            self._config.launch(self._func, blocks, threads, stream, self._pack_ptr)
+            return
+        SHAPE_AND_STREAM.pack_into(ex.config, 0, blocks, 1, 1, threads, 1, 1, 0, stream)
+        ex.stream = stream
+        rc = ex.driver(ex.address, self._func, self._pack_ptr, None)
+        if rc:
+            raise _launch_error(rc, "cuLaunchKernelEx")
 
     def _filled(self, values: tuple):
         """A new argument buffer with the constant parameters and ``values``."""
@@ -104,24 +109,29 @@ class Packed:
         values: the parameters between the launcher's prefix and suffix.
     """
 
-    __slots__ = ("launcher", "blocks", "threads", "values", "_func", "_slots", "_pack", "_pack_ptr", "_config")
+    __slots__ = ("launcher", "blocks", "threads", "values", "_func", "_slots", "_pack", "_pack_ptr", "_ex")
 
     def __init__(self, launcher: Launcher, blocks: int, threads: int, values: tuple):
         self.launcher, self.blocks, self.threads, self.values = launcher, blocks, threads, values
         self._func = launcher._func
         self._slots = launcher._filled(values)
         self._pack, self._pack_ptr = _pointers(self._slots)
-        self._config = None
+        self._ex = None
         if launcher.dependent:
-            self._config = _DependentConfig()
-            self._config.shape(blocks, threads)
+            self._ex = _Dependent()
+            self._ex.shape(blocks, threads)
 
     def __call__(self, stream: int) -> None:
         """Launches on ``stream``; raises CudaError if the launch fails."""
-        if self._config is None:
+        ex = self._ex
+        if ex is None:
             _launch(self._func, self.blocks, self.threads, stream, self._pack_ptr)
-        else:
-            self._config.launch_shaped(self._func, stream, self._pack_ptr)
+            return
+        if stream != ex.stream:
+            ex.restream(stream)
+        rc = ex.driver(ex.address, self._func, self._pack_ptr, None)
+        if rc:
+            raise _launch_error(rc, "cuLaunchKernelEx")
 
 
 def issue(launch: tuple, stream: int) -> None:
@@ -212,36 +222,26 @@ def programmatic(pdl: bool, device: int) -> bool:
     return pdl and int(cupy.cuda.Device(device).compute_capability) >= 90
 
 
-class _DependentConfig:
-    """One ``CUlaunchConfig`` with the programmatic stream-serialization attribute, and the
-    driver's ``cuLaunchKernelEx``. Not shared between threads (as a Launcher's pack)."""
+class _Dependent:
+    """One ``CUlaunchConfig`` with the programmatic stream-serialization attribute, its
+    address, its current stream, and the driver's ``cuLaunchKernelEx``; the launches use
+    the fields directly (each method call a launch saves is measurable in
+    bench/host_path.py). Not shared between threads (as a Launcher's pack)."""
 
-    __slots__ = ("_config", "_address", "_driver", "_stream")
+    __slots__ = ("config", "address", "driver", "stream")
 
     def __init__(self):
-        self._config = LaunchConfig(gridDimY=1, gridDimZ=1, blockDimY=1, blockDimZ=1,
-                                    attrs=ctypes.addressof(_ATTRIBUTE), numAttrs=1)
-        self._address = ctypes.addressof(self._config)
-        self._driver = _driver_launch_ex()
-        self._stream = 0  # the config's stream (a call plan's rarely changes: written only then)
+        self.config = LaunchConfig(gridDimY=1, gridDimZ=1, blockDimY=1, blockDimZ=1,
+                                   attrs=ctypes.addressof(_ATTRIBUTE), numAttrs=1)
+        self.address = ctypes.addressof(self.config)
+        self.driver = _driver_launch_ex()
+        self.stream = 0
 
     def shape(self, blocks: int, threads: int) -> None:
         """Sets the grid and block (a ``Packed`` launch's, once)."""
-        SHAPE_AND_STREAM.pack_into(self._config, 0, blocks, 1, 1, threads, 1, 1, 0, 0)
+        SHAPE_AND_STREAM.pack_into(self.config, 0, blocks, 1, 1, threads, 1, 1, 0, self.stream)
 
-    def launch(self, func: int, blocks: int, threads: int, stream: int, pack_ptr: int) -> None:
-        SHAPE_AND_STREAM.pack_into(self._config, 0, blocks, 1, 1, threads, 1, 1, 0, stream)
-        self._stream = stream
-        self._issue(func, pack_ptr)
-
-    def launch_shaped(self, func: int, stream: int, pack_ptr: int) -> None:
-        """Launches with the grid and block that ``shape`` set."""
-        if stream != self._stream:
-            _STREAM.pack_into(self._config, _STREAM_OFFSET, stream)
-            self._stream = stream
-        self._issue(func, pack_ptr)
-
-    def _issue(self, func: int, pack_ptr: int) -> None:
-        rc = self._driver(self._address, func, pack_ptr, None)
-        if rc:
-            raise _launch_error(rc, "cuLaunchKernelEx")
+    def restream(self, stream: int) -> None:
+        """Sets the stream (a call plan's rarely changes: written only then)."""
+        _STREAM.pack_into(self.config, _STREAM_OFFSET, stream)
+        self.stream = stream
