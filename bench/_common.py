@@ -336,6 +336,11 @@ def row_result(time_us: float, algbw: float, busbw: float, wrong: int | None) ->
     return cells + ("    N/A" if wrong is None else f"  {wrong:6g}")
 
 
+def row_absent() -> str:
+    """The ``time algbw busbw #wrong`` columns of a placement the backend does not run (N/A)."""
+    return f"  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}  {'N/A':>6}"
+
+
 def footer(failed_tests: int, avg_busbw: float, program: str) -> list[str]:
     """The summary lines below the table."""
     return [
