@@ -508,7 +508,7 @@ def table(records: list[dict[str, Any]], mode: str, names: list[str], key: str =
             text = f"{value:.2f}" + (f" ({ref[1] / value:.2f}x)" if ref and value > 0 else "")
             if rec["wrong"]:
                 text += " WRONG"
-            cells.append(f"{text:>{width}}")
+            cells.append(f" {text:>{width - 1}}")  # a space between cells, even where one overflows
         lines.append(f"{common.human_bytes(nbytes):>10}{ref[0] if ref else '—':>16}" + "".join(cells))
     return lines
 
