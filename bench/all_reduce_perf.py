@@ -206,6 +206,8 @@ class World:
     send: Any = None
     recv: Any = None
     collective: common.Collective = ALL_REDUCE
+    #: (dtype name, elements) of send and recv (cupy arrays or torch tensors)
+    holds: tuple = ()
 
     @property
     def rank(self) -> int:
@@ -221,9 +223,10 @@ class World:
         Collective when ``allocate`` is (``comm.empty``).
         """
         count = max(1, maxbytes // dtype.itemsize)
-        if self.send is None or self.send.dtype != dtype.numpy or self.send.size < count:
+        if not self.holds or self.holds[0] != dtype.name or self.holds[1] < count:
             self.send = self.recv = None  # symmetric memory returns to the pool
             self.send, self.recv = self.allocate(count, dtype), self.allocate(count, dtype)
+            self.holds = (dtype.name, count)
 
     def views(self, count: int, in_place: bool) -> tuple[Any, Any]:
         """``(send, recv)`` views for a message of ``count`` elements (``collective.buffers``);
@@ -341,8 +344,9 @@ def warm_up(world: World, args: argparse.Namespace, dtype: common.DType, op: str
     Lazy set-up (NCCL communicator creation, kernel compilation) thus never
     happens inside a CUDA graph capture. Collective; blocks the host.
     """
+    in_place = getattr(world.engine, "in_place_only", False)
     for nbytes in sorted({args.sizes[0], args.sizes[-1]}):
-        send, recv = world.views(world.collective.count(nbytes, dtype.itemsize, world.size), False)
+        send, recv = world.views(world.collective.count(nbytes, dtype.itemsize, world.size), in_place)
         launch = _launcher(world, send, recv, dtype, op)
         for _ in range(max(1, args.warmup_iters)):
             launch()

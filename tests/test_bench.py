@@ -647,6 +647,10 @@ def test_all_reduce_perf_in_place_only_backend(monkeypatch, tmp_path, capsys):
     class InPlace(fakes.ReduceEngine):
         in_place_only = True
 
+        def all_reduce(self, send, recv, dtype, op, stream):
+            assert send.data.ptr == recv.data.ptr, "in place only"
+            super().all_reduce(send, recv, dtype, op, stream)
+
     out = str(tmp_path / "r.json")
     argv = ["-b", "1K", "-e", "4K", "-f", "2", "-d", "bfloat16", "-n", "2", "-w", "1", "-G", "1", "-J", out]
     args = arp.parse_args(argv)
