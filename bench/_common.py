@@ -5,14 +5,21 @@ collective record, exactly checkable input data, the result table, the timing
 harness, the combination of times over ranks (``-a``) and the JSON report
 (``-J``). ``all_reduce_perf.py`` and ``compare.py`` are built from these.
 
+The dependent-kernel mode (a GEMM produces each all-reduce's input) is here too:
+its exactly known GEMM operands (:class:`GemmData`), its samples and their
+subtraction (:func:`dependent_samples`) and the GEMM's launch (:func:`gemm_launcher`),
+shared by ``compare.py``, ``fused_perf.py`` and ``tp_block.py``.
+
 The pure helpers need only numpy and ml_dtypes; everything that touches a
 GPU (``device_bits``, ``upload``, ``poison``, ``download``, ``capture_graph``,
-``elapsed_per_op``, ``device_line``) imports cupy when called, so the helpers
-can be tested on a machine without a GPU.
+``elapsed_per_op``, ``device_line``, ``gemm_launcher``) imports cupy or torch when
+called, so the helpers can be tested on a machine without a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import os
 import re
@@ -210,7 +217,12 @@ def make_input(rank: int, nranks: int, count: int, seed: int) -> np.ndarray:
 
 def expected_output(nranks: int, count: int, seed: int, op: str) -> np.ndarray:
     """The exact all-reduce of every rank's :func:`make_input`, in float64."""
-    inputs = (make_input(r, nranks, count, seed) for r in range(nranks))
+    return reduce_exact((make_input(r, nranks, count, seed) for r in range(nranks)), nranks, count, op)
+
+
+def reduce_exact(inputs: Any, nranks: int, count: int, op: str) -> np.ndarray:
+    """The all-reduce of ``nranks`` integer arrays of ``count`` elements (an iterable), in float64."""
+    inputs = iter(inputs)
     if op in ("sum", "avg"):
         total = np.zeros(count, dtype=np.int16)
         for x in inputs:
@@ -220,7 +232,7 @@ def expected_output(nranks: int, count: int, seed: int, op: str) -> np.ndarray:
             result /= nranks
         return result
     reduce = np.maximum if op == "max" else np.minimum
-    result = next(inputs)
+    result = np.array(next(inputs), dtype=np.int16)
     for x in inputs:
         reduce(result, x, out=result)
     return result.astype(np.float64)
@@ -324,6 +336,11 @@ def row_result(time_us: float, algbw: float, busbw: float, wrong: int | None) ->
     return cells + ("    N/A" if wrong is None else f"  {wrong:6g}")
 
 
+def row_absent() -> str:
+    """The ``time algbw busbw #wrong`` columns of a placement the backend does not run (N/A)."""
+    return f"  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}  {'N/A':>6}"
+
+
 def footer(failed_tests: int, avg_busbw: float, program: str) -> list[str]:
     """The summary lines below the table."""
     return [
@@ -422,6 +439,167 @@ def download(array: Any, count: int, dtype: DType, stream: Any) -> np.ndarray:
     host = device_bits(array, count, dtype).get(stream=stream)
     stream.synchronize()
     return host
+
+
+# --------------------------------------------------------------------------- dependent-kernel mode
+# What a tensor-parallel model runs: a GEMM writes the all-reduce's input, on the same stream,
+# right before it. A kernel launched with programmatic dependent launch overlaps its prologue
+# with the GEMM's tail only when there is such a producer; back-to-back all-reduces never show it.
+
+#: ``--gemm`` default ``M,K,N``: 64 tokens through a 4096 x 4096 projection (bf16: 512 KiB out).
+GEMM_SHAPE = (64, 4096, 4096)
+
+
+def parse_gemm(text: str) -> tuple[int, int, int]:
+    """``--gemm`` value ``M,K,N`` -> three positive ints.
+
+    Raises:
+        ValueError: not three positive integers.
+    """
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"--gemm takes M,K,N (three positive integers), got {text!r}")
+    return shape  # type: ignore[return-value]
+
+
+def gemm_arg(text: str) -> tuple[int, int, int]:
+    """:func:`parse_gemm` as an argparse ``type``."""
+    try:
+        return parse_gemm(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class GemmData:
+    """The operands of the dependent mode's GEMM ``C = A @ B`` (M x K times K x N), chosen so
+    that C is exact small integers in every dtype and known on the host.
+
+    B holds small integers, the same on every rank (:func:`make_input` values, bounded for
+    ``nranks + 1`` terms, so a sum over ranks plus a residual stays exact). A has one 1 per
+    row, at a column that depends on the rank: row i of rank r's C is row ``rows(r)[i]`` of
+    B, every other product term is 0. A GEMM that ran, on the right data, is thus checkable
+    bit for bit after the all-reduce.
+    """
+
+    shape: tuple[int, int, int]
+    nranks: int
+    seed: int = 1
+
+    @property
+    def elements(self) -> int:
+        """M * N: the elements the GEMM writes."""
+        return self.shape[0] * self.shape[2]
+
+    @functools.cached_property
+    def b(self) -> np.ndarray:
+        """B, K x N small integers (int8)."""
+        _, k, n = self.shape
+        return make_input(self.nranks, self.nranks + 1, k * n, self.seed).reshape(k, n)
+
+    def rows(self, rank: int) -> np.ndarray:
+        """For each of the M rows of rank ``rank``'s A, the column holding its 1."""
+        m, k, _ = self.shape
+        return (np.arange(m, dtype=np.int64) * 2654435761 + rank * 40503 + self.seed * 97 + 1) % k
+
+    def a(self, rank: int) -> np.ndarray:
+        """Rank ``rank``'s A, M x K zeros and ones (uint8)."""
+        m, k, _ = self.shape
+        a = np.zeros((m, k), dtype=np.uint8)
+        a[np.arange(m), self.rows(rank)] = 1
+        return a
+
+    def product(self, rank: int) -> np.ndarray:
+        """Rank ``rank``'s C, flattened (M * N int8): what its GEMM writes."""
+        return self.b[self.rows(rank)].reshape(-1)
+
+    def inputs(self, rank: int, count: int) -> np.ndarray:
+        """Rank ``rank``'s all-reduce input of ``count`` elements as the GEMM leaves it: C's
+        first ``count`` elements where the message is smaller than C, else C followed by
+        zeros (filled once; zeros stay zeros under an in-place all-reduce)."""
+        out = np.zeros(count, dtype=np.int16)
+        c = self.product(rank)[:count]
+        out[:c.size] = c
+        return out
+
+    def expected(self, count: int, op: str) -> np.ndarray:
+        """The exact all-reduce of every rank's :meth:`inputs`, in float64."""
+        return reduce_exact((self.inputs(r, count) for r in range(self.nranks)), self.nranks, count, op)
+
+
+def dependent_samples(pair: Callable[[], float], gemm: Callable[[], float], repeats: int) -> dict[str, list[float]]:
+    """The dependent mode's numbers, ``repeats`` of each, µs per call.
+
+    ``pair()`` times one sample of the graph of (GEMM, collective) calls, ``gemm()`` one
+    sample of the graph of the same GEMMs alone; each GEMM sample is taken right after its
+    pair sample (same clocks, same neighbours), and their difference is the collective's
+    time with a real producer before it.
+
+    Returns:
+        ``times_us`` (pair - GEMM, per repeat), ``raw_us`` (pair) and ``gemm_us`` (GEMM).
+    """
+    raw, alone = [], []
+    for _ in range(repeats):
+        raw.append(pair())
+        alone.append(gemm())
+    return {"times_us": [r - g for r, g in zip(raw, alone)], "raw_us": raw, "gemm_us": alone}
+
+
+def gemm_launcher(data: GemmData, rank: int, dtype: DType, use_torch: bool,
+                  stream: Any = None) -> Callable[[Any], Callable[[], None]]:
+    """Put rank ``rank``'s A and B of ``data`` on the current device once; returns ``into``.
+
+    ``into(out)``, for a flat cupy array or torch tensor ``out`` of at least M * N
+    elements, returns a launch of ``C = A @ B`` into ``out``'s first M * N elements
+    (viewed M x N): ``torch.matmul(out=)`` on torch's current stream, or, where torch is
+    not used, ``cupy.matmul(out=)`` on ``stream``. ``into`` runs the GEMM once eagerly, so
+    cuBLAS picks its kernel and workspace before any capture.
+    """
+    m, k, n = data.shape
+    if use_torch:
+        import torch
+
+        tdtype = getattr(torch, dtype.ubnext)
+        device = torch.device("cuda", torch.cuda.current_device())
+        a = torch.from_numpy(data.a(rank).astype(np.float32)).to(device=device, dtype=tdtype)
+        b = torch.from_numpy(data.b.astype(np.float32)).to(device=device, dtype=tdtype)
+
+        def into(out: Any) -> Callable[[], None]:
+            if not isinstance(out, torch.Tensor):  # a cupy array: the same memory, through its bits
+                out = torch.as_tensor(device_bits(out, data.elements, dtype).view(signed_name(dtype)),
+                                      device=device).view(tdtype)
+            c = out.view(-1)[:data.elements].view(m, n)
+
+            def launch() -> None:
+                torch.matmul(a, b, out=c)
+
+            launch()
+            return launch
+    else:
+        import cupy
+
+        with stream:
+            a = cupy.asarray(data.a(rank).astype(dtype.numpy))
+            b = cupy.asarray(data.b.astype(dtype.numpy))
+
+        def into(out: Any) -> Callable[[], None]:
+            c = out[:data.elements].reshape(m, n)
+
+            def launch() -> None:
+                with stream:
+                    cupy.matmul(a, b, out=c)
+
+            launch()
+            return launch
+    return into
+
+
+def signed_name(dtype: DType) -> str:
+    """numpy name of the signed integer type as wide as ``dtype`` (torch reads those from cupy)."""
+    return {2: "int16", 4: "int32"}[dtype.itemsize]
 
 
 # --------------------------------------------------------------------------- JSON and process control

@@ -13,6 +13,11 @@ graph holding ``-n`` calls, and combined over ranks per ``-a`` (as nccl-tests:
 
 ``--backend nccl`` runs the real NCCL (``ubnext._engine.nccl.NcclComm``) on the same
 kind of buffers, measured the same way, so both can be compared in one job.
+``--backend nccl_symmetric`` runs NCCL's symmetric-memory kernels:
+``torch.distributed.all_reduce`` on buffers of torch's symmetric memory with its NCCL
+backend (registered NCCL windows; in place only, so the out-of-place columns read N/A).
+One all-reduce is profiled first; where it runs no NCCL symmetric kernel, or
+``NCCL_NVLS_ENABLE=0`` is not set, the run prints why and exits with status 2.
 The exit status is 1 when any element was wrong.
 
 The machinery serves every collective benchmark (a ``Program``: its name, its
@@ -82,8 +87,9 @@ def build_parser(program: Program = ALL_REDUCE_PERF) -> argparse.ArgumentParser:
     p.add_argument("-a", "--average", type=int, default=1, choices=sorted(common.AVERAGE_MODES),
                    help="time over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 1)")
     p.add_argument("-J", "--output_file", default="", help="write results as nccl-tests JSON to this file")
-    p.add_argument("--backend", choices=("ubnext", "nccl"), default="ubnext",
-                   help="ubnext, or the real NCCL through ubnext._engine.nccl.NcclComm (default ubnext)")
+    p.add_argument("--backend", choices=("ubnext", "nccl", "nccl_symmetric"), default="ubnext",
+                   help="ubnext, the real NCCL through ubnext._engine.nccl.NcclComm, or NCCL's symmetric kernels "
+                        "(torch symmetric memory, NCCL backend; in place only) (default ubnext)")
     p.add_argument("--algo", choices=program.algorithms, default="auto",
                    help="ubnext algorithm (backend ubnext only; default auto)")
     p.add_argument("--precision", choices=("auto", "exact", "int8", "fp8"), default="auto",
@@ -114,10 +120,12 @@ def parse_args(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF
         parser.error("--iters must be >= 1")
     if args.symmetric is None:
         args.symmetric = int(args.backend == "ubnext")
-    if args.backend == "nccl" and args.algo != "auto":
+    if args.backend != "ubnext" and args.algo != "auto":
         parser.error("--algo applies to --backend ubnext only")
+    if args.backend == "nccl_symmetric" and (args.symmetric or program is not ALL_REDUCE_PERF):
+        parser.error("--backend nccl_symmetric: the all-reduce only, on its own buffers (no --symmetric 1)")
     if args.precision in ("int8", "fp8") and (
-            program is not ALL_REDUCE_PERF or args.backend == "nccl" or args.algo != "auto"
+            program is not ALL_REDUCE_PERF or args.backend != "ubnext" or args.algo != "auto"
             or {d.ubnext for d in args.dtypes} - {"bfloat16", "float16"} or set(args.ops) - {"sum", "avg"}):
         parser.error("--precision int8/fp8 (the quantized all-reduce) takes --backend ubnext, --algo auto, "
                      "-d bfloat16/half, -o sum/avg")
@@ -163,6 +171,24 @@ class NcclEngine:
         self.nccl.all_gather(send.data.ptr, recv.data.ptr, send.size, dtype.ubnext, stream.ptr)
 
 
+class TorchNcclEngine:
+    """``torch.distributed.all_reduce`` (NCCL), in place, on torch's current stream (set to
+    the benchmark's). On a registered window NCCL runs its symmetric kernels."""
+
+    in_place_only = True
+
+    def all_reduce(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        import torch.distributed as dist
+
+        if send.data_ptr() != recv.data_ptr():
+            raise ValueError("torch.distributed.all_reduce works in place only")
+        dist.all_reduce(recv, op=getattr(dist.ReduceOp, op.upper()))
+
+
+class Unavailable(Exception):
+    """The chosen backend cannot run here; the message says why."""
+
+
 @dataclass
 class World:
     """What a benchmark process holds: the ubnext communicator, its engine, a stream, two buffers.
@@ -180,6 +206,8 @@ class World:
     send: Any = None
     recv: Any = None
     collective: common.Collective = ALL_REDUCE
+    #: (dtype name, elements) of send and recv (cupy arrays or torch tensors)
+    holds: tuple = ()
 
     @property
     def rank(self) -> int:
@@ -195,9 +223,10 @@ class World:
         Collective when ``allocate`` is (``comm.empty``).
         """
         count = max(1, maxbytes // dtype.itemsize)
-        if self.send is None or self.send.dtype != dtype.numpy or self.send.size < count:
+        if not self.holds or self.holds[0] != dtype.name or self.holds[1] < count:
             self.send = self.recv = None  # symmetric memory returns to the pool
             self.send, self.recv = self.allocate(count, dtype), self.allocate(count, dtype)
+            self.holds = (dtype.name, count)
 
     def views(self, count: int, in_place: bool) -> tuple[Any, Any]:
         """``(send, recv)`` views for a message of ``count`` elements (``collective.buffers``);
@@ -214,6 +243,11 @@ class World:
         """Collective: closes the NCCL engine (if any) and the communicator."""
         if isinstance(self.engine, NcclEngine):
             self.engine.nccl.close()
+        if isinstance(self.engine, TorchNcclEngine):
+            import torch.distributed as dist
+
+            self.send = self.recv = None  # the windows go before the communicator
+            dist.destroy_process_group()
         self.comm.close()
 
 
@@ -233,13 +267,17 @@ def open_world(args: argparse.Namespace) -> World:
 
     if args.symmetric:
         overrides = pool_mb_for(2 * args.maxbytes)
-    else:  # no pool needed; with --backend nccl, ubnext sets up no kernels at all
-        overrides = {"algorithm": "nccl"} if args.backend == "nccl" else {}
+    else:  # no pool needed; with an NCCL backend, ubnext sets up no kernels at all
+        overrides = {"algorithm": "nccl"} if args.backend != "ubnext" else {}
     if args.precision in ("int8", "fp8"):
         overrides["quantized"] = args.precision
     comm = ubnext.Communicator(**overrides)
     cupy.cuda.Device(comm.device).use()
     notes = []
+    stream = cupy.cuda.Stream(non_blocking=True)
+    if args.backend == "nccl_symmetric":
+        engine, allocate, notes = torch_symmetric(comm, args, stream)
+        return World(comm, engine, stream, allocate, notes, collective=args.program.collective)
     if args.backend == "nccl":
         nccl = NcclComm(comm.bootstrap, comm.device)
         nccl.connect()
@@ -256,8 +294,41 @@ def open_world(args: argparse.Namespace) -> World:
             return cupy.empty((count,), dtype=dtype.numpy)
 
         notes.append("# Buffers: cupy.empty (not symmetric)")
-    return World(comm, engine, cupy.cuda.Stream(non_blocking=True), allocate, notes,
-                 collective=args.program.collective)
+    return World(comm, engine, stream, allocate, notes, collective=args.program.collective)
+
+
+def torch_symmetric(comm: Any, args: argparse.Namespace, stream: Any) -> tuple[Any, Any, list[str]]:
+    """``--backend nccl_symmetric``: torch.distributed over the bootstrap with torch's stream
+    set to ``stream``, torch's symmetric memory on its NCCL backend, and one profiled
+    all-reduce that must run an NCCL symmetric kernel: ``(engine, allocate, notes)``.
+    Collective.
+
+    Raises:
+        Unavailable: on every rank, with the first rank's reason (torch.distributed and
+            the communicator are closed first).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from bench import _torchbench as tb
+
+    tb.init_distributed(comm.bootstrap, comm.device)
+    torch.cuda.set_stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", comm.device)))
+    reason = next((r for r in comm.bootstrap.allgather_obj(tb.select_nccl_symmetric()) if r), None)
+    kernels: list[str] = []
+    if reason is None:
+        reason, kernels = tb.probe_nccl_symmetric(comm.bootstrap, comm.device, getattr(torch, args.dtypes[0].ubnext))
+    if reason is not None:
+        dist.destroy_process_group()
+        comm.close()
+        raise Unavailable(reason)
+
+    def allocate(count: int, dtype: common.DType) -> Any:
+        return tb.symmetric_tensor(count, getattr(torch, dtype.ubnext), comm.device)
+
+    return TorchNcclEngine(), allocate, [
+        "# Buffers: torch symmetric memory, NCCL backend (registered NCCL windows); in place only",
+        f"# NCCL symmetric kernels seen in a profiled all-reduce: {', '.join(kernels)}"]
 
 
 # --------------------------------------------------------------------------- one size
@@ -273,8 +344,9 @@ def warm_up(world: World, args: argparse.Namespace, dtype: common.DType, op: str
     Lazy set-up (NCCL communicator creation, kernel compilation) thus never
     happens inside a CUDA graph capture. Collective; blocks the host.
     """
+    in_place = getattr(world.engine, "in_place_only", False)
     for nbytes in sorted({args.sizes[0], args.sizes[-1]}):
-        send, recv = world.views(world.collective.count(nbytes, dtype.itemsize, world.size), False)
+        send, recv = world.views(world.collective.count(nbytes, dtype.itemsize, world.size), in_place)
         launch = _launcher(world, send, recv, dtype, op)
         for _ in range(max(1, args.warmup_iters)):
             launch()
@@ -332,7 +404,7 @@ def measure(world: World, args: argparse.Namespace, dtype: common.DType, op: str
 def header_lines(args: argparse.Namespace, world: World, device_lines: list[str]) -> list[str]:
     """Everything printed above the table."""
     step = f"{args.stepfactor}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
-    algo = "-" if args.backend == "nccl" else args.algo
+    algo = "-" if args.backend != "ubnext" else args.algo
     return [
         f"# ubnext {args.program.name}: backend {args.backend} algorithm {algo} precision {args.precision} "
         f"nccl-library={nccl_version()}",
@@ -393,6 +465,10 @@ def bench_size(world: World, args: argparse.Namespace, dtype: common.DType, op: 
     record: dict[str, Any] = {"size": nbytes, "count": count, "type": dtype.name, "redop": op, "root": f"{-1:6d}"}
     failed, busbws = 0, []
     for in_place in (False, True):
+        if not in_place and getattr(world.engine, "in_place_only", False):
+            line += common.row_absent()
+            record["out_of_place"] = None
+            continue
         wrong = None
         for _ in range(args.check):
             wrong = check(world, args, dtype, op, count, in_place, next(seeds))
@@ -447,7 +523,15 @@ def main(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF) -> i
     ``MPI.COMM_WORLD``."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv, program)
-    world = open_world(args)
+    if args.backend == "nccl_symmetric":
+        from bench._torchbench import keep_multicast_off
+
+        keep_multicast_off()  # before torch is imported
+    try:
+        world = open_world(args)
+    except Unavailable as exc:
+        print(f"# {program.name}: --backend {args.backend} cannot run: {exc}", flush=True)
+        return 2
     try:
         return run(args, world, argv)
     finally:

@@ -7,23 +7,40 @@ For each size (``-b``..``-e``, times ``-f``) and each candidate:
 * ``ubnext-auto`` and ``ubnext-<name>`` for every name in ``comm.algorithms()``,
   in place on symmetric memory (``comm.empty``, the zero-copy path);
 * ``nccl``: the real NCCL (``ubnext._engine.nccl.NcclComm``), in place on plain cupy memory;
-* when torch imports: ``torch-oneshot`` (``torch.ops.symm_mem.one_shot_all_reduce_out``,
-  symmetric input, plain output), ``torch-twoshot``
-  (``torch.ops.symm_mem.two_shot_all_reduce_``, in place on symmetric memory) and
-  ``torch-nccl`` (``torch.distributed.all_reduce``, in place on a plain tensor: the
-  eager reference of a PyTorch user);
+* when torch imports: ``torch-nccl`` (``torch.distributed.all_reduce``, in place on a plain
+  tensor: the eager reference of a PyTorch user), and
+* ``nccl-symmetric`` (``--nccl-symmetric``, default when torch has it): NCCL's
+  symmetric-memory kernels: ``torch.distributed.all_reduce`` in place on a tensor of torch's
+  symmetric memory with its NCCL backend (a registered NCCL window). One all-reduce is
+  profiled first; without an NCCL symmetric kernel in it the candidate is left out, with
+  the reason printed. Needs ``NCCL_NVLS_ENABLE=0`` (multicast stays off);
+* ``torch-oneshot`` (``torch.ops.symm_mem.one_shot_all_reduce_out``, symmetric input, plain
+  output) and ``torch-twoshot`` (``torch.ops.symm_mem.two_shot_all_reduce_``, in place on
+  symmetric memory), on torch's CUDA backend, so only with ``--nccl-symmetric 0``: torch
+  has one symmetric-memory backend per process;
 
-the result is checked once (exact sums, compared bit for bit), then timed
-eagerly (``-n`` back-to-back calls between CUDA events) and from a CUDA graph
-(``-n`` calls captured once, launched ``-G`` times), ``--repeats`` times each.
+the result is checked once (exact sums, compared bit for bit), then timed per mode,
+``--repeats`` times each:
+
+* ``eager``: ``-n`` back-to-back calls between CUDA events;
+* ``graph``: ``-n`` back-to-back calls captured once in a CUDA graph, launched ``-G`` times;
+* ``dependent``: what a tensor-parallel model runs: a graph of ``-n`` (GEMM, all-reduce)
+  pairs, the GEMM (``--gemm M,K,N``, on the same stream) writing the all-reduce's input,
+  launched ``-G`` times; a graph of the ``-n`` GEMMs alone is timed right after each
+  sample and subtracted. Checked in that mode: the GEMM's output is exact small
+  integers, its region is poisoned with NaN before one replay of (GEMM, all-reduce), and
+  the result is compared bit for bit.
+
 A time is combined over ranks per ``-a`` (default: maximum); the table shows
 the median of the repeats. A candidate that refuses a size (raises before
 launching) is shown as "—".
 
-Rank 0 prints a table per mode with each candidate's median µs and its ratio
-NCCL time / candidate time (> 1: faster than NCCL), shows progress on stderr,
-and writes ``<outdir>/<name>.json`` (machine, GPU, date, world size, dtype,
-command line, every raw number) plus PNG plots made by ``bench/plot.py``.
+Rank 0 prints a table per mode with each candidate's median µs and its ratio to the
+faster NCCL at that size: the fastest of ``nccl``, ``torch-nccl`` and ``nccl-symmetric``
+in this run (> 1: faster than it; the ``vs`` column names it); in the dependent mode a
+second table has the raw times (GEMM included). It shows progress on stderr and writes
+``<outdir>/<name>.json`` (machine, GPU, date, world size, dtype, command line, every raw
+number) plus PNG plots made by ``bench/plot.py``.
 """
 
 from __future__ import annotations
@@ -38,16 +55,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 if __package__ in (None, ""):  # run as a script (python bench/compare.py): bench/_standalone.py
     import _standalone  # noqa: F401
 
 from bench import _common as common  # noqa: E402
 from bench import plot  # noqa: E402
+from bench import _torchbench as tb  # noqa: E402
 from bench._torchbench import init_distributed, keep_multicast_off  # noqa: E402
 from bench.all_reduce_perf import ALL_REDUCE, NcclEngine, UbnextEngine, nccl_version, pool_mb_for  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-MODES = ("eager", "graph")
+MODES = ("eager", "graph", "dependent")
+#: the NCCL candidates; each ratio is against the fastest of them at that size
+NCCL_NAMES = ("nccl", "torch-nccl", "nccl-symmetric")
 
 
 # --------------------------------------------------------------------------- arguments
@@ -66,11 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-G", "--cudagraph", type=int, default=10,
                    help="graph launches per graph-mode sample (default 10)")
     p.add_argument("--repeats", type=int, default=5, help="samples per size and mode; the median is shown (default 5)")
-    p.add_argument("--modes", default="eager,graph", help="comma-separated: eager, graph (default both)")
+    p.add_argument("--modes", default="eager,graph,dependent",
+                   help="comma-separated: eager, graph, dependent (default all three)")
+    p.add_argument("--gemm", type=common.gemm_arg, default=common.GEMM_SHAPE,
+                   help="M,K,N of the GEMM before each all-reduce in the dependent mode (default 64,4096,4096)")
     p.add_argument("-a", "--average", type=int, default=3, choices=sorted(common.AVERAGE_MODES),
                    help="time over ranks: 0 rank 0, 1 average, 2 minimum, 3 maximum (default 3)")
     p.add_argument("--torch", choices=("auto", "0", "1"), default="auto",
-                   help="PyTorch symmetric-memory candidates: auto (when torch imports), 0, 1")
+                   help="PyTorch candidates: auto (when torch imports), 0, 1")
+    p.add_argument("--nccl-symmetric", choices=("auto", "0", "1"), default="auto",
+                   help="NCCL's symmetric kernels on torch's symmetric memory: auto (where available; "
+                        "torch-oneshot/twoshot then left out), 0 (torch-oneshot/twoshot instead), 1 (required)")
     p.add_argument("--name", default="", help="results file stem (default: compare_<gpu>_<n>gpu_<dtype>_<date>)")
     p.add_argument("--outdir", default=RESULTS_DIR, help="where JSON and PNG go (default bench/results)")
     return p
@@ -154,37 +182,67 @@ def nccl_candidate(nccl: Any, dtype: common.DType, count: int) -> Candidate:
     return Candidate("nccl", "in-place", buf, buf, NcclEngine(nccl), lambda exc: isinstance(exc, ValueError))
 
 
-def torch_candidates(bootstrap: Any, device: int, dtype: common.DType, count: int, stream: Any) -> list[Candidate]:
-    """``torch-oneshot`` and ``torch-twoshot`` over torch.distributed (NCCL backend). Collective.
+def torch_candidates(bootstrap: Any, device: int, dtype: common.DType, count: int, stream: Any,
+                     nccl_symmetric: bool = False) -> tuple[list[Candidate], dict[str, str], list[str]]:
+    """The PyTorch candidates over torch.distributed (NCCL backend). Collective.
 
-    torch.distributed is initialized from the bootstrap (RANK, WORLD_SIZE;
-    MASTER_ADDR 127.0.0.1 and a free port of rank 0 unless already set), and
-    torch's current stream becomes ``stream``. Call :func:`keep_multicast_off`
-    before torch is first imported.
+    ``torch-nccl``; with ``nccl_symmetric``, ``nccl-symmetric`` where torch's symmetric
+    memory takes the NCCL backend and one profiled all-reduce on it runs an NCCL symmetric
+    kernel; else ``torch-oneshot`` and ``torch-twoshot`` (torch's CUDA backend: one backend
+    per process). torch.distributed is initialized from the bootstrap (RANK, WORLD_SIZE;
+    MASTER_ADDR 127.0.0.1 and a free port of rank 0 unless already set), and torch's
+    current stream becomes ``stream``. Call :func:`keep_multicast_off` before torch is
+    first imported.
+
+    Returns:
+        The candidates, the names left out with their reasons, and the NCCL symmetric
+        kernels the probe saw.
     """
     import torch
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symm_mem
 
     init_distributed(bootstrap, device)
     group = dist.group.WORLD.group_name
     torch.cuda.set_stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", device)))
     tdtype = getattr(torch, dtype.ubnext)
+    plain = torch.empty(count, dtype=tdtype, device=f"cuda:{device}")
+    in_place = TorchEngine(lambda send, recv, op: dist.all_reduce(send))
+    candidates = [Candidate("torch-nccl", "in-place", plain, plain, in_place, _torch_refuses, ("sum",))]
+    left_out: dict[str, str] = {}
+    kernels: list[str] = []
+    # the same choice on every rank: the first rank's reason counts
+    reason = tb.select_nccl_symmetric() if nccl_symmetric else "--nccl-symmetric 0"
+    reason = next((r for r in bootstrap.allgather_obj(reason) if r), None)
+    if reason is None:
+        reason, kernels = tb.probe_nccl_symmetric(bootstrap, device, tdtype)
+        if reason is None:
+            buf = tb.symmetric_tensor(count, tdtype, device)
+            candidates.append(Candidate("nccl-symmetric", "in-place", buf, buf, in_place, _torch_refuses, ("sum",)))
+        why = "torch's symmetric memory runs on its NCCL backend in this run; --nccl-symmetric 0 measures it"
+        left_out.update({"torch-oneshot": why, "torch-twoshot": why})
+    else:
+        candidates += torch_symm_candidates(device, tdtype, count, group)
+    if reason is not None:
+        left_out["nccl-symmetric"] = reason
+    return candidates, left_out, kernels
+
+
+def torch_symm_candidates(device: int, tdtype: Any, count: int, group: str) -> list[Candidate]:
+    """``torch-oneshot`` and ``torch-twoshot`` on torch's symmetric memory (CUDA backend). Collective."""
+    import torch
+    import torch.distributed._symmetric_memory as symm_mem
+
     one_in = symm_mem.empty(count, dtype=tdtype, device=f"cuda:{device}")
     one_out = torch.empty(count, dtype=tdtype, device=f"cuda:{device}")
     two = symm_mem.empty(count, dtype=tdtype, device=f"cuda:{device}")
     for t in (one_in, two):
         symm_mem.rendezvous(t, group)
-
-    plain = torch.empty(count, dtype=tdtype, device=f"cuda:{device}")
     ops = torch.ops.symm_mem
     one_shot = TorchEngine(lambda send, recv, op: ops.one_shot_all_reduce_out(send, op, group, out=recv))
     two_shot = TorchEngine(lambda send, recv, op: ops.two_shot_all_reduce_(send, op, group))
-    nccl = TorchEngine(lambda send, recv, op: dist.all_reduce(send))
     return [
         Candidate("torch-oneshot", "out-of-place", one_in, one_out, one_shot, _torch_refuses, ("sum",)),
         Candidate("torch-twoshot", "in-place", two, two, two_shot, _torch_refuses, ("sum",)),
-        Candidate("torch-nccl", "in-place", plain, plain, nccl, _torch_refuses, ("sum",)),
     ]
 
 
@@ -230,6 +288,13 @@ class Session:
     candidates: list[Candidate]
     torch_used: bool
     records: list[dict[str, Any]] = field(default_factory=list)
+    #: candidates left out, with the reason (printed, and kept in the JSON)
+    left_out: dict[str, str] = field(default_factory=dict)
+    #: the NCCL symmetric kernels the probe saw
+    symmetric_kernels: list[str] = field(default_factory=list)
+    #: the dependent mode's GEMM operands, and per candidate the launch of its GEMM into its input
+    gemm_data: common.GemmData | None = None
+    gemms: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bootstrap(self) -> Any:
@@ -253,6 +318,9 @@ def open_session(args: argparse.Namespace) -> Session:
     from ubnext._engine.nccl import NcclComm
 
     count = ALL_REDUCE.count(args.maxbytes, args.dtype.itemsize, 1)
+    dependent = "dependent" in args.mode_list
+    if dependent:  # every input buffer holds the GEMM's whole output
+        count = max(count, args.gemm[0] * args.gemm[2])
     comm = ubnext.Communicator(**pool_mb_for(count * args.dtype.itemsize))
     cupy.cuda.Device(comm.device).use()
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -260,10 +328,23 @@ def open_session(args: argparse.Namespace) -> Session:
     nccl.connect()
     candidates = ubnext_candidates(comm, args.dtype, count) + [nccl_candidate(nccl, args.dtype, count)]
     use_torch = _torch_wanted(args.torch)
+    left_out, kernels = {}, []
     if use_torch:
-        candidates += torch_candidates(comm.bootstrap, comm.device, args.dtype, count, stream)
+        more, left_out, kernels = torch_candidates(comm.bootstrap, comm.device, args.dtype, count, stream,
+                                                   args.nccl_symmetric != "0")
+        candidates += more
+    else:
+        left_out["nccl-symmetric"] = "needs torch (--torch 0, or torch does not import)"
+    if args.nccl_symmetric == "1" and "nccl-symmetric" in left_out:
+        raise RuntimeError(f"compare: --nccl-symmetric 1, but NCCL symmetric is not to be had: "
+                           f"{left_out['nccl-symmetric']}")
     candidates = [c for c in candidates if args.op in c.ops]
-    return Session(comm, nccl, stream, candidates, use_torch)
+    s = Session(comm, nccl, stream, candidates, use_torch, left_out=left_out, symmetric_kernels=kernels)
+    if dependent:
+        s.gemm_data = common.GemmData(args.gemm, comm.size)
+        into = common.gemm_launcher(s.gemm_data, comm.rank, args.dtype, use_torch, stream)
+        s.gemms = {c.name: into(c.send) for c in candidates}
+    return s
 
 
 def trial(s: Session, cand: Candidate, dtype: common.DType, op: str, count: int, seed: int) -> tuple[str, int]:
@@ -312,6 +393,53 @@ def samples(s: Session, cand: Candidate, count: int, op: str, mode: str, args: a
             for _ in range(args.repeats)]
 
 
+def dependent_trial(s: Session, cand: Candidate, dtype: common.DType, op: str, count: int) -> int:
+    """The dependent mode's check: wrong elements over ranks after one replay of a graph of
+    (GEMM, all-reduce). Collective.
+
+    The GEMM's output region is poisoned with NaN first (zeros past it, as the mode runs),
+    so an all-reduce that read its input before the GEMM wrote it reads NaN; the result
+    must equal the exact all-reduce of the GEMM outputs bit for bit.
+    """
+    data, gemm = s.gemm_data, s.gemms[cand.name]
+    send, recv = cand.send[:count], cand.recv[:count]
+    common.poison(cand.send, data.elements, dtype, s.stream)
+    if count > data.elements:
+        common.upload(cand.send[data.elements:count], np.zeros(count - data.elements), dtype, s.stream)
+    if cand.placement == "out-of-place":
+        common.poison(recv, count, dtype, s.stream)
+
+    def pair() -> None:
+        gemm()
+        ALL_REDUCE.run(cand.engine, send, recv, dtype, op, s.stream)
+
+    common.capture_graph(pair, s.stream, 1).launch(s.stream)
+    got = common.download(recv, count, dtype, s.stream)
+    want = common.encode(data.expected(count, op), dtype)
+    wrong = common.count_wrong(got, want, dtype, common.tolerance(op, s.bootstrap.size, dtype))
+    return int(sum(common.allgather_float(s.bootstrap, float(wrong))))
+
+
+def dependent_samples(s: Session, cand: Candidate, count: int, op: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The dependent mode's ``--repeats`` samples (:func:`common.dependent_samples`): µs per
+    all-reduce with the GEMMs' time subtracted (``times_us``), the raw (GEMM + all-reduce)
+    and the GEMMs alone, each combined over ranks per ``-a``. Collective."""
+    gemm = s.gemms[cand.name]
+    send, recv = cand.send[:count], cand.recv[:count]
+
+    def pair() -> None:
+        gemm()
+        ALL_REDUCE.run(cand.engine, send, recv, args.dtype, op, s.stream)
+
+    def sampler(fn: Any) -> Any:
+        sample = common.timer(fn, s.stream, args.iters, args.cudagraph, s.bootstrap.barrier)
+        return lambda: common.combine(common.allgather_float(s.bootstrap, sample()), args.average) * 1e6
+
+    for _ in range(args.warmup_iters):
+        pair()
+    return common.dependent_samples(sampler(pair), sampler(gemm), args.repeats)
+
+
 def sweep(s: Session, args: argparse.Namespace, progress: Any) -> None:
     """Measure every size × candidate × mode into ``s.records``. Collective."""
     dtype, nranks = args.dtype, s.bootstrap.size
@@ -328,8 +456,14 @@ def sweep(s: Session, args: argparse.Namespace, progress: Any) -> None:
                        "bytes": count * dtype.itemsize, "count": count, "status": status,
                        "wrong": detail if status == "ok" else None,
                        "reason": detail if status != "ok" else "", "times_us": []}
-                if status == "ok":
+                if status == "ok" and mode == "dependent":
+                    rec["wrong"] = dependent_trial(s, cand, dtype, args.op, count)
+                    rec.update(dependent_samples(s, cand, count, args.op, args))
+                    rec["raw_median_us"] = statistics.median(rec["raw_us"])
+                    rec["gemm_median_us"] = statistics.median(rec["gemm_us"])
+                elif status == "ok":
                     rec["times_us"] = samples(s, cand, count, args.op, mode, args)
+                if status == "ok":
                     rec["median_us"] = statistics.median(rec["times_us"])
                     rec["busbw_GBps"] = ALL_REDUCE.bandwidths(rec["bytes"], rec["median_us"] / 1e6, nranks)[1]
                 s.records.append(rec)
@@ -338,28 +472,54 @@ def sweep(s: Session, args: argparse.Namespace, progress: Any) -> None:
 # --------------------------------------------------------------------------- reporting
 
 
-def table(records: list[dict[str, Any]], mode: str, names: list[str]) -> list[str]:
-    """Median µs per size (rows) and candidate (columns) with the ratio NCCL / candidate."""
-    by_key = {(r["bytes"], r["candidate"]): r for r in records if r["mode"] == mode}
-    sizes = sorted({b for b, _ in by_key})
+def faster_nccl(at_size: dict[str, dict[str, Any]], key: str = "median_us") -> tuple[str, float] | None:
+    """``(name, time)`` of the fastest NCCL candidate (:data:`NCCL_NAMES`) among ``at_size``
+    (candidate -> record, one size and mode) by ``key``; only correct, positive times count.
+    None when no NCCL candidate has one."""
+    times = [(rec[key], name) for name, rec in at_size.items()
+             if name in NCCL_NAMES and rec["status"] == "ok" and not rec["wrong"] and rec.get(key, 0) > 0]
+    if not times:
+        return None
+    time_us, name = min(times)
+    return name, time_us
+
+
+def table(records: list[dict[str, Any]], mode: str, names: list[str], key: str = "median_us",
+          what: str = "median us per all-reduce") -> list[str]:
+    """``key`` per size (rows) and candidate (columns), each with its ratio faster NCCL /
+    candidate, the faster NCCL (:func:`faster_nccl`) of that size named in column ``vs``."""
+    by_size: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in records:
+        if r["mode"] == mode:
+            by_size.setdefault(r["bytes"], {})[r["candidate"]] = r
     width = max(18, *(len(n) + 2 for n in names))
-    lines = [f"# {mode}: median us per all-reduce; (x) = NCCL time / candidate time, > 1 is faster than NCCL",
-             f"{'size':>10}" + "".join(f"{n:>{width}}" for n in names)]
-    for nbytes in sizes:
-        nccl = by_key.get((nbytes, "nccl"), {}).get("median_us")
+    lines = [f"# {mode}: {what}; (x) = faster NCCL's time / candidate's time at that size "
+             f"(> 1: faster than the faster NCCL, named under vs)",
+             f"{'size':>10}{'vs':>16}" + "".join(f"{n:>{width}}" for n in names)]
+    for nbytes in sorted(by_size):
+        ref = faster_nccl(by_size[nbytes], key)
         cells = []
         for name in names:
-            rec = by_key.get((nbytes, name))
+            rec = by_size[nbytes].get(name)
             if rec is None or rec["status"] != "ok":
                 cells.append(f"{'—':>{width}}")
                 continue
-            med = rec["median_us"]
-            text = f"{med:.2f}" + (f" ({nccl / med:.2f}x)" if nccl and med > 0 else "")
+            value = rec[key]
+            text = f"{value:.2f}" + (f" ({ref[1] / value:.2f}x)" if ref and value > 0 else "")
             if rec["wrong"]:
                 text += " WRONG"
-            cells.append(f"{text:>{width}}")
-        lines.append(f"{common.human_bytes(nbytes):>10}" + "".join(cells))
+            cells.append(f" {text:>{width - 1}}")  # a space between cells, even where one overflows
+        lines.append(f"{common.human_bytes(nbytes):>10}{ref[0] if ref else '—':>16}" + "".join(cells))
     return lines
+
+
+def tables(records: list[dict[str, Any]], mode: str, names: list[str]) -> list[str]:
+    """The tables of one mode: the dependent mode's subtracted times, then its raw ones."""
+    if mode != "dependent":
+        return table(records, mode, names)
+    return (table(records, mode, names, what="median us per all-reduce after a GEMM on its input, "
+                  "the GEMMs' own graph time subtracted")
+            + table(records, mode, names, "raw_median_us", "raw: median us per GEMM + all-reduce"))
 
 
 def machine_info(device: int) -> dict[str, Any]:
@@ -384,8 +544,10 @@ def default_name(gpu: str, nranks: int, dtype: common.DType) -> str:
 def report(s: Session, args: argparse.Namespace, argv: list[str]) -> None:
     """Rank 0: print the tables, write the JSON and the plots."""
     names = [c.name for c in s.candidates]
+    for name, reason in s.left_out.items():
+        print(f"# {name} left out: {reason}", flush=True)
     for mode in args.mode_list:
-        print("\n".join(table(s.records, mode, names)), flush=True)
+        print("\n".join(tables(s.records, mode, names)), flush=True)
     machine = machine_info(s.comm.device)
     doc = {
         "kind": "ubnext.compare", "version": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -394,8 +556,10 @@ def report(s: Session, args: argparse.Namespace, argv: list[str]) -> None:
         "env": common.environment_subset(),
         "config": {"iters": args.iters, "warmup_iters": args.warmup_iters, "graph_launches": args.cudagraph,
                    "repeats": args.repeats, "average": common.AVERAGE_MODES[args.average], "modes": args.mode_list,
-                   "timer": "cuda events", "sizes": args.sizes},
+                   "timer": "cuda events", "sizes": args.sizes, "gemm_mnk": list(args.gemm),
+                   "ratio_reference": f"fastest of {', '.join(NCCL_NAMES)} at each size"},
         "candidates": [{"name": c.name, "placement": c.placement} for c in s.candidates],
+        "left_out": s.left_out, "nccl_symmetric_kernels": s.symmetric_kernels,
         "results": s.records,
     }
     os.makedirs(args.outdir, exist_ok=True)

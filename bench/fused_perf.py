@@ -12,10 +12,18 @@ For each (tokens, hidden), bf16 by default, with torch tensors:
 
 (no copies in the baselines: the outputs of the compiled epilogue are new tensors);
 
-each checked once against the unfused NCCL result, then timed eagerly and from CUDA
-graphs (µs per call, maximum over ranks, median of the repeats). Rank 0 prints a table
-per mode with the ratio (nccl+torch time / candidate time) and the fused call's overhead
-over the plain all-reduce, and writes ``<outdir>/<name>.json`` and ``<name>.png``.
+each checked once against the unfused NCCL result, then timed per mode (µs per call,
+maximum over ranks, median of the repeats): ``eager`` (back-to-back calls), ``graph``
+(back-to-back calls in a CUDA graph) and ``dependent``: a graph of ``-n`` (GEMM, step)
+pairs, the GEMM (``--gemm M,K,N``, same stream) writing the step's input (the first
+M*N elements of the tokens x hidden input; where the input is smaller, it is a prefix
+of the GEMM's output), minus a graph of the GEMMs alone, timed in turn. In the
+dependent mode the inputs and the residual are small integers (the GEMM's operands
+make its output exact), so each step's all-reduce-derived output (``residual_out``,
+or the all-reduce's output) is checked bit for bit after one replay with the GEMM's
+output region poisoned with NaN first. Rank 0 prints a table per mode with the ratio
+(nccl+torch time / candidate time) and the fused call's overhead over the plain
+all-reduce, and writes ``<outdir>/<name>.json`` and ``<name>.png``.
 """
 
 from __future__ import annotations
@@ -43,11 +51,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-n", "--iters", type=int, default=50, help="calls per timing (captured per graph)")
     p.add_argument("-G", "--graph-launches", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--modes", default="eager,graph")
+    p.add_argument("--modes", default="eager,graph,dependent", help="comma-separated: eager, graph, dependent")
+    p.add_argument("--gemm", type=common.gemm_arg, default=common.GEMM_SHAPE,
+                   help="M,K,N of the GEMM before each step in the dependent mode (default 64,4096,4096)")
     p.add_argument("-a", "--algo", default="auto", help="ubnext algorithm of the fused call and the all-reduce")
     p.add_argument("--name", default=None, help="file stem (default: fused_<gpu>_<n>gpu_<dtype>_<date>)")
     p.add_argument("--outdir", default=RESULTS_DIR)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if any(m not in tb.MODES for m in args.modes.split(",")):
+        p.error(f"--modes takes a comma-separated subset of {', '.join(tb.MODES)}")
+    return args
 
 
 def add_rmsnorm(y, res, weight, eps: float):
@@ -58,10 +71,11 @@ def add_rmsnorm(y, res, weight, eps: float):
     return F.rms_norm(r, (r.shape[-1],), weight, eps), r
 
 
-def candidates(comm, x, res, weight, eps, algo="auto"):
+def candidates(comm, x, res, weight, eps, algo="auto", nccl_x=None):
     """name -> callable that runs one fused or unfused step on torch's current stream and
-    returns ``(normed, residual_out)`` (None for the all-reduce alone); and a reset that
-    puts x into the NCCL baseline's buffer.
+    returns ``(normed, residual_out)`` (``(None, all-reduce output)`` for the all-reduce
+    alone); and a reset that puts x into the NCCL baseline's buffer (``nccl_x``, default a
+    copy of x).
 
     The baselines move no extra copies: the NCCL one reduces its buffer in place, as it
     would a GEMM's output (so only its first call after the reset computes the block's
@@ -71,7 +85,7 @@ def candidates(comm, x, res, weight, eps, algo="auto"):
     import torch.distributed as dist
 
     out, rout, y = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-    nccl_y = x.clone()
+    nccl_y = x.clone() if nccl_x is None else nccl_x
     epilogue = torch.compile(add_rmsnorm, fullgraph=True)
 
     def fused():
@@ -79,6 +93,7 @@ def candidates(comm, x, res, weight, eps, algo="auto"):
 
     def allreduce():
         comm.all_reduce(x, out=y, algorithm=algo)
+        return None, y
 
     def ubnext_torch():
         comm.all_reduce(x, out=y, algorithm=algo)
@@ -128,23 +143,73 @@ def run(comm, args, argv) -> int:
             err = check(comm, fns, reset)
             bad |= err > 2e-2
             for name, fn in fns.items():
-                for mode in modes:
+                for mode in [m for m in modes if m != "dependent"]:
                     if rank0:
                         sys.stderr.write(f"\r{hidden:>6} x {tokens:<5} {name:<18} {mode:<6}")
                     times = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
                     records.append({"candidate": name, "mode": mode, "tokens": tokens, "hidden": hidden,
                                     "bytes": x.numel() * x.element_size(), "times_us": times,
                                     "median_us": tb.median(times), "rel_err_vs_nccl": err})
+            if "dependent" in modes:
+                found = dependent(comm, args, tokens, hidden, weight, err, rank0)
+                bad |= any(r["wrong"] for r in found)
+                records += found
     if rank0:
         sys.stderr.write("\n")
         report(comm, args, argv, records)
     return 1 if bad else 0
 
 
-def table(records, mode: str) -> list[str]:
-    by = {(r["hidden"], r["tokens"], r["candidate"]): r["median_us"] for r in records if r["mode"] == mode}
+def dependent(comm, args, tokens: int, hidden: int, weight, err: float, rank0: bool) -> list[dict]:
+    """The dependent mode at one (tokens, hidden): records per candidate. Collective.
+
+    The step's input x (and the NCCL baseline's own buffer) is the head of a flat buffer
+    that also holds the GEMM's whole output; the residual is small integers, the same on
+    every rank, so ``residual_out`` = all-reduce + residual is exact.
+    """
+    import torch
+
+    dtype = common.parse_dtypes(args.dtype)[0]
+    tdtype = getattr(torch, args.dtype)
+    count, nranks = tokens * hidden, comm.size
+    data = common.GemmData(args.gemm, nranks, seed=tokens * 7919 + hidden)
+    size = max(count, data.elements)
+    flat = {"x": torch.zeros(size, dtype=tdtype, device="cuda"), "nccl": torch.zeros(size, dtype=tdtype, device="cuda")}
+    res_values = common.make_input(nranks + 1, nranks + 1, count, data.seed + 1)  # small integers, same on every rank
+    res = torch.from_numpy(res_values.astype("float32")).to(device="cuda", dtype=tdtype).view(tokens, hidden)
+    fns, _ = candidates(comm, flat["x"][:count].view(tokens, hidden), res, weight, 1e-6, args.algo,
+                        nccl_x=flat["nccl"][:count].view(tokens, hidden))
+    into = common.gemm_launcher(data, comm.rank, dtype, use_torch=True)
+    total = data.expected(count, "sum")
+    records = []
+    for name, fn in fns.items():
+        buf = flat["nccl" if name == "nccl+torch" else "x"]
+        gemm = into(buf)
+        # the check: NaN where the GEMM writes, so a step that reads before it wrote reads NaN
+        tb.poison_tensor(buf[:data.elements], dtype)
+        buf[data.elements:count].zero_()
+        def step(gemm=gemm, fn=fn):
+            gemm()
+            return fn()[1]  # residual_out, or the all-reduce's output
+
+        got = tb.replay_once(step)
+        want = total if name == "ubnext-allreduce" else total + res_values
+        wrong = common.count_wrong(tb.bits(got, dtype), common.encode(want, dtype), dtype)
+        wrong = sum(comm.bootstrap.allgather_obj(wrong))
+        if rank0:
+            sys.stderr.write(f"\r{hidden:>6} x {tokens:<5} {name:<18} dependent")
+        d = tb.dependent_us(gemm, fn, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
+        records.append({"candidate": name, "mode": "dependent", "tokens": tokens, "hidden": hidden,
+                        "bytes": count * dtype.itemsize, **d, "median_us": tb.median(d["times_us"]),
+                        "raw_median_us": tb.median(d["raw_us"]), "gemm_median_us": tb.median(d["gemm_us"]),
+                        "wrong": wrong, "rel_err_vs_nccl": err})
+    return records
+
+
+def table(records, mode: str, key: str = "median_us", what: str = "median us per step") -> list[str]:
+    by = {(r["hidden"], r["tokens"], r["candidate"]): r[key] for r in records if r["mode"] == mode}
     keys = sorted({(h, t) for h, t, _ in by})
-    lines = [f"# {mode}: median us per step; (x) = nccl+torch time / candidate time; "
+    lines = [f"# {mode}: {what}; (x) = nccl+torch time / candidate time; "
              f"fused/AR = fused time / ubnext all-reduce time",
              f"{'hidden':>7}{'tokens':>7}" + "".join(f"{c:>20}" for c in CANDIDATES) + f"{'fused/AR':>10}"]
     for h, t in keys:
@@ -157,11 +222,18 @@ def table(records, mode: str) -> list[str]:
 
 def report(comm, args, argv, records) -> None:
     for mode in args.modes.split(","):
-        print("\n".join(table(records, mode)), flush=True)
+        if mode == "dependent":
+            print("\n".join(table(records, mode, what="median us per step after a GEMM on its input, the GEMMs' "
+                                                    "own graph time subtracted")), flush=True)
+            print("\n".join(table(records, mode, "raw_median_us", "raw: median us per GEMM + step")), flush=True)
+            if any(r.get("wrong") for r in records):
+                print("# WRONG: a dependent-mode result differed from the exact one (see 'wrong' in the JSON)")
+        else:
+            print("\n".join(table(records, mode)), flush=True)
     path, doc = tb.save_report(comm, "fused_perf", "fused", args, argv, {
         "dtype": args.dtype,
         "config": {"iters": args.iters, "graph_launches": args.graph_launches, "repeats": args.repeats,
-                   "algo": args.algo},
+                   "algo": args.algo, "gemm_mnk": list(args.gemm)},
         "results": records}, tags=(args.dtype,))
     panels = {}
     for mode in args.modes.split(","):

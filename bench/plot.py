@@ -7,12 +7,13 @@
 writes, next to the JSON (or into ``-o DIR``):
 
 * ``<stem>_latency.png``: median µs per all-reduce vs message size, log-log,
-  one panel per mode (eager, graph), one line per candidate;
+  one panel per mode (eager, graph, dependent: the subtracted time), one line per candidate;
 * ``<stem>_busbw.png``: bus bandwidth (GB/s) vs message size.
 
 Only results with status "ok" are drawn; refused sizes leave gaps. ``--perf PNG`` draws
-the out-of-place time of each nccl-tests file against message size, one line per file,
-named by its run's ``--backend``/``--algo``/``--precision``.
+the out-of-place time (in place where a backend has only that) of each nccl-tests file
+against message size, one line per file, named by its run's
+``--backend``/``--algo``/``--precision``.
 """
 
 from __future__ import annotations
@@ -133,10 +134,11 @@ def plot_perf(paths: list[str], png: str) -> str:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         rows = sorted(doc["results"], key=lambda r: r["size"])
-        ax.loglog([r["size"] for r in rows], [r["out_of_place"]["time"] for r in rows], marker="o", markersize=3,
-                  label=perf_label(doc))
+        # out of place, or in place where the backend has no out-of-place call (nccl_symmetric)
+        times = [(r["out_of_place"] or r["in_place"])["time"] for r in rows]
+        ax.loglog([r["size"] for r in rows], times, marker="o", markersize=3, label=perf_label(doc))
     ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("time per call, out of place (us)")
+    ax.set_ylabel("time per call, out of place where run (us)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -13,9 +13,16 @@ the residual stream and RMS-normalized for the next layer:
   GEMM's output, then add + ``F.rms_norm`` compiled by ``torch.compile`` (no copies).
 
 Both are checked against the same block computed with the full weights on one GPU,
-then timed per token batch in eager and CUDA-graph mode (µs per block, maximum over
-ranks, median of the repeats), with the peak of torch's allocated memory per path (and
-ubnext's symmetric pool, which holds the planned buffers). Runs at 1 rank too. Rank 0
+then timed per token batch (µs per block, maximum over ranks, median of the repeats) in
+``eager`` and ``graph`` mode and in the ``dependent`` mode: there the block's own down
+GEMM is the producer whose output the all-reduce reads, so a graph of ``-n`` blocks is
+timed and, right after each sample, a graph of ``-n`` of the block's GEMMs and SiLU alone
+(the same for both paths); the difference is what the all-reduce and its epilogue cost
+inside the block, and the block's outputs after one replay of a one-block graph are
+checked against the one-GPU reference (relative error: SiLU makes exact integers
+impossible; ``compare.py`` and ``fused_perf.py`` check their dependent mode bit for
+bit). With the peak of torch's allocated memory per path (and ubnext's symmetric pool,
+which holds the planned buffers). Runs at 1 rank too. Rank 0
 prints the table with the end-to-end speed-up and writes ``<outdir>/<name>.json`` and
 ``<name>.png``.
 """
@@ -46,10 +53,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("-G", "--graph-launches", type=int, default=5)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--modes", default="eager,graph")
+    p.add_argument("--modes", default="eager,graph,dependent", help="comma-separated: eager, graph, dependent")
     p.add_argument("--name", default=None)
     p.add_argument("--outdir", default=RESULTS_DIR)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if any(m not in tb.MODES for m in args.modes.split(",")):
+        p.error(f"--modes takes a comma-separated subset of {', '.join(tb.MODES)}")
+    return args
 
 
 def add_rmsnorm(y, residual, weight, eps: float):
@@ -111,6 +121,14 @@ class Block:
 
         return dict(zip(PATHS, (ubnext, nccl)))
 
+    def compute(self, h):
+        """The block's GEMMs and SiLU alone (no all-reduce, no epilogue): what the dependent
+        mode subtracts."""
+        import torch.nn.functional as F
+
+        gate, up = F.linear(h, self.mlp.gate_up.weight).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.mlp.down.weight)
+
 
 def main(argv: list[str] | None = None) -> int:
     return tb.main(parse_args, run, argv)
@@ -131,27 +149,42 @@ def run(comm, args, argv) -> int:
         residual = torch.randn(tokens, args.hidden, device="cuda", generator=g).to(dtype)
         fns = block.steps(h, residual)
         ref_out, ref_r = block.reference(h, residual)
+        def error(outputs) -> float:
+            """Relative error of (normed, residual_out) against the reference, max over ranks."""
+            err = max((a.double() - b.double()).norm().item() / b.double().norm().item()
+                      for a, b in zip(outputs, (ref_out, ref_r)))
+            return max(comm.bootstrap.allgather_obj(err))
+
         errors = {}
         with torch.no_grad():
             for name, fn in fns.items():
-                out, rout = fn()
+                outputs = fn()
                 torch.cuda.synchronize()
-                err = max((a.double() - b.double()).norm().item() / b.double().norm().item()
-                          for a, b in ((out, ref_out), (rout, ref_r)))
-                errors[name] = max(comm.bootstrap.allgather_obj(err))
+                errors[name] = error(outputs)
                 bad |= not errors[name] < 2e-2
             for name, fn in fns.items():
                 for mode in args.modes.split(","):
                     if rank0:
-                        sys.stderr.write(f"\r{tokens:<5} {name:<12} {mode:<6}")
+                        sys.stderr.write(f"\r{tokens:<5} {name:<12} {mode:<9}")
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     before = torch.cuda.memory_allocated()
-                    times = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches, args.repeats)
+                    rec = {"path": name, "mode": mode, "tokens": tokens, "rel_err_vs_1gpu": errors[name]}
+                    if mode == "dependent":  # the block's GEMMs are the producer; they are subtracted
+                        rec["rel_err_vs_1gpu"] = error(tb.replay_once(fn))
+                        bad |= not rec["rel_err_vs_1gpu"] < 2e-2
+                        rec.update(common.dependent_samples(
+                            tb.timer(fn, mode, comm.bootstrap, args.iters, args.graph_launches),
+                            tb.timer(lambda: block.compute(h), mode, comm.bootstrap, args.iters, args.graph_launches),
+                            args.repeats))
+                        rec["raw_median_us"] = tb.median(rec["raw_us"])
+                        rec["gemm_median_us"] = tb.median(rec["gemm_us"])
+                    else:
+                        rec["times_us"] = tb.time_us(fn, mode, comm.bootstrap, args.iters, args.graph_launches,
+                                                     args.repeats)
                     peak = max(comm.bootstrap.allgather_obj(torch.cuda.max_memory_allocated() - before))
-                    records.append({"path": name, "mode": mode, "tokens": tokens, "times_us": times,
-                                    "median_us": tb.median(times), "rel_err_vs_1gpu": errors[name],
-                                    "peak_torch_bytes": peak, "ubnext_pool_bytes": pool if name == "ubnext" else 0})
+                    records.append({**rec, "median_us": tb.median(rec["times_us"]), "peak_torch_bytes": peak,
+                                    "ubnext_pool_bytes": pool if name == "ubnext" else 0})
     if rank0:
         sys.stderr.write("\n")
         report(comm, args, argv, records)
@@ -162,7 +195,9 @@ def report(comm, args, argv, records) -> None:
     modes = args.modes.split(",")
     for mode in modes:
         by = {(r["tokens"], r["path"]): r for r in records if r["mode"] == mode}
-        print(f"# {mode}: µs per MLP block (hidden {args.hidden}, intermediate {args.intermediate}, "
+        what = ("µs per MLP block less its GEMMs and SiLU alone (raw: whole block; GEMMs: the part subtracted)"
+                if mode == "dependent" else "µs per MLP block")
+        print(f"# {mode}: {what} (hidden {args.hidden}, intermediate {args.intermediate}, "
               f"TP={comm.size}); speed-up = nccl+torch / ubnext")
         print(f"{'tokens':>7}{'ubnext':>12}{'nccl+torch':>12}{'speed-up':>10}{'err ubnext':>12}{'err nccl':>10}"
               f"{'MiB ubnext':>12}{'MiB nccl':>10}")
@@ -170,7 +205,9 @@ def report(comm, args, argv, records) -> None:
             u, n = by[(t, "ubnext")], by[(t, "nccl+torch")]
             print(f"{t:>7}{u['median_us']:>12.1f}{n['median_us']:>12.1f}{n['median_us'] / u['median_us']:>10.2f}"
                   f"{u['rel_err_vs_1gpu']:>12.1e}{n['rel_err_vs_1gpu']:>10.1e}"
-                  f"{u['peak_torch_bytes'] / 2**20:>12.1f}{n['peak_torch_bytes'] / 2**20:>10.1f}")
+                  f"{u['peak_torch_bytes'] / 2**20:>12.1f}{n['peak_torch_bytes'] / 2**20:>10.1f}"
+                  + (f"  raw {u['raw_median_us']:.1f} / {n['raw_median_us']:.1f}, GEMMs {u['gemm_median_us']:.1f}"
+                     if mode == "dependent" else ""))
     print(f"# MiB: peak torch allocations while timing, beyond what was allocated before; ubnext's symmetric "
           f"pool (planned buffers, staging) adds {max(r['ubnext_pool_bytes'] for r in records) / 2**20:.0f} MiB "
           f"per rank, allocated once" if records else "")

@@ -240,11 +240,42 @@ def test_all_reduce_perf_rejects(argv, capsys):
 def test_compare_defaults():
     a = compare.parse_args([])
     assert (a.minbytes, a.maxbytes, a.stepfactor, a.dtype, a.op) == (2 << 10, 256 << 20, 2, BF16, "sum")
-    assert (a.average, a.mode_list, a.iters, a.repeats, a.torch) == (3, ["eager", "graph"], 20, 5, "auto")
+    assert (a.average, a.mode_list, a.iters, a.repeats, a.torch) == (3, ["eager", "graph", "dependent"], 20, 5, "auto")
+    assert (a.gemm, a.nccl_symmetric) == ((64, 4096, 4096), "auto")
     with pytest.raises(SystemExit):
         compare.parse_args(["-d", "all"])
     with pytest.raises(SystemExit):
         compare.parse_args(["--modes", "eager,fast"])
+
+
+def test_dependent_mode_and_gemm_arguments():
+    a = compare.parse_args(["--modes", "dependent", "--gemm", "8,16,32", "--nccl-symmetric", "0"])
+    assert (a.mode_list, a.gemm, a.nccl_symmetric) == (["dependent"], (8, 16, 32), "0")
+    from bench import fused_perf, tp_block
+
+    f = fused_perf.parse_args(["--modes", "graph,dependent", "--gemm", "1,2,3"])
+    assert (f.modes, f.gemm) == ("graph,dependent", (1, 2, 3))
+    assert fused_perf.parse_args([]).modes.split(",") == ["eager", "graph", "dependent"]
+    assert tp_block.parse_args(["--modes", "dependent"]).modes == "dependent"
+    for bad in (["--gemm", "1,2"], ["--gemm", "0,4,4"], ["--gemm", "a,b,c"], ["--gemm", "1,2,3,4"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(bad)
+        with pytest.raises(SystemExit):
+            fused_perf.parse_args(bad)
+    for parse in (fused_perf.parse_args, tp_block.parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--modes", "graph,dependant"])
+    assert common.parse_gemm(" 64, 4096,4096") == (64, 4096, 4096)
+    with pytest.raises(ValueError, match="M,K,N"):
+        common.parse_gemm("64x4096x4096")
+
+
+def test_all_reduce_perf_nccl_symmetric_arguments():
+    a = arp.parse_args(["--backend", "nccl_symmetric", "-d", "bfloat16"])
+    assert (a.backend, a.symmetric, a.algo) == ("nccl_symmetric", 0, "auto")
+    for bad in (["--algo", "lamport"], ["--symmetric", "1"], ["--precision", "int8"]):
+        with pytest.raises(SystemExit):
+            arp.parse_args(["--backend", "nccl_symmetric", "-d", "bfloat16", *bad])
 
 
 def test_combine_over_ranks():
@@ -385,12 +416,15 @@ def test_all_reduce_perf_without_check_prints_na(monkeypatch, capsys):
     assert row.split()[8] == "N/A" and row.split()[12] == "N/A"
 
 
-def _compare_session(args):
+def _compare_session(args, engine=None):
+    """Candidates ubnext-auto, ubnext-lamport (refuses above 4 KiB) and nccl on the fake
+    GPU, with the dependent mode's GEMM (``args.gemm``) as a host copy of its exact product."""
     import cupy
 
     boot = fakes.Bootstrap()
-    engine = fakes.ReduceEngine(boot)
-    count = args.maxbytes // args.dtype.itemsize
+    engine = engine or fakes.ReduceEngine(boot)
+    data = common.GemmData(args.gemm, 1)
+    count = max(args.maxbytes // args.dtype.itemsize, data.elements)
 
     class Limited:
         def __init__(self, limit):
@@ -409,21 +443,39 @@ def _compare_session(args):
         def close(self):
             pass
 
-    return compare.Session(fakes.Comm(boot), Nccl(), cupy.cuda.Stream(),
-                           [candidate("ubnext-auto"), candidate("ubnext-lamport", 4096), candidate("nccl")], False)
+    session = compare.Session(fakes.Comm(boot), Nccl(), cupy.cuda.Stream(),
+                              [candidate("ubnext-auto"), candidate("ubnext-lamport", 4096), candidate("nccl")],
+                              False, gemm_data=data)
+    for cand in session.candidates:
+        session.gemms[cand.name] = _fake_gemm(data, cand.send, session.stream)
+    return session
+
+
+def _fake_gemm(data, buf, stream):
+    """A launch that writes rank 0's exact GEMM product into ``buf``'s head, on ``stream``."""
+    product = data.product(0).astype(np.float32).astype(buf.host.dtype)
+
+    def launch():
+        stream.enqueue(lambda: buf.host[:product.size].__setitem__(slice(None), product))
+
+    return launch
 
 
 def test_compare_run_on_fake_gpu(monkeypatch, tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="compare's plots need matplotlib")
     fakes.install(monkeypatch)
     argv = ["-b", "1K", "-e", "16K", "-n", "2", "--repeats", "3", "-G", "2", "--outdir", str(tmp_path),
-            "--name", "t"]
+            "--name", "t", "--gemm", "4,8,256"]  # the GEMM writes 1024 elements: more than 1 KiB, less than 16 KiB
     args = compare.parse_args(argv)
     session = _compare_session(args)
+    session.left_out["nccl-symmetric"] = "no torch here"
     compare.sweep(session, args, lambda text: None)
     compare.report(session, args, argv)
     out = capsys.readouterr().out
     assert "# eager: median us per all-reduce" in out and "# graph: median us" in out
+    assert "# dependent: median us per all-reduce after a GEMM on its input" in out
+    assert "# dependent: raw: median us per GEMM + all-reduce" in out
+    assert "# nccl-symmetric left out: no torch here" in out
     lamport_cells = [line for line in out.splitlines() if line.strip().startswith("16 KiB")]
     assert all("—" in line for line in lamport_cells)
     doc = json.loads((tmp_path / "t.json").read_text())
@@ -432,7 +484,185 @@ def test_compare_run_on_fake_gpu(monkeypatch, tmp_path, capsys):
     assert {(r["candidate"], r["bytes"]) for r in skipped} == {("ubnext-lamport", 8192), ("ubnext-lamport", 16384)}
     ok = [r for r in doc["results"] if r["status"] == "ok"]
     assert all(r["wrong"] == 0 and len(r["times_us"]) == 3 for r in ok)
+    dependent = [r for r in ok if r["mode"] == "dependent"]
+    assert len(dependent) == 5 + 5 + 3  # ubnext-auto and nccl at 1-16 KiB, ubnext-lamport up to 4 KiB
+    for r in dependent:  # the JSON keeps the raw numbers; the reported time is their difference
+        assert r["times_us"] == [a - b for a, b in zip(r["raw_us"], r["gemm_us"])]
+        assert r["median_us"] == pytest.approx(np.median(r["times_us"]))
+    assert doc["left_out"] == {"nccl-symmetric": "no torch here"} and doc["config"]["gemm_mnk"] == [4, 8, 256]
     assert (tmp_path / "t_latency.png").stat().st_size > 0 and (tmp_path / "t_busbw.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("shape", [(4, 8, 16), (8, 4, 1024)], ids=["gemm-smaller", "gemm-larger"])
+def test_dependent_mode_checks_bit_for_bit_and_catches_wrong_results(monkeypatch, capsys, shape):
+    """The dependent mode's check on the fake GPU: right where the engine is right, whether the
+    message is larger than the GEMM's output (64 elements: zeros after it) or smaller (8192:
+    a prefix); wrong where the engine corrupts an element, and wrong where the all-reduce
+    reads its input before the GEMM before it ran (a consumer without a real dependency),
+    though that engine passes the eager check."""
+    fakes.install(monkeypatch)
+    argv = ["-b", "1K", "-e", "4K", "-n", "2", "--repeats", "2", "-G", "1", "--modes", "eager,dependent",
+            "--gemm", ",".join(map(str, shape))]
+    args = compare.parse_args(argv)
+    boot = fakes.Bootstrap()
+
+    class Early(fakes.ReduceEngine):
+        """Reads the input when the call is enqueued, not when it runs."""
+
+        def all_reduce(self, send, recv, dtype, op, stream):
+            early = send.host.astype(np.float64)
+            stream.enqueue(lambda: recv.host.__setitem__(slice(None), early.astype(recv.host.dtype)))
+
+    for engine, wrong in ((fakes.ReduceEngine(boot), False), (fakes.ReduceEngine(boot, faults=True), True),
+                          (Early(boot), True)):
+        session = _compare_session(args, engine)
+        compare.sweep(session, args, lambda text: None)
+        by_mode = {}
+        for r in session.records:
+            if r["status"] == "ok":
+                by_mode.setdefault(r["mode"], []).append(r["wrong"])
+        assert all(w > 0 for w in by_mode["dependent"]) == wrong and any(by_mode["dependent"]) == wrong
+        assert any(by_mode["eager"]) == (engine.faults is True)  # the early reader passes without a producer
+        if wrong:
+            lines = compare.table(session.records, "dependent", [c.name for c in session.candidates])
+            assert all("WRONG" in line for line in lines[2:])
+
+
+def test_gemm_operands_give_exact_known_products():
+    data = common.GemmData((6, 32, 40), nranks=4, seed=3)
+    assert data.elements == 240 and np.abs(data.b).max() <= common.value_range(5)
+    for rank in range(4):
+        a = data.a(rank)
+        assert (a.sum(axis=1) == 1).all() and set(np.unique(a)) == {0, 1}
+        product = a.astype(np.float64) @ data.b.astype(np.float64)  # what the GPU's GEMM computes
+        assert (product.reshape(-1) == data.product(rank)).all()
+    assert not (data.product(0) == data.product(1)).all()  # ranks' inputs differ
+    assert (data.inputs(2, 100) == data.product(2)[:100]).all()  # message smaller: a prefix
+    longer = data.inputs(2, 300)
+    assert (longer[:240] == data.product(2)).all() and not longer[240:].any()  # larger: zeros after
+    total = data.expected(300, "sum")
+    assert (total[:240] == sum(data.product(r).astype(np.float64) for r in range(4))).all()
+    assert (common.encode(total, BF16).view(BF16.numpy).astype(np.float64) == total).all()  # exact in bf16
+    assert (data.expected(240, "max") == np.max([data.product(r) for r in range(4)], axis=0)).all()
+
+
+def test_dependent_samples_subtract_the_gemm_measured_right_after():
+    calls = []
+    raw, gemm = iter([10.0, 11.0, 12.5]), iter([6.0, 6.5, 7.0])
+
+    def pair():
+        calls.append("pair")
+        return next(raw)
+
+    def alone():
+        calls.append("gemm")
+        return next(gemm)
+
+    d = common.dependent_samples(pair, alone, 3)
+    assert d == {"times_us": [4.0, 4.5, 5.5], "raw_us": [10.0, 11.0, 12.5], "gemm_us": [6.0, 6.5, 7.0]}
+    assert calls == ["pair", "gemm"] * 3
+
+
+def _record(candidate, nbytes, us, wrong=0, mode="graph"):
+    return {"candidate": candidate, "mode": mode, "bytes": nbytes, "status": "ok", "wrong": wrong,
+            "median_us": us, "raw_median_us": us + 10}
+
+
+def test_ratios_are_against_the_faster_nccl_at_each_size():
+    records = [
+        _record("ubnext-auto", 2048, 2.5), _record("nccl", 2048, 10.0), _record("nccl-symmetric", 2048, 5.0),
+        _record("ubnext-auto", 1 << 20, 8.0), _record("nccl", 1 << 20, 16.0), _record("nccl-symmetric", 1 << 20, 20.0),
+        # a wrong NCCL result is no reference: plain NCCL at 4 MiB is skipped
+        _record("ubnext-auto", 4 << 20, 30.0), _record("nccl", 4 << 20, 15.0, wrong=3),
+        _record("nccl-symmetric", 4 << 20, 60.0), _record("torch-nccl", 4 << 20, 45.0),
+    ]
+    at = {}
+    for r in records:
+        at.setdefault(r["bytes"], {})[r["candidate"]] = r
+    assert compare.faster_nccl(at[2048]) == ("nccl-symmetric", 5.0)
+    assert compare.faster_nccl(at[1 << 20]) == ("nccl", 16.0)
+    assert compare.faster_nccl(at[4 << 20]) == ("torch-nccl", 45.0)
+    assert compare.faster_nccl({"ubnext-auto": records[0]}) is None
+    names = ["ubnext-auto", "nccl", "nccl-symmetric", "torch-nccl"]
+    rows = {line.split()[0] + line.split()[1]: line.split() for line in compare.table(records, "graph", names)[2:]}
+    assert rows["2KiB"][2:6] == ["nccl-symmetric", "2.50", "(2.00x)", "10.00"]
+    assert rows["1MiB"][2:5] == ["nccl", "8.00", "(2.00x)"]
+    assert rows["4MiB"][2:5] == ["torch-nccl", "30.00", "(1.50x)"]
+    raw = compare.table(records, "graph", names, "raw_median_us", "raw")  # the raw table: raw against raw
+    assert raw[2].split()[2:5] == ["nccl-symmetric", "12.50", "(1.20x)"] and "raw;" in raw[0]
+
+
+def test_nccl_symmetric_left_out_with_a_reason(monkeypatch):
+    import types
+
+    from bench import _torchbench as tb
+
+    assert "NCCL_NVLS_ENABLE=0" in tb.nccl_symmetric_blocker({})  # multicast not switched off: never tried
+    assert "NCCL_NVLS_ENABLE=0" in tb.nccl_symmetric_blocker({"NCCL_NVLS_ENABLE": "1"})
+
+    def fake_torch(symm, version):
+        """torch, torch.cuda.nccl and torch.distributed._symmetric_memory as the blocker sees them."""
+        mods = {n: types.ModuleType(n) for n in ("torch", "torch.cuda", "torch.cuda.nccl", "torch.distributed")}
+        mods["torch.cuda.nccl"].version = lambda: version
+        mods["torch"].cuda, mods["torch.cuda"].nccl = mods["torch.cuda"], mods["torch.cuda.nccl"]
+        mods["torch"].distributed = mods["torch.distributed"]
+        mods["torch.distributed._symmetric_memory"] = symm
+        if symm is not None:
+            mods["torch.distributed"]._symmetric_memory = symm
+        for name, module in mods.items():
+            monkeypatch.setitem(sys.modules, name, module)
+
+    env = {"NCCL_NVLS_ENABLE": "0"}
+    fake_torch(None, (2, 28, 9))  # torch without symmetric memory
+    assert "does not import" in tb.nccl_symmetric_blocker(env)
+    fake_torch(types.ModuleType("torch.distributed._symmetric_memory"), (2, 28, 9))  # no NCCL backend
+    assert "no NCCL backend" in tb.nccl_symmetric_blocker(env)
+    symm = types.ModuleType("torch.distributed._symmetric_memory")
+    symm.set_backend = lambda name: None
+    fake_torch(symm, (2, 26, 2))
+    assert "2.26.2 has no symmetric kernels" in tb.nccl_symmetric_blocker(env)
+    fake_torch(symm, (2, 28, 9))
+    assert tb.nccl_symmetric_blocker(env) is None
+
+
+def test_symmetric_kernel_names():
+    from bench import _torchbench as tb
+
+    plain = ["ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "aten::empty"]
+    assert "no NCCL symmetric kernel ran" in tb.symmetric_kernel_problem(plain)
+    assert "ncclDevKernel_AllReduce_Sum_bf16_RING_LL" in tb.symmetric_kernel_problem(plain)
+    assert tb.symmetric_kernel_problem(plain + ["ncclSymkDevKernel_AllReduce_AGxLL_R_sum_bf16"]) is None  # 2.28
+    assert tb.symmetric_kernel_problem(["ncclSymDevKernel_AllReduce_RSxLD_AGxST_sum_f32"]) is None  # 2.27
+    for multicast in ("ncclSymkDevKernel_AllReduce_AGxLLMC_R_sum_bf16", "ncclSymkDevKernel_AllReduce_RSxLDMC_AGxSTMC_sum_bf16",
+                      "ncclSymkDevKernel_AllGather_STMC"):
+        with pytest.raises(RuntimeError, match="multicast"):
+            tb.symmetric_kernel_problem([multicast])
+
+
+def test_all_reduce_perf_in_place_only_backend(monkeypatch, tmp_path, capsys):
+    """A backend with no out-of-place call (nccl_symmetric) prints N/A there, keeps null in
+    the JSON, and its file still plots."""
+    fakes.install(monkeypatch)
+
+    class InPlace(fakes.ReduceEngine):
+        in_place_only = True
+
+        def all_reduce(self, send, recv, dtype, op, stream):
+            assert send.data.ptr == recv.data.ptr, "in place only"
+            super().all_reduce(send, recv, dtype, op, stream)
+
+    out = str(tmp_path / "r.json")
+    argv = ["-b", "1K", "-e", "4K", "-f", "2", "-d", "bfloat16", "-n", "2", "-w", "1", "-G", "1", "-J", out]
+    args = arp.parse_args(argv)
+    world = _world(args)
+    world.engine = InPlace(world.comm.bootstrap)
+    assert arp.run(args, world, argv) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert len(rows) == 3 and all(r[5:9] == ["N/A"] * 4 and r[12] == "0" for r in rows)
+    doc = json.loads(Path(out).read_text())
+    assert all(r["out_of_place"] is None and r["in_place"]["nwrong"] == 0 for r in doc["results"])
+    if pytest.importorskip("matplotlib"):
+        assert plot.main(["--perf", str(tmp_path / "p.png"), out]) == 0
 
 
 # --------------------------------------------------------------------------- plots from JSON
