@@ -316,7 +316,10 @@ def bound(fmt: str, dtype: str, nranks: int) -> float:
     roundings of x / scale and of code * scale add about 2^-24 per quantization, covered
     by doubling the fp32 term. Not covered: a float16 result below its normal range
     (an absolute error up to 2^-25 more: :func:`absolute_slack`) and a group whose scale
-    underflows fp32 (largest magnitude below about 1e-43: it comes out as zeros).
+    is below fp32's normal range (largest magnitude below qmax * 2^-126, about 1e-37 for
+    int4 and 1e-36 for int8): the scale then rounds to a multiple of 2^-149, which adds an
+    absolute error of that order (the clamp to +-qmax catching a scale that rounded
+    down), and below about 1e-43 the group comes out as zeros.
 
     Per format, for a bfloat16 result (float16: about 0.004 less): int8, c = 0.5/127,
     about 0.0118; fp8 e4m3, c = 16/448, about 0.077; int4, whose codes -7..7 are 1/7 of
