@@ -40,6 +40,7 @@ if __package__ in (None, ""):  # run as a script (python bench/all_reduce_perf.p
     import _standalone  # noqa: F401
 
 from bench import _common as common  # noqa: E402
+from ubnext._protocol.quant import FORMATS as QUANT_FORMATS  # noqa: E402
 
 PROGRAM = "all_reduce_perf"
 
@@ -92,8 +93,8 @@ def build_parser(program: Program = ALL_REDUCE_PERF) -> argparse.ArgumentParser:
                         "(torch symmetric memory, NCCL backend; in place only) (default ubnext)")
     p.add_argument("--algo", choices=program.algorithms, default="auto",
                    help="ubnext algorithm (backend ubnext only; default auto)")
-    p.add_argument("--precision", choices=("auto", "exact", "int8", "fp8"), default="auto",
-                   help="ubnext precision= (int8/fp8: the quantized two-shot, opted in for the run; "
+    p.add_argument("--precision", choices=("auto", "exact", *QUANT_FORMATS), default="auto",
+                   help="ubnext precision= (int8/fp8/int4: the quantized two-shot, opted in for the run; "
                         "bfloat16/half, sum/avg; checked bit for bit against its host emulation)")
     p.add_argument("--symmetric", type=int, choices=(0, 1), default=None,
                    help="1: buffers from comm.empty (symmetric memory), 0: plain cupy buffers "
@@ -124,10 +125,10 @@ def parse_args(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF
         parser.error("--algo applies to --backend ubnext only")
     if args.backend == "nccl_symmetric" and (args.symmetric or program is not ALL_REDUCE_PERF):
         parser.error("--backend nccl_symmetric: the all-reduce only, on its own buffers (no --symmetric 1)")
-    if args.precision in ("int8", "fp8") and (
+    if args.precision in QUANT_FORMATS and (
             program is not ALL_REDUCE_PERF or args.backend != "ubnext" or args.algo != "auto"
             or {d.ubnext for d in args.dtypes} - {"bfloat16", "float16"} or set(args.ops) - {"sum", "avg"}):
-        parser.error("--precision int8/fp8 (the quantized all-reduce) takes --backend ubnext, --algo auto, "
+        parser.error("--precision int8/fp8/int4 (the quantized all-reduce) takes --backend ubnext, --algo auto, "
                      "-d bfloat16/half, -o sum/avg")
     if args.output_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.output_file))):
         parser.error(f"-J: the directory of {args.output_file} does not exist")
@@ -269,7 +270,7 @@ def open_world(args: argparse.Namespace) -> World:
         overrides = pool_mb_for(2 * args.maxbytes)
     else:  # no pool needed; with an NCCL backend, ubnext sets up no kernels at all
         overrides = {"algorithm": "nccl"} if args.backend != "ubnext" else {}
-    if args.precision in ("int8", "fp8"):
+    if args.precision in QUANT_FORMATS:
         overrides["quantized"] = args.precision
     comm = ubnext.Communicator(**overrides)
     cupy.cuda.Device(comm.device).use()
@@ -373,7 +374,7 @@ def check(world: World, args: argparse.Namespace, dtype: common.DType, op: str, 
     else:
         launch()
     got = common.download(recv, expected.size, dtype, world.stream)
-    if args.precision in ("int8", "fp8"):  # the quantized all-reduce's result, bit for bit
+    if args.precision in QUANT_FORMATS:  # the quantized all-reduce's result, bit for bit
         from ubnext._tools import reference as _reference
 
         inputs = [world.collective.data(world.size, r, count, seed, op)[0].astype(dtype.numpy)

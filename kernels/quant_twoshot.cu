@@ -1,12 +1,13 @@
 // Quantized two-shot all-reduce (opt-in): reduce-scatter and all-gather of groups quantized
-// to one-byte codes with an fp32 scale each (kernels/quant.cuh; ubnext/_quant.py states the
-// arithmetic and the error bound).
+// to int8, fp8 or int4 codes with an fp32 scale each (kernels/quant.cuh; ubnext/_protocol/quant.py
+// states the arithmetic and the error bound).
 //
 // The input x and the output are local arrays of this rank (any 2-byte aligned address);
-// only the quantized groups cross the links, into receive areas at the same offset of every
-// rank's segment (QuantAreas). Rank r owns slice r: S = ceil(G / N) consecutive groups of
-// the G groups of the message. Block b handles part b of every slice, in every phase, so
-// each barrier only joins block b of every rank (as kernels/twoshot.cu):
+// only the quantized units cross the links, as records (kernels/quant.cuh: Record) in
+// receive areas at the same offset of every rank's segment (QuantAreas). Rank r owns slice
+// r: S = ceil(U / N) consecutive units of the U units of the message. A warp takes a unit
+// at a time; block b handles part b of every slice, in every phase, so each barrier only
+// joins block b of every rank (as kernels/twoshot.cu):
 //   1. RS push     quantize part b of every slice of x, store it into its owner's slot [rank]
 //   2. barrier     block b of every rank has stored its part b everywhere (signatures agree)
 //   3. reduce, AG  part b of own slice: dequantize every rank's slot, add in rank order
@@ -14,7 +15,7 @@
 //                  all-gather area
 //   4. barrier     block b of every rank has stored its part b everywhere
 //   5. dequantize  part b of every slice of the all-gather area -> out (poison after a failure)
-// Every rank dequantizes the same stored groups: identical bits everywhere. The areas are
+// Every rank dequantizes the same stored records: identical bits everywhere. The areas are
 // this kernel's alone, so a peer's next launch may store into slot [peer] before its entry
 // barrier: it starts only after its own launch passed the exit barrier, which this rank's
 // blocks reach after reading their slots. Flags and launch state are the family's own too.
@@ -25,83 +26,142 @@
 #define UB_QFMT QInt8
 #endif
 
-// Byte offsets of a launch's receive areas in a segment, for S groups per slice: the codes of
-// the reduce-scatter slots [N][S] and of the all-gather area [N * S], then their scales.
-struct QuantAreas {
+// Byte offsets of a launch's records in a segment, for S units per slice: the
+// reduce-scatter slots [N][S], then the all-gather area [N * S].
+template <class Q> struct QuantAreas {
   u64 base;   // offset of the quant slot
-  u64 s;      // groups per slice
+  u64 s;      // units per slice
   u64 total;  // N * S
-  __device__ u64 rs_code(int src, u64 j) const { return base + (src * s + j) * kGroup; }
-  __device__ u64 ag_code(u64 g) const { return base + (total + g) * kGroup; }
-  __device__ u64 rs_scale(int src, u64 j) const { return base + 2 * total * kGroup + (src * s + j) * sizeof(float); }
-  __device__ u64 ag_scale(u64 g) const { return base + 2 * total * kGroup + (total + g) * sizeof(float); }
+  __device__ u64 rs(int src, u64 j) const { return base + (src * s + j) * Record<Q>::kBytes; }
+  __device__ u64 ag(u64 u) const { return base + (total + u) * Record<Q>::kBytes; }
 };
 
 template <class T, class Op, class Q, int N>
 __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64 area_off, const char* src,
                                         char* dst, u64 n, u64 sig, LaunchState* state) {
-  const u64 groups = (n + kGroup - 1) / kGroup;
-  const u64 slice = (groups + N - 1) / N;
-  const QuantAreas a{area_off, slice, (u64)N * slice};
+  static_assert(Elem<T>::kBytes == 2, "the quantized two-shot takes 16-bit elements");
+  typedef Record<Q> R;
+  const u64 units = (n + kUnit - 1) / kUnit;
+  const u64 slice = (units + N - 1) / N;
+  const QuantAreas<Q> a{area_off, slice, (u64)N * slice};
   const LaunchView l = read_launch_state(state);
   WaitCtx c = wait_ctx(state, tp.rank);
   const u64 part = (slice + gridDim.x - 1) / gridDim.x;
   const u64 lo = blockIdx.x * part;
   const u64 hi = lo + part < slice ? lo + part : slice;
+  const int lane = threadIdx.x % kWarp;
+  const u32 warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;  // loops over units are warp-uniform
   const char* mine = tp.seg(tp.rank);
 
-  // 1. reduce-scatter by stores of quantized groups, every owner in peer() order
+  // 1. reduce-scatter by stores of quantized units, every owner in peer() order
   for (int k = 0; k < N; ++k) {
     const int o = tp.peer(k);
-    for (u64 j = lo + threadIdx.x; j < hi && o * slice + j < groups; j += blockDim.x) {
-      float x[kGroup];
-      load_group<T>(src, o * slice + j, n, x);
-      put_group(tp.seg(o), a.rs_code(tp.rank, j), a.rs_scale(tp.rank, j), quantize_group<Q>(x));
+    for (u64 j = lo + warp; j < hi && o * slice + j < units; j += warps) {
+      const u64 u = o * slice + j;
+      uint4 in[kSteps];  // every load in flight before the arithmetic
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) in[s] = load_step(src, step_elem(u, s, lane), n);
+      char* rec = tp.seg(o) + a.rs(tp.rank, j);
+      u32 words[R::kWords];
+      float scale = 0.f;  // of step lane % kSteps (keep_scale)
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+#pragma unroll
+        for (int t = 0; t < R::kStepsPerVec; ++t) {
+          const int s = v * R::kStepsPerVec + t;
+          float x[kLaneElems];
+          Vec<T>::unpack(in[s], x);
+          u32 w[Q::kWords];
+          keep_scale(scale, s, lane, quantize_step<Q>(x, w));
+#pragma unroll
+          for (int i = 0; i < Q::kWords; ++i) words[s * Q::kWords + i] = w[i];
+        }
+        put_codes<Q>(rec, v, lane, words);
+      }
+      put_scale<Q>(rec, lane, scale);
     }
   }
   const bool entered = tp.barrier(flags_off, 0, l.epoch + 1u, sig, c, kSiteEntryBarrier);
 
-  // 3. reduce own groups in rank order, quantize once, all-gather by stores
-  for (u64 j = lo + threadIdx.x; entered && j < hi && tp.rank * slice + j < groups; j += blockDim.x) {
-    float acc[kGroup], f[kGroup];
-    take_group<Q>(mine, a.rs_code(0, j), a.rs_scale(0, j), acc);
-#pragma unroll 1
-    for (int s = 1; s < N; ++s) {
-      take_group<Q>(mine, a.rs_code(s, j), a.rs_scale(s, j), f);
+  // 3. reduce own units in rank order, quantize once, all-gather by stores
+  for (u64 j = lo + warp; entered && j < hi && tp.rank * slice + j < units; j += warps) {
+    float scales[N][kSteps];  // every rank's: loaded first, with each vector's codes below
 #pragma unroll
-      for (int e = 0; e < kGroup; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
-    }
-    if (Op::kFinishes) {  // avg: the sum divided by N
-#pragma unroll
-      for (int e = 0; e < kGroup; ++e) acc[e] = __fdiv_rn(acc[e], (float)N);
-    }
-    const QGroup q = quantize_group<Q>(acc);
+    for (int r = 0; r < N; ++r) take_scales<Q>(mine + a.rs(r, j), lane, scales[r]);
     const u64 g = tp.rank * slice + j;
+    u32 words[R::kWords];
+    float scale = 0.f;  // of step lane % kSteps (keep_scale)
 #pragma unroll
-    for (int k = 0; k < N; ++k) put_group(tp.seg(tp.peer(k)), a.ag_code(g), a.ag_scale(g), q);
+    for (int v = 0; v < R::kVecs; ++v) {
+      u32 codes[N][R::kWords];  // vector v of every rank's codes (the other words unused)
+#pragma unroll
+      for (int r = 0; r < N; ++r) {
+        const uint4 cv = ld_relaxed_sys(mine + a.rs(r, j) + R::code(v, lane));
+        codes[r][4 * v] = cv.x, codes[r][4 * v + 1] = cv.y, codes[r][4 * v + 2] = cv.z, codes[r][4 * v + 3] = cv.w;
+      }
+#pragma unroll
+      for (int t = 0; t < R::kStepsPerVec; ++t) {
+        const int s = v * R::kStepsPerVec + t;
+        float acc[kLaneElems], f[kLaneElems];
+        u32 w[Q::kWords];
+        step_codes<Q>(codes[0], s, w);
+        dequantize_step<Q>(w, scales[0][s], acc);
+#pragma unroll
+        for (int r = 1; r < N; ++r) {
+          step_codes<Q>(codes[r], s, w);
+          dequantize_step<Q>(w, scales[r][s], f);
+#pragma unroll
+          for (int e = 0; e < kLaneElems; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
+        }
+        if (Op::kFinishes) {  // avg: the sum divided by N
+#pragma unroll
+          for (int e = 0; e < kLaneElems; ++e) acc[e] = __fdiv_rn(acc[e], (float)N);
+        }
+        keep_scale(scale, s, lane, quantize_step<Q>(acc, w));
+#pragma unroll
+        for (int i = 0; i < Q::kWords; ++i) words[s * Q::kWords + i] = w[i];
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) put_codes<Q>(tp.seg(tp.peer(k)) + a.ag(g), v, lane, words);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) put_scale<Q>(tp.seg(tp.peer(k)) + a.ag(g), lane, scale);
   }
   const bool ok = tp.barrier(flags_off, 1, l.epoch + 1u, 0, c, kSiteExitBarrier);
 
-  // 5. dequantize every gathered group of part b into out; poison after a failure
+  // 5. dequantize every gathered unit of part b into out; poison after a failure
   for (int o = 0; o < N; ++o) {
-    for (u64 j = lo + threadIdx.x; j < hi && o * slice + j < groups; j += blockDim.x) {
-      const u64 g = o * slice + j;
-      float f[kGroup];
+    for (u64 j = lo + warp; j < hi && o * slice + j < units; j += warps) {
+      const u64 u = o * slice + j;
+      u32 words[R::kWords];
+      float scale[kSteps];
       if (ok) {
-        take_group<Q>(mine, a.ag_code(g), a.ag_scale(g), f);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kGroup; ++e) f[e] = __uint_as_float(Elem<float>::kNaN);
+        take_codes<Q>(mine + a.ag(u), lane, words);
+        take_scales<Q>(mine + a.ag(u), lane, scale);
       }
-      store_group<T>(dst, g, n, f);
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        uint4 out = Vec<T>::poison();
+        if (ok) {
+          float f[kLaneElems];
+          u32 w[Q::kWords];
+          step_codes<Q>(words, s, w);
+          dequantize_step<Q>(w, scale[s], f);
+          out = Vec<T>::pack(f);
+        }
+        store_step(dst, step_elem(u, s, lane), n, out);
+      }
     }
   }
-  finish_launch(c, l, (u32)groups);
+  finish_launch(c, l, (u32)units);
 }
 
 // ---- entry point, instantiated per (UB_T, UB_OP, UB_QFMT, UB_NRANKS); sum and avg only --
+// One block per SM (the grid never exceeds the SM count: the barriers need every block
+// resident), so a thread may use 65536 / UB_QUANT_TWOSHOT_THREADS registers: without the
+// minimum of 1 block, ptxas capped it at 64 and spilled the owner's loads of every rank.
 
-extern "C" __global__ void __launch_bounds__(UB_QUANT_TWOSHOT_THREADS)
+extern "C" __global__ void __launch_bounds__(UB_QUANT_TWOSHOT_THREADS, 1)
 ub_quant_twoshot(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 area_off,
                  const char* src, char* dst, u64 n, u64 sig, LaunchState* state) {
   enter_launch(state);

@@ -1,6 +1,8 @@
 """The quantized two-shot all-reduce (opt-in) on GPUs: every output element equals the host
-emulation (ubnext/_protocol/quant.py) bit for bit, on every rank alike, within the stated error
-bound; odd sizes, unaligned and in-place arrays, several launches, CUDA-graph replay; the
+emulation (ubnext/_protocol/quant.py) bit for bit, in every format (int8, fp8 where the device
+has it, int4), on every rank alike, within the stated error bound; odd sizes (partial
+groups, lanes and units), unaligned and in-place arrays, groups built to hit rounding ties,
+the clamp, zeros, -0.0 and non-finite values, several launches, CUDA-graph replay; the
 opt-in rules (``auto`` quantizes only on a communicator that opted in, from
 ``_quant.AUTO_MIN_BYTES`` at 2 ranks or more; full precision otherwise, bit for bit as
 before).
@@ -35,7 +37,7 @@ SMALL = dict(pool_mb=160, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_
 
 @pytest.fixture(scope="module")
 def comm():
-    """A communicator that opted in (int8 for ``auto``; either format per call)."""
+    """A communicator that opted in (int8 for ``auto``; any format per call)."""
     require_gpu_and_torch()
     import ubnext
 
@@ -60,13 +62,15 @@ def _formats(comm):
 
 
 def check_quantized(comm, count: int, dtype: str, fmt: str, seed: int, *, op: str = "sum", place: str = "out",
-                    offset: int = 0, specials: bool = True, precision: str | None = None):
+                    offset: int = 0, specials: bool = True, precision: str | None = None, inputs=None):
     """One quantized all_reduce checked element by element against the emulation: poisoned,
     bordered output (or in place), the input unchanged, the same bits on every rank, the
-    error within the bound (outside groups holding a NaN or infinity). Returns the launches."""
+    error within the bound (outside groups holding a NaN or infinity). ``inputs``: every
+    rank's input of ``count`` elements (default ``rank_inputs``). Returns the launches."""
     import torch
 
-    inputs = rank_inputs(count, dtype, comm.size, seed, specials)
+    if inputs is None:
+        inputs = rank_inputs(count, dtype, comm.size, seed, specials)
     x = Bordered(count, dtype, seed + 1, offset)
     x.view.copy_(device(inputs[comm.rank]))
     out = x
@@ -94,7 +98,7 @@ def check_quantized(comm, count: int, dtype: str, fmt: str, seed: int, *, op: st
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("count", [1, 31, 33, 4099, (1 << 20) + 3])
+@pytest.mark.parametrize("count", [1, 31, 33, 4099, 8 * 1024 * 9 + 1000, (1 << 20) + 3])
 def test_bit_for_bit_with_the_emulation(comm, dtype, count):
     failures = []
     for k, fmt in enumerate(_formats(comm)):
@@ -114,10 +118,46 @@ def test_avg_unaligned_in_place_and_plain_data(comm, fmt):
     assert not failures, "\n".join(failures[:5])
 
 
-def test_messages_past_one_launch(comm):
+def special_groups(rank: int) -> np.ndarray:
+    """Rank ``rank``'s bfloat16 input of groups built for the codecs, times rank + 1 (so the
+    owner's sum requantizes them too): rounding ties of int4 (scale 1: codes k + 0.5),
+    of int8 (127) and of fp8 (448: halfway between e4m3 neighbours), every int4 code, a
+    group of -0.0, one with a NaN, one with an infinity, one so small that its fp32 scale
+    is subnormal and rounds down (the clamp), a random one; then a partial group."""
+    import ml_dtypes
+
+    groups = np.zeros((9, _quant.GROUP), np.float32)
+    groups[0, :12] = [7, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 4.5, 5.5, 6.5, -7]
+    groups[1, :6] = [127, 0.5, 1.5, -2.5, 126.5, -125.5]
+    groups[2, :5] = [448, 1.0625, 1.1875, -3, 2.0**-9]
+    groups[3, :15] = np.arange(-7, 8)
+    groups[4] = -0.0
+    groups[5, :3] = [1, np.nan, -2]
+    groups[6, :3] = [1, -np.inf, 2]
+    groups[7, :2] = [10 * 2.0**-133, -3 * 2.0**-133]  # bfloat16 subnormals; amax / 7 ~ 2^-130
+    groups[8] = np.random.default_rng(rank).standard_normal(_quant.GROUP)
+    flat = np.concatenate([groups.reshape(-1), np.arange(1, 6, dtype=np.float32)])
+    return (flat * (rank + 1)).astype(ml_dtypes.bfloat16)
+
+
+def test_special_groups_in_every_format(comm):
+    """The codecs' edge cases, bit for bit against the emulation (ties, the clamp, zeros of
+    either sign, non-finite values), as whole units and as a unit's part."""
+    failures = []
+    inputs = [special_groups(r) for r in range(comm.size)]
+    for k, fmt in enumerate(_formats(comm)):
+        for repeat in (1, 40):  # one partial unit; then whole units and a partial one
+            data = [np.tile(x, repeat) for x in inputs]
+            with collected(failures):
+                check_quantized(comm, data[0].size, "bfloat16", fmt, seed=90 + k, inputs=data, op="sum")
+    assert not failures, "\n".join(failures[:5])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_messages_past_one_launch(comm, fmt):
     """A message of several launches (_quant.LAUNCH_BYTES each) reduces like one."""
     count = _quant.LAUNCH_BYTES // 2 + 37
-    launches = check_quantized(comm, count, "bfloat16", "int8", seed=3, specials=False)
+    launches = check_quantized(comm, count, "bfloat16", fmt, seed=3, specials=False)
     assert len(launches) == 2
 
 
@@ -169,7 +209,8 @@ def test_without_the_opt_in_every_call_is_exact(plain):
     assert "auto never quantizes" in str(plain.describe())
 
 
-def test_cuda_graph_replay(comm):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cuda_graph_replay(comm, fmt):
     """A captured quantized all-reduce replayed with new inputs into poisoned outputs."""
     import torch
 
@@ -178,11 +219,11 @@ def test_cuda_graph_replay(comm):
     y = Bordered(count, "bfloat16", seed=5)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):  # warm up: compiles the kernel outside capture
-        comm.all_reduce(x.fill_(1), out=y.view, precision="int8")
+        comm.all_reduce(x.fill_(1), out=y.view, precision=fmt)
     s.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
-        comm.all_reduce(x, out=y.view, precision="int8")
+        comm.all_reduce(x, out=y.view, precision=fmt)
     failures = []
     for it in range(5):
         inputs = rank_inputs(count, "bfloat16", comm.size, 500 + it)
@@ -191,7 +232,7 @@ def test_cuda_graph_replay(comm):
         g.replay()
         torch.cuda.synchronize()
         with collected(failures):
-            reference.assert_same_bits(host(y.view), reference.quantized(inputs, "int8"), f"replay {it}")
+            reference.assert_same_bits(host(y.view), reference.quantized(inputs, fmt), f"replay {it}")
             y.assert_intact(f"replay {it}")
     assert_same_bits_everywhere(comm, y.view)
     assert not failures, "\n".join(failures[:5])

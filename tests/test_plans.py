@@ -337,7 +337,7 @@ def test_invalid_arguments_raise_as_before(make_comm, fakes):
     with pytest.raises(UbnextError, match="unsupported op 'prod'"):
         comm.all_reduce(x, out=out, op="prod")
     with pytest.raises(UbnextError, match="unknown precision"):
-        comm.all_reduce(x, out=out, precision="int4")
+        comm.all_reduce(x, out=out, precision="int2")
     with pytest.raises(UbnextError, match="unknown algorithm"):
         comm.all_reduce(x, out=out, algorithm="ring")
     with pytest.raises(UbnextError, match="input is on device 1, communicator on device 0"):

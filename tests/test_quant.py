@@ -49,7 +49,10 @@ def test_error_bound_holds(fmt, dtype, kind, nranks, op):
 def test_bounds_are_the_stated_values():
     assert _quant.bound("int8", "bfloat16", 4) == pytest.approx(2 / 254 + 2**-8, rel=2e-2)
     assert _quant.bound("fp8", "bfloat16", 4) == pytest.approx(2 / 28 + 2**-8, rel=3e-2)
+    assert _quant.bound("int4", "bfloat16", 4) == pytest.approx(2 / 14 + 2**-8, rel=5e-2)
+    assert _quant.bound("int4", "bfloat16", 4) == pytest.approx(0.152, abs=5e-4)  # docs/quantized.md
     assert _quant.wire_fraction("int8") == _quant.wire_fraction("fp8") == 0.5625
+    assert _quant.wire_fraction("int4") == 0.3125 and _quant.bytes_per_element("int4") == 0.625
 
 
 def test_int8_codes_round_to_nearest_even_and_scale_is_amax_over_127():
@@ -60,6 +63,28 @@ def test_int8_codes_round_to_nearest_even_and_scale_is_amax_over_127():
     x[0, 0] = 254.0  # scale 2
     codes, scale = _quant.quantize(x, "int8")
     assert scale[0] == 2.0 and list(codes[0, :4]) == [127.0, 0.0, 1.0, -1.0]
+
+
+def test_int4_codes_round_to_nearest_even_within_7_and_scale_is_amax_over_7():
+    x = np.zeros((1, 32), np.float32)
+    x[0, :7] = [7.0, 0.5, 1.5, -2.5, 3.5, -0.0, -6.5]  # scale 1: the codes are rint of the values
+    codes, scale = _quant.quantize(x, "int4")
+    assert scale[0] == 1.0 and list(codes[0, :7]) == [7.0, 0.0, 2.0, -2.0, 4.0, 0.0, -6.0]
+    assert not np.signbit(codes[0, 5])  # -0.0 is code 0
+    x[0, 0] = -14.0  # scale 2; the largest magnitude negative
+    codes, scale = _quant.quantize(x, "int4")
+    assert scale[0] == 2.0 and list(codes[0, :5]) == [-7.0, 0.0, 1.0, -1.0, 2.0]
+
+
+def test_int4_clamps_where_the_scale_rounds_down():
+    """A scale that rounds down (here to the least subnormal) would put the largest value
+    past 7: the clamp keeps its code at 7."""
+    tiny = np.float32(2.0**-149)
+    x = np.zeros((1, 32), np.float32)
+    x[0, :2] = [10 * tiny, -3 * tiny]
+    codes, scale = _quant.quantize(x, "int4")
+    assert scale[0] == tiny and list(codes[0, :2]) == [7.0, -3.0]
+    assert list(_quant.dequantize(codes, scale)[0, :2]) == [7 * tiny, -3 * tiny]
 
 
 def test_fp8_codes_are_e4m3_nearest_even_up_to_448():
@@ -145,8 +170,9 @@ def test_fp8_needs_sm89_and_unknown_precisions_raise():
     with pytest.raises(UbnextError, match="8.9"):
         _choose(setting="fp8", arch=80)
     assert _choose(precision="int8", arch=80) == "int8"
+    assert _choose(precision="int4", arch=80) == "int4" and _choose(setting="int4") == "int4"
     with pytest.raises(UbnextError, match="unknown precision"):
-        _choose(precision="int4")
+        _choose(precision="int2")
 
 
 def test_describe_says_whether_auto_quantizes():
@@ -155,6 +181,8 @@ def test_describe_says_whether_auto_quantizes():
     assert "auto never quantizes" in _quant.describe("off", True)
     assert "NCCL only" in _quant.describe("int8", False)
     assert "int8: auto reduces" in _quant.describe("int8", True)
+    assert "int4: auto reduces" in _quant.describe("int4", True) and "31% of the bytes" in _quant.describe("int4", True)
+    assert "UBNEXT_QUANTIZED=int8|fp8|int4" in _quant.describe("off", True)
 
 
 def test_formats_carry_their_own_signatures():
@@ -162,7 +190,7 @@ def test_formats_carry_their_own_signatures():
 
     sig = _signature.encode("all_reduce", "bfloat16", "sum", 4099)
     tagged = {fmt: _quant.signature(sig, fmt) for fmt in _quant.FORMATS}
-    assert len({sig, *tagged.values()}) == 3 and all(t & 0xFFFF == 4099 for t in tagged.values())
+    assert len({sig, *tagged.values()}) == 1 + len(_quant.FORMATS) and all(t & 0xFFFF == 4099 for t in tagged.values())
     assert all(t >> _signature.COUNT_BITS == sig >> _signature.COUNT_BITS for t in tagged.values())
 
 
@@ -171,28 +199,32 @@ def test_config_opt_in(monkeypatch):
     assert Config().quantized == "off"
     monkeypatch.setenv("UBNEXT_QUANTIZED", "INT8")
     assert Config.from_env().quantized == "int8"
+    assert Config(quantized="int4").quantized == "int4"
     with pytest.raises(ValueError, match="UBNEXT_QUANTIZED"):
-        Config(quantized="int4")
+        Config(quantized="int2")
 
 
 def test_pool_reserves_the_areas_only_when_opted_in():
     off = plan_layout(4, 1 << 20, 1 << 20, 1 << 20, _quant.quant_area_bytes(4, "off"))
     on = plan_layout(4, 1 << 20, 1 << 20, 1 << 20, _quant.quant_area_bytes(4, "int8"))
-    assert off.nbytes("quant") == 0 and on.nbytes("quant") == _quant.area_bytes(4, _quant.LAUNCH_BYTES // 2)
-    assert on.offset("quant") % 16 == 0 and on.offset("flags.quant") % 16 == 0
+    assert off.nbytes("quant") == 0 and on.nbytes("quant") == _quant.area_bytes(4, _quant.LAUNCH_BYTES // 2, "int8")
+    assert on.offset("quant") % 128 == 0 and on.offset("flags.quant") % 16 == 0  # records on whole lines
     assert "quant.state" in on
+    # any opt-in reserves room for every format (precision= picks one per call): int8's
+    assert _quant.quant_area_bytes(4, "int4") == _quant.quant_area_bytes(4, "fp8") == on.nbytes("quant")
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
 def test_areas_hold_every_launch(nranks):
-    """Every launch up to LAUNCH_BYTES fits the areas (kernels/quant_twoshot.cu: QuantAreas),
-    with its codes at 16-byte aligned offsets."""
+    """Every launch up to LAUNCH_BYTES in every format fits the areas (kernels/quant_twoshot.cu:
+    QuantAreas: 2 N S records of a unit each), its records on whole 128-byte lines."""
     area = _quant.quant_area_bytes(nranks, "int8")
-    for count in (1, 33, 4099, _quant.LAUNCH_BYTES // 2 - 7, _quant.LAUNCH_BYTES // 2):
-        slice_groups = -(-_quant.groups(count) // nranks)
-        total = nranks * slice_groups
-        assert 2 * total * (_quant.GROUP + _quant.SCALE_BYTES) <= area
-        assert (total * _quant.GROUP) % 16 == 0
+    for fmt in _quant.FORMATS:
+        assert _quant.record_bytes(fmt) % 128 == 0
+        assert _quant.record_bytes(fmt) == _quant.UNIT * _quant.bytes_per_element(fmt)
+        for count in (1, 33, 4099, _quant.LAUNCH_BYTES // 2 - 7, _quant.LAUNCH_BYTES // 2):
+            slice_units = -(-_quant.units(count) // nranks)
+            assert 2 * nranks * slice_units * _quant.record_bytes(fmt) <= area
 
 
 # ---- benchmark option ----------------------------------------------------------------------
@@ -204,6 +236,7 @@ def test_all_reduce_perf_takes_a_precision():
     from bench import all_reduce_perf as arp
 
     assert arp.parse_args(["-d", "bfloat16", "--precision", "int8"]).precision == "int8"
+    assert arp.parse_args(["-d", "half", "--precision", "int4"]).precision == "int4"
     assert arp.parse_args([]).precision == "auto"
     for argv in (["-d", "float", "--precision", "int8"], ["-d", "bf16", "-o", "max", "--precision", "fp8"],
                  ["-d", "bf16", "--backend", "nccl", "--precision", "int8"]):
@@ -221,6 +254,7 @@ def test_quant_error_script_writes_its_table(tmp_path):
     assert quant_error.main(["--count", "8192", "--ranks", "2", "--outdir", str(tmp_path)]) == 0
     text = (tmp_path / "quant_error.txt").read_text()
     assert "rows whose maximum exceeds the bound: 0" in text and "56.2% of bfloat16's" in text
+    assert "int4: 0.625 bytes per element" in text and "31.2% of bfloat16's" in text
     assert (tmp_path / "quant_error.png").stat().st_size > 0 and (tmp_path / "quant_error.json").is_file()
 
 

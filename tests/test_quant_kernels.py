@@ -1,6 +1,8 @@
 """The quantized two-shot kernel compiles through NVRTC without a GPU (sm_90a and sm_80;
-fp8 from sm_89), with exactly rounded fp32 arithmetic, as tests/test_kernels.py does for
-the algorithm table's kernels."""
+fp8 from sm_89), with exactly rounded fp32 arithmetic, its groups spread over lanes and its
+records laid out as the host sizes them, as tests/test_kernels.py does for the algorithm
+table's kernels (the gate in NVRTC's fast-compile mode; the arithmetic checks fully
+optimized)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from ubnext._protocol import constants as _protocol
 from ubnext._protocol import quant as _quant
 
 
-def _compile(fmt, dtype, op, nranks, arch):
-    return _kernels.compile_cubin(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, nranks), arch=arch)
+def _compile(fmt, dtype, op, nranks, arch, fast=False):
+    return _kernels.compile_cubin(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, nranks), arch=arch, fast=fast)
 
 
 #: the world sizes the gate compiles, turning with the dtype and the op as in tests/test_kernels.py
@@ -41,36 +43,50 @@ def test_the_gate_covers_every_format_dtype_op_and_world_size():
 
 @pytest.mark.parametrize("fmt,dtype,op,nranks", list(gate_cases()))
 def test_every_instantiation_compiles_for_sm90a(fmt, dtype, op, nranks):
-    cubin = _compile(fmt, dtype, op, nranks, "sm_90a")
+    cubin = _compile(fmt, dtype, op, nranks, "sm_90a", fast=True)
     assert cubin[:4] == b"\x7fELF" and _quant.ENTRY.encode() in cubin
 
 
 @pytest.mark.parametrize("dtype", list(_quant.DTYPES))
-def test_int8_compiles_for_sm80_and_fp8_from_sm89(dtype):
-    assert _quant.ENTRY.encode() in _compile("int8", dtype, "sum", 4, "sm_80")
-    assert _quant.ENTRY.encode() in _compile("fp8", dtype, "sum", 4, "sm_89")
+def test_integer_formats_compile_for_sm80_and_fp8_from_sm89(dtype):
+    for fmt in ("int8", "int4"):
+        assert _quant.FORMATS[fmt].min_arch == 0
+        assert _quant.ENTRY.encode() in _compile(fmt, dtype, "sum", 4, "sm_80", fast=True)
+    assert _quant.ENTRY.encode() in _compile("fp8", dtype, "sum", 4, "sm_89", fast=True)
     assert _quant.FORMATS["fp8"].min_arch == 89
     with pytest.raises(Exception, match="QFp8"):  # the host never asks for it (_quant.choose)
-        _compile("fp8", dtype, "sum", 4, "sm_80")
+        _compile("fp8", dtype, "sum", 4, "sm_80", fast=True)
+
+
+def test_the_kernel_checks_the_record_size_of_the_host():
+    """kernels/quant.cuh's Record static_asserts its size against _quant.record_bytes
+    (UB_QRECORD_BYTES): a host that sized the areas for another layout fails to compile."""
+    defines = {**_quant.compile_defines("int4", "bfloat16", "sum", 2), "UB_QRECORD_BYTES": "1152"}
+    with pytest.raises(Exception, match="record_bytes"):
+        _kernels.compile_cubin(_quant.SOURCE, defines, fast=True)
+    assert [_quant.record_bytes(f) for f in _quant.FORMATS] == [1152, 1152, 640]
 
 
 @pytest.mark.parametrize("fmt", list(_quant.FORMATS))
 def test_fp32_steps_are_exactly_rounded(fmt):
-    """No FMA contraction, no approximate division: the host emulation reproduces the bits."""
+    """No FMA contraction, no approximate division: the host emulation reproduces the bits.
+    Integer codes round and widen through exact fp32 additions and byte permutes (no
+    float-int conversions); a group's maximum is a butterfly of shuffles."""
     ptx = _compile(fmt, "bfloat16", "avg", 4, "compute_90a").decode()
     ops = {line.split()[0] for line in ptx.splitlines() if line.strip() and not line.strip().startswith("//")}
     assert not any(o.startswith(("fma.", "div.approx", "div.full", "mad.f", "rcp.")) for o in ops), ops
-    assert {"div.rn.f32", "mul.rn.f32", "add.rn.f32"} <= ops
-    if fmt == "fp8":
+    assert {"div.rn.f32", "mul.rn.f32", "add.rn.f32", "shfl.sync.bfly.b32"} <= ops
+    if _quant.FORMATS[fmt].floating:
         assert {"cvt.rn.satfinite.e4m3x2.f32", "cvt.rn.f16x2.e4m3x2"} <= ops
     else:
-        assert "cvt.rni.s32.f32" in ops
-    assert "ld.local" not in ptx and "st.local" not in ptx  # the groups stay in registers
+        assert "prmt.b32" in ops and not any(o.startswith(("cvt.rni", "cvt.rn.f32.s", "cvt.s32.f32")) for o in ops)
+    assert "ld.local" not in ptx and "st.local" not in ptx  # the units stay in registers
 
 
 def test_source_takes_its_constants_from_the_protocol_header():
     text = _kernels.source(_quant.SOURCE)
     assert "#include" not in text and _protocol.header().split("#pragma once\n")[1] in text
     assert f"#define UB_QUANT_GROUP {_quant.GROUP}\n" in text
-    bound = re.search(r"__launch_bounds__\((\w+)\)\s*\n\s*" + _quant.ENTRY + r"\(", text).group(1)
+    assert f"#define UB_QUANT_UNIT_GROUPS {_quant.UNIT_GROUPS}\n" in text
+    bound = re.search(r"__launch_bounds__\((\w+), 1\)\s*\n\s*" + _quant.ENTRY + r"\(", text).group(1)
     assert int(re.search(rf"#define {bound} (\d+)", text).group(1)) == _protocol.THREADS[_quant.SOURCE]

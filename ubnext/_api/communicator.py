@@ -244,8 +244,8 @@ class Communicator(CallSteps):
             precision: ``"auto"``: full precision unless the communicator opted in to the
                 quantized all-reduce (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16
                 sums and averages of 16 MiB or more at 2 ranks or more; ``"exact"``: full
-                precision always; ``"int8"`` or ``"fp8"`` (e4m3, sm_89+): the quantized
-                two-shot in that format (opt-in communicators only; lossy within the bound
+                precision always; ``"int8"``, ``"fp8"`` (e4m3, sm_89+) or ``"int4"``: the
+                quantized two-shot in that format (opt-in communicators only; lossy within the bound
                 the README states, identical bits on every rank).
 
         Returns:

@@ -239,8 +239,8 @@ class Engine:
             module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks))
             launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS["ub_twoshot"],
                                                        self._fixed + (flags, area), (state,), self.dependent)
-        slice_groups = -(-_quant.groups(count) // self.nranks)
-        blocks = max(1, min(self._blocks, -(-slice_groups // _quant.BLOCK_GROUPS)))
+        slice_units = -(-_quant.units(count) // self.nranks)
+        blocks = max(1, min(self._blocks, -(-slice_units // _quant.BLOCK_UNITS)))
         return launcher, blocks, THREADS[_quant.SOURCE], (src, dst, count, sig)
 
     def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:

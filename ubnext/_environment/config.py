@@ -208,12 +208,13 @@ class Config:
         local="the path may differ; the ranks check that the tables they read agree (ubnext._selection.table.agreed_table)",
     )
     quantized: str = _field(
-        "UBNEXT_QUANTIZED", "off", _choice("off", "int8", "fp8"),
+        "UBNEXT_QUANTIZED", "off", _choice("off", "int8", "fp8", "int4"),
         "Opt in to the quantized two-shot all-reduce (lossy, with a stated error bound: "
-        "README \"Quantized all-reduce\"): `off`, `int8` or `fp8` (e4m3, sm_89+). When set, "
+        "README \"Quantized all-reduce\"): `off`, `int8`, `fp8` (e4m3, sm_89+) or `int4` "
+        "(fewer bytes than int8, a larger error bound). When set, "
         "`auto` reduces bfloat16/float16 sums and averages of 16 MiB or more at 2 ranks or "
         "more in that format, and "
-        "`precision=` can pick either format per call; it reserves the receive areas in "
+        "`precision=` can pick any format per call; it reserves the receive areas in "
         "the pool (36 MiB per rank).",
     )
     pdl: bool = _field(

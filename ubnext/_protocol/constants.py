@@ -28,9 +28,13 @@ HEADER_BYTES = 128
 #: threads of a row group (kernels/rmsnorm.cuh) and of the separate add + RMSNorm kernel
 NORM_THREADS = 1024
 #: threads per block of each all-reduce source's plain entry point (its launch bound)
-THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 1024}
+THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512}
 #: elements per group of the quantized two-shot (one fp32 scale each; ubnext/_protocol/quant.py)
 QUANT_GROUP = 32
+#: groups per unit of the quantized two-shot: what one warp quantizes at a time, stored as
+#: one record of its codes then its fp32 scales (kernels/quant.cuh); 32, so that the scales
+#: fill one 128-byte line, one per lane of the warp that stores them
+QUANT_UNIT_GROUPS = 32
 #: ErrorRecord.peer of a counting wait, which waits for no rank in particular
 ANY_PEER = 0xFFFFFFFF
 
@@ -142,6 +146,7 @@ def header() -> str:
         "UB_NORM_THREADS": NORM_THREADS,
         "UB_ANY_PEER": f"{ANY_PEER:#x}u",
         "UB_QUANT_GROUP": QUANT_GROUP,
+        "UB_QUANT_UNIT_GROUPS": QUANT_UNIT_GROUPS,
         **{f"UB_{source.removesuffix('.cu').upper()}_THREADS": n for source, n in THREADS.items()},
     }
     lines = ["// Generated from ubnext/_protocol/constants.py: the constants the kernels share with the host.",

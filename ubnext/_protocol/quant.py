@@ -1,16 +1,16 @@
 """Quantized all-reduce (opt-in): the formats, their exact arithmetic, and its error bound.
 
 The quantized two-shot (kernels/quant_twoshot.cu) moves each group of GROUP elements as
-GROUP one-byte codes and one fp32 scale. The arithmetic, which the kernel and the host
-emulation here compute alike, bit for bit (fp32 throughout, IEEE round to nearest even,
-no fused multiply-add):
+GROUP codes (one byte each in int8 and fp8, half a byte in int4) and one fp32 scale. The
+arithmetic, which the kernel and the host emulation here compute alike, bit for bit (fp32
+throughout, IEEE round to nearest even, no fused multiply-add):
 
 * quantize a group ``x`` (fp32): ``amax = max |x|``; ``scale = amax / QMAX`` (fp32
   division); if any element is NaN or infinite, ``scale = NaN``. Where ``scale > 0``:
   ``y = min(max(x / scale, -QMAX), QMAX)`` (fp32 division) and the code is ``y`` rounded
-  to the format: int8 ``rint(y)`` (ties to even), fp8 the e4m3 value nearest ``y`` (ties
-  to even). Elsewhere (a group of zeros, a scale that underflows to 0, or a NaN scale)
-  every code is 0.
+  to the format: int8 and int4 ``rint(y)`` (ties to even), fp8 the e4m3 value nearest
+  ``y`` (ties to even). Elsewhere (a group of zeros, a scale that underflows to 0, or a
+  NaN scale) every code is 0.
 * dequantize: ``code * scale`` (the code widened exactly to fp32, one fp32 product).
   A group with a NaN or infinity thus comes out as NaN, every element of it.
 * the all-reduce of a group: every rank's group quantized and dequantized; the owner
@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from ubnext._protocol.algorithms import compile_defines as _base_defines
-from ubnext._protocol.constants import QUANT_GROUP
+from ubnext._protocol.constants import QUANT_GROUP, QUANT_UNIT_GROUPS, THREADS
 from ubnext._protocol.errors import UbnextError
 from ubnext._protocol.signature import COUNT_BITS
 
@@ -42,6 +42,11 @@ from ubnext._protocol.signature import COUNT_BITS
 SOURCE, ENTRY = "quant_twoshot.cu", "ub_quant_twoshot"
 #: elements per group (one scale each)
 GROUP = QUANT_GROUP
+#: groups per unit: a warp's work and one record in the receive areas (its codes, then
+#: its scales: kernels/quant.cuh)
+UNIT_GROUPS = QUANT_UNIT_GROUPS
+#: elements per unit
+UNIT = GROUP * UNIT_GROUPS
 #: bytes of a group's scale (fp32)
 SCALE_BYTES = 4
 #: the input dtypes the quantized all-reduce takes, and the ops
@@ -52,10 +57,9 @@ AUTO, EXACT = "auto", "exact"
 #: 16-bit input bytes that one launch takes: the quantized receive areas are sized for it
 #: (quant_area_bytes); larger messages run in launches of this size
 LAUNCH_BYTES = 32 << 20
-#: groups of a slice that one block takes at least: a thread quantizes a whole group, so a
-#: block's 1024 threads (its launch bound) keep HBM busy on large messages, while short
-#: ones still spread over many SMs (threads past a block's part idle)
-BLOCK_GROUPS = 256
+#: units of a slice that one block takes at least: one per warp of a block (a warp takes
+#: a unit at a time), so short messages spread over many SMs
+BLOCK_UNITS = THREADS[SOURCE] // 32
 #: the smallest message (input bytes) that ``auto`` quantizes on an opted-in communicator,
 #: and only with 2 ranks or more: below it a kernel's fixed cost dominates and the
 #: quantized two-shot, doing more arithmetic per byte, is slower than full precision
@@ -75,37 +79,51 @@ class Format:
     Attributes:
         name: the ``precision=`` value and ``UBNEXT_QUANTIZED`` value.
         kernel: the codec struct of kernels/quant.cuh (compiled in as UB_QFMT).
+        bits: bits of a code (the codec's kBits; the kernel checks its record size against
+            :func:`record_bytes`, passed as UB_QRECORD_BYTES).
         qmax: the largest code magnitude (the group's largest magnitude maps to it).
         step: the largest rounding error of one quantization, relative to the group's
-            largest magnitude: int8 half a code (0.5 / 127); e4m3 half the spacing of the
-            codes just below 448 (16 / 448).
+            largest magnitude: an integer format half a code (int8 0.5 / 127, int4 0.5 / 7:
+            its codes are 1/7 of the magnitude apart); e4m3 half the spacing of the codes
+            just below 448 (16 / 448).
         min_arch: the least compute capability that converts to it in hardware.
+        floating: codes are e4m3 values, else integers.
     """
 
     name: str
     kernel: str
+    bits: int
     qmax: float
     step: float
     min_arch: int
+    floating: bool = False
 
     def encode(self, y: np.ndarray) -> np.ndarray:
         """fp32 values ``y`` (already within +-qmax) rounded to codes, as fp32 values."""
-        if self.name == "int8":  # through int8: a code of -0.0 is +0
-            return np.rint(y).astype(np.int8).astype(_F32)
-        return y.astype(ml_dtypes.float8_e4m3fn).astype(_F32)
+        if self.floating:
+            return y.astype(ml_dtypes.float8_e4m3fn).astype(_F32)
+        return np.rint(y).astype(np.int8).astype(_F32)  # through int8: a code of -0.0 is +0
 
 
-#: format name -> Format
-FORMATS = {f.name: f for f in (Format("int8", "QInt8", 127.0, 0.5 / 127, 0),
-                                Format("fp8", "QFp8", 448.0, 16.0 / 448, 89))}
+#: format name -> Format; the order numbers the formats in call signatures (:func:`signature`)
+FORMATS = {f.name: f for f in (Format("int8", "QInt8", 8, 127.0, 0.5 / 127, 0),
+                                Format("fp8", "QFp8", 8, 448.0, 16.0 / 448, 89, floating=True),
+                                Format("int4", "QInt4", 4, 7.0, 0.5 / 7, 0))}
 #: every value ``precision=`` takes
 PRECISIONS = (AUTO, EXACT, *FORMATS)
+#: the opt-in's values, for messages
+_OPT_IN = "|".join(FORMATS)
 
 
 def bytes_per_element(fmt: str) -> float:
     """Bytes that cross the links per element in ``fmt``: a code and a share of its scale."""
-    del fmt  # every format has one-byte codes
-    return 1 + SCALE_BYTES / GROUP
+    return FORMATS[fmt].bits / 8 + SCALE_BYTES / GROUP
+
+
+def record_bytes(fmt: str) -> int:
+    """Bytes of a unit's record in ``fmt`` (kernels/quant.cuh, Record): UNIT codes, then
+    UNIT_GROUPS scales; whole 128-byte lines."""
+    return UNIT * FORMATS[fmt].bits // 8 + UNIT_GROUPS * SCALE_BYTES
 
 
 def wire_fraction(fmt: str, dtype: str = "bfloat16") -> float:
@@ -118,24 +136,31 @@ def groups(count: int) -> int:
     return -(-count // GROUP)
 
 
-def area_bytes(nranks: int, launch_elems: int) -> int:
+def units(count: int) -> int:
+    """Units of a message of ``count`` elements (the last one padded with zeros)."""
+    return -(-count // UNIT)
+
+
+def area_bytes(nranks: int, launch_elems: int, fmt: str) -> int:
     """Bytes of the quantized receive areas for launches of up to ``launch_elems``
-    elements (kernels/quant_twoshot.cu: QuantAreas): a reduce-scatter area of N slots
-    of S groups and an all-gather area of N * S groups, codes then scales, where
-    S = ceil(G / N) groups per slice."""
-    slice_groups = -(-groups(launch_elems) // nranks)
-    return 2 * nranks * slice_groups * (GROUP + SCALE_BYTES)
+    elements in ``fmt`` (kernels/quant_twoshot.cu: QuantAreas): a reduce-scatter area of
+    N slots of S unit records and an all-gather area of N * S records, where
+    S = ceil(units / N) units per slice."""
+    slice_units = -(-units(launch_elems) // nranks)
+    return 2 * nranks * slice_units * record_bytes(fmt)
 
 
 def quant_area_bytes(nranks: int, setting: str) -> int:
     """The pool bytes of the quantized receive areas of a communicator whose
-    ``Config.quantized`` is ``setting``: none where it is ``"off"``."""
-    return 0 if setting == "off" else area_bytes(nranks, LAUNCH_BYTES // 2)
+    ``Config.quantized`` is ``setting``: none where it is ``"off"``, else room for a
+    launch in any format (``precision=`` picks one per call)."""
+    return 0 if setting == "off" else max(area_bytes(nranks, LAUNCH_BYTES // 2, f) for f in FORMATS)
 
 
 def compile_defines(fmt: str, dtype: str, op: str, nranks: int) -> dict[str, str]:
     """Preprocessor definitions of an instantiation of kernels/quant_twoshot.cu."""
-    return {**_base_defines(dtype, op, nranks), "UB_QFMT": FORMATS[fmt].kernel}
+    return {**_base_defines(dtype, op, nranks), "UB_QFMT": FORMATS[fmt].kernel,
+            "UB_QRECORD_BYTES": str(record_bytes(fmt))}
 
 
 # ---- opt-in ------------------------------------------------------------------------------
@@ -181,7 +206,7 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbyte
         problem = (f"it takes {' and '.join(DTYPES)}, not {dtype}" if dtype not in DTYPES else
                    f"it takes op {' or '.join(OPS)}, not {op!r}" if op not in OPS else
                    f"it is its own algorithm: pass algorithm='auto', not {algorithm!r}" if algorithm != "auto" else
-                   "the communicator opted out: set UBNEXT_QUANTIZED=int8|fp8 (or Communicator(quantized=...)) "
+                   f"the communicator opted out: set UBNEXT_QUANTIZED={_OPT_IN} (or Communicator(quantized=...)) "
                    "to reserve its buffers" if setting == "off" else
                    "this communicator runs NCCL only" if not kernels else None)
         if problem:
@@ -189,7 +214,7 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbyte
     have = arch()
     if have < FORMATS[fmt].min_arch:
         raise UbnextError(f"{name}: precision {fmt!r} needs compute capability {FORMATS[fmt].min_arch / 10:.1f} "
-                          f"or newer (this device: {have / 10:.1f}); use int8")
+                          f"or newer (this device: {have / 10:.1f}); use int8 or int4")
     return fmt
 
 
@@ -199,16 +224,17 @@ TAG_SHIFT = COUNT_BITS - 4
 
 def signature(sig: int, fmt: str) -> int:
     """A quantized call's signature: the plain one (``_signature.encode``) with the format's
-    number (1, 2) in the top 4 bits of its count field, so that ranks calling with different
-    formats (which share the kernel's flags and areas) fail with CollectiveMismatchError
-    instead of mixing codes; counts stay far below 2**TAG_SHIFT elements."""
+    number (1, 2, 3: FORMATS' order) in the top 4 bits of its count field, so that ranks
+    calling with different formats (which share the kernel's flags and areas) fail with
+    CollectiveMismatchError instead of mixing codes; counts stay far below 2**TAG_SHIFT
+    elements."""
     return sig | (list(FORMATS).index(fmt) + 1) << TAG_SHIFT
 
 
 def describe(setting: str, kernels: bool) -> str:
     """One line for ``describe()``: whether and where ``auto`` quantizes."""
     if setting == "off":
-        return ("off: auto never quantizes (opt in with UBNEXT_QUANTIZED=int8|fp8; then precision= "
+        return (f"off: auto never quantizes (opt in with UBNEXT_QUANTIZED={_OPT_IN}; then precision= "
                 "picks per call)")
     if not kernels:
         return f"{setting} requested, but this communicator runs NCCL only: every call keeps full precision"
@@ -290,7 +316,17 @@ def bound(fmt: str, dtype: str, nranks: int) -> float:
     roundings of x / scale and of code * scale add about 2^-24 per quantization, covered
     by doubling the fp32 term. Not covered: a float16 result below its normal range
     (an absolute error up to 2^-25 more: :func:`absolute_slack`) and a group whose scale
-    underflows fp32 (largest magnitude below about 1e-43: it comes out as zeros).
+    is below fp32's normal range (largest magnitude below qmax * 2^-126, about 1e-37 for
+    int4 and 1e-36 for int8): the scale then rounds to a multiple of 2^-149, which adds an
+    absolute error of that order (the clamp to +-qmax catching a scale that rounded
+    down), and below about 1e-43 the group comes out as zeros.
+
+    Per format, for a bfloat16 result (float16: about 0.004 less): int8, c = 0.5/127,
+    about 0.0118; fp8 e4m3, c = 16/448, about 0.077; int4, whose codes -7..7 are 1/7 of
+    the group's largest magnitude apart, so that rounding to one is off by at most half
+    that (c = 0.5/7) before and again at the owner's requantization, about 0.152. The
+    clamp to +-qmax moves a value by at most its fp32 rounding (scale = amax / qmax is
+    rounded, so |x| / scale may exceed qmax by an ulp), inside the doubled fp32 term.
     """
     c, u = FORMATS[fmt].step, _UNIT[dtype]
     return c + c * (1 + c) + u * (1 + c) ** 2 + (nranks + 1) * 2.0**-23 * (1 + c)
