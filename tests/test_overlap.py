@@ -312,3 +312,12 @@ def test_column_then_row_parallel_in_sequence_parallel_mode(size):
     want = rank_order(partials)
     for r, got in enumerate(run_ranks(size, body)):
         assert torch.equal(got, want[2 * r:2 * r + 2])
+
+
+def test_benchmark_defaults_and_the_hidden_share():
+    from bench import overlap_perf
+
+    args = overlap_perf.parse_args([])
+    assert args.tokens == [2048, 4096, 8192, 16384] and args.shapes == "8192/28672,4096/14336"
+    assert overlap_perf.hidden_share({"overlapped": 110.0, "gemm": 100.0, "comm": 40.0}) == pytest.approx(0.75)
+    assert overlap_perf.hidden_share({"overlapped": 140.0, "gemm": 100.0, "comm": 40.0}) == pytest.approx(0.0)
