@@ -292,6 +292,17 @@ class AddRMSNormEpilogue(nn.Module):
 
         Collective: no.
         Graph-capturable: yes.
+
+        Args:
+            x: (rows, hidden), this rank's rows of the reduced sum.
+            residual: x's shape and dtype, or None.
+            bias: hidden elements, or None.
+
+        Returns:
+            ``(normed, residual_out)``, x's shape each.
+
+        Raises:
+            RuntimeError: shapes that do not broadcast (torch's).
         """
         return _rmsnorm.add_rmsnorm(x, residual, self.weight, bias, self.eps)
 
