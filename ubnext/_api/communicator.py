@@ -81,6 +81,7 @@ class Communicator(CallSteps):
         self._closed = False
         self._resolved: dict[tuple, str] = {}
         self._plans = Plans()  # eager calls validated and launched before (_plans)
+        self._areas: dict[str, tuple] = {}  # symmetric areas of the features above (_symmetric_area)
         self._local = self._node = self._context = None
         try:
             _agreement.check(config, bootstrap)  # before anything that the configuration shapes
@@ -607,6 +608,34 @@ class Communicator(CallSteps):
             block = self._node.alloc(count * DTYPES[dtype][1])
             return _arrays.wrap(block.ptr, shape, dtype, self.device, framework, block)
 
+    def _symmetric_area(self, key: str, nbytes: int, framework: str = "cupy") -> tuple:
+        """The area ``key`` of ``nbytes`` in the pool, for a feature built on the communicator
+        (``ubnext.torch``'s overlapped GEMMs): allocated at the first call (collective: every
+        rank's first call for ``key`` comes at the same place of its program, with the same
+        ``nbytes``), kept until ``close``, which frees it (an area held by its user would
+        outlive the pool's release check).
+
+        Returns:
+            ``(array, ptrs)``: this rank's bytes as a uint8 array of ``framework`` (valid
+            until ``close``; keep no reference past it), and the area's address in every
+            local rank's segment, in local-rank order.
+
+        Raises:
+            UbnextError: no symmetric pool, pool exhausted, or a closed communicator.
+        """
+        with self._order:
+            self._check_open(key)
+            area = self._areas.get(key)
+            if area is None:
+                if self._node is None:
+                    raise UbnextError(f"{key}: this communicator has no symmetric memory pool (it uses NCCL)")
+                block = self._node.alloc(nbytes)
+                pool = self._node.pool
+                offset = pool.contains(block.ptr, nbytes)
+                area = self._areas[key] = (_arrays.wrap(block.ptr, (nbytes,), "uint8", self.device, framework, block),
+                                           tuple(pool.ptr(r, offset) for r in range(self._local.size)))
+            return area
+
     def algorithms(self) -> list[str]:
         """Names of the algorithms this communicator can run (``algorithm=`` values besides ``"auto"``).
 
@@ -744,6 +773,7 @@ class Communicator(CallSteps):
                 return
             self._closed = True
             self._plans.clear()
+            self._areas.clear()  # their blocks go back to the heap before the pool's release
             self._node = None
             self._finalizer.detach()
             lifetime.OPEN.discard(self)

@@ -25,8 +25,12 @@ Which form does what:
   implementations, so ``torch.compile(fullgraph=True)`` traces through every form and a
   compiled function replays in a CUDA graph. The ``Communicator``'s own collectives on
   torch tensors become these ops under torch.compile too (``_traced``).
-* ``tp``: tensor-parallel layers built on them; ``BufferPlan``: planned symmetric buffers
-  the row-parallel GEMMs write into.
+* ``all_gather_matmul(a_shard, b, group=comm)``, ``matmul_reduce_scatter(a, b,
+  group=comm)`` (``functional``'s, re-exported): the sequence-parallel GEMMs with their
+  communication under them (``torch.ops.ubnext.all_gather_matmul``,
+  ``matmul_reduce_scatter``; shaped like torch's async-TP ops; ``_overlap``).
+* ``tp``: tensor-parallel layers built on them (``sequence_parallel=True``: the overlapped
+  GEMMs); ``BufferPlan``: planned symmetric buffers the row-parallel GEMMs write into.
 
 ``group`` is a ``ubnext.Communicator`` (or the int from ``handle(comm)``, which the ops take).
 """
@@ -39,6 +43,7 @@ from . import functional
 from ._planner import BufferPlan
 from ._reduce_op import op_name
 from ._registry import handle
+from .functional import all_gather_matmul, matmul_reduce_scatter
 from .tp import (
     AddRMSNormEpilogue,
     ColumnParallelLinear,
@@ -49,8 +54,8 @@ from .tp import (
 
 # ReduceOp is torch.distributed's, re-exported (documented there)
 __all__ = ["AddRMSNormEpilogue", "BufferPlan", "ColumnParallelLinear", "RowParallelLinear",
-           "TensorParallelAttentionOutput", "TensorParallelMLP", "all_gather_into_tensor", "all_reduce", "functional",
-           "handle", "op_name", "reduce_scatter_tensor"]
+           "TensorParallelAttentionOutput", "TensorParallelMLP", "all_gather_into_tensor", "all_gather_matmul",
+           "all_reduce", "functional", "handle", "matmul_reduce_scatter", "op_name", "reduce_scatter_tensor"]
 
 
 class _Done:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd.graph import increment_version
 
-from . import _rmsnorm
+from . import _overlap, _rmsnorm
 from ._registry import lookup, size_of
 
 NAMESPACE = "ubnext"
@@ -167,6 +167,83 @@ def _sequence_parallel_fused_run(comm, x, residual_shard, weight, bias, eps):
     return comm.reduce_scatter_add_rmsnorm(x, residual_shard, weight, eps=eps, bias=bias)
 
 
+# ---- all_gather_matmul / matmul_reduce_scatter (the GEMMs with the communication under them) ----
+def check_matmul(name: str, a, b, size: int, scattered: bool) -> None:
+    """The operands of the overlapped ops: ``a`` (rows, ..., k), ``b`` (k, n) of a's dtype
+    and device, rows a multiple of the ranks where they are scattered."""
+    from ubnext._protocol.errors import UbnextError
+
+    if a.dim() < 2 or b.dim() != 2 or a.shape[-1] != b.shape[0]:
+        raise UbnextError(f"ubnext::{name}: a (rows, ..., k) and b (k, n) needed, got shapes "
+                          f"{tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype or a.device != b.device:
+        raise UbnextError(f"ubnext::{name}: a and b must share dtype and device, got {a.dtype} on {a.device} "
+                          f"and {b.dtype} on {b.device}")
+    if scattered and a.shape[0] % size:
+        raise UbnextError(f"ubnext::{name}: a has {a.shape[0]} rows, which {size} ranks do not divide")
+
+
+def _rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def _all_gather_matmul_run(comm, a, b):
+    check_matmul("all_gather_matmul", a, b, comm.size, False)
+    gathered, out = _overlap.all_gather_matmul(comm, _rows(a).contiguous(), b)
+    lead = (comm.size * a.shape[0], *a.shape[1:-1])
+    return gathered.view(*lead, a.shape[-1]), out.view(*lead, b.shape[1])
+
+
+def _matmul_reduce_scatter_run(comm, a, b):
+    check_matmul("matmul_reduce_scatter", a, b, comm.size, True)
+    out = _overlap.matmul_reduce_scatter(comm, _rows(a).contiguous(), b)
+    return out.view(a.shape[0] // comm.size, *a.shape[1:-1], b.shape[1])
+
+
+def _all_gather_matmul_fake(a, b, group):
+    size = size_of(group)
+    check_matmul("all_gather_matmul", a, b, size, False)
+    lead = (size * a.shape[0], *a.shape[1:-1])
+    return a.new_empty((*lead, a.shape[-1])), a.new_empty((*lead, b.shape[1]))
+
+
+def _matmul_reduce_scatter_fake(a, b, group):
+    size = size_of(group)
+    check_matmul("matmul_reduce_scatter", a, b, size, True)
+    return a.new_empty((a.shape[0] // size, *a.shape[1:-1], b.shape[1]))
+
+
+def _matmul_context(ctx, inputs, output):
+    a, b, ctx.group = inputs
+    # the all-gather side keeps its gathered a (its first output), the other side a itself
+    ctx.save_for_backward(output[0] if isinstance(output, tuple) else a, b)
+
+
+def _all_gather_matmul_backward(ctx, grad_gathered, grad_out):
+    """gathered = all_gather(a), out = gathered @ b: a's gradient is the reduce-scatter of
+    grad_out @ b.T (the overlapped op) plus that of the gathered output's own gradient;
+    b's is gathered.T @ grad_out."""
+    gathered, b = ctx.saved_tensors
+    da = db = None
+    if grad_out is not None and ctx.needs_input_grad[0]:
+        da = torch.ops.ubnext.matmul_reduce_scatter(grad_out, b.t(), ctx.group)
+    if grad_gathered is not None and ctx.needs_input_grad[0]:
+        rs = torch.ops.ubnext.reduce_scatter(grad_gathered.contiguous(), "sum", ctx.group)
+        da = rs if da is None else da + rs
+    if grad_out is not None and ctx.needs_input_grad[1]:
+        db = _rows(gathered).t() @ _rows(grad_out)
+    return da, db, None
+
+
+def _matmul_reduce_scatter_backward(ctx, grad):
+    """out = reduce_scatter(a @ b): the gradient of a @ b is the all-gather of grad, so
+    a's is all_gather(grad) @ b.T (the overlapped op) and b's a.T @ all_gather(grad)."""
+    a, b = ctx.saved_tensors
+    gathered, da = torch.ops.ubnext.all_gather_matmul(grad.contiguous(), b.t(), ctx.group)
+    db = _rows(a).t() @ _rows(gathered) if ctx.needs_input_grad[1] else None
+    return (da if ctx.needs_input_grad[0] else None), db, None
+
+
 OPS: dict[str, Op] = {
     # out of place: a new tensor, x unchanged
     "all_reduce": Op("(Tensor x, str op, int group) -> Tensor", (),
@@ -200,6 +277,14 @@ OPS: dict[str, Op] = {
     "reduce_scatter_add_rmsnorm": Op(
         "(Tensor x, Tensor? residual_shard, Tensor weight, Tensor? bias, float eps, int group) -> (Tensor, Tensor)",
         (), _sequence_parallel_fused_run, _shard_fake, _sequence_parallel_fused_backward, _fused_context),
+    # (gathered a, gathered a @ b) and reduce_scatter(a @ b) by rows, the communication under
+    # the GEMMs (_overlap); each other's transposes in backward
+    "all_gather_matmul": Op("(Tensor a, Tensor b, int group) -> (Tensor, Tensor)", (),
+                            _all_gather_matmul_run, _all_gather_matmul_fake,
+                            _all_gather_matmul_backward, _matmul_context),
+    "matmul_reduce_scatter": Op("(Tensor a, Tensor b, int group) -> Tensor", (),
+                                _matmul_reduce_scatter_run, _matmul_reduce_scatter_fake,
+                                _matmul_reduce_scatter_backward, _matmul_context),
 }
 
 

@@ -14,8 +14,8 @@ from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
 from ._reduce_op import op_name
 from ._registry import handle
 
-__all__ = ["all_gather", "all_reduce", "all_reduce_add_rmsnorm", "copy_to_group", "reduce_scatter",
-           "reduce_scatter_add_rmsnorm"]
+__all__ = ["all_gather", "all_gather_matmul", "all_reduce", "all_reduce_add_rmsnorm", "copy_to_group",
+           "matmul_reduce_scatter", "reduce_scatter", "reduce_scatter_add_rmsnorm"]
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
@@ -158,6 +158,90 @@ def reduce_scatter_add_rmsnorm(x: torch.Tensor, residual_shard: torch.Tensor | N
     """
     return torch.ops.ubnext.reduce_scatter_add_rmsnorm(x, residual_shard, weight, bias, float(eps),
                                                        handle(_required(group)))
+
+
+def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 0, group=None):
+    """Every rank's ``a_shard`` gathered by rows and multiplied by ``b``, the transfers under
+    the GEMMs (``torch.ops.ubnext.all_gather_matmul``): as
+    ``torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], 0, group_name)``, with one
+    ``b`` and its product returned as a tensor instead of a list.
+
+    Each rank multiplies its own rows first, then each peer's rows as they arrive in its
+    result (pulled by copy engines from the peer's symmetric pool, in rounds of at most
+    half of a bounded area: ``ubnext.torch._overlap``). Every block of rows is one GEMM of
+    ``b``, so the product equals, bit for bit, ``torch.matmul`` of the same row blocks.
+    Without a pool (NCCL only) it runs the all-gather, then the GEMM.
+
+    Differentiable: ``a_shard``'s gradient is ``matmul_reduce_scatter(grad, b.T)`` (plus
+    the reduce-scatter of the gathered output's own gradient), ``b``'s ``gathered.T @ grad``.
+
+    Collective: yes: every rank of ``group`` calls it, in the same order (its backward too).
+    Graph-capturable: yes, after a first eager call (which allocates the overlap area of
+    the pool, collectively); torch.compile(fullgraph=True) traces it.
+
+    Args:
+        a_shard: (rows, ..., k) CUDA tensor, this rank's rows (the same shape on every rank).
+        b: (k, n), a_shard's dtype and device (any strides, e.g. a weight's ``.t()``).
+        gather_dim: 0 (rows; the only one taken).
+        group: the ``Communicator`` (or its handle).
+
+    Returns:
+        ``(gathered, out)``: (size * rows, ..., k) and (size * rows, ..., n).
+
+    Raises:
+        UbnextError: another gather_dim, shapes that do not multiply, dtypes or devices that
+            differ, no group; what ``Communicator.all_reduce`` (the barrier) raises.
+    """
+    _dim_zero("all_gather_matmul", "gather_dim", gather_dim)
+    return torch.ops.ubnext.all_gather_matmul(a_shard, b, handle(_required(group)))
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "sum", scatter_dim: int = 0,
+                          group=None) -> torch.Tensor:
+    """``a @ b`` summed over the ranks and scattered by rows, the transfers under the GEMMs
+    (``torch.ops.ubnext.matmul_reduce_scatter``): as
+    ``torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)``.
+
+    Each rank multiplies every other rank's rows first (its own last), pushing each product
+    into that rank's symmetric pool by copy engine while the next GEMM runs; each rank then
+    sums its received blocks in rank order 0, 1, ... in fp32, rounded once. The result
+    equals, bit for bit, the same row blocks' ``torch.matmul`` products reduced in that
+    order. Without a pool (NCCL only) it runs the GEMM, then the reduce-scatter.
+
+    Differentiable: ``a``'s gradient is ``all_gather_matmul(grad, b.T)``'s product, ``b``'s
+    ``a.T @ all_gather(grad)`` (the gathered gradient of the same call).
+
+    Collective: yes: every rank of ``group`` calls it, in the same order (its backward too).
+    Graph-capturable: yes, after a first eager call; torch.compile(fullgraph=True) traces it.
+
+    Args:
+        a: (size * rows, ..., k) CUDA tensor, this rank's partial operand.
+        b: (k, n), a's dtype and device (any strides).
+        reduce_op: ``"sum"`` (the only one taken).
+        scatter_dim: 0 (rows; the only one taken).
+        group: the ``Communicator`` (or its handle).
+
+    Returns:
+        (rows, ..., n): this rank's rows of the sum.
+
+    Raises:
+        UbnextError: another reduce_op or scatter_dim, rows the ranks do not divide, shapes
+            that do not multiply, dtypes or devices that differ, no group; what
+            ``Communicator.all_reduce`` (the barrier) raises.
+    """
+    _dim_zero("matmul_reduce_scatter", "scatter_dim", scatter_dim)
+    if op_name(reduce_op) != "sum":
+        from ubnext._protocol.errors import UbnextError
+
+        raise UbnextError(f"ubnext.torch.matmul_reduce_scatter: reduce_op must be 'sum', got {reduce_op!r}")
+    return torch.ops.ubnext.matmul_reduce_scatter(a, b, handle(_required(group)))
+
+
+def _dim_zero(name: str, what: str, dim: int) -> None:
+    if dim != 0:
+        from ubnext._protocol.errors import UbnextError
+
+        raise UbnextError(f"ubnext.torch.{name}: {what} must be 0 (rows), got {dim}")
 
 
 class _CopyToGroup(torch.autograd.Function):

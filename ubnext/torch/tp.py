@@ -6,6 +6,14 @@ identity forward, gradient all-reduced backward); a row-parallel linear holds a 
 the input features and yields a partial sum, which the epilogue all-reduces together with
 the bias, the residual add and the RMSNorm in one kernel, returning ``(normed,
 residual)`` for the next block. Every rank holds the same residual, norm weight and bias.
+
+With ``sequence_parallel=True`` the activations between blocks are split by rows (tokens)
+over the ranks instead of replicated: a column-parallel layer multiplies every rank's rows
+as they arrive (``all_gather_matmul``) and a row-parallel one reduce-scatters its product
+by rows as it computes (``matmul_reduce_scatter``), the communication under the GEMMs; the
+blocks then add the residual and normalize this rank's rows (their norm weight's and
+bias's gradients are this rank's rows' partial sums, to be summed over the ranks, as for
+``functional.reduce_scatter_add_rmsnorm``).
 Shards are rows (column-parallel) or columns (row-parallel) ``[rank * n / size, (rank + 1)
 * n / size)`` of the full weight; ``load_full`` takes them from the unsharded weights.
 """
@@ -18,7 +26,7 @@ from torch import nn
 
 from ubnext._protocol.errors import UbnextError
 
-from . import functional
+from . import _rmsnorm, functional
 from ._registry import handle, lookup
 
 
@@ -36,10 +44,13 @@ def _shard(n: int, size: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y_rank = x @ W[rank rows].T + b[rank rows]``, x replicated.
+    """``y_rank = x @ W[rank rows].T + b[rank rows]``, x replicated; or, with
+    ``sequence_parallel``, x this rank's rows and ``y_rank = all_gather(x) @ W[rank rows].T
+    + b[rank rows]`` by ``functional.all_gather_matmul``.
 
-    Collective: yes in backward (the input's gradient is all-reduced); the forward moves nothing.
-    Graph-capturable: yes.
+    Collective: yes: in backward (the input's gradient is all-reduced, or reduce-scattered
+    with ``sequence_parallel``), and in forward with ``sequence_parallel``.
+    Graph-capturable: yes (after a first eager call with ``sequence_parallel``).
 
     Args:
         in_features: input features (all of them, on every rank).
@@ -47,19 +58,25 @@ class ColumnParallelLinear(nn.Module):
         group: the ``ubnext.Communicator``.
         bias: whether the layer has a bias.
         dtype, device: of the parameters.
+        sequence_parallel: the input is this rank's rows (tokens), gathered under the GEMM.
 
     Raises:
         UbnextError: out_features not a multiple of the ranks.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, bias: bool = False, dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = False, dtype=None, device=None,
+                 *, sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = bool(sequence_parallel)
         self.group, self.rank, self.size = _ranks(group)
         local = _shard(out_features, self.size, "out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x):
+        if self.sequence_parallel:
+            y = functional.all_gather_matmul(x, self.weight.t(), group=self.group)[1]
+            return y if self.bias is None else y + self.bias
         return F.linear(functional.copy_to_group(x, self.group), self.weight, self.bias)
 
     @torch.no_grad()
@@ -98,7 +115,11 @@ class RowParallelLinear(nn.Module):
     plan's buffers alternate between keys); use such a result before the next call, or
     clone it.
 
-    Collective: yes: ``forward`` (an all-reduce); ``partial`` is local.
+    With ``sequence_parallel``, ``forward`` returns this rank's rows (tokens) of the sum,
+    reduce-scattered under the GEMMs by ``functional.matmul_reduce_scatter`` (plus the
+    bias); ``plan`` is not used there.
+
+    Collective: yes: ``forward`` (an all-reduce, or the reduce-scatter); ``partial`` is local.
     Graph-capturable: yes.
 
     Args:
@@ -112,14 +133,16 @@ class RowParallelLinear(nn.Module):
         reuse_output: with ``plan`` and no bias, ``forward`` returns the planned buffer's
             view (no copy), overwritten by the layer's next planned call; default False:
             a tensor of its own.
+        sequence_parallel: ``forward`` reduce-scatters by rows (tokens) instead of all-reducing.
 
     Raises:
         UbnextError: in_features not a multiple of the ranks.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = False, plan=None, key=None,
-                 dtype=None, device=None, *, reuse_output: bool = False):
+                 dtype=None, device=None, *, reuse_output: bool = False, sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = bool(sequence_parallel)
         self.group, self.rank, self.size = _ranks(group)
         local = _shard(in_features, self.size, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
@@ -173,11 +196,15 @@ class RowParallelLinear(nn.Module):
 
         Returns:
             (..., out_features), the same on every rank (the planned buffer's view only with
-            ``reuse_output=True`` and no bias).
+            ``reuse_output=True`` and no bias); with ``sequence_parallel``, x.shape[0] / ranks
+            rows: this rank's.
 
         Raises:
             UbnextError: what ``Communicator.all_reduce`` raises.
         """
+        if self.sequence_parallel:
+            y = self.scattered(x)
+            return y if self.bias is None else y + self.bias
         partial = self.partial(x)
         if self.plan is not None and not torch.compiler.is_compiling() and self._planned(partial):
             torch.ops.ubnext.all_reduce_(partial, "sum", self.group)
@@ -189,6 +216,24 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def scattered(self, x):
+        """This rank's rows of the sum of every rank's ``partial(x)``, reduce-scattered under
+        the GEMMs (``functional.matmul_reduce_scatter``), without the bias.
+
+        Collective: yes: every rank calls it, in the same order.
+        Graph-capturable: yes, after a first eager call.
+
+        Args:
+            x: (tokens, ..., in_features / ranks), tokens a multiple of the ranks.
+
+        Returns:
+            (tokens / ranks, ..., out_features).
+
+        Raises:
+            UbnextError: what ``functional.matmul_reduce_scatter`` raises.
+        """
+        return functional.matmul_reduce_scatter(x, self.weight.t(), group=self.group)
 
     def _planned(self, t) -> bool:
         return t._base is self.plan.buffers[self.plan.assign(self.key)]
@@ -239,6 +284,28 @@ class AddRMSNormEpilogue(nn.Module):
     def forward(self, partial, residual, bias=None):
         return functional.all_reduce_add_rmsnorm(partial, residual, self.weight, bias, self.eps, self.group)
 
+    def local(self, x, residual, bias=None):
+        """``(normed, residual)`` of this rank's rows of a sum already reduced:
+        the sequence-parallel blocks' add + RMSNorm, in torch with the fused op's arithmetic
+        (``_rmsnorm.add_rmsnorm``); the weight's and bias's gradients are this rank's rows'
+        partial sums.
+
+        Collective: no.
+        Graph-capturable: yes.
+
+        Args:
+            x: (rows, hidden), this rank's rows of the reduced sum.
+            residual: x's shape and dtype, or None.
+            bias: hidden elements, or None.
+
+        Returns:
+            ``(normed, residual_out)``, x's shape each.
+
+        Raises:
+            RuntimeError: shapes that do not broadcast (torch's).
+        """
+        return _rmsnorm.add_rmsnorm(x, residual, self.weight, bias, self.eps)
+
 
 class TensorParallelAttentionOutput(nn.Module):
     """The attention output projection: row-parallel over the heads, then the fused
@@ -250,17 +317,19 @@ class TensorParallelAttentionOutput(nn.Module):
     Args:
         hidden: model features.
         heads_features: heads x head_dim of the full attention (a multiple of the ranks).
-        group, bias, eps, plan, key, dtype, device: as for ``TensorParallelMLP`` (``bias``:
-            the projection's).
+        group, bias, eps, plan, key, dtype, device, sequence_parallel: as for
+            ``TensorParallelMLP`` (``bias``: the projection's).
 
     Raises:
         UbnextError: heads_features not a multiple of the ranks.
     """
 
     def __init__(self, hidden: int, heads_features: int, group, bias: bool = False, eps: float = 1e-6, plan=None,
-                 key="attention-output", dtype=None, device=None):
+                 key="attention-output", dtype=None, device=None, *, sequence_parallel: bool = False):
         super().__init__()
-        self.proj = RowParallelLinear(heads_features, hidden, group, bias, plan, key, dtype, device)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.proj = RowParallelLinear(heads_features, hidden, group, bias, plan, key, dtype, device,
+                                      sequence_parallel=sequence_parallel)
         self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device)
 
     def forward(self, attention, residual):
@@ -271,14 +340,18 @@ class TensorParallelAttentionOutput(nn.Module):
 
         Args:
             attention: tokens x (heads_features / ranks), this rank's heads.
-            residual: tokens x hidden, the same on every rank.
+            residual: tokens x hidden, the same on every rank; with ``sequence_parallel``,
+                this rank's tokens / ranks rows.
 
         Returns:
-            ``(normed, residual)``, tokens x hidden each, the same on every rank.
+            ``(normed, residual)``, tokens x hidden each, the same on every rank; with
+            ``sequence_parallel``, this rank's rows.
 
         Raises:
             UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises.
         """
+        if self.sequence_parallel:
+            return self.norm.local(self.proj.scattered(attention), residual, self.proj.bias)
         return self.norm(self.proj.partial(attention), residual, self.proj.bias)
 
 
@@ -298,16 +371,22 @@ class TensorParallelMLP(nn.Module):
         eps: the RMSNorm epsilon.
         plan, key: as for ``RowParallelLinear``.
         dtype, device: of the parameters.
+        sequence_parallel: inputs and outputs are this rank's rows (tokens): gate and up
+            all-gather their input under the GEMM, down reduce-scatters its product under
+            its GEMM, then the add + RMSNorm of this rank's rows (``AddRMSNormEpilogue.local``).
 
     Raises:
         UbnextError: intermediate not a multiple of the ranks.
     """
 
     def __init__(self, hidden: int, intermediate: int, group, bias: bool = False, eps: float = 1e-6, plan=None,
-                 key="mlp", dtype=None, device=None):
+                 key="mlp", dtype=None, device=None, *, sequence_parallel: bool = False):
         super().__init__()
-        self.gate_up = ColumnParallelLinear(hidden, 2 * intermediate, group, False, dtype, device)
-        self.down = RowParallelLinear(intermediate, hidden, group, bias, plan, key, dtype, device)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.gate_up = ColumnParallelLinear(hidden, 2 * intermediate, group, False, dtype, device,
+                                            sequence_parallel=sequence_parallel)
+        self.down = RowParallelLinear(intermediate, hidden, group, bias, plan, key, dtype, device,
+                                      sequence_parallel=sequence_parallel)
         self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device)
 
     def forward(self, x, residual):
@@ -317,16 +396,19 @@ class TensorParallelMLP(nn.Module):
         Graph-capturable: yes, after a first eager call of the same shape.
 
         Args:
-            x: tokens x hidden, the (normed) block input, the same on every rank.
-            residual: tokens x hidden, the same on every rank.
+            x: tokens x hidden, the (normed) block input, the same on every rank; with
+                ``sequence_parallel``, this rank's tokens / ranks rows.
+            residual: x's shape, the same on every rank (or this rank's rows).
 
         Returns:
-            ``(normed, residual)``, tokens x hidden each, the same on every rank.
+            ``(normed, residual)``, x's shape each, the same on every rank (or this rank's rows).
 
         Raises:
             UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises.
         """
         gate, up = self.gate_up(x).chunk(2, dim=-1)
+        if self.sequence_parallel:
+            return self.norm.local(self.down.scattered(F.silu(gate) * up), residual, self.down.bias)
         return self.norm(self.down.partial(F.silu(gate) * up), residual, self.down.bias)
 
     @torch.no_grad()

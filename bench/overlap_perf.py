@@ -1,0 +1,198 @@
+"""The sequence-parallel GEMMs with their communication hidden: ubnext's overlapped ops vs
+the GEMM alone, the communication alone, the unoverlapped sequences and torch's async TP.
+
+    NCCL_NVLS_ENABLE=0 mpirun -n 4 python bench/overlap_perf.py --tokens 2048,4096,8192,16384
+
+For each MLP shape (``--shapes``: hidden/intermediate, default 8192/28672 and 4096/14336;
+TP = the ranks) and token count, the two GEMMs of a sequence-parallel MLP block, bf16, in
+CUDA graphs (µs per call, maximum over ranks, median of the repeats):
+
+* ``ag``: ``all_gather_matmul(x_shard, gate_up.T)``: tokens/N x hidden gathered, times
+  hidden x 2*intermediate/N;
+* ``rs``: ``matmul_reduce_scatter(h, down.T)``: tokens x intermediate/N times
+  intermediate/N x hidden, reduce-scattered to tokens/N x hidden.
+
+Candidates of each: ``overlapped`` (ubnext.torch's op), ``gemm`` (the unchunked GEMM
+alone, same shapes), ``comm`` (ubnext's all-gather or reduce-scatter alone), ``ubnext+gemm``
+and ``nccl+gemm`` (the collective, then the GEMM, unoverlapped), and ``torch-async-tp``
+(``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``), left
+out with the reason printed where torch's symmetric memory cannot be set up. Rank 0
+prints the table with ``hidden = 1 - (overlapped - gemm) / comm`` (the share of the
+communication hidden) and writes ``<outdir>/<name>.json`` and ``.png``.
+
+NVLink multicast stays off: torch's async TP runs only where
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set (``_torchbench.keep_multicast_off`` sets it
+from ``NCCL_NVLS_ENABLE=0``), so torch's symmetric memory creates no multicast object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script (python bench/overlap_perf.py): bench/_standalone.py
+    import _standalone  # noqa: F401
+
+from bench import _common as common  # noqa: E402
+from bench import _torchbench as tb  # noqa: E402
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CANDIDATES = ("overlapped", "gemm", "comm", "ubnext+gemm", "nccl+gemm", "torch-async-tp")
+SIDES = ("ag", "rs")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="overlap_perf", description=__doc__.split("\n\n")[0])
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    p.add_argument("--tokens", type=ints, default=[2048, 4096, 8192, 16384])
+    p.add_argument("--shapes", default="8192/28672,4096/14336", help="hidden/intermediate, comma-separated")
+    p.add_argument("-n", "--iters", type=int, default=5, help="calls per captured graph")
+    p.add_argument("-G", "--graph-launches", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--name", default=None)
+    p.add_argument("--outdir", default=RESULTS_DIR)
+    return p.parse_args(argv)
+
+
+def torch_async_tp():
+    """(group name, None) where torch's symmetric memory serves the world group, else
+    (None, the reason)."""
+    import torch
+    import torch.distributed as dist
+
+    if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
+        return None, "TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is not set (run with NCCL_NVLS_ENABLE=0): multicast stays off"
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        name = dist.group.WORLD.group_name
+        enable_symm_mem_for_group(name)
+        torch.ops.symm_mem.fused_all_gather_matmul  # noqa: B018 (the op exists in this torch)
+        return name, None
+    except Exception as e:  # noqa: BLE001 (any failure: the candidate is left out, with why)
+        return None, f"{type(e).__name__}: {e}"
+
+
+def candidates(comm, side: str, tokens: int, hidden: int, intermediate: int, group_name):
+    """{candidate: fn} of one side at one size (the operands made here, the same bits on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    import ubnext.torch as ut
+
+    n = comm.size
+    g = torch.Generator(device="cuda").manual_seed(tokens * 31 + comm.rank)
+    bf = torch.bfloat16
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(bf)
+
+    if side == "ag":
+        a, b = rnd(tokens // n, hidden), rnd(hidden, 2 * intermediate // n, scale=hidden ** -0.5)
+        gathered = torch.empty(tokens, hidden, device="cuda", dtype=bf)
+        fns = {"overlapped": lambda: ut.all_gather_matmul(a, b, group=comm),
+               "gemm": lambda: gathered @ b,
+               "comm": lambda: comm.all_gather(a, out=gathered),
+               "ubnext+gemm": lambda: comm.all_gather(a) @ b,
+               "nccl+gemm": lambda: _nccl_gather(dist, gathered, a) @ b}
+        if group_name:
+            fns["torch-async-tp"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group_name)
+    else:
+        a, b = rnd(tokens, intermediate // n), rnd(intermediate // n, hidden, scale=(intermediate // n) ** -0.5)
+        product, shard = a @ b, torch.empty(tokens // n, hidden, device="cuda", dtype=bf)
+        fns = {"overlapped": lambda: ut.matmul_reduce_scatter(a, b, group=comm),
+               "gemm": lambda: a @ b,
+               "comm": lambda: comm.reduce_scatter(product, out=shard),
+               "ubnext+gemm": lambda: comm.reduce_scatter(a @ b),
+               "nccl+gemm": lambda: dist.reduce_scatter_tensor(shard, a @ b)}
+        if group_name:
+            fns["torch-async-tp"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
+    return fns
+
+
+def _nccl_gather(dist, out, x):
+    dist.all_gather_into_tensor(out, x)
+    return out
+
+
+def run(comm, args, argv) -> int:
+    """Measures and reports (rank 0); returns the exit status. Collective."""
+    import torch
+
+    rank0 = comm.bootstrap.rank == 0
+    shapes = [tuple(int(v) for v in s.split("/")) for s in args.shapes.split(",")]
+    group_name, why = torch_async_tp() if comm.size > 1 else (None, "one rank: nothing to overlap")
+    if rank0 and why:
+        print(f"# torch-async-tp left out: {why}")
+    records, bad = [], False
+    for hidden, intermediate in shapes:
+        for tokens in args.tokens:
+            for side in SIDES:
+                fns = candidates(comm, side, tokens, hidden, intermediate, group_name)
+                with torch.no_grad():
+                    got = fns["overlapped"]()
+                    want = fns["ubnext+gemm"]()
+                    got = got[1] if side == "ag" else got
+                    torch.cuda.synchronize()
+                    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+                    err = max(comm.bootstrap.allgather_obj(err))
+                    bad |= not err < 1e-2
+                    for name, fn in fns.items():
+                        if rank0:
+                            sys.stderr.write(f"\r{hidden}/{intermediate} {tokens:<6} {side} {name:<16}")
+                        fn()  # eager first: the ops' first calls allocate and compile
+                        torch.cuda.synchronize()
+                        times = tb.time_us(fn, "graph", comm.bootstrap, args.iters, args.graph_launches,
+                                           args.repeats)
+                        records.append({"hidden": hidden, "intermediate": intermediate, "tokens": tokens,
+                                        "side": side, "candidate": name, "times_us": times,
+                                        "median_us": tb.median(times), "rel_err_vs_unoverlapped": err})
+                del fns
+                torch.cuda.empty_cache()
+    if rank0:
+        sys.stderr.write("\n")
+        report(comm, args, argv, records, shapes, why)
+    return 1 if bad else 0
+
+
+def hidden_share(by: dict) -> float:
+    """1 - (overlapped - gemm) / comm: the share of the communication hidden under the GEMM."""
+    return 1 - (by["overlapped"] - by["gemm"]) / by["comm"]
+
+
+def report(comm, args, argv, records, shapes, why) -> None:
+    names = [c for c in CANDIDATES if any(r["candidate"] == c for r in records)]
+    for hidden, intermediate in shapes:
+        for side in SIDES:
+            print(f"# {side}: µs per call in CUDA graphs, hidden {hidden}, intermediate {intermediate}, "
+                  f"TP={comm.size}, bf16; hidden = 1 - (overlapped - gemm) / comm; x gemm = overlapped / gemm")
+            print(f"{'tokens':>7}" + "".join(f"{c:>16}" for c in names) + f"{'hidden':>9}{'x gemm':>9}{'rel err':>10}")
+            for tokens in args.tokens:
+                rows = [r for r in records if (r["hidden"], r["intermediate"], r["tokens"], r["side"]) ==
+                        (hidden, intermediate, tokens, side)]
+                by = {r["candidate"]: r["median_us"] for r in rows}
+                print(f"{tokens:>7}" + "".join(f"{by[c]:>16.1f}" if c in by else f"{'-':>16}" for c in names)
+                      + f"{hidden_share(by):>9.1%}{by['overlapped'] / by['gemm']:>9.3f}"
+                      + f"{rows[0]['rel_err_vs_unoverlapped']:>10.1e}")
+    path, doc = tb.save_report(comm, "overlap_perf", "overlap_perf", args, argv, {
+        "dtype": "bfloat16", "shapes": [list(s) for s in shapes], "torch_async_tp_left_out": why,
+        "results": records})
+    panels = {f"{side} {h}/{i}": {c: ([r["tokens"] for r in records if (r["side"], r["hidden"], r["candidate"]) ==
+                                       (side, h, c)],
+                                      [r["median_us"] for r in records if (r["side"], r["hidden"], r["candidate"]) ==
+                                       (side, h, c)]) for c in names}
+              for h, i in shapes for side in SIDES}
+    try:
+        print("# wrote " + tb.plot_lines(path + ".png", f"overlapped GEMMs, {comm.size} x {doc['machine']['gpu']}",
+                                         panels, "tokens", "median us per call"))
+    except ImportError:
+        print("# matplotlib not installed: no PNG")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return tb.main(parse_args, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(common.run_or_abort(main))

@@ -1,0 +1,189 @@
+"""All-gather + matmul and matmul + reduce-scatter with the communication under the GEMMs,
+on the symmetric pool (issue 38): the runners behind ``torch.ops.ubnext.all_gather_matmul``
+and ``matmul_reduce_scatter``.
+
+Design (the choices, and why):
+
+* **Copy engines move the data, cuBLAS does the GEMMs, both from torch.** The transfers are
+  ``cudaMemcpyAsync`` between pool addresses of two ranks (``SymmetricPool.ptr``) on a side
+  stream, so they take no SM from the GEMMs they run under; the GEMMs are ``torch.matmul``
+  into rows of the result (``out=``), so their shapes are plain cuBLAS calls that a
+  reference can repeat bit for bit. No new kernel: the barrier is ubnext's one-shot
+  Lamport all-reduce of a 4-float flag (its completion on a rank means every peer's
+  kernel ran, hence every peer's work queued before it on the side stream finished).
+* **All-gather side** (per round): each rank copies its own rows of the round into its
+  half of the area (side stream), barrier, then pulls the peers' rows from their halves
+  straight into the gathered result, src = rank+1, rank+2, ... (each rank starts at a
+  different peer), an event after each pull. The caller's stream multiplies its own rows
+  first (no communication), then each peer's rows once its event has fired.
+* **Reduce-scatter side** (per round): for dst = rank+1, ..., rank (own last), the GEMM of
+  rank dst's rows into a staging buffer (two, alternating), pushed by the side stream into
+  slot [rank] of dst's half; the own product lands in the own slot directly while the
+  last push moves. Barrier, then each rank reduces its slots in rank order 0..size-1 in
+  fp32, rounded once (``_reduce``): the result is bit-identical to the same chunks'
+  GEMMs reduced in that order, whatever the timing.
+* **Bounded area**: ``_overlap_plan.AREA_BYTES`` of the pool (one area per communicator,
+  ``Communicator._symmetric_area``), in two halves; inputs of any size move in rounds of
+  as many rows as a half takes (``_overlap_plan.split``). The gathered tensor itself is
+  never in the pool.
+
+Why reusing a half is safe (no rank writes a half while a peer still reads it): every
+round j, on every rank, (a) takes a barrier on the side stream; (b) its reads of half
+j % 2 come before the barrier of round j+1: the all-gather's pulls are on the side stream
+before it, and after a reduce-scatter round's reduction (on the caller's stream) the side
+stream waits for the caller's stream; (c) its writes come after the barrier of round j-1
+has completed: the all-gather's own copy and the reduce-scatter's pushes are on the side
+stream after it, and the reduce-scatter's own-slot GEMM on the caller's stream after the
+caller waited for it (the previous round's reduction, or the previous call's join); (d)
+rounds alternate halves, also across calls and CUDA graph replays (every call has an even
+number of rounds, starting on half 0). So a write of round j+2 into half h follows the
+completion of a barrier j+1, which follows every rank's reads of round j.
+
+Streams: the side stream is forked from the caller's stream (it waits for the caller's
+work so far) and joined back (the caller waits for it) within the call, so the op is one
+unit on the caller's stream, capturable in a CUDA graph after a first eager call (which
+allocates the area, collectively, and compiles the barrier's kernel). The barrier is a
+call of the communicator, so it keeps the communicator's launch order. Where the
+communicator has no pool (NCCL only), a single rank, or empty operands, the ops run
+unoverlapped: the communicator's all-gather or reduce-scatter, and the GEMM.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ubnext._engine.copies import copy as _copy
+
+from . import _overlap_plan as plan
+
+#: the key of the overlap area of a communicator (``Communicator._symmetric_area``)
+AREA_KEY = "ubnext.torch.overlap"
+#: the algorithm of the barrier: the one-shot all-reduce (pushes into every peer, polled)
+BARRIER_ALGORITHM = "lamport"
+
+
+class _Side:
+    """What a communicator's overlapped calls keep: the side stream and the barrier's flag
+    (4 floats: one 16-byte vector; zeros, whose sum stays zero)."""
+
+    def __init__(self, device: int):
+        self.stream = torch.cuda.Stream(device)
+        self.flag = torch.zeros(4, dtype=torch.float32, device=device)
+
+
+#: communicator -> its _Side, or None where it cannot overlap (kept while the communicator lives)
+_SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _side(comm) -> _Side | None:
+    """The communicator's _Side (created at its first overlapped call), or None where it
+    runs the unoverlapped path: a single rank, no pool (NCCL only, or not a ubnext
+    Communicator), no one-shot kernel, or local ranks that are not its ranks."""
+    try:
+        return _SIDES[comm]
+    except (KeyError, TypeError):
+        pass
+    able = (comm.size > 1 and getattr(comm, "pool", None) is not None and comm.local_rank == comm.rank
+            and BARRIER_ALGORITHM in comm.algorithms())
+    side = _Side(comm.device) if able else None
+    try:
+        _SIDES[comm] = side
+    except TypeError:  # not weakly referable: decided again next time
+        pass
+    return side
+
+
+def _barrier(comm, side: _Side) -> None:
+    comm.all_reduce(side.flag, out=side.flag, algorithm=BARRIER_ALGORITHM, stream=side.stream)
+
+
+def all_gather_matmul(comm, a: torch.Tensor, b: torch.Tensor):
+    """``(gathered, gathered @ b)``: ``a`` (m x k, this rank's rows) gathered in rank order,
+    and its product with ``b`` (k x n). Collective."""
+    side = _side(comm)
+    if side is None or 0 in (a.shape[0], a.shape[1], b.shape[1]):
+        gathered = comm.all_gather(a) if comm.size > 1 else a.clone()
+        return gathered, torch.matmul(gathered, b)
+    size, rank = comm.size, comm.rank
+    m, k = a.shape
+    gathered = a.new_empty((size * m, k))
+    out = a.new_empty((size * m, b.shape[1]))
+    with torch.cuda.device(a.device):
+        _, ptrs = comm._symmetric_area(AREA_KEY, plan.AREA_BYTES, "torch")
+        row = k * a.element_size()
+        rounds = plan.gather_rounds(m, row)
+        caller, stream = torch.cuda.current_stream(), side.stream
+        gathered[rank * m:(rank + 1) * m].copy_(a)
+        stream.wait_stream(caller)  # fork: a and everything before the call are ready
+        g0, a0, peers = gathered.data_ptr(), a.data_ptr(), plan.pull_order(rank, size)
+        for j, (r0, rows) in enumerate(rounds.parts):
+            off, nbytes = rounds.offset(j), rows * row
+            if rows:
+                _copy(ptrs[rank] + off, a0 + r0 * row, nbytes, stream.cuda_stream)
+            _barrier(comm, side)
+            if not rows:
+                continue
+            arrived = []
+            for src in peers:
+                _copy(g0 + (src * m + r0) * row, ptrs[src] + off, nbytes, stream.cuda_stream)
+                arrived.append(stream.record_event())
+            mine = rank * m + r0
+            torch.matmul(a[r0:r0 + rows], b, out=out[mine:mine + rows])
+            for src, event in zip(peers, arrived):
+                caller.wait_event(event)
+                first = src * m + r0
+                torch.matmul(gathered[first:first + rows], b, out=out[first:first + rows])
+        caller.wait_stream(stream)  # join
+    return gathered, out
+
+
+def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
+    """Rows ``[rank * m, (rank + 1) * m)`` of the sum over the ranks of ``a @ b`` (``a``:
+    size * m x k, ``b``: k x n), reduced in rank order in fp32, rounded once. Collective."""
+    side = _side(comm)
+    if side is None or 0 in (a.shape[0], a.shape[1], b.shape[1]):
+        product = torch.matmul(a, b)
+        return comm.reduce_scatter(product) if comm.size > 1 else product
+    size, rank = comm.size, comm.rank
+    m, n = a.shape[0] // size, b.shape[1]
+    out = a.new_empty((m, n))
+    with torch.cuda.device(a.device):
+        area, ptrs = comm._symmetric_area(AREA_KEY, plan.AREA_BYTES, "torch")
+        row = n * a.element_size()
+        rounds = plan.scatter_rounds(m, row, size)
+        staging = a.new_empty((2, rounds.parts[0][1], n))  # the products on their way to a peer
+        caller, stream = torch.cuda.current_stream(), side.stream
+        stream.wait_stream(caller)  # fork
+        pushed = []  # an event after each push: its staging buffer is free again
+        for j, (r0, rows) in enumerate(rounds.parts):
+            slots = [area[rounds.offset(j, s):rounds.offset(j, s) + rows * row].view(a.dtype).view(rows, n)
+                     for s in range(size)]
+            for dst in (plan.push_order(rank, size) if rows else ()):
+                first = dst * m + r0
+                if dst == rank:
+                    torch.matmul(a[first:first + rows], b, out=slots[rank])
+                    continue
+                if len(pushed) >= 2:
+                    caller.wait_event(pushed[-2])
+                buf = staging[len(pushed) % 2, :rows]
+                torch.matmul(a[first:first + rows], b, out=buf)
+                stream.wait_event(caller.record_event())
+                _copy(ptrs[dst] + rounds.offset(j, rank), buf.data_ptr(), rows * row, stream.cuda_stream)
+                pushed.append(stream.record_event())
+            _barrier(comm, side)
+            caller.wait_stream(stream)  # every rank's pushes into this rank's slots are done
+            if rows:
+                _reduce(slots, out[r0:r0 + rows])
+            stream.wait_stream(caller)  # the next round's barrier after these reads
+    return out
+
+
+def _reduce(slots: list, out: torch.Tensor) -> None:
+    """``out`` = the slots summed in order in fp32, rounded once to out's dtype (two slots
+    or more)."""
+    acc = slots[0].float()
+    for s in slots[1:-1]:
+        acc.add_(s)
+    torch.add(acc, slots[-1], out=out)
