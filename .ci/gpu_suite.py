@@ -74,7 +74,8 @@ PARTS = {
     # at 4 ranks this file alone needs about 17 minutes (a third of it ran in 320 s on 4 H100s):
     # run it in slices, e.g. PYTEST_ADDOPTS="-k 'lamport and not twoshot'" (tests/gpu_suite/README.md)
     "allreduce": ("tests/test_gpu_allreduce.py",),
-    "protocol": ("tests/test_gpu_deterministic.py", "tests/test_gpu_protocol.py", "tests/test_gpu_pdl.py"),
+    "protocol": ("tests/test_gpu_deterministic.py", "tests/test_gpu_protocol.py", "tests/test_gpu_pdl.py",
+                 "tests/test_gpu_subnormal.py"),
     "api": ("tests/test_gpu_api.py", "tests/test_gpu_fallback.py", "tests/test_gpu_tune.py"),
     "dtypes": ("tests/test_gpu_dtypes.py", "tests/test_gpu_quant.py"),
     "rsag": ("tests/test_gpu_rsag.py", "tests/test_gpu_streams.py"),

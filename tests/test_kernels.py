@@ -527,6 +527,49 @@ def test_the_launch_config_has_cuda_h_layout(tmp_path):
     assert SHAPE_AND_STREAM.size == LaunchConfig.attrs.offset  # grid .. stream, as one pack
 
 
+def test_compile_module_compiles_without_flush_to_zero_caches_and_loads_the_cubin(monkeypatch, tmp_path):
+    """Kernels compile with CI's options for the device's real architecture (CuPy's own
+    compile would add -ftz=true: subnormals flushed), are cached on disk under CuPy's cache
+    directory, compiled once per text and options, and loaded from the cubin."""
+    import types
+
+    import cupy
+
+    from ubnext._environment import cuda as _cuda
+
+    compiled, loaded = [], []
+    real = _cuda.nvrtc_compile
+
+    def counting(text, name, opts):
+        compiled.append(opts)
+        return real(text, name, opts)
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cuda, "nvrtc_compile", counting)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(compute_capability="90"))
+    monkeypatch.setattr(cupy, "RawModule", lambda path: loaded.append(path) or path)
+    for _ in range(2):
+        _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"))
+    assert len(compiled) == 1 and "--gpu-architecture=sm_90" in compiled[0]
+    assert not any("ftz" in o or "fast-math" in o for o in compiled[0])
+    assert loaded[0] == loaded[1] and loaded[0].startswith(str(tmp_path / "ubnext"))
+    assert open(loaded[0], "rb").read()[:4] == b"\x7fELF"  # a cubin
+    _kernels.compile_module(NORM_SOURCE, norm_defines("float16"))  # other options: another file
+    assert len(compiled) == 2 and len(set(loaded)) == 2
+
+
+@pytest.mark.parametrize("source", sorted({a.source for a in ALGORITHMS.values() if a.is_kernel}
+                                          | {NORM_SOURCE, _quant.SOURCE}))
+def test_no_kernel_flushes_subnormals(source):
+    """No fp32 instruction of any kernel flushes subnormals (.ftz): an all-reduce of
+    subnormal values keeps them, as NCCL's and the host references do."""
+    alg = next((a for a in ALGORITHMS.values() if a.is_kernel and a.source == source), None)
+    defines = (compile_defines("float32", "sum", 4, alg.transport) if alg else norm_defines("float32")
+               if source == NORM_SOURCE else _quant.compile_defines("int8", "bfloat16", "sum", 4))
+    ptx = _kernels.compile_cubin(source, defines, arch="compute_90a").decode(errors="replace")
+    assert not [line for line in ptx.splitlines() if ".ftz" in line]
+
+
 def ctypes_sizeof(struct_type) -> int:
     import ctypes
 
