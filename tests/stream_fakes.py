@@ -178,7 +178,7 @@ def bare_communicator(order, **attrs):
 
     comm = Communicator.__new__(Communicator)
     comm.__dict__.update(rank=0, size=1, device=order.context.device, _closed=False, _resolved={}, _plans=Plans(),
-                         _node=None, _local=None, _order=order, _context=order.context)
+                         _node=None, _local=None, _order=order, _context=order.context, _areas={})
     comm.__dict__.update(attrs)
     comm._owned = Owned(order, comm._node, comm.__dict__.get("_dispatch"), None, comm._local, None, 0)
     comm._finalizer = weakref.finalize(comm, lambda: None)

@@ -549,12 +549,12 @@ def test_compile_module_compiles_without_flush_to_zero_caches_and_loads_the_cubi
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(compute_capability="90"))
     monkeypatch.setattr(cupy, "RawModule", lambda path: loaded.append(path) or path)
     for _ in range(2):
-        _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"))
+        _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"), 0)
     assert len(compiled) == 1 and "--gpu-architecture=sm_90" in compiled[0]
     assert not any("ftz" in o or "fast-math" in o for o in compiled[0])
     assert loaded[0] == loaded[1] and loaded[0].startswith(str(tmp_path / "ubnext"))
     assert open(loaded[0], "rb").read()[:4] == b"\x7fELF"  # a cubin
-    _kernels.compile_module(NORM_SOURCE, norm_defines("float16"))  # other options: another file
+    _kernels.compile_module(NORM_SOURCE, norm_defines("float16"), 0)  # other options: another file
     assert len(compiled) == 2 and len(set(loaded)) == 2
 
 

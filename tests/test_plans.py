@@ -117,7 +117,7 @@ def make_engine(monkeypatch, config):
     """A real Engine over a fake pool; its kernels are fakes named by ``kernels``."""
     kernels = {}
 
-    def compile_module(source, defines):
+    def compile_module(source, defines, device):
         def get_function(entry):
             ptr = next(_ADDRESSES)
             kernels[ptr], PARAMS_AT[ptr] = (source, entry, tuple(sorted(defines.items()))), NPARAMS[entry]

@@ -220,7 +220,7 @@ class Dispatcher:
             from ubnext._engine.epilogue import AddRmsNorm
             from ubnext._engine.launch import programmatic
 
-            self._epilogue = AddRmsNorm(cupy.cuda.Device(self._device).attributes["MultiProcessorCount"],
-                                        programmatic(self._pdl, self._device))
+            sms = cupy.cuda.Device(self._device).attributes["MultiProcessorCount"]
+            self._epilogue = AddRmsNorm(self._device, sms, programmatic(self._pdl, self._device))
         return self._epilogue
 

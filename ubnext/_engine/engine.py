@@ -168,7 +168,7 @@ class Engine:
             module = self._modules.get(mkey)
             if module is None:
                 defines = compile_defines(dtype, op, self.nranks, alg.transport, cluster, self._deterministic)
-                module = self._modules[mkey] = compile_module(alg.source, defines)
+                module = self._modules[mkey] = compile_module(alg.source, defines, self.pool.device)
             prefix, state = self._constants(alg, DTYPES[dtype][1], fused)
             launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry], prefix, (state,),
                                                         self.dependent)
@@ -236,7 +236,8 @@ class Engine:
         key = (f"quantized:{fmt}", dtype, op, False, 1, "all_reduce")  # shaped as _kernel's keys
         launcher = self._launchers.get(key)
         if launcher is None:
-            module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks))
+            module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks),
+                                    self.pool.device)
             launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS["ub_twoshot"],
                                                        self._fixed + (flags, area), (state,), self.dependent)
         slice_units = -(-_quant.units(count) // self.nranks)

@@ -20,13 +20,14 @@ class AddRmsNorm:
     """Launches ``ub_add_rmsnorm`` (kernels/rmsnorm.cu); one compiled kernel per dtype.
 
     Args:
+        device: the GPU it launches on.
         sms: the device's multiprocessors. A launch has one row per block (grid-stride
             beyond) and as many blocks as the SMs hold at once.
         dependent: launch with programmatic dependent launch (``_launch.programmatic``).
     """
 
-    def __init__(self, sms: int, dependent: bool = False):
-        self._sms, self._dependent = sms, dependent
+    def __init__(self, device: int, sms: int, dependent: bool = False):
+        self._device, self._sms, self._dependent = device, sms, dependent
         self._one_each = sms * NORM_THREADS  # vectors that a full block on every SM covers a thread each
         self._launchers: dict[str, Launcher] = {}
 
@@ -39,7 +40,7 @@ class AddRmsNorm:
         """
         launcher = self._launchers.get(dtype)
         if launcher is None:
-            module = compile_module(NORM_SOURCE, norm_defines(dtype))
+            module = compile_module(NORM_SOURCE, norm_defines(dtype), self._device)
             launcher = self._launchers[dtype] = Launcher(module.get_function(NORM_ENTRY), _PARAMS,
                                                           dependent=self._dependent)
         vectors = -(-hidden * DTYPES[dtype][1] // 16)

@@ -75,8 +75,9 @@ def compile_cubin(name: str, defines: dict[str, str], arch: str = "sm_90a", fast
     return nvrtc_compile(source(name), name, list(options(defines)) + [f"--gpu-architecture={arch}"] + fast_options)
 
 
-def compile_module(name: str, defines: dict[str, str]):
-    """Compiles ``kernels/<name>`` for the current device and loads it.
+def compile_module(name: str, defines: dict[str, str], device: int):
+    """Compiles ``kernels/<name>`` for GPU ``device`` and loads it (on the current device:
+    the caller's launch section has the device's context current).
 
     NVRTC compiles it with ``options(defines)`` for the device's real architecture, as
     CI's gate does (``compile_cubin``), and the cubin is loaded through
@@ -92,7 +93,7 @@ def compile_module(name: str, defines: dict[str, str]):
 
     from ubnext._environment.cuda import nvrtc_compile
 
-    arch = f"sm_{cupy.cuda.Device().compute_capability}"
+    arch = f"sm_{cupy.cuda.Device(device).compute_capability}"
     opts = list(options(defines)) + [f"--gpu-architecture={arch}"]
     text = source(name)
     path = cache_path(name, text, opts)

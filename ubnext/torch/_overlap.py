@@ -114,7 +114,7 @@ def all_gather_matmul(comm, a: torch.Tensor, b: torch.Tensor):
         _, ptrs = comm._symmetric_area(AREA_KEY, plan.AREA_BYTES, "torch")
         row = k * a.element_size()
         rounds = plan.gather_rounds(m, row)
-        caller, stream = torch.cuda.current_stream(), side.stream
+        caller, stream = torch.cuda.current_stream(a.device), side.stream
         gathered[rank * m:(rank + 1) * m].copy_(a)
         stream.wait_stream(caller)  # fork: a and everything before the call are ready
         g0, a0, peers = gathered.data_ptr(), a.data_ptr(), plan.pull_order(rank, size)
@@ -154,7 +154,7 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
         row = n * a.element_size()
         rounds = plan.scatter_rounds(m, row, size)
         staging = a.new_empty((2, rounds.parts[0][1], n))  # the products on their way to a peer
-        caller, stream = torch.cuda.current_stream(), side.stream
+        caller, stream = torch.cuda.current_stream(a.device), side.stream
         stream.wait_stream(caller)  # fork
         pushed = []  # an event after each push: its staging buffer is free again
         for j, (r0, rows) in enumerate(rounds.parts):
