@@ -52,6 +52,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--name", default=None)
     p.add_argument("--outdir", default=RESULTS_DIR)
+    p.add_argument("--trace", action="store_true",
+                   help="also profile one overlapped call of each side at the first shape and token count "
+                        "(torch.profiler): rank 0 writes a Chrome trace per side and prints how much of the "
+                        "copies' time ran under a GEMM")
     return p.parse_args(argv)
 
 
@@ -153,7 +157,65 @@ def run(comm, args, argv) -> int:
     if rank0:
         sys.stderr.write("\n")
         report(comm, args, argv, records, shapes, why)
+    if args.trace:
+        trace(comm, args, shapes[0], group_name)
     return 1 if bad else 0
+
+
+def trace(comm, args, shape, group_name) -> None:
+    """Profiles one overlapped call of each side at ``shape`` and the first token count
+    (torch.profiler, CUDA activity; collective); rank 0 writes ``<name>_trace_<side>.json``
+    (Chrome trace: open in chrome://tracing or Perfetto) and prints the copies' time and
+    the part of it that ran while a GEMM kernel ran on another stream."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden, intermediate = shape
+    tokens = args.tokens[0]
+    for side in SIDES:
+        fn = candidates(comm, side, tokens, hidden, intermediate, group_name)["overlapped"]
+        with torch.no_grad():
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+        if comm.bootstrap.rank != 0:
+            continue
+        path = os.path.join(args.outdir, f"{args.name or 'overlap'}_trace_{side}.json")
+        prof.export_chrome_trace(path)
+        copies, under = copies_under_gemms(path)
+        print(f"# trace {side} ({hidden}/{intermediate}, {tokens} tokens): copies {copies:.1f} µs, "
+              f"{under:.1f} µs of it under a GEMM kernel ({100 * under / max(copies, 1e-9):.0f} %); {path}")
+
+
+def copies_under_gemms(path: str) -> tuple[float, float]:
+    """(µs of GPU copies, µs of them during a GEMM kernel) in a Chrome trace of
+    torch.profiler: copies are the ``gpu_memcpy`` events, GEMMs the kernels that are not
+    ubnext's (``ub_*``: the barrier) nor elementwise (torch's reductions and copies)."""
+    import json
+
+    events = json.load(open(path))["traceEvents"]
+    spans = lambda kind: [(e["ts"], e["ts"] + e["dur"]) for e in events  # noqa: E731
+                          if e.get("cat") == kind and e.get("dur")]
+    gemms = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and e.get("dur")
+             and not e["name"].startswith("ub_") and "elementwise" not in e["name"]
+             and "reduce_kernel" not in e["name"]]
+    copies = spans("gpu_memcpy")
+    total = sum(b - a for a, b in copies)
+    under = sum(max(0.0, min(b, d) - max(a, c)) for a, b in copies for c, d in _merged(gemms))
+    return total, under
+
+
+def _merged(spans: list) -> list:
+    """Overlapping intervals merged (so a copy under two GEMMs counts once)."""
+    out: list = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def hidden_share(by: dict) -> float:

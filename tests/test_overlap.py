@@ -321,3 +321,21 @@ def test_benchmark_defaults_and_the_hidden_share():
     assert args.tokens == [2048, 4096, 8192, 16384] and args.shapes == "8192/28672,4096/14336"
     assert overlap_perf.hidden_share({"overlapped": 110.0, "gemm": 100.0, "comm": 40.0}) == pytest.approx(0.75)
     assert overlap_perf.hidden_share({"overlapped": 140.0, "gemm": 100.0, "comm": 40.0}) == pytest.approx(0.0)
+
+
+def test_the_trace_summary_counts_copy_time_under_gemm_kernels_once(tmp_path):
+    """overlap_perf --trace: a copy's time under two overlapping GEMMs counts once; ubnext's
+    barrier kernel and torch's elementwise kernels are not GEMMs."""
+    import json
+
+    from bench import overlap_perf
+
+    events = [{"cat": "kernel", "name": "nvjet_gemm", "ts": 0, "dur": 100},
+              {"cat": "kernel", "name": "sm90_gemm", "ts": 50, "dur": 100},
+              {"cat": "kernel", "name": "ub_lamport", "ts": 0, "dur": 500},
+              {"cat": "kernel", "name": "vectorized_elementwise_kernel", "ts": 200, "dur": 200},
+              {"cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 90, "dur": 80},
+              {"cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 300, "dur": 10}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert overlap_perf.copies_under_gemms(str(path)) == (90, 60)
