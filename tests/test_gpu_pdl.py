@@ -111,6 +111,19 @@ class Late:
                                      self.end), stream=self.stream)
 
 
+def _on_time_then_late(late, stream, call) -> list:
+    """The results of ``call()`` (which launches the collective on ``stream``, waits for it
+    and returns host copies) with the input written well before, then written late."""
+    results = []
+    with stream:
+        for spin in (0, SPIN_NS):
+            late(spin_ns=spin)
+            if spin == 0:
+                stream.synchronize()
+            results.append(call())
+    return results
+
+
 def _state(algorithm: str) -> str:
     return {"lamport": "lamport4", "lamport_twoshot": "lamport_twoshot4",
             "twoshot": "twoshot.unicast"}[algorithm] + ".state"
@@ -210,16 +223,14 @@ def test_reduce_scatter_and_all_gather_wait_for_a_late_producer(comm, producer, 
         host, _ = _inputs(comm, count_in, seed=11)
         src, x, out = cupy.asarray(host), comm.empty(count_in, "float32"), comm.empty(count_out, "float32")
         late = Late(producer, src, x, stream)
-        results = []
-        with stream:
-            for spin in (0, SPIN_NS):
-                late(spin_ns=spin)
-                if spin == 0:
-                    stream.synchronize()
-                out.fill(np.nan)
-                _collective(comm, kind, x, out, algorithm, stream)
-                stream.synchronize()
-                results.append(cupy.asnumpy(out))
+
+        def call():
+            out.fill(np.nan)
+            _collective(comm, kind, x, out, algorithm, stream)
+            stream.synchronize()
+            return cupy.asnumpy(out)
+
+        results = _on_time_then_late(late, stream, call)
     assert not np.isnan(results[0]).any()
     np.testing.assert_array_equal(results[1], results[0], strict=True)
 
@@ -241,16 +252,13 @@ def test_the_fused_add_rmsnorm_waits_for_a_late_producer(comm, producer, algorit
         residual = cupy.asarray((np.arange(tokens * hidden, dtype=np.float32) % 7).reshape(tokens, hidden))
         weight = cupy.asarray(np.linspace(0.5, 1.5, hidden, dtype=np.float32))
         late = Late(producer, src, x, stream)
-        results = []
-        with stream:
-            for spin in (0, SPIN_NS):
-                late(spin_ns=spin)
-                if spin == 0:
-                    stream.synchronize()
-                normed, res_out = comm.all_reduce_add_rmsnorm(x, residual, weight, algorithm=algorithm,
-                                                              stream=stream)
-                stream.synchronize()
-                results.append((cupy.asnumpy(normed), cupy.asnumpy(res_out)))
+
+        def call():
+            normed, res_out = comm.all_reduce_add_rmsnorm(x, residual, weight, algorithm=algorithm, stream=stream)
+            stream.synchronize()
+            return cupy.asnumpy(normed), cupy.asnumpy(res_out)
+
+        results = _on_time_then_late(late, stream, call)
     assert not np.isnan(results[0][1]).any()
     for late_result, on_time in zip(results[1], results[0]):
         np.testing.assert_array_equal(late_result, on_time, strict=True)
@@ -271,15 +279,13 @@ def test_the_quantized_all_reduce_waits_for_a_late_producer(comm, producer):
         src = torch.from_numpy(host).to(device=f"cuda:{comm.device}", dtype=torch.bfloat16)
         x = comm.empty(count, "bfloat16", framework="torch")
         late = Late(producer, src, x, stream)
-        results = []
-        with stream:
-            for spin in (0, SPIN_NS):
-                late(spin_ns=spin)
-                if spin == 0:
-                    stream.synchronize()
-                out = comm.all_reduce(x, precision="int8", stream=stream)
-                stream.synchronize()
-                results.append(out.float().cpu().numpy())
+
+        def call():
+            out = comm.all_reduce(x, precision="int8", stream=stream)
+            stream.synchronize()
+            return out.float().cpu().numpy()
+
+        results = _on_time_then_late(late, stream, call)
         entered = comm._node.engine.entries()["quant.state"]
         end = int(late.end.get()[0])
     assert not np.isnan(results[0]).any()
