@@ -558,18 +558,6 @@ def test_compile_module_compiles_without_flush_to_zero_caches_and_loads_the_cubi
     assert len(compiled) == 2 and len(set(loaded)) == 2
 
 
-@pytest.mark.parametrize("source", sorted({a.source for a in ALGORITHMS.values() if a.is_kernel}
-                                          | {NORM_SOURCE, _quant.SOURCE}))
-def test_no_kernel_flushes_subnormals(source):
-    """No fp32 instruction of any kernel flushes subnormals (.ftz): an all-reduce of
-    subnormal values keeps them, as NCCL's and the host references do."""
-    alg = next((a for a in ALGORITHMS.values() if a.is_kernel and a.source == source), None)
-    defines = (compile_defines("float32", "sum", 4, alg.transport) if alg else norm_defines("float32")
-               if source == NORM_SOURCE else _quant.compile_defines("int8", "bfloat16", "sum", 4))
-    ptx = _kernels.compile_cubin(source, defines, arch="compute_90a").decode(errors="replace")
-    assert not [line for line in ptx.splitlines() if ".ftz" in line]
-
-
 def ctypes_sizeof(struct_type) -> int:
     import ctypes
 
@@ -578,17 +566,20 @@ def ctypes_sizeof(struct_type) -> int:
 
 @pytest.mark.parametrize("source", sorted({a.source for a in ALGORITHMS.values() if a.is_kernel}
                                           | {NORM_SOURCE, _quant.SOURCE}))
-def test_every_entry_point_waits_for_the_kernel_before_it_before_touching_memory(source):
+def test_every_entry_point_waits_for_the_kernel_before_it_and_nothing_flushes_subnormals(source):
     """Programmatic dependent launch lets a kernel start before the one before it on the
     stream has ended: in every entry point's PTX, the grid-dependency wait comes before
     every memory access but the parameters' loads and block 0's entry stamp (one store),
-    and the trigger for dependents follows it."""
+    and the trigger for dependents follows it. And no fp32 instruction flushes subnormals
+    (.ftz): an all-reduce of subnormal values keeps them, as NCCL's and the host
+    references do (bfloat16's kernels accumulate in fp32: one compile checks both)."""
     import re
 
     alg = next((a for a in ALGORITHMS.values() if a.is_kernel and a.source == source), None)
     defines = (compile_defines("bfloat16", "sum", 4, alg.transport) if alg else norm_defines("bfloat16")
                if source == NORM_SOURCE else _quant.compile_defines("int8", "bfloat16", "sum", 4))
     ptx = _kernels.compile_cubin(source, defines, arch="compute_90a").decode(errors="replace")
+    assert not [line for line in ptx.splitlines() if ".ftz" in line]
     entries = re.findall(r"\.entry (\w+)\(", ptx)
     assert entries
     for entry in entries:
