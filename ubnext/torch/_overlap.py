@@ -156,6 +156,10 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
         staging = a.new_empty((2, rounds.parts[0][1], n))  # the products on their way to a peer
         caller, stream = torch.cuda.current_stream(a.device), side.stream
         stream.wait_stream(caller)  # fork
+        # the caller's own-slot GEMMs write the area: they must follow every earlier use of
+        # it on the side stream (a previous call's reads, on another caller stream or in a
+        # graph replayed elsewhere; at 2 ranks no push wait comes before the first such GEMM)
+        caller.wait_stream(stream)
         pushed = []  # an event after each push: its staging buffer is free again
         for j, (r0, rows) in enumerate(rounds.parts):
             slots = [area[rounds.offset(j, s):rounds.offset(j, s) + rows * row].view(a.dtype).view(rows, n)
