@@ -99,9 +99,11 @@ class Launcher:
 
 class Packed:
     """One launch of a Launcher but for its stream, with an argument pack of its own,
-    written once here: calling it packs nothing and writes nothing, so calls from several
-    threads share no state; the pack holds the bytes that ``launcher(blocks, threads,
-    stream, *values)`` packs. It keeps its launcher (the module) and ints, nothing else.
+    written once here: calling it packs nothing; the pack holds the bytes that
+    ``launcher(blocks, threads, stream, *values)`` packs. A dependent launch rewrites its
+    own config's stream when the stream changes, so calls must not overlap (a
+    Communicator launches plans only inside its launch section, as Launcher calls). It
+    keeps its launcher (the module), its config and ints, nothing else.
 
     Args:
         launcher: the entry point's Launcher.
