@@ -3,15 +3,17 @@ emulation (ubnext/_protocol/quant.py) bit for bit, in every format (int8, fp8 wh
 has it, int4), on every rank alike, within the stated error bound; odd sizes (partial
 groups, lanes and units), unaligned and in-place arrays, groups built to hit rounding ties,
 the clamp, zeros, -0.0 and non-finite values, several launches, CUDA-graph replay; the
-opt-in rules (``auto`` quantizes only on a communicator that opted in, from
-``_quant.AUTO_MIN_BYTES`` at 2 ranks or more; full precision otherwise, bit for bit as
-before).
+opt-in rules (``auto`` quantizes only on a communicator that opted in, from the selector
+table's measured threshold at 2 ranks or more: never with the shipped table, which has
+none; full precision otherwise, bit for bit as before).
 
 Runs at any world size, ranks sharing a GPU included:
 ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_quant.py``.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -161,37 +163,53 @@ def test_messages_past_one_launch(comm, fmt):
     assert len(launches) == 2
 
 
-def test_auto_quantizes_where_opted_in_and_exact_keeps_full_precision(comm):
-    """On the opted-in communicator auto quantizes from _quant.AUTO_MIN_BYTES at 2 ranks or
-    more; smaller messages, one rank, float32, max and precision="exact" keep full
-    precision, bit for bit as the plain path."""
+def test_auto_quantizes_from_the_measured_threshold_and_exact_keeps_full_precision(comm, tmp_path):
+    """On an opted-in communicator auto quantizes from the selector table's threshold at 2
+    ranks or more: a tune file's (``"*"`` world sizes, bfloat16, int8 from 2 MiB); with the
+    shipped table, which has none, never. Smaller messages, one rank, float32, max and
+    precision="exact" keep full precision, bit for bit as the plain path."""
     import torch
 
-    big = _quant.AUTO_MIN_BYTES // 2
+    import ubnext
+
+    big = 1 << 20  # elements: 2 MiB of bfloat16, the threshold
+    path = tmp_path / "tune.json"  # each rank its own copy; the ranks check that they agree
+    path.write_text(json.dumps({"format": 2, "entries": [
+        {"gpu": "*", "link": "*", "placement": "*", "mode": "*",
+         "tables": {"1024": {"bfloat16": [[None, "nccl"]]}},  # rows for no world size here: the shipped ones
+         "quantized": {"tables": {"*": {"bfloat16": {"int8": 2 * big}}}}}]}))
     failures = []
-    if comm.size > 1:
-        with collected(failures):  # auto: the communicator's format
-            check_quantized(comm, big, "bfloat16", "int8", seed=11, precision="auto", specials=False)
-    count = 4099
-    inputs = rank_inputs(count, "bfloat16", comm.size, 12)
-    x = device(inputs[comm.rank])
-    for precision in ("exact", "auto"):
-        with recorded_launches(comm) as launches:
-            got = comm.all_reduce(x, precision=precision)
+    with ubnext.Communicator(quantized="int8", tune_file=str(path), **SMALL) as tuned:
+        if tuned.size > 1:
+            with collected(failures):  # auto: the communicator's format, from the threshold
+                check_quantized(tuned, big, "bfloat16", "int8", seed=11, precision="auto", specials=False)
+        for count in (4099, big - 1):  # below the threshold, and precision="exact": full precision
+            inputs = rank_inputs(count, "bfloat16", tuned.size, 12)
+            x = device(inputs[tuned.rank])
+            for precision in ("exact", "auto"):
+                with recorded_launches(tuned) as launches:
+                    got = tuned.all_reduce(x, precision=precision)
+                torch.cuda.synchronize()
+                assert_same_bits_everywhere(tuned, got)
+                with collected(failures):
+                    name = {launch.kernel for launch in launches}
+                    assert name == {tuned.select(count * 2, "bfloat16")}, (precision, name)
+                    reference.assert_same_bits(host(got), reference.all_reduce(name.pop(), inputs, "sum", [count]),
+                                               precision)
+        with recorded_launches(tuned) as launches:  # float32 and max: auto keeps full precision
+            tuned.all_reduce(torch.ones(big, device="cuda"))
+            tuned.all_reduce(torch.ones(big, device="cuda", dtype=torch.bfloat16), op="max")
+            if tuned.size == 1:  # one rank: auto keeps full precision at any size
+                tuned.all_reduce(torch.ones(big, device="cuda", dtype=torch.bfloat16))
         torch.cuda.synchronize()
-        assert_same_bits_everywhere(comm, got)
-        with collected(failures):
-            name = {launch.kernel for launch in launches}
-            assert name == {comm.select(count * 2, "bfloat16")}, (precision, name)
-            reference.assert_same_bits(host(got), reference.all_reduce(name.pop(), inputs, "sum", [count]), precision)
-    with recorded_launches(comm) as launches:  # float32 and max: auto keeps full precision
-        comm.all_reduce(torch.ones(count, device="cuda"))
-        comm.all_reduce(device(inputs[comm.rank]), op="max")
-        if comm.size == 1:  # one rank: auto keeps full precision at any size
-            comm.all_reduce(torch.ones(big, device="cuda", dtype=torch.bfloat16))
+        assert not any(launch.kernel.startswith("quantized") for launch in launches)
+        text = str(tuned.describe())
+        assert ("bfloat16 from 2 MiB" in text) == (tuned.size > 1), text
+    with recorded_launches(comm) as launches:  # the shipped table: no threshold measured, never
+        comm.all_reduce(torch.ones(big, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
     assert not any(launch.kernel.startswith("quantized") for launch in launches)
-    assert "int8: auto reduces" in str(comm.describe())
+    assert "int8: auto reduces" in str(comm.describe()) and "never: " in comm.describe()["quantized"]
     assert not failures, "\n".join(failures[:5])
 
 

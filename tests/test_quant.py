@@ -127,9 +127,12 @@ def test_result_has_the_inputs_shape_and_ignores_the_padding(count):
 
 
 # ---- opt-in -------------------------------------------------------------------------------
-def _choose(precision="auto", algorithm="auto", dtype="bfloat16", op="sum", nbytes=_quant.AUTO_MIN_BYTES,
-            nranks=2, setting="int8", kernels=True, arch=90):
-    return _quant.choose("all_reduce", precision, algorithm, dtype, op, nbytes, nranks, setting, kernels,
+MiB = 1 << 20
+
+
+def _choose(precision="auto", algorithm="auto", dtype="bfloat16", op="sum", nbytes=16 * MiB, threshold=16 * MiB,
+            setting="int8", kernels=True, arch=90):
+    return _quant.choose("all_reduce", precision, algorithm, dtype, op, nbytes, threshold, setting, kernels,
                          lambda: arch)
 
 
@@ -147,12 +150,13 @@ def test_auto_quantizes_what_it_takes_once_opted_in():
     assert _choose(precision="exact") is None
 
 
-def test_auto_quantizes_only_where_it_can_pay():
-    """Below AUTO_MIN_BYTES, or at one rank (nothing crosses a link), auto keeps full
-    precision; a format named per call still runs at any size and world size."""
-    assert _choose(nbytes=_quant.AUTO_MIN_BYTES - 2) is None and _choose(nranks=1) is None
-    assert _choose(nranks=8, nbytes=1 << 30) == "int8"
-    assert _choose(precision="int8", nbytes=64, nranks=1) == "int8"
+def test_auto_quantizes_only_from_the_measured_threshold():
+    """Below the selector table's threshold, or where it has none (never pays, not
+    measured, one rank: ``Selector.quantized``), auto keeps full precision; a format named
+    per call still runs at any size."""
+    assert _choose(nbytes=16 * MiB - 2) is None and _choose(threshold=None, nbytes=1 << 30) is None
+    assert _choose(nbytes=1 << 30) == "int8" and _choose(threshold=64, nbytes=64) == "int8"
+    assert _choose(precision="int8", nbytes=64, threshold=None) == "int8"
 
 
 def test_a_format_per_call_needs_the_opt_in_and_a_call_it_takes():
@@ -176,13 +180,23 @@ def test_fp8_needs_sm89_and_unknown_precisions_raise():
 
 
 def test_describe_says_whether_auto_quantizes():
-    assert _quant.selection_note("off", True, "bfloat16") == _quant.selection_note("int8", True, "float32") == ""
-    assert "quantized two-shot in fp8" in _quant.selection_note("fp8", True, "float16")
-    assert "auto never quantizes" in _quant.describe("off", True)
-    assert "NCCL only" in _quant.describe("int8", False)
-    assert "int8: auto reduces" in _quant.describe("int8", True)
-    assert "int4: auto reduces" in _quant.describe("int4", True) and "31% of the bytes" in _quant.describe("int4", True)
-    assert "UBNEXT_QUANTIZED=int8|fp8|int4" in _quant.describe("off", True)
+    start = (64 * MiB, "from 64 MiB (2 ranks bfloat16 (quantized, tune file t.json: GPU nvlink plain graph))")
+    note = _quant.selection_note
+    assert note("off", True, "bfloat16", 1 << 30, start) == note("int8", True, "float32", 1 << 30, start) == ""
+    assert note("int8", False, "bfloat16", 1 << 30, start) == ""
+    assert note("fp8", True, "float16", 64 * MiB, start) == (
+        "; sum and avg run the quantized two-shot in fp8 instead (fp8 " + start[1] + ")")
+    assert note("fp8", True, "float16", 16 * MiB, start) == "; sum and avg too (fp8 " + start[1] + ")"
+    assert note("int8", True, "bfloat16", 1 << 30, (None, "never: not measured for 4 ranks")) == (
+        "; sum and avg too (int8 never: not measured for 4 ranks)")
+    starts = {"bfloat16": start, "float16": (None, "never (measured not to pay: x)")}
+    assert "auto never quantizes" in _quant.describe("off", True, {})
+    assert "NCCL only" in _quant.describe("int8", False, starts)
+    text = _quant.describe("int4", True, starts)
+    assert text.startswith("int4: auto reduces sum/avg in the quantized two-shot where the selector table says it "
+                           "pays: bfloat16 from 64 MiB (2 ranks bfloat16 (quantized, tune file t.json: GPU nvlink "
+                           "plain graph)); float16 never (measured not to pay: x) (31% of the bytes")
+    assert "UBNEXT_QUANTIZED=int8|fp8|int4" in _quant.describe("off", True, {})
 
 
 def test_formats_carry_their_own_signatures():
@@ -260,21 +274,42 @@ def test_quant_error_script_writes_its_table(tmp_path):
 
 @pytest.mark.parametrize("setting", ["off", "int8"])
 def test_describe_report_shows_the_opt_in(monkeypatch, setting):
+    """Per size, the report says whether sums and averages run quantized and why: with the
+    shipped table (no quantized thresholds) never, not measured; with a tune file's
+    threshold from that size, naming the file's entry."""
     import types
 
     from ubnext._api import report as _report
     from ubnext._selection.select import Selector, buffer_limits
+    from ubnext._selection.table import parse_table
 
     monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "fake")
     cfg = Config(quantized=setting)
     names = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
-    comm = types.SimpleNamespace(config=cfg, rank=0, size=4, local_rank=0, local_size=4, device=0,
-                                 path="kernels on the symmetric pool", algorithms=lambda: names, pool=None,
-                                 nvls=None, selector=Selector(4, buffer_limits(cfg), names))
-    d = _report.report(comm)
-    assert d["quantized"] == _quant.describe(setting, True) and d["config"]["UBNEXT_QUANTIZED"] == setting
-    text = str(d)
-    assert f"quantized all-reduce: {d['quantized']}" in text
-    noted = [why for _, _, why in d["selection"]["bfloat16"] if "quantized two-shot" in why]
-    assert len(noted) == (0 if setting == "off" else len(d["selection"]["bfloat16"]))
-    assert not any("quantized two-shot" in why for _, _, why in d["selection"]["float32"])
+    tuned = parse_table({"format": 2, "entries": [
+        {"gpu": "*", "link": "*", "placement": "*", "mode": "*", "tables": {"64": {"bfloat16": [[None, "nccl"]]}},
+         "quantized": {"tables": {"4": {"bfloat16": {"int8": 64 * MiB}}}}}]}, "tune file t.json")
+
+    def describe(table):
+        comm = types.SimpleNamespace(config=cfg, rank=0, size=4, local_rank=0, local_size=4, device=0,
+                                     path="kernels on the symmetric pool", algorithms=lambda: names, pool=None,
+                                     nvls=None, selector=Selector(4, buffer_limits(cfg), names, table))
+        return _report.report(comm)
+
+    d = describe(None)
+    assert d["config"]["UBNEXT_QUANTIZED"] == setting
+    assert f"quantized all-reduce: {d['quantized']}" in str(d)
+    whys = [why for _, _, why in d["selection"]["bfloat16"]]
+    assert not any("quantized two-shot" in why for why in whys)
+    assert not any("sum and avg" in why for _, _, why in d["selection"]["float32"])
+    if setting == "off":
+        assert d["quantized"] == _quant.describe("off", True, {}) and not any("sum and avg" in w for w in whys)
+        return
+    never = "int8 never: not measured for 4 ranks (no selector table has quantized thresholds for them"
+    assert f"bfloat16 {never[5:]}" in d["quantized"] and all(never in why for why in whys)
+    d = describe(tuned)
+    assert "bfloat16 from 64 MiB (4 ranks bfloat16 (quantized, tune file t.json: any machine))" in d["quantized"]
+    for nbytes, _, why in d["selection"]["float16"]:
+        quantized = "sum and avg run the quantized two-shot in int8 instead (int8 from 64 MiB (4 ranks bfloat16 " \
+                    "(no float16 rows) (quantized, tune file t.json: any machine)))"
+        assert (quantized in why) == (nbytes >= 64 * MiB), (nbytes, why)

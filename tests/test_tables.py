@@ -266,6 +266,93 @@ def test_a_format_1_file_loads_as_one_entry_for_any_machine(tmp_path):
     assert table.document["format"] == 2 and table.document["entries"][0]["tables"] == old["tables"]
 
 
+# --------------------------------------------------------------------------- quantized thresholds
+
+
+def quantized(tables, note=None):
+    return {"tables": tables, **({"note": note} if note else {})}
+
+
+def test_quantized_thresholds_choose_by_machine_and_world_size(tmp_path):
+    """The size from which auto quantizes: the chosen entry's threshold for the world size
+    (its own, then "*"), a float16 without thresholds taking bfloat16's; "never"; what is
+    not there (the key, the world size, the format) is not measured: never; one rank never."""
+    doc = document(
+        entry(quantized=quantized({"2": {"bfloat16": {"int8": 64 * MiB, "int4": 16 * MiB, "fp8": "never"}},
+                                   "*": {"bfloat16": {"int8": 32 * MiB}, "float16": {"int8": 128 * MiB}}},
+                                  note="measured")),
+        entry(gpu="NVIDIA H100"),  # no quantized key: an entry written before it existed
+    )
+    table = load_table(write(tmp_path, doc))
+    where = f"tune file {tmp_path / 't.json'}: NVIDIA H200 nvlink plain graph"
+    two = Selector(2, {}, ["nccl"], table, machine=Machine("NVIDIA H200"))
+    assert two.quantized("int8", "bfloat16") == (64 * MiB, f"from 64 MiB (2 ranks bfloat16 (quantized, {where}))")
+    assert two.quantized("int4", "float16") == (
+        16 * MiB, f"from 16 MiB (2 ranks bfloat16 (no float16 rows) (quantized, {where}))")
+    assert two.quantized("fp8", "bfloat16") == (None, f"never (measured not to pay: 2 ranks bfloat16 (quantized, "
+                                                       f"{where}))")
+    four = Selector(4, {}, ["nccl"], table, machine=Machine("NVIDIA H200"))
+    assert four.quantized("int8", "bfloat16") == (
+        32 * MiB, f"from 32 MiB (4 ranks (via '*') bfloat16 (quantized, {where}))")
+    assert four.quantized("int8", "float16")[0] == 128 * MiB
+    assert four.quantized("int4", "bfloat16") == (
+        None, f"never: int4 not measured (4 ranks (via '*') bfloat16 (quantized, {where}))")
+    assert four.quantized("int8", "float32") == (None, "")  # not a dtype the quantized two-shot takes
+    assert Selector(1, {}, ["nccl"], table, machine=Machine("NVIDIA H200")).quantized("int8", "bfloat16") == (
+        None, "never: one rank moves nothing over links")
+    # the H100 takes its own entry, which has none; nor has the default table
+    h100 = Selector(2, {}, ["nccl"], table, machine=Machine("NVIDIA H100"))
+    assert h100.quantized("int8", "bfloat16") == (
+        None, "never: not measured for 2 ranks (no selector table has quantized thresholds for them; "
+              "python -m ubnext.tune --quantized measures them)")
+    # a world size missing from the entry: not measured
+    doc["entries"][0]["quantized"] = quantized({"2": {"bfloat16": {"int8": 64 * MiB}}})
+    eight = Selector(8, {}, ["nccl"], parse_table(doc, "t"), machine=Machine("NVIDIA H200"))
+    assert eight.quantized("int8", "bfloat16")[1].startswith("never: not measured for 8 ranks")
+    # a GPU nobody measured takes the nearest measured entry's thresholds, as its rows
+    a100 = Selector(2, {}, ["nccl"], parse_table(document(doc["entries"][0]), "t"), machine=Machine("NVIDIA A100"))
+    assert a100.quantized("int8", "bfloat16")[0] == 64 * MiB
+
+
+def test_quantized_thresholds_change_the_digest():
+    plain = parse_table(document(entry()), "t")
+    with_q = parse_table(document(entry(quantized=quantized({"2": {"bfloat16": {"int8": 64 * MiB}}}))), "t")
+    never = parse_table(document(entry(quantized=quantized({"2": {"bfloat16": {"int8": "never"}}}))), "t")
+    assert len({plain.digest(), with_q.digest(), never.digest()}) == 3
+
+
+def test_files_without_quantized_thresholds_still_load_and_never_quantize(tmp_path):
+    """The shipped table, an older format-2 file and a format-1 file have no thresholds:
+    auto keeps full precision on an opted-in communicator."""
+    old2 = write(tmp_path, document(entry(rows=[[1 * MiB, "lamport"], [None, "nccl"]])), "old2.json")
+    old1 = write(tmp_path, json.loads(OLD_H200.read_text()), "old1.json")
+    assert not default_table().entry(H200).quantized
+    for table in (None, load_table(old2), load_table(old1)):
+        for nranks in (2, 4):
+            sel = Selector(nranks, {}, ["lamport", "nccl"], table, machine=Machine("NVIDIA H200"))
+            for fmt in ("int8", "fp8", "int4"):
+                threshold, why = sel.quantized(fmt, "bfloat16")
+                assert threshold is None and why.startswith(f"never: not measured for {nranks} ranks")
+
+
+@pytest.mark.parametrize("q, message", [
+    ([1], "quantized must be an object {\"note\": ..., \"tables\""),
+    ({"note": "x"}, "quantized must be an object"),
+    ({"tables": {}}, "quantized.tables must be a non-empty object"),
+    (quantized({"two": {"bfloat16": {"int8": 1}}}), "quantized.tables key 'two' is not a world size"),
+    (quantized({"2": {"float32": {"int8": 1}}}), "dtype 'float32' is not quantized; use bfloat16, float16"),
+    (quantized({"2": {"bfloat16": {"int2": 1}}}), "quantized.tables['2']['bfloat16']: unknown format 'int2'"),
+    (quantized({"2": {"bfloat16": {"int8": 0}}}), "['int8']: 0 is not a positive byte count or \"never\""),
+    (quantized({"2": {"bfloat16": {"int8": None}}}), "['int8']: None is not a positive byte count"),
+    (quantized({"2": {"bfloat16": {}}}), "quantized.tables['2']['bfloat16'] must be a non-empty object"),
+])
+def test_quantized_threshold_errors_name_the_entry_and_the_key(q, message):
+    with pytest.raises(UbnextError) as info:
+        parse_table(document(entry(quantized=q)), "t")
+    assert str(info.value).startswith("selector: t: entries[0] (NVIDIA H200 nvlink plain graph): ")
+    assert message in str(info.value)
+
+
 # --------------------------------------------------------------------------- the same choices as before
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import bench_fakes as fakes
 import numpy as np
@@ -14,7 +15,7 @@ from stream_fakes import fake_context
 
 from ubnext import UbnextError, tune
 from ubnext._selection.select import Selector
-from ubnext._selection.table import load_table
+from ubnext._selection.table import load_table, parse_table
 
 KiB, MiB = 1 << 10, 1 << 20
 ALL = ["lamport", "twoshot", "nccl"]
@@ -75,6 +76,66 @@ def test_merged_document_keeps_other_world_sizes_and_dtypes():
     assert other["entries"][1]["tables"] == {"4": {"bfloat16": [[None, "nccl"]]}}
 
 
+# Measured on 2x H100, bfloat16 sum, CUDA graphs (bench/all_reduce_perf.py, 2026-11-26;
+# bench/NOTES.md): µs at 16, 64 and 256 MiB, out of place / in place; full precision's
+# winner 56.7, 226.1, 903 both ways.
+H100X2_SIZES = [16 * MiB, 64 * MiB, 256 * MiB]
+H100X2 = {"out": {"int8": [62.6, 222.5, 890.0], "int4": [60.0, 209.8, 835.0]},
+          "in": {"int8": [53.8, 198.8, 794.0], "int4": [49.3, 176.0, 703.0]}}
+
+
+def _h100x2(place: str) -> list[dict]:
+    return [{"twoshot": bf16, "nccl": 2 * bf16, **{f: us[i] for f, us in H100X2[place].items()}}
+            for i, bf16 in enumerate([56.7, 226.1, 903.0])]
+
+
+@pytest.mark.parametrize("place, margin, want", [
+    ("in", 3, {"int8": 16 * MiB, "int4": 16 * MiB}),
+    ("out", 0, {"int8": 64 * MiB, "int4": 64 * MiB}),
+    ("out", 3, {"int8": "never", "int4": 64 * MiB}),   # int8 out of place: 1.4 % faster at 256 MiB
+])
+def test_quantized_thresholds_from_the_2xh100_measurements(place, margin, want):
+    times = _h100x2(place)
+    assert tune.quantized_thresholds(H100X2_SIZES, times, ["twoshot"] * 3, margin) == want
+
+
+def test_a_quantized_threshold_needs_a_win_at_every_larger_size():
+    sizes = [1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB]
+    times = [{"twoshot": 10.0, "int8": q, "fp8": None, "int4": w}
+             for q, w in zip([5.0, 11.0, 5.0, 5.0], [5.0, 5.0, 5.0, 11.0])]
+    # int8 wins at 1 MiB, loses at 2 MiB, wins above: from 4 MiB; int4 loses at the largest:
+    # never; fp8 refused everywhere: not measured, left out
+    assert tune.quantized_thresholds(sizes, times, ["twoshot"] * 4, 3) == {"int8": 4 * MiB, "int4": "never"}
+    # against the size's winner, which may be NCCL even where a kernel is a little faster
+    times = [{"twoshot": 9.9, "nccl": 10.0, "int8": 9.95}]
+    assert tune.quantized_thresholds([1 * MiB], times, ["nccl"], 0) == {"int8": 1 * MiB}
+    assert tune.quantized_thresholds([1 * MiB], [{"twoshot": 1.0}], ["twoshot"], 0) == {}
+
+
+def test_merged_document_writes_and_keeps_the_quantized_thresholds():
+    rows = {"bfloat16": [[None, "twoshot"]]}
+    two = tune.merged_document(None, "GPU A", 2, rows, {"bfloat16": {}},
+                               quantized={"bfloat16": {"int8": 64 * MiB, "int4": "never"}})
+    q = two["entries"][0]["quantized"]
+    assert q["note"] == tune.QUANTIZED_NOTE and q["tables"] == {"2": {"bfloat16": {"int8": 64 * MiB,
+                                                                                   "int4": "never"}}}
+    # another world size, then a run that measured no format: both kept
+    four = tune.merged_document(two, "GPU A", 4, rows, {}, quantized={"bfloat16": {"int8": 16 * MiB}})
+    again = tune.merged_document(four, "GPU A", 2, rows, {}, quantized={"bfloat16": {}})
+    assert again["entries"][0]["quantized"]["tables"] == {"2": {"bfloat16": {"int8": 64 * MiB, "int4": "never"}},
+                                                          "4": {"bfloat16": {"int8": 16 * MiB}}}
+    # a new measurement of a world size and dtype replaces its thresholds
+    new = tune.merged_document(again, "GPU A", 2, rows, {}, quantized={"bfloat16": {"int4": 32 * MiB}})
+    assert new["entries"][0]["quantized"]["tables"]["2"] == {"bfloat16": {"int4": 32 * MiB}}
+    (entry,) = parse_table(new, "t").entries
+    assert entry.quantized["4"] == {"bfloat16": {"int8": 16 * MiB}}
+    assert "quantized" not in tune.merged_document(None, "GPU A", 2, rows, {})["entries"][0]
+    # an entry added where an entry for any GPU served this machine starts from its thresholds too
+    star = {**new, "entries": [{**new["entries"][0], "gpu": "*"}]}
+    added = tune.merged_document(star, "GPU B", 4, rows, {})["entries"][1]
+    assert added["gpu"] == "GPU B" and added["quantized"] == new["entries"][0]["quantized"]
+
+
 def test_merged_document_refuses_what_ubnext_cannot_read():
     with pytest.raises(UbnextError, match="unknown algorithm 'ring'"):
         tune.merged_document(None, "GPU", 4, {"bfloat16": [[None, "ring"]]}, {})
@@ -105,9 +166,12 @@ class FakeBootstrap(fakes.Bootstrap):
 
 
 class FakeComm:
-    """One rank pretending to be ``size`` ranks; Lamport refuses more than ``lamport_max`` bytes."""
+    """One rank pretending to be ``size`` ranks; Lamport refuses more than ``lamport_max`` bytes;
+    opted in to the quantized all-reduce where ``quantized`` is a format, fp8 refused
+    (a device before sm_89)."""
 
-    def __init__(self, size=4, usable=tuple(ALL), lamport_max=1 * MiB):
+    def __init__(self, size=4, usable=tuple(ALL), lamport_max=1 * MiB, quantized="off"):
+        self.config = SimpleNamespace(quantized=quantized)
         self._context = fake_context(0)  # the device guard, on a fake driver
         self.rank, self.size, self.device = 0, size, 0
         self.bootstrap = FakeBootstrap()
@@ -119,9 +183,11 @@ class FakeComm:
     def algorithms(self):
         return self._usable
 
-    def all_reduce(self, x, out=None, algorithm="auto", stream=None):
+    def all_reduce(self, x, out=None, algorithm="auto", stream=None, precision="auto"):
         if algorithm == "lamport" and x.host.nbytes > self._lamport_max:
             raise UbnextError(f"all_reduce: algorithm 'lamport' cannot take {x.host.nbytes} bytes")
+        if precision == "fp8":
+            raise UbnextError("all_reduce: precision 'fp8' needs compute capability 8.9 or newer")
 
         def work():
             self.calls += 1
@@ -193,6 +259,40 @@ def test_run_measures_writes_merges_and_prints_the_export_line(cupy, monkeypatch
     assert sel.select(256 * KiB, "bfloat16") == "lamport" and sel.select(1 << 30, "bfloat16") == "nccl"
     assert Selector(2, limits, ALL, table).explain(64, "bfloat16")[1].startswith(
         "table row ≤ 512 KiB for 2 ranks float32 (no bfloat16 rows) (tune file ")
+
+
+def test_run_on_an_opted_in_communicator_measures_and_writes_the_quantized_thresholds(cupy, monkeypatch,
+                                                                                         tmp_path, capsys):
+    def measure(comm, stream, dtype, args, progress):
+        # the 2x H100 out-of-place figures at 16/64/256 MiB; the formats quantized
+        assert comm.config.quantized == "int8"
+        return [{"twoshot": t["twoshot"], "nccl": t["nccl"], "int8": t["int8"], "int4": t["int4"]}
+                for t in _h100x2("out")]
+
+    monkeypatch.setattr(tune, "measure_dtype", measure)
+    out = tmp_path / "tune.json"
+    args = tune.parse_args(["-o", str(out), "-b", "16M", "-e", "256M", "-f", "4"])
+    assert tune.run(FakeComm(2, quantized="int8"), args, []) == 0
+    text = capsys.readouterr().out
+    assert "# quantized for 2 ranks bfloat16 (against the winner, 3% faster): int8 never, int4 from 64 MiB" in text
+    (entry,) = load_table(str(out)).entries
+    assert entry.quantized == {"2": {"bfloat16": {"int8": None, "int4": 64 * MiB}}}
+    assert entry.entry["measured"]["2"]["bfloat16"]["us"]["int4"] == [60.0, 209.8, 835.0]
+    sel = Selector(2, {}, ALL, load_table(str(out)))
+    assert sel.quantized("int4", "bfloat16")[0] == 64 * MiB and sel.quantized("int8", "bfloat16")[0] is None
+    assert sel.quantized("int4", "float16")[1].startswith("from 64 MiB (2 ranks bfloat16 (no float16 rows) "
+                                                          "(quantized, tune file ")
+
+
+def test_measure_dtype_times_the_formats_only_where_opted_in(cupy):
+    args = tune.parse_args(["-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
+    rows = tune.measure_dtype(FakeComm(quantized="int4"), cupy.cuda.Stream(), "bfloat16", args, lambda _: None)
+    assert [sorted(r) for r in rows] == [sorted([*ALL, "int8", "fp8", "int4"])] * 2
+    assert all(r["fp8"] is None and r["int8"] is not None for r in rows)  # fp8 refused
+    for comm, dtype in ((FakeComm(), "bfloat16"), (FakeComm(quantized="int8"), "float32")):
+        assert [sorted(r) for r in tune.measure_dtype(comm, cupy.cuda.Stream(), dtype, args, lambda _: None)] \
+            == [sorted(ALL)] * 2
+    assert tune.parse_args(["--quantized"]).quantized and not tune.parse_args([]).quantized
 
 
 def test_run_refuses_an_invalid_existing_file_before_measuring(cupy, monkeypatch, tmp_path, capsys):

@@ -13,12 +13,21 @@ winner of a size is the fastest algorithm, but a ubnext kernel wins over NCCL
 only when it is at least ``--margin`` percent faster. Adjacent sizes with the
 same winner become one table row; the last row has no upper limit.
 
+On a communicator opted in to the quantized all-reduce (``UBNEXT_QUANTIZED`` set, or
+``--quantized``), each quantized format (``precision=int8|fp8|int4``; fp8 where the GPU
+has it) is timed beside them for bfloat16/float16, against the size's winner in full
+precision: the format's threshold is the smallest measured size from which it is at
+least ``--margin`` percent faster at every larger measured size, or ``"never"`` where
+it is not at the largest; ``auto`` quantizes from that size on this machine and world
+size (the entry's ``quantized`` thresholds, format 2 of ``ubnext._selection.table``).
+
 Rank 0 prints the timings and writes the table (``-o``, format 2 of
 ``ubnext._selection.table``): an entry keyed by this machine (the GPU's name, the
 ``nvlink`` link, ``plain`` arrays, ``graph`` mode). A file that already exists is
 merged into: in this machine's entry (added when the file has none) the measured world
 size and dtypes are replaced; its other world sizes and dtypes, and the other
-machines' entries, are kept. A format-1 file is rewritten as format 2, its rows kept
+machines' entries, are kept (the quantized thresholds alike: those of the
+measured world size and dtypes replaced, where the run measured them). A format-1 file is rewritten as format 2, its rows kept
 as an entry for any machine; an entry added beside such an entry starts from its rows,
 so what a run does not measure keeps serving this machine as before. All ranks see the
 same (max over ranks) times, and rank 0's outcome is broadcast, so every rank
@@ -41,14 +50,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from ubnext._environment.devices import device_name
+from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
 from ubnext._protocol.errors import CollectiveTimeoutError, CudaError, UbnextError
-from ubnext._selection.table import (ANY, DEFAULT_LINK, FORMAT, FORMAT_1, Machine, human_bytes, load_table,
-                                     parse_table, upgrade)
+from ubnext._selection.table import (ANY, DEFAULT_LINK, FORMAT, FORMAT_1, NEVER, Machine, human_bytes,
+                                     load_table, parse_table, upgrade)
 from ubnext._tools.cli import run_or_abort, size_arg, size_list
 
-#: times of one size: algorithm -> µs, or None where the communicator refused the size
+#: times of one size: algorithm (or quantized format) -> µs, or None where the communicator
+#: refused the call
 Times = dict[str, float | None]
+#: The ``note`` tune gives the quantized thresholds of an entry it writes.
+QUANTIZED_NOTE = ("Measured by python -m ubnext.tune on plain arrays, out of place, in CUDA graphs: each format "
+                  "against the full-precision winner of each size; a format is used from the smallest measured "
+                  "size from which it is faster by the margin at every larger measured size; never: not at the "
+                  "largest. The measurements: the entry's measured record.")
 
 
 # --------------------------------------------------------------------------- decisions (pure)
@@ -64,7 +80,8 @@ def winner(times: Times, margin: float) -> str:
     Raises:
         ValueError: nothing was measured.
     """
-    measured = [(t, list(ALGORITHMS).index(name), name) for name, t in times.items() if t is not None]
+    measured = [(t, list(ALGORITHMS).index(name), name) for name, t in times.items()
+                if t is not None and name in ALGORITHMS]
     if not measured:
         raise ValueError("tune: no algorithm was measured at this size")
     kernels = [m for m in measured if m[2] != "nccl"]
@@ -96,6 +113,25 @@ def table_rows(sizes: Sequence[int], winners: Sequence[str]) -> list[list]:
     return rows
 
 
+def quantized_thresholds(sizes: Sequence[int], times: Sequence[Times], winners: Sequence[str],
+                         margin: float) -> dict[str, int | str]:
+    """Each quantized format's threshold from the times of the ascending ``sizes``: the
+    smallest size from which ``t_format * (1 + margin / 100) <= t_winner`` (the size's
+    full-precision winner) at every larger measured size, or ``"never"`` where not at the
+    largest. Formats not measured at any size (refused: fp8 before sm_89) are left out."""
+    out: dict[str, int | str] = {}
+    for fmt in _quant.FORMATS:
+        if all(t.get(fmt) is None for t in times):
+            continue
+        start: int | str = NEVER
+        for nbytes, t, win in reversed(list(zip(sizes, times, winners))):
+            if t.get(fmt) is None or t[fmt] * (1 + margin / 100) > t[win]:
+                break
+            start = nbytes
+        out[fmt] = start
+    return out
+
+
 def entry_of(document: dict[str, Any], key: dict[str, str]) -> dict[str, Any] | None:
     """The entry of a format-2 ``document`` whose machine key is ``key`` (gpu, link,
     placement, mode), or None."""
@@ -104,7 +140,8 @@ def entry_of(document: dict[str, Any], key: dict[str, str]) -> dict[str, Any] | 
 
 def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
                     rows: dict[str, list], measured: dict[str, dict[str, Any]],
-                    link: str = DEFAULT_LINK, placement: str = "plain", mode: str = "graph") -> dict[str, Any]:
+                    link: str = DEFAULT_LINK, placement: str = "plain", mode: str = "graph",
+                    quantized: dict[str, dict[str, int | str]] | None = None) -> dict[str, Any]:
     """The table document (format 2) after tuning ``world`` ranks for the dtypes in ``rows``.
 
     Args:
@@ -116,13 +153,16 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
         measured: dtype -> the record of the measurement (kept under the entry's ``measured``).
         link, placement, mode: the rest of the entry's machine key (what tune measures:
             plain arrays in CUDA graphs; the link ubnext assumes, ``table.DEFAULT_LINK``).
+        quantized: dtype -> the quantized thresholds measured (:func:`quantized_thresholds`);
+            a dtype without any (none measured) is left as it was.
 
     Returns:
         A new document: the entry of this machine key (added when there is none) with
-        ``tables[world][dtype]`` and ``measured[world][dtype]`` replaced; its other world
+        ``tables[world][dtype]``, ``measured[world][dtype]`` and, where measured,
+        ``quantized.tables[world][dtype]`` replaced; its other world
         sizes and dtypes, and every other entry, kept. An entry added where an entry for any
         GPU served this machine (a format-1 file's rows) starts from that entry's rows
-        (``tables``, ``collectives``): a communicator takes one entry of a file, so what
+        (``tables``, ``collectives``, ``quantized``): a communicator takes one entry of a file, so what
         this run did not measure keeps serving this machine as before, as format 1's merge kept it.
     """
     if existing is None:
@@ -139,14 +179,18 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
             if doc["entries"] else None
         if served is not None and served.gpu == ANY and all(
                 getattr(served, k) in (v, ANY) for k, v in key.items() if k != "gpu"):
-            entry["tables"] = copy.deepcopy(served.entry["tables"])
-            if "collectives" in served.entry:
-                entry["collectives"] = copy.deepcopy(served.entry["collectives"])
+            for key in ("tables", "collectives", "quantized"):
+                if key in served.entry:
+                    entry[key] = copy.deepcopy(served.entry[key])
             entry["note"] = (f"rows not measured on {machine} start from those of the entry for {served.label}, "
                              f"which served it before this entry was added")
         doc["entries"].append(entry)
     entry["tables"].setdefault(str(world), {}).update(rows)
     entry.setdefault("measured", {}).setdefault(str(world), {}).update(measured)
+    measured_formats = {dtype: t for dtype, t in (quantized or {}).items() if t}
+    if measured_formats:
+        entry.setdefault("quantized", {"note": QUANTIZED_NOTE, "tables": {}})
+        entry["quantized"]["tables"].setdefault(str(world), {}).update(measured_formats)
     parse_table(doc, "the table being written")  # never write what ubnext cannot read
     return doc
 
@@ -158,8 +202,9 @@ def _width(name: str) -> int:
 
 def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Sequence[Times],
            winners: Sequence[str], args: argparse.Namespace) -> list[str]:
-    """The lines rank 0 prints for one dtype: µs per size and algorithm, the winner, the rows."""
-    names = [n for n in ALGORITHMS if any(t.get(n) is not None for t in times)]
+    """The lines rank 0 prints for one dtype: µs per size and algorithm (and quantized
+    format), the winner, the rows, the quantized thresholds."""
+    names = [n for n in (*ALGORITHMS, *_quant.FORMATS) if any(t.get(n) is not None for t in times)]
     lines = [f"# ubnext.tune: {world} ranks, {dtype}, {machine}; CUDA graphs of {args.iters} calls, "
              f"{args.launches} launches per sample, median of {args.repeats} samples, max over ranks",
              f"# µs per all-reduce (plain arrays, out of place); a kernel beats NCCL only when "
@@ -171,6 +216,10 @@ def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Se
     rows = table_rows(sizes, winners)
     text = ", ".join(f"≤ {human_bytes(limit)} {name}" if limit else f"then {name}" for limit, name in rows)
     lines.append(f"# rows for {world} ranks {dtype}: {text}")
+    thresholds = quantized_thresholds(sizes, times, winners, args.margin)
+    if thresholds:
+        text = ", ".join(f"{fmt} {t if t == NEVER else 'from ' + human_bytes(t)}" for fmt, t in thresholds.items())
+        lines.append(f"# quantized for {world} ranks {dtype} (against the winner, {args.margin:g}% faster): {text}")
     return lines
 
 
@@ -190,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-G", "--launches", type=int, default=5, help="graph launches per sample (default 5)")
     p.add_argument("--repeats", type=int, default=7, help="samples per size and algorithm; median (default 7)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="eager calls before capturing (default 3)")
+    p.add_argument("--quantized", action="store_true",
+                   help="measure the quantized formats against full precision too (implied by UBNEXT_QUANTIZED)")
     p.add_argument("-o", "--output", default="ubnext_tune.json",
                    help="table file to write or merge into (default ubnext_tune.json)")
     return p
@@ -223,7 +274,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace) -> float | None:
-    """µs per ``comm.all_reduce(send, out=recv, algorithm=name)``, or None when refused. Collective.
+    """µs per ``comm.all_reduce(send, out=recv, algorithm=name)`` (``precision=name`` where
+    ``name`` is a quantized format), or None when refused. Collective.
 
     Eager warm-up calls come first (compiling the kernel, connecting NCCL,
     outside any capture); a refusal there (the size exceeds the algorithm's
@@ -231,8 +283,10 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
     """
     from ubnext._tools.timing import timer
 
+    call = {"precision": name} if name in _quant.FORMATS else {"algorithm": name}
+
     def launch() -> None:
-        comm.all_reduce(send, out=recv, algorithm=name, stream=stream)
+        comm.all_reduce(send, out=recv, stream=stream, **call)
 
     refused = None
     try:
@@ -252,7 +306,8 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
 
 
 def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) -> list[Times]:
-    """Times of every usable algorithm at every size, for one dtype. Collective."""
+    """Times of every usable algorithm at every size, for one dtype, and of every quantized
+    format where the communicator opted in and the dtype is one they take. Collective."""
     import cupy
 
     from ubnext._interop.arrays import _cupy_dtype
@@ -260,11 +315,12 @@ def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) 
     width = DTYPES[dtype][1]
     send = cupy.zeros((args.sizes[-1] // width,), dtype=_cupy_dtype(dtype))
     recv = cupy.empty_like(send)
+    formats = list(_quant.FORMATS) if comm.config.quantized != "off" and dtype in _quant.DTYPES else []
     rows = []
     for nbytes in args.sizes:
         count = nbytes // width
         row: Times = {}
-        for name in comm.algorithms():
+        for name in comm.algorithms() + formats:
             progress(f"{dtype} {human_bytes(nbytes):>8} {name}")
             row[name] = time_algorithm(comm, stream, name, send[:count], recv[:count], args)
         rows.append(row)
@@ -323,7 +379,7 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
                 sys.stderr.write(f"\r# ubnext.tune {text:<46}" if text else f"\r{'':<60}\r")
                 sys.stderr.flush()
 
-        rows, measured = {}, {}
+        rows, measured, quantized = {}, {}, {}
         for dtype in args.dtypes:
             times = measure_dtype(comm, stream, dtype, args, progress)
             winners = [winner(t, args.margin) for t in times]
@@ -331,17 +387,20 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
             for line in report(comm.size, dtype, machine, args.sizes, times, winners, args):
                 say(line, flush=True)
             rows[dtype] = table_rows(args.sizes, winners)
+            quantized[dtype] = quantized_thresholds(args.sizes, times, winners, args.margin)
             measured[dtype] = {
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "machine": machine,
                 "command": shlex.join([sys.executable, "-m", "ubnext.tune", *argv]),
                 "margin_percent": args.margin, "graph_calls": args.iters, "graph_launches": args.launches,
                 "repeats": args.repeats, "sizes": args.sizes, "winners": winners,
-                "us": {n: [t.get(n) for t in times] for n in ALGORITHMS if any(n in t for t in times)},
+                "us": {n: [t.get(n) for t in times] for n in (*ALGORITHMS, *_quant.FORMATS)
+                       if any(n in t for t in times)},
             }
         outcome = None
         if rank0:
             try:
-                doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured)
+                doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured,
+                                      quantized=quantized)
                 write_atomically(args.output, doc)
                 written = Machine(machine)  # the key merged_document's defaults give the entry
                 entry = entry_of(doc, dataclasses.asdict(written))
@@ -364,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     # Measure every algorithm whatever UBNEXT_ALGO / UBNEXT_TUNE_FILE say; only a table is written.
-    comm = Communicator(algorithm="auto", tune_file="")
+    # --quantized opts in (any format reserves the areas of every format; precision= picks one)
+    comm = Communicator(algorithm="auto", tune_file="", **({"quantized": "int8"} if args.quantized else {}))
     try:
         return run(comm, args, argv)
     finally:

@@ -244,7 +244,9 @@ class Communicator(CallSteps):
                 on it. Calls on different streams run in the order they were issued.
             precision: ``"auto"``: full precision unless the communicator opted in to the
                 quantized all-reduce (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16
-                sums and averages of 16 MiB or more at 2 ranks or more; ``"exact"``: full
+                sums and averages from the size the selector table measured for this machine
+                and world size (``python -m ubnext.tune``; none measured: never; ``describe()``
+                says which); ``"exact"``: full
                 precision always; ``"int8"``, ``"fp8"`` (e4m3, sm_89+) or ``"int4"``: the
                 quantized two-shot in that format (opt-in communicators only; lossy within the bound
                 the README states, identical bits on every rank).
@@ -277,8 +279,10 @@ class Communicator(CallSteps):
             xb = self._input(name, x, handle)
             if op not in OPS:
                 raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-            fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, xb.nbytes, self.size, self.config.quantized,
-                                self._node is not None, lambda: self._arch)
+            setting = self.config.quantized
+            fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, xb.nbytes,
+                                self._selector.quantized(setting, xb.dtype)[0], setting, self._node is not None,
+                                lambda: self._arch)
             algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
             if out is None:
                 ob = self._new(name, xb, handle, owner, side)
@@ -667,7 +671,10 @@ class Communicator(CallSteps):
                 (``reduce_scatter_add_rmsnorm`` runs the reduce-scatter's choice).
 
         Returns:
-            One of ``algorithms()``.
+            One of ``algorithms()``: the full-precision choice. On a communicator opted in
+            to the quantized all-reduce (``UBNEXT_QUANTIZED``), bfloat16/float16 sums and
+            averages from the size measured for this machine run the quantized two-shot
+            instead; ``describe()`` says per size which format and why.
 
         Raises:
             UbnextError: ``UBNEXT_ALGO`` names an algorithm that cannot take ``nbytes``;

@@ -19,10 +19,12 @@ class Description(dict):
     Keys: ``rank``, ``ranks``, ``local_rank``, ``local_ranks``, ``device``,
     ``device_name``, ``path`` (kernels or NCCL only, and why), ``algorithms``,
     ``pool`` (bytes, user heap and free bytes; None without a pool), ``nvls``,
-    ``config`` (``UBNEXT_*`` -> value), ``quantized`` (whether and where ``auto``
-    quantizes: ``UBNEXT_QUANTIZED``), ``tables`` (the selector tables, in
-    the order consulted: each the entry chosen for this machine and why, ``"default table:
-    NVIDIA H200 nvlink plain graph (exact match)"``), ``selection`` (every dtype -> ``[bytes, algorithm, reason]``
+    ``config`` (``UBNEXT_*`` -> value), ``quantized`` (whether and from which size ``auto``
+    quantizes, and where that size comes from: ``UBNEXT_QUANTIZED`` and the tables'
+    quantized thresholds; each ``selection`` reason says it for its size too),
+    ``tables`` (the selector tables, in the order consulted: each the entry chosen for
+    this machine and why, ``"default table: NVIDIA H200 nvlink plain graph (exact
+    match)"``), ``selection`` (every dtype -> ``[bytes, algorithm, reason]``
     for each of ``SIZES``: the all-reduce's) and ``collectives`` (reduce-scatter and
     all-gather -> their ``selection`` for bfloat16, sizes of the whole message). The
     report shows a dtype's rows as one where they all agree.
@@ -38,14 +40,16 @@ def report(comm) -> Description:
 
     config = comm.config
     kernels = comm.path.startswith("kernels")
+    starts = {dtype: comm.selector.quantized(config.quantized, dtype) for dtype in _quant.DTYPES}
     return Description(
         rank=comm.rank, ranks=comm.size, local_rank=comm.local_rank, local_ranks=comm.local_size,
         device=comm.device, device_name=device_name(comm.device), path=comm.path,
         algorithms=comm.algorithms(), pool=comm.pool, nvls=_nvls(comm),
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
-        quantized=_quant.describe(config.quantized, kernels),
+        quantized=_quant.describe(config.quantized, kernels, starts),
         tables=[f"{t.where} ({t.why})" for t in comm.selector.tables],
-        selection={dtype: [[n, name, why + _quant.selection_note(config.quantized, kernels, dtype)]
+        selection={dtype: [[n, name, why + _quant.selection_note(config.quantized, kernels, dtype, n,
+                                                                 comm.selector.quantized(config.quantized, dtype))]
                            for n in SIZES for name, why in [_choice(comm, n, dtype)]] for dtype in DTYPES},
         collectives={c: {"bfloat16": [[n, *_choice(comm, n, "bfloat16", c)] for n in SIZES]}
                      for c in COLLECTIVES if c != "all_reduce"},

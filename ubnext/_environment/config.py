@@ -212,8 +212,10 @@ class Config:
         "Opt in to the quantized two-shot all-reduce (lossy, with a stated error bound: "
         "README \"Quantized all-reduce\"): `off`, `int8`, `fp8` (e4m3, sm_89+) or `int4` "
         "(fewer bytes than int8, a larger error bound). When set, "
-        "`auto` reduces bfloat16/float16 sums and averages of 16 MiB or more at 2 ranks or "
-        "more in that format, and "
+        "`auto` reduces bfloat16/float16 sums and averages in that format from the size "
+        "`python -m ubnext.tune` measured for the machine and world size (the selector "
+        "table's quantized thresholds; where none was measured, or it never pays, never: "
+        "`comm.describe()` says which), and "
         "`precision=` can pick any format per call; it reserves the receive areas in "
         "the pool (36 MiB per rank).",
     )

@@ -60,11 +60,6 @@ LAUNCH_BYTES = 32 << 20
 #: units of a slice that one block takes at least: one per warp of a block (a warp takes
 #: a unit at a time), so short messages spread over many SMs
 BLOCK_UNITS = THREADS[SOURCE] // 32
-#: the smallest message (input bytes) that ``auto`` quantizes on an opted-in communicator,
-#: and only with 2 ranks or more: below it a kernel's fixed cost dominates and the
-#: quantized two-shot, doing more arithmetic per byte, is slower than full precision
-#: (bench/NOTES.md, "Quantized two-shot kernel time"); one rank moves nothing over links
-AUTO_MIN_BYTES = 16 << 20
 #: unit roundoff of the output dtypes (half an ulp, relative)
 _UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 #: half of float16's subnormal spacing: the absolute error of rounding a tiny value to it
@@ -164,15 +159,17 @@ def compile_defines(fmt: str, dtype: str, op: str, nranks: int) -> dict[str, str
 
 
 # ---- opt-in ------------------------------------------------------------------------------
-def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbytes: int, nranks: int,
+def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbytes: int, threshold: int | None,
            setting: str, kernels: bool, arch: Callable[[], int]) -> str | None:
     """The format a call runs in, or None for full precision. Pure.
 
     ``precision="auto"`` quantizes only where the communicator opted in (``setting``,
     ``Config.quantized``, is a format) and the call is one the quantized two-shot takes
     (``algorithm="auto"``, a dtype of DTYPES, an op of OPS, kernels on the pool) where it
-    can pay: 2 ranks or more and at least AUTO_MIN_BYTES; every other call keeps full
-    precision. Every rank decides alike (the same call has the same bytes everywhere).
+    was measured to pay: ``nbytes`` at least ``threshold``, the selector table's size for
+    this machine, world size, dtype and format (``Selector.quantized``: None where it
+    never pays, was not measured, or at one rank); every other call keeps full precision.
+    Every rank decides alike (the same call and the same agreed table everywhere).
     ``"exact"`` never quantizes; a format name asks for that format and raises where the
     call cannot have it.
 
@@ -182,7 +179,8 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbyte
         algorithm: the call's ``algorithm=``.
         dtype, op: the call's.
         nbytes: the message's bytes.
-        nranks: the communicator's size.
+        threshold: the smallest message ``auto`` quantizes in ``setting``'s format for
+            ``dtype``, or None: never.
         setting: ``Config.quantized``.
         kernels: whether the communicator runs kernels on a symmetric pool.
         arch: returns the device's compute capability (e.g. 90); called only where a
@@ -198,7 +196,7 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbyte
         return None
     if precision == AUTO:
         if (setting == "off" or algorithm != "auto" or not kernels or dtype not in DTYPES or op not in OPS
-                or nranks < 2 or nbytes < AUTO_MIN_BYTES):
+                or threshold is None or nbytes < threshold):
             return None
         fmt = setting
     else:
@@ -231,26 +229,31 @@ def signature(sig: int, fmt: str) -> int:
     return sig | (list(FORMATS).index(fmt) + 1) << TAG_SHIFT
 
 
-def describe(setting: str, kernels: bool) -> str:
-    """One line for ``describe()``: whether and where ``auto`` quantizes."""
+def describe(setting: str, kernels: bool, starts: dict[str, tuple[int | None, str]]) -> str:
+    """One line for ``describe()``: whether and where ``auto`` quantizes. ``starts``: dtype
+    of DTYPES -> ``Selector.quantized(setting, dtype)`` (used where ``setting`` is a format)."""
     if setting == "off":
         return (f"off: auto never quantizes (opt in with UBNEXT_QUANTIZED={_OPT_IN}; then precision= "
                 "picks per call)")
     if not kernels:
         return f"{setting} requested, but this communicator runs NCCL only: every call keeps full precision"
-    return (f"{setting}: auto reduces {'/'.join(DTYPES)} {'/'.join(OPS)} from {AUTO_MIN_BYTES >> 20} MiB "
-            f"at 2 ranks or more in the quantized two-shot "
-            f"({wire_fraction(setting):.0%} of the bytes; error <= {bound(setting, 'bfloat16', 8):.4f} x the "
-            f"group's magnitude for bfloat16); precision='exact' keeps a call exact")
+    where = "; ".join(f"{dtype} {why}" for dtype, (_, why) in starts.items())
+    return (f"{setting}: auto reduces {'/'.join(OPS)} in the quantized two-shot where the selector table "
+            f"says it pays: {where} ({wire_fraction(setting):.0%} of the bytes; error <= "
+            f"{bound(setting, 'bfloat16', 8):.4f} x the group's magnitude for bfloat16); precision='exact' "
+            f"keeps a call exact")
 
 
-def selection_note(setting: str, kernels: bool, dtype: str) -> str:
-    """What ``describe()`` adds to the reason of ``auto``'s choice for ``dtype``: that its
-    sums and averages run quantized instead, where the communicator opted in."""
+def selection_note(setting: str, kernels: bool, dtype: str, nbytes: int, start: tuple[int | None, str]) -> str:
+    """What ``describe()`` adds to the reason of ``auto``'s choice for ``nbytes`` of ``dtype``
+    where the communicator opted in: whether its sums and averages run quantized instead,
+    and why (``start``: ``Selector.quantized(setting, dtype)``)."""
     if setting == "off" or not kernels or dtype not in DTYPES:
         return ""
-    return (f"; {' and '.join(OPS)} from {AUTO_MIN_BYTES >> 20} MiB at 2 ranks or more run the quantized "
-            f"two-shot in {setting} instead (UBNEXT_QUANTIZED)")
+    threshold, why = start
+    if threshold is not None and nbytes >= threshold:
+        return f"; {' and '.join(OPS)} run the quantized two-shot in {setting} instead ({setting} {why})"
+    return f"; {' and '.join(OPS)} too ({setting} {why})"
 
 
 # ---- host emulation, bit for bit ----------------------------------------------------------

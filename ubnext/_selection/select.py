@@ -8,7 +8,9 @@ world sizes it covers, then the table shipped in the package; of each, the entry
 for this machine (``TableFile.choose``: the GPU of local rank 0, the ``"nvlink"``
 link, ``"plain"`` arrays, ``"graph"`` mode). The selector does not know whether a
 call's arrays are pool buffers: the ``"plain"`` entries serve every call (choosing
-the ``"pool"`` entries for pool buffers is a follow-up).
+the ``"pool"`` entries for pool buffers is a follow-up). The size from which
+``precision="auto"`` quantizes on an opted-in communicator comes from the same entries
+(their ``quantized`` thresholds: :meth:`Selector.quantized`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 
 from ubnext._environment.config import Config
+from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, FLOAT_DTYPES, KERNEL_DTYPES, UNICAST_OF
-from ubnext._selection.table import Machine, Row, TableFile, default_table, human_bytes
+from ubnext._selection.table import Machine, Row, TableFile, Thresholds, default_table, human_bytes
 
 #: unicast algorithm -> the multicast kernel that replaces it: its own multicast
 #: instantiation, and NVLS two-shot for the Lamport two-shot (the seed's order puts
@@ -106,6 +109,19 @@ class Selector:
         #: reduces the others.
         self._rows = {c: {dtype: next(found for t in self.tables if (found := t.lookup(nranks, dtype, c)))
                           for dtype in KERNEL_DTYPES} for c in COLLECTIVES}
+        #: (format, dtype) -> (the smallest message auto quantizes, or None: never; why)
+        self._quantized = {(fmt, dtype): _threshold(fmt, nranks, next(
+            (found for t in self.tables if (found := t.quantized_lookup(nranks, dtype))), None))
+            for fmt in _quant.FORMATS for dtype in _quant.DTYPES}
+
+    def quantized(self, fmt: str, dtype: str) -> tuple[int | None, str]:
+        """The smallest message (bytes) of ``dtype`` that ``precision="auto"`` reduces in
+        ``fmt`` on a communicator opted in to it, or None where it never does, and why:
+        ``"from 64 MiB (2 ranks bfloat16 (quantized, tune file ...: NVIDIA H100 ...))"``,
+        ``"never (measured not to pay: ...)"``, ``"never: not measured ..."``. From the
+        tables' ``quantized`` thresholds (``table`` module docstring: what is not measured
+        keeps full precision); None at one rank. Any other format or dtype: (None, "")."""
+        return self._quantized.get((fmt, dtype), (None, ""))
 
     def fits(self, name: str, nbytes: int) -> bool:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator: in one
@@ -237,6 +253,21 @@ class Selector:
         if ALGORITHMS[name].in_launches:
             why += f" (launches past its buffers need at least {human_bytes(launch_floor(name))} of them)"
         return why
+
+
+def _threshold(fmt: str, nranks: int, found: tuple[Thresholds, str] | None) -> tuple[int | None, str]:
+    """:meth:`Selector.quantized` of ``fmt`` from the thresholds found for its world size and dtype."""
+    if nranks < 2:
+        return None, "never: one rank moves nothing over links"
+    if found is None:
+        return None, (f"never: not measured for {nranks} ranks (no selector table has quantized thresholds "
+                      f"for them; python -m ubnext.tune --quantized measures them)")
+    thresholds, where = found
+    if fmt not in thresholds:
+        return None, f"never: {fmt} not measured ({where})"
+    if thresholds[fmt] is None:
+        return None, f"never (measured not to pay: {where})"
+    return thresholds[fmt], f"from {human_bytes(thresholds[fmt])} ({where})"
 
 
 def _covers(row: Row, nbytes: int) -> bool:

@@ -74,12 +74,27 @@ a file writes it back as format 2, the old rows kept as that ``"*"`` entry; the 
 adds for the machine it ran on starts from those rows (a communicator takes one entry of
 a file, so what the run did not measure keeps serving that machine).
 
-**Quantized thresholds** (today ``_quant.AUTO_MIN_BYTES``, one size for every machine)
-fit the same format as another key of an entry, ``"quantized": {"note": ..., "tables":
-{"<world size>"|"*": {dtype: [[max_bytes, "exact"], [null, "int8"]]}}}``: rows in the
-same form whose second element is a precision (``"exact"`` or a quantized format)
-instead of an algorithm, chosen by the same machine key, so a GPU that nobody measured
-takes the quantized crossover of the nearest measured machine as it does the algorithm.
+**Quantized thresholds** (optional key ``quantized`` of an entry): the size from which
+``precision="auto"`` runs each quantized format on a communicator that opted in to it
+(``UBNEXT_QUANTIZED``), as ``python -m ubnext.tune`` measured it on that machine::
+
+    "quantized": {"note": "...",
+                  "tables": {"2": {"bfloat16": {"int8": 67108864, "fp8": 67108864, "int4": "never"}}}}
+
+``tables`` maps a world size (``"*"``: the others) to ``{dtype: {format: threshold}}``
+(dtypes the quantized two-shot takes, ``_quant.DTYPES``; formats of ``_quant.FORMATS``):
+a threshold is the smallest message, in bytes, from which the format is used, or
+``"never"`` where it was measured not to pay at any size. It is found as the rows are:
+the chosen entry of the first table that has it for the world size (its own, then
+``"*"``), a dtype without thresholds taking another's of the same element size.
+**What is not there was not measured, and auto then keeps full precision**: an entry
+without the key (every file written before it existed, and today's shipped table), a
+world size without thresholds in any table, a format missing from a dtype's. Full
+precision, not a guessed size, because the quantized path is lossy and measurements
+(docs/quantized.md) show it slower than full precision at some sizes on some machines:
+quantizing where nobody measured that it pays could cost both accuracy and time.
+``describe()`` says which applies. At one rank nothing crosses a link and auto never
+quantizes, whatever a table says.
 """
 
 from __future__ import annotations
@@ -95,6 +110,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
+from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES
 from ubnext._protocol.errors import UbnextError
 
@@ -114,12 +130,17 @@ DEFAULT_LINK = "nvlink"
 _REQUIRED = ("format", "entries")
 _OPTIONAL = ("note",)
 _ENTRY_REQUIRED = (*KEYS, "tables")
-_ENTRY_OPTIONAL = ("note", "measured", "collectives")
+_ENTRY_OPTIONAL = ("note", "measured", "collectives", "quantized")
 _V1_REQUIRED = ("format", "machine", "tables")
 _V1_OPTIONAL = ("note", "measured", "collectives")
 
+#: A quantized threshold that says the format never pays (``quantized`` of an entry).
+NEVER = "never"
+
 #: ``(max_bytes or None for no limit, algorithm)``
 Row = tuple[int | None, str]
+#: quantized format -> the smallest message it takes, or None: never (``quantized`` of an entry)
+Thresholds = dict[str, int | None]
 
 
 @dataclass(frozen=True)
@@ -157,6 +178,8 @@ class Table:
         rows: world key (``"4"``, ``"*"``) -> dtype -> ascending rows (of the all-reduce).
         entry: the entry's JSON object.
         by_collective: collective other than the all-reduce -> its rows, as ``rows``.
+        quantized: world key -> dtype -> the quantized thresholds (the entry's ``quantized``;
+            empty where it has none: not measured).
         why: why :meth:`TableFile.choose` chose it (``"exact match"``, or the fallback); "" before.
     """
 
@@ -168,6 +191,7 @@ class Table:
     rows: dict[str, dict[str, tuple[Row, ...]]]
     entry: dict[str, Any] = field(repr=False, compare=False)
     by_collective: dict[str, dict[str, dict[str, tuple[Row, ...]]]] = field(default_factory=dict)
+    quantized: dict[str, dict[str, Thresholds]] = field(default_factory=dict)
     why: str = ""
 
     @property
@@ -203,19 +227,17 @@ class Table:
         """
         tables = self.rows if collective == "all_reduce" else self.by_collective.get(collective, {})
         source = self.where if collective == "all_reduce" else f"{collective}, {self.where}"
-        for key in (str(nranks), ANY_WORLD):
-            by_dtype = tables.get(key)
-            if by_dtype is None:
-                continue
-            world = f"{nranks} ranks" if key != ANY_WORLD else f"{nranks} ranks (via '*')"
-            used = _closest_dtype(dtype, by_dtype)
-            what = used if used == dtype else f"{used} (no {dtype} rows)"
-            return by_dtype[used], f"{world} {what} ({source})"
-        return None
+        return _find(tables, nranks, dtype, source)
+
+    def quantized_lookup(self, nranks: int, dtype: str) -> tuple[Thresholds, str] | None:
+        """The quantized thresholds for ``nranks`` ranks and ``dtype`` (one of ``_quant.DTYPES``)
+        and where they come from, as :meth:`lookup` gives rows (``"2 ranks bfloat16
+        (quantized, default table: ...)"``); None where the entry has none for ``nranks``."""
+        return _find(self.quantized, nranks, dtype, f"quantized, {self.where}")
 
     def digest(self) -> str:
         """A hash of the key and the rows: equal on every rank that chose the same entry."""
-        rows = {"key": self.key, "all_reduce": self.rows, **self.by_collective}
+        rows = {"key": self.key, "all_reduce": self.rows, **self.by_collective, "quantized": self.quantized}
         return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
@@ -279,6 +301,20 @@ class TableFile:
     def digest(self) -> str:
         """A hash of every entry's key and rows: equal on every rank that read the same table."""
         return hashlib.sha256(json.dumps([t.digest() for t in self.entries]).encode()).hexdigest()
+
+
+def _find(tables: dict[str, dict[str, Any]], nranks: int, dtype: str, source: str) -> tuple[Any, str] | None:
+    """``tables[world][dtype]`` for ``nranks`` (its own key, then ``"*"``) and the closest dtype
+    present, and a description of where it comes from; None where neither world key is there."""
+    for key in (str(nranks), ANY_WORLD):
+        by_dtype = tables.get(key)
+        if by_dtype is None:
+            continue
+        world = f"{nranks} ranks" if key != ANY_WORLD else f"{nranks} ranks (via '*')"
+        used = _closest_dtype(dtype, by_dtype)
+        what = used if used == dtype else f"{used} (no {dtype} rows)"
+        return by_dtype[used], f"{world} {what} ({source})"
+    return None
 
 
 def _closest_dtype(dtype: str, by_dtype: dict[str, Any]) -> str:
@@ -377,8 +413,42 @@ def _parse_entry(entry: Any, source: str, fail) -> Table:
         if not isinstance(rows_of, dict) or "tables" not in rows_of or set(rows_of) - {"tables", "note"}:
             raise fail(f"collectives[{name!r}] must be an object {{\"note\": ..., \"tables\": ...}}")
         by_collective[name] = _parse_tables(rows_of["tables"], f"collectives[{name!r}].tables", name, fail)
+    quantized = entry.get("quantized")
+    if quantized is not None and (not isinstance(quantized, dict) or "tables" not in quantized
+                                  or set(quantized) - {"tables", "note"}):
+        raise fail("quantized must be an object {\"note\": ..., \"tables\": {\"<world size>\": "
+                   "{\"<dtype>\": {\"<format>\": bytes or \"never\"}}}}")
     return Table(source, entry["gpu"], entry["link"], entry["placement"], entry["mode"], rows, entry,
-                 by_collective)
+                 by_collective, {} if quantized is None else _parse_thresholds(quantized["tables"], fail))
+
+
+def _parse_thresholds(tables: Any, fail) -> dict[str, dict[str, Thresholds]]:
+    """``quantized.tables`` of an entry -> world key -> dtype -> format -> bytes or None (never)."""
+    where = "quantized.tables"
+    if not isinstance(tables, dict) or not tables:
+        raise fail(f"{where} must be a non-empty object {{\"<world size>\": {{\"<dtype>\": thresholds}}}}")
+    parsed: dict[str, dict[str, Thresholds]] = {}
+    for world, by_dtype in tables.items():
+        if world != ANY_WORLD and not (world.isdigit() and int(world) > 0):
+            raise fail(f"{where} key {world!r} is not a world size (a positive integer, or \"*\")")
+        if not isinstance(by_dtype, dict) or not by_dtype:
+            raise fail(f"{where}[{world!r}] must be a non-empty object {{\"<dtype>\": thresholds}}")
+        parsed[world] = {}
+        for dtype, by_format in by_dtype.items():
+            at = f"{where}[{world!r}][{dtype!r}]"
+            if dtype not in _quant.DTYPES:
+                raise fail(f"{where}[{world!r}]: dtype {dtype!r} is not quantized; use {', '.join(_quant.DTYPES)}")
+            if not isinstance(by_format, dict) or not by_format:
+                raise fail(f"{at} must be a non-empty object {{\"<format>\": bytes or \"never\"}}")
+            parsed[world][dtype] = {}
+            for fmt, threshold in by_format.items():
+                if fmt not in _quant.FORMATS:
+                    raise fail(f"{at}: unknown format {fmt!r}; use {', '.join(_quant.FORMATS)}")
+                if threshold != NEVER and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                           or threshold <= 0):
+                    raise fail(f"{at}[{fmt!r}]: {threshold!r} is not a positive byte count or \"never\"")
+                parsed[world][dtype][fmt] = None if threshold == NEVER else threshold
+    return parsed
 
 
 def _parse_tables(tables: Any, where: str, collective: str, fail) -> dict[str, dict[str, tuple[Row, ...]]]:
