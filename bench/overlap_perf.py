@@ -13,7 +13,10 @@ CUDA graphs (µs per call, maximum over ranks, median of the repeats):
   intermediate/N x hidden, reduce-scattered to tokens/N x hidden.
 
 Candidates of each: ``overlapped`` (ubnext.torch's op), ``gemm`` (the unchunked GEMM
-alone, same shapes), ``comm`` (ubnext's all-gather or reduce-scatter alone), ``ubnext+gemm``
+alone, same shapes), ``chunks`` (the overlapped op without its communication: the same
+chunked GEMMs, and on the reduce-scatter side the same rank-order reduction, on one
+stream; ``chunks - gemm`` is what chunking costs, ``overlapped - chunks`` the
+communication left exposed), ``comm`` (ubnext's all-gather or reduce-scatter alone), ``ubnext+gemm``
 and ``nccl+gemm`` (the collective, then the GEMM, unoverlapped), and ``torch-async-tp``
 (``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``), left
 out with the reason printed where torch's symmetric memory cannot be set up. Rank 0
@@ -38,7 +41,7 @@ from bench import _common as common  # noqa: E402
 from bench import _torchbench as tb  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CANDIDATES = ("overlapped", "gemm", "comm", "ubnext+gemm", "nccl+gemm", "torch-async-tp")
+CANDIDATES = ("overlapped", "gemm", "chunks", "comm", "ubnext+gemm", "nccl+gemm", "torch-async-tp")
 SIDES = ("ag", "rs")
 
 
@@ -97,6 +100,7 @@ def candidates(comm, side: str, tokens: int, hidden: int, intermediate: int, gro
         gathered = torch.empty(tokens, hidden, device="cuda", dtype=bf)
         fns = {"overlapped": lambda: ut.all_gather_matmul(a, b, group=comm),
                "gemm": lambda: gathered @ b,
+               "chunks": chunked_gemms(side, a, b, n, comm.rank),
                "comm": lambda: comm.all_gather(a, out=gathered),
                "ubnext+gemm": lambda: comm.all_gather(a) @ b,
                "nccl+gemm": lambda: _nccl_gather(dist, gathered, a) @ b}
@@ -107,12 +111,48 @@ def candidates(comm, side: str, tokens: int, hidden: int, intermediate: int, gro
         product, shard = a @ b, torch.empty(tokens // n, hidden, device="cuda", dtype=bf)
         fns = {"overlapped": lambda: ut.matmul_reduce_scatter(a, b, group=comm),
                "gemm": lambda: a @ b,
+               "chunks": chunked_gemms(side, a, b, n, comm.rank),
                "comm": lambda: comm.reduce_scatter(product, out=shard),
                "ubnext+gemm": lambda: comm.reduce_scatter(a @ b),
                "nccl+gemm": lambda: dist.reduce_scatter_tensor(shard, a @ b)}
         if group_name:
             fns["torch-async-tp"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
     return fns
+
+
+def chunked_gemms(side: str, a, b, size: int, rank: int):
+    """The overlapped op of ``side`` without its communication, as a function: its GEMMs on
+    the chunks of ``ubnext.torch._overlap_plan`` in its order, into buffers made here, and
+    on the reduce-scatter side its rank-order reduction of each round's slots."""
+    import torch
+
+    from ubnext.torch import _overlap as overlap
+    from ubnext.torch import _overlap_plan as plan
+
+    if side == "ag":
+        m = a.shape[0]
+        gathered, out = a.new_empty((size * m, a.shape[1])), a.new_empty((size * m, b.shape[1]))
+        rounds, order = plan.gather_rounds(m, a.shape[1] * a.element_size()), [rank, *plan.pull_order(rank, size)]
+
+        def fn():
+            for r0, rows in rounds.parts:
+                for src in order:
+                    first = src * m + r0
+                    torch.matmul(gathered[first:first + rows], b, out=out[first:first + rows])
+            return out
+        return fn
+    m, n = a.shape[0] // size, b.shape[1]
+    rounds = plan.scatter_rounds(m, n * a.element_size(), size)
+    slots, out = a.new_empty((size, rounds.parts[0][1], n)), a.new_empty((m, n))
+
+    def fn():
+        for r0, rows in rounds.parts:
+            for dst in plan.push_order(rank, size):
+                torch.matmul(a[dst * m + r0:dst * m + r0 + rows], b, out=slots[dst, :rows])
+            if rows:
+                overlap._reduce(list(slots[:, :rows]), out[r0:r0 + rows])
+        return out
+    return fn
 
 
 def _nccl_gather(dist, out, x):

@@ -32,8 +32,9 @@ BF16 = torch.bfloat16
 #: fp32 accumulations in another order; matmul_reduce_scatter: each rank's product rounded
 #: to bf16, then the fp32 sum rounded once
 GATHER_BOUND, SCATTER_BOUND = 2.0 ** -7, 2.0 ** -6
-#: (rows per rank, k, n): one row (its second round moves none), odd rows, one round's
-#: worth, and more rows than two rounds take (k or n of 8192: 16 KiB rows)
+#: (rows per rank, k, n): one row, odd rows, one round's worth, and more rows than two
+#: rounds take (k or n of 8192: 16 KiB rows; three rounds: the last round's half, 0, is
+#: the next call's first)
 GATHER_SHAPES = [(1, 64, 32), (3, 128, 256), (512, 1024, 768), (4500, 8192, 256)]
 SCATTER_SHAPES = [(1, 64, 32), (3, 128, 256), (512, 1024, 768), (2100, 256, 8192)]
 

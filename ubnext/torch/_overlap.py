@@ -28,16 +28,19 @@ Design (the choices, and why):
   never in the pool.
 
 Why reusing a half is safe (no rank writes a half while a peer still reads it): every
-round j, on every rank, (a) takes a barrier on the side stream; (b) its reads of half
-j % 2 come before the barrier of round j+1: the all-gather's pulls are on the side stream
-before it, and after a reduce-scatter round's reduction (on the caller's stream) the side
-stream waits for the caller's stream; (c) its writes come after the barrier of round j-1
-has completed: the all-gather's own copy and the reduce-scatter's pushes are on the side
-stream after it, and the reduce-scatter's own-slot GEMM on the caller's stream after the
-caller waited for it (the previous round's reduction, or the previous call's join); (d)
-rounds alternate halves, also across calls and CUDA graph replays (every call has an even
-number of rounds, starting on half 0). So a write of round j+2 into half h follows the
-completion of a barrier j+1, which follows every rank's reads of round j.
+call opens with a barrier on the side stream, after the fork and before any write into
+an area, and every round j takes one; on every rank (a) a round's reads of half j % 2
+come before the next barrier: the all-gather's pulls are on the side stream before it,
+and after a reduce-scatter round's reduction (on the caller's stream) the side stream
+waits for the caller's stream (the next call's fork waits for it too); (b) its writes
+come after a barrier that follows the previous reads of that half: the all-gather's own
+copy and the reduce-scatter's pushes are on the side stream after the round's preceding
+barrier, and the reduce-scatter's own-slot GEMM (into a slot only this rank reads) on the
+caller's stream after the caller waited for the side stream; (c) rounds alternate halves
+within a call, and a call's first round writes half 0 only after its opening barrier,
+which on every rank follows all of that rank's reads of earlier calls (CUDA graph
+replays included). So a write into half h follows the completion of a barrier that
+follows every rank's earlier reads of h.
 
 Streams: the side stream is forked from the caller's stream (it waits for the caller's
 work so far) and joined back (the caller waits for it) within the call, so the op is one
@@ -117,6 +120,7 @@ def all_gather_matmul(comm, a: torch.Tensor, b: torch.Tensor):
         caller, stream = torch.cuda.current_stream(a.device), side.stream
         gathered[rank * m:(rank + 1) * m].copy_(a)
         stream.wait_stream(caller)  # fork: a and everything before the call are ready
+        _barrier(comm, side)  # opening: every peer's reads of earlier calls are done
         g0, a0, peers = gathered.data_ptr(), a.data_ptr(), plan.pull_order(rank, size)
         for j, (r0, rows) in enumerate(rounds.parts):
             off, nbytes = rounds.offset(j), rows * row
@@ -160,6 +164,7 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
         # it on the side stream (a previous call's reads, on another caller stream or in a
         # graph replayed elsewhere; at 2 ranks no push wait comes before the first such GEMM)
         caller.wait_stream(stream)
+        _barrier(comm, side)  # opening: every peer's reads of earlier calls are done
         pushed = []  # an event after each push: its staging buffer is free again
         for j, (r0, rows) in enumerate(rounds.parts):
             slots = [area[rounds.offset(j, s):rounds.offset(j, s) + rows * row].view(a.dtype).view(rows, n)

@@ -4,10 +4,11 @@ area lies, and in which order the peers are visited. Pure Python (no CUDA), shar
 GPU runner (``_overlap``) and the tests, which rebuild the same chunks for their
 references.
 
-The area (``AREA_BYTES`` of every rank's pool segment) has two halves; consecutive rounds
-use alternate halves (``_overlap`` says why that is safe). A call has an even number of
-rounds and starts on half 0, so the alternation holds across calls in any order, CUDA
-graph replays included (a round may move no rows: it still takes its barrier).
+The area (``AREA_BYTES`` of every rank's pool segment) has two halves; a call's rounds
+start on half 0 and alternate (``_overlap`` says why that is safe: within a call by each
+round's barrier, across calls, CUDA graph replays included, by the barrier every call
+opens with). A call takes as few rounds as its rows fit, one where they fit a half: the
+fewer the rounds, the larger, and the more efficient, each GEMM.
 
 * all-gather side: round j moves rows ``[r0, r0 + rows)`` of every rank's shard; each rank
   copies its own rows into its half, the peers pull them from there.
@@ -37,7 +38,7 @@ class Rounds:
     """The rounds of one call.
 
     Attributes:
-        parts: ``(r0, rows)`` of each round, in order; an even number of them.
+        parts: ``(r0, rows)`` of each round, in order; at least one.
         slot_bytes: bytes of one slot (all-gather: the one slot of a rank's own rows;
             reduce-scatter: a source rank's slot), a multiple of SLOT_ALIGN.
     """
@@ -56,7 +57,7 @@ class Rounds:
 
 def split(rows: int, row_bytes: int, slots: int) -> Rounds:
     """The rounds that move ``rows`` rows of ``row_bytes`` each, ``slots`` slots of a
-    round's rows per half: as few rounds as fit (even, at least 2), rows spread evenly
+    round's rows per half: as few rounds as fit (at least one), rows spread evenly
     (the first rounds one row more where they do not divide).
 
     Raises:
@@ -69,8 +70,7 @@ def split(rows: int, row_bytes: int, slots: int) -> Rounds:
     if most == 0:
         raise ValueError(f"a row of {row_bytes} bytes in {slots} slots does not fit half of the "
                          f"{AREA_BYTES >> 20} MiB overlap area")
-    count = max(2, -(-rows // most))
-    count += count % 2
+    count = max(1, -(-rows // most))
     base, extra = divmod(rows, count)
     parts, r0 = [], 0
     for j in range(count):
