@@ -97,6 +97,9 @@ def test_arguments_are_checked():
             (lambda: ut.matmul_reduce_scatter(a, b.double(), group=comm), "share dtype"),
             (lambda: ut.matmul_reduce_scatter(torch.randn(3, 8), b, group=comm), "3 rows, which 2 ranks"),
             (lambda: ut.all_gather_matmul(a, b), "pass group"),
+            (lambda: ut.all_gather_matmul(a.int(), b.int(), group=comm), "dtype torch.int32 is not taken"),
+            (lambda: ut.matmul_reduce_scatter(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), group=comm),
+             "float8_e4m3fn is not taken"),
         ]
         for call, match in cases:
             with pytest.raises(UbnextError, match=match):
@@ -104,6 +107,28 @@ def test_arguments_are_checked():
         return comm.calls
 
     assert run_ranks(2, body) == [0, 0]  # raised before any collective
+
+
+class _CudaComm:
+    """A communicator of CUDA device 1 whose collectives must not be reached."""
+
+    rank, size, device, local_rank, pool = 0, 2, 1, 0, None
+
+    def all_gather(self, *args, **kwargs):
+        pytest.fail("all_gather reached")
+
+    reduce_scatter = all_gather
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_operands_off_the_communicators_device_raise_before_any_work(op, monkeypatch):
+    """CPU operands (and those of another CUDA device, as torch.device compares them) for a
+    communicator of CUDA device 1 raise on the unoverlapped path too (no pool), before any
+    GEMM or collective."""
+    comm = _CudaComm()
+    monkeypatch.setattr(torch, "matmul", lambda *a, **k: pytest.fail("a GEMM was queued"))
+    with pytest.raises(UbnextError, match=f"ubnext::{op}: a and b are on cpu, the communicator on cuda:1"):
+        getattr(ut, op)(torch.ones(4, 8), torch.ones(8, 3), group=comm)
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])

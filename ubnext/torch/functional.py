@@ -180,7 +180,8 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 
     the pool, collectively); torch.compile(fullgraph=True) traces it.
 
     Args:
-        a_shard: (rows, ..., k) CUDA tensor, this rank's rows (the same shape on every rank).
+        a_shard: (rows, ..., k) CUDA tensor of float16, bfloat16, float32 or float64 on the
+            communicator's device, this rank's rows (the same shape on every rank).
         b: (k, n), a_shard's dtype and device (any strides, e.g. a weight's ``.t()``).
         gather_dim: 0 (rows; the only one taken).
         group: the ``Communicator`` (or its handle).
@@ -190,7 +191,8 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 
 
     Raises:
         UbnextError: another gather_dim, shapes that do not multiply, dtypes or devices that
-            differ, no group; what ``Communicator.all_reduce`` (the barrier) raises.
+            differ, another dtype, a device other than the communicator's, no group (all
+            before any work is queued); what ``Communicator.all_reduce`` (the barrier) raises.
     """
     _dim_zero("all_gather_matmul", "gather_dim", gather_dim)
     return torch.ops.ubnext.all_gather_matmul(a_shard, b, handle(_required(group)))
@@ -215,7 +217,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
     Graph-capturable: yes, after a first eager call; torch.compile(fullgraph=True) traces it.
 
     Args:
-        a: (size * rows, ..., k) CUDA tensor, this rank's partial operand.
+        a: (size * rows, ..., k) CUDA tensor of float16, bfloat16, float32 or float64 on the
+            communicator's device, this rank's partial operand.
         b: (k, n), a's dtype and device (any strides).
         reduce_op: ``"sum"`` (the only one taken).
         scatter_dim: 0 (rows; the only one taken).
@@ -226,7 +229,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
 
     Raises:
         UbnextError: another reduce_op or scatter_dim, rows the ranks do not divide, shapes
-            that do not multiply, dtypes or devices that differ, no group; what
+            that do not multiply, dtypes or devices that differ, another dtype, a device
+            other than the communicator's, no group (all before any work is queued); what
             ``Communicator.all_reduce`` (the barrier) raises.
     """
     _dim_zero("matmul_reduce_scatter", "scatter_dim", scatter_dim)
