@@ -139,6 +139,26 @@ def test_matmul_reduce_scatter_equals_its_chunks_in_rank_order(comm, m, k, n):
     assert ratio(y, full) <= SCATTER_BOUND
 
 
+def test_matmul_reduce_scatter_sums_float64_in_float64(comm):
+    """float64 operands of integers whose products and sums need more than fp32's 24 bits
+    (below 2**53: exact in float64): the result equals the exact sum, which an fp32
+    accumulation would round."""
+    m, k, n = 5, 16, 8
+
+    def integers(rank, shape, seed, high):
+        g = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
+        return torch.randint(-high, high, shape, generator=g, device="cuda").double()
+
+    parts = [integers(r, (comm.size * m, k), 5, 1 << 20) for r in range(comm.size)]
+    bs = [integers(r, (k, n), 6, 1 << 12) for r in range(comm.size)]
+    poison(comm)
+    y = ut.matmul_reduce_scatter(parts[comm.rank], bs[comm.rank], group=comm)
+    rows = slice(comm.rank * m, (comm.rank + 1) * m)
+    want = sum(a.cpu() @ b.cpu() for a, b in zip(parts, bs))[rows]
+    assert y.dtype == torch.float64 and torch.equal(y.cpu(), want)
+    assert not torch.equal(want.float().double(), want)  # fp32 could not hold it
+
+
 def test_a_canary_in_the_pool_stays_untouched(comm):
     """A user buffer of the pool, allocated once the area exists, keeps its bytes through
     calls of several rounds."""

@@ -20,8 +20,8 @@ Design (the choices, and why):
   rank dst's rows into a staging buffer (two, alternating), pushed by the side stream into
   slot [rank] of dst's half; the own product lands in the own slot directly while the
   last push moves. Barrier, then each rank reduces its slots in rank order 0..size-1 in
-  fp32, rounded once (``_reduce``): the result is bit-identical to the same chunks'
-  GEMMs reduced in that order, whatever the timing.
+  fp32 (float64 in float64), rounded once (``_reduce``): the result is bit-identical to
+  the same chunks' GEMMs reduced in that order, whatever the timing.
 * **Bounded area**: ``_overlap_plan.AREA_BYTES`` of the pool (one area per communicator,
   ``Communicator._symmetric_area``), in two halves; inputs of any size move in rounds of
   as many rows as a half takes (``_overlap_plan.split``). The gathered tensor itself is
@@ -141,7 +141,8 @@ def all_gather_matmul(comm, a: torch.Tensor, b: torch.Tensor):
 
 def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
     """Rows ``[rank * m, (rank + 1) * m)`` of the sum over the ranks of ``a @ b`` (``a``:
-    size * m x k, ``b``: k x n), reduced in rank order in fp32, rounded once. Collective."""
+    size * m x k, ``b``: k x n), reduced in rank order in fp32 (float64 in float64), rounded
+    once. Collective."""
     side = _side(comm)
     if side is None or 0 in (a.shape[0], a.shape[1], b.shape[1]):
         product = torch.matmul(a, b)
@@ -185,9 +186,11 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
 
 
 def _reduce(slots: list, out: torch.Tensor) -> None:
-    """``out`` = the slots summed in order in fp32, rounded once to out's dtype (two slots
-    or more)."""
-    acc = slots[0].float()
+    """``out`` = the slots summed in order in fp32 (float64 in float64: the wider of out's
+    dtype and fp32), rounded once to out's dtype (two slots or more). The first slot is
+    the accumulator where it has that dtype already (this rank's slot: nothing reads it
+    after the reduction)."""
+    acc = slots[0].to(torch.promote_types(out.dtype, torch.float32))
     for s in slots[1:-1]:
         acc.add_(s)
     torch.add(acc, slots[-1], out=out)

@@ -206,9 +206,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
 
     Each rank multiplies every other rank's rows first (its own last), pushing each product
     into that rank's symmetric pool by copy engine while the next GEMM runs; each rank then
-    sums its received blocks in rank order 0, 1, ... in fp32, rounded once. The result
-    equals, bit for bit, the same row blocks' ``torch.matmul`` products reduced in that
-    order. Without a pool (NCCL only) it runs the GEMM, then the reduce-scatter.
+    sums its received blocks in rank order 0, 1, ... in fp32 (float64 in float64), rounded
+    once. The result equals, bit for bit, the same row blocks' ``torch.matmul`` products
+    reduced in that order. Without a pool (NCCL only) it runs the GEMM, then the reduce-scatter.
 
     Differentiable: ``a``'s gradient is ``all_gather_matmul(grad, b.T)``'s product, ``b``'s
     ``a.T @ all_gather(grad)`` (the gathered gradient of the same call).
