@@ -205,6 +205,33 @@ def test_cuda_graph_replays_equal_eager(comm):
     torch.cuda.synchronize()
 
 
+def test_a_first_call_under_capture_raises_and_the_capture_stays_usable():
+    """A new communicator's first overlapped call under CUDA graph capture raises before it
+    queues anything (the area is allocated and the barrier compiled at a first eager
+    call); after an eager call, the same call captured and replayed equals it."""
+    from ubnext import UbnextError
+
+    c = tp.gpu_communicator(1 << 20, "bfloat16")
+    try:
+        if c.size == 1 or c.pool is None:
+            pytest.skip("the ops overlap at 2 ranks or more, with a pool")
+        m, k, n = 8, 64, 32
+        a, b = operand(c.rank, (m, k), 31), operand(c.rank, (k, n), 32, k ** -0.5)
+        with pytest.raises(UbnextError, match="make one eager call first"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                ut.matmul_reduce_scatter(torch.cat([a] * c.size), b, group=c)
+        eager = ut.all_gather_matmul(a, b, group=c)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ut.all_gather_matmul(a, b, group=c)
+        graph.replay()
+        for got, want in zip(captured, eager):
+            assert torch.equal(bits(got), bits(want))
+        torch.cuda.synchronize()
+    finally:
+        c.close()
+
+
 def test_sequence_parallel_mlp_matches_the_unsharded_block(comm):
     """The sequence-parallel MLP, bf16, forward and backward: this rank's rows of the
     outputs and input gradient, its weight shards' gradients, and the norm weight's and

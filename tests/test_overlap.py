@@ -8,6 +8,8 @@ overlapped one)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -391,3 +393,56 @@ def test_the_reduction_sums_in_rank_order_rounding_once(dtype, slots):
     else:
         want = rank_order(kept)
     assert torch.equal(out, want)
+
+
+# ---- a first overlapped call under CUDA graph capture --------------------------------------
+class _PooledComm:
+    """A communicator that would overlap (2 ranks, a pool, the barrier's algorithm) and
+    records what an overlapped call reaches."""
+
+    rank, size, device, local_rank, pool = 0, 2, 0, 0, {}
+
+    def __init__(self):
+        self.reached = []
+
+    def algorithms(self):
+        return ["lamport"]
+
+    def _symmetric_area(self, *args):
+        self.reached.append("area")
+        raise RuntimeError("the area was reached")
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_a_first_overlapped_call_under_capture_raises_before_it_queues_anything(op, monkeypatch):
+    """Captured before any call completed (none made, or the first one failed): a clear
+    error, no side stream or flag made, nothing reached; eager, the call goes on; once a
+    call completed, a captured one goes on too. (Thread communicators have no pool: their
+    calls never overlap, so the capture check never applies; tests/test_gpu_overlap.py
+    captures on GPUs.)"""
+    from ubnext.torch import _overlap
+
+    class Side:
+        def __init__(self, device):
+            self.ready = False
+
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(_overlap, "_Side", Side)
+    monkeypatch.setattr(torch, "matmul", lambda *a, **k: pytest.fail("a GEMM was queued"))
+    comm, a, b = _PooledComm(), torch.ones(4, 8), torch.ones(8, 3)
+    call = getattr(_overlap, op)
+    with pytest.raises(UbnextError, match=f"ubnext::{op}: the first overlapped call .* make one eager call first"):
+        call(comm, a, b)
+    assert comm not in _overlap._SIDES and comm.reached == []
+    capturing[0] = False
+    with pytest.raises(RuntimeError, match="the area was reached"):  # eager: goes on (and fails here)
+        call(comm, a, b)
+    capturing[0] = True
+    with pytest.raises(UbnextError, match="first overlapped call"):  # the first call did not complete
+        call(comm, a, b)
+    _overlap._SIDES[comm].ready = True
+    with pytest.raises(RuntimeError, match="the area was reached"):
+        call(comm, a, b)
+    assert comm.reached == ["area", "area"]

@@ -176,8 +176,9 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 
     the reduce-scatter of the gathered output's own gradient), ``b``'s ``gathered.T @ grad``.
 
     Collective: yes: every rank of ``group`` calls it, in the same order (its backward too).
-    Graph-capturable: yes, after a first eager call (which allocates the overlap area of
-    the pool, collectively); torch.compile(fullgraph=True) traces it.
+    Graph-capturable: yes, after a first eager call on the communicator (which allocates
+    the overlap area of the pool, collectively, and compiles the barrier's kernel; a first
+    call under capture raises); torch.compile(fullgraph=True) traces it.
 
     Args:
         a_shard: (rows, ..., k) CUDA tensor of float16, bfloat16, float32 or float64 on the
@@ -191,8 +192,9 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 
 
     Raises:
         UbnextError: another gather_dim, shapes that do not multiply, dtypes or devices that
-            differ, another dtype, a device other than the communicator's, no group (all
-            before any work is queued); what ``Communicator.all_reduce`` (the barrier) raises.
+            differ, another dtype, a device other than the communicator's, no group, a
+            communicator's first overlapped call under CUDA graph capture (all before any
+            work is queued); what ``Communicator.all_reduce`` (the barrier) raises.
     """
     _dim_zero("all_gather_matmul", "gather_dim", gather_dim)
     return torch.ops.ubnext.all_gather_matmul(a_shard, b, handle(_required(group)))
@@ -214,7 +216,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
     ``a.T @ all_gather(grad)`` (the gathered gradient of the same call).
 
     Collective: yes: every rank of ``group`` calls it, in the same order (its backward too).
-    Graph-capturable: yes, after a first eager call; torch.compile(fullgraph=True) traces it.
+    Graph-capturable: yes, after a first eager call on the communicator (as
+    ``all_gather_matmul``; a first call under capture raises); torch.compile(fullgraph=True)
+    traces it.
 
     Args:
         a: (size * rows, ..., k) CUDA tensor of float16, bfloat16, float32 or float64 on the
@@ -230,7 +234,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
     Raises:
         UbnextError: another reduce_op or scatter_dim, rows the ranks do not divide, shapes
             that do not multiply, dtypes or devices that differ, another dtype, a device
-            other than the communicator's, no group (all before any work is queued); what
+            other than the communicator's, no group, a communicator's first overlapped call
+            under CUDA graph capture (all before any work is queued); what
             ``Communicator.all_reduce`` (the barrier) raises.
     """
     _dim_zero("matmul_reduce_scatter", "scatter_dim", scatter_dim)
