@@ -140,6 +140,26 @@ def test_matmul_reduce_scatter_equals_its_chunks_in_rank_order(comm, m, k, n):
     assert ratio(y, full) <= SCATTER_BOUND
 
 
+def test_matmul_reduce_scatter_sums_float64_in_float64(comm):
+    """float64 operands of integers whose products and sums need more than fp32's 24 bits
+    (below 2**53: exact in float64): the result equals the exact sum, which an fp32
+    accumulation would round."""
+    m, k, n = 5, 16, 8
+
+    def integers(rank, shape, seed, high):
+        g = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
+        return torch.randint(-high, high, shape, generator=g, device="cuda").double()
+
+    parts = [integers(r, (comm.size * m, k), 5, 1 << 20) for r in range(comm.size)]
+    bs = [integers(r, (k, n), 6, 1 << 12) for r in range(comm.size)]
+    poison(comm)
+    y = ut.matmul_reduce_scatter(parts[comm.rank], bs[comm.rank], group=comm)
+    rows = slice(comm.rank * m, (comm.rank + 1) * m)
+    want = sum(a.cpu() @ b.cpu() for a, b in zip(parts, bs))[rows]
+    assert y.dtype == torch.float64 and torch.equal(y.cpu(), want)
+    assert not torch.equal(want.float().double(), want)  # fp32 could not hold it
+
+
 def test_a_canary_in_the_pool_stays_untouched(comm):
     """A user buffer of the pool, allocated once the area exists, keeps its bytes through
     calls of several rounds."""
@@ -184,6 +204,33 @@ def test_cuda_graph_replays_equal_eager(comm):
         for got, want in zip(captured, eager):
             assert torch.equal(bits(got), bits(want)), f"trial {trial}: a replay differs from eager"
     torch.cuda.synchronize()
+
+
+def test_a_first_call_under_capture_raises_and_the_capture_stays_usable():
+    """A new communicator's first overlapped call under CUDA graph capture raises before it
+    queues anything (the area is allocated and the barrier compiled at a first eager
+    call); after an eager call, the same call captured and replayed equals it."""
+    from ubnext import UbnextError
+
+    c = tp.gpu_communicator(1 << 20, "bfloat16")
+    try:
+        if c.size == 1 or c.pool is None:
+            pytest.skip("the ops overlap at 2 ranks or more, with a pool")
+        m, k, n = 8, 64, 32
+        a, b = operand(c.rank, (m, k), 31), operand(c.rank, (k, n), 32, k ** -0.5)
+        with pytest.raises(UbnextError, match="make one eager call first"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                ut.matmul_reduce_scatter(torch.cat([a] * c.size), b, group=c)
+        eager = ut.all_gather_matmul(a, b, group=c)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = ut.all_gather_matmul(a, b, group=c)
+        graph.replay()
+        for got, want in zip(captured, eager):
+            assert torch.equal(bits(got), bits(want))
+        torch.cuda.synchronize()
+    finally:
+        c.close()
 
 
 def test_sequence_parallel_mlp_matches_the_unsharded_block(comm):

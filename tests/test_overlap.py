@@ -8,6 +8,8 @@ overlapped one)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -95,6 +97,9 @@ def test_arguments_are_checked():
             (lambda: ut.matmul_reduce_scatter(a, b.double(), group=comm), "share dtype"),
             (lambda: ut.matmul_reduce_scatter(torch.randn(3, 8), b, group=comm), "3 rows, which 2 ranks"),
             (lambda: ut.all_gather_matmul(a, b), "pass group"),
+            (lambda: ut.all_gather_matmul(a.int(), b.int(), group=comm), "dtype torch.int32 is not taken"),
+            (lambda: ut.matmul_reduce_scatter(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), group=comm),
+             "float8_e4m3fn is not taken"),
         ]
         for call, match in cases:
             with pytest.raises(UbnextError, match=match):
@@ -102,6 +107,28 @@ def test_arguments_are_checked():
         return comm.calls
 
     assert run_ranks(2, body) == [0, 0]  # raised before any collective
+
+
+class _CudaComm:
+    """A communicator of CUDA device 1 whose collectives must not be reached."""
+
+    rank, size, device, local_rank, pool = 0, 2, 1, 0, None
+
+    def all_gather(self, *args, **kwargs):
+        pytest.fail("all_gather reached")
+
+    reduce_scatter = all_gather
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_operands_off_the_communicators_device_raise_before_any_work(op, monkeypatch):
+    """CPU operands (and those of another CUDA device, as torch.device compares them) for a
+    communicator of CUDA device 1 raise on the unoverlapped path too (no pool), before any
+    GEMM or collective."""
+    comm = _CudaComm()
+    monkeypatch.setattr(torch, "matmul", lambda *a, **k: pytest.fail("a GEMM was queued"))
+    with pytest.raises(UbnextError, match=f"ubnext::{op}: a and b are on cpu, the communicator on cuda:1"):
+        getattr(ut, op)(torch.ones(4, 8), torch.ones(8, 3), group=comm)
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -337,3 +364,83 @@ def test_the_trace_summary_counts_copy_time_under_gemm_kernels_once(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     assert overlap_perf.copies_under_gemms(str(path)) == (90, 60)
+
+
+# ---- the overlapped reduce-scatter's reduction ---------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("slots", [2, 3, 5])
+def test_the_reduction_sums_in_rank_order_rounding_once(dtype, slots):
+    """``_overlap._reduce`` (the received products of the ranks, in rank order): bf16, fp16
+    and fp32 accumulate in fp32, rounded once (the thread communicators' rank_order, bit for
+    bit); float64 in float64, so it keeps what fp32 would drop (1 + 2**-40)."""
+    from ubnext.torch import _overlap
+
+    g = torch.Generator().manual_seed(slots)
+    parts = [torch.randn(3, 7, generator=g, dtype=torch.float64).to(dtype) for _ in range(slots)]
+    for p in parts:
+        p[0, 0] = 0.0
+    parts[0][0, 0], parts[1][0, 0] = 1.0, 2.0**-40  # 1 + 2**-40: exact in float64, 1 in fp32
+    kept = [p.clone() for p in parts]
+    out = torch.empty(3, 7, dtype=dtype)
+    _overlap._reduce(parts, out)
+    if dtype == torch.float64:
+        want = kept[0].clone()
+        for p in kept[1:]:
+            want += p
+        assert out[0, 0] == 1 + 2.0**-40
+    else:
+        want = rank_order(kept)
+    assert torch.equal(out, want)
+
+
+# ---- a first overlapped call under CUDA graph capture --------------------------------------
+class _PooledComm:
+    """A communicator that would overlap (2 ranks, a pool, the barrier's algorithm) and
+    records what an overlapped call reaches."""
+
+    rank, size, device, local_rank, pool = 0, 2, 0, 0, {}
+
+    def __init__(self):
+        self.reached = []
+
+    def algorithms(self):
+        return ["lamport"]
+
+    def _symmetric_area(self, *args):
+        self.reached.append("area")
+        raise RuntimeError("the area was reached")
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_a_first_overlapped_call_under_capture_raises_before_it_queues_anything(op, monkeypatch):
+    """Captured before any call completed (none made, or the first one failed): a clear
+    error, no side stream or flag made, nothing reached; eager, the call goes on; once a
+    call completed, a captured one goes on too. (Thread communicators have no pool: their
+    calls never overlap, so the capture check never applies; tests/test_gpu_overlap.py
+    captures on GPUs.)"""
+    from ubnext.torch import _overlap
+
+    class Side:
+        def __init__(self, device):
+            self.ready = False
+
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(_overlap, "_Side", Side)
+    monkeypatch.setattr(torch, "matmul", lambda *a, **k: pytest.fail("a GEMM was queued"))
+    comm, a, b = _PooledComm(), torch.ones(4, 8), torch.ones(8, 3)
+    call = getattr(_overlap, op)
+    with pytest.raises(UbnextError, match=f"ubnext::{op}: the first overlapped call .* make one eager call first"):
+        call(comm, a, b)
+    assert comm not in _overlap._SIDES and comm.reached == []
+    capturing[0] = False
+    with pytest.raises(RuntimeError, match="the area was reached"):  # eager: goes on (and fails here)
+        call(comm, a, b)
+    capturing[0] = True
+    with pytest.raises(UbnextError, match="first overlapped call"):  # the first call did not complete
+        call(comm, a, b)
+    _overlap._SIDES[comm].ready = True
+    with pytest.raises(RuntimeError, match="the area was reached"):
+        call(comm, a, b)
+    assert comm.reached == ["area", "area"]

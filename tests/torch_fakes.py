@@ -39,6 +39,8 @@ class _Group:
 class ThreadComm:
     """One thread's communicator of a ``run_ranks`` group (the methods ubnext.torch calls)."""
 
+    device = torch.device("cpu")  # its tensors' (a ubnext Communicator's is a CUDA ordinal)
+
     def __init__(self, group: _Group, rank: int):
         self._group, self.rank, self.size = group, rank, len(group.slots)
         self.calls = 0  # collectives this rank made

@@ -33,6 +33,9 @@ from collections.abc import Callable
 import torch
 from torch.autograd.graph import increment_version
 
+from ubnext._protocol.algorithms import FLOAT_DTYPES
+from ubnext._protocol.errors import UbnextError
+
 from . import _overlap, _rmsnorm
 from ._registry import lookup, size_of
 
@@ -168,19 +171,32 @@ def _sequence_parallel_fused_run(comm, x, residual_shard, weight, bias, eps):
 
 
 # ---- all_gather_matmul / matmul_reduce_scatter (the GEMMs with the communication under them) ----
+#: the dtypes of the overlapped ops: those cuBLAS multiplies (torch.matmul on CUDA)
+MATMUL_DTYPES = tuple(getattr(torch, name) for name in FLOAT_DTYPES)
+
+
 def check_matmul(name: str, a, b, size: int, scattered: bool) -> None:
     """The operands of the overlapped ops: ``a`` (rows, ..., k), ``b`` (k, n) of a's dtype
-    and device, rows a multiple of the ranks where they are scattered."""
-    from ubnext._protocol.errors import UbnextError
-
+    (one of MATMUL_DTYPES) and device, rows a multiple of the ranks where they are scattered."""
     if a.dim() < 2 or b.dim() != 2 or a.shape[-1] != b.shape[0]:
         raise UbnextError(f"ubnext::{name}: a (rows, ..., k) and b (k, n) needed, got shapes "
                           f"{tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype or a.device != b.device:
         raise UbnextError(f"ubnext::{name}: a and b must share dtype and device, got {a.dtype} on {a.device} "
                           f"and {b.dtype} on {b.device}")
+    if a.dtype not in MATMUL_DTYPES:
+        raise UbnextError(f"ubnext::{name}: dtype {a.dtype} is not taken; the GEMMs take "
+                          f"{', '.join(map(str, MATMUL_DTYPES))}")
     if scattered and a.shape[0] % size:
         raise UbnextError(f"ubnext::{name}: a has {a.shape[0]} rows, which {size} ranks do not divide")
+
+
+def _check_device(name: str, comm, a) -> None:
+    """``a`` (and so ``b``: check_matmul) on the communicator's device: CUDA device
+    ``comm.device`` (a torch.device for a communicator of CPU tensors: the tests' threads)."""
+    device = comm.device if isinstance(comm.device, torch.device) else torch.device("cuda", comm.device)
+    if a.device != device:
+        raise UbnextError(f"ubnext::{name}: a and b are on {a.device}, the communicator on {device}")
 
 
 def _rows(t):
@@ -189,6 +205,7 @@ def _rows(t):
 
 def _all_gather_matmul_run(comm, a, b):
     check_matmul("all_gather_matmul", a, b, comm.size, False)
+    _check_device("all_gather_matmul", comm, a)
     gathered, out = _overlap.all_gather_matmul(comm, _rows(a).contiguous(), b)
     lead = (comm.size * a.shape[0], *a.shape[1:-1])
     return gathered.view(*lead, a.shape[-1]), out.view(*lead, b.shape[1])
@@ -196,6 +213,7 @@ def _all_gather_matmul_run(comm, a, b):
 
 def _matmul_reduce_scatter_run(comm, a, b):
     check_matmul("matmul_reduce_scatter", a, b, comm.size, True)
+    _check_device("matmul_reduce_scatter", comm, a)
     out = _overlap.matmul_reduce_scatter(comm, _rows(a).contiguous(), b)
     return out.view(a.shape[0] // comm.size, *a.shape[1:-1], b.shape[1])
 

@@ -20,8 +20,8 @@ Design (the choices, and why):
   rank dst's rows into a staging buffer (two, alternating), pushed by the side stream into
   slot [rank] of dst's half; the own product lands in the own slot directly while the
   last push moves. Barrier, then each rank reduces its slots in rank order 0..size-1 in
-  fp32, rounded once (``_reduce``): the result is bit-identical to the same chunks'
-  GEMMs reduced in that order, whatever the timing.
+  fp32 (float64 in float64), rounded once (``_reduce``): the result is bit-identical to
+  the same chunks' GEMMs reduced in that order, whatever the timing.
 * **Bounded area**: ``_overlap_plan.AREA_BYTES`` of the pool (one area per communicator,
   ``Communicator._symmetric_area``), in two halves; inputs of any size move in rounds of
   as many rows as a half takes (``_overlap_plan.split``). The gathered tensor itself is
@@ -45,7 +45,8 @@ follows every rank's earlier reads of h.
 Streams: the side stream is forked from the caller's stream (it waits for the caller's
 work so far) and joined back (the caller waits for it) within the call, so the op is one
 unit on the caller's stream, capturable in a CUDA graph after a first eager call (which
-allocates the area, collectively, and compiles the barrier's kernel). The barrier is a
+allocates the area, collectively, and compiles the barrier's kernel; a first call under
+capture raises before it queues anything: ``_refuse_capture``). The barrier is a
 call of the communicator, so it keeps the communicator's launch order. Where the
 communicator has no pool (NCCL only), a single rank, or empty operands, the ops run
 unoverlapped: the communicator's all-gather or reduce-scatter, and the GEMM.
@@ -58,6 +59,7 @@ import weakref
 import torch
 
 from ubnext._engine.copies import copy as _copy
+from ubnext._protocol.errors import UbnextError
 
 from . import _overlap_plan as plan
 
@@ -68,34 +70,55 @@ BARRIER_ALGORITHM = "lamport"
 
 
 class _Side:
-    """What a communicator's overlapped calls keep: the side stream and the barrier's flag
-    (4 floats: one 16-byte vector; zeros, whose sum stays zero)."""
+    """What a communicator's overlapped calls keep: the side stream, the barrier's flag
+    (4 floats: one 16-byte vector; zeros, whose sum stays zero) and whether a call has
+    completed (``ready``: the area allocated, the barrier's kernel compiled)."""
 
     def __init__(self, device: int):
         self.stream = torch.cuda.Stream(device)
         self.flag = torch.zeros(4, dtype=torch.float32, device=device)
+        self.ready = False
 
 
 #: communicator -> its _Side, or None where it cannot overlap (kept while the communicator lives)
 _SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _side(comm) -> _Side | None:
+def _side(comm, name: str) -> _Side | None:
     """The communicator's _Side (created at its first overlapped call), or None where it
     runs the unoverlapped path: a single rank, no pool (NCCL only, or not a ubnext
-    Communicator), no one-shot kernel, or local ranks that are not its ranks."""
+    Communicator), no one-shot kernel, or local ranks that are not its ranks. Raises
+    before a first overlapped call that would be captured (``_refuse_capture``)."""
     try:
-        return _SIDES[comm]
+        side = _SIDES[comm]
     except (KeyError, TypeError):
-        pass
-    able = (comm.size > 1 and getattr(comm, "pool", None) is not None and comm.local_rank == comm.rank
-            and BARRIER_ALGORITHM in comm.algorithms())
-    side = _Side(comm.device) if able else None
-    try:
-        _SIDES[comm] = side
-    except TypeError:  # not weakly referable: decided again next time
-        pass
+        side = None
+        if (comm.size > 1 and getattr(comm, "pool", None) is not None and comm.local_rank == comm.rank
+                and BARRIER_ALGORITHM in comm.algorithms()):
+            _refuse_capture(name, comm.device)  # before the flag's allocation and zeroing
+            side = _Side(comm.device)
+        try:
+            _SIDES[comm] = side
+        except TypeError:  # not weakly referable: decided again next time
+            pass
+        return side
+    if side is not None and not side.ready:  # no call completed yet (the first one failed)
+        _refuse_capture(name, comm.device)
     return side
+
+
+def _refuse_capture(name: str, device: int) -> None:
+    """Raises where the current stream of ``device`` is being captured into a CUDA graph:
+    a communicator's first overlapped call allocates the area (collectively: a host
+    exchange), zeroes the barrier's flag and compiles the barrier's kernel, none of which
+    a graph can hold (the capture would fail obscurely, or replay a call that set nothing
+    up). Raised before anything is queued, so the capture stays valid."""
+    with torch.cuda.device(device):
+        capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
+        raise UbnextError(f"ubnext::{name}: the first overlapped call on a communicator cannot be captured in a "
+                          f"CUDA graph (it allocates the overlap area of the pool, collectively, and compiles the "
+                          f"barrier's kernel); make one eager call first, on every rank, then capture")
 
 
 def _barrier(comm, side: _Side) -> None:
@@ -105,8 +128,8 @@ def _barrier(comm, side: _Side) -> None:
 def all_gather_matmul(comm, a: torch.Tensor, b: torch.Tensor):
     """``(gathered, gathered @ b)``: ``a`` (m x k, this rank's rows) gathered in rank order,
     and its product with ``b`` (k x n). Collective."""
-    side = _side(comm)
-    if side is None or 0 in (a.shape[0], a.shape[1], b.shape[1]):
+    side = None if 0 in (a.shape[0], a.shape[1], b.shape[1]) else _side(comm, "all_gather_matmul")
+    if side is None:
         gathered = comm.all_gather(a) if comm.size > 1 else a.clone()
         return gathered, torch.matmul(gathered, b)
     size, rank = comm.size, comm.rank
@@ -140,14 +163,16 @@ def all_gather_matmul(comm, a: torch.Tensor, b: torch.Tensor):
                 first = src * m + r0
                 torch.matmul(gathered[first:first + rows], b, out=out[first:first + rows])
         caller.wait_stream(stream)  # join
+    side.ready = True
     return gathered, out
 
 
 def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
     """Rows ``[rank * m, (rank + 1) * m)`` of the sum over the ranks of ``a @ b`` (``a``:
-    size * m x k, ``b``: k x n), reduced in rank order in fp32, rounded once. Collective."""
-    side = _side(comm)
-    if side is None or 0 in (a.shape[0], a.shape[1], b.shape[1]):
+    size * m x k, ``b``: k x n), reduced in rank order in fp32 (float64 in float64), rounded
+    once. Collective."""
+    side = None if 0 in (a.shape[0], a.shape[1], b.shape[1]) else _side(comm, "matmul_reduce_scatter")
+    if side is None:
         product = torch.matmul(a, b)
         return comm.reduce_scatter(product) if comm.size > 1 else product
     size, rank = comm.size, comm.rank
@@ -186,13 +211,16 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
             if rows:
                 _reduce(slots, out[r0:r0 + rows])
             stream.wait_stream(caller)  # the next round's barrier after these reads
+    side.ready = True
     return out
 
 
 def _reduce(slots: list, out: torch.Tensor) -> None:
-    """``out`` = the slots summed in order in fp32, rounded once to out's dtype (two slots
-    or more)."""
-    acc = slots[0].float()
+    """``out`` = the slots summed in order in fp32 (float64 in float64: the wider of out's
+    dtype and fp32), rounded once to out's dtype (two slots or more). The first slot is
+    the accumulator where it has that dtype already (this rank's slot: nothing reads it
+    after the reduction)."""
+    acc = slots[0].to(torch.promote_types(out.dtype, torch.float32))
     for s in slots[1:-1]:
         acc.add_(s)
     torch.add(acc, slots[-1], out=out)

@@ -176,11 +176,13 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 
     the reduce-scatter of the gathered output's own gradient), ``b``'s ``gathered.T @ grad``.
 
     Collective: yes: every rank of ``group`` calls it, in the same order (its backward too).
-    Graph-capturable: yes, after a first eager call (which allocates the overlap area of
-    the pool, collectively); torch.compile(fullgraph=True) traces it.
+    Graph-capturable: yes, after a first eager call on the communicator (which allocates
+    the overlap area of the pool, collectively, and compiles the barrier's kernel; a first
+    call under capture raises); torch.compile(fullgraph=True) traces it.
 
     Args:
-        a_shard: (rows, ..., k) CUDA tensor, this rank's rows (the same shape on every rank).
+        a_shard: (rows, ..., k) CUDA tensor of float16, bfloat16, float32 or float64 on the
+            communicator's device, this rank's rows (the same shape on every rank).
         b: (k, n), a_shard's dtype and device (any strides, e.g. a weight's ``.t()``).
         gather_dim: 0 (rows; the only one taken).
         group: the ``Communicator`` (or its handle).
@@ -190,7 +192,9 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 
 
     Raises:
         UbnextError: another gather_dim, shapes that do not multiply, dtypes or devices that
-            differ, no group; what ``Communicator.all_reduce`` (the barrier) raises.
+            differ, another dtype, a device other than the communicator's, no group, a
+            communicator's first overlapped call under CUDA graph capture (all before any
+            work is queued); what ``Communicator.all_reduce`` (the barrier) raises.
     """
     _dim_zero("all_gather_matmul", "gather_dim", gather_dim)
     return torch.ops.ubnext.all_gather_matmul(a_shard, b, handle(_required(group)))
@@ -204,18 +208,21 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
 
     Each rank multiplies every other rank's rows first (its own last), pushing each product
     into that rank's symmetric pool by copy engine while the next GEMM runs; each rank then
-    sums its received blocks in rank order 0, 1, ... in fp32, rounded once. The result
-    equals, bit for bit, the same row blocks' ``torch.matmul`` products reduced in that
-    order. Without a pool (NCCL only) it runs the GEMM, then the reduce-scatter.
+    sums its received blocks in rank order 0, 1, ... in fp32 (float64 in float64), rounded
+    once. The result equals, bit for bit, the same row blocks' ``torch.matmul`` products
+    reduced in that order. Without a pool (NCCL only) it runs the GEMM, then the reduce-scatter.
 
     Differentiable: ``a``'s gradient is ``all_gather_matmul(grad, b.T)``'s product, ``b``'s
     ``a.T @ all_gather(grad)`` (the gathered gradient of the same call).
 
     Collective: yes: every rank of ``group`` calls it, in the same order (its backward too).
-    Graph-capturable: yes, after a first eager call; torch.compile(fullgraph=True) traces it.
+    Graph-capturable: yes, after a first eager call on the communicator (as
+    ``all_gather_matmul``; a first call under capture raises); torch.compile(fullgraph=True)
+    traces it.
 
     Args:
-        a: (size * rows, ..., k) CUDA tensor, this rank's partial operand.
+        a: (size * rows, ..., k) CUDA tensor of float16, bfloat16, float32 or float64 on the
+            communicator's device, this rank's partial operand.
         b: (k, n), a's dtype and device (any strides).
         reduce_op: ``"sum"`` (the only one taken).
         scatter_dim: 0 (rows; the only one taken).
@@ -226,7 +233,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
 
     Raises:
         UbnextError: another reduce_op or scatter_dim, rows the ranks do not divide, shapes
-            that do not multiply, dtypes or devices that differ, no group; what
+            that do not multiply, dtypes or devices that differ, another dtype, a device
+            other than the communicator's, no group, a communicator's first overlapped call
+            under CUDA graph capture (all before any work is queued); what
             ``Communicator.all_reduce`` (the barrier) raises.
     """
     _dim_zero("matmul_reduce_scatter", "scatter_dim", scatter_dim)
