@@ -456,7 +456,7 @@ def test_launcher_packs_every_parameter_where_its_pointer_says(monkeypatch):
                         ((0xF00, 6, 128, 78), (1 << 40, -3, 0xDEF0, 7, -2.25, 9, 2**64 - 1))]
     with pytest.raises(CudaError, match="cuLaunchKernel") as info:
         launcher(1, 32, 666, 0, 0, 0.0)
-    assert info.value.code == 400
+    assert info.value.code == 400 and "UBNEXT_PDL" not in str(info.value)  # no dependent launch to turn off
 
 
 def test_a_dependent_launcher_asks_for_programmatic_serialization_and_packs_alike(monkeypatch):
@@ -492,9 +492,10 @@ def test_a_dependent_launcher_asks_for_programmatic_serialization_and_packs_alik
                         (0xF00, 6, 64, 78, PROGRAMMATIC, None, (1, 12, 13, 4)),
                         (0xF00, 7, 128, 79, PROGRAMMATIC, None, (1, 20, 30, 4)),
                         (0xF00, 7, 128, 80, PROGRAMMATIC, None, (1, 20, 30, 4))]
-    with pytest.raises(CudaError, match="cuLaunchKernelEx") as info:
-        launcher(1, 32, 666, 0, 0)
-    assert info.value.code == 700
+    for failing in (lambda: launcher(1, 32, 666, 0, 0), lambda: Packed(launcher, 1, 32, (0, 0))(666)):
+        with pytest.raises(CudaError, match="cuLaunchKernelEx: .*programmatic dependent launch.*UBNEXT_PDL=0") as info:
+            failing()
+        assert info.value.code == 700
 
 
 def test_the_launch_config_has_cuda_h_layout(tmp_path):
