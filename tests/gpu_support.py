@@ -88,6 +88,13 @@ def torch_dtype(name: str):
 
 
 # ---- inputs ------------------------------------------------------------------------------
+def small_integers(comm, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's input of ``count`` small integers (float32, below 61 + seed + size) and
+    the sum over the ranks, exact in float32 in any order of reduction: host arrays."""
+    base = (np.arange(count, dtype=np.float32) * (seed + 3)) % 61
+    return base + seed + comm.rank, base * comm.size + seed * comm.size + sum(range(comm.size))
+
+
 def make_input(count: int, dtype: str, rank: int, seed: int, specials: bool):
     """Rank ``rank``'s input of a test: random normal values, the same on any GPU, never
     zero (values that round to zero are replaced by 1).

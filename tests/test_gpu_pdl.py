@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gpu_support import SMALL, require_gpu_and_torch
+from gpu_support import SMALL, require_gpu_and_torch, small_integers
 
 pytestmark = pytest.mark.gpu
 
@@ -129,12 +129,6 @@ def _state(algorithm: str) -> str:
             "twoshot": "twoshot.unicast"}[algorithm] + ".state"
 
 
-def _inputs(comm, count: int, seed: int):
-    """This rank's input of small integers (float32) and the exact sum over the ranks."""
-    base = (np.arange(count, dtype=np.float32) * (seed + 3)) % 61
-    return base + seed + comm.rank, base * comm.size + seed * comm.size + sum(range(comm.size))
-
-
 def _collective(comm, kind: str, x, out, algorithm: str, stream):
     if kind == "all_reduce":
         return comm.all_reduce(x, out=out, algorithm=algorithm, stream=stream)
@@ -156,7 +150,7 @@ def test_a_late_producer_never_yields_a_wrong_sum_and_the_kernel_enters_before_i
         pytest.skip(f"{algorithm} does not run on this communicator")
     with cupy.cuda.Device(comm.device):
         stream = cupy.cuda.Stream(non_blocking=True)
-        host, expected = _inputs(comm, COUNT, seed=len(mode) + len(algorithm))
+        host, expected = small_integers(comm, COUNT, seed=len(mode) + len(algorithm))
         src, x, out = cupy.asarray(host), comm.empty(COUNT, "float32"), comm.empty(COUNT, "float32")
         late = Late(producer, src, x, stream)
         with stream:
@@ -194,7 +188,7 @@ def test_with_pdl_off_the_kernel_enters_after_the_producer_ends(comm_off, produc
     assert not comm_off._node.engine.dependent
     with cupy.cuda.Device(comm_off.device):
         stream = cupy.cuda.Stream(non_blocking=True)
-        host, expected = _inputs(comm_off, COUNT, seed=7)
+        host, expected = small_integers(comm_off, COUNT, seed=7)
         src, x, out = cupy.asarray(host), comm_off.empty(COUNT, "float32"), comm_off.empty(COUNT, "float32")
         late = Late(producer, src, x, stream)
         with stream:
@@ -220,7 +214,7 @@ def test_reduce_scatter_and_all_gather_wait_for_a_late_producer(comm, producer, 
     count_in, count_out = (shard * comm.size, shard) if kind == "reduce_scatter" else (shard, shard * comm.size)
     with cupy.cuda.Device(comm.device):
         stream = cupy.cuda.Stream(non_blocking=True)
-        host, _ = _inputs(comm, count_in, seed=11)
+        host, _ = small_integers(comm, count_in, seed=11)
         src, x, out = cupy.asarray(host), comm.empty(count_in, "float32"), comm.empty(count_out, "float32")
         late = Late(producer, src, x, stream)
 
@@ -246,7 +240,7 @@ def test_the_fused_add_rmsnorm_waits_for_a_late_producer(comm, producer, algorit
     tokens, hidden = 4, 1024
     with cupy.cuda.Device(comm.device):
         stream = cupy.cuda.Stream(non_blocking=True)
-        host, _ = _inputs(comm, tokens * hidden, seed=13)
+        host, _ = small_integers(comm, tokens * hidden, seed=13)
         src = cupy.asarray(host)
         x = comm.empty((tokens, hidden), "float32")
         residual = cupy.asarray((np.arange(tokens * hidden, dtype=np.float32) % 7).reshape(tokens, hidden))
@@ -275,7 +269,7 @@ def test_the_quantized_all_reduce_waits_for_a_late_producer(comm, producer):
     count = 1 << 16
     with cupy.cuda.Device(comm.device):
         stream = cupy.cuda.Stream(non_blocking=True)
-        host, _ = _inputs(comm, count, seed=17)
+        host, _ = small_integers(comm, count, seed=17)
         src = torch.from_numpy(host).to(device=f"cuda:{comm.device}", dtype=torch.bfloat16)
         x = comm.empty(count, "bfloat16", framework="torch")
         late = Late(producer, src, x, stream)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from gpu_support import small_torch_communicator
+from gpu_support import small_integers, small_torch_communicator
 
 pytestmark = pytest.mark.gpu
 
@@ -45,13 +45,11 @@ def sleep(ms: float, cycles_per_ms: float) -> None:
 
 
 def inputs(comm, n: int, seed: int):
-    """This rank's input of ``n`` small integers (as float32) and the exact sum over ranks."""
+    """``gpu_support.small_integers``: this rank's input of ``n`` small integers (float32)
+    and the exact sum over the ranks, as CUDA torch tensors of the current device."""
     import torch
 
-    base = (torch.arange(n, device="cuda", dtype=torch.float32) * (seed + 3)) % 61
-    x = base + seed + comm.rank
-    expected = base * comm.size + seed * comm.size + sum(range(comm.size))
-    return x, expected
+    return tuple(torch.from_numpy(a).to("cuda") for a in small_integers(comm, n, seed))
 
 
 def usable(comm, algorithm: str, nbytes: int) -> None:

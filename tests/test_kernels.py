@@ -456,7 +456,7 @@ def test_launcher_packs_every_parameter_where_its_pointer_says(monkeypatch):
                         ((0xF00, 6, 128, 78), (1 << 40, -3, 0xDEF0, 7, -2.25, 9, 2**64 - 1))]
     with pytest.raises(CudaError, match="cuLaunchKernel") as info:
         launcher(1, 32, 666, 0, 0, 0.0)
-    assert info.value.code == 400
+    assert info.value.code == 400 and "UBNEXT_PDL" not in str(info.value)  # no dependent launch to turn off
 
 
 def test_a_dependent_launcher_asks_for_programmatic_serialization_and_packs_alike(monkeypatch):
@@ -492,9 +492,10 @@ def test_a_dependent_launcher_asks_for_programmatic_serialization_and_packs_alik
                         (0xF00, 6, 64, 78, PROGRAMMATIC, None, (1, 12, 13, 4)),
                         (0xF00, 7, 128, 79, PROGRAMMATIC, None, (1, 20, 30, 4)),
                         (0xF00, 7, 128, 80, PROGRAMMATIC, None, (1, 20, 30, 4))]
-    with pytest.raises(CudaError, match="cuLaunchKernelEx") as info:
-        launcher(1, 32, 666, 0, 0)
-    assert info.value.code == 700
+    for failing in (lambda: launcher(1, 32, 666, 0, 0), lambda: Packed(launcher, 1, 32, (0, 0))(666)):
+        with pytest.raises(CudaError, match="cuLaunchKernelEx: .*programmatic dependent launch.*UBNEXT_PDL=0") as info:
+            failing()
+        assert info.value.code == 700
 
 
 def test_the_launch_config_has_cuda_h_layout(tmp_path):
@@ -547,7 +548,7 @@ def test_compile_module_compiles_without_flush_to_zero_caches_and_loads_the_cubi
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_cuda, "nvrtc_compile", counting)
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(compute_capability="90"))
-    monkeypatch.setattr(cupy, "RawModule", lambda path: loaded.append(path) or path)
+    monkeypatch.setattr(cupy, "RawModule", lambda path: loaded.append(path) or types.SimpleNamespace(module=path))
     for _ in range(2):
         _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"), 0)
     assert len(compiled) == 1 and "--gpu-architecture=sm_90" in compiled[0]
@@ -556,6 +557,106 @@ def test_compile_module_compiles_without_flush_to_zero_caches_and_loads_the_cubi
     assert open(loaded[0], "rb").read()[:4] == b"\x7fELF"  # a cubin
     _kernels.compile_module(NORM_SOURCE, norm_defines("float16"), 0)  # other options: another file
     assert len(compiled) == 2 and len(set(loaded)) == 2
+
+
+class _LoadError(Exception):
+    """Stands for cupy.cuda.driver.CUDADriverError (which needs libcuda to be made)."""
+
+    def __init__(self, status):
+        super().__init__(f"CUDA_ERROR_INVALID_IMAGE ({status})")
+        self.status = status
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path):
+    """compile_module with its cache in tmp_path, a device of compute capability
+    ``cache.arch``, its compilations counted (``cache.compiled``: their options) and a
+    RawModule whose load fails (_LoadError 200) unless its file starts as a cubin or PTX
+    does (``cache.loads``: the files loaded, in order)."""
+    import types
+
+    import cupy
+
+    from ubnext._environment import cuda as _cuda
+
+    state = types.SimpleNamespace(arch="90", compiled=[], loads=[], root=tmp_path / "ubnext")
+    real = _cuda.nvrtc_compile
+
+    def counting(text, name, opts):
+        state.compiled.append(opts)
+        return real(text, name, opts)
+
+    class RawModule:
+        def __init__(self, path):
+            self.path = path
+
+        @property
+        def module(self):
+            state.loads.append(self.path)
+            if not open(self.path, "rb").read().startswith((b"\x7fELF", b"//")):
+                raise _LoadError(200)
+            return self.path
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cuda, "nvrtc_compile", counting)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: types.SimpleNamespace(compute_capability=state.arch))
+    monkeypatch.setattr(cupy, "RawModule", RawModule)
+    monkeypatch.setattr(cupy.cuda.driver, "CUDADriverError", _LoadError)
+    return state
+
+
+def test_a_failed_cache_write_leaves_no_temporary_file(cache, monkeypatch):
+    import os
+
+    def full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
+        _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"), 0)
+    assert list(cache.root.iterdir()) == []
+
+
+def test_a_cached_file_that_does_not_load_is_compiled_again_once(cache, monkeypatch):
+    """A truncated cubin in the cache is compiled again and replaced, loaded at once
+    (RawModule loads lazily); where the new image does not load either, CudaError names
+    the load, the kernel and the architecture."""
+    from ubnext._environment import cuda as _cuda
+    from ubnext._protocol.errors import CudaError
+
+    module = _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"), 0)
+    (path,) = cache.root.iterdir()
+    good = path.read_bytes()
+    path.write_bytes(b"\0" * 100)  # truncated: no ELF header
+    again = _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"), 0)
+    assert len(cache.compiled) == 2 and path.read_bytes() == good
+    assert cache.loads == [str(path)] * 3 and again.path == module.path == str(path)
+    assert [p.name for p in cache.root.iterdir()] == [path.name]  # replaced, no temporary left
+    path.write_bytes(b"\0" * 100)
+    monkeypatch.setattr(_cuda, "nvrtc_compile", lambda text, name, opts: b"\0" * 10)
+    with pytest.raises(CudaError, match=r"cuModuleLoad: .*rmsnorm.* compiled for --gpu-architecture=sm_90 .* does "
+                                        r"not load") as info:
+        _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"), 0)
+    assert info.value.code == 200
+
+
+def test_a_gpu_newer_than_nvrtc_gets_ptx_of_the_newest_architecture_it_knows(cache):
+    """An architecture NVRTC does not know (a GPU newer than it) compiles to PTX for the
+    newest one it knows, which the driver compiles; one older than every architecture it
+    knows raises, naming both and NVRTC's version."""
+    from cuda.bindings import nvrtc
+
+    from ubnext._protocol.errors import CudaError
+
+    known = nvrtc.nvrtcGetSupportedArchs()[1]
+    assert _kernels.target(90) == "sm_90" and _kernels.target(max(known) + 1) == f"compute_{max(known)}"
+    cache.arch = str(max(known) + 1)
+    module = _kernels.compile_module(NORM_SOURCE, norm_defines("bfloat16"), 0)
+    assert cache.compiled[-1][-1] == f"--gpu-architecture=compute_{max(known)}"
+    assert module.path.endswith(".ptx") and open(module.path, "rb").read().startswith(b"//")
+    with pytest.raises(CudaError, match=rf"NVRTC \d+\.\d+ compiles for sm_{min(known)} to sm_{max(known)}; "
+                                        rf"this GPU is sm_{min(known) - 1}"):
+        _kernels.target(min(known) - 1)
 
 
 def ctypes_sizeof(struct_type) -> int:

@@ -444,3 +444,49 @@ def test_a_first_overlapped_call_under_capture_raises_before_it_queues_anything(
     with pytest.raises(RuntimeError, match="the area was reached"):
         call(comm, a, b)
     assert comm.reached == ["area", "area"]
+
+
+# ---- the overlapped-or-not decision: the same on every rank ---------------------------------
+@pytest.mark.parametrize("op, shapes, overlapped", [
+    ("all_gather_matmul", ((0, 8), (8, 3)), False),  # no rows (a: the same shape on every rank)
+    ("all_gather_matmul", ((4, 0), (0, 3)), False),  # no columns of a
+    ("all_gather_matmul", ((4, 8), (8, 0)), True),  # n: b is this rank's own (may differ)
+    ("matmul_reduce_scatter", ((0, 8), (8, 3)), False),  # no rows (the same on every rank)
+    ("matmul_reduce_scatter", ((4, 8), (8, 0)), False),  # n: the output's, the same everywhere
+    ("matmul_reduce_scatter", ((4, 0), (0, 3)), True),  # k: this rank's own (may differ)
+    ("all_gather_matmul", ((4, 8), (8, 3)), True),
+])
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_the_path_depends_only_on_what_every_rank_agrees_on(op, shapes, overlapped, local_rank, monkeypatch):
+    """The overlapped path or the unoverlapped one (collective: every rank must take the
+    same one) is decided by the communicator's size, pool and algorithms, and by the
+    operands' extents that every rank shares: not by this rank's own k (reduce-scatter)
+    or n (all-gather), nor by its local rank."""
+    from ubnext.torch import _overlap
+
+    class Side:
+        ready = True
+
+        def __init__(self, device):
+            pass
+
+    class Comm(_PooledComm):
+        def all_gather(self, a):
+            self.reached.append("unoverlapped")
+            return torch.cat([a] * self.size)
+
+        def reduce_scatter(self, p):
+            self.reached.append("unoverlapped")
+            return p[:p.shape[0] // self.size]
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_overlap, "_Side", Side)
+    comm = Comm()
+    comm.local_rank = local_rank
+    a, b = torch.ones(*shapes[0]), torch.ones(*shapes[1])
+    try:
+        getattr(_overlap, op)(comm, a, b)
+    except RuntimeError as e:
+        assert "the area was reached" in str(e)
+    assert comm.reached == ["area" if overlapped else "unoverlapped"]

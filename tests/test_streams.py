@@ -487,3 +487,18 @@ def test_a_call_from_inside_a_call_of_the_same_communicator_raises_instead_of_wa
     assert not thread.is_alive(), "the call waited for itself"
     assert len(raised) == 1 and "from inside one of its own calls" in raised[0] and not comm._closed
     comm.all_reduce(Producer(0x10000), out=Producer(0x20000), algorithm="nccl", stream=A)  # the section was left
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_the_gpu_tests_small_integer_inputs_sum_exactly(size):
+    """gpu_support.small_integers (tests/test_gpu_pdl.py's and test_gpu_streams.py's
+    inputs): every rank's float32 input, summed in any order, is the expected sum."""
+    import numpy as np
+    from gpu_support import small_integers
+
+    for seed in (1, 7, 17):
+        parts = [small_integers(types.SimpleNamespace(rank=r, size=size), 1000, seed) for r in range(size)]
+        assert all(np.array_equal(p[1], parts[0][1]) and p[0].dtype == np.float32 for p in parts)
+        assert np.array_equal(sum(p[0] for p in parts), parts[0][1])
+        assert np.array_equal(sum(p[0] for p in reversed(parts)), parts[0][1])
+        assert np.array_equal(parts[0][0], (np.arange(1000) * (seed + 3)) % 61 + seed)

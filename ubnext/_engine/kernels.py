@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ubnext._protocol import constants as _protocol
+from ubnext._protocol.errors import CudaError
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.M)
@@ -85,33 +86,90 @@ def compile_module(name: str, defines: dict[str, str], device: int):
     ``-ftz=true`` to every compilation, which flushes fp32 subnormals to zero in every
     addition, product and division (a bfloat16 or float32 all-reduce of subnormals came
     out 0, and the quantized formats lost their bit-exactness to the host emulation).
-    The cubin is cached on disk (``cache_path``), written atomically, so ranks compiling
-    the same kernel at once each load a whole file. Local (no collective). Returns the
-    module; its entry points are ``module.get_function(entry)``.
+    A GPU newer than this NVRTC knows gets PTX for the newest architecture it knows
+    instead, which the driver compiles (``target``). The image is cached on disk
+    (``cache_path``), written atomically, so ranks compiling the same kernel at once each
+    load a whole file; a cached file that does not load (truncated, corrupt) is compiled
+    and replaced once. Local (no collective). Returns the module, loaded; its entry points
+    are ``module.get_function(entry)``.
+
+    Raises:
+        CudaError: compilation failed (with the compiler log), no architecture this NVRTC
+            knows runs on the device, or the image it compiled does not load.
     """
     import cupy
 
     from ubnext._environment.cuda import nvrtc_compile
 
-    arch = f"sm_{cupy.cuda.Device(device).compute_capability}"
-    opts = list(options(defines)) + [f"--gpu-architecture={arch}"]
+    opts = list(options(defines)) + [f"--gpu-architecture={target(int(cupy.cuda.Device(device).compute_capability))}"]
     text = source(name)
     path = cache_path(name, text, opts)
-    if not path.is_file():
-        image = nvrtc_compile(text, name, opts)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    if path.is_file():
+        try:
+            return _load(path)
+        except cupy.cuda.driver.CUDADriverError:  # a truncated or corrupt file: compiled again
+            pass
+    _write(path, nvrtc_compile(text, name, opts))
+    try:
+        return _load(path)
+    except cupy.cuda.driver.CUDADriverError as e:
+        raise CudaError("cuModuleLoad", e.status, f"{name} compiled for {opts[-1]} ({path}) does not load: "
+                                                  f"{e}") from None
+
+
+def target(arch: int) -> str:
+    """The ``--gpu-architecture`` for a device of compute capability ``arch`` (e.g. 90): its
+    own ``sm_XX`` where this NVRTC knows it, else PTX (``compute_XX``) for the newest
+    architecture NVRTC knows below it, which the driver compiles for the device.
+
+    Raises:
+        CudaError: NVRTC knows no architecture at or below ``arch``.
+    """
+    from cuda.bindings import nvrtc
+
+    from ubnext._environment.cuda import check
+
+    known = check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+    if arch in known:
+        return f"sm_{arch}"
+    older = [a for a in known if a < arch]
+    if not older:
+        raise CudaError("nvrtcGetSupportedArchs", None,
+                        f"NVRTC {'.'.join(map(str, check(nvrtc.nvrtcVersion(), 'nvrtcVersion')))} compiles for "
+                        f"sm_{min(known)} to sm_{max(known)}; this GPU is sm_{arch}")
+    return f"compute_{max(older)}"
+
+
+def _load(path: Path):
+    """The module of the image at ``path``, loaded now (``RawModule`` loads lazily, at its
+    first ``get_function``): a file that does not load raises CUDADriverError here."""
+    import cupy
+
+    module = cupy.RawModule(path=str(path))
+    module.module  # the load itself (the attribute loads the module on the current device)
+    return module
+
+
+def _write(path: Path, image: bytes) -> None:
+    """Writes ``image`` to ``path`` atomically (a temporary file renamed over it); the
+    temporary file is removed where the write fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
         with os.fdopen(fd, "wb") as f:
             f.write(image)
         os.replace(tmp, path)
-    return cupy.RawModule(path=str(path))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def cache_path(name: str, text: str, opts: list[str]) -> Path:
-    """Where the cubin of ``text`` compiled with ``opts`` is cached: a file named by a hash
-    of the text, the options and NVRTC's version, in the ``ubnext`` directory of CuPy's
-    kernel cache (``$CUPY_CACHE_DIR``, by default ``~/.cupy/kernel_cache``), which users
-    of CuPy already know to clear or relocate."""
+    """Where the image of ``text`` compiled with ``opts`` is cached: a file named by a hash
+    of the text, the options and NVRTC's version (``.cubin``, or ``.ptx`` for a virtual
+    architecture), in the ``ubnext`` directory of CuPy's kernel cache (``$CUPY_CACHE_DIR``,
+    by default ``~/.cupy/kernel_cache``), which users of CuPy already know to clear or
+    relocate."""
     from cuda.bindings import nvrtc
 
     from ubnext._environment.cuda import check
@@ -119,4 +177,5 @@ def cache_path(name: str, text: str, opts: list[str]) -> Path:
     version = check(nvrtc.nvrtcVersion(), "nvrtcVersion")
     key = hashlib.sha256("\0".join([text, *opts, repr(version)]).encode()).hexdigest()[:40]
     root = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
-    return Path(root) / "ubnext" / f"{name.removesuffix('.cu')}-{key}.cubin"
+    suffix = "ptx" if any(o.startswith("--gpu-architecture=compute_") for o in opts) else "cubin"
+    return Path(root) / "ubnext" / f"{name.removesuffix('.cu')}-{key}.{suffix}"

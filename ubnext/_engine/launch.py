@@ -88,7 +88,7 @@ class Launcher:
         ex.stream = stream
         rc = ex.driver(ex.address, self._func, self._pack_ptr, None)
         if rc:
-            raise _launch_error(rc, "cuLaunchKernelEx")
+            raise _launch_error(rc, "cuLaunchKernelEx", _PDL_HINT)
 
     def _filled(self, values: tuple):
         """A new argument buffer with the constant parameters and ``values``."""
@@ -133,7 +133,7 @@ class Packed:
             ex.restream(stream)
         rc = ex.driver(ex.address, self._func, self._pack_ptr, None)
         if rc:
-            raise _launch_error(rc, "cuLaunchKernelEx")
+            raise _launch_error(rc, "cuLaunchKernelEx", _PDL_HINT)
 
 
 def issue(launch: tuple, stream: int) -> None:
@@ -160,12 +160,17 @@ def _launch(func: int, blocks: int, threads: int, stream: int, pack_ptr: int) ->
         raise _launch_error(e.status) from None
 
 
-def _launch_error(rc: int, call: str = "cuLaunchKernel") -> CudaError:
+#: what a failed dependent launch adds to its error: the way back to plain launches
+_PDL_HINT = ("; the launch used programmatic dependent launch: UBNEXT_PDL=0 (Config.pdl) turns it off, "
+             "should this GPU, driver or setup not take it")
+
+
+def _launch_error(rc: int, call: str = "cuLaunchKernel", hint: str = "") -> CudaError:
     from cuda.bindings import driver
 
     from ubnext._environment.cuda import error_text
 
-    return CudaError(call, rc, error_text(driver.CUresult(rc)))
+    return CudaError(call, rc, error_text(driver.CUresult(rc)) + hint)
 
 
 # ---- programmatic dependent launch: cuLaunchKernelEx through ctypes ----------------------

@@ -48,8 +48,9 @@ unit on the caller's stream, capturable in a CUDA graph after a first eager call
 allocates the area, collectively, and compiles the barrier's kernel; a first call under
 capture raises before it queues anything: ``_refuse_capture``). The barrier is a
 call of the communicator, so it keeps the communicator's launch order. Where the
-communicator has no pool (NCCL only), a single rank, or empty operands, the ops run
-unoverlapped: the communicator's all-gather or reduce-scatter, and the GEMM.
+communicator has no pool (NCCL only), a single rank, or empty operands (no rows, or no
+columns of a gathered a or of a scattered product: extents every rank shares), the ops
+run unoverlapped: the communicator's all-gather or reduce-scatter, and the GEMM.
 """
 
 from __future__ import annotations
@@ -87,14 +88,20 @@ _SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _side(comm, name: str) -> _Side | None:
     """The communicator's _Side (created at its first overlapped call), or None where it
     runs the unoverlapped path: a single rank, no pool (NCCL only, or not a ubnext
-    Communicator), no one-shot kernel, or local ranks that are not its ranks. Raises
-    before a first overlapped call that would be captured (``_refuse_capture``)."""
+    Communicator) or no one-shot kernel. Raises before a first overlapped call that would
+    be captured (``_refuse_capture``).
+
+    The paths are collectives of their own, so every rank must take the same one: the
+    decision reads only what the ranks agree on, the size, the pool (there or not on every
+    rank: agreed at the communicator's creation) and the algorithms (the same list on
+    every rank). Not the local rank: with a pool all ranks are on one node, whose local
+    ranks are the ranks in order (``Bootstrap.split_local``), so the pool's addresses, in
+    local-rank order, are in rank order."""
     try:
         side = _SIDES[comm]
     except (KeyError, TypeError):
         side = None
-        if (comm.size > 1 and getattr(comm, "pool", None) is not None and comm.local_rank == comm.rank
-                and BARRIER_ALGORITHM in comm.algorithms()):
+        if comm.size > 1 and getattr(comm, "pool", None) is not None and BARRIER_ALGORITHM in comm.algorithms():
             _refuse_capture(name, comm.device)  # before the flag's allocation and zeroing
             side = _Side(comm.device)
         try:
@@ -126,9 +133,10 @@ def _barrier(comm, side: _Side) -> None:
 
 
 def all_gather_matmul(comm, a: torch.Tensor, b: torch.Tensor):
-    """``(gathered, gathered @ b)``: ``a`` (m x k, this rank's rows) gathered in rank order,
-    and its product with ``b`` (k x n). Collective."""
-    side = None if 0 in (a.shape[0], a.shape[1], b.shape[1]) else _side(comm, "all_gather_matmul")
+    """``(gathered, gathered @ b)``: ``a`` (m x k, this rank's rows, the same shape on every
+    rank) gathered in rank order, and its product with ``b`` (k x n, n this rank's own).
+    Collective: the path taken depends on m and k, not on n (``_side``)."""
+    side = None if 0 in a.shape else _side(comm, "all_gather_matmul")
     if side is None:
         gathered = comm.all_gather(a) if comm.size > 1 else a.clone()
         return gathered, torch.matmul(gathered, b)
@@ -169,9 +177,10 @@ def all_gather_matmul(comm, a: torch.Tensor, b: torch.Tensor):
 
 def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
     """Rows ``[rank * m, (rank + 1) * m)`` of the sum over the ranks of ``a @ b`` (``a``:
-    size * m x k, ``b``: k x n), reduced in rank order in fp32 (float64 in float64), rounded
-    once. Collective."""
-    side = None if 0 in (a.shape[0], a.shape[1], b.shape[1]) else _side(comm, "matmul_reduce_scatter")
+    size * m x k, ``b``: k x n; size * m and n the same on every rank, k this rank's own),
+    reduced in rank order in fp32 (float64 in float64), rounded once. Collective: the path
+    taken depends on m and n, not on k (``_side``)."""
+    side = None if 0 in (a.shape[0], b.shape[1]) else _side(comm, "matmul_reduce_scatter")
     if side is None:
         product = torch.matmul(a, b)
         return comm.reduce_scatter(product) if comm.size > 1 else product

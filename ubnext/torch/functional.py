@@ -175,7 +175,11 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 
     Differentiable: ``a_shard``'s gradient is ``matmul_reduce_scatter(grad, b.T)`` (plus
     the reduce-scatter of the gathered output's own gradient), ``b``'s ``gathered.T @ grad``.
 
-    Collective: yes: every rank of ``group`` calls it, in the same order (its backward too).
+    Collective: yes: every rank of ``group`` calls it, in the same order (its backward too),
+    with ``a_shard`` of the same shape and dtype on every rank (``b``'s n may differ). The
+    ranks' shapes are not compared: where they differ, the ranks' transfers and barriers
+    differ, the results are undefined and a rank may wait until ``UBNEXT_TIMEOUT_S``
+    (CollectiveTimeoutError).
     Graph-capturable: yes, after a first eager call on the communicator (which allocates
     the overlap area of the pool, collectively, and compiles the barrier's kernel; a first
     call under capture raises); torch.compile(fullgraph=True) traces it.
@@ -183,7 +187,8 @@ def all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int = 
     Args:
         a_shard: (rows, ..., k) CUDA tensor of float16, bfloat16, float32 or float64 on the
             communicator's device, this rank's rows (the same shape on every rank).
-        b: (k, n), a_shard's dtype and device (any strides, e.g. a weight's ``.t()``).
+        b: (k, n), a_shard's dtype and device (any strides, e.g. a weight's ``.t()``); n
+            this rank's own.
         gather_dim: 0 (rows; the only one taken).
         group: the ``Communicator`` (or its handle).
 
@@ -215,15 +220,20 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
     Differentiable: ``a``'s gradient is ``all_gather_matmul(grad, b.T)``'s product, ``b``'s
     ``a.T @ all_gather(grad)`` (the gathered gradient of the same call).
 
-    Collective: yes: every rank of ``group`` calls it, in the same order (its backward too).
+    Collective: yes: every rank of ``group`` calls it, in the same order (its backward too),
+    with the same dtype, ``a``'s rows and ``b``'s n on every rank (k may differ). The ranks'
+    shapes are not compared: where they differ, the ranks' transfers and barriers differ,
+    the results are undefined and a rank may wait until ``UBNEXT_TIMEOUT_S``
+    (CollectiveTimeoutError).
     Graph-capturable: yes, after a first eager call on the communicator (as
     ``all_gather_matmul``; a first call under capture raises); torch.compile(fullgraph=True)
     traces it.
 
     Args:
         a: (size * rows, ..., k) CUDA tensor of float16, bfloat16, float32 or float64 on the
-            communicator's device, this rank's partial operand.
-        b: (k, n), a's dtype and device (any strides).
+            communicator's device, this rank's partial operand (size * rows, ... the same on
+            every rank; k this rank's own).
+        b: (k, n), a's dtype and device (any strides); n the same on every rank.
         reduce_op: ``"sum"`` (the only one taken).
         scatter_dim: 0 (rows; the only one taken).
         group: the ``Communicator`` (or its handle).
