@@ -763,3 +763,23 @@ def test_plot_candidates_draws_one_line_per_candidate(tmp_path, capsys):
     _torchbench.plot_candidates(str(path), "title", records, ("a", "b"), (("time", "time_us"),), "bytes", "µs")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert capsys.readouterr().out == f"# wrote {path}\n"
+
+
+def test_quant_training_summarises_each_format_against_full_precision():
+    """bench/quant_training.py's summary: the last steps' mean loss, the held-out figures,
+    and the final weights' relative distance from the exact run (none for exact itself)."""
+    torch = pytest.importorskip("torch")
+    from bench import quant_training
+
+    args = quant_training.parse_args(["--formats", "exact,int4"])
+    assert args.formats == "exact,int4" and args.steps == 300
+    losses = [float(i) for i in range(100)]
+    runs = {"exact": {"losses": losses, "held_out_loss": 0.5, "held_out_accuracy": 0.9,
+                      "weights": torch.tensor([3.0, 4.0])},
+            "int4": {"losses": losses[::-1], "held_out_loss": 0.6, "held_out_accuracy": 0.8,
+                     "weights": torch.tensor([3.0, 4.5])}}
+    exact, int4 = quant_training.summary(runs)
+    assert exact == {"format": "exact", "final_train_loss": sum(range(80, 100)) / 20, "held_out_loss": 0.5,
+                     "held_out_accuracy": 0.9, "weights_rel_drift_vs_exact": None}
+    assert int4["final_train_loss"] == sum(range(20)) / 20
+    assert int4["weights_rel_drift_vs_exact"] == pytest.approx(0.5 / 5.0)
