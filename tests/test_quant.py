@@ -290,13 +290,13 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
         {"gpu": "*", "link": "*", "placement": "*", "mode": "*", "tables": {"64": {"bfloat16": [[None, "nccl"]]}},
          "quantized": {"tables": {"4": {"bfloat16": {"int8": 64 * MiB}}}}}]}, "tune file t.json")
 
-    def describe(table):
-        comm = types.SimpleNamespace(config=cfg, rank=0, size=4, local_rank=0, local_size=4, device=0,
+    def describe(table, size=4):
+        comm = types.SimpleNamespace(config=cfg, rank=0, size=size, local_rank=0, local_size=size, device=0,
                                      path="kernels on the symmetric pool", algorithms=lambda: names, pool=None,
-                                     nvls=None, selector=Selector(4, buffer_limits(cfg), names, table))
+                                     nvls=None, selector=Selector(size, buffer_limits(cfg), names, table))
         return _report.report(comm)
 
-    d = describe(None)
+    d = describe(None, size=8)  # the shipped table has no thresholds for 8 ranks
     assert d["config"]["UBNEXT_QUANTIZED"] == setting
     assert f"quantized all-reduce: {d['quantized']}" in str(d)
     whys = [why for _, _, why in d["selection"]["bfloat16"]]
@@ -305,8 +305,11 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     if setting == "off":
         assert d["quantized"] == _quant.describe("off", True, {}) and not any("sum and avg" in w for w in whys)
         return
-    never = "int8 never: not measured for 4 ranks (no selector table has quantized thresholds for them"
+    never = "int8 never: not measured for 8 ranks (no selector table has quantized thresholds for them"
     assert f"bfloat16 {never[5:]}" in d["quantized"] and all(never in why for why in whys)
+    shipped = describe(None)["quantized"]  # the H200 entry's thresholds, measured at 4 ranks
+    assert "bfloat16 from 8 MiB (4 ranks bfloat16 (quantized, default table: NVIDIA H200 nvlink plain graph))" \
+        in shipped, shipped
     d = describe(tuned)
     assert "bfloat16 from 64 MiB (4 ranks bfloat16 (quantized, tune file t.json: any machine))" in d["quantized"]
     for nbytes, _, why in d["selection"]["float16"]:

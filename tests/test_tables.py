@@ -300,10 +300,14 @@ def test_quantized_thresholds_choose_by_machine_and_world_size(tmp_path):
     assert four.quantized("int8", "float32") == (None, "")  # not a dtype the quantized two-shot takes
     assert Selector(1, {}, ["nccl"], table, machine=Machine("NVIDIA H200")).quantized("int8", "bfloat16") == (
         None, "never: one rank moves nothing over links")
-    # the H100 takes its own entry, which has none; nor has the default table
+    # the H100 takes its own entry, which has none, then the default table's nearest entry
     h100 = Selector(2, {}, ["nccl"], table, machine=Machine("NVIDIA H100"))
-    assert h100.quantized("int8", "bfloat16") == (
-        None, "never: not measured for 2 ranks (no selector table has quantized thresholds for them; "
+    shipped = default_table().choose(Machine("NVIDIA H100")).entry["quantized"]["tables"]["2"]["bfloat16"]["int8"]
+    assert h100.quantized("int8", "bfloat16")[0] == shipped
+    assert h100.quantized("int8", "bfloat16")[1].endswith("(quantized, default table: NVIDIA H200 nvlink plain graph))")
+    h100_8 = Selector(8, {}, ["nccl"], table, machine=Machine("NVIDIA H100"))  # measured nowhere
+    assert h100_8.quantized("int8", "bfloat16") == (
+        None, "never: not measured for 8 ranks (no selector table has quantized thresholds for them; "
               "python -m ubnext.tune --quantized measures them)")
     # a world size missing from the entry: not measured
     doc["entries"][0]["quantized"] = quantized({"2": {"bfloat16": {"int8": 64 * MiB}}})
@@ -321,18 +325,23 @@ def test_quantized_thresholds_change_the_digest():
     assert len({plain.digest(), with_q.digest(), never.digest()}) == 3
 
 
-def test_files_without_quantized_thresholds_still_load_and_never_quantize(tmp_path):
-    """The shipped table, an older format-2 file and a format-1 file have no thresholds:
-    auto keeps full precision on an opted-in communicator."""
+def test_files_without_quantized_thresholds_still_load_and_leave_them_to_the_default_table(tmp_path):
+    """An older format-2 file and a format-1 file have no thresholds: an opted-in
+    communicator quantizes where the shipped table measured it pays (its H200 entry: 2 and
+    4 ranks), as without a file, and at world sizes nobody measured never."""
     old2 = write(tmp_path, document(entry(rows=[[1 * MiB, "lamport"], [None, "nccl"]])), "old2.json")
     old1 = write(tmp_path, json.loads(OLD_H200.read_text()), "old1.json")
-    assert not default_table().entry(H200).quantized
+    measured = default_table().entry(H200).quantized
     for table in (None, load_table(old2), load_table(old1)):
-        for nranks in (2, 4):
+        for nranks in (2, 4, 8):
             sel = Selector(nranks, {}, ["lamport", "nccl"], table, machine=Machine("NVIDIA H200"))
             for fmt in ("int8", "fp8", "int4"):
                 threshold, why = sel.quantized(fmt, "bfloat16")
-                assert threshold is None and why.startswith(f"never: not measured for {nranks} ranks")
+                if nranks == 8:
+                    assert threshold is None and why.startswith("never: not measured for 8 ranks")
+                else:
+                    assert threshold == measured[str(nranks)]["bfloat16"][fmt], (table, nranks, fmt)
+                    assert why.endswith("(quantized, default table: NVIDIA H200 nvlink plain graph))"), why
 
 
 @pytest.mark.parametrize("q, message", [

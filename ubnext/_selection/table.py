@@ -88,7 +88,7 @@ a threshold is the smallest message, in bytes, from which the format is used, or
 the chosen entry of the first table that has it for the world size (its own, then
 ``"*"``), a dtype without thresholds taking another's of the same element size.
 **What is not there was not measured, and auto then keeps full precision**: an entry
-without the key (every file written before it existed, and today's shipped table), a
+without the key (every file written before it existed, the shipped table's other world sizes), a
 world size without thresholds in any table, a format missing from a dtype's. Full
 precision, not a guessed size, because the quantized path is lossy and measurements
 (docs/quantized.md) show it slower than full precision at some sizes on some machines:
