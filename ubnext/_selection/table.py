@@ -105,7 +105,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
@@ -422,17 +422,25 @@ def _parse_entry(entry: Any, source: str, fail) -> Table:
                  by_collective, {} if quantized is None else _parse_thresholds(quantized["tables"], fail))
 
 
-def _parse_thresholds(tables: Any, fail) -> dict[str, dict[str, Thresholds]]:
-    """``quantized.tables`` of an entry -> world key -> dtype -> format -> bytes or None (never)."""
-    where = "quantized.tables"
+def _by_world(tables: Any, where: str, inner: str, fail) -> Iterator[tuple[str, dict]]:
+    """The ``(world key, {dtype: ...})`` pairs of ``{"<world size>": {"<dtype>": <inner>}}``
+    at ``where``, checked: a non-empty object, each key a world size or ``"*"``, each value a
+    non-empty object."""
     if not isinstance(tables, dict) or not tables:
-        raise fail(f"{where} must be a non-empty object {{\"<world size>\": {{\"<dtype>\": thresholds}}}}")
-    parsed: dict[str, dict[str, Thresholds]] = {}
+        raise fail(f"{where} must be a non-empty object {{\"<world size>\": {{\"<dtype>\": {inner}}}}}")
     for world, by_dtype in tables.items():
         if world != ANY_WORLD and not (world.isdigit() and int(world) > 0):
             raise fail(f"{where} key {world!r} is not a world size (a positive integer, or \"*\")")
         if not isinstance(by_dtype, dict) or not by_dtype:
-            raise fail(f"{where}[{world!r}] must be a non-empty object {{\"<dtype>\": thresholds}}")
+            raise fail(f"{where}[{world!r}] must be a non-empty object {{\"<dtype>\": {inner}}}")
+        yield world, by_dtype
+
+
+def _parse_thresholds(tables: Any, fail) -> dict[str, dict[str, Thresholds]]:
+    """``quantized.tables`` of an entry -> world key -> dtype -> format -> bytes or None (never)."""
+    where = "quantized.tables"
+    parsed: dict[str, dict[str, Thresholds]] = {}
+    for world, by_dtype in _by_world(tables, where, "thresholds", fail):
         parsed[world] = {}
         for dtype, by_format in by_dtype.items():
             at = f"{where}[{world!r}][{dtype!r}]"
@@ -453,14 +461,8 @@ def _parse_thresholds(tables: Any, fail) -> dict[str, dict[str, Thresholds]]:
 
 def _parse_tables(tables: Any, where: str, collective: str, fail) -> dict[str, dict[str, tuple[Row, ...]]]:
     """``{"<world size>": {"<dtype>": rows}}`` of ``collective`` at ``where`` -> rows."""
-    if not isinstance(tables, dict) or not tables:
-        raise fail(f"{where} must be a non-empty object {{\"<world size>\": {{\"<dtype>\": rows}}}}")
     rows: dict[str, dict[str, tuple[Row, ...]]] = {}
-    for world, by_dtype in tables.items():
-        if world != ANY_WORLD and not (world.isdigit() and int(world) > 0):
-            raise fail(f"{where} key {world!r} is not a world size (a positive integer, or \"*\")")
-        if not isinstance(by_dtype, dict) or not by_dtype:
-            raise fail(f"{where}[{world!r}] must be a non-empty object {{\"<dtype>\": rows}}")
+    for world, by_dtype in _by_world(tables, where, "rows", fail):
         rows[world] = {}
         for dtype, raw_rows in by_dtype.items():
             if dtype not in KERNEL_DTYPES:  # NCCL reduces the others: no rows
