@@ -227,8 +227,8 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
 def _reduce(slots: list, out: torch.Tensor) -> None:
     """``out`` = the slots summed in order in fp32 (float64 in float64: the wider of out's
     dtype and fp32), rounded once to out's dtype (two slots or more). The first slot is
-    the accumulator where it has that dtype already (this rank's slot: nothing reads it
-    after the reduction)."""
+    the accumulator where it has that dtype already (float32: a slot of this rank's half
+    of the area, which nothing reads after the reduction)."""
     acc = slots[0].to(torch.promote_types(out.dtype, torch.float32))
     for s in slots[1:-1]:
         acc.add_(s)
