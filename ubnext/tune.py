@@ -179,9 +179,9 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
             if doc["entries"] else None
         if served is not None and served.gpu == ANY and all(
                 getattr(served, k) in (v, ANY) for k, v in key.items() if k != "gpu"):
-            for key in ("tables", "collectives", "quantized"):
-                if key in served.entry:
-                    entry[key] = copy.deepcopy(served.entry[key])
+            for part in ("tables", "collectives", "quantized"):
+                if part in served.entry:
+                    entry[part] = copy.deepcopy(served.entry[part])
             entry["note"] = (f"rows not measured on {machine} start from those of the entry for {served.label}, "
                              f"which served it before this entry was added")
         doc["entries"].append(entry)

@@ -49,7 +49,7 @@ def report(comm) -> Description:
         quantized=_quant.describe(config.quantized, kernels, starts),
         tables=[f"{t.where} ({t.why})" for t in comm.selector.tables],
         selection={dtype: [[n, name, why + _quant.selection_note(config.quantized, kernels, dtype, n,
-                                                                 comm.selector.quantized(config.quantized, dtype))]
+                                                                 starts.get(dtype, (None, "")))]
                            for n in SIZES for name, why in [_choice(comm, n, dtype)]] for dtype in DTYPES},
         collectives={c: {"bfloat16": [[n, *_choice(comm, n, "bfloat16", c)] for n in SIZES]}
                      for c in COLLECTIVES if c != "all_reduce"},
