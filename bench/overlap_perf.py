@@ -126,7 +126,7 @@ def chunked_gemms(side: str, a, b, size: int, rank: int):
     on the reduce-scatter side its rank-order reduction of each round's slots."""
     import torch
 
-    from ubnext.torch import _overlap as overlap
+    from ubnext._engine.slot_sum import SlotSum
     from ubnext.torch import _overlap_plan as plan
 
     if side == "ag":
@@ -144,13 +144,16 @@ def chunked_gemms(side: str, a, b, size: int, rank: int):
     m, n = a.shape[0] // size, b.shape[1]
     rounds = plan.scatter_rounds(m, n * a.element_size(), size)
     slots, out = a.new_empty((size, rounds.parts[0][1], n)), a.new_empty((m, n))
+    summed = SlotSum(a.device.index, torch.cuda.get_device_properties(a.device).multi_processor_count, size)
+    dtype = str(a.dtype).removeprefix("torch.")
 
     def fn():
         for r0, rows in rounds.parts:
             for dst in plan.push_order(rank, size):
                 torch.matmul(a[dst * m + r0:dst * m + r0 + rows], b, out=slots[dst, :rows])
             if rows:
-                overlap._reduce(list(slots[:, :rows]), out[r0:r0 + rows])
+                summed(dtype, slots.data_ptr(), slots.stride(0) * a.element_size(), rows * n, out[r0].data_ptr(),
+                       torch.cuda.current_stream().cuda_stream)
         return out
     return fn
 

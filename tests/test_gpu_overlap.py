@@ -160,6 +160,78 @@ def test_matmul_reduce_scatter_sums_float64_in_float64(comm):
     assert not torch.equal(want.float().double(), want)  # fp32 could not hold it
 
 
+#: the slot sum's dtypes, with the bits of each element as an integer tensor's
+SUM_DTYPES = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+              torch.float64: torch.int64}
+
+
+def slot_values(count: int, n: int, dtype, seed: int):
+    """``count`` slots of ``n`` random values of ``dtype`` with -0.0, +-inf and NaN among
+    them (never a zero otherwise), and in float64 1 and 2**-40 (their sum exact only
+    in float64)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = torch.randn(count, n, generator=g, dtype=torch.float64)
+    parts[parts == 0] = 0.5
+    special = torch.tensor([-0.0, float("inf"), float("-inf"), float("nan")], dtype=torch.float64)
+    for s in range(count):
+        where = torch.randperm(n, generator=g)[:min(n, 4)]
+        parts[s, where] = special[torch.randint(0, 4, (len(where),), generator=g)]
+    if n > 5:
+        parts[:, 5] = -0.0  # a sum of negative zeros: -0.0
+    if dtype == torch.float64 and n > 6 and count > 1:
+        parts[:, 6] = 0.0
+        parts[0, 6], parts[1, 6] = 1.0, 2.0 ** -40
+    return parts.to(dtype)
+
+
+def host_sum(parts):
+    """The slots added in order in fp32 (float64 in float64), rounded once."""
+    if parts.dtype != torch.float64:
+        return rank_order(list(parts))
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc += p
+    return acc
+
+
+@pytest.mark.parametrize("dtype", list(SUM_DTYPES), ids=str)
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n, misaligned", [(1, False), (7, False), (8 * 1024 + 3, False), (300001, False),
+                                           (1001, True)])
+def test_the_slot_sum_adds_in_slot_order_rounding_once(comm, dtype, count, n, misaligned):
+    """The overlapped reduce-scatter's reduction (kernels/slot_sum.cu) bit for bit against
+    the host's sum in slot order, rounded once: by vectors (a partial last one where n is
+    not a multiple of the width) and element by element (an output off 16-byte
+    alignment); the slots left as they were, the bytes around the output untouched."""
+    from ubnext._engine.slot_sum import SlotSum
+
+    summed = SlotSum(comm.device, torch.cuda.get_device_properties(comm.device).multi_processor_count, count)
+    ints = SUM_DTYPES[dtype]
+    parts = slot_values(count, n, dtype, seed=count * 7 + n)
+    stride = -(-n * parts.element_size() // 256) * 256 + 256  # a gap between the slots, as the area's
+    area = torch.full((count * stride,), 0x7B, dtype=torch.uint8, device="cuda")
+    for s in range(count):
+        area[s * stride:s * stride + n * parts.element_size()].copy_(parts[s].view(torch.uint8).cuda())
+    kept = area.clone()
+    shift = 1 if misaligned else 0  # elements before the output (canaries, as after it)
+    canvas = torch.full((n + shift + 16,), -1, dtype=ints, device="cuda")  # NaN's bits: unwritten shows
+    out = canvas[shift:shift + n].view(dtype)
+    assert (out.data_ptr() % 16 != 0) == misaligned
+    summed(str(dtype).removeprefix("torch."), area.data_ptr(), stride, n, out.data_ptr(),
+           torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    want = host_sum(parts)
+    got = out.cpu()
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(ints), want[finite].view(ints)), \
+        f"{int((got[finite] != want[finite]).sum())} of {n} sums differ from the host's"
+    assert bool((canvas[:shift] == -1).all()) and bool((canvas[shift + n:] == -1).all()), "bytes around out written"
+    assert torch.equal(area, kept), "the slots changed"
+    if dtype == torch.float64 and n > 6 and count > 1:
+        assert got[6] == 1 + 2.0 ** -40
+
+
 def test_a_canary_in_the_pool_stays_untouched(comm):
     """A user buffer of the pool, allocated once the area exists, keeps its bytes through
     calls of several rounds."""

@@ -38,11 +38,15 @@ from ubnext._protocol.algorithms import (
     NORM_SOURCE,
     OPS,
     ROW_KEEP,
+    SLOT_SUM_DTYPES,
+    SLOT_SUM_ENTRY,
+    SLOT_SUM_SOURCE,
     TWOSHOT_ONLY_DTYPES,
     compile_defines,
     norm_defines,
+    slot_sum_defines,
 )
-from ubnext._protocol.constants import MAX_RANKS, NORM_THREADS
+from ubnext._protocol.constants import MAX_RANKS, NORM_THREADS, SLOT_SUM_THREADS
 
 KERNEL_ALGOS = [name for name, a in ALGORITHMS.items() if a.is_kernel]
 
@@ -225,6 +229,20 @@ def test_separate_norm_kernel_compiles(dtype):
     assert NORM_ENTRY.encode() in cubin
 
 
+@pytest.mark.parametrize("dtype", SLOT_SUM_DTYPES)
+@pytest.mark.parametrize("slots", RANKS)
+def test_slot_sum_kernel_compiles(dtype, slots):
+    """The overlapped reduce-scatter's reduction, for every dtype and world size it sums."""
+    cubin = _kernels.compile_cubin(SLOT_SUM_SOURCE, slot_sum_defines(dtype, slots))
+    assert SLOT_SUM_ENTRY.encode() in cubin
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int8", "uint64"])
+def test_slot_sum_takes_floating_dtypes_only(dtype):
+    with pytest.raises(ValueError, match="the slot sum takes"):
+        slot_sum_defines(dtype, 2)
+
+
 def test_compile_error_carries_the_log(monkeypatch):
     from ubnext._protocol.errors import CudaError
 
@@ -235,11 +253,12 @@ def test_compile_error_carries_the_log(monkeypatch):
 
 def test_sources_are_self_contained_with_the_generated_protocol_header():
     header = _protocol.header()
-    for name in (*(a.source for a in ALGORITHMS.values() if a.is_kernel), NORM_SOURCE):
+    for name in (*(a.source for a in ALGORITHMS.values() if a.is_kernel), NORM_SOURCE, SLOT_SUM_SOURCE):
         text = _kernels.source(name)
         assert "#include" not in text
         assert header.split("#pragma once\n")[1] in text, f"{name} lacks the generated protocol header"
     assert f"#define UB_MAX_RANKS {MAX_RANKS}\n" in header and f"#define UB_NORM_THREADS {NORM_THREADS}\n" in header
+    assert f"#define UB_SLOT_SUM_THREADS {SLOT_SUM_THREADS}\n" in header
     for source, threads in _protocol.THREADS.items():
         assert f"#define UB_{source[:-3].upper()}_THREADS {threads}\n" in header
     # the separate kernel's vectors per thread (ubnext._engine.epilogue) are the ones it keeps

@@ -167,6 +167,12 @@ NORM_SOURCE, NORM_ENTRY = "rmsnorm.cu", "ub_add_rmsnorm"
 ROW_KEEP = 4
 
 
+#: the sum of slots in slot order (the overlapped matmul + reduce-scatter's reduction):
+#: source, entry point, and the dtypes it takes (floating, summed in Elem's accumulator)
+SLOT_SUM_SOURCE, SLOT_SUM_ENTRY = "slot_sum.cu", "ub_slot_sum"
+SLOT_SUM_DTYPES = FLOAT_DTYPES
+
+
 def row_threads(vectors: int, cluster: int = 1) -> int:
     """Threads per block of a row kernel whose rows are split over ``cluster`` blocks: one
     per 16-byte vector of the block's share, in whole warps, at most NORM_THREADS per
@@ -195,6 +201,14 @@ def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast"
     return {"UB_T": DTYPES[dtype][0], "UB_OP": OPS[op], "UB_NRANKS": str(nranks),
             "UB_TRANSPORT": {"unicast": "Unicast", "multicast": "Multicast"}[transport],
             "UB_CLUSTER": str(cluster), "UB_DETERMINISTIC": str(int(deterministic))}
+
+
+def slot_sum_defines(dtype: str, slots: int) -> dict[str, str]:
+    """Preprocessor definitions of the slot sum (SLOT_SUM_SOURCE) of ``slots`` slots of
+    ``dtype`` (one of SLOT_SUM_DTYPES)."""
+    if dtype not in SLOT_SUM_DTYPES:
+        raise ValueError(f"the slot sum takes {', '.join(SLOT_SUM_DTYPES)}, not {dtype}")
+    return compile_defines(dtype, "sum", slots)
 
 
 def norm_defines(dtype: str) -> dict[str, str]:

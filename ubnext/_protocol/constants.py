@@ -27,6 +27,8 @@ TWOSHOT_ALIGN_VECS = 32
 HEADER_BYTES = 128
 #: threads of a row group (kernels/rmsnorm.cuh) and of the separate add + RMSNorm kernel
 NORM_THREADS = 1024
+#: threads per block of the slot sum (kernels/slot_sum.cu: the overlapped reduce-scatter's reduction)
+SLOT_SUM_THREADS = 512
 #: threads per block of each all-reduce source's plain entry point (its launch bound)
 THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512}
 #: elements per group of the quantized two-shot (one fp32 scale each; ubnext/_protocol/quant.py)
@@ -144,6 +146,7 @@ def header() -> str:
         "UB_TWOSHOT_ALIGN_VECS": TWOSHOT_ALIGN_VECS,
         "UB_HEADER_BYTES": HEADER_BYTES,
         "UB_NORM_THREADS": NORM_THREADS,
+        "UB_SLOT_SUM_THREADS": SLOT_SUM_THREADS,
         "UB_ANY_PEER": f"{ANY_PEER:#x}u",
         "UB_QUANT_GROUP": QUANT_GROUP,
         "UB_QUANT_UNIT_GROUPS": QUANT_UNIT_GROUPS,

@@ -4,11 +4,11 @@ and ``matmul_reduce_scatter``.
 
 Design (the choices, and why):
 
-* **Copy engines move the data, cuBLAS does the GEMMs, both from torch.** The transfers are
+* **Copy engines move the data, cuBLAS does the GEMMs.** The transfers are
   ``cudaMemcpyAsync`` between pool addresses of two ranks (``SymmetricPool.ptr``) on a side
   stream, so they take no SM from the GEMMs they run under; the GEMMs are ``torch.matmul``
   into rows of the result (``out=``), so their shapes are plain cuBLAS calls that a
-  reference can repeat bit for bit. No new kernel: the barrier is ubnext's one-shot
+  reference can repeat bit for bit. The barrier is ubnext's one-shot
   Lamport all-reduce of a 4-float flag (its completion on a rank means every peer's
   kernel ran, hence every peer's work queued before it on the side stream finished).
 * **All-gather side** (per round): each rank copies its own rows of the round into its
@@ -19,9 +19,10 @@ Design (the choices, and why):
 * **Reduce-scatter side** (per round): for dst = rank+1, ..., rank (own last), the GEMM of
   rank dst's rows into a staging buffer (two, alternating), pushed by the side stream into
   slot [rank] of dst's half; the own product lands in the own slot directly while the
-  last push moves. Barrier, then each rank reduces its slots in rank order 0..size-1 in
-  fp32 (float64 in float64), rounded once (``_reduce``): the result is bit-identical to
-  the same chunks' GEMMs reduced in that order, whatever the timing.
+  last push moves. Barrier, then each rank sums its slots in rank order 0..size-1 in
+  fp32 (float64 in float64), rounded once, in one pass (ubnext's slot sum kernel,
+  ``_engine.slot_sum``, on the caller's stream): the result is bit-identical to the same
+  chunks' GEMMs reduced in that order, whatever the timing.
 * **Bounded area**: ``_overlap_plan.AREA_BYTES`` of the pool (one area per communicator,
   ``Communicator._symmetric_area``), in two halves; inputs of any size move in rounds of
   as many rows as a half takes (``_overlap_plan.split``). The gathered tensor itself is
@@ -45,9 +46,9 @@ follows every rank's earlier reads of h.
 Streams: the side stream is forked from the caller's stream (it waits for the caller's
 work so far) and joined back (the caller waits for it) within the call, so the op is one
 unit on the caller's stream, capturable in a CUDA graph after a first eager call (which
-allocates the area, collectively, and compiles the barrier's kernel; a first call under
-capture raises before it queues anything: ``_refuse_capture``). The barrier is a
-call of the communicator, so it keeps the communicator's launch order. Where the
+allocates the area, collectively, and compiles the barrier's and the slot sum's kernels;
+a first call under capture raises before it queues anything: ``_refuse_capture``). The
+barrier is a call of the communicator, so it keeps the communicator's launch order. Where the
 communicator has no pool (NCCL only), a single rank, or empty operands (no rows, or no
 columns of a gathered a or of a scattered product: extents every rank shares), the ops
 run unoverlapped: the communicator's all-gather or reduce-scatter, and the GEMM.
@@ -60,6 +61,7 @@ import weakref
 import torch
 
 from ubnext._engine.copies import copy as _copy
+from ubnext._engine.slot_sum import SlotSum
 from ubnext._protocol.errors import UbnextError
 
 from . import _overlap_plan as plan
@@ -72,12 +74,15 @@ BARRIER_ALGORITHM = "lamport"
 
 class _Side:
     """What a communicator's overlapped calls keep: the side stream, the barrier's flag
-    (4 floats: one 16-byte vector; zeros, whose sum stays zero) and whether a call has
-    completed (``ready``: the area allocated, the barrier's kernel compiled)."""
+    (4 floats: one 16-byte vector; zeros, whose sum stays zero), the reduce-scatter's slot
+    sum and whether a call has completed (``ready``: the area allocated, the barrier's
+    kernel compiled)."""
 
-    def __init__(self, device: int):
-        self.stream = torch.cuda.Stream(device)
-        self.flag = torch.zeros(4, dtype=torch.float32, device=device)
+    def __init__(self, device: int, size: int):
+        with torch.cuda.device(device):  # the slot sum's modules load into its context
+            self.stream = torch.cuda.Stream(device)
+            self.flag = torch.zeros(4, dtype=torch.float32, device=device)
+            self.sum = SlotSum(device, torch.cuda.get_device_properties(device).multi_processor_count, size)
         self.ready = False
 
 
@@ -103,7 +108,7 @@ def _side(comm, name: str) -> _Side | None:
         side = None
         if comm.size > 1 and getattr(comm, "pool", None) is not None and BARRIER_ALGORITHM in comm.algorithms():
             _refuse_capture(name, comm.device)  # before the flag's allocation and zeroing
-            side = _Side(comm.device)
+            side = _Side(comm.device, comm.size)
         try:
             _SIDES[comm] = side
         except TypeError:  # not weakly referable: decided again next time
@@ -117,15 +122,16 @@ def _side(comm, name: str) -> _Side | None:
 def _refuse_capture(name: str, device: int) -> None:
     """Raises where the current stream of ``device`` is being captured into a CUDA graph:
     a communicator's first overlapped call allocates the area (collectively: a host
-    exchange), zeroes the barrier's flag and compiles the barrier's kernel, none of which
-    a graph can hold (the capture would fail obscurely, or replay a call that set nothing
-    up). Raised before anything is queued, so the capture stays valid."""
+    exchange), zeroes the barrier's flag and compiles the barrier's and the slot sum's
+    kernels, none of which a graph can hold (the capture would fail obscurely, or replay a
+    call that set nothing up). Raised before anything is queued, so the capture stays valid."""
     with torch.cuda.device(device):
         capturing = torch.cuda.is_current_stream_capturing()
     if capturing:
         raise UbnextError(f"ubnext::{name}: the first overlapped call on a communicator cannot be captured in a "
                           f"CUDA graph (it allocates the overlap area of the pool, collectively, and compiles the "
-                          f"barrier's kernel); make one eager call first, on every rank, then capture")
+                          f"barrier's and the slot sum's kernels); make one eager call first, on every rank, "
+                          f"then capture")
 
 
 def _barrier(comm, side: _Side) -> None:
@@ -200,13 +206,13 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
         caller.wait_stream(stream)
         _barrier(comm, side)  # opening: every peer's reads of earlier calls are done
         pushed = []  # an event after each push: its staging buffer is free again
+        dtype = str(a.dtype).removeprefix("torch.")
         for j, (r0, rows) in enumerate(rounds.parts):
-            slots = [area[rounds.offset(j, s):rounds.offset(j, s) + rows * row].view(a.dtype).view(rows, n)
-                     for s in range(size)]
             for dst in (plan.push_order(rank, size) if rows else ()):
                 first = dst * m + r0
                 if dst == rank:
-                    torch.matmul(a[first:first + rows], b, out=slots[rank])
+                    own = rounds.offset(j, rank)
+                    torch.matmul(a[first:first + rows], b, out=area[own:own + rows * row].view(a.dtype).view(rows, n))
                     continue
                 if len(pushed) >= 2:
                     caller.wait_event(pushed[-2])
@@ -217,19 +223,10 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
                 pushed.append(stream.record_event())
             _barrier(comm, side)
             caller.wait_stream(stream)  # every rank's pushes into this rank's slots are done
-            if rows:
-                _reduce(slots, out[r0:r0 + rows])
+            if rows:  # the slots in rank order, one pass, rounded once
+                side.sum(dtype, ptrs[rank] + rounds.offset(j), rounds.slot_bytes, rows * n, out[r0].data_ptr(),
+                         caller.cuda_stream)
             stream.wait_stream(caller)  # the next round's barrier after these reads
     side.ready = True
     return out
 
-
-def _reduce(slots: list, out: torch.Tensor) -> None:
-    """``out`` = the slots summed in order in fp32 (float64 in float64: the wider of out's
-    dtype and fp32), rounded once to out's dtype (two slots or more). The first slot is
-    the accumulator where it has that dtype already (float32: a slot of this rank's half
-    of the area, which nothing reads after the reduction)."""
-    acc = slots[0].to(torch.promote_types(out.dtype, torch.float32))
-    for s in slots[1:-1]:
-        acc.add_(s)
-    torch.add(acc, slots[-1], out=out)
