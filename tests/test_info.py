@@ -114,7 +114,7 @@ def test_describe_reports_path_pool_tables_and_selection():
     assert "pool: 1024.0 MiB per rank; user heap 700.0 MiB, 600.0 MiB free" in text
     assert "NVLink multicast: off (not available in this build)" in text
     assert "  UBNEXT_LAMPORT_MAX_KB  1024" in text
-    assert "       4 KiB  lamport  table row ≤ 256 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)" in text
+    assert "       4 KiB  lamport  table row ≤ 512 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)" in text
     assert "       1 GiB  nccl     table row > 32 MiB for 4 ranks float32 (default table: NVIDIA H200 nvlink plain graph)" in text
 
 

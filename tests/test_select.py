@@ -42,9 +42,10 @@ def test_default_table_matches_the_measurements():
     for world in ("2", "4", ANY_WORLD):
         assert set(t.rows[world]) == set(DTYPES)  # every dtype spelled out
         assert t.rows[world]["float16"] == t.rows[world]["bfloat16"] == t.rows[world]["float32"]
-    # measured by python -m ubnext.tune (bench/results/tune_h200x*.txt); past 16 MiB the
-    # Lamport two-shot runs in launches
-    assert t.rows["4"]["bfloat16"] == ((256 * KiB, "lamport"), (32 * MiB, "lamport_twoshot"), (None, "nccl"))
+    # measured by python -m ubnext.tune (bench/results/tune_h200x*.txt; the 4-rank one-shot
+    # up to 512 KiB as tune_h200x4_quant*.txt measured it); past 16 MiB the Lamport
+    # two-shot runs in launches
+    assert t.rows["4"]["bfloat16"] == ((512 * KiB, "lamport"), (32 * MiB, "lamport_twoshot"), (None, "nccl"))
     assert t.rows["2"]["bfloat16"] == ((1 * MiB, "lamport"), (None, "lamport_twoshot"))
     assert t.rows[ANY_WORLD]["bfloat16"] == ((256 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
 
@@ -64,8 +65,10 @@ def test_default_table_ships_in_the_wheel():
 def test_selector_prefers_lamport_small_twoshot_large_and_respects_limits():
     sel = Selector(4, lim(1 * MiB), usable=ALL)
     assert sel.select(2048, "bfloat16") == "lamport"
-    assert sel.select(256 * KiB, "bfloat16") == "lamport"
-    assert sel.select(256 * KiB + 2, "bfloat16") == "lamport_twoshot"
+    assert sel.select(512 * KiB, "bfloat16") == "lamport"
+    assert sel.select(512 * KiB + 2, "bfloat16") == "lamport_twoshot"
+    # buffers for less than the row: the sizes past them go to the next row
+    assert Selector(4, lim(256 * KiB), usable=ALL).select(256 * KiB + 2, "bfloat16") == "lamport_twoshot"
     assert sel.select(16 * MiB, "bfloat16") == "lamport_twoshot"
     assert sel.select(32 * MiB, "bfloat16") == "lamport_twoshot"  # in 2 launches
     assert sel.select(32 * MiB + 2, "bfloat16") == "nccl"  # measured: NCCL wins there on plain arrays
@@ -152,7 +155,7 @@ def test_bound_names_the_setting_that_keeps_an_algorithm_from_a_size():
 def test_explain_names_the_row_and_the_table():
     sel = Selector(4, lim(1 * MiB), ALL)
     assert sel.explain(2048, "bfloat16") == (
-        "lamport", "table row ≤ 256 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)")
+        "lamport", "table row ≤ 512 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)")
     assert sel.explain(2 * MiB, "float16") == (
         "lamport_twoshot", "table row ≤ 32 MiB for 4 ranks float16 (default table: NVIDIA H200 nvlink plain graph)")
     assert sel.explain(1 << 30, "float32") == (
@@ -290,7 +293,12 @@ def test_an_open_last_row_whose_buffers_are_too_small_falls_past_the_table():
 
 
 def test_capped_lists_rows_cut_short_by_the_buffers():
-    assert Selector(4, lim(1024), usable=ALL).capped() == [("lamport", 256 * KiB, "UBNEXT_LAMPORT_MAX_KB=1")]
+    one_shot = default_table().entry(("NVIDIA H200", "nvlink", "plain", "graph")).rows["4"]["bfloat16"][0]
+    assert one_shot[1] == "lamport"  # the shipped 4-rank row the buffers cut short
+    assert Selector(4, lim(1024), usable=ALL).capped() == [("lamport", one_shot[0], "UBNEXT_LAMPORT_MAX_KB=1")]
+    # the tests' small buffers (lamport_max_kb=256) hold less than the 512 KiB row
+    want = [("lamport", one_shot[0], "UBNEXT_LAMPORT_MAX_KB=256")] if one_shot[0] > 256 * KiB else []
+    assert Selector(4, lim(256 * KiB), usable=ALL).capped() == want
     assert Selector(4, lim(1 * MiB), usable=ALL).capped() == []
     assert Selector(4, lim(1024), usable=["nccl"]).capped() == []
 

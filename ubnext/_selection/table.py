@@ -10,7 +10,7 @@ of machine::
      "entries": [
       {"gpu": "NVIDIA H200", "link": "nvlink", "placement": "plain", "mode": "graph",
        "note": "...",
-       "tables": {"4": {"bfloat16": [[262144, "lamport"], [33554432, "lamport_twoshot"], [null, "nccl"]]},
+       "tables": {"4": {"bfloat16": [[524288, "lamport"], [33554432, "lamport_twoshot"], [null, "nccl"]]},
                   "*": {"bfloat16": [[262144, "lamport"], [33554432, "twoshot"], [null, "nccl"]]}},
        "collectives": {"reduce_scatter": {"note": "...", "tables": {...}}, "all_gather": {...}},
        "measured": {...}}]}
