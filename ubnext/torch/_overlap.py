@@ -22,9 +22,7 @@ Design (the choices, and why):
   last push moves. Barrier, then each rank sums its slots in rank order 0..size-1 in
   fp32 (float64 in float64), rounded once, in one pass (ubnext's slot sum kernel,
   ``_engine.slot_sum``, on the caller's stream): the result is bit-identical to the same
-  chunks' GEMMs reduced in that order, whatever the timing. The caller waits for a
-  round's barrier only after it has queued the next round's first GEMM, so the barrier's
-  wait (and the ranks' skew) runs under that GEMM, and the sum under its push.
+  chunks' GEMMs reduced in that order, whatever the timing.
 * **Bounded area**: ``_overlap_plan.AREA_BYTES`` of the pool (one area per communicator,
   ``Communicator._symmetric_area``), in two halves; inputs of any size move in rounds of
   as many rows as a half takes (``_overlap_plan.split``). The gathered tensor itself is
@@ -34,14 +32,12 @@ Why reusing a half is safe (no rank writes a half while a peer still reads it): 
 call opens with a barrier on the side stream, after the fork and before any write into
 an area, and every round j takes one; on every rank (a) a round's reads of half j % 2
 come before the next barrier: the all-gather's pulls are on the side stream before it,
-and after a reduce-scatter round's sum (on the caller's stream, queued within the next
-round, before that round's barrier; after the last round, the next call's fork) the
-side stream waits for the caller's stream; (b) its writes come after a barrier that
-follows the previous reads of that half: the all-gather's own copy and the
-reduce-scatter's pushes are on the side stream after the round's preceding barrier, and
-the reduce-scatter's own-slot GEMM (into a slot only this rank reads) on the caller's
-stream after its sum of that half two rounds before (or, in a call's first round, after
-the caller waited for the side stream); (c) rounds alternate halves
+and after a reduce-scatter round's reduction (on the caller's stream) the side stream
+waits for the caller's stream (the next call's fork waits for it too); (b) its writes
+come after a barrier that follows the previous reads of that half: the all-gather's own
+copy and the reduce-scatter's pushes are on the side stream after the round's preceding
+barrier, and the reduce-scatter's own-slot GEMM (into a slot only this rank reads) on the
+caller's stream after the caller waited for the side stream; (c) rounds alternate halves
 within a call, and a call's first round writes half 0 only after its opening barrier,
 which on every rank follows all of that rank's reads of earlier calls (CUDA graph
 replays included). So a write into half h follows the completion of a barrier that
@@ -211,37 +207,26 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
         _barrier(comm, side)  # opening: every peer's reads of earlier calls are done
         pushed = []  # an event after each push: its staging buffer is free again
         dtype = str(a.dtype).removeprefix("torch.")
-        waiting = None  # (j, r0, rows, the event after its barrier): the round still to be summed
-
-        def finish(j, r0, rows, barrier):
-            """Round j's slots summed in rank order, one pass, rounded once, once its
-            barrier (every rank's pushes into them) is done; the side stream's next barrier
-            after these reads."""
-            caller.wait_event(barrier)
-            side.sum(dtype, ptrs[rank] + rounds.offset(j), rounds.slot_bytes, rows * n, out[r0].data_ptr(),
-                     caller.cuda_stream)
-            stream.wait_event(caller.record_event())
-
         for j, (r0, rows) in enumerate(rounds.parts):
-            for dst in plan.push_order(rank, size):
+            for dst in (plan.push_order(rank, size) if rows else ()):
                 first = dst * m + r0
                 if dst == rank:
                     own = rounds.offset(j, rank)
                     torch.matmul(a[first:first + rows], b, out=area[own:own + rows * row].view(a.dtype).view(rows, n))
-                else:
-                    if len(pushed) >= 2:
-                        caller.wait_event(pushed[-2])
-                    buf = staging[len(pushed) % 2, :rows]
-                    torch.matmul(a[first:first + rows], b, out=buf)
-                    stream.wait_event(caller.record_event())
-                    _copy(ptrs[dst] + rounds.offset(j, rank), buf.data_ptr(), rows * row, stream.cuda_stream)
-                    pushed.append(stream.record_event())
-                if waiting is not None:  # the previous round's sum under this round's first push
-                    finish(*waiting)
-                    waiting = None
+                    continue
+                if len(pushed) >= 2:
+                    caller.wait_event(pushed[-2])
+                buf = staging[len(pushed) % 2, :rows]
+                torch.matmul(a[first:first + rows], b, out=buf)
+                stream.wait_event(caller.record_event())
+                _copy(ptrs[dst] + rounds.offset(j, rank), buf.data_ptr(), rows * row, stream.cuda_stream)
+                pushed.append(stream.record_event())
             _barrier(comm, side)
-            waiting = (j, r0, rows, stream.record_event())
-        finish(*waiting)  # the caller has waited for all of the side stream's work: joined
+            caller.wait_stream(stream)  # every rank's pushes into this rank's slots are done
+            if rows:  # the slots in rank order, one pass, rounded once
+                side.sum(dtype, ptrs[rank] + rounds.offset(j), rounds.slot_bytes, rows * n, out[r0].data_ptr(),
+                         caller.cuda_stream)
+            stream.wait_stream(caller)  # the next round's barrier after these reads
     side.ready = True
     return out
 
