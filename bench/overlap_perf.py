@@ -57,8 +57,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--outdir", default=RESULTS_DIR)
     p.add_argument("--trace", action="store_true",
                    help="also profile one overlapped call of each side at the first shape and token count "
-                        "(torch.profiler): rank 0 writes a Chrome trace per side and prints how much of the "
-                        "copies' time ran under a GEMM")
+                        "(torch.profiler, a CUDA graph replay): rank 0 writes a Chrome trace per side and "
+                        "prints how much of the copies' time ran under a GEMM and the GEMMs' share of the span")
     return p.parse_args(argv)
 
 
@@ -206,10 +206,12 @@ def run(comm, args, argv) -> int:
 
 
 def trace(comm, args, shape, group_name) -> None:
-    """Profiles one overlapped call of each side at ``shape`` and the first token count
-    (torch.profiler, CUDA activity; collective); rank 0 writes ``<name>_trace_<side>.json``
-    (Chrome trace: open in chrome://tracing or Perfetto) and prints the copies' time and
-    the part of it that ran while a GEMM kernel ran on another stream."""
+    """Profiles one CUDA graph replay of an overlapped call of each side at ``shape`` and
+    the first token count (torch.profiler, CUDA activity; the graph captured after an
+    eager call, as the table's figures are: no host gaps in the timeline; collective);
+    rank 0 writes ``<name>_trace_<side>.json`` (Chrome trace: open in chrome://tracing
+    or Perfetto) and prints its ``timeline``: the copies' time and the part of it under a
+    GEMM kernel, and the GEMM kernels' share of the replay's span."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -220,34 +222,47 @@ def trace(comm, args, shape, group_name) -> None:
         with torch.no_grad():
             fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graph.replay()
                 torch.cuda.synchronize()
+        del graph
         if comm.bootstrap.rank != 0:
             continue
         path = os.path.join(args.outdir, f"{args.name or 'overlap'}_trace_{side}.json")
         prof.export_chrome_trace(path)
-        copies, under = copies_under_gemms(path)
-        print(f"# trace {side} ({hidden}/{intermediate}, {tokens} tokens): copies {copies:.1f} µs, "
-              f"{under:.1f} µs of it under a GEMM kernel ({100 * under / max(copies, 1e-9):.0f} %); {path}")
+        t = timeline(path)
+        print(f"# trace {side} ({hidden}/{intermediate}, {tokens} tokens, a graph replay): span {t['span']:.1f} µs, "
+              f"GEMM kernels {t['gemms']:.1f} µs of it ({100 * t['gemms'] / max(t['span'], 1e-9):.0f} %); copies "
+              f"{t['copies']:.1f} µs, {t['under']:.1f} µs of it under a GEMM kernel "
+              f"({100 * t['under'] / max(t['copies'], 1e-9):.0f} %); {path}")
 
 
-def copies_under_gemms(path: str) -> tuple[float, float]:
-    """(µs of GPU copies, µs of them during a GEMM kernel) in a Chrome trace of
-    torch.profiler: copies are the ``gpu_memcpy`` events, GEMMs the kernels that are not
-    ubnext's (``ub_*``: the barrier) nor elementwise (torch's reductions and copies)."""
+def timeline(path: str) -> dict[str, float]:
+    """What a Chrome trace of torch.profiler says of the overlap, µs: ``span`` (first
+    start to last end of the GPU's kernels and copies), ``gemms`` (time some GEMM kernel
+    ran), ``copies`` (the ``gpu_memcpy`` events' time) and ``under`` (their time during a
+    GEMM kernel). GEMMs are the kernels that are not ubnext's (``ub_*``: the barrier and
+    the slot sum) nor torch's elementwise or reduction kernels; time under two at once
+    counts once."""
     import json
 
     events = json.load(open(path))["traceEvents"]
     spans = lambda kind: [(e["ts"], e["ts"] + e["dur"]) for e in events  # noqa: E731
                           if e.get("cat") == kind and e.get("dur")]
-    gemms = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and e.get("dur")
-             and not e["name"].startswith("ub_") and "elementwise" not in e["name"]
-             and "reduce_kernel" not in e["name"]]
+    gemms = _merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel" and e.get("dur")
+                     and not e["name"].startswith("ub_") and "elementwise" not in e["name"]
+                     and "reduce_kernel" not in e["name"]])
     copies = spans("gpu_memcpy")
-    total = sum(b - a for a, b in copies)
-    under = sum(max(0.0, min(b, d) - max(a, c)) for a, b in copies for c, d in _merged(gemms))
-    return total, under
+    gpu = spans("kernel") + spans("gpu_memset") + copies
+    return {"span": max(b for _, b in gpu) - min(a for a, _ in gpu) if gpu else 0.0,
+            "gemms": sum(b - a for a, b in gemms),
+            "copies": sum(b - a for a, b in copies),
+            "under": sum(max(0.0, min(b, d) - max(a, c)) for a, b in copies for c, d in gemms)}
 
 
 def _merged(spans: list) -> list:

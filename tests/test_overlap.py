@@ -348,9 +348,10 @@ def test_benchmark_defaults_and_the_hidden_share():
     assert overlap_perf.hidden_share({"overlapped": 140.0, "gemm": 100.0, "comm": 40.0}) == pytest.approx(0.0)
 
 
-def test_the_trace_summary_counts_copy_time_under_gemm_kernels_once(tmp_path):
-    """overlap_perf --trace: a copy's time under two overlapping GEMMs counts once; ubnext's
-    barrier kernel and torch's elementwise kernels are not GEMMs."""
+def test_the_trace_summary_counts_time_under_two_gemm_kernels_once(tmp_path):
+    """overlap_perf --trace: a copy's time under two overlapping GEMMs counts once, and so
+    does the GEMMs' own time; ubnext's kernels and torch's elementwise kernels are not
+    GEMMs; the span runs from the first GPU event's start to the last one's end."""
     import json
 
     from bench import overlap_perf
@@ -360,10 +361,12 @@ def test_the_trace_summary_counts_copy_time_under_gemm_kernels_once(tmp_path):
               {"cat": "kernel", "name": "ub_lamport", "ts": 0, "dur": 500},
               {"cat": "kernel", "name": "vectorized_elementwise_kernel", "ts": 200, "dur": 200},
               {"cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 90, "dur": 80},
-              {"cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 300, "dur": 10}]
+              {"cat": "gpu_memcpy", "name": "Memcpy PtoP", "ts": 300, "dur": 10},
+              {"cat": "gpu_memset", "name": "Memset", "ts": 600, "dur": 5},
+              {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": -50, "dur": 10}]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    assert overlap_perf.copies_under_gemms(str(path)) == (90, 60)
+    assert overlap_perf.timeline(str(path)) == {"span": 605, "gemms": 150, "copies": 90, "under": 60}
 
 
 # ---- a first overlapped call under CUDA graph capture --------------------------------------
