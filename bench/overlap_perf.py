@@ -143,16 +143,18 @@ def chunked_gemms(side: str, a, b, size: int, rank: int):
         return fn
     m, n = a.shape[0] // size, b.shape[1]
     rounds = plan.scatter_rounds(m, n * a.element_size(), size)
-    slots, out = a.new_empty((size, rounds.parts[0][1], n)), a.new_empty((m, n))
+    # the slots as the area lays them out: slot_bytes apart
+    area, out = torch.empty(size * rounds.slot_bytes, dtype=torch.uint8, device=a.device), a.new_empty((m, n))
+    slots = [area[s * rounds.slot_bytes:(s + 1) * rounds.slot_bytes].view(a.dtype) for s in range(size)]
     summed = SlotSum(a.device.index, torch.cuda.get_device_properties(a.device).multi_processor_count, size)
     dtype = str(a.dtype).removeprefix("torch.")
 
     def fn():
         for r0, rows in rounds.parts:
             for dst in plan.push_order(rank, size):
-                torch.matmul(a[dst * m + r0:dst * m + r0 + rows], b, out=slots[dst, :rows])
+                torch.matmul(a[dst * m + r0:dst * m + r0 + rows], b, out=slots[dst][:rows * n].view(rows, n))
             if rows:
-                summed(dtype, slots.data_ptr(), slots.stride(0) * a.element_size(), rows * n, out[r0].data_ptr(),
+                summed(dtype, area.data_ptr(), rounds.slot_bytes, rows * n, out[r0].data_ptr(),
                        torch.cuda.current_stream().cuda_stream)
         return out
     return fn

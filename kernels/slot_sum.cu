@@ -6,8 +6,8 @@
 // for double), added in that order, rounded once to T. Local to this rank (the slots are
 // this rank's pool memory, filled before the launch on its stream): no peers, no flags.
 //
-// Slot s starts `stride` bytes after slot s-1; `n` elements each; `out` may be any array
-// of n elements that does not overlap the slots. By 16-byte vectors where the slots, their
+// Slot s starts `stride` bytes after slot s-1 (a whole number of elements); `n` elements
+// each; `out` may be any array of n elements that does not overlap the slots. By 16-byte vectors where the slots, their
 // stride and out are 16-byte aligned (the last vector partial where n is not a multiple
 // of the vector width), else element by element.
 #include "common.cuh"

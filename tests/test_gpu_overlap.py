@@ -13,6 +13,8 @@ tests/test_gpu_overlap.py``; skipped without a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("torch", reason="ubnext.torch needs torch")
@@ -178,7 +180,7 @@ def slot_values(count: int, n: int, dtype, seed: int):
         parts[s, where] = special[torch.randint(0, 4, (len(where),), generator=g)]
     if n > 5:
         parts[:, 5] = -0.0  # a sum of negative zeros: -0.0
-    if dtype == torch.float64 and n > 6 and count > 1:
+    if dtype == torch.float64 and n > 6:
         parts[:, 6] = 0.0
         parts[0, 6], parts[1, 6] = 1.0, 2.0 ** -40
     return parts.to(dtype)
@@ -194,41 +196,53 @@ def host_sum(parts):
     return acc
 
 
-@pytest.mark.parametrize("dtype", list(SUM_DTYPES), ids=str)
-@pytest.mark.parametrize("count", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("n, misaligned", [(1, False), (7, False), (8 * 1024 + 3, False), (300001, False),
-                                           (1001, True)])
-def test_the_slot_sum_adds_in_slot_order_rounding_once(comm, dtype, count, n, misaligned):
-    """The overlapped reduce-scatter's reduction (kernels/slot_sum.cu) bit for bit against
-    the host's sum in slot order, rounded once: by vectors (a partial last one where n is
-    not a multiple of the width) and element by element (an output off 16-byte
-    alignment); the slots left as they were, the bytes around the output untouched."""
+@pytest.fixture(scope="module")
+def slot_sums(comm):
+    """count -> a SlotSum of that many slots on this GPU, made once (each compiles four modules)."""
     from ubnext._engine.slot_sum import SlotSum
 
-    summed = SlotSum(comm.device, torch.cuda.get_device_properties(comm.device).multi_processor_count, count)
-    ints = SUM_DTYPES[dtype]
+    sms = torch.cuda.get_device_properties(comm.device).multi_processor_count
+    return functools.cache(lambda count: SlotSum(comm.device, sms, count))
+
+
+#: bytes written around the slot sum's output, and into it before the launch (no sum gives them)
+SUM_POISON = 0x5A
+
+
+@pytest.mark.parametrize("dtype", list(SUM_DTYPES), ids=str)
+@pytest.mark.parametrize("count", [2, 3, 4, 8])
+@pytest.mark.parametrize("n, misaligned", [(1, False), (7, False), (8 * 1024 + 3, False), (300001, False),
+                                           (1001, True), (1 << 22 | 5, False)])
+def test_the_slot_sum_adds_in_slot_order_rounding_once(slot_sums, dtype, count, n, misaligned):
+    """The overlapped reduce-scatter's reduction (kernels/slot_sum.cu) bit for bit against
+    the host's sum in slot order, rounded once: by vectors (a partial last one where n is
+    not a multiple of the width; 4M elements: more vectors than the grid has threads, so
+    its loop turns) and element by element (an output off 16-byte alignment); every output
+    element written, the slots left as they were, the bytes around the output untouched."""
     parts = slot_values(count, n, dtype, seed=count * 7 + n)
-    stride = -(-n * parts.element_size() // 256) * 256 + 256  # a gap between the slots, as the area's
+    size = parts.element_size()
+    stride = -(-n * size // 256) * 256 + 256  # a gap between the slots, as the area's
     area = torch.full((count * stride,), 0x7B, dtype=torch.uint8, device="cuda")
     for s in range(count):
-        area[s * stride:s * stride + n * parts.element_size()].copy_(parts[s].view(torch.uint8).cuda())
+        area[s * stride:s * stride + n * size].copy_(parts[s].view(torch.uint8).cuda())
     kept = area.clone()
-    shift = 1 if misaligned else 0  # elements before the output (canaries, as after it)
-    canvas = torch.full((n + shift + 16,), -1, dtype=ints, device="cuda")  # NaN's bits: unwritten shows
-    out = canvas[shift:shift + n].view(dtype)
+    shift = size if misaligned else 0  # bytes before the output (canaries, as after it)
+    canvas = torch.full((shift + n * size + 64,), SUM_POISON, dtype=torch.uint8, device="cuda")
+    out = canvas[shift:shift + n * size].view(dtype)
     assert (out.data_ptr() % 16 != 0) == misaligned
-    summed(str(dtype).removeprefix("torch."), area.data_ptr(), stride, n, out.data_ptr(),
-           torch.cuda.current_stream().cuda_stream)
+    slot_sums(count)(str(dtype).removeprefix("torch."), area.data_ptr(), stride, n, out.data_ptr(),
+                     torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
-    want = host_sum(parts)
-    got = out.cpu()
+    want, got = host_sum(parts), out.cpu()
     assert torch.equal(got.isnan(), want.isnan())
+    ints = SUM_DTYPES[dtype]
     finite = ~want.isnan()
     assert torch.equal(got[finite].view(ints), want[finite].view(ints)), \
         f"{int((got[finite] != want[finite]).sum())} of {n} sums differ from the host's"
-    assert bool((canvas[:shift] == -1).all()) and bool((canvas[shift + n:] == -1).all()), "bytes around out written"
+    assert bool((canvas[:shift] == SUM_POISON).all()) and bool((canvas[shift + n * size:] == SUM_POISON).all()), \
+        "bytes around the output written"
     assert torch.equal(area, kept), "the slots changed"
-    if dtype == torch.float64 and n > 6 and count > 1:
+    if dtype == torch.float64 and n > 6:
         assert got[6] == 1 + 2.0 ** -40
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 import math
 
 from ubnext._engine.kernels import compile_module
-from ubnext._engine.launch import F32, U64, Launcher
+from ubnext._engine.launch import F32, SM_THREADS, U64, Launcher
 from ubnext._protocol.algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, ROW_KEEP, norm_defines, row_threads
 from ubnext._protocol.constants import NORM_THREADS
 from ubnext._protocol.errors import UbnextError
 
 _PARAMS = (U64,) * 8 + (F32,)  # x, rows, hidden, residual, bias, weight, normed, res_out, eps
-_SM_THREADS = 2048  # threads resident on one SM (sm_90)
 
 
 class AddRmsNorm:
@@ -49,7 +48,7 @@ class AddRmsNorm:
         # so that more, smaller blocks share an SM (bench/NOTES.md).
         per_thread = 1 if rows * vectors <= self._one_each else ROW_KEEP
         threads = row_threads(-(-vectors // per_thread))
-        blocks = max(1, min(rows, self._sms * (_SM_THREADS // threads)))
+        blocks = max(1, min(rows, self._sms * (SM_THREADS // threads)))
         launcher(blocks, threads, stream, x, rows, hidden, *norm, eps)
 
 

@@ -37,6 +37,8 @@ from cupy_backends.cuda.api import driver as _cupy_driver
 from ubnext._protocol.errors import CudaError
 
 U64, I32, F32 = ctypes.c_uint64, ctypes.c_int32, ctypes.c_float
+#: threads resident on one SM (sm_90): the grids of the local kernels that fill the GPU
+SM_THREADS = 2048
 _UINT = ctypes.c_uint32
 
 #: how a parameter of each type is packed into its 8-byte slot (little-endian)

@@ -7,13 +7,13 @@ no pool, no peers."""
 from __future__ import annotations
 
 from ubnext._engine.kernels import compile_module
-from ubnext._engine.launch import U64, Launcher
+from ubnext._engine.launch import SM_THREADS, U64, Launcher
 from ubnext._protocol.algorithms import DTYPES, SLOT_SUM_DTYPES, SLOT_SUM_ENTRY, SLOT_SUM_SOURCE, slot_sum_defines
 from ubnext._protocol.constants import SLOT_SUM_THREADS, VEC_BYTES
 
 _PARAMS = (U64,) * 4  # slots, stride, n, out
-#: blocks per SM: the grid-stride loop's grid fills each SM (2048 threads on sm_90)
-_BLOCKS_PER_SM = 2048 // SLOT_SUM_THREADS
+#: blocks per SM: the grid-stride loop's grid fills each SM
+_BLOCKS_PER_SM = SM_THREADS // SLOT_SUM_THREADS
 
 
 class SlotSum:
@@ -26,6 +26,10 @@ class SlotSum:
             call).
         sms: the device's multiprocessors.
         count: the slots of every sum.
+
+    Its calls must not overlap (one argument pack per launcher, ``launch.Launcher``):
+    ``ubnext.torch``'s overlapped calls on one communicator, whose side state holds it,
+    come one after the other, as their barriers' order requires.
     """
 
     def __init__(self, device: int, sms: int, count: int):
@@ -37,8 +41,10 @@ class SlotSum:
     def __call__(self, dtype: str, slots: int, stride: int, n: int, out: int, stream: int) -> None:
         """``out[i] = round(slot[0][i] + ... + slot[count-1][i])``, added in slot order.
 
-        ``slots``: address of slot 0; slot s at ``slots + s * stride``; ``n`` elements of
-        ``dtype`` (SLOT_SUM_DTYPES) each, and ``out`` too (not overlapping the slots).
+        ``slots``: address of slot 0, aligned to the element; slot s at ``slots + s *
+        stride``, ``stride`` a whole number of elements (by 16-byte vectors where it, the
+        slots and ``out`` are 16-byte aligned); ``n`` elements of ``dtype``
+        (SLOT_SUM_DTYPES) each, and ``out`` too (not overlapping the slots).
         """
         vectors = -(-n * DTYPES[dtype][1] // VEC_BYTES)
         blocks = max(1, min(self._most, -(-vectors // SLOT_SUM_THREADS)))
