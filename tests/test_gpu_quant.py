@@ -166,7 +166,8 @@ def test_messages_past_one_launch(comm, fmt):
 def test_auto_quantizes_from_the_measured_threshold_and_exact_keeps_full_precision(comm, tmp_path):
     """On an opted-in communicator auto quantizes from the selector table's threshold at 2
     ranks or more: a tune file's (``"*"`` world sizes, bfloat16, int8 from 2 MiB); with the
-    shipped table, which has none, never. Smaller messages, one rank, float32, max and
+    shipped table, its threshold for this world size (measured above 2 MiB), and one rank
+    never. Smaller messages, one rank, float32, max and
     precision="exact" keep full precision, bit for bit as the plain path."""
     import torch
 
@@ -209,7 +210,11 @@ def test_auto_quantizes_from_the_measured_threshold_and_exact_keeps_full_precisi
         comm.all_reduce(torch.ones(big, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
     assert not any(launch.kernel.startswith("quantized") for launch in launches)
-    assert "int8: auto reduces" in str(comm.describe()) and "never: " in comm.describe()["quantized"]
+    start, why = comm.selector.quantized("int8", "bfloat16")  # the shipped table's, for this world size
+    assert (start is None) == (comm.size not in (2, 4)), why  # the shipped entry measured 2 and 4 ranks
+    text = comm.describe()["quantized"]
+    assert "int8: auto reduces" in text and why in text, text
+    assert start is None or start > 2 * big  # so the 2 MiB call above stayed exact
     assert not failures, "\n".join(failures[:5])
 
 
