@@ -230,6 +230,7 @@ def trace(comm, args, shape, group_name) -> None:
             graph.replay()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                comm.bootstrap.allgather_obj(0)  # the ranks replay together (the profiler starts apart)
                 graph.replay()
                 torch.cuda.synchronize()
         del graph
