@@ -37,8 +37,9 @@ waits for the caller's stream (the next call's fork waits for it too); (b) its w
 come after a barrier that follows the previous reads of that half: the all-gather's own
 copy and the reduce-scatter's pushes are on the side stream after the round's preceding
 barrier, and the reduce-scatter's own-slot GEMM (into a slot only this rank reads) on the
-caller's stream after the caller waited for the side stream; (c) rounds alternate halves
-within a call, and a call's first round writes half 0 only after its opening barrier,
+caller's stream after the caller waited for the opening barrier (an all-gather's slot of
+a half spans the reduce-scatter's slots: a peer may still pull from it); (c) rounds
+alternate halves within a call, and a call's first round writes half 0 only after its opening barrier,
 which on every rank follows all of that rank's reads of earlier calls (CUDA graph
 replays included). So a write into half h follows the completion of a barrier that
 follows every rank's earlier reads of h.
@@ -200,17 +201,20 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
         staging = a.new_empty((2, rounds.parts[0][1], n))  # the products on their way to a peer
         caller, stream = torch.cuda.current_stream(a.device), side.stream
         stream.wait_stream(caller)  # fork
-        # the caller's own-slot GEMMs write the area: they must follow every earlier use of
-        # it on the side stream (a previous call's reads, on another caller stream or in a
-        # graph replayed elsewhere; at 2 ranks no push wait comes before the first such GEMM)
-        caller.wait_stream(stream)
         _barrier(comm, side)  # opening: every peer's reads of earlier calls are done
+        opened = stream.record_event()
         pushed = []  # an event after each push: its staging buffer is free again
         dtype = str(a.dtype).removeprefix("torch.")
         for j, (r0, rows) in enumerate(rounds.parts):
             for dst in (plan.push_order(rank, size) if rows else ()):
                 first = dst * m + r0
                 if dst == rank:
+                    if j == 0:
+                        # the own-slot GEMMs write the area: after the opening barrier, so after
+                        # every rank's reads of earlier calls (a peer's all-gather pulls from
+                        # this half; at 2 ranks no push wait comes before this GEMM) and this
+                        # rank's own (on another caller stream, or in a graph replayed elsewhere)
+                        caller.wait_event(opened)
                     own = rounds.offset(j, rank)
                     torch.matmul(a[first:first + rows], b, out=area[own:own + rows * row].view(a.dtype).view(rows, n))
                     continue
