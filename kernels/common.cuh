@@ -428,6 +428,25 @@ template <class T> __device__ void st_partial(void* p, const uint4& v, int valid
   }
 }
 
+// Element i of an array of a 2-, 4- or 8-byte T, one element at a time (arrays the
+// vectors cannot take: unaligned ones), in and out of T's accumulator type.
+template <class T>
+__device__ typename Elem<T>::Acc load_elem(const char* p, u64 i) {
+  constexpr int B = Elem<T>::kBytes;
+  static_assert(B == 2 || B == 4 || B == 8, "load_elem: 2-, 4- or 8-byte elements");
+  if constexpr (B == 8) return Elem<T>::load(((const u64*)p)[i]);
+  else if constexpr (B == 4) return Elem<T>::load(((const u32*)p)[i]);
+  else return Elem<T>::load((u32)((const u16*)p)[i]);
+}
+template <class T>
+__device__ void store_elem(char* p, u64 i, typename Elem<T>::Acc v) {
+  constexpr int B = Elem<T>::kBytes;
+  static_assert(B == 2 || B == 4 || B == 8, "store_elem: 2-, 4- or 8-byte elements");
+  if constexpr (B == 8) ((u64*)p)[i] = Elem<T>::store(v);
+  else if constexpr (B == 4) ((u32*)p)[i] = Elem<T>::store(v);
+  else ((u16*)p)[i] = (u16)Elem<T>::store(v);
+}
+
 // Geometry of a message of n elements cut into 16-byte vectors.
 template <class T> struct Span {
   u64 nvec;   // vectors, the last one possibly partial

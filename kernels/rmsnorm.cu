@@ -6,15 +6,6 @@
 // values) and `residual` may alias `res_out`.
 #include "rmsnorm.cuh"
 
-template <class T>
-__device__ float load_elem(const char* p, u64 i) {
-  return Elem<T>::load(Elem<T>::kBytes == 4 ? ((const u32*)p)[i] : (u32)((const u16*)p)[i]);
-}
-template <class T>
-__device__ void store_elem(char* p, u64 i, float f) {
-  if (Elem<T>::kBytes == 4) ((u32*)p)[i] = Elem<T>::store(f); else ((u16*)p)[i] = (u16)Elem<T>::store(f);
-}
-
 // Whether the rows can move as 16-byte vectors: hidden a multiple of the vector width,
 // every array 16-byte aligned.
 template <class T>

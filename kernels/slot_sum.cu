@@ -7,26 +7,10 @@
 // this rank's pool memory, filled before the launch on its stream): no peers, no flags.
 //
 // Slot s starts `stride` bytes after slot s-1 (a whole number of elements); `n` elements
-// each; `out` may be any array of n elements that does not overlap the slots. By 16-byte vectors where the slots, their
-// stride and out are 16-byte aligned (the last vector partial where n is not a multiple
-// of the vector width), else element by element.
+// each; `out` may be any array of n elements that does not overlap the slots. By 16-byte
+// vectors where the slots, their stride and out are 16-byte aligned (the last vector
+// partial where n is not a multiple of the vector width), else element by element.
 #include "common.cuh"
-
-template <class T>
-__device__ typename Elem<T>::Acc load_elem(const char* p, u64 i) {
-  constexpr int B = Elem<T>::kBytes;
-  if constexpr (B == 8) return Elem<T>::load(((const u64*)p)[i]);
-  else if constexpr (B == 4) return Elem<T>::load(((const u32*)p)[i]);
-  else return Elem<T>::load((u32)((const u16*)p)[i]);
-}
-
-template <class T>
-__device__ void store_elem(char* p, u64 i, typename Elem<T>::Acc v) {
-  constexpr int B = Elem<T>::kBytes;
-  if constexpr (B == 8) ((u64*)p)[i] = Elem<T>::store(v);
-  else if constexpr (B == 4) ((u32*)p)[i] = Elem<T>::store(v);
-  else ((u16*)p)[i] = (u16)Elem<T>::store(v);
-}
 
 template <class T, int N>
 __device__ void slot_sum(const char* slots, u64 stride, u64 n, char* out) {
