@@ -33,7 +33,7 @@ class SlotSum:
     """
 
     def __init__(self, device: int, sms: int, count: int):
-        self._most, self.count = sms * _BLOCKS_PER_SM, count
+        self._most = sms * _BLOCKS_PER_SM
         self._launchers = {dtype: Launcher(compile_module(SLOT_SUM_SOURCE, slot_sum_defines(dtype, count), device)
                                            .get_function(SLOT_SUM_ENTRY), _PARAMS)
                            for dtype in SLOT_SUM_DTYPES}
