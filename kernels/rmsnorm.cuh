@@ -1,5 +1,6 @@
 // ubnext kernels: the residual add + RMSNorm epilogue, shared by the fused all-reduce
-// kernels and the separate add + RMSNorm kernel (rmsnorm.cu).
+// kernels, the separate add + RMSNorm kernel (rmsnorm.cu) and the overlapped
+// reduce-scatter's slot sum + add + RMSNorm (slot_sum.cu).
 //
 // For one row of `hidden` elements, with `a` the all-reduced row rounded to T:
 //   res    = round_T((a + bias) + residual)                   (fp32 arithmetic)
@@ -313,5 +314,55 @@ __device__ void finish_row(const NormArgs& a, u64 row, RowGroup& g, Fetch fetch,
   }
   for (u64 v = first + kept; v < vpr; v += step) {
     st_weak(normed + v * kVec, normalize<T>(a, v, ld_weak(res_out + v * kVec), scale));
+  }
+}
+
+// ---- rows of an array reduced before the launch -------------------------------------
+// The separate kernel (rmsnorm.cu) reads them from an all-reduced array, the slot sum +
+// add + RMSNorm (slot_sum.cu) adds them up from its slots as it goes.
+
+// Whether the rows can move as 16-byte vectors: hidden a multiple of the vector width,
+// every operand 16-byte aligned and so is `source` (the OR of the reduced input's
+// addresses and strides).
+template <class T>
+__device__ bool rows_by_vectors(u64 source, const NormArgs& a) {
+  const u64 any = source | (u64)a.residual | (u64)a.bias | (u64)a.weight | (u64)a.normed | (u64)a.res_out;
+  return a.hidden % Vec<T>::kPer == 0 && any % kVec == 0;
+}
+
+// Residual add + RMSNorm of `rows` rows, one row per block (grid-stride beyond), launched
+// without clusters. The reduced values, as rounded to T: `vector_of(i)`, vector i of the
+// rows (row * hidden / kPer + v, packed T), where `by_vectors` (rows_by_vectors), through
+// finish_row; else `elem_of(i)`, element i (row * hidden + k, in fp32), element by element.
+// A row's reduced values are read before the block writes its outputs (so the input may
+// alias normed) and the residual before res_out (which it may alias).
+template <class T, class VectorOf, class ElemOf>
+__device__ void add_rmsnorm_rows(u64 rows, const NormArgs& a, bool by_vectors, VectorOf vector_of, ElemOf elem_of) {
+  RowGroup g = row_group();  // launched without clusters: the block
+  if (by_vectors) {
+    const u64 vpr = a.hidden / Vec<T>::kPer;
+    for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+      finish_row<T>(a, row, g, [&](u64 v) {
+        return add_residual<T>(load_operands<T>(a, row, v), vector_of(row * vpr + v));
+      }, [](float) {});
+    }
+    return;
+  }
+  for (u64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    float ss = 0.f;
+    for (u64 k = threadIdx.x; k < a.hidden; k += blockDim.x) {
+      const u64 i = row * a.hidden + k;
+      const float ar = elem_of(i);  // as rounded by the reduction
+      const float b = a.bias != nullptr ? load_elem<T>(a.bias, k) : 0.f;
+      const float r = a.residual != nullptr ? load_elem<T>(a.residual, i) : 0.f;
+      store_elem<T>(a.res_out, i, residual_sum(ar, b, r));
+      const float s = load_elem<T>(a.res_out, i);
+      ss += s * s;
+    }
+    const float scale = rms_scale(row_sum(g, ss), a.hidden, a.eps);
+    for (u64 k = threadIdx.x; k < a.hidden; k += blockDim.x) {
+      const u64 i = row * a.hidden + k;
+      store_elem<T>(a.normed, i, normalized(load_elem<T>(a.res_out, i), scale, load_elem<T>(a.weight, k)));
+    }
   }
 }
