@@ -447,6 +447,12 @@ __device__ void store_elem(char* p, u64 i, typename Elem<T>::Acc v) {
   else ((u16*)p)[i] = (u16)Elem<T>::store(v);
 }
 
+// v rounded to T, to nearest even, and widened back: the value T stores for v.
+template <class T>
+__device__ typename Elem<T>::Acc rounded(typename Elem<T>::Acc v) {
+  return Elem<T>::load(Elem<T>::store(v));
+}
+
 // Geometry of a message of n elements cut into 16-byte vectors.
 template <class T> struct Span {
   u64 nvec;   // vectors, the last one possibly partial

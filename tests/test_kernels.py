@@ -38,6 +38,9 @@ from ubnext._protocol.algorithms import (
     NORM_SOURCE,
     OPS,
     ROW_KEEP,
+    SLOT_NORM_DTYPES,
+    SLOT_NORM_ENTRY,
+    SLOT_NORM_ROW_KEEP,
     SLOT_SUM_DTYPES,
     SLOT_SUM_ENTRY,
     SLOT_SUM_SOURCE,
@@ -232,9 +235,13 @@ def test_separate_norm_kernel_compiles(dtype):
 @pytest.mark.parametrize("dtype", SLOT_SUM_DTYPES)
 @pytest.mark.parametrize("slots", RANKS)
 def test_slot_sum_kernel_compiles(dtype, slots):
-    """The overlapped reduce-scatter's reduction, for every dtype and world size it sums."""
+    """The overlapped reduce-scatter's reduction, for every dtype and world size it sums,
+    and its add + RMSNorm form in the same module for the dtypes that one takes (fp32
+    statistics: not float64)."""
     cubin = _kernels.compile_cubin(SLOT_SUM_SOURCE, slot_sum_defines(dtype, slots))
-    assert SLOT_SUM_ENTRY.encode() in cubin
+    assert SLOT_SUM_ENTRY.encode() + b"\0" in cubin
+    assert (SLOT_NORM_ENTRY.encode() + b"\0" in cubin) == (dtype in SLOT_NORM_DTYPES)
+    assert set(SLOT_NORM_DTYPES) == set(KERNEL_DTYPES) < set(SLOT_SUM_DTYPES)
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int8", "uint64"])
@@ -264,6 +271,9 @@ def test_sources_are_self_contained_with_the_generated_protocol_header():
     # the separate kernel's vectors per thread (ubnext._engine.epilogue) are the ones it keeps
     norm = _kernels.source(NORM_SOURCE)
     assert "#ifndef UB_ROW_KEEP" in norm and norm_defines("bfloat16")["UB_ROW_KEEP"] == str(ROW_KEEP)
+    # and so are the slot sum + add + RMSNorm's (ubnext._engine.slot_sum)
+    assert "#ifndef UB_ROW_KEEP" in _kernels.source(SLOT_SUM_SOURCE)
+    assert slot_sum_defines("bfloat16", 4)["UB_ROW_KEEP"] == str(SLOT_NORM_ROW_KEEP)
 
 
 def test_no_protocol_constant_is_written_in_a_kernel_file():
@@ -388,6 +398,22 @@ def test_row_cluster_examples():
     assert row_cluster(100, 1024, 132) == 1
     assert row_cluster(8, 1024, 132, TWOSHOT_MAX_CLUSTER) == 4  # 32 tokens over 4 ranks
     assert row_cluster(34, 1024, 132, TWOSHOT_MAX_CLUSTER) == 2
+
+
+def test_row_launch_of_the_separate_kernel_and_the_slot_sum_norm():
+    """One row per block: a thread per vector of a row while a full block on every SM
+    covers the array, else the kernel's kept vectors per thread (ROW_KEEP for the separate
+    kernel, SLOT_NORM_ROW_KEEP for the slot sum + add + RMSNorm), at most the blocks the
+    SMs hold at once."""
+    from ubnext._engine.epilogue import row_launch
+
+    assert row_launch(1, 1024, 132, ROW_KEEP) == (1, 1024)  # hidden 8192 bf16, one token
+    assert row_launch(132, 1024, 132, ROW_KEEP) == (132, 1024)
+    assert row_launch(133, 1024, 132, 4) == (133, 256)
+    assert row_launch(1000, 1024, 132, 2) == (528, 512)  # 4 blocks of 512 threads per SM
+    assert row_launch(5000, 1024, 132, 4) == (1056, 256)
+    assert row_launch(3, 2, 132, 4) == (3, 32)  # a warp at least
+    assert row_launch(1, 4096, 132, 4) == (1, NORM_THREADS)  # hidden 32768 bf16: 4 vectors a thread
 
 
 def test_lamport_twoshot_narrow_blocks_where_threads_get_two_or_three_vectors():
@@ -685,7 +711,7 @@ def ctypes_sizeof(struct_type) -> int:
 
 
 @pytest.mark.parametrize("source", sorted({a.source for a in ALGORITHMS.values() if a.is_kernel}
-                                          | {NORM_SOURCE, _quant.SOURCE}))
+                                          | {NORM_SOURCE, SLOT_SUM_SOURCE, _quant.SOURCE}))
 def test_every_entry_point_waits_for_the_kernel_before_it_and_nothing_flushes_subnormals(source):
     """Programmatic dependent launch lets a kernel start before the one before it on the
     stream has ended: in every entry point's PTX, the grid-dependency wait comes before
@@ -697,7 +723,8 @@ def test_every_entry_point_waits_for_the_kernel_before_it_and_nothing_flushes_su
 
     alg = next((a for a in ALGORITHMS.values() if a.is_kernel and a.source == source), None)
     defines = (compile_defines("bfloat16", "sum", 4, alg.transport) if alg else norm_defines("bfloat16")
-               if source == NORM_SOURCE else _quant.compile_defines("int8", "bfloat16", "sum", 4))
+               if source == NORM_SOURCE else slot_sum_defines("bfloat16", 4) if source == SLOT_SUM_SOURCE
+               else _quant.compile_defines("int8", "bfloat16", "sum", 4))
     ptx = _kernels.compile_cubin(source, defines, arch="compute_90a").decode(errors="replace")
     assert not [line for line in ptx.splitlines() if ".ftz" in line]
     entries = re.findall(r"\.entry (\w+)\(", ptx)
@@ -711,8 +738,9 @@ def test_every_entry_point_waits_for_the_kernel_before_it_and_nothing_flushes_su
                   if re.match(r"\s*(ld|st|atom|red|multimem|cp|prefetch)\.", line)]
         stamps = [i for i in before if i.startswith("st.")]
         assert all(i.startswith("ld.param") for i in before if not i.startswith("st.")), (entry, before)
+        stateless = entry in (NORM_ENTRY, SLOT_SUM_ENTRY, SLOT_NORM_ENTRY)  # no launch state to stamp
         assert stamps == (["st.relaxed.gpu.global.u64"] if "LaunchState" in _kernels.source(source)
-                          and entry != NORM_ENTRY else []), (entry, stamps)
+                          and not stateless else []), (entry, stamps)
 
 
 @pytest.mark.parametrize("algorithm", KERNEL_ALGOS)

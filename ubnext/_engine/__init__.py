@@ -4,7 +4,8 @@ Owns: kernel sources and their compilation (``kernels``), low-overhead launches
 (``launch``), ubnext's kernels on the pool with their launch shapes (``engine``), the
 launches of a validated call (``dispatch``; reduce-scatter and all-gather: ``sliced``;
 the separate add + RMSNorm kernel: ``epilogue``; staging copies: ``copies``), the
-overlapped reduce-scatter's sum of slots (``slot_sum``), NCCL as an
+overlapped reduce-scatter's sum of slots, with or without the add + RMSNorm
+(``slot_sum``), NCCL as an
 engine (``nccl``), the failure records kernels write (``failures``), and the node's
 resources created and released together (``node``).
 Imports: ``_protocol``, ``_environment``, ``_interop``, ``_memory``, ``_selection``.

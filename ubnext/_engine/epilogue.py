@@ -9,7 +9,7 @@ import math
 from ubnext._engine.kernels import compile_module
 from ubnext._engine.launch import F32, SM_THREADS, U64, Launcher
 from ubnext._protocol.algorithms import DTYPES, NORM_ENTRY, NORM_SOURCE, ROW_KEEP, norm_defines, row_threads
-from ubnext._protocol.constants import NORM_THREADS
+from ubnext._protocol.constants import NORM_THREADS, VEC_BYTES
 from ubnext._protocol.errors import UbnextError
 
 _PARAMS = (U64,) * 8 + (F32,)  # x, rows, hidden, residual, bias, weight, normed, res_out, eps
@@ -27,7 +27,6 @@ class AddRmsNorm:
 
     def __init__(self, device: int, sms: int, dependent: bool = False):
         self._device, self._sms, self._dependent = device, sms, dependent
-        self._one_each = sms * NORM_THREADS  # vectors that a full block on every SM covers a thread each
         self._launchers: dict[str, Launcher] = {}
 
     def __call__(self, dtype: str, x: int, rows: int, hidden: int, norm: tuple, eps: float,
@@ -42,14 +41,22 @@ class AddRmsNorm:
             module = compile_module(NORM_SOURCE, norm_defines(dtype), self._device)
             launcher = self._launchers[dtype] = Launcher(module.get_function(NORM_ENTRY), _PARAMS,
                                                           dependent=self._dependent)
-        vectors = -(-hidden * DTYPES[dtype][1] // 16)
-        # A thread per 16 bytes of a row while a full block on every SM covers the array
-        # (a row's passes on the most threads); larger arrays: ROW_KEEP vectors per thread,
-        # so that more, smaller blocks share an SM (bench/NOTES.md).
-        per_thread = 1 if rows * vectors <= self._one_each else ROW_KEEP
-        threads = row_threads(-(-vectors // per_thread))
-        blocks = max(1, min(rows, self._sms * (SM_THREADS // threads)))
+        blocks, threads = row_launch(rows, -(-hidden * DTYPES[dtype][1] // VEC_BYTES), self._sms, ROW_KEEP)
         launcher(blocks, threads, stream, x, rows, hidden, *norm, eps)
+
+
+def row_launch(rows: int, vectors: int, sms: int, keep: int) -> tuple[int, int]:
+    """``(blocks, threads)`` of a launch of ``add_rmsnorm_rows`` (kernels/rmsnorm.cuh: one
+    row per block, no clusters) over ``rows`` rows of ``vectors`` 16-byte vectors on a
+    device of ``sms`` multiprocessors, for a kernel that keeps ``keep`` vectors per thread
+    in registers (UB_ROW_KEEP). A thread per vector of a row while a full block on every
+    SM covers the array (a row's passes on the most threads); larger arrays: ``keep``
+    vectors per thread, so that more, smaller blocks share an SM (bench/NOTES.md); at most
+    as many blocks as the SMs hold at once. The threads are the row group's, on which a
+    row's sum of squares, and so its normed bits, depend (``_tools.reference.add_rmsnorm``)."""
+    per_thread = 1 if rows * vectors <= sms * NORM_THREADS else keep
+    threads = row_threads(-(-vectors // per_thread))
+    return max(1, min(rows, sms * (SM_THREADS // threads))), threads
 
 
 def check_eps(name: str, eps) -> float:

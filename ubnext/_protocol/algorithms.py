@@ -171,6 +171,16 @@ ROW_KEEP = 4
 #: source, entry point, and the dtypes it takes (floating, summed in Elem's accumulator)
 SLOT_SUM_SOURCE, SLOT_SUM_ENTRY = "slot_sum.cu", "ub_slot_sum"
 SLOT_SUM_DTYPES = FLOAT_DTYPES
+#: the same sum finished by the residual add + RMSNorm, row by row (the overlapped matmul +
+#: reduce-scatter + add + RMSNorm): its entry point in SLOT_SUM_SOURCE, and the dtypes it
+#: takes (the add + RMSNorm's: fp32 statistics)
+SLOT_NORM_ENTRY = "ub_slot_sum_add_rmsnorm"
+SLOT_NORM_DTYPES = KERNEL_DTYPES
+#: vectors of a row each thread of SLOT_NORM_ENTRY keeps in registers (UB_ROW_KEEP): two,
+#: where the separate kernel keeps ROW_KEEP; its eight slots' vectors in flight besides
+#: four kept ones exceed the 64 registers of its launch bound (ptxas spills 12 to 36 bytes
+#: at 8 slots), two spill at no slot count
+SLOT_NORM_ROW_KEEP = 2
 
 
 def row_threads(vectors: int, cluster: int = 1) -> int:
@@ -205,10 +215,11 @@ def compile_defines(dtype: str, op: str, nranks: int, transport: str = "unicast"
 
 def slot_sum_defines(dtype: str, slots: int) -> dict[str, str]:
     """Preprocessor definitions of the slot sum (SLOT_SUM_SOURCE) of ``slots`` slots of
-    ``dtype`` (one of SLOT_SUM_DTYPES)."""
+    ``dtype`` (one of SLOT_SUM_DTYPES), both its entry points (SLOT_NORM_ENTRY where
+    ``dtype`` is one of SLOT_NORM_DTYPES, keeping SLOT_NORM_ROW_KEEP vectors per thread)."""
     if dtype not in SLOT_SUM_DTYPES:
         raise ValueError(f"the slot sum takes {', '.join(SLOT_SUM_DTYPES)}, not {dtype}")
-    return compile_defines(dtype, "sum", slots)
+    return {**compile_defines(dtype, "sum", slots), "UB_ROW_KEEP": str(SLOT_NORM_ROW_KEEP)}
 
 
 def norm_defines(dtype: str) -> dict[str, str]:
