@@ -23,6 +23,8 @@ from ubnext.torch import _rmsnorm  # noqa: E402
 
 #: float64 operands, but the thread communicators reduce in fp32 (rounded once to float64)
 close = dict(rtol=1e-5, atol=1e-5)
+#: float32 operands (GEMMs in float32 too) against a float64 reference on the same values
+close32 = dict(rtol=1e-4, atol=1e-4)
 
 
 # ---- the plan -----------------------------------------------------------------------------
@@ -83,11 +85,19 @@ def test_schemas():
         "ubnext::all_gather_matmul(Tensor a, Tensor b, int group) -> (Tensor, Tensor)")
     assert str(ops.matmul_reduce_scatter.default._schema) == (
         "ubnext::matmul_reduce_scatter(Tensor a, Tensor b, int group) -> Tensor")
+    assert str(ops.matmul_reduce_scatter_add_rmsnorm.default._schema) == (
+        "ubnext::matmul_reduce_scatter_add_rmsnorm(Tensor a, Tensor b, Tensor? residual, Tensor weight, Tensor? bias, "
+        "float eps, int group) -> (Tensor, Tensor)")
 
 
 def test_arguments_are_checked():
     def body(comm):
         a, b = torch.randn(4, 8), torch.randn(8, 3)
+        r, w = torch.randn(2, 3), torch.randn(3)
+
+        def norm(a, b, residual=r, weight=w, bias=None, eps=1e-6):
+            return ut.matmul_reduce_scatter_add_rmsnorm(a, b, residual, weight, bias, eps, group=comm)
+
         cases = [
             (lambda: ut.all_gather_matmul(a, b, gather_dim=1, group=comm), "gather_dim must be 0"),
             (lambda: ut.matmul_reduce_scatter(a, b, scatter_dim=1, group=comm), "scatter_dim must be 0"),
@@ -100,6 +110,18 @@ def test_arguments_are_checked():
             (lambda: ut.all_gather_matmul(a.int(), b.int(), group=comm), "dtype torch.int32 is not taken"),
             (lambda: ut.matmul_reduce_scatter(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn), group=comm),
              "float8_e4m3fn is not taken"),
+            # the fused form: matmul_reduce_scatter's checks, then the add + RMSNorm's operands
+            (lambda: norm(a, b.double()), "share dtype"),
+            (lambda: norm(torch.randn(3, 8), b), "3 rows, which 2 ranks"),
+            (lambda: norm(a.double(), b.double(), r.double(), w.double()),
+             r"the add \+ RMSNorm takes torch.bfloat16, torch.float16, torch.float32, not torch.float64"),
+            (lambda: norm(a, b, torch.randn(4, 3)), r"residual must be \(2, 3\) of a's dtype"),
+            (lambda: norm(a, b, r.half()), r"residual must be .* got \(2, 3\) of torch.float16"),
+            (lambda: norm(a, b, r, torch.randn(8)), r"weight must be \(3,\)"),
+            (lambda: norm(a, b, r, w, w.half()), "bias must be"),
+            (lambda: norm(a, b, r, w, eps=-1.0), "eps must be finite and >= 0"),
+            (lambda: norm(a, b, r, w, eps=float("nan")), "eps must be finite"),
+            (lambda: ut.matmul_reduce_scatter_add_rmsnorm(a, b, r, w), "pass group"),
         ]
         for call, match in cases:
             with pytest.raises(UbnextError, match=match):
@@ -117,18 +139,39 @@ class _CudaComm:
     def all_gather(self, *args, **kwargs):
         pytest.fail("all_gather reached")
 
-    reduce_scatter = all_gather
+    reduce_scatter = reduce_scatter_add_rmsnorm = all_gather
 
 
-@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+#: the overlapped ops, by name
+OVERLAPPED = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_reduce_scatter_add_rmsnorm"]
+NORM_OP = "matmul_reduce_scatter_add_rmsnorm"
+
+
+def _norm_operands(a, b, size: int) -> tuple:
+    """Ones as the fused op's residual (this rank's rows of a @ b), weight and bias."""
+    rows, n = a.shape[0] // size, b.shape[1]
+    return torch.ones(rows, *a.shape[1:-1], n, dtype=a.dtype), torch.ones(n, dtype=a.dtype), torch.ones(n, dtype=a.dtype)
+
+
+def _run(op: str, comm, a, b):
+    """``_overlap``'s runner of ``op`` on a and b (the fused op: with ``_norm_operands``, eps 1e-6)."""
+    from ubnext.torch import _overlap
+
+    extra = (*_norm_operands(a, b, comm.size), 1e-6) if op == NORM_OP else ()
+    return getattr(_overlap, op)(comm, a, b, *extra)
+
+
+@pytest.mark.parametrize("op", OVERLAPPED)
 def test_operands_off_the_communicators_device_raise_before_any_work(op, monkeypatch):
     """CPU operands (and those of another CUDA device, as torch.device compares them) for a
     communicator of CUDA device 1 raise on the unoverlapped path too (no pool), before any
     GEMM or collective."""
     comm = _CudaComm()
     monkeypatch.setattr(torch, "matmul", lambda *a, **k: pytest.fail("a GEMM was queued"))
+    a, b = torch.ones(4, 8), torch.ones(8, 3)
+    extra = _norm_operands(a, b, comm.size) if op == NORM_OP else ()
     with pytest.raises(UbnextError, match=f"ubnext::{op}: a and b are on cpu, the communicator on cuda:1"):
-        getattr(ut, op)(torch.ones(4, 8), torch.ones(8, 3), group=comm)
+        getattr(ut, op)(a, b, *extra, group=comm)
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
@@ -139,16 +182,18 @@ def test_fakes_have_the_real_shapes(size):
         h = ut.handle(comm)
         with FakeTensorMode():
             a, b = torch.empty(2 * size, 3, 8, dtype=torch.bfloat16), torch.empty(8, 5, dtype=torch.bfloat16)
-            fakes = (*torch.ops.ubnext.all_gather_matmul(a, b, h), torch.ops.ubnext.matmul_reduce_scatter(a, b, h))
+            fakes = (*torch.ops.ubnext.all_gather_matmul(a, b, h), torch.ops.ubnext.matmul_reduce_scatter(a, b, h),
+                     *torch.ops.ubnext.matmul_reduce_scatter_add_rmsnorm(a, b, *_norm_operands(a, b, size), 1e-6, h))
         calls = comm.calls
         a, b = torch.ones(2 * size, 3, 8, dtype=torch.bfloat16), torch.ones(8, 5, dtype=torch.bfloat16)
-        real = (*ut.all_gather_matmul(a, b, group=comm), ut.matmul_reduce_scatter(a, b, group=comm))
+        real = (*ut.all_gather_matmul(a, b, group=comm), ut.matmul_reduce_scatter(a, b, group=comm),
+                *ut.matmul_reduce_scatter_add_rmsnorm(a, b, *_norm_operands(a, b, size), group=comm))
         return fakes, real, calls
 
     for fakes, real, calls in run_ranks(size, body):
         assert calls == 0
         assert [t.shape for t in fakes] == [t.shape for t in real] == [
-            (2 * size * size, 3, 8), (2 * size * size, 3, 5), (2, 3, 5)]
+            (2 * size * size, 3, 8), (2 * size * size, 3, 5), (2, 3, 5), (2, 3, 5), (2, 3, 5)]
         assert all(t.dtype == torch.bfloat16 for t in (*fakes, *real))
 
 
@@ -161,28 +206,36 @@ def test_opcheck(size):
         h = ut.handle(comm)
         g = torch.Generator().manual_seed(comm.rank)
         a, b = torch.randn(2 * comm.size, 8, generator=g), torch.randn(8, 3, generator=g)
+        r, w, bias = torch.randn(2, 3, generator=g), torch.randn(3, generator=g), torch.randn(3, generator=g)
         for op, args in [(torch.ops.ubnext.all_gather_matmul, (a, b, h)),
                          (torch.ops.ubnext.all_gather_matmul, (a.clone().requires_grad_(), b.clone().requires_grad_(), h)),
                          (torch.ops.ubnext.matmul_reduce_scatter, (a, b, h)),
                          (torch.ops.ubnext.matmul_reduce_scatter, (a.clone().requires_grad_(), b.t().contiguous().t()
-                                                                   .requires_grad_(), h))]:
+                                                                   .requires_grad_(), h)),
+                         (torch.ops.ubnext.matmul_reduce_scatter_add_rmsnorm, (a, b, r, w, None, 1e-5, h)),
+                         (torch.ops.ubnext.matmul_reduce_scatter_add_rmsnorm,
+                          (a.clone().requires_grad_(), b.t().contiguous().t().requires_grad_(), r.clone().requires_grad_(),
+                           w.clone().requires_grad_(), bias.clone().requires_grad_(), 1e-5, h))]:
             torch.library.opcheck(op.default, args, test_utils=utils)
 
     run_ranks(size, body)
 
 
 def test_compiled_forward_and_backward_equal_eager():
-    """One rank (Dynamo is not thread-safe): both ops traced with fullgraph, their
+    """One rank (Dynamo is not thread-safe): the three ops traced with fullgraph, their
     backwards (each other's ops) in the backward graph."""
     torch._dynamo.reset()
 
-    def fn(x, w1, w2, comm):
+    def fn(x, w1, w2, w3, residual, norm_weight, bias, comm):
         _, h = ut.all_gather_matmul(x, w1, group=comm)
-        return ut.matmul_reduce_scatter(torch.relu(h), w2, group=comm)
+        y = ut.matmul_reduce_scatter(torch.relu(h), w2, group=comm)
+        normed, res = ut.matmul_reduce_scatter_add_rmsnorm(torch.relu(h), w3, residual, norm_weight, bias, 1e-5,
+                                                           group=comm)
+        return y + normed * res
 
     def body(comm):
         g = torch.Generator().manual_seed(3)
-        data = [torch.randn(*s, generator=g) for s in ((4, 8), (8, 6), (6, 8))]
+        data = [torch.randn(*s, generator=g) for s in ((4, 8), (8, 6), (6, 8), (6, 8), (4, 8), (8,), (8,))]
         grad = torch.randn(4, 8, generator=g)
         results = []
         for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
@@ -242,19 +295,95 @@ def test_the_gathered_outputs_gradient_reaches_the_shard():
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
+def test_the_fused_op_is_matmul_reduce_scatter_then_the_add_rmsnorm(size):
+    """matmul_reduce_scatter_add_rmsnorm at thread ranks (bf16; a, the residual and the
+    results with a middle dimension) equals matmul_reduce_scatter followed by the add +
+    RMSNorm reference, bit for bit. The thread communicators have no pool: this is the
+    unoverlapped path (the GEMM, then the communicator's reduce_scatter_add_rmsnorm);
+    tests/test_gpu_overlap.py checks the overlapped one."""
+    shared = torch.Generator().manual_seed(99)
+    w, bias = torch.randn(5, generator=shared).bfloat16(), torch.randn(5, generator=shared).bfloat16()
+
+    def body(comm):
+        g = torch.Generator().manual_seed(comm.rank)
+        a, b = torch.randn(2 * comm.size, 3, 8, generator=g).bfloat16(), torch.randn(8, 5, generator=g).bfloat16()
+        residual = torch.randn(2, 3, 5, generator=g).bfloat16()
+        got = ut.matmul_reduce_scatter_add_rmsnorm(a, b, residual, w, bias, 1e-5, group=comm)
+        y = ut.matmul_reduce_scatter(a, b, group=comm)
+        want = _rmsnorm.add_rmsnorm(y.reshape(6, 5), residual.reshape(6, 5), w, bias, 1e-5)
+        return got, want
+
+    for got, want in run_ranks(size, body):
+        assert [t.shape for t in got] == [(2, 3, 5)] * 2 and all(t.dtype == torch.bfloat16 for t in got)
+        assert all(torch.equal(g_.reshape(6, 5), w_) for g_, w_ in zip(got, want))
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+@pytest.mark.parametrize("residual, bias", [(True, True), (True, False), (False, False)])
+def test_the_fused_ops_gradients_match_the_unsharded_computation(size, residual, bias):
+    """matmul_reduce_scatter_add_rmsnorm's outputs and gradients (float32, thread ranks)
+    against autograd through the float64 unsharded computation (every rank's a @ b summed,
+    plus bias and residual, RMSNorm; rows split among the ranks): a's and b's gradients
+    those of this rank's partial product, the residual's its rows', and weight's and bias's
+    partial sums of this rank's rows adding up over the ranks to the whole gradient."""
+    m, k, n, eps = 3, 8, 16, 1e-5
+    g = torch.Generator().manual_seed(13)
+    parts = [torch.randn(size * m, k, generator=g) for _ in range(size)]
+    bs = [torch.randn(k, n, generator=g) / 2 for _ in range(size)]
+    res, w, bb = torch.randn(size * m, n, generator=g), 1 + torch.randn(n, generator=g) / 8, torch.randn(n, generator=g)
+    gn, gr = torch.randn(size * m, n, generator=g), torch.randn(size * m, n, generator=g)
+
+    def body(comm):
+        r = comm.rank
+        rows = slice(r * m, (r + 1) * m)
+        la, lb, lr, lw, lbias = (t.clone().requires_grad_() for t in (parts[r], bs[r], res[rows], w, bb))
+        normed, res_out = ut.matmul_reduce_scatter_add_rmsnorm(la, lb, lr if residual else None, lw,
+                                                               lbias if bias else None, eps, group=comm)
+        torch.autograd.backward((normed, res_out), (gn[rows], gr[rows]))
+        return normed.detach(), res_out.detach(), la.grad, lb.grad, lr.grad, lw.grad, lbias.grad
+
+    results = run_ranks(size, body)
+    da, db = [t.double().requires_grad_() for t in parts], [t.double().requires_grad_() for t in bs]
+    dr, dw, dbias = (t.double().requires_grad_() for t in (res, w, bb))
+    total = sum(x @ y for x, y in zip(da, db)) + (dbias if bias else 0) + (dr if residual else 0)
+    normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * dw
+    torch.autograd.backward((normed, total), (gn.double(), gr.double()))
+
+    def near(got, want):
+        torch.testing.assert_close(got.double(), want, **close32)
+
+    for r, (got_n, got_res, ga, gb, glr, _, gbias) in enumerate(results):
+        rows = slice(r * m, (r + 1) * m)
+        near(got_n, normed.detach()[rows])
+        near(got_res, total.detach()[rows])
+        near(ga, da[r].grad)
+        near(gb, db[r].grad)
+        if residual:
+            near(glr, dr.grad[rows])
+        else:
+            assert glr is None
+        assert (gbias is not None) == bias
+    near(sum(res_[5] for res_ in results), dw.grad)
+    if bias:
+        near(sum(res_[6] for res_ in results), dbias.grad)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("kind", ["mlp", "attention"])
 def test_sequence_parallel_blocks_match_the_unsharded_block(size, kind):
-    """The sequence-parallel MLP and attention output at thread ranks, float64: each rank's
+    """The sequence-parallel MLP and attention output at thread ranks, float32 (their
+    matmul + reduce-scatter + add + RMSNorm takes the add + RMSNorm's dtypes): each rank's
     rows of the outputs and of the input gradient, its weight shards' gradients, and the
-    norm weight's and bias's gradients summed over the ranks, against the unsharded block."""
+    norm weight's and bias's gradients summed over the ranks, against the unsharded block
+    in float64 on the same values."""
     from ubnext.torch import TensorParallelAttentionOutput, TensorParallelMLP
 
     tokens, hidden, inter, eps = 4 * size, 16, 32, 1e-5
-    f64 = torch.float64
+    f32 = torch.float32
     g = torch.Generator().manual_seed(11)
 
-    def rnd(*s):
-        return torch.randn(*s, generator=g, dtype=f64)
+    def rnd(*s):  # float64 values that float32 holds exactly
+        return torch.randn(*s, generator=g, dtype=f32).double()
 
     w = {"gate": rnd(inter, hidden), "up": rnd(inter, hidden), "down": rnd(hidden, inter) / 4,
          "o": rnd(hidden, inter) / 4, "bias": rnd(hidden), "norm": 1 + rnd(hidden) / 8}
@@ -265,23 +394,24 @@ def test_sequence_parallel_blocks_match_the_unsharded_block(size, kind):
     def body(comm):
         r = comm.rank
         rows = slice(r * rows_of, (r + 1) * rows_of)
+        w32 = {k_: v.to(f32) for k_, v in w.items()}
         if kind == "mlp":
-            block = TensorParallelMLP(hidden, inter, comm, bias=True, eps=eps, dtype=f64, sequence_parallel=True)
-            block.load_full(w["gate"], w["up"], w["down"], w["norm"], w["bias"])
-            inp = x[rows].clone().requires_grad_()
+            block = TensorParallelMLP(hidden, inter, comm, bias=True, eps=eps, dtype=f32, sequence_parallel=True)
+            block.load_full(w32["gate"], w32["up"], w32["down"], w32["norm"], w32["bias"])
+            inp = x[rows].to(f32).requires_grad_()
         else:
-            block = TensorParallelAttentionOutput(hidden, inter, comm, bias=True, eps=eps, dtype=f64,
+            block = TensorParallelAttentionOutput(hidden, inter, comm, bias=True, eps=eps, dtype=f32,
                                                   sequence_parallel=True)
-            block.proj.load_full(w["o"], w["bias"])
+            block.proj.load_full(w32["o"], w32["bias"])
             with torch.no_grad():
-                block.norm.weight.copy_(w["norm"])
+                block.norm.weight.copy_(w32["norm"])
             cols = inter // size
-            inp = attention[:, r * cols:(r + 1) * cols].clone().requires_grad_()
-        res = residual[rows].clone().requires_grad_()
+            inp = attention[:, r * cols:(r + 1) * cols].to(f32).requires_grad_()
+        res = residual[rows].to(f32).requires_grad_()
         normed, res_out = block(inp, res)
-        torch.autograd.backward((normed, res_out), (grad_normed[rows], grad_residual[rows]))
-        return (normed.detach(), res_out.detach(), inp.grad, res.grad,
-                {n: p.grad for n, p in block.named_parameters()})
+        torch.autograd.backward((normed, res_out), (grad_normed[rows].to(f32), grad_residual[rows].to(f32)))
+        return tuple(t.double() for t in (normed.detach(), res_out.detach(), inp.grad, res.grad)) + (
+            {n: p.grad.double() for n, p in block.named_parameters()},)
 
     results = run_ranks(size, body)
     # the unsharded block
@@ -296,20 +426,20 @@ def test_sequence_parallel_blocks_match_the_unsharded_block(size, kind):
     n = inter // size
     for r, (got_n, got_res, got_dx, got_dres, got_params) in enumerate(results):
         rows, shard = slice(r * rows_of, (r + 1) * rows_of), slice(r * n, (r + 1) * n)
-        torch.testing.assert_close(got_n, normed.detach()[rows], **close)
-        torch.testing.assert_close(got_res, res_out.detach()[rows], **close)
-        torch.testing.assert_close(got_dres, rin.grad[rows], **close)
+        torch.testing.assert_close(got_n, normed.detach()[rows], **close32)
+        torch.testing.assert_close(got_res, res_out.detach()[rows], **close32)
+        torch.testing.assert_close(got_dres, rin.grad[rows], **close32)
         if kind == "mlp":
-            torch.testing.assert_close(got_dx, xin.grad[rows], **close)
+            torch.testing.assert_close(got_dx, xin.grad[rows], **close32)
             torch.testing.assert_close(got_params["gate_up.weight"], torch.cat([p["gate"].grad[shard],
-                                                                                p["up"].grad[shard]]), **close)
-            torch.testing.assert_close(got_params["down.weight"], p["down"].grad[:, shard], **close)
+                                                                                p["up"].grad[shard]]), **close32)
+            torch.testing.assert_close(got_params["down.weight"], p["down"].grad[:, shard], **close32)
         else:
-            torch.testing.assert_close(got_dx, ain.grad[:, shard], **close)
-            torch.testing.assert_close(got_params["proj.weight"], p["o"].grad[:, shard], **close)
+            torch.testing.assert_close(got_dx, ain.grad[:, shard], **close32)
+            torch.testing.assert_close(got_params["proj.weight"], p["o"].grad[:, shard], **close32)
     bias_name = "down.bias" if kind == "mlp" else "proj.bias"
-    torch.testing.assert_close(sum(res[4][bias_name] for res in results), p["bias"].grad, **close)
-    torch.testing.assert_close(sum(res[4]["norm.weight"] for res in results), p["norm"].grad, **close)
+    torch.testing.assert_close(sum(res[4][bias_name] for res in results), p["bias"].grad, **close32)
+    torch.testing.assert_close(sum(res[4]["norm.weight"] for res in results), p["norm"].grad, **close32)
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -387,7 +517,7 @@ class _PooledComm:
         raise RuntimeError("the area was reached")
 
 
-@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+@pytest.mark.parametrize("op", OVERLAPPED)
 def test_a_first_overlapped_call_under_capture_raises_before_it_queues_anything(op, monkeypatch):
     """Captured before any call completed (none made, or the first one failed): a clear
     error, no side stream or flag made, nothing reached; eager, the call goes on; once a
@@ -406,7 +536,10 @@ def test_a_first_overlapped_call_under_capture_raises_before_it_queues_anything(
     monkeypatch.setattr(_overlap, "_Side", Side)
     monkeypatch.setattr(torch, "matmul", lambda *a, **k: pytest.fail("a GEMM was queued"))
     comm, a, b = _PooledComm(), torch.ones(4, 8), torch.ones(8, 3)
-    call = getattr(_overlap, op)
+
+    def call(comm, a, b):
+        return _run(op, comm, a, b)
+
     with pytest.raises(UbnextError, match=f"ubnext::{op}: the first overlapped call .* make one eager call first"):
         call(comm, a, b)
     assert comm not in _overlap._SIDES and comm.reached == []
@@ -431,13 +564,18 @@ def test_a_first_overlapped_call_under_capture_raises_before_it_queues_anything(
     ("matmul_reduce_scatter", ((4, 8), (8, 0)), False),  # n: the output's, the same everywhere
     ("matmul_reduce_scatter", ((4, 0), (0, 3)), True),  # k: this rank's own (may differ)
     ("all_gather_matmul", ((4, 8), (8, 3)), True),
+    (NORM_OP, ((0, 8), (8, 3)), None),  # no rows: empty results, no collective
+    (NORM_OP, ((4, 8), (8, 0)), None),  # no columns of the output
+    (NORM_OP, ((4, 0), (0, 3)), True),
+    (NORM_OP, ((4, 8), (8, 3)), True),
 ])
 @pytest.mark.parametrize("local_rank", [0, 1])
 def test_the_path_depends_only_on_what_every_rank_agrees_on(op, shapes, overlapped, local_rank, monkeypatch):
     """The overlapped path or the unoverlapped one (collective: every rank must take the
     same one) is decided by the communicator's size, pool and algorithms, and by the
     operands' extents that every rank shares: not by this rank's own k (reduce-scatter)
-    or n (all-gather), nor by its local rank."""
+    or n (all-gather), nor by its local rank. (The fused op with empty operands takes
+    neither: empty results, no collective; ``overlapped`` None.)"""
     from ubnext.torch import _overlap
 
     class Side:
@@ -455,6 +593,10 @@ def test_the_path_depends_only_on_what_every_rank_agrees_on(op, shapes, overlapp
             self.reached.append("unoverlapped")
             return p[:p.shape[0] // self.size]
 
+        def reduce_scatter_add_rmsnorm(self, p, *args, **kwargs):
+            self.reached.append("unoverlapped")
+            return p[:p.shape[0] // self.size], p[:p.shape[0] // self.size]
+
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(_overlap, "_Side", Side)
@@ -462,7 +604,85 @@ def test_the_path_depends_only_on_what_every_rank_agrees_on(op, shapes, overlapp
     comm.local_rank = local_rank
     a, b = torch.ones(*shapes[0]), torch.ones(*shapes[1])
     try:
-        getattr(_overlap, op)(comm, a, b)
+        _run(op, comm, a, b)
     except RuntimeError as e:
         assert "the area was reached" in str(e)
-    assert comm.reached == ["area" if overlapped else "unoverlapped"]
+    assert comm.reached == ([] if overlapped is None else ["area" if overlapped else "unoverlapped"])
+
+
+# ---- the fused op's rounds -------------------------------------------------------------------
+class _Stream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+    def wait_stream(self, other):
+        pass
+
+    def record_event(self):
+        return object()
+
+    def wait_event(self, event):
+        pass
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_fused_op_finishes_each_round_in_its_reduction(size, monkeypatch):
+    """The fused op on the overlapped path (several rounds) takes matmul_reduce_scatter's
+    rounds, and launches per round the slot sum's add + RMSNorm where that launches the sum:
+    the same slots, stride and rows (hidden n), on the caller's stream, with the round's rows
+    of the residual and of both outputs, the same weight, bias and eps every round."""
+    from ubnext.torch import _overlap
+
+    monkeypatch.setattr(plan, "AREA_BYTES", 2048)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(7))
+    monkeypatch.setattr(_overlap, "_copy", lambda *args: None)
+    monkeypatch.setattr(_overlap, "_barrier", lambda comm, side: None)
+
+    class Sum:  # the slot sum's launches, recorded
+        def __init__(self):
+            self.launches = []
+
+        def __call__(self, *args):
+            self.launches.append(("sum", *args))
+
+        def add_rmsnorm(self, *args):
+            self.launches.append(("add_rmsnorm", *args))
+
+    class Side:
+        ready = True
+
+        def __init__(self, device, size):
+            self.stream, self.sum = _Stream(100), Sum()
+
+    monkeypatch.setattr(_overlap, "_Side", Side)
+
+    class Comm(_PooledComm):
+        def _symmetric_area(self, key, nbytes, framework):
+            return torch.empty(nbytes, dtype=torch.uint8), tuple((1 << 40) + (q << 24) for q in range(self.size))
+
+    rows, n = 10, 16
+    rounds = plan.scatter_rounds(rows, n * 4, size)  # in the small area
+    assert len(rounds.parts) > 1
+    for rank in range(size):
+        comm = Comm()
+        comm.rank, comm.size = rank, size
+        _run("matmul_reduce_scatter", comm, torch.ones(size * rows, 8), torch.ones(8, n))
+        _run(NORM_OP, comm, torch.ones(size * rows, 8), torch.ones(8, n))
+        launches = _overlap._SIDES[comm].sum.launches
+        k = len(rounds.parts)
+        assert [entry[0] for entry in launches] == ["sum"] * k + ["add_rmsnorm"] * k
+        sums, norms = launches[:k], launches[k:]
+        firsts = norms[0][6]
+        for (r0, m), s_, n_ in zip(rounds.parts, sums, norms):
+            _, dtype, slots, stride, count, out, stream = s_
+            _, dtype2, slots2, stride2, rows2, hidden, norm, eps, stream2 = n_
+            assert (dtype2, slots2, stride2, rows2 * hidden, stream2) == (dtype, slots, stride, count, stream)
+            assert (dtype, hidden, rows2, eps, stream) == ("float32", n, m, 1e-6, 7)
+            assert out - sums[0][5] == r0 * n * 4
+            residual, bias, weight, normed, res_out = norm
+            assert (bias, weight) == firsts[1:3]
+            for ptr, first in ((residual, firsts[0]), (normed, firsts[3]), (res_out, firsts[4])):
+                assert ptr - first == r0 * n * 4  # the round's rows
+        assert len({firsts[0], firsts[3], firsts[4]}) == 3 and 0 not in firsts

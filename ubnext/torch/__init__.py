@@ -28,7 +28,9 @@ Which form does what:
 * ``all_gather_matmul(a_shard, b, group=comm)``, ``matmul_reduce_scatter(a, b,
   group=comm)`` (``functional``'s, re-exported): the sequence-parallel GEMMs with their
   communication under them (``torch.ops.ubnext.all_gather_matmul``,
-  ``matmul_reduce_scatter``; shaped like torch's async-TP ops; ``_overlap``).
+  ``matmul_reduce_scatter``; shaped like torch's async-TP ops; ``_overlap``);
+  ``matmul_reduce_scatter_add_rmsnorm(a, b, residual, weight, bias, eps, group=comm)``:
+  the latter with the bias + residual add and RMSNorm of its rows in its reduction's pass.
 * ``tp``: tensor-parallel layers built on them (``sequence_parallel=True``: the overlapped
   GEMMs); ``BufferPlan``: planned symmetric buffers the row-parallel GEMMs write into.
 
@@ -43,7 +45,7 @@ from . import functional
 from ._planner import BufferPlan
 from ._reduce_op import op_name
 from ._registry import handle
-from .functional import all_gather_matmul, matmul_reduce_scatter
+from .functional import all_gather_matmul, matmul_reduce_scatter, matmul_reduce_scatter_add_rmsnorm
 from .tp import (
     AddRMSNormEpilogue,
     ColumnParallelLinear,
@@ -55,7 +57,8 @@ from .tp import (
 # ReduceOp is torch.distributed's, re-exported (documented there)
 __all__ = ["AddRMSNormEpilogue", "BufferPlan", "ColumnParallelLinear", "RowParallelLinear",
            "TensorParallelAttentionOutput", "TensorParallelMLP", "all_gather_into_tensor", "all_gather_matmul",
-           "all_reduce", "functional", "handle", "matmul_reduce_scatter", "op_name", "reduce_scatter_tensor"]
+           "all_reduce", "functional", "handle", "matmul_reduce_scatter", "matmul_reduce_scatter_add_rmsnorm",
+           "op_name", "reduce_scatter_tensor"]
 
 
 class _Done:

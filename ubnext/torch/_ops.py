@@ -22,7 +22,10 @@ gradient (avg: divided by size), an all-gather's the reduce-scatter (sum) of its
 gradient, and the fused reduce-scatter + add + RMSNorm all-gathers the gradient of its
 pre-norm sum into x's and gives it to the residual shard; its weight and bias gradients
 are this rank's rows' only, partial sums that the caller sums over the ranks (as
-Megatron-LM all-reduces its sequence-parallel norm weights' gradients).
+Megatron-LM all-reduces its sequence-parallel norm weights' gradients). The overlapped
+matmul + reduce-scatter + add + RMSNorm gives the gradient of its pre-norm sum to the
+residual and through matmul_reduce_scatter's backward to a and b, with the same partial
+weight and bias gradients.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from collections.abc import Callable
 import torch
 from torch.autograd.graph import increment_version
 
-from ubnext._protocol.algorithms import FLOAT_DTYPES
+from ubnext._engine.epilogue import check_eps
+from ubnext._protocol.algorithms import FLOAT_DTYPES, SLOT_NORM_DTYPES
 from ubnext._protocol.errors import UbnextError
 
 from . import _overlap, _rmsnorm
@@ -124,17 +128,26 @@ def _fused_context(ctx, inputs, output):
     ctx.save_for_backward(output[1], weight)
 
 
+def _norm_grads(ctx, residual_out, weight, grad_normed, grad_residual):
+    """The gradients of a fused op's add + RMSNorm (``ctx.eps``; ``ctx.has``: whether it
+    had a residual and a bias): ``(d, (residual's, weight's, bias's))``, ``d`` being that
+    of the pre-norm sum ``residual_out`` (its dtype and shape), which is the residual's;
+    weight's and bias's from this rank's rows (rows: every dimension but the last)."""
+    d_sum, d_weight = _rmsnorm.backward(_rows_of(grad_normed), _rows_of(grad_residual), _rows(residual_out), weight,
+                                        ctx.eps)
+    dtype = residual_out.dtype
+    d = d_sum.to(dtype).view(residual_out.shape)
+    has_residual, has_bias = ctx.has
+    return d, (d if has_residual else None, None if d_weight is None else d_weight.to(weight.dtype),
+               d_sum.sum(0).to(dtype) if has_bias else None)
+
+
 def _fused_grads(ctx, grad_normed, grad_residual, x_grad: Callable):
     """The fused ops' gradients: that of the pre-norm sum (``residual_out``) to the
     residual and, through ``x_grad(d, group)``, to x; weight and bias from this rank's rows."""
     residual_out, weight = ctx.saved_tensors
-    d_sum, d_weight = _rmsnorm.backward(grad_normed, grad_residual, residual_out, weight, ctx.eps)
-    dtype = residual_out.dtype
-    d = d_sum.to(dtype)
-    has_residual, has_bias = ctx.has
-    return (x_grad(d, ctx.group), d if has_residual else None,
-            None if d_weight is None else d_weight.to(weight.dtype),
-            d_sum.sum(0).to(dtype) if has_bias else None, None, None)
+    d, rest = _norm_grads(ctx, residual_out, weight, grad_normed, grad_residual)
+    return (x_grad(d, ctx.group), *rest, None, None)
 
 
 def _fused_backward(ctx, grad_normed, grad_residual):
@@ -203,6 +216,10 @@ def _rows(t):
     return t.reshape(-1, t.shape[-1])
 
 
+def _rows_of(t):
+    return None if t is None else _rows(t)
+
+
 def _all_gather_matmul_run(comm, a, b):
     check_matmul("all_gather_matmul", a, b, comm.size, False)
     _check_device("all_gather_matmul", comm, a)
@@ -253,13 +270,71 @@ def _all_gather_matmul_backward(ctx, grad_gathered, grad_out):
     return da, db, None
 
 
-def _matmul_reduce_scatter_backward(ctx, grad):
+def _scatter_grads(ctx, a, b, grad):
     """out = reduce_scatter(a @ b): the gradient of a @ b is the all-gather of grad, so
-    a's is all_gather(grad) @ b.T (the overlapped op) and b's a.T @ all_gather(grad)."""
-    a, b = ctx.saved_tensors
+    a's is all_gather(grad) @ b.T (the overlapped op) and b's a.T @ all_gather(grad):
+    ``(a's, b's)`` (``ctx.needs_input_grad``'s first two: a and b)."""
     gathered, da = torch.ops.ubnext.all_gather_matmul(grad.contiguous(), b.t(), ctx.group)
     db = _rows(a).t() @ _rows(gathered) if ctx.needs_input_grad[1] else None
-    return (da if ctx.needs_input_grad[0] else None), db, None
+    return (da if ctx.needs_input_grad[0] else None), db
+
+
+def _matmul_reduce_scatter_backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    return (*_scatter_grads(ctx, a, b, grad), None)
+
+
+# ---- matmul_reduce_scatter_add_rmsnorm (the sum's rows finished in the reduction's pass) ----
+#: the dtypes of the overlapped matmul + reduce-scatter + add + RMSNorm: those the add +
+#: RMSNorm takes (fp32 statistics; not float64)
+NORM_MATMUL_DTYPES = tuple(getattr(torch, name) for name in SLOT_NORM_DTYPES)
+_MATMUL_NORM = "matmul_reduce_scatter_add_rmsnorm"
+
+
+def check_matmul_norm(a, b, residual, weight, bias, size: int) -> tuple:
+    """The operands of ``matmul_reduce_scatter_add_rmsnorm``: those of
+    ``matmul_reduce_scatter`` (``check_matmul``) of a dtype of NORM_MATMUL_DTYPES,
+    ``residual`` (or None) of the result's shape, ``weight`` and ``bias`` (or None) of n
+    elements, all of a's dtype and device. Returns the result's shape."""
+    check_matmul(_MATMUL_NORM, a, b, size, True)
+    if a.dtype not in NORM_MATMUL_DTYPES:
+        raise UbnextError(f"ubnext::{_MATMUL_NORM}: the add + RMSNorm takes "
+                          f"{', '.join(map(str, NORM_MATMUL_DTYPES))}, not {a.dtype}")
+    shape = (a.shape[0] // size, *a.shape[1:-1], b.shape[1])
+    for what, t, want in (("residual", residual, shape), ("weight", weight, shape[-1:]), ("bias", bias, shape[-1:])):
+        if t is not None and (tuple(t.shape) != want or t.dtype != a.dtype or t.device != a.device):
+            raise UbnextError(f"ubnext::{_MATMUL_NORM}: {what} must be {want} of a's dtype and device "
+                              f"({a.dtype} on {a.device}), got {tuple(t.shape)} of {t.dtype} on {t.device}")
+    return shape
+
+
+def _matmul_norm_run(comm, a, b, residual, weight, bias, eps):
+    shape = check_matmul_norm(a, b, residual, weight, bias, comm.size)
+    eps = check_eps(f"ubnext::{_MATMUL_NORM}", eps)
+    _check_device(_MATMUL_NORM, comm, a)
+    normed, res_out = _overlap.matmul_reduce_scatter_add_rmsnorm(
+        comm, _rows(a).contiguous(), b, None if residual is None else _rows(residual).contiguous(),
+        weight.contiguous(), None if bias is None else bias.contiguous(), eps)
+    return normed.view(shape), res_out.view(shape)
+
+
+def _matmul_norm_fake(a, b, residual, weight, bias, eps, group):
+    shape = check_matmul_norm(a, b, residual, weight, bias, size_of(group))
+    return a.new_empty(shape), a.new_empty(shape)
+
+
+def _matmul_norm_context(ctx, inputs, output):
+    a, b, residual, weight, bias, ctx.eps, ctx.group = inputs
+    ctx.has = (residual is not None, bias is not None)
+    ctx.save_for_backward(a, b, output[1], weight)
+
+
+def _matmul_norm_backward(ctx, grad_normed, grad_residual):
+    """The add + RMSNorm's gradients (``_norm_grads``: the residual's, and this rank's rows'
+    of weight and bias), and those of a and b from the pre-norm sum's (``_scatter_grads``)."""
+    a, b, residual_out, weight = ctx.saved_tensors
+    d, rest = _norm_grads(ctx, residual_out, weight, grad_normed, grad_residual)
+    return (*_scatter_grads(ctx, a, b, d), *rest, None, None)
 
 
 OPS: dict[str, Op] = {
@@ -303,6 +378,11 @@ OPS: dict[str, Op] = {
     "matmul_reduce_scatter": Op("(Tensor a, Tensor b, int group) -> Tensor", (),
                                 _matmul_reduce_scatter_run, _matmul_reduce_scatter_fake,
                                 _matmul_reduce_scatter_backward, _matmul_context),
+    # (normed, residual_out) of this rank's rows of reduce_scatter(a @ b) + bias + residual,
+    # the norm in the reduction's pass; its backward: the norm's, then matmul_reduce_scatter's
+    _MATMUL_NORM: Op(
+        "(Tensor a, Tensor b, Tensor? residual, Tensor weight, Tensor? bias, float eps, int group) -> (Tensor, Tensor)",
+        (), _matmul_norm_run, _matmul_norm_fake, _matmul_norm_backward, _matmul_norm_context),
 }
 
 

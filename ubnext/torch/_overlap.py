@@ -1,6 +1,6 @@
 """All-gather + matmul and matmul + reduce-scatter with the communication under the GEMMs,
-on the symmetric pool (issue 38): the runners behind ``torch.ops.ubnext.all_gather_matmul``
-and ``matmul_reduce_scatter``.
+on the symmetric pool (issue 38): the runners behind ``torch.ops.ubnext.all_gather_matmul``,
+``matmul_reduce_scatter`` and ``matmul_reduce_scatter_add_rmsnorm``.
 
 Design (the choices, and why):
 
@@ -22,7 +22,10 @@ Design (the choices, and why):
   last push moves. Barrier, then each rank sums its slots in rank order 0..size-1 in
   fp32 (float64 in float64), rounded once, in one pass (ubnext's slot sum kernel,
   ``_engine.slot_sum``, on the caller's stream): the result is bit-identical to the same
-  chunks' GEMMs reduced in that order, whatever the timing.
+  chunks' GEMMs reduced in that order, whatever the timing. A round's sum covers whole
+  rows, so ``matmul_reduce_scatter_add_rmsnorm`` finishes them in the same pass: the
+  bias + residual add and the RMSNorm of the separate add + RMSNorm kernel, on the sum as
+  rounded (the slot sum's second entry point), instead of a pass of its own afterwards.
 * **Bounded area**: ``_overlap_plan.AREA_BYTES`` of the pool (one area per communicator,
   ``Communicator._symmetric_area``), in two halves; inputs of any size move in rounds of
   as many rows as a half takes (``_overlap_plan.split``). The gathered tensor itself is
@@ -52,7 +55,8 @@ a first call under capture raises before it queues anything: ``_refuse_capture``
 barrier is a call of the communicator, so it keeps the communicator's launch order. Where the
 communicator has no pool (NCCL only), a single rank, or empty operands (no rows, or no
 columns of a gathered a or of a scattered product: extents every rank shares), the ops
-run unoverlapped: the communicator's all-gather or reduce-scatter, and the GEMM.
+run unoverlapped: the communicator's all-gather or reduce-scatter (the fused form: its
+``reduce_scatter_add_rmsnorm``, or with empty operands nothing), and the GEMM.
 """
 
 from __future__ import annotations
@@ -191,9 +195,59 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
     if side is None:
         product = torch.matmul(a, b)
         return comm.reduce_scatter(product) if comm.size > 1 else product
+    n = b.shape[1]
+    out = a.new_empty((a.shape[0] // comm.size, n))
+    dtype = _dtype(a)
+
+    def reduce(slots: int, stride: int, r0: int, rows: int, stream: int) -> None:
+        side.sum(dtype, slots, stride, rows * n, out[r0].data_ptr(), stream)
+
+    _scatter(comm, side, a, b, reduce)
+    return out
+
+
+def matmul_reduce_scatter_add_rmsnorm(comm, a: torch.Tensor, b: torch.Tensor, residual, weight: torch.Tensor,
+                                      bias, eps: float):
+    """``(normed, residual_out)`` of this rank's rows: ``matmul_reduce_scatter``'s sum,
+    rounded to a's dtype, plus ``bias`` and ``residual``, RMS-normalized with ``weight``,
+    in the arithmetic of the separate add + RMSNorm kernel (kernels/rmsnorm.cuh), each
+    round's rows in its slot sum's pass (``SlotSum.add_rmsnorm``). ``residual`` (m x n, or
+    None), ``weight`` and ``bias`` (n, or None): contiguous, of a's dtype (one the add +
+    RMSNorm takes) and device. Collective: the path taken depends on m and n, not on k;
+    without rows or columns, empty results and no collective; unoverlapped, the GEMM then
+    the communicator's ``reduce_scatter_add_rmsnorm``."""
+    m, n = a.shape[0] // comm.size, b.shape[1]
+    if 0 in (m, n):  # nothing to sum or normalize, on every rank alike (m and n are shared)
+        return a.new_empty((m, n)), a.new_empty((m, n))
+    side = _side(comm, "matmul_reduce_scatter_add_rmsnorm")
+    if side is None:
+        return comm.reduce_scatter_add_rmsnorm(torch.matmul(a, b), residual, weight, eps=eps, bias=bias)
+    normed, res_out = a.new_empty((m, n)), a.new_empty((m, n))
+    dtype = _dtype(a)
+    shared = (0 if bias is None else bias.data_ptr(), weight.data_ptr())
+
+    def reduce(slots: int, stride: int, r0: int, rows: int, stream: int) -> None:
+        norm = (0 if residual is None else residual[r0].data_ptr(), *shared, normed[r0].data_ptr(),
+                res_out[r0].data_ptr())
+        side.sum.add_rmsnorm(dtype, slots, stride, rows, n, norm, eps, stream)
+
+    _scatter(comm, side, a, b, reduce)
+    return normed, res_out
+
+
+def _dtype(t: torch.Tensor) -> str:
+    """ubnext's name of t's dtype (``torch.bfloat16``: ``"bfloat16"``)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _scatter(comm, side: _Side, a: torch.Tensor, b: torch.Tensor, reduce) -> None:
+    """The rounds of the reduce-scatter side (the module docstring): each rank's products
+    pushed into its peers' slots under the GEMMs, a barrier, then ``reduce(slots, stride,
+    r0, rows, stream)`` of each round with rows (slot 0's address, the slots' stride in
+    bytes, the round's first output row and its rows; on the caller's stream ``stream``),
+    which reads the slots and writes the round's output rows."""
     size, rank = comm.size, comm.rank
     m, n = a.shape[0] // size, b.shape[1]
-    out = a.new_empty((m, n))
     with torch.cuda.device(a.device):
         area, ptrs = comm._symmetric_area(AREA_KEY, plan.AREA_BYTES, "torch")
         row = n * a.element_size()
@@ -204,7 +258,6 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
         _barrier(comm, side)  # opening: every peer's reads of earlier calls are done
         opened = stream.record_event()
         pushed = []  # an event after each push: its staging buffer is free again
-        dtype = str(a.dtype).removeprefix("torch.")
         for j, (r0, rows) in enumerate(rounds.parts):
             for dst in (plan.push_order(rank, size) if rows else ()):
                 first = dst * m + r0
@@ -228,9 +281,6 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
             _barrier(comm, side)
             caller.wait_stream(stream)  # every rank's pushes into this rank's slots are done
             if rows:  # the slots in rank order, one pass, rounded once
-                side.sum(dtype, ptrs[rank] + rounds.offset(j), rounds.slot_bytes, rows * n, out[r0].data_ptr(),
-                         caller.cuda_stream)
+                reduce(ptrs[rank] + rounds.offset(j), rounds.slot_bytes, r0, rows, caller.cuda_stream)
             stream.wait_stream(caller)  # the next round's barrier after these reads
     side.ready = True
-    return out
-

@@ -15,7 +15,7 @@ from ._reduce_op import op_name
 from ._registry import handle
 
 __all__ = ["all_gather", "all_gather_matmul", "all_reduce", "all_reduce_add_rmsnorm", "copy_to_group",
-           "matmul_reduce_scatter", "reduce_scatter", "reduce_scatter_add_rmsnorm"]
+           "matmul_reduce_scatter", "matmul_reduce_scatter_add_rmsnorm", "reduce_scatter", "reduce_scatter_add_rmsnorm"]
 
 
 def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
@@ -254,6 +254,64 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, reduce_op: str = "su
 
         raise UbnextError(f"ubnext.torch.matmul_reduce_scatter: reduce_op must be 'sum', got {reduce_op!r}")
     return torch.ops.ubnext.matmul_reduce_scatter(a, b, handle(_required(group)))
+
+
+def matmul_reduce_scatter_add_rmsnorm(a: torch.Tensor, b: torch.Tensor, residual: torch.Tensor | None,
+                                      weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-6,
+                                      group=None):
+    """The sequence-parallel row-parallel epilogue in one op
+    (``torch.ops.ubnext.matmul_reduce_scatter_add_rmsnorm``): this rank's rows of ``a @ b``
+    summed over the ranks, as ``matmul_reduce_scatter`` computes them (the transfers under
+    the GEMMs), plus ``bias`` and ``residual``, RMS-normalized with ``weight``::
+
+        residual_out = round(matmul_reduce_scatter(a, b) + bias + residual)
+        normed = round(residual_out / sqrt(mean(residual_out ** 2, -1) + eps) * weight)
+
+    Each round's sum covers whole rows, so its reduction kernel finishes them in the same
+    pass (the slots summed in rank order in fp32 and rounded once to a's dtype, then the
+    add + RMSNorm in fp32 with the arithmetic of ``Communicator.reduce_scatter_add_rmsnorm``'s
+    separate kernel) instead of a norm pass of its own afterwards. ``residual_out`` equals
+    ``matmul_reduce_scatter`` followed by the add in torch (``(y.float() + bias.float()) +
+    residual.float()``, rounded once) bit for bit; ``normed`` equals that kernel's
+    arithmetic on it (IEEE division, square root and reciprocal, a fixed tree over the
+    row) bit for bit, and an RMSNorm in torch (``rsqrt``, torch's reduction order) to
+    within about one rounding of a's dtype.
+    Without a pool (NCCL only) or at one rank it runs the GEMM, then
+    ``Communicator.reduce_scatter_add_rmsnorm``.
+
+    Differentiable: the gradient of the pre-norm sum ``residual_out`` (the one through the
+    norm plus that of ``residual_out`` itself) goes to ``residual`` and, through
+    ``matmul_reduce_scatter``'s backward (``all_gather_matmul``), to ``a`` and ``b``.
+    ``weight`` and ``bias`` get the gradient of this rank's rows only: partial sums, to be
+    summed over the ranks (as for ``reduce_scatter_add_rmsnorm``).
+
+    Collective: yes: every rank of ``group`` calls it, in the same order (its backward too),
+    with the same dtype, ``a``'s rows and ``b``'s n on every rank (as ``matmul_reduce_scatter``).
+    Graph-capturable: yes, after a first eager overlapped call on the communicator (as
+    ``matmul_reduce_scatter``: a first call under capture raises; the first call compiles
+    both of the reduction's kernels); torch.compile(fullgraph=True) traces it.
+
+    Args:
+        a: (size * rows, ..., k) CUDA tensor of bfloat16, float16 or float32 on the
+            communicator's device, this rank's partial operand (as for ``matmul_reduce_scatter``).
+        b: (k, n), a's dtype and device (any strides: a row-parallel weight's ``.t()``).
+        residual: (rows, ..., n), a's dtype and device, this rank's rows; or None.
+        weight: n elements, a's dtype and device (the same on every rank).
+        bias: n elements, a's dtype and device (the same on every rank), or None.
+        eps: finite, >= 0.
+        group: the ``Communicator`` (or its handle).
+
+    Returns:
+        ``(normed, residual_out)``: (rows, ..., n) each, this rank's rows.
+
+    Raises:
+        UbnextError: what ``matmul_reduce_scatter`` raises; float64 (the add + RMSNorm
+            takes bfloat16, float16 and float32); a residual, weight or bias of another
+            shape, dtype or device; an eps that is not finite and >= 0 (all before any
+            work is queued); no group.
+    """
+    return torch.ops.ubnext.matmul_reduce_scatter_add_rmsnorm(a, b, residual, weight, bias, float(eps),
+                                                              handle(_required(group)))
 
 
 def _dim_zero(name: str, what: str, dim: int) -> None:

@@ -11,9 +11,10 @@ With ``sequence_parallel=True`` the activations between blocks are split by rows
 over the ranks instead of replicated: a column-parallel layer multiplies every rank's rows
 as they arrive (``all_gather_matmul``) and a row-parallel one reduce-scatters its product
 by rows as it computes (``matmul_reduce_scatter``), the communication under the GEMMs; the
-blocks then add the residual and normalize this rank's rows (their norm weight's and
-bias's gradients are this rank's rows' partial sums, to be summed over the ranks, as for
-``functional.reduce_scatter_add_rmsnorm``).
+blocks reduce-scatter theirs together with the bias + residual add and the RMSNorm of
+this rank's rows, in the reduction's pass (``matmul_reduce_scatter_add_rmsnorm``; their
+norm weight's and bias's gradients are this rank's rows' partial sums, to be summed over
+the ranks, as for ``functional.reduce_scatter_add_rmsnorm``).
 Shards are rows (column-parallel) or columns (row-parallel) ``[rank * n / size, (rank + 1)
 * n / size)`` of the full weight; ``load_full`` takes them from the unsharded weights.
 """
@@ -26,7 +27,7 @@ from torch import nn
 
 from ubnext._protocol.errors import UbnextError
 
-from . import _rmsnorm, functional
+from . import functional
 from ._registry import handle, lookup
 
 
@@ -260,9 +261,10 @@ class RowParallelLinear(nn.Module):
 
 class AddRMSNormEpilogue(nn.Module):
     """The row-parallel all-reduce fused with bias + residual add + RMSNorm:
-    ``(normed, residual)`` from a partial sum.
+    ``(normed, residual)`` from a partial sum; with sequence parallelism (``scattered``),
+    the row-parallel GEMMs' reduce-scatter fused with them.
 
-    Collective: yes (one fused kernel).
+    Collective: yes (one fused kernel; ``scattered``: one overlapped op).
     Graph-capturable: yes, after a first eager call of the same shape.
 
     Args:
@@ -284,34 +286,40 @@ class AddRMSNormEpilogue(nn.Module):
     def forward(self, partial, residual, bias=None):
         return functional.all_reduce_add_rmsnorm(partial, residual, self.weight, bias, self.eps, self.group)
 
-    def local(self, x, residual, bias=None):
-        """``(normed, residual)`` of this rank's rows of a sum already reduced:
-        the sequence-parallel blocks' add + RMSNorm, in torch with the fused op's arithmetic
-        (``_rmsnorm.add_rmsnorm``); the weight's and bias's gradients are this rank's rows'
-        partial sums.
+    def scattered(self, x, weight, residual, bias=None):
+        """``(normed, residual)`` of this rank's rows of ``x @ weight.T`` summed over the
+        ranks (a row-parallel layer's product, reduce-scattered by rows under its GEMMs),
+        plus ``bias`` and ``residual``, normalized: one op,
+        ``functional.matmul_reduce_scatter_add_rmsnorm``, the add + RMSNorm in the
+        reduction's pass. The sequence-parallel blocks' epilogue; the weight's and bias's
+        gradients are this rank's rows' partial sums.
 
-        Collective: no.
-        Graph-capturable: yes.
+        Collective: yes: every rank calls it, in the same order (its backward too).
+        Graph-capturable: yes, after a first eager call.
 
         Args:
-            x: (rows, hidden), this rank's rows of the reduced sum.
-            residual: x's shape and dtype, or None.
+            x: (tokens, ..., in_features / ranks), tokens a multiple of the ranks.
+            weight: the row-parallel layer's shard (hidden x in_features / ranks).
+            residual: (tokens / ranks, ..., hidden), x's dtype, this rank's rows; or None.
             bias: hidden elements, or None.
 
         Returns:
-            ``(normed, residual_out)``, x's shape each.
+            ``(normed, residual_out)``, (tokens / ranks, ..., hidden) each.
 
         Raises:
-            RuntimeError: shapes that do not broadcast (torch's).
+            UbnextError: what ``functional.matmul_reduce_scatter_add_rmsnorm`` raises.
         """
-        return _rmsnorm.add_rmsnorm(x, residual, self.weight, bias, self.eps)
+        return functional.matmul_reduce_scatter_add_rmsnorm(x, weight.t(), residual, self.weight, bias, self.eps,
+                                                            self.group)
 
 
 class TensorParallelAttentionOutput(nn.Module):
     """The attention output projection: row-parallel over the heads, then the fused
-    all-reduce + bias + residual add + RMSNorm (the next block's input norm).
+    all-reduce + bias + residual add + RMSNorm (the next block's input norm); with
+    ``sequence_parallel``, the projection's reduce-scatter under its GEMMs fused with them.
 
-    Collective: yes (one fused kernel forward; none backward).
+    Collective: yes (one fused kernel forward, none backward; with ``sequence_parallel``
+    one overlapped op forward, the projection's backward its transpose).
     Graph-capturable: yes.
 
     Args:
@@ -348,10 +356,11 @@ class TensorParallelAttentionOutput(nn.Module):
             ``sequence_parallel``, this rank's rows.
 
         Raises:
-            UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises.
+            UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises (with
+                ``sequence_parallel``: ``functional.matmul_reduce_scatter_add_rmsnorm``).
         """
         if self.sequence_parallel:
-            return self.norm.local(self.proj.scattered(attention), residual, self.proj.bias)
+            return self.norm.scattered(attention, self.proj.weight, residual, self.proj.bias)
         return self.norm(self.proj.partial(attention), residual, self.proj.bias)
 
 
@@ -373,7 +382,7 @@ class TensorParallelMLP(nn.Module):
         dtype, device: of the parameters.
         sequence_parallel: inputs and outputs are this rank's rows (tokens): gate and up
             all-gather their input under the GEMM, down reduce-scatters its product under
-            its GEMM, then the add + RMSNorm of this rank's rows (``AddRMSNormEpilogue.local``).
+            its GEMMs with the add + RMSNorm of this rank's rows (``AddRMSNormEpilogue.scattered``).
 
     Raises:
         UbnextError: intermediate not a multiple of the ranks.
@@ -404,11 +413,12 @@ class TensorParallelMLP(nn.Module):
             ``(normed, residual)``, x's shape each, the same on every rank (or this rank's rows).
 
         Raises:
-            UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises.
+            UbnextError: what ``Communicator.all_reduce_add_rmsnorm`` raises (with
+                ``sequence_parallel``: ``functional.matmul_reduce_scatter_add_rmsnorm``).
         """
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         if self.sequence_parallel:
-            return self.norm.local(self.down.scattered(F.silu(gate) * up), residual, self.down.bias)
+            return self.norm.scattered(F.silu(gate) * up, self.down.weight, residual, self.down.bias)
         return self.norm(self.down.partial(F.silu(gate) * up), residual, self.down.bias)
 
     @torch.no_grad()
