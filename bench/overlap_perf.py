@@ -19,7 +19,12 @@ stream; ``chunks - gemm`` is what chunking costs, ``overlapped - chunks`` the
 communication left exposed), ``comm`` (ubnext's all-gather or reduce-scatter alone), ``ubnext+gemm``
 and ``nccl+gemm`` (the collective, then the GEMM, unoverlapped), and ``torch-async-tp``
 (``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``), left
-out with the reason printed where torch's symmetric memory cannot be set up. Rank 0
+out with the reason printed where torch's symmetric memory cannot be set up. The
+reduce-scatter side also measures the sequence-parallel epilogue (residual add + RMSNorm
+of this rank's rows, hidden-wide weight, no bias): ``rs+norm fused``
+(``matmul_reduce_scatter_add_rmsnorm``: the norm in each round's reduction) against
+``rs, norm`` (``matmul_reduce_scatter``, then the add + RMSNorm in torch, as the blocks
+ran it before); ``fused/unf`` is their ratio (below 1: the fused op is faster). Rank 0
 prints the table with ``hidden = 1 - (overlapped - gemm) / comm`` (the share of the
 communication hidden) and writes ``<outdir>/<name>.json`` and ``.png``.
 
@@ -41,7 +46,11 @@ from bench import _common as common  # noqa: E402
 from bench import _torchbench as tb  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CANDIDATES = ("overlapped", "gemm", "chunks", "comm", "ubnext+gemm", "nccl+gemm", "torch-async-tp")
+#: the sequence-parallel epilogue's candidates (reduce-scatter side): fused, and the unfused sequence
+NORM_PAIR = ("rs+norm fused", "rs, norm")
+CANDIDATES = ("overlapped", "gemm", "chunks", "comm", "ubnext+gemm", "nccl+gemm", "torch-async-tp", *NORM_PAIR)
+#: the add + RMSNorm's epsilon of the norm candidates
+EPS = 1e-5
 SIDES = ("ag", "rs")
 
 
@@ -87,6 +96,7 @@ def candidates(comm, side: str, tokens: int, hidden: int, intermediate: int, gro
     import torch.distributed as dist
 
     import ubnext.torch as ut
+    from ubnext.torch import _rmsnorm
 
     n = comm.size
     g = torch.Generator(device="cuda").manual_seed(tokens * 31 + comm.rank)
@@ -117,6 +127,11 @@ def candidates(comm, side: str, tokens: int, hidden: int, intermediate: int, gro
                "nccl+gemm": lambda: dist.reduce_scatter_tensor(shard, a @ b)}
         if group_name:
             fns["torch-async-tp"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
+        residual, weight = rnd(tokens // n, hidden), 1 + rnd(hidden, scale=0.1)
+        fns[NORM_PAIR[0]] = lambda: ut.matmul_reduce_scatter_add_rmsnorm(a, b, residual, weight, None, EPS,
+                                                                          group=comm)
+        fns[NORM_PAIR[1]] = lambda: _rmsnorm.add_rmsnorm(ut.matmul_reduce_scatter(a, b, group=comm), residual, weight,
+                                                         None, EPS)
     return fns
 
 
@@ -187,6 +202,13 @@ def run(comm, args, argv) -> int:
                     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
                     err = max(comm.bootstrap.allgather_obj(err))
                     bad |= not err < 1e-2
+                    norm_err = None
+                    if NORM_PAIR[0] in fns:  # normed of the fused op against the unfused sequence's
+                        fused, unfused = (fns[name]()[0].double() for name in NORM_PAIR)
+                        torch.cuda.synchronize()
+                        norm_err = max(comm.bootstrap.allgather_obj(
+                            ((fused - unfused).norm() / unfused.norm()).item()))
+                        bad |= not norm_err < 1e-2
                     for name, fn in fns.items():
                         if rank0:
                             sys.stderr.write(f"\r{hidden}/{intermediate} {tokens:<6} {side} {name:<16}")
@@ -196,7 +218,8 @@ def run(comm, args, argv) -> int:
                                            args.repeats)
                         records.append({"hidden": hidden, "intermediate": intermediate, "tokens": tokens,
                                         "side": side, "candidate": name, "times_us": times,
-                                        "median_us": tb.median(times), "rel_err_vs_unoverlapped": err})
+                                        "median_us": tb.median(times), "rel_err_vs_unoverlapped": err,
+                                        "rel_err_fused_norm_vs_unfused": norm_err})
                 del fns
                 torch.cuda.empty_cache()
     if rank0:
@@ -279,6 +302,12 @@ def _merged(spans: list) -> list:
     return out
 
 
+def fused_ratio(by: dict) -> float:
+    """(rs+norm fused) / (rs, norm): below 1 where folding the add + RMSNorm into the
+    reduce-scatter's reduction measures better than running it after the op."""
+    return by[NORM_PAIR[0]] / by[NORM_PAIR[1]]
+
+
 def hidden_share(by: dict) -> float:
     """1 - (overlapped - gemm) / comm: the share of the communication hidden under the GEMM."""
     return 1 - (by["overlapped"] - by["gemm"]) / by["comm"]
@@ -288,16 +317,20 @@ def report(comm, args, argv, records, shapes, why) -> None:
     names = [c for c in CANDIDATES if any(r["candidate"] == c for r in records)]
     for hidden, intermediate in shapes:
         for side in SIDES:
+            fused = side == "rs" and all(c in names for c in NORM_PAIR)
             print(f"# {side}: µs per call in CUDA graphs, hidden {hidden}, intermediate {intermediate}, "
-                  f"TP={comm.size}, bf16; hidden = 1 - (overlapped - gemm) / comm; x gemm = overlapped / gemm")
-            print(f"{'tokens':>7}" + "".join(f"{c:>16}" for c in names) + f"{'hidden':>9}{'x gemm':>9}{'rel err':>10}")
+                  f"TP={comm.size}, bf16; hidden = 1 - (overlapped - gemm) / comm; x gemm = overlapped / gemm"
+                  + ("; fused/unf = (rs+norm fused) / (rs, norm)" if fused else ""))
+            print(f"{'tokens':>7}" + "".join(f"{c:>16}" for c in names) + f"{'hidden':>9}{'x gemm':>9}{'rel err':>10}"
+                  + (f"{'fused/unf':>10}" if fused else ""))
             for tokens in args.tokens:
                 rows = [r for r in records if (r["hidden"], r["intermediate"], r["tokens"], r["side"]) ==
                         (hidden, intermediate, tokens, side)]
                 by = {r["candidate"]: r["median_us"] for r in rows}
                 print(f"{tokens:>7}" + "".join(f"{by[c]:>16.1f}" if c in by else f"{'-':>16}" for c in names)
                       + f"{hidden_share(by):>9.1%}{by['overlapped'] / by['gemm']:>9.3f}"
-                      + f"{rows[0]['rel_err_vs_unoverlapped']:>10.1e}")
+                      + f"{rows[0]['rel_err_vs_unoverlapped']:>10.1e}"
+                      + (f"{fused_ratio(by):>10.3f}" if fused else ""))
     path, doc = tb.save_report(comm, "overlap_perf", "overlap_perf", args, argv, {
         "dtype": "bfloat16", "shapes": [list(s) for s in shapes], "torch_async_tp_left_out": why,
         "results": records})

@@ -5,7 +5,15 @@ reduce-scatter's blocks of every rank summed on the host in rank order in fp32, 
 once), within the stated bf16 bound of the unchunked GEMM in float64, with the area
 poisoned and the outputs' memory poisoned before each call, a canary buffer of the pool
 untouched, in CUDA graphs (replays equal to eager, replays and eager calls interleaved),
-and the sequence-parallel MLP's outputs and gradients against the unsharded block.
+the sequence-parallel blocks' outputs and gradients against the unsharded block.
+
+``matmul_reduce_scatter_add_rmsnorm``: its kernel (the slot sum + add + RMSNorm) bit for
+bit against the host's slot sum followed by the separate add + RMSNorm kernel's
+arithmetic (ubnext/_tools/reference.py, with the launch's row group), with -0.0, inf and
+NaN among the slots, by vectors and element by element, canaries around its outputs; the
+op bit for bit against ``matmul_reduce_scatter`` followed by the add in torch
+(``residual_out``) and by that arithmetic (``normed``; torch's RMSNorm within
+NORM_BOUND), in CUDA graphs, and through the sequence-parallel blocks' gradients.
 
 Run at 1, 2 and 4 ranks: ``mpirun --allow-run-as-root -n 2 python -m pytest -q
 tests/test_gpu_overlap.py``; skipped without a GPU.
@@ -13,6 +21,7 @@ tests/test_gpu_overlap.py``; skipped without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -21,10 +30,12 @@ pytest.importorskip("torch", reason="ubnext.torch needs torch")
 
 import torch  # noqa: E402
 import tp_support as tp  # noqa: E402
+from gpu_support import host, recorded_launches  # noqa: E402
 from torch_fakes import rank_order  # noqa: E402
 
 import ubnext.torch as ut  # noqa: E402
-from ubnext.torch import _overlap, _overlap_plan  # noqa: E402
+from ubnext._tools import reference  # noqa: E402
+from ubnext.torch import _overlap, _overlap_plan, _rmsnorm  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -48,14 +59,14 @@ def comm():
     c.close()
 
 
-def operand(rank: int, shape, seed: int, scale: float = 1.0):
+def operand(rank: int, shape, seed: int, scale: float = 1.0, dtype=BF16):
     """Rank ``rank``'s operand: the same bits on every rank that asks for it."""
     g = torch.Generator(device="cuda").manual_seed(seed * 1000 + rank)
-    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(BF16)
+    return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
 
 
 def bits(t):
-    return t.contiguous().view(torch.int16)
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def quiesce(comm) -> None:
@@ -246,6 +257,181 @@ def test_the_slot_sum_adds_in_slot_order_rounding_once(slot_sums, dtype, count, 
         assert got[6] == 1 + 2.0 ** -40
 
 
+#: the add + RMSNorm's epsilon in these tests
+EPS = 1e-5
+#: the dtypes of the slot sum + add + RMSNorm
+NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@contextlib.contextmanager
+def spied_norms(sums):
+    """Yields a list that gets ``(rows, threads)`` of every slot sum + add + RMSNorm launch
+    of ``sums`` (a SlotSum) in the block, the launches unchanged."""
+    seen, real = [], dict(sums._norms)
+
+    def spy(launcher):
+        def launch(blocks, threads, stream, slots, stride, rows, *rest):
+            seen.append((rows, threads))
+            return launcher(blocks, threads, stream, slots, stride, rows, *rest)
+        return launch
+
+    sums._norms.update({dtype: spy(launcher) for dtype, launcher in real.items()})
+    try:
+        yield seen
+    finally:
+        sums._norms.update(real)
+
+
+def by_vectors(hidden: int, dtype, *tensors) -> bool:
+    """Whether the rows move as 16-byte vectors (kernels/rmsnorm.cuh: rows_by_vectors)."""
+    return hidden * dtype.itemsize % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
+
+
+def host_or_none(t):
+    return None if t is None else host(t)
+
+
+def norm_slot_values(count: int, rows: int, hidden: int, dtype, seed: int):
+    """``count`` slots of rows x hidden values (flat): row 0 as ``slot_values`` makes them
+    (-0.0, +-inf and NaN among them: its norm is NaN, as the host's), the other rows
+    random and finite, with a sum of negative zeros in row 1 (-0.0, before the add)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = torch.randn(count, rows, hidden, generator=g, dtype=torch.float64)
+    parts[parts == 0] = 0.5
+    parts[:, 0] = slot_values(count, hidden, dtype, seed).double()
+    if rows > 1:
+        parts[:, 1, hidden // 2] = -0.0
+    return parts.to(dtype).reshape(count, rows * hidden)
+
+
+@pytest.mark.parametrize("dtype", NORM_DTYPES, ids=str)
+@pytest.mark.parametrize("count", [2, 3, 4, 8])
+@pytest.mark.parametrize("rows, hidden, misaligned", [(1, 8, False), (3, 4096, False), (5, 1000, False),
+                                                      (7, 12, False), (2, 5, False), (200, 8192, False),
+                                                      (4, 1024, True)])
+@pytest.mark.parametrize("operands", ["residual+bias", "none"])
+def test_the_slot_sum_add_rmsnorm_is_the_slot_sum_then_the_norm(slot_sums, dtype, count, rows, hidden, misaligned,
+                                                                  operands):
+    """The overlapped reduce-scatter + add + RMSNorm's kernel (kernels/slot_sum.cu:
+    ub_slot_sum_add_rmsnorm) bit for bit against the host: the slots added in slot order
+    in fp32, rounded once (as the slot sum), then the separate add + RMSNorm kernel's
+    arithmetic with the launch's row group (reference.add_rmsnorm). By vectors, and element
+    by element (hidden not a multiple of the vector width, or outputs off 16-byte
+    alignment); a thread per vector and several (200 rows of 8192); -0.0, +-inf and NaN
+    among the first row's slots (NaN through its norm, as the host's), a sum of -0.0 in
+    the second; every output element written, the bytes around both outputs, the slots
+    and the operands untouched."""
+    name = str(dtype).removeprefix("torch.")
+    n = rows * hidden
+    parts = norm_slot_values(count, rows, hidden, dtype, seed=count * 7 + n)
+    size = parts.element_size()
+    stride = -(-n * size // 256) * 256 + 256
+    area = torch.full((count * stride,), 0x7B, dtype=torch.uint8, device="cuda")
+    for s in range(count):
+        area[s * stride:s * stride + n * size].copy_(parts[s].view(torch.uint8).cuda())
+    kept = area.clone()
+    g = torch.Generator().manual_seed(n + count)
+    weight = (1 + torch.randn(hidden, generator=g) / 8).to(dtype).cuda()
+    residual = bias = None
+    if operands == "residual+bias":
+        residual = torch.randn(rows, hidden, generator=g).to(dtype).cuda()
+        bias = (torch.randn(hidden, generator=g) / 4).to(dtype).cuda()
+    inputs = [t.clone() for t in (residual, bias, weight) if t is not None]
+    shift = size if misaligned else 0
+    canvases = [torch.full((shift + n * size + 64,), SUM_POISON, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    normed, res_out = (c[shift:shift + n * size].view(dtype).view(rows, hidden) for c in canvases)
+    sums = slot_sums(count)
+    norm = (0 if residual is None else residual.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            weight.data_ptr(), normed.data_ptr(), res_out.data_ptr())
+    with spied_norms(sums) as launches:
+        sums.add_rmsnorm(name, area.data_ptr(), stride, rows, hidden, norm, EPS,
+                         torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert [r for r, _ in launches] == [rows]
+    summed = host(host_sum(parts)).reshape(rows, hidden)
+    want_normed, want_res = reference.add_rmsnorm(
+        summed, host_or_none(residual), host_or_none(bias), host(weight), EPS, launches[0][1],
+        by_vectors=by_vectors(hidden, dtype, normed, res_out))
+    reference.assert_same_bits(host(res_out), want_res, f"{name} residual_out")
+    reference.assert_same_bits(host(normed), want_normed, f"{name} normed")
+    for c in canvases:
+        assert bool((c[:shift] == SUM_POISON).all()) and bool((c[shift + n * size:] == SUM_POISON).all()), \
+            "bytes around an output written"
+    assert torch.equal(area, kept), "the slots changed"
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(inputs, (t for t in (residual, bias, weight)
+                                                                     if t is not None))), "an operand changed"
+
+
+@contextlib.contextmanager
+def row_groups(comm):
+    """Yields a list that gets ``(rows, group threads)`` of every add + RMSNorm launch of
+    the block, in order: the slot sum's (overlapped: the communicator's side state made by
+    an earlier overlapped call) or the separate kernel's (unoverlapped: one rank, or NCCL)."""
+    side = _overlap._SIDES.get(comm)
+    if side is not None:
+        with spied_norms(side.sum) as launches:
+            yield launches
+        return
+    groups: list = []
+    with recorded_launches(comm) as launches:
+        yield groups
+    groups.extend((launch.rows, launch.group_threads) for launch in launches if launch.kernel == "add_rmsnorm")
+
+
+#: normed against torch's RMSNorm (``_rmsnorm.add_rmsnorm``: rsqrt, torch's reduction
+#: order) on the same residual_out: max |got - torch| / max |torch|, about a rounding of
+#: the dtype (bf16: 2^-8) either way
+NORM_BOUND = 2.0 ** -7
+#: (rows per rank, k, n, dtype, residual, bias): one row, hidden not a multiple of the
+#: vector width (elements, bf16; vectors, float32), a thread per vector, several rounds
+#: of rows (16 KiB rows at several ranks) with two vectors per thread
+NORM_CASES = [(1, 64, 32, BF16, True, True), (3, 128, 12, BF16, True, False), (3, 128, 12, torch.float32, False, False),
+              (5, 64, 40, torch.float16, True, True), (512, 1024, 768, BF16, False, True),
+              (512, 1024, 768, torch.float32, True, True), (77, 256, 4096, torch.float16, True, False),
+              (2100, 256, 8192, BF16, True, True)]
+
+
+@pytest.mark.parametrize("m, k, n, dtype, with_residual, with_bias", NORM_CASES)
+def test_matmul_reduce_scatter_add_rmsnorm_is_matmul_reduce_scatter_then_the_norm(comm, m, k, n, dtype,
+                                                                                    with_residual, with_bias):
+    """The fused op against ``matmul_reduce_scatter`` of the same operands (the same
+    chunks' sum: test_matmul_reduce_scatter_equals_its_chunks_in_rank_order) followed by
+    the add + RMSNorm: ``residual_out`` bit for bit the add in torch (``_rmsnorm.add_rmsnorm``),
+    ``normed`` bit for bit the separate kernel's arithmetic with each launch's row group
+    (one launch per round) and within NORM_BOUND of torch's RMSNorm; the area and the
+    outputs' memory poisoned before the call."""
+    rank = comm.rank
+    parts = [operand(r, (comm.size * m, k), 3, dtype=dtype) for r in range(comm.size)]
+    bs = [operand(r, (k, n), 4, k ** -0.5, dtype=dtype) for r in range(comm.size)]
+    residual = operand(rank, (m, n), 5, dtype=dtype) if with_residual else None
+    weight = (1 + operand(0, (n,), 6, 0.1, dtype=torch.float32)).to(dtype)
+    bias = operand(0, (n,), 7, 0.1, dtype=dtype) if with_bias else None
+    y = ut.matmul_reduce_scatter(parts[rank], bs[rank], group=comm)  # also makes the side state
+    poison(comm)
+    with row_groups(comm) as launches:
+        normed, res_out = ut.matmul_reduce_scatter_add_rmsnorm(parts[rank], bs[rank], residual, weight, bias, EPS,
+                                                               group=comm)
+    torch.cuda.synchronize()
+    assert normed.shape == res_out.shape == (m, n) and normed.dtype == res_out.dtype == dtype
+    torch_normed, want_res = _rmsnorm.add_rmsnorm(y, residual, weight, bias, EPS)
+    assert torch.equal(bits(res_out), bits(want_res)), \
+        f"{int((res_out != want_res).sum())} residual sums differ from matmul_reduce_scatter + the add"
+    if comm.size > 1 and comm.pool is not None:  # a launch per round
+        assert [r for r, _ in launches] == [r for _, r in _overlap_plan.scatter_rounds(m, n * y.element_size(),
+                                                                                     comm.size).parts]
+    assert sum(r for r, _ in launches) == m
+    first = 0
+    for rows, threads in launches:
+        block = slice(first, first + rows)
+        want_normed, want_round = reference.add_rmsnorm(
+            host(y[block]), host_or_none(None if residual is None else residual[block]), host_or_none(bias),
+            host(weight), EPS, threads, by_vectors=by_vectors(n, dtype))
+        reference.assert_same_bits(host(res_out[block]), want_round, f"residual_out rows {first}+{rows}")
+        reference.assert_same_bits(host(normed[block]), want_normed, f"normed rows {first}+{rows}")
+        first += rows
+    assert ratio(normed, torch_normed.double()) <= NORM_BOUND
+
+
 def test_a_canary_in_the_pool_stays_untouched(comm):
     """A user buffer of the pool, allocated once the area exists, keeps its bytes through
     calls of several rounds."""
@@ -256,22 +442,27 @@ def test_a_canary_in_the_pool_stays_untouched(comm):
         ut.all_gather_matmul(operand(comm.rank, (m, k), 7), operand(0, (k, n), 8), group=comm)
     for m, k, n in SCATTER_SHAPES[-1:]:
         ut.matmul_reduce_scatter(operand(comm.rank, (comm.size * m, k), 9), operand(0, (k, n), 10), group=comm)
+        ut.matmul_reduce_scatter_add_rmsnorm(operand(comm.rank, (comm.size * m, k), 9), operand(0, (k, n), 10),
+                                             operand(comm.rank, (m, n), 11), operand(0, (n,), 12), None, EPS,
+                                             group=comm)
     quiesce(comm)
     assert bool((canary == 0x5A5A5A5A).all())
     del canary
 
 
 def test_cuda_graph_replays_equal_eager(comm):
-    """Both ops captured in one graph after an eager call; replays with new inputs equal
+    """The three ops captured in one graph after an eager call; replays with new inputs equal
     eager calls bit for bit, with replays back to back and eager calls between them (the
-    area's halves alternate across both)."""
+    area's halves alternate across them)."""
     m, k, n = 300, 512, 1024
     a, b = operand(comm.rank, (m, k), 11), operand(comm.rank, (k, n), 12, k ** -0.5)
     x, w = operand(comm.rank, (comm.size * m, n), 13), operand(comm.rank, (n, k), 14, n ** -0.5)
+    residual, norm_weight, bias = operand(comm.rank, (m, k), 15), operand(0, (k,), 16), operand(0, (k,), 17)
 
     def step():
         gathered, out = ut.all_gather_matmul(a, b, group=comm)
-        return gathered, out, ut.matmul_reduce_scatter(x, w, group=comm)
+        normed, res_out = ut.matmul_reduce_scatter_add_rmsnorm(x, w, residual, norm_weight, bias, EPS, group=comm)
+        return gathered, out, ut.matmul_reduce_scatter(x, w, group=comm), normed, res_out
 
     step()  # the first call allocates the area and plans the barrier
     torch.cuda.synchronize()
@@ -279,7 +470,7 @@ def test_cuda_graph_replays_equal_eager(comm):
     with torch.cuda.graph(graph):
         captured = step()
     for trial, eager_between in enumerate((False, False, True, True)):
-        for t, seed in ((a, 21), (b, 22), (x, 23), (w, 24)):
+        for t, seed in ((a, 21), (b, 22), (x, 23), (w, 24), (residual, 25), (norm_weight, 26), (bias, 27)):
             t.copy_(operand(comm.rank, t.shape, seed + 10 * trial, t.shape[0] ** -0.5))
         graph.replay()
         if eager_between:
@@ -319,30 +510,43 @@ def test_a_first_call_under_capture_raises_and_the_capture_stays_usable():
         c.close()
 
 
-def test_sequence_parallel_mlp_matches_the_unsharded_block(comm):
-    """The sequence-parallel MLP, bf16, forward and backward: this rank's rows of the
-    outputs and input gradient, its weight shards' gradients, and the norm weight's and
-    bias's gradients summed over the ranks, within tp.BF16_BOUND of the unsharded float64
-    block."""
-    from ubnext.torch import TensorParallelMLP
+@pytest.mark.parametrize("kind", ["mlp", "attention"])
+def test_sequence_parallel_blocks_match_the_unsharded_block(comm, kind):
+    """The sequence-parallel MLP and attention output (their row-parallel GEMMs' reduce-
+    scatter + add + RMSNorm one op), bf16, forward and backward: this rank's rows of the
+    outputs, the input gradient (the attention's: every token, this rank's heads), its weight
+    shards' gradients, and the norm weight's and bias's gradients summed over the ranks,
+    within tp.BF16_BOUND of the unsharded float64 block."""
+    from ubnext.torch import TensorParallelAttentionOutput, TensorParallelMLP
 
     tokens, hidden, inter = 64 * comm.size, 512, 1024
-    w = tp.weights(hidden, inter, hidden, BF16, "cuda")
-    data = tp.inputs(tokens, hidden, hidden, BF16, "cuda")
-    block = TensorParallelMLP(hidden, inter, comm, bias=True, eps=tp.EPS, dtype=BF16, device="cuda",
-                              sequence_parallel=True)
-    block.load_full(w["gate"], w["up"], w["down"], w["mlp_norm"], w["down_bias"])
+    w = tp.weights(hidden, inter, inter, BF16, "cuda")
+    data = tp.inputs(tokens, hidden, inter, BF16, "cuda")
     rows = slice(comm.rank * 64, (comm.rank + 1) * 64)
-    x = data["x"][rows].clone().requires_grad_()
+    if kind == "mlp":
+        block = TensorParallelMLP(hidden, inter, comm, bias=True, eps=tp.EPS, dtype=BF16, device="cuda",
+                                  sequence_parallel=True)
+        block.load_full(w["gate"], w["up"], w["down"], w["mlp_norm"], w["down_bias"])
+        x = data["x"][rows].clone().requires_grad_()
+        bias_name = "down.bias"
+    else:
+        block = TensorParallelAttentionOutput(hidden, inter, comm, bias=True, eps=tp.EPS, dtype=BF16, device="cuda",
+                                              sequence_parallel=True)
+        block.proj.load_full(w["o"], w["o_bias"])
+        with torch.no_grad():
+            block.norm.weight.copy_(w["attn_norm"])
+        heads = inter // comm.size
+        x = data["attention"][:, comm.rank * heads:(comm.rank + 1) * heads].clone().requires_grad_()
+        bias_name = "proj.bias"
     residual = data["residual"][rows].clone().requires_grad_()
     normed, res = block(x, residual)
     torch.autograd.backward((normed, res), (data["grad_normed"][rows], data["grad_residual"][rows]))
     grads = {n_: p.grad for n_, p in block.named_parameters()}
-    for name in ("norm.weight", "down.bias"):  # this rank's rows' partial sums: summed over the ranks
+    for name in ("norm.weight", bias_name):  # this rank's rows' partial sums: summed over the ranks
         grads[name] = comm.all_reduce(grads[name].float().contiguous()).to(BF16)
     got = {"normed": normed.detach(), "residual_out": res.detach(), "grad_x": x.grad, "grad_residual": residual.grad,
            **{f"grad:{n_}": g for n_, g in grads.items()}}
-    want = tp.unsharded("mlp", w, data, comm.rank, comm.size)
-    for name in ("normed", "residual_out", "grad_x", "grad_residual"):
+    want = tp.unsharded(kind, w, data, comm.rank, comm.size)
+    for name in ("normed", "residual_out", "grad_residual") + (("grad_x",) if kind == "mlp" else ()):
         want[name] = want[name][rows]
     tp.assert_close_to(got, want)

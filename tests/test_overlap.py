@@ -478,6 +478,34 @@ def test_benchmark_defaults_and_the_hidden_share():
     assert overlap_perf.hidden_share({"overlapped": 140.0, "gemm": 100.0, "comm": 40.0}) == pytest.approx(0.0)
 
 
+def test_the_report_prints_the_fused_norms_ratio_on_the_reduce_scatter_side(monkeypatch, capsys):
+    """overlap_perf's table: every candidate's median, and on the reduce-scatter side the
+    fused epilogue's time over the unfused one's (``fused/unf``); the all-gather side,
+    which has no norm candidates, prints no such column."""
+    from types import SimpleNamespace
+
+    from bench import _torchbench, overlap_perf
+
+    assert overlap_perf.NORM_PAIR == ("rs+norm fused", "rs, norm")
+    assert set(overlap_perf.NORM_PAIR) < set(overlap_perf.CANDIDATES)
+    assert overlap_perf.fused_ratio({"rs+norm fused": 90.0, "rs, norm": 120.0}) == pytest.approx(0.75)
+    times = {"overlapped": 110.0, "gemm": 100.0, "chunks": 104.0, "comm": 40.0, "ubnext+gemm": 140.0,
+             "nccl+gemm": 150.0, "rs+norm fused": 111.0, "rs, norm": 125.0}
+    records = [{"hidden": 64, "intermediate": 128, "tokens": 8, "side": side, "candidate": c, "times_us": [t],
+                "median_us": t, "rel_err_vs_unoverlapped": 0.0, "rel_err_fused_norm_vs_unfused": None}
+               for side in overlap_perf.SIDES for c, t in times.items()
+               if side == "rs" or c not in overlap_perf.NORM_PAIR]
+    monkeypatch.setattr(_torchbench, "save_report", lambda *a, **k: ("/tmp/x", {"machine": {"gpu": "G"}}))
+    monkeypatch.setattr(_torchbench, "plot_lines", lambda path, *a, **k: path)
+    comm = SimpleNamespace(size=2)
+    overlap_perf.report(comm, SimpleNamespace(tokens=[8]), [], records, [(64, 128)], None)
+    lines = capsys.readouterr().out.splitlines()
+    ag, rs = (next(i for i, line in enumerate(lines) if line.startswith(f"# {side}:")) for side in ("ag", "rs"))
+    assert "fused/unf" not in lines[ag + 1] and lines[rs + 1].split()[-1] == "fused/unf"
+    assert float(lines[rs + 2].split()[-1]) == pytest.approx(111.0 / 125.0, abs=1e-3)
+    assert "rs+norm fused" in lines[rs + 1] and "rs, norm" in lines[rs + 1]
+
+
 def test_the_trace_summary_counts_time_under_two_gemm_kernels_once(tmp_path):
     """overlap_perf --trace: a copy's time under two overlapping GEMMs counts once, and so
     does the GEMMs' own time; ubnext's kernels and torch's elementwise kernels are not
