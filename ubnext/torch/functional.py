@@ -272,10 +272,12 @@ def matmul_reduce_scatter_add_rmsnorm(a: torch.Tensor, b: torch.Tensor, residual
     add + RMSNorm in fp32 with the arithmetic of ``Communicator.reduce_scatter_add_rmsnorm``'s
     separate kernel) instead of a norm pass of its own afterwards. ``residual_out`` equals
     ``matmul_reduce_scatter`` followed by the add in torch (``(y.float() + bias.float()) +
-    residual.float()``, rounded once) bit for bit; ``normed`` equals that kernel's
-    arithmetic on it (IEEE division, square root and reciprocal, a fixed tree over the
-    row) bit for bit, and an RMSNorm in torch (``rsqrt``, torch's reduction order) to
-    within about one rounding of a's dtype.
+    residual.float()``, rounded once) bit for bit, but for one sign: a missing bias or
+    residual is added as +0.0 (as in every fused kernel), so where torch's sum without it
+    is -0.0 this one is +0.0. ``normed`` equals that kernel's arithmetic on it (IEEE
+    division, square root and reciprocal, a fixed tree over the row) bit for bit, and an
+    RMSNorm in torch (``rsqrt``, torch's reduction order) to within about one rounding of
+    a's dtype.
     Without a pool (NCCL only) or at one rank it runs the GEMM, then
     ``Communicator.reduce_scatter_add_rmsnorm``.
 
