@@ -36,31 +36,34 @@ template <class Q> struct QuantAreas {
   __device__ u64 ag(u64 u) const { return base + (total + u) * Record<Q>::kBytes; }
 };
 
-template <class T, class Op, class Q, int N>
-__device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64 area_off, const char* src,
-                                        char* dst, u64 n, u64 sig, LaunchState* state) {
-  static_assert(Elem<T>::kBytes == 2, "the quantized two-shot takes 16-bit elements");
+// Where the units of each slice come from: unit j of slice o is unit at(o, j) of the array
+// array(o) of n 16-bit elements (elements past n read as 0); it exists while has(o, j).
+// An all-reduce's message is one array whose U = ceil(n / kUnit) units are split into
+// slices of `slice` consecutive units.
+struct WholeMessage {
+  const char* src;
+  u64 n, units, slice;
+  __device__ const char* array(int) const { return src; }
+  __device__ u64 at(int o, u64 j) const { return o * slice + j; }
+  __device__ bool has(int o, u64 j) const { return o * slice + j < units; }
+};
+
+// Phase 1, the reduce-scatter by stores: units [lo, hi) of every slice of m, quantized by
+// the warps of the block, each unit stored as a record into slot [rank] of its owner's
+// reduce-scatter area, every owner in peer() order.
+template <class T, class Q, int N, class M>
+__device__ void push_slices(const Unicast<N>& tp, const QuantAreas<Q>& a, const M& m, u64 lo, u64 hi) {
   typedef Record<Q> R;
-  const u64 units = (n + kUnit - 1) / kUnit;
-  const u64 slice = (units + N - 1) / N;
-  const QuantAreas<Q> a{area_off, slice, (u64)N * slice};
-  const LaunchView l = read_launch_state(state);
-  WaitCtx c = wait_ctx(state, tp.rank);
-  const u64 part = (slice + gridDim.x - 1) / gridDim.x;
-  const u64 lo = blockIdx.x * part;
-  const u64 hi = lo + part < slice ? lo + part : slice;
   const int lane = threadIdx.x % kWarp;
   const u32 warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;  // loops over units are warp-uniform
-  const char* mine = tp.seg(tp.rank);
-
-  // 1. reduce-scatter by stores of quantized units, every owner in peer() order
   for (int k = 0; k < N; ++k) {
     const int o = tp.peer(k);
-    for (u64 j = lo + warp; j < hi && o * slice + j < units; j += warps) {
-      const u64 u = o * slice + j;
+    const char* src = m.array(o);
+    for (u64 j = lo + warp; j < hi && m.has(o, j); j += warps) {
+      const u64 u = m.at(o, j);
       uint4 in[kSteps];  // every load in flight before the arithmetic
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) in[s] = load_step(src, step_elem(u, s, lane), n);
+      for (int s = 0; s < kSteps; ++s) in[s] = load_step(src, step_elem(u, s, lane), m.n);
       char* rec = tp.seg(o) + a.rs(tp.rank, j);
       u32 words[R::kWords];
       float scale = 0.f;  // of step lane % kSteps (keep_scale)
@@ -81,49 +84,86 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
       put_scale<Q>(rec, lane, scale);
     }
   }
+}
+
+// Phase 3's sum of unit j of this rank's slice: every rank's record [r][j] of this rank's
+// reduce-scatter area (stored before the entry barrier), dequantized and added in rank order
+// 0..N-1 in fp32, divided by N for avg. Calls emit(s, acc) with the sums of this lane's step
+// s, for s = 0..kSteps-1 in order (a vector's codes are loaded before its steps).
+template <class Op, class Q, int N, class Emit>
+__device__ __forceinline__ void sum_unit(const char* mine, const QuantAreas<Q>& a, u64 j, int lane, Emit emit) {
+  typedef Record<Q> R;
+  float scales[N][kSteps];  // every rank's: loaded first, with each vector's codes below
+#pragma unroll
+  for (int r = 0; r < N; ++r) take_scales<Q>(mine + a.rs(r, j), lane, scales[r]);
+#pragma unroll
+  for (int v = 0; v < R::kVecs; ++v) {
+    u32 codes[N][R::kWords];  // vector v of every rank's codes (the other words unused)
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      const uint4 cv = ld_relaxed_sys(mine + a.rs(r, j) + R::code(v, lane));
+      codes[r][4 * v] = cv.x, codes[r][4 * v + 1] = cv.y, codes[r][4 * v + 2] = cv.z, codes[r][4 * v + 3] = cv.w;
+    }
+#pragma unroll
+    for (int t = 0; t < R::kStepsPerVec; ++t) {
+      const int s = v * R::kStepsPerVec + t;
+      float acc[kLaneElems], f[kLaneElems];
+      u32 w[Q::kWords];
+      step_codes<Q>(codes[0], s, w);
+      dequantize_step<Q>(w, scales[0][s], acc);
+#pragma unroll
+      for (int r = 1; r < N; ++r) {
+        step_codes<Q>(codes[r], s, w);
+        dequantize_step<Q>(w, scales[r][s], f);
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
+      }
+      if (Op::kFinishes) {  // avg: the sum divided by N
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) acc[e] = __fdiv_rn(acc[e], (float)N);
+      }
+      emit(s, acc);
+    }
+  }
+}
+
+template <class T, class Op, class Q, int N>
+__device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64 area_off, const char* src,
+                                        char* dst, u64 n, u64 sig, LaunchState* state) {
+  static_assert(Elem<T>::kBytes == 2, "the quantized two-shot takes 16-bit elements");
+  typedef Record<Q> R;
+  const u64 units = (n + kUnit - 1) / kUnit;
+  const u64 slice = (units + N - 1) / N;
+  const QuantAreas<Q> a{area_off, slice, (u64)N * slice};
+  const LaunchView l = read_launch_state(state);
+  WaitCtx c = wait_ctx(state, tp.rank);
+  const u64 part = (slice + gridDim.x - 1) / gridDim.x;
+  const u64 lo = blockIdx.x * part;
+  const u64 hi = lo + part < slice ? lo + part : slice;
+  const int lane = threadIdx.x % kWarp;
+  const u32 warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;  // loops over units are warp-uniform
+  const char* mine = tp.seg(tp.rank);
+
+  // 1. reduce-scatter by stores of quantized units
+  push_slices<T, Q, N>(tp, a, WholeMessage{src, n, units, slice}, lo, hi);
   const bool entered = tp.barrier(flags_off, 0, l.epoch + 1u, sig, c, kSiteEntryBarrier);
 
   // 3. reduce own units in rank order, quantize once, all-gather by stores
   for (u64 j = lo + warp; entered && j < hi && tp.rank * slice + j < units; j += warps) {
-    float scales[N][kSteps];  // every rank's: loaded first, with each vector's codes below
-#pragma unroll
-    for (int r = 0; r < N; ++r) take_scales<Q>(mine + a.rs(r, j), lane, scales[r]);
     const u64 g = tp.rank * slice + j;
     u32 words[R::kWords];
     float scale = 0.f;  // of step lane % kSteps (keep_scale)
+    sum_unit<Op, Q, N>(mine, a, j, lane, [&](int s, float (&acc)[kLaneElems]) {
+      u32 w[Q::kWords];
+      keep_scale(scale, s, lane, quantize_step<Q>(acc, w));
 #pragma unroll
-    for (int v = 0; v < R::kVecs; ++v) {
-      u32 codes[N][R::kWords];  // vector v of every rank's codes (the other words unused)
+      for (int i = 0; i < Q::kWords; ++i) words[s * Q::kWords + i] = w[i];
+      if ((s + 1) % R::kStepsPerVec == 0) {  // the last step of vector v: store it everywhere
+        const int v = s / R::kStepsPerVec;
 #pragma unroll
-      for (int r = 0; r < N; ++r) {
-        const uint4 cv = ld_relaxed_sys(mine + a.rs(r, j) + R::code(v, lane));
-        codes[r][4 * v] = cv.x, codes[r][4 * v + 1] = cv.y, codes[r][4 * v + 2] = cv.z, codes[r][4 * v + 3] = cv.w;
+        for (int k = 0; k < N; ++k) put_codes<Q>(tp.seg(tp.peer(k)) + a.ag(g), v, lane, words);
       }
-#pragma unroll
-      for (int t = 0; t < R::kStepsPerVec; ++t) {
-        const int s = v * R::kStepsPerVec + t;
-        float acc[kLaneElems], f[kLaneElems];
-        u32 w[Q::kWords];
-        step_codes<Q>(codes[0], s, w);
-        dequantize_step<Q>(w, scales[0][s], acc);
-#pragma unroll
-        for (int r = 1; r < N; ++r) {
-          step_codes<Q>(codes[r], s, w);
-          dequantize_step<Q>(w, scales[r][s], f);
-#pragma unroll
-          for (int e = 0; e < kLaneElems; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
-        }
-        if (Op::kFinishes) {  // avg: the sum divided by N
-#pragma unroll
-          for (int e = 0; e < kLaneElems; ++e) acc[e] = __fdiv_rn(acc[e], (float)N);
-        }
-        keep_scale(scale, s, lane, quantize_step<Q>(acc, w));
-#pragma unroll
-        for (int i = 0; i < Q::kWords; ++i) words[s * Q::kWords + i] = w[i];
-      }
-#pragma unroll
-      for (int k = 0; k < N; ++k) put_codes<Q>(tp.seg(tp.peer(k)) + a.ag(g), v, lane, words);
-    }
+    });
 #pragma unroll
     for (int k = 0; k < N; ++k) put_scale<Q>(tp.seg(tp.peer(k)) + a.ag(g), lane, scale);
   }
