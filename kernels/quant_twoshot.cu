@@ -18,7 +18,11 @@
 // Every rank dequantizes the same stored records: identical bits everywhere. The areas are
 // this kernel's alone, so a peer's next launch may store into slot [peer] before its entry
 // barrier: it starts only after its own launch passed the exit barrier, which this rank's
-// blocks reach after reading their slots. Flags and launch state are the family's own too.
+// blocks reach after reading their slots. This rank may still read its all-gather area
+// then (phase 5), so that area lies apart from the slots of any launch (the host passes its
+// offset: ubnext/_protocol/quant.py, slots_bytes): the next launch's slots move with its
+// size and format and would otherwise overlap it. Flags and launch state are the family's
+// own too.
 #include "quant.cuh"
 #include "transport.cuh"
 
@@ -27,13 +31,12 @@
 #endif
 
 // Byte offsets of a launch's records in a segment, for S units per slice: the
-// reduce-scatter slots [N][S], then the all-gather area [N * S].
+// reduce-scatter slots [N][S] from `slots`, the all-gather area [N * S] from `gather`.
 template <class Q> struct QuantAreas {
-  u64 base;   // offset of the quant slot
-  u64 s;      // units per slice
-  u64 total;  // N * S
-  __device__ u64 rs(int src, u64 j) const { return base + (src * s + j) * Record<Q>::kBytes; }
-  __device__ u64 ag(u64 u) const { return base + (total + u) * Record<Q>::kBytes; }
+  u64 slots, gather;
+  u64 s;  // units per slice
+  __device__ u64 rs(int src, u64 j) const { return slots + (src * s + j) * Record<Q>::kBytes; }
+  __device__ u64 ag(u64 u) const { return gather + u * Record<Q>::kBytes; }
 };
 
 // Where the units of each slice come from: unit j of slice o is unit at(o, j) of the array
@@ -128,13 +131,13 @@ __device__ __forceinline__ void sum_unit(const char* mine, const QuantAreas<Q>& 
 }
 
 template <class T, class Op, class Q, int N>
-__device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64 area_off, const char* src,
-                                        char* dst, u64 n, u64 sig, LaunchState* state) {
+__device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64 slots_off, u64 gather_off,
+                                        const char* src, char* dst, u64 n, u64 sig, LaunchState* state) {
   static_assert(Elem<T>::kBytes == 2, "the quantized two-shot takes 16-bit elements");
   typedef Record<Q> R;
   const u64 units = (n + kUnit - 1) / kUnit;
   const u64 slice = (units + N - 1) / N;
-  const QuantAreas<Q> a{area_off, slice, (u64)N * slice};
+  const QuantAreas<Q> a{slots_off, gather_off, slice};
   const LaunchView l = read_launch_state(state);
   WaitCtx c = wait_ctx(state, tp.rank);
   const u64 part = (slice + gridDim.x - 1) / gridDim.x;
@@ -202,9 +205,10 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
 // minimum of 1 block, ptxas capped it at 64 and spilled the owner's loads of every rank.
 
 extern "C" __global__ void __launch_bounds__(UB_QUANT_TWOSHOT_THREADS, 1)
-ub_quant_twoshot(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 area_off,
+ub_quant_twoshot(char* base, u64 stride, int rank, char* mc, u64 flags_off, u64 slots_off, u64 gather_off,
                  const char* src, char* dst, u64 n, u64 sig, LaunchState* state) {
   enter_launch(state);
   const Unicast<UB_NRANKS> tp{base, stride, rank, mc};
-  quant_twoshot_allreduce<UB_T, UB_OP, UB_QFMT, UB_NRANKS>(tp, flags_off, area_off, src, dst, n, sig, state);
+  quant_twoshot_allreduce<UB_T, UB_OP, UB_QFMT, UB_NRANKS>(tp, flags_off, slots_off, gather_off, src, dst, n, sig,
+                                                          state);
 }

@@ -43,6 +43,7 @@ _PARAMS = {
     "ub_lamport_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
     "ub_lamport_twoshot_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
     "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32, U64, U64),
+    "ub_quant_twoshot": (U64, U64, I32) + (U64,) * 9,
 }
 _NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
 
@@ -98,9 +99,11 @@ class Engine:
                          for t in ("unicast", "multicast")}
         self.staging_off = plan.offset("staging")
         self.staging_ptr = pool.local_ptr(self.staging_off)
-        # the quantized two-shot: flags, launch state, receive areas and their bytes (0: not opted in)
-        self._quant = (plan.offset("flags.quant"), pool.local_ptr(plan.offset("quant.state")),
-                       plan.offset("quant"), plan.nbytes("quant"))
+        # the quantized two-shot: flags, launch state, the receive areas (reduce-scatter slots,
+        # then the all-gather area: _quant.slots_bytes) and their bytes (0: not opted in)
+        slots = plan.offset("quant")
+        self._quant = (plan.offset("flags.quant"), pool.local_ptr(plan.offset("quant.state")), slots,
+                       slots + _quant.slots_bytes(self.nranks), plan.nbytes("quant"))
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
@@ -230,7 +233,7 @@ class Engine:
         ``count`` elements from local ``src`` into local ``dst`` (2-byte aligned; may be
         equal) in ``fmt``, as ``lamport`` gives it; at most ``quant.LAUNCH_BYTES`` of input.
         ``sig``: the call's signature."""
-        flags, state, area, nbytes = self._quant
+        flags, state, slots, gather, nbytes = self._quant
         if not nbytes:
             raise AssertionError("engine: the quantized two-shot needs Config.quantized")
         key = (f"quantized:{fmt}", dtype, op, False, 1, "all_reduce")  # shaped as _kernel's keys
@@ -238,8 +241,8 @@ class Engine:
         if launcher is None:
             module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks),
                                     self.pool.device)
-            launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS["ub_twoshot"],
-                                                       self._fixed + (flags, area), (state,), self.dependent)
+            launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS[_quant.ENTRY],
+                                                       self._fixed + (flags, slots, gather), (state,), self.dependent)
         slice_units = -(-_quant.units(count) // self.nranks)
         blocks = max(1, min(self._blocks, -(-slice_units // _quant.BLOCK_UNITS)))
         return launcher, blocks, THREADS[_quant.SOURCE], (src, dst, count, sig)

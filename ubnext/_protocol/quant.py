@@ -136,20 +136,22 @@ def units(count: int) -> int:
     return -(-count // UNIT)
 
 
-def area_bytes(nranks: int, launch_elems: int, fmt: str) -> int:
-    """Bytes of the quantized receive areas for launches of up to ``launch_elems``
-    elements in ``fmt`` (kernels/quant_twoshot.cu: QuantAreas): a reduce-scatter area of
-    N slots of S unit records and an all-gather area of N * S records, where
-    S = ceil(units / N) units per slice."""
-    slice_units = -(-units(launch_elems) // nranks)
-    return 2 * nranks * slice_units * record_bytes(fmt)
+def slots_bytes(nranks: int) -> int:
+    """Bytes of the reduce-scatter slots (kernels/quant_twoshot.cu: QuantAreas) of the
+    largest launch in any format: N slots of S unit records each, S = ceil(units / N) for
+    a launch of LAUNCH_BYTES. They start the quantized receive areas; the all-gather area
+    (N * S records) follows at this offset, apart from the slots of every launch, which a
+    peer's next launch fills while this rank may still read its all-gather area."""
+    slice_units = -(-units(LAUNCH_BYTES // 2) // nranks)
+    return max(nranks * slice_units * record_bytes(f) for f in FORMATS)
 
 
 def quant_area_bytes(nranks: int, setting: str) -> int:
     """The pool bytes of the quantized receive areas of a communicator whose
-    ``Config.quantized`` is ``setting``: none where it is ``"off"``, else room for a
-    launch in any format (``precision=`` picks one per call)."""
-    return 0 if setting == "off" else max(area_bytes(nranks, LAUNCH_BYTES // 2, f) for f in FORMATS)
+    ``Config.quantized`` is ``setting``: none where it is ``"off"``, else the slots and the
+    all-gather area of a launch in any format (``precision=`` picks one per call):
+    twice :func:`slots_bytes`."""
+    return 0 if setting == "off" else 2 * slots_bytes(nranks)
 
 
 def compile_defines(fmt: str, dtype: str, op: str, nranks: int) -> dict[str, str]:
