@@ -126,6 +126,115 @@ def test_result_has_the_inputs_shape_and_ignores_the_padding(count):
     assert got.shape == (1, count)
 
 
+# ---- the reduce-scatter ------------------------------------------------------------------------
+def _slices(inputs, r):
+    """Slice r of every rank's input (the inputs of rank r's reduce-scatter output)."""
+    k = inputs[0].size // len(inputs)
+    return [x.reshape(-1)[r * k:(r + 1) * k] for x in inputs]
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+@pytest.mark.parametrize("dtype", list(NP))
+@pytest.mark.parametrize("kind", ["normal", "heavy", "outliers"])
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("op", list(_quant.OPS))
+def test_reduce_scatter_error_bound_holds(fmt, dtype, kind, nranks, op):
+    """Each rank's k elements are within the reduce-scatter's bound of the exact reduction
+    of its slice (one quantization, no requantization: a smaller bound than the
+    all-reduce's), and the bound is not vacuous."""
+    k = 32 * 129 + 7  # slices of a partial last group, so slices do not start on the message's groups
+    inputs = [_data(kind, dtype, nranks * k, r) for r in range(nranks)]
+    outs = _quant.reduce_scatter(inputs, fmt, op)
+    assert len(outs) == nranks
+    limit = _quant.bound(fmt, dtype, nranks, "reduce_scatter")
+    assert limit < _quant.bound(fmt, dtype, nranks)
+    worst = 0.0
+    for r, got in enumerate(outs):
+        assert got.dtype == NP[dtype] and got.shape == (k,)
+        worst = max(worst, _quant.group_errors(_slices(inputs, r), got, op).max())
+    assert worst <= limit, (worst, limit)
+    assert worst > _quant.FORMATS[fmt].step / 4
+
+
+def test_reduce_scatter_bounds_are_the_stated_values():
+    """docs/quantized.md: about 0.0079 (int8), 0.040 (fp8) and 0.076 (int4) for bfloat16 at 4 ranks."""
+    got = {f: _quant.bound(f, "bfloat16", 4, "reduce_scatter") for f in _quant.FORMATS}
+    assert got["int8"] == pytest.approx(0.0079, abs=5e-5) and got["fp8"] == pytest.approx(0.040, abs=5e-4)
+    assert got["int4"] == pytest.approx(0.076, abs=5e-4)
+
+
+def test_reduce_scatter_groups_each_slice_from_its_start():
+    """A group never spans two slices: rank r's output depends on slice r of the inputs only,
+    and a slice's first group starts at its first element (k = 33: the second slice starts
+    one element into the message's second group)."""
+    k, n = 33, 2
+    inputs = [_data("normal", "bfloat16", n * k, r) for r in range(n)]
+    changed = [x.copy() for x in inputs]
+    changed[0][:k] = (changed[0][:k].astype(np.float32) * 100).astype(NP["bfloat16"])  # slice 0 of rank 0
+    a, b = _quant.reduce_scatter(inputs, "int8"), _quant.reduce_scatter(changed, "int8")
+    assert (a[1].view(np.uint16) == b[1].view(np.uint16)).all() and not (a[0] == b[0]).all()
+    for r in range(n):  # each slice alone, as a message of its own: the same sums, rounded once
+        slices = _slices(inputs, r)
+        exact = _quant._sum([_quant._grouped(x) for x in slices], "int8", "sum").reshape(-1)[:k]
+        assert (a[r].view(np.uint16) == exact.astype(NP["bfloat16"]).view(np.uint16)).all()
+
+
+@pytest.mark.parametrize("fmt,qmax", [("int8", 127), ("int4", 7)])
+def test_reduce_scatter_is_exact_where_every_code_is(fmt, qmax):
+    """Integer inputs whose every group holds +-qmax have scale 1 and exact codes: the
+    reduce-scatter then returns the exact sums (float16 holds them), which the all-reduce's
+    second quantization would not (its sums reach beyond qmax)."""
+    n, k = 4, 32 * 40 + 11
+    rng = np.random.default_rng(5)
+    inputs = []
+    for _ in range(n):
+        x = rng.integers(-qmax, qmax + 1, n * k).astype(np.float32)
+        for r in range(n):  # +-qmax in every group of every slice
+            x[r * k:(r + 1) * k:32] = qmax * rng.choice([-1, 1], -(-k // 32))
+        inputs.append(x.astype(np.float16))
+    outs = _quant.reduce_scatter(inputs, fmt)
+    for r in range(n):
+        want = np.sum([x.astype(np.float64) for x in _slices(inputs, r)], axis=0)
+        assert (outs[r].astype(np.float64) == want).all()
+    assert not (np.concatenate(outs) == _quant.all_reduce(inputs, fmt)).all()
+
+
+def test_reduce_scatter_adds_in_rank_order_and_avg_divides_once():
+    big, small = 2.0**20, 1.0
+    parts = [np.full(64, v, np.float32).astype(NP["bfloat16"]) for v in (big, -big, small, small)]
+    for got in _quant.reduce_scatter(parts, "int8"):
+        assert (got.astype(np.float32) == 2.0).all()
+    for got in _quant.reduce_scatter(parts, "int8", "avg"):
+        assert (got.astype(np.float32) == 0.5).all()
+
+
+def test_reduce_scatter_specials():
+    """A group holding a NaN or infinity comes out NaN (its slice's group only); zeros of
+    either sign as +0.0."""
+    x = np.ones(2 * 64, np.float32)
+    x[3], x[64 + 40] = np.nan, np.inf  # slice 0 group 0, slice 1 group 1
+    zeros = np.full(2 * 64, -0.0, np.float32)
+    for fmt in _quant.FORMATS:
+        a, b = _quant.reduce_scatter([x.astype(NP["bfloat16"]), np.ones(128, NP["bfloat16"])], fmt)
+        assert np.isnan(a[:32].astype(np.float32)).all() and (a[32:].astype(np.float32) == 2).all()
+        assert (b[:32].astype(np.float32) == 2).all() and np.isnan(b[32:].astype(np.float32)).all()
+        for out in _quant.reduce_scatter([zeros.astype(NP["float16"])] * 2, fmt):
+            assert (out.view(np.uint16) == 0).all()
+
+
+def test_reduce_scatter_takes_whole_slices():
+    with pytest.raises(ValueError, match="not 4 slices"):
+        _quant.reduce_scatter([np.ones(10, NP["bfloat16"])] * 4, "int8")
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5, 8])
+def test_reduce_scatter_launches_take_whole_units_of_every_slice_and_fit_the_slots(nranks):
+    chunk = _quant.slice_launch_elems(nranks)
+    assert chunk > 0 and chunk % _quant.UNIT == 0 and nranks * chunk * 2 <= _quant.LAUNCH_BYTES
+    for fmt in _quant.FORMATS:
+        assert nranks * (chunk // _quant.UNIT) * _quant.record_bytes(fmt) <= _quant.slots_bytes(nranks)
+
+
 # ---- opt-in -------------------------------------------------------------------------------
 MiB = 1 << 20
 
