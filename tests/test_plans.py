@@ -427,6 +427,25 @@ def test_quantized_launches_take_the_slots_and_the_gather_area_after_them(make_c
     assert slots + 2 * _quant.slots_bytes(1) == slots + plan.nbytes("quant")
 
 
+def test_the_quantized_reduce_scatter_launches_its_entry_of_the_all_reduces_module(make_comm, fakes):
+    """One module per format, dtype and op holds both entry points; the reduce-scatter's
+    takes the flags and the slots (no all-gather area), then the input, the output, k, the
+    slices' pitch in bytes and the tagged signature; it is not planned."""
+    comm = make_comm(quantized="int8")
+    x, out = array(X, dtype="float16"), array(Y, dtype="float16")
+    comm.all_reduce(x, out=out, precision="int4")
+    for _ in range(2):
+        comm.reduce_scatter(x, out=out, precision="int4")
+    ar, rs, again = fakes.driver.launches
+    assert [entry(comm, launch)[1] for launch in (ar, rs)] == list(_quant.ENTRIES.values())
+    assert entry(comm, ar)[2] == entry(comm, rs)[2] and len(comm._node.engine._modules) == 1
+    plan = comm._node.engine.plan
+    sig = _quant.signature(encode("reduce_scatter", "float16", "sum", 1024), "int4")
+    assert rs[4][4:] == (plan.offset("flags.quant"), plan.offset("quant"), X, Y, 1024, 2048, sig,
+                         SEGMENT + plan.offset("quant.state"))
+    assert rs[1:3] == (1, _quant.BLOCK_UNITS * 32) and again == rs and len(comm._plans) == 0
+
+
 def test_arrays_of_other_frameworks_are_not_planned(make_comm, fakes):
     """Viewing them orders their producer's stream before the launch: every call."""
     fakes.monkeypatch.setattr(_arrays, "_pointer_device", lambda ptr, op, kind: 0)

@@ -298,13 +298,19 @@ def test_describe_says_whether_auto_quantizes():
     assert note("fp8", True, "float16", 16 * MiB, start) == "; sum and avg too (fp8 " + start[1] + ")"
     assert note("int8", True, "bfloat16", 1 << 30, (None, "never: not measured for 4 ranks")) == (
         "; sum and avg too (int8 never: not measured for 4 ranks)")
-    starts = {"bfloat16": start, "float16": (None, "never (measured not to pay: x)")}
+    assert note("int8", True, "bfloat16", 64 * MiB, start, "reduce_scatter") == (
+        "; sum and avg run the quantized reduce-scatter in int8 instead (int8 " + start[1] + ")")
+    rs = (None, "never: not measured for 2 ranks (no selector table has quantized reduce_scatter thresholds")
+    starts = {"all_reduce": {"bfloat16": start, "float16": (None, "never (measured not to pay: x)")},
+              "reduce_scatter": {"bfloat16": rs, "float16": rs}}
     assert "auto never quantizes" in _quant.describe("off", True, {})
     assert "NCCL only" in _quant.describe("int8", False, starts)
     text = _quant.describe("int4", True, starts)
     assert text.startswith("int4: auto reduces sum/avg in the quantized two-shot where the selector table says it "
                            "pays: bfloat16 from 64 MiB (2 ranks bfloat16 (quantized, tune file t.json: GPU nvlink "
-                           "plain graph)); float16 never (measured not to pay: x) (31% of the bytes")
+                           "plain graph)); float16 never (measured not to pay: x); reduce-scatters where it says so "
+                           f"for them: bfloat16 {rs[1]}; float16 {rs[1]} (31% of the bytes; error <= 0.1524 x the "
+                           "group's magnitude for bfloat16, 0.0756 in a reduce-scatter)"), text
     assert "UBNEXT_QUANTIZED=int8|fp8|int4" in _quant.describe("off", True, {})
 
 
@@ -403,7 +409,9 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     names = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
     tuned = parse_table({"format": 2, "entries": [
         {"gpu": "*", "link": "*", "placement": "*", "mode": "*", "tables": {"64": {"bfloat16": [[None, "nccl"]]}},
-         "quantized": {"tables": {"4": {"bfloat16": {"int8": 64 * MiB}}}}}]}, "tune file t.json")
+         "quantized": {"tables": {"4": {"bfloat16": {"int8": 64 * MiB}}},
+                       "collectives": {"reduce_scatter": {"tables": {"4": {"bfloat16": {"int8": 16 * MiB}}}}}}}]},
+        "tune file t.json")
 
     def describe(table, size=4):
         comm = types.SimpleNamespace(config=cfg, rank=0, size=size, local_rank=0, local_size=size, device=0,
@@ -413,7 +421,7 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
 
     d = describe(None, size=8)  # the shipped table has no thresholds for 8 ranks
     assert d["config"]["UBNEXT_QUANTIZED"] == setting
-    assert f"quantized all-reduce: {d['quantized']}" in str(d)
+    assert f"quantized all-reduce and reduce-scatter: {d['quantized']}" in str(d)
     whys = [why for _, _, why in d["selection"]["bfloat16"]]
     assert not any("quantized two-shot" in why for why in whys)
     assert not any("sum and avg" in why for _, _, why in d["selection"]["float32"])
@@ -425,9 +433,17 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     shipped = describe(None)["quantized"]  # the H200 entry's thresholds, measured at 4 ranks
     assert "bfloat16 from 8 MiB (4 ranks bfloat16 (quantized, default table: NVIDIA H200 nvlink plain graph))" \
         in shipped, shipped
+    # the shipped table has no reduce-scatter thresholds: never, at every size
+    rs_never = "int8 never: not measured for 4 ranks (no selector table has quantized reduce_scatter thresholds"
+    assert f"reduce-scatters where it says so for them: bfloat16 {rs_never[5:]}" in shipped, shipped
+    assert not any("quantized" in why for _, _, why in d["collectives"]["all_gather"]["bfloat16"])
     d = describe(tuned)
     assert "bfloat16 from 64 MiB (4 ranks bfloat16 (quantized, tune file t.json: any machine))" in d["quantized"]
     for nbytes, _, why in d["selection"]["float16"]:
         quantized = "sum and avg run the quantized two-shot in int8 instead (int8 from 64 MiB (4 ranks bfloat16 " \
                     "(no float16 rows) (quantized, tune file t.json: any machine)))"
         assert (quantized in why) == (nbytes >= 64 * MiB), (nbytes, why)
+    for nbytes, _, why in d["collectives"]["reduce_scatter"]["bfloat16"]:
+        quantized = "sum and avg run the quantized reduce-scatter in int8 instead (int8 from 16 MiB (4 ranks " \
+                    "bfloat16 (quantized reduce_scatter, tune file t.json: any machine)))"
+        assert (quantized in why) == (nbytes >= 16 * MiB), (nbytes, why)

@@ -248,30 +248,39 @@ def signature(sig: int, fmt: str) -> int:
     return sig | (list(FORMATS).index(fmt) + 1) << TAG_SHIFT
 
 
-def describe(setting: str, kernels: bool, starts: dict[str, tuple[int | None, str]]) -> str:
-    """One line for ``describe()``: whether and where ``auto`` quantizes. ``starts``: dtype
-    of DTYPES -> ``Selector.quantized(setting, dtype)`` (used where ``setting`` is a format)."""
+#: how describe() names each collective's quantized kernel
+_KERNEL_NAMES = {"all_reduce": "the quantized two-shot", "reduce_scatter": "the quantized reduce-scatter"}
+
+
+def describe(setting: str, kernels: bool, starts: dict[str, dict[str, tuple[int | None, str]]]) -> str:
+    """One line for ``describe()``: whether and where ``auto`` quantizes. ``starts``: collective
+    of COLLECTIVES -> dtype of DTYPES -> ``Selector.quantized(setting, dtype, collective)``
+    (used where ``setting`` is a format)."""
     if setting == "off":
         return (f"off: auto never quantizes (opt in with UBNEXT_QUANTIZED={_OPT_IN}; then precision= "
                 "picks per call)")
     if not kernels:
         return f"{setting} requested, but this communicator runs NCCL only: every call keeps full precision"
-    where = "; ".join(f"{dtype} {why}" for dtype, (_, why) in starts.items())
+    where = {c: "; ".join(f"{dtype} {why}" for dtype, (_, why) in by_dtype.items()) for c, by_dtype in starts.items()}
     return (f"{setting}: auto reduces {'/'.join(OPS)} in the quantized two-shot where the selector table "
-            f"says it pays: {where} ({wire_fraction(setting):.0%} of the bytes; error <= "
-            f"{bound(setting, 'bfloat16', 8):.4f} x the group's magnitude for bfloat16); precision='exact' "
+            f"says it pays: {where['all_reduce']}; reduce-scatters where it says so for them: "
+            f"{where['reduce_scatter']} ({wire_fraction(setting):.0%} of the bytes; error <= "
+            f"{bound(setting, 'bfloat16', 8):.4f} x the group's magnitude for bfloat16, "
+            f"{bound(setting, 'bfloat16', 8, 'reduce_scatter'):.4f} in a reduce-scatter); precision='exact' "
             f"keeps a call exact")
 
 
-def selection_note(setting: str, kernels: bool, dtype: str, nbytes: int, start: tuple[int | None, str]) -> str:
+def selection_note(setting: str, kernels: bool, dtype: str, nbytes: int, start: tuple[int | None, str],
+                   collective: str = "all_reduce") -> str:
     """What ``describe()`` adds to the reason of ``auto``'s choice for ``nbytes`` of ``dtype``
-    where the communicator opted in: whether its sums and averages run quantized instead,
-    and why (``start``: ``Selector.quantized(setting, dtype)``)."""
+    in ``collective`` (of COLLECTIVES) where the communicator opted in: whether its sums and
+    averages run quantized instead, and why (``start``: ``Selector.quantized(setting, dtype,
+    collective)``)."""
     if setting == "off" or not kernels or dtype not in DTYPES:
         return ""
     threshold, why = start
     if threshold is not None and nbytes >= threshold:
-        return f"; {' and '.join(OPS)} run the quantized two-shot in {setting} instead ({setting} {why})"
+        return f"; {' and '.join(OPS)} run {_KERNEL_NAMES[collective]} in {setting} instead ({setting} {why})"
     return f"; {' and '.join(OPS)} too ({setting} {why})"
 
 
