@@ -379,6 +379,66 @@ def test_all_reduce_perf_takes_a_precision():
             arp.parse_args(argv)
 
 
+def test_reduce_scatter_perf_takes_a_precision_and_all_gather_perf_none():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not installed
+    from bench import _sliced_perf
+    from bench import all_reduce_perf as arp
+
+    rs, ag = _sliced_perf.REDUCE_SCATTER_PERF, _sliced_perf.ALL_GATHER_PERF
+    assert arp.parse_args(["-d", "bfloat16", "--precision", "int4"], rs).precision == "int4"
+    assert arp.parse_args(["-d", "half", "-o", "avg", "--precision", "fp8"], rs).precision == "fp8"
+    for argv, program in ((["-d", "float", "--precision", "int8"], rs), (["-d", "bf16", "--algo", "twoshot",
+                                                                          "--precision", "int8"], rs),
+                          (["-d", "bf16", "--backend", "nccl", "--precision", "int8"], rs),
+                          (["-d", "bf16", "--precision", "int8"], ag)):
+        with pytest.raises(SystemExit):
+            arp.parse_args(argv, program)
+    assert arp.parse_args(["-d", "bf16", "--precision", "exact"], ag).precision == "exact"
+
+
+def test_reduce_scatter_perf_checks_the_quantized_result_bit_for_bit(monkeypatch, capsys):
+    """On the fake GPU, an engine that stores the emulation's slice counts no wrong element,
+    and one that stores the exact sums (what a full-precision kernel would) counts them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_fakes as fakes
+
+    from bench import _sliced_perf
+    from bench import all_reduce_perf as arp
+
+    fakes.install(monkeypatch)
+    import cupy  # the fake
+
+    class Quantized(fakes.ReduceEngine):
+        def __init__(self, bootstrap, fmt):
+            super().__init__(bootstrap)
+            self.fmt = fmt
+
+        def reduce_scatter(self, send, recv, dtype, op, stream):
+            def work():
+                inputs = self.bootstrap.allgather_obj(send.host.copy())
+                recv.host[...] = _quant.reduce_scatter(inputs, self.fmt, op)[self.bootstrap.rank]
+            stream.enqueue(work)
+
+    program = _sliced_perf.REDUCE_SCATTER_PERF
+    argv = ["-b", "64", "-e", "64K", "-f", "32", "-d", "bfloat16", "-n", "1", "-w", "1", "--precision", "int4"]
+    args = arp.parse_args(argv, program)
+    boot = fakes.Bootstrap()
+    for engine, wrong in ((Quantized(boot, "int4"), False), (fakes.ReduceEngine(boot), True)):
+        world = arp.World(fakes.Comm(boot), engine, cupy.cuda.Stream(),
+                          lambda count, dtype: cupy.empty((count,), dtype.numpy), ["# Buffers: fake"],
+                          collective=program.collective)
+        assert arp.run(args, world, argv) == int(wrong)
+        rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+        assert rows and all((r[8] != "0") == wrong for r in rows), rows
+
+
 def test_quant_error_script_writes_its_table(tmp_path):
     import sys
     from pathlib import Path
@@ -390,6 +450,7 @@ def test_quant_error_script_writes_its_table(tmp_path):
     text = (tmp_path / "quant_error.txt").read_text()
     assert "rows whose maximum exceeds the bound: 0" in text and "56.2% of bfloat16's" in text
     assert "int4: 0.625 bytes per element" in text and "31.2% of bfloat16's" in text
+    assert "rs median    rs max  rs bound" in text  # the reduce-scatter's columns, checked against its bound
     assert (tmp_path / "quant_error.png").stat().st_size > 0 and (tmp_path / "quant_error.json").is_file()
 
 
