@@ -430,7 +430,8 @@ class Communicator(CallSteps):
                 ``"fp8"`` or ``"int4"``: the quantized reduce-scatter in that format
                 (opt-in communicators only): every rank's slices cross the links quantized,
                 and each rank adds them in rank order in fp32 and rounds its slice once,
-                within the bound docs/quantized.md states (about half the all-reduce's).
+                within the bound docs/quantized.md states (one quantization: below the
+                all-reduce's).
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
