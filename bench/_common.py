@@ -146,6 +146,9 @@ class Collective:
         data: ``(nranks, rank, count, seed, op) -> (this rank's input, its exact output)``
             (default :func:`all_reduce_data`).
         reduces: whether it takes a reduction op (nccl-tests prints ``none`` otherwise).
+        quantized: ``(inputs, format, op, rank) -> rank's output`` of ubnext's quantized form
+            in that format (``--precision``), from every rank's input, bit for bit; None:
+            the collective has none.
     """
 
     name: str
@@ -156,6 +159,7 @@ class Collective:
     in_place: Callable[[int, int, int], tuple[int, int]] = lambda count, nranks, rank: (0, 0)
     data: Callable[..., tuple[np.ndarray, np.ndarray]] = all_reduce_data
     reduces: bool = True
+    quantized: Callable[..., np.ndarray] | None = None
 
     def bandwidths(self, nbytes: int, seconds: float, nranks: int) -> tuple[float, float]:
         """``(algbw, busbw)`` in GB/s (10^9 bytes) for ``nbytes`` moved in ``seconds``."""
@@ -164,12 +168,12 @@ class Collective:
 
 
 def sliced(name: str, run: Callable[..., None], data: Callable[..., tuple[np.ndarray, np.ndarray]],
-           gathers: bool) -> Collective:
+           gathers: bool, quantized: Callable[..., np.ndarray] | None = None) -> Collective:
     """A collective with a side of size x k elements and a side of k, as nccl-tests'
     reduce_scatter (``gathers`` False: the input is the larger side) and all_gather
     (``gathers``: the output is): counts of the larger side, rounded down to a multiple of
     the world size; in place, the smaller side is rank r's slice of the larger;
-    busbw = algbw * (n-1)/n."""
+    busbw = algbw * (n-1)/n; ``quantized`` as Collective takes it."""
     def buffers(count: int, nranks: int) -> tuple[int, int]:
         return (count // nranks, count) if gathers else (count, count // nranks)
 
@@ -178,7 +182,7 @@ def sliced(name: str, run: Callable[..., None], data: Callable[..., tuple[np.nda
 
     return Collective(name=name, count=lambda nbytes, itemsize, nranks: nbytes // itemsize // nranks * nranks,
                       bus_factor=lambda nranks: (nranks - 1) / nranks, run=run, buffers=buffers,
-                      in_place=in_place, data=data, reduces=not gathers)
+                      in_place=in_place, data=data, reduces=not gathers, quantized=quantized)
 
 
 # --------------------------------------------------------------------------- exactly checkable data

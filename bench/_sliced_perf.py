@@ -12,9 +12,16 @@ from bench.all_reduce_perf import Program, main
 #: the ubnext algorithms with a reduce-scatter and an all-gather (``--algo``)
 _ALGORITHMS = ("auto", "lamport_twoshot", "twoshot", "nccl")
 
+def _quantized_reduce_scatter(inputs, fmt: str, op: str, rank: int):
+    """What ubnext's quantized reduce-scatter stores on ``rank`` (the host emulation)."""
+    from ubnext._tools import reference
+
+    return reference.quantized_reduce_scatter(inputs, fmt, op)[rank]
+
+
 #: The reduce-scatter, as nccl-tests' reduce_scatter.cu describes it.
 REDUCE_SCATTER = common.sliced("ReduceScatter", lambda engine, send, recv, dtype, op, stream: engine.reduce_scatter(
-    send, recv, dtype, op, stream), common.reduce_scatter_data, gathers=False)
+    send, recv, dtype, op, stream), common.reduce_scatter_data, gathers=False, quantized=_quantized_reduce_scatter)
 #: The all-gather, as nccl-tests' all_gather.cu describes it.
 ALL_GATHER = common.sliced("AllGather", lambda engine, send, recv, dtype, op, stream: engine.all_gather(
     send, recv, dtype, op, stream), common.all_gather_data, gathers=True)

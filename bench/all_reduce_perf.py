@@ -44,12 +44,20 @@ from ubnext._protocol.quant import FORMATS as QUANT_FORMATS  # noqa: E402
 
 PROGRAM = "all_reduce_perf"
 
+def _quantized_all_reduce(inputs, fmt: str, op: str, rank: int):
+    """What ubnext's quantized all-reduce stores on every rank (the host emulation)."""
+    from ubnext._tools import reference
+
+    return reference.quantized(inputs, fmt, op)
+
+
 #: The all-reduce, as nccl-tests' all_reduce.cu describes it.
 ALL_REDUCE = common.Collective(
     name="AllReduce",
     count=lambda nbytes, itemsize, nranks: nbytes // itemsize,
     bus_factor=lambda nranks: 2.0 * (nranks - 1) / nranks,
     run=lambda engine, send, recv, dtype, op, stream: engine.all_reduce(send, recv, dtype, op, stream),
+    quantized=_quantized_all_reduce,
 )
 
 
@@ -94,8 +102,8 @@ def build_parser(program: Program = ALL_REDUCE_PERF) -> argparse.ArgumentParser:
     p.add_argument("--algo", choices=program.algorithms, default="auto",
                    help="ubnext algorithm (backend ubnext only; default auto)")
     p.add_argument("--precision", choices=("auto", "exact", *QUANT_FORMATS), default="auto",
-                   help="ubnext precision= (int8/fp8/int4: the quantized two-shot, opted in for the run; "
-                        "bfloat16/half, sum/avg; checked bit for bit against its host emulation)")
+                   help="ubnext precision= (int8/fp8/int4: the quantized two-shot, or its reduce-scatter, opted "
+                        "in for the run; bfloat16/half, sum/avg; checked bit for bit against its host emulation)")
     p.add_argument("--symmetric", type=int, choices=(0, 1), default=None,
                    help="1: buffers from comm.empty (symmetric memory), 0: plain cupy buffers "
                         "(default 1 for ubnext, 0 for nccl)")
@@ -125,11 +133,13 @@ def parse_args(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF
         parser.error("--algo applies to --backend ubnext only")
     if args.backend == "nccl_symmetric" and (args.symmetric or program is not ALL_REDUCE_PERF):
         parser.error("--backend nccl_symmetric: the all-reduce only, on its own buffers (no --symmetric 1)")
+    if args.precision in QUANT_FORMATS and program.collective.quantized is None:
+        parser.error(f"--precision {args.precision}: {program.name} has no quantized form (it stays exact)")
     if args.precision in QUANT_FORMATS and (
-            program is not ALL_REDUCE_PERF or args.backend != "ubnext" or args.algo != "auto"
+            args.backend != "ubnext" or args.algo != "auto"
             or {d.ubnext for d in args.dtypes} - {"bfloat16", "float16"} or set(args.ops) - {"sum", "avg"}):
-        parser.error("--precision int8/fp8/int4 (the quantized all-reduce) takes --backend ubnext, --algo auto, "
-                     "-d bfloat16/half, -o sum/avg")
+        parser.error(f"--precision int8/fp8/int4 (the quantized {program.name.removesuffix('_perf')}) takes "
+                     "--backend ubnext, --algo auto, -d bfloat16/half, -o sum/avg")
     if args.output_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.output_file))):
         parser.error(f"-J: the directory of {args.output_file} does not exist")
     return args
@@ -139,7 +149,7 @@ def parse_args(argv: list[str] | None = None, program: Program = ALL_REDUCE_PERF
 
 
 class UbnextEngine:
-    """``comm.all_reduce`` with a fixed algorithm."""
+    """``comm.all_reduce`` (and reduce-scatter, all-gather) with a fixed algorithm and precision."""
 
     def __init__(self, comm: Any, algorithm: str, precision: str = "auto") -> None:
         self.comm = comm
@@ -150,7 +160,8 @@ class UbnextEngine:
         self.comm.all_reduce(send, out=recv, op=op, algorithm=self.algorithm, stream=stream, precision=self.precision)
 
     def reduce_scatter(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
-        self.comm.reduce_scatter(send, out=recv, op=op, algorithm=self.algorithm, stream=stream)
+        self.comm.reduce_scatter(send, out=recv, op=op, algorithm=self.algorithm, stream=stream,
+                                 precision=self.precision)
 
     def all_gather(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
         self.comm.all_gather(send, out=recv, algorithm=self.algorithm, stream=stream)
@@ -374,12 +385,10 @@ def check(world: World, args: argparse.Namespace, dtype: common.DType, op: str, 
     else:
         launch()
     got = common.download(recv, expected.size, dtype, world.stream)
-    if args.precision in QUANT_FORMATS:  # the quantized all-reduce's result, bit for bit
-        from ubnext._tools import reference as _reference
-
+    if args.precision in QUANT_FORMATS:  # the quantized collective's result, bit for bit
         inputs = [world.collective.data(world.size, r, count, seed, op)[0].astype(dtype.numpy)
                   for r in range(world.size)]
-        want = _reference.quantized(inputs, args.precision, op).view(dtype.bits)
+        want = world.collective.quantized(inputs, args.precision, op, world.rank).view(dtype.bits)
         wrong = common.count_wrong(got, want, dtype)
     else:
         want = common.encode(expected, dtype)

@@ -1,17 +1,18 @@
-"""The error of the quantized all-reduce, measured on the host (CPU only).
+"""The error of the quantized all-reduce and reduce-scatter, measured on the host (CPU only).
 
     python bench/quant_error.py [--count 1048576] [--outdir bench/results]
 
-The GPU kernel's result equals ubnext/_protocol/quant.py's host emulation bit for bit
-(tests/test_gpu_quant.py), so the emulation measures the kernel's error without a GPU.
+The GPU kernels' results equal ubnext/_protocol/quant.py's host emulation bit for bit
+(tests/test_gpu_quant.py), so the emulation measures the kernels' error without a GPU.
 For every format, input dtype, rank count and kind of data, every rank's input of
 ``--count`` elements is reduced by the emulation (sum); each group's error is its largest
 |result - exact| (exact: the fp64 sum) over M, the sum over ranks of each rank's largest
 magnitude in the group (_quant.group_errors). The table gives the median, 99th
 percentile and maximum over groups, the stated bound (_quant.bound), and the same
-maximum for the full-precision path (the fp32 sum rounded once to the dtype) beside it.
-Writes ``quant_error.txt``, ``.json`` and ``.png`` (the distribution per format) to
-``--outdir``.
+maximum for the full-precision path (the fp32 sum rounded once to the dtype) beside it;
+then the reduce-scatter's median and maximum (the same inputs as N slices, every rank's
+output) and its own bound. Writes ``quant_error.txt``, ``.json`` and ``.png`` (the
+all-reduce's distribution per format, the reduce-scatter's dashed) to ``--outdir``.
 
 Kinds of data: ``normal`` N(0, 1); ``heavy`` Student t with 2 degrees of freedom;
 ``outliers`` N(0, 1) with 0.5 % of the elements 1000x larger; ``channels`` rows of 4096
@@ -66,22 +67,36 @@ def full_precision(inputs) -> np.ndarray:
     return acc.astype(inputs[0].dtype)
 
 
+def reduce_scatter_errors(inputs, fmt: str) -> np.ndarray:
+    """Every group's error of the quantized reduce-scatter of ``inputs`` (N slices each),
+    over every rank's output."""
+    k = inputs[0].size // len(inputs)
+    outputs = _quant.reduce_scatter(inputs, fmt)
+    return np.concatenate([_quant.group_errors([x[r * k:(r + 1) * k] for x in inputs], out, "sum")
+                           for r, out in enumerate(outputs)])
+
+
 def measure(fmt: str, dtype: str, nranks: int, kind: str, count: int) -> dict:
-    inputs = [rank_data(kind, dtype, count, r) for r in range(nranks)]
+    inputs = [rank_data(kind, dtype, count // nranks * nranks, r) for r in range(nranks)]
     errors = _quant.group_errors(inputs, _quant.all_reduce(inputs, fmt), "sum")
     baseline = _quant.group_errors(inputs, full_precision(inputs), "sum")
+    rs = reduce_scatter_errors(inputs, fmt)
     return {"format": fmt, "dtype": dtype, "ranks": nranks, "data": kind, "groups": int(errors.size),
             "median": float(np.median(errors)), "p99": float(np.percentile(errors, 99)),
             "max": float(errors.max()), "bound": _quant.bound(fmt, dtype, nranks),
-            "exact_path_max": float(baseline.max()), "distribution": np.quantile(errors, np.linspace(0, 1, 129))}
+            "exact_path_max": float(baseline.max()), "distribution": np.quantile(errors, np.linspace(0, 1, 129)),
+            "rs_median": float(np.median(rs)), "rs_max": float(rs.max()),
+            "rs_bound": _quant.bound(fmt, dtype, nranks, "reduce_scatter"),
+            "rs_distribution": np.quantile(rs, np.linspace(0, 1, 129))}
 
 
 def table(rows: list[dict]) -> list[str]:
     lines = [f"{'format':<6} {'dtype':<9} {'ranks':>5} {'data':<9} {'median':>9} {'p99':>9} {'max':>9} "
-             f"{'bound':>9} {'exact max':>9}"]
+             f"{'bound':>9} {'exact max':>9} {'rs median':>9} {'rs max':>9} {'rs bound':>9}"]
     for r in rows:
         lines.append(f"{r['format']:<6} {r['dtype']:<9} {r['ranks']:>5} {r['data']:<9} {r['median']:>9.5f} "
-                     f"{r['p99']:>9.5f} {r['max']:>9.5f} {r['bound']:>9.5f} {r['exact_path_max']:>9.5f}")
+                     f"{r['p99']:>9.5f} {r['max']:>9.5f} {r['bound']:>9.5f} {r['exact_path_max']:>9.5f} "
+                     f"{r['rs_median']:>9.5f} {r['rs_max']:>9.5f} {r['rs_bound']:>9.5f}")
     return lines
 
 
@@ -96,12 +111,16 @@ def plot(rows: list[dict], path: str) -> None:
         for r in rows:
             if r["format"] == fmt and r["dtype"] == "bfloat16" and r["ranks"] == 4:
                 d = np.asarray(r["distribution"])
-                ax.plot(d, np.linspace(0, 1, d.size), label=r["data"])
+                line, = ax.plot(d, np.linspace(0, 1, d.size), label=r["data"])
+                d = np.asarray(r["rs_distribution"])
+                ax.plot(d, np.linspace(0, 1, d.size), ls="--", color=line.get_color())
         ax.axvline(_quant.bound(fmt, "bfloat16", 4), color="k", ls="--", label="stated bound")
+        ax.axvline(_quant.bound(fmt, "bfloat16", 4, "reduce_scatter"), color="k", ls=":",
+                   label="reduce-scatter bound (its errors dashed)")
         ax.set_title(f"{fmt}, bfloat16, 4 ranks: group error / M")
         ax.set_xlabel("max |result - exact| / M per group")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="lower right", fontsize="small")
     axes[0].set_ylabel("fraction of groups")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -115,12 +134,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rows = [measure(fmt, dtype, int(n), kind, args.count) for fmt in _quant.FORMATS for dtype in NP
             for n in args.ranks.split(",") for kind in KINDS]
-    over = [r for r in rows if r["max"] > r["bound"]]
+    over = [r for r in rows if r["max"] > r["bound"] or r["rs_max"] > r["rs_bound"]]
     head = [f"# quantized all-reduce error (host emulation, bit-identical to the kernel), sum of {args.count} "
             f"elements per rank, groups of {_quant.GROUP} with an fp32 scale; {time.strftime('%Y-%m-%d')}, "
             f"numpy {np.__version__}, {platform.machine()}",
             "# per group: max |result - exact fp64 sum| / M, M = sum over ranks of the rank's largest |x| in "
             "the group",
+            "# rs: the quantized reduce-scatter of the same inputs (N slices, every rank's output): one "
+            "quantization, no requantization",
             *[f"# {fmt}: {_quant.bytes_per_element(fmt):.3f} bytes per element on the links "
               f"({_quant.wire_fraction(fmt):.1%} of bfloat16's)" for fmt in _quant.FORMATS]]
     text = "\n".join(head + table(rows) + [f"# rows whose maximum exceeds the bound: {len(over)}"]) + "\n"
@@ -130,7 +151,8 @@ def main(argv=None) -> int:
         f.write(text)
     with open(os.path.join(args.outdir, "quant_error.json"), "w") as f:
         json.dump({"count": args.count, "group": _quant.GROUP,
-                   "rows": [{**r, "distribution": [round(float(v), 7) for v in r["distribution"]]} for r in rows]}, f)
+                   "rows": [{**r, **{key: [round(float(v), 7) for v in r[key]]
+                                     for key in ("distribution", "rs_distribution")}} for r in rows]}, f)
     plot(rows, os.path.join(args.outdir, "quant_error.png"))
     return 1 if over else 0
 

@@ -1,11 +1,14 @@
-"""The quantized two-shot all-reduce (opt-in) on GPUs: every output element equals the host
-emulation (ubnext/_protocol/quant.py) bit for bit, in every format (int8, fp8 where the device
-has it, int4), on every rank alike, within the stated error bound; odd sizes (partial
-groups, lanes and units), unaligned and in-place arrays, groups built to hit rounding ties,
-the clamp, zeros, -0.0 and non-finite values, several launches, CUDA-graph replay; the
-opt-in rules (``auto`` quantizes only on a communicator that opted in, from the selector
-table's measured threshold at 2 ranks or more: never with the shipped table, which has
-none; full precision otherwise, bit for bit as before).
+"""The quantized two-shot all-reduce and reduce-scatter (opt-in) on GPUs: every output
+element equals the host emulation (ubnext/_protocol/quant.py) bit for bit, in every format
+(int8, fp8 where the device has it, int4), on every rank alike (the all-reduce), within the
+stated error bound; odd sizes (partial groups, lanes and units; slices that start inside a
+group of the message), unaligned and in-place arrays, groups built to hit rounding ties,
+the clamp, zeros, -0.0 and non-finite values, several launches, CUDA-graph replay, the two
+collectives back to back in changing sizes and formats; the opt-in rules (``auto``
+quantizes only on a communicator that opted in, from the selector table's measured
+threshold of the collective at 2 ranks or more: for the all-reduce the shipped table's,
+for the reduce-scatter never with the shipped table, which has none; full precision
+otherwise, bit for bit as before).
 
 Runs at any world size, ranks sharing a GPU included:
 ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_quant.py``.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 from gpu_support import (
@@ -228,7 +232,7 @@ def test_without_the_opt_in_every_call_is_exact(plain):
     x = torch.ones(64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ubnext.UbnextError, match="UBNEXT_QUANTIZED"):
         plain.all_reduce(x, precision="int8")
-    assert plain._node.engine._quant[3] == 0  # no receive areas reserved
+    assert plain._node.engine._quant[-1] == 0  # no receive areas reserved
     assert "auto never quantizes" in str(plain.describe())
 
 
@@ -258,4 +262,220 @@ def test_cuda_graph_replay(comm, fmt):
             reference.assert_same_bits(host(y.view), reference.quantized(inputs, fmt), f"replay {it}")
             y.assert_intact(f"replay {it}")
     assert_same_bits_everywhere(comm, y.view)
+    assert not failures, "\n".join(failures[:5])
+
+
+# ---- the reduce-scatter ------------------------------------------------------------------------
+def check_quantized_rs(comm, k: int, dtype: str, fmt: str, seed: int, *, op: str = "sum", place: str = "out",
+                       offset: int = 0, specials: bool = True, precision: str | None = None, inputs=None):
+    """One quantized reduce_scatter of size x ``k`` elements checked element by element
+    against the emulation: this rank's k elements into a poisoned, bordered output (or in
+    place: its slice of x, the other slices untouched), the input unchanged, the error
+    within the reduce-scatter's bound (outside groups holding a NaN or infinity or whose
+    sum may overflow, which the bound leaves out).
+    ``inputs``: every rank's input of size x k elements (default ``rank_inputs``).
+    Returns the launches."""
+    import torch
+
+    n, r = comm.size, comm.rank
+    if inputs is None:
+        inputs = rank_inputs(n * k, dtype, n, seed, specials)
+    x = Bordered(n * k, dtype, seed + 1, offset)
+    x.view.copy_(device(inputs[r]))
+    if place == "out":
+        out = Bordered(k, dtype, seed + 2, offset)
+        out.view.fill_(float("nan"))
+        target = out.view
+    else:
+        target = x.view[r * k:(r + 1) * k]
+    with recorded_launches(comm) as launches:
+        result = comm.reduce_scatter(x.view, out=target, op=op, precision=precision or fmt)
+    assert result is target
+    torch.cuda.synchronize()
+    assert {(launch.kernel, launch.collective) for launch in launches} == {(f"quantized:{fmt}", "reduce_scatter")}
+    got = host(result)
+    reference.assert_same_bits(got, reference.quantized_reduce_scatter(inputs, fmt, op)[r],
+                               f"quantized reduce_scatter {fmt} {dtype} {op} of {n} x {k}")
+    x.assert_intact("quantized reduce_scatter (input)")
+    whole = host(x.view)
+    if place == "out":
+        out.assert_intact("quantized reduce_scatter (output)")
+        reference.assert_same_bits(whole, inputs[r], "the call modified its input")
+    else:  # the other ranks' slices of x are as they were
+        mine = np.zeros(n * k, bool)
+        mine[r * k:(r + 1) * k] = True
+        reference.assert_same_bits(whole[~mine], inputs[r][~mine], "the call modified x outside its slice")
+    # the bound's groups: finite inputs whose sum cannot overflow the dtype (a slice may
+    # start at make_input's largest finite value, apart from its infinity and NaN)
+    slices = [a[r * k:(r + 1) * k] for a in inputs]
+    groups = np.stack([_quant._grouped(a).astype(np.float64) for a in slices])
+    largest = np.abs(groups).max(axis=2).sum(axis=0)
+    bounded = np.isfinite(groups).all(axis=(0, 2)) & (largest < float(ml_dtypes.finfo(inputs[0].dtype).max) / 2)
+    errors = _quant.group_errors(slices, got, op)[bounded]
+    limit = _quant.bound(fmt, dtype, n, "reduce_scatter") + 1e-12
+    assert errors.size == 0 or errors.max() <= limit, f"error {errors.max()} over the bound {limit}"
+    return launches
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("k", [1, 31, 33, 1029, 4099, 8 * 1024 * 9 + 1000, (1 << 18) + 3])
+def test_reduce_scatter_bit_for_bit_with_the_emulation(comm, dtype, k):
+    """Every format, with -0.0, infinities, NaN and the largest finite value among random
+    data (gpu_support.make_input), and without: slices of partial groups, lanes and units."""
+    failures = []
+    for j, fmt in enumerate(_formats(comm)):
+        for specials in (True, False):
+            with collected(failures):
+                check_quantized_rs(comm, k, dtype, fmt, seed=k + 10 * j + specials, specials=specials)
+    assert not failures, "\n".join(failures[:5])
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+def test_reduce_scatter_avg_unaligned_in_place_and_plain_data(comm, fmt):
+    if fmt not in _formats(comm):
+        pytest.skip(f"{fmt} needs compute capability {_quant.FORMATS[fmt].min_arch}")
+    failures = []
+    for case in (dict(op="avg"), dict(offset=1), dict(place="in"), dict(place="in", offset=1, op="avg"),
+                 dict(specials=False, op="avg", offset=3)):
+        with collected(failures):
+            check_quantized_rs(comm, 12_501, "bfloat16", fmt, seed=17, **case)
+    assert not failures, "\n".join(failures[:5])
+
+
+def test_reduce_scatter_special_groups_in_every_format(comm):
+    """The codecs' edge cases (special_groups: ties, the clamp, zeros of either sign,
+    non-finite values) in every rank's slice, as a partial unit and as whole units and a
+    partial one."""
+    failures = []
+    for j, fmt in enumerate(_formats(comm)):
+        for repeat in (1, 40):
+            data = [np.tile(special_groups(r), repeat * comm.size) for r in range(comm.size)]
+            with collected(failures):
+                check_quantized_rs(comm, data[0].size // comm.size, "bfloat16", fmt, seed=190 + j, inputs=data)
+    assert not failures, "\n".join(failures[:5])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_reduce_scatter_past_one_launch(comm, fmt):
+    """Slices longer than one launch takes (_quant.slice_launch_elems) reduce like one launch."""
+    k = _quant.slice_launch_elems(comm.size) + 37
+    launches = check_quantized_rs(comm, k, "bfloat16", fmt, seed=23, specials=False)
+    assert len(launches) == 2
+
+
+def test_reduce_scatter_auto_quantizes_from_its_own_threshold(comm, tmp_path):
+    """auto: a tune file's reduce-scatter threshold (``"*"`` world sizes, bfloat16, int4 from
+    2 MiB of input) at 2 ranks or more, full precision below it, with precision="exact", and
+    at one rank; the all-reduce keeps its own (none in the file). With the shipped table
+    (no reduce-scatter thresholds) auto never quantizes a reduce-scatter."""
+    import torch
+
+    import ubnext
+
+    big = 1 << 20  # elements of the whole input: 2 MiB of bfloat16, the threshold
+    path = tmp_path / "tune.json"  # each rank its own copy; the ranks check that they agree
+    path.write_text(json.dumps({"format": 2, "entries": [
+        {"gpu": "*", "link": "*", "placement": "*", "mode": "*",
+         "tables": {"1024": {"bfloat16": [[None, "nccl"]]}},
+         "quantized": {"collectives": {"reduce_scatter": {"tables": {"*": {"bfloat16": {"int4": 2 * big}}}}}}}]}))
+    n = comm.size
+    failures = []
+    with ubnext.Communicator(quantized="int4", tune_file=str(path), **SMALL) as tuned:
+        k = -(-big // n)  # at least the threshold
+        if n > 1:
+            with collected(failures):
+                check_quantized_rs(tuned, k, "bfloat16", "int4", seed=31, precision="auto", specials=False)
+        for precision, count in (("auto", n * (k - 64)), ("exact", n * k)):  # below; exact: full precision
+            x = device(rank_inputs(count, "bfloat16", n, 32)[tuned.rank])
+            with recorded_launches(tuned) as launches:
+                tuned.reduce_scatter(x, precision=precision)
+            torch.cuda.synchronize()
+            with collected(failures):
+                assert not any(launch.kernel.startswith("quantized") for launch in launches), (precision, count)
+        with recorded_launches(tuned) as launches:  # one rank: never; the all-reduce: its own (the shipped table)
+            tuned.all_reduce(torch.ones(4099, device="cuda", dtype=torch.bfloat16))
+            if n == 1:
+                tuned.reduce_scatter(torch.ones(big, device="cuda", dtype=torch.bfloat16))
+        torch.cuda.synchronize()
+        assert not any(launch.kernel.startswith("quantized") for launch in launches)
+        text = tuned.describe()["quantized"]
+        assert ("reduce-scatters where it says so for them: bfloat16 from 2 MiB" in text) == (n > 1), text
+    with recorded_launches(comm) as launches:  # the shipped table: never, at any size
+        comm.reduce_scatter(torch.ones(n * (8 << 20), device="cuda", dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    assert not any(launch.kernel.startswith("quantized") for launch in launches)
+    assert comm.selector.quantized("int8", "bfloat16", "reduce_scatter")[0] is None
+    assert not failures, "\n".join(failures[:5])
+
+
+def test_reduce_scatter_without_the_opt_in_raises(plain):
+    import torch
+
+    import ubnext
+
+    x = torch.ones(64 * plain.size, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ubnext.UbnextError, match="UBNEXT_QUANTIZED"):
+        plain.reduce_scatter(x, precision="int4")
+    with recorded_launches(plain) as launches:
+        plain.reduce_scatter(x)
+    torch.cuda.synchronize()
+    assert not any(launch.kernel.startswith("quantized") for launch in launches)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_reduce_scatter_cuda_graph_replay(comm, fmt):
+    """A captured quantized reduce-scatter replayed with new inputs into poisoned outputs."""
+    import torch
+
+    n, k = comm.size, 25_001
+    x = torch.empty(n * k, device="cuda", dtype=torch.bfloat16)
+    y = Bordered(k, "bfloat16", seed=6)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):  # warm up: compiles the kernel outside capture
+        comm.reduce_scatter(x.fill_(1), out=y.view, precision=fmt)
+    s.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        comm.reduce_scatter(x, out=y.view, precision=fmt)
+    failures = []
+    for it in range(5):
+        inputs = rank_inputs(n * k, "bfloat16", n, 600 + it)
+        x.copy_(device(inputs[comm.rank]))
+        y.view.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        with collected(failures):
+            want = reference.quantized_reduce_scatter(inputs, fmt)[comm.rank]
+            reference.assert_same_bits(host(y.view), want, f"replay {it}")
+            y.assert_intact(f"replay {it}")
+    assert not failures, "\n".join(failures[:5])
+
+
+def test_all_reduces_and_reduce_scatters_back_to_back_in_changing_sizes_and_formats(comm):
+    """Launches of both entry points, one after another without a host sync, growing and
+    shrinking, in every format: each result bit for bit. A peer's next launch stores its
+    slots while this rank may still dequantize its all-gather area; the area lies apart from
+    the slots of any launch, so no result may change."""
+    import torch
+
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(77)  # the same sequence on every rank
+    fmts = _formats(comm)
+    plan = []  # (collective, format, every rank's input, this rank's on the device)
+    for i in range(40):
+        collective = ("all_reduce", "reduce_scatter")[int(rng.integers(2))]
+        fmt = fmts[int(rng.integers(len(fmts)))]
+        k = int(rng.choice([33, 1024 * 5 + 7, 1 << 16, (1 << 19) + 5]))
+        inputs = rank_inputs(n * k, "bfloat16", n, 700 + i, specials=False)
+        plan.append((collective, fmt, inputs, device(inputs[r])))
+    torch.cuda.synchronize()
+    calls = [(collective, fmt, inputs, comm.all_reduce(x, precision=fmt) if collective == "all_reduce" else
+              comm.reduce_scatter(x, precision=fmt)) for collective, fmt, inputs, x in plan]
+    torch.cuda.synchronize()
+    failures = []
+    for i, (collective, fmt, inputs, out) in enumerate(calls):
+        want = (reference.quantized(inputs, fmt) if collective == "all_reduce" else
+                reference.quantized_reduce_scatter(inputs, fmt)[r])
+        with collected(failures):
+            reference.assert_same_bits(host(out), want, f"call {i}: {collective} {fmt} of {inputs[0].size}")
     assert not failures, "\n".join(failures[:5])

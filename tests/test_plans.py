@@ -41,9 +41,8 @@ from ubnext._selection.select import Selector, buffer_limits
 CURRENT = 0x5100  # the current stream of CuPy (and torch) here
 A, B = 0x7A00, 0x7B00  # other streams
 SEGMENT = 1 << 40  # this rank's pool segment starts here
-#: parameters of each entry point (the quantized two-shot takes the two-shot's)
-NPARAMS = {**{entry: len(types) for entry, types in _engine._PARAMS.items()},
-           _quant.ENTRY: len(_engine._PARAMS["ub_twoshot"])}
+#: parameters of each entry point
+NPARAMS = {entry: len(types) for entry, types in _engine._PARAMS.items()}
 #: fake kernel address -> its entry point's parameters, over every fake engine (addresses are unique)
 PARAMS_AT: dict[int, int] = {}
 _ADDRESSES = itertools.count(0xF000)
@@ -413,6 +412,38 @@ def test_quantized_calls_are_not_planned(make_comm, fakes):
     comm.all_reduce(x, out=out)
     assert fakes.as_buffer.calls == 6 and len(comm._plans) == 1
     assert entry(comm, fakes.driver.launches[-1])[1] != "ub_quant_twoshot"
+
+
+def test_quantized_launches_take_the_slots_and_the_gather_area_after_them(make_comm, fakes):
+    """kernels/quant_twoshot.cu gets the reduce-scatter slots and the all-gather area as
+    offsets: the area from _quant.slots_bytes past the slots (their room for any launch),
+    to the end of the pool's quant slot."""
+    comm = make_comm(quantized="int8")
+    comm.all_reduce(array(X, dtype="float16"), out=array(Y, dtype="float16"), precision="int4")
+    (launch,) = fakes.driver.launches
+    plan = comm._node.engine.plan
+    slots = plan.offset("quant")
+    assert launch[4][4:7] == (plan.offset("flags.quant"), slots, slots + _quant.slots_bytes(1))
+    assert slots + 2 * _quant.slots_bytes(1) == slots + plan.nbytes("quant")
+
+
+def test_the_quantized_reduce_scatter_launches_its_entry_of_the_all_reduces_module(make_comm, fakes):
+    """One module per format, dtype and op holds both entry points; the reduce-scatter's
+    takes the flags and the slots (no all-gather area), then the input, the output, k, the
+    slices' pitch in bytes and the tagged signature; it is not planned."""
+    comm = make_comm(quantized="int8")
+    x, out = array(X, dtype="float16"), array(Y, dtype="float16")
+    comm.all_reduce(x, out=out, precision="int4")
+    for _ in range(2):
+        comm.reduce_scatter(x, out=out, precision="int4")
+    ar, rs, again = fakes.driver.launches
+    assert [entry(comm, launch)[1] for launch in (ar, rs)] == list(_quant.ENTRIES.values())
+    assert entry(comm, ar)[2] == entry(comm, rs)[2] and len(comm._node.engine._modules) == 1
+    plan = comm._node.engine.plan
+    sig = _quant.signature(encode("reduce_scatter", "float16", "sum", 1024), "int4")
+    assert rs[4][4:] == (plan.offset("flags.quant"), plan.offset("quant"), X, Y, 1024, 2048, sig,
+                         SEGMENT + plan.offset("quant.state"))
+    assert rs[1:3] == (1, _quant.BLOCK_UNITS * 32) and again == rs and len(comm._plans) == 0
 
 
 def test_arrays_of_other_frameworks_are_not_planned(make_comm, fakes):

@@ -126,6 +126,115 @@ def test_result_has_the_inputs_shape_and_ignores_the_padding(count):
     assert got.shape == (1, count)
 
 
+# ---- the reduce-scatter ------------------------------------------------------------------------
+def _slices(inputs, r):
+    """Slice r of every rank's input (the inputs of rank r's reduce-scatter output)."""
+    k = inputs[0].size // len(inputs)
+    return [x.reshape(-1)[r * k:(r + 1) * k] for x in inputs]
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+@pytest.mark.parametrize("dtype", list(NP))
+@pytest.mark.parametrize("kind", ["normal", "heavy", "outliers"])
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("op", list(_quant.OPS))
+def test_reduce_scatter_error_bound_holds(fmt, dtype, kind, nranks, op):
+    """Each rank's k elements are within the reduce-scatter's bound of the exact reduction
+    of its slice (one quantization, no requantization: a smaller bound than the
+    all-reduce's), and the bound is not vacuous."""
+    k = 32 * 129 + 7  # slices of a partial last group, so slices do not start on the message's groups
+    inputs = [_data(kind, dtype, nranks * k, r) for r in range(nranks)]
+    outs = _quant.reduce_scatter(inputs, fmt, op)
+    assert len(outs) == nranks
+    limit = _quant.bound(fmt, dtype, nranks, "reduce_scatter")
+    assert limit < _quant.bound(fmt, dtype, nranks)
+    worst = 0.0
+    for r, got in enumerate(outs):
+        assert got.dtype == NP[dtype] and got.shape == (k,)
+        worst = max(worst, _quant.group_errors(_slices(inputs, r), got, op).max())
+    assert worst <= limit, (worst, limit)
+    assert worst > _quant.FORMATS[fmt].step / 4
+
+
+def test_reduce_scatter_bounds_are_the_stated_values():
+    """docs/quantized.md: about 0.0079 (int8), 0.040 (fp8) and 0.076 (int4) for bfloat16 at 4 ranks."""
+    got = {f: _quant.bound(f, "bfloat16", 4, "reduce_scatter") for f in _quant.FORMATS}
+    assert got["int8"] == pytest.approx(0.0079, abs=5e-5) and got["fp8"] == pytest.approx(0.040, abs=5e-4)
+    assert got["int4"] == pytest.approx(0.076, abs=5e-4)
+
+
+def test_reduce_scatter_groups_each_slice_from_its_start():
+    """A group never spans two slices: rank r's output depends on slice r of the inputs only,
+    and a slice's first group starts at its first element (k = 33: the second slice starts
+    one element into the message's second group)."""
+    k, n = 33, 2
+    inputs = [_data("normal", "bfloat16", n * k, r) for r in range(n)]
+    changed = [x.copy() for x in inputs]
+    changed[0][:k] = (changed[0][:k].astype(np.float32) * 100).astype(NP["bfloat16"])  # slice 0 of rank 0
+    a, b = _quant.reduce_scatter(inputs, "int8"), _quant.reduce_scatter(changed, "int8")
+    assert (a[1].view(np.uint16) == b[1].view(np.uint16)).all() and not (a[0] == b[0]).all()
+    for r in range(n):  # each slice alone, as a message of its own: the same sums, rounded once
+        slices = _slices(inputs, r)
+        exact = _quant._sum([_quant._grouped(x) for x in slices], "int8", "sum").reshape(-1)[:k]
+        assert (a[r].view(np.uint16) == exact.astype(NP["bfloat16"]).view(np.uint16)).all()
+
+
+@pytest.mark.parametrize("fmt,qmax", [("int8", 127), ("int4", 7)])
+def test_reduce_scatter_is_exact_where_every_code_is(fmt, qmax):
+    """Integer inputs whose every group holds +-qmax have scale 1 and exact codes: the
+    reduce-scatter then returns the exact sums (float16 holds them), which the all-reduce's
+    second quantization would not (its sums reach beyond qmax)."""
+    n, k = 4, 32 * 40 + 11
+    rng = np.random.default_rng(5)
+    inputs = []
+    for _ in range(n):
+        x = rng.integers(-qmax, qmax + 1, n * k).astype(np.float32)
+        for r in range(n):  # +-qmax in every group of every slice
+            x[r * k:(r + 1) * k:32] = qmax * rng.choice([-1, 1], -(-k // 32))
+        inputs.append(x.astype(np.float16))
+    outs = _quant.reduce_scatter(inputs, fmt)
+    for r in range(n):
+        want = np.sum([x.astype(np.float64) for x in _slices(inputs, r)], axis=0)
+        assert (outs[r].astype(np.float64) == want).all()
+    assert not (np.concatenate(outs) == _quant.all_reduce(inputs, fmt)).all()
+
+
+def test_reduce_scatter_adds_in_rank_order_and_avg_divides_once():
+    big, small = 2.0**20, 1.0
+    parts = [np.full(64, v, np.float32).astype(NP["bfloat16"]) for v in (big, -big, small, small)]
+    for got in _quant.reduce_scatter(parts, "int8"):
+        assert (got.astype(np.float32) == 2.0).all()
+    for got in _quant.reduce_scatter(parts, "int8", "avg"):
+        assert (got.astype(np.float32) == 0.5).all()
+
+
+def test_reduce_scatter_specials():
+    """A group holding a NaN or infinity comes out NaN (its slice's group only); zeros of
+    either sign as +0.0."""
+    x = np.ones(2 * 64, np.float32)
+    x[3], x[64 + 40] = np.nan, np.inf  # slice 0 group 0, slice 1 group 1
+    zeros = np.full(2 * 64, -0.0, np.float32)
+    for fmt in _quant.FORMATS:
+        a, b = _quant.reduce_scatter([x.astype(NP["bfloat16"]), np.ones(128, NP["bfloat16"])], fmt)
+        assert np.isnan(a[:32].astype(np.float32)).all() and (a[32:].astype(np.float32) == 2).all()
+        assert (b[:32].astype(np.float32) == 2).all() and np.isnan(b[32:].astype(np.float32)).all()
+        for out in _quant.reduce_scatter([zeros.astype(NP["float16"])] * 2, fmt):
+            assert (out.view(np.uint16) == 0).all()
+
+
+def test_reduce_scatter_takes_whole_slices():
+    with pytest.raises(ValueError, match="not 4 slices"):
+        _quant.reduce_scatter([np.ones(10, NP["bfloat16"])] * 4, "int8")
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5, 8])
+def test_reduce_scatter_launches_take_whole_units_of_every_slice_and_fit_the_slots(nranks):
+    chunk = _quant.slice_launch_elems(nranks)
+    assert chunk > 0 and chunk % _quant.UNIT == 0 and nranks * chunk * 2 <= _quant.LAUNCH_BYTES
+    for fmt in _quant.FORMATS:
+        assert nranks * (chunk // _quant.UNIT) * _quant.record_bytes(fmt) <= _quant.slots_bytes(nranks)
+
+
 # ---- opt-in -------------------------------------------------------------------------------
 MiB = 1 << 20
 
@@ -189,13 +298,19 @@ def test_describe_says_whether_auto_quantizes():
     assert note("fp8", True, "float16", 16 * MiB, start) == "; sum and avg too (fp8 " + start[1] + ")"
     assert note("int8", True, "bfloat16", 1 << 30, (None, "never: not measured for 4 ranks")) == (
         "; sum and avg too (int8 never: not measured for 4 ranks)")
-    starts = {"bfloat16": start, "float16": (None, "never (measured not to pay: x)")}
+    assert note("int8", True, "bfloat16", 64 * MiB, start, "reduce_scatter") == (
+        "; sum and avg run the quantized reduce-scatter in int8 instead (int8 " + start[1] + ")")
+    rs = (None, "never: not measured for 2 ranks (no selector table has quantized reduce_scatter thresholds")
+    starts = {"all_reduce": {"bfloat16": start, "float16": (None, "never (measured not to pay: x)")},
+              "reduce_scatter": {"bfloat16": rs, "float16": rs}}
     assert "auto never quantizes" in _quant.describe("off", True, {})
     assert "NCCL only" in _quant.describe("int8", False, starts)
     text = _quant.describe("int4", True, starts)
     assert text.startswith("int4: auto reduces sum/avg in the quantized two-shot where the selector table says it "
                            "pays: bfloat16 from 64 MiB (2 ranks bfloat16 (quantized, tune file t.json: GPU nvlink "
-                           "plain graph)); float16 never (measured not to pay: x) (31% of the bytes")
+                           "plain graph)); float16 never (measured not to pay: x); reduce-scatters where it says so "
+                           f"for them: bfloat16 {rs[1]}; float16 {rs[1]} (31% of the bytes; error <= 0.1524 x the "
+                           "group's magnitude for bfloat16, 0.0756 in a reduce-scatter)"), text
     assert "UBNEXT_QUANTIZED=int8|fp8|int4" in _quant.describe("off", True, {})
 
 
@@ -221,7 +336,7 @@ def test_config_opt_in(monkeypatch):
 def test_pool_reserves_the_areas_only_when_opted_in():
     off = plan_layout(4, 1 << 20, 1 << 20, 1 << 20, _quant.quant_area_bytes(4, "off"))
     on = plan_layout(4, 1 << 20, 1 << 20, 1 << 20, _quant.quant_area_bytes(4, "int8"))
-    assert off.nbytes("quant") == 0 and on.nbytes("quant") == _quant.area_bytes(4, _quant.LAUNCH_BYTES // 2, "int8")
+    assert off.nbytes("quant") == 0 and on.nbytes("quant") == 2 * _quant.slots_bytes(4)
     assert on.offset("quant") % 128 == 0 and on.offset("flags.quant") % 16 == 0  # records on whole lines
     assert "quant.state" in on
     # any opt-in reserves room for every format (precision= picks one per call): int8's
@@ -229,16 +344,22 @@ def test_pool_reserves_the_areas_only_when_opted_in():
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
-def test_areas_hold_every_launch(nranks):
+def test_areas_hold_every_launch_its_gather_area_apart_from_every_launchs_slots(nranks):
     """Every launch up to LAUNCH_BYTES in every format fits the areas (kernels/quant_twoshot.cu:
-    QuantAreas: 2 N S records of a unit each), its records on whole 128-byte lines."""
-    area = _quant.quant_area_bytes(nranks, "int8")
+    QuantAreas: N slots of S unit records, then an all-gather area of N S records from
+    slots_bytes), its records on whole 128-byte lines. The all-gather area starts where
+    the slots of the largest launch in the largest format end: a peer's next launch, of
+    any size and format, fills its slots while this rank may still read that area."""
+    slots, area = _quant.slots_bytes(nranks), _quant.quant_area_bytes(nranks, "int8")
+    assert slots % 128 == 0 and area == 2 * slots
     for fmt in _quant.FORMATS:
         assert _quant.record_bytes(fmt) % 128 == 0
         assert _quant.record_bytes(fmt) == _quant.UNIT * _quant.bytes_per_element(fmt)
         for count in (1, 33, 4099, _quant.LAUNCH_BYTES // 2 - 7, _quant.LAUNCH_BYTES // 2):
-            slice_units = -(-_quant.units(count) // nranks)
-            assert 2 * nranks * slice_units * _quant.record_bytes(fmt) <= area
+            records = nranks * -(-_quant.units(count) // nranks) * _quant.record_bytes(fmt)
+            assert records <= slots  # the slots end before the all-gather area; it ends in the area
+    big = nranks * -(-_quant.units(_quant.LAUNCH_BYTES // 2) // nranks) * _quant.record_bytes("int8")
+    assert big == slots  # no room wasted: the largest launch fills the slots
 
 
 # ---- benchmark option ----------------------------------------------------------------------
@@ -258,6 +379,66 @@ def test_all_reduce_perf_takes_a_precision():
             arp.parse_args(argv)
 
 
+def test_reduce_scatter_perf_takes_a_precision_and_all_gather_perf_none():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is not installed
+    from bench import _sliced_perf
+    from bench import all_reduce_perf as arp
+
+    rs, ag = _sliced_perf.REDUCE_SCATTER_PERF, _sliced_perf.ALL_GATHER_PERF
+    assert arp.parse_args(["-d", "bfloat16", "--precision", "int4"], rs).precision == "int4"
+    assert arp.parse_args(["-d", "half", "-o", "avg", "--precision", "fp8"], rs).precision == "fp8"
+    for argv, program in ((["-d", "float", "--precision", "int8"], rs), (["-d", "bf16", "--algo", "twoshot",
+                                                                          "--precision", "int8"], rs),
+                          (["-d", "bf16", "--backend", "nccl", "--precision", "int8"], rs),
+                          (["-d", "bf16", "--precision", "int8"], ag)):
+        with pytest.raises(SystemExit):
+            arp.parse_args(argv, program)
+    assert arp.parse_args(["-d", "bf16", "--precision", "exact"], ag).precision == "exact"
+
+
+def test_reduce_scatter_perf_checks_the_quantized_result_bit_for_bit(monkeypatch, capsys):
+    """On the fake GPU, an engine that stores the emulation's slice counts no wrong element,
+    and one that stores the exact sums (what a full-precision kernel would) counts them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_fakes as fakes
+
+    from bench import _sliced_perf
+    from bench import all_reduce_perf as arp
+
+    fakes.install(monkeypatch)
+    import cupy  # the fake
+
+    class Quantized(fakes.ReduceEngine):
+        def __init__(self, bootstrap, fmt):
+            super().__init__(bootstrap)
+            self.fmt = fmt
+
+        def reduce_scatter(self, send, recv, dtype, op, stream):
+            def work():
+                inputs = self.bootstrap.allgather_obj(send.host.copy())
+                recv.host[...] = _quant.reduce_scatter(inputs, self.fmt, op)[self.bootstrap.rank]
+            stream.enqueue(work)
+
+    program = _sliced_perf.REDUCE_SCATTER_PERF
+    argv = ["-b", "64", "-e", "64K", "-f", "32", "-d", "bfloat16", "-n", "1", "-w", "1", "--precision", "int4"]
+    args = arp.parse_args(argv, program)
+    boot = fakes.Bootstrap()
+    for engine, wrong in ((Quantized(boot, "int4"), False), (fakes.ReduceEngine(boot), True)):
+        world = arp.World(fakes.Comm(boot), engine, cupy.cuda.Stream(),
+                          lambda count, dtype: cupy.empty((count,), dtype.numpy), ["# Buffers: fake"],
+                          collective=program.collective)
+        assert arp.run(args, world, argv) == int(wrong)
+        rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+        assert rows and all((r[8] != "0") == wrong for r in rows), rows
+
+
 def test_quant_error_script_writes_its_table(tmp_path):
     import sys
     from pathlib import Path
@@ -269,6 +450,7 @@ def test_quant_error_script_writes_its_table(tmp_path):
     text = (tmp_path / "quant_error.txt").read_text()
     assert "rows whose maximum exceeds the bound: 0" in text and "56.2% of bfloat16's" in text
     assert "int4: 0.625 bytes per element" in text and "31.2% of bfloat16's" in text
+    assert "rs median    rs max  rs bound" in text  # the reduce-scatter's columns, checked against its bound
     assert (tmp_path / "quant_error.png").stat().st_size > 0 and (tmp_path / "quant_error.json").is_file()
 
 
@@ -288,7 +470,9 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     names = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
     tuned = parse_table({"format": 2, "entries": [
         {"gpu": "*", "link": "*", "placement": "*", "mode": "*", "tables": {"64": {"bfloat16": [[None, "nccl"]]}},
-         "quantized": {"tables": {"4": {"bfloat16": {"int8": 64 * MiB}}}}}]}, "tune file t.json")
+         "quantized": {"tables": {"4": {"bfloat16": {"int8": 64 * MiB}}},
+                       "collectives": {"reduce_scatter": {"tables": {"4": {"bfloat16": {"int8": 16 * MiB}}}}}}}]},
+        "tune file t.json")
 
     def describe(table, size=4):
         comm = types.SimpleNamespace(config=cfg, rank=0, size=size, local_rank=0, local_size=size, device=0,
@@ -298,7 +482,7 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
 
     d = describe(None, size=8)  # the shipped table has no thresholds for 8 ranks
     assert d["config"]["UBNEXT_QUANTIZED"] == setting
-    assert f"quantized all-reduce: {d['quantized']}" in str(d)
+    assert f"quantized all-reduce and reduce-scatter: {d['quantized']}" in str(d)
     whys = [why for _, _, why in d["selection"]["bfloat16"]]
     assert not any("quantized two-shot" in why for why in whys)
     assert not any("sum and avg" in why for _, _, why in d["selection"]["float32"])
@@ -310,9 +494,17 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     shipped = describe(None)["quantized"]  # the H200 entry's thresholds, measured at 4 ranks
     assert "bfloat16 from 8 MiB (4 ranks bfloat16 (quantized, default table: NVIDIA H200 nvlink plain graph))" \
         in shipped, shipped
+    # the shipped table has no reduce-scatter thresholds: never, at every size
+    rs_never = "int8 never: not measured for 4 ranks (no selector table has quantized reduce_scatter thresholds"
+    assert f"reduce-scatters where it says so for them: bfloat16 {rs_never[5:]}" in shipped, shipped
+    assert not any("quantized" in why for _, _, why in d["collectives"]["all_gather"]["bfloat16"])
     d = describe(tuned)
     assert "bfloat16 from 64 MiB (4 ranks bfloat16 (quantized, tune file t.json: any machine))" in d["quantized"]
     for nbytes, _, why in d["selection"]["float16"]:
         quantized = "sum and avg run the quantized two-shot in int8 instead (int8 from 64 MiB (4 ranks bfloat16 " \
                     "(no float16 rows) (quantized, tune file t.json: any machine)))"
         assert (quantized in why) == (nbytes >= 64 * MiB), (nbytes, why)
+    for nbytes, _, why in d["collectives"]["reduce_scatter"]["bfloat16"]:
+        quantized = "sum and avg run the quantized reduce-scatter in int8 instead (int8 from 16 MiB (4 ranks " \
+                    "bfloat16 (quantized reduce_scatter, tune file t.json: any machine)))"
+        assert (quantized in why) == (nbytes >= 16 * MiB), (nbytes, why)

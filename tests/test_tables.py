@@ -383,6 +383,73 @@ def test_quantized_threshold_errors_name_the_entry_and_the_key(q, message):
     assert message in str(info.value)
 
 
+def rs_thresholds(tables):
+    return {"collectives": {"reduce_scatter": {"tables": tables}}}
+
+
+def test_reduce_scatter_thresholds_are_their_own(tmp_path):
+    """The reduce-scatter's thresholds (``quantized.collectives.reduce_scatter``) are looked
+    up as the all-reduce's, apart from them: an entry with only the all-reduce's leaves the
+    reduce-scatter not measured (never), whatever the next table says for the all-reduce;
+    an entry may hold the reduce-scatter's alone."""
+    both = document(entry(quantized={**quantized({"2": {"bfloat16": {"int8": 64 * MiB}}}),
+                                     **rs_thresholds({"*": {"bfloat16": {"int8": 8 * MiB, "int4": "never"}}})}))
+    table = load_table(write(tmp_path, both))
+    where = f"tune file {tmp_path / 't.json'}: NVIDIA H200 nvlink plain graph"
+    two = Selector(2, {}, ["nccl"], table, machine=Machine("NVIDIA H200"))
+    assert two.quantized("int8", "bfloat16") == (64 * MiB, f"from 64 MiB (2 ranks bfloat16 (quantized, {where}))")
+    assert two.quantized("int8", "float16", "reduce_scatter") == (
+        8 * MiB, f"from 8 MiB (2 ranks (via '*') bfloat16 (no float16 rows) (quantized reduce_scatter, {where}))")
+    assert two.quantized("int4", "bfloat16", "reduce_scatter")[1].startswith("never (measured not to pay: ")
+    assert two.quantized("fp8", "bfloat16", "reduce_scatter")[1].startswith("never: fp8 not measured")
+    assert two.quantized("int8", "bfloat16", "all_gather") == (None, "")  # the all-gather never quantizes
+    # the all-reduce's only (this file's, then the shipped H200 entry's): the reduce-scatter was not measured
+    only_ar = load_table(write(tmp_path, document(entry(quantized=quantized({"2": {"bfloat16": {"int8": 1}}}))),
+                               "ar.json"))
+    for table_ in (only_ar, None):
+        threshold, why = Selector(2, {}, ["nccl"], table_, machine=Machine("NVIDIA H200")).quantized(
+            "int8", "bfloat16", "reduce_scatter")
+        assert threshold is None and why == (
+            "never: not measured for 2 ranks (no selector table has quantized reduce_scatter thresholds for them; "
+            "python -m ubnext.tune --quantized measures them)")
+    only_rs = parse_table(document(entry(quantized=rs_thresholds({"2": {"bfloat16": {"int8": 4 * MiB}}}))), "t")
+    sel = Selector(2, {}, ["nccl"], only_rs, machine=Machine("NVIDIA H200"))
+    assert sel.quantized("int8", "bfloat16", "reduce_scatter")[0] == 4 * MiB
+    assert sel.quantized("int8", "bfloat16")[1].endswith("(quantized, default table: NVIDIA H200 nvlink plain graph))")
+    assert Selector(1, {}, ["nccl"], only_rs, machine=Machine("NVIDIA H200")).quantized(
+        "int8", "bfloat16", "reduce_scatter") == (None, "never: one rank moves nothing over links")
+
+
+def test_the_shipped_table_has_no_reduce_scatter_thresholds():
+    """None was measured: auto never quantizes a reduce-scatter with the shipped table alone."""
+    for t in default_table().entries:
+        assert not t.quantized_by_collective and "collectives" not in t.entry.get("quantized", {})
+
+
+def test_reduce_scatter_thresholds_change_the_digest():
+    ar = quantized({"2": {"bfloat16": {"int8": 64 * MiB}}})
+    digests = {parse_table(document(entry(quantized=q)), "t").digest() for q in (
+        ar, {**ar, **rs_thresholds({"2": {"bfloat16": {"int8": 64 * MiB}}})},
+        {**ar, **rs_thresholds({"2": {"bfloat16": {"int8": 32 * MiB}}})})}
+    assert len(digests) == 3
+
+
+@pytest.mark.parametrize("q, message", [
+    ({"note": "x"}, "(tables or collectives, or both)"),
+    ({"collectives": {}}, "quantized.collectives must be a non-empty object whose keys are among reduce_scatter"),
+    ({"collectives": {"all_gather": {"tables": {"2": {"bfloat16": {"int8": 1}}}}}}, "the all-gather stays exact"),
+    ({"collectives": {"reduce_scatter": {"2": {}}}}, "quantized.collectives['reduce_scatter'] must be an object"),
+    (rs_thresholds({"2": {"float32": {"int8": 1}}}), "quantized.collectives['reduce_scatter'].tables['2']: dtype "
+                                                     "'float32' is not quantized"),
+    (rs_thresholds({"2": {"bfloat16": {"int8": -1}}}), "quantized.collectives['reduce_scatter'].tables['2']"
+                                                       "['bfloat16']['int8']: -1 is not a positive byte count"),
+])
+def test_reduce_scatter_threshold_errors_name_the_key(q, message):
+    with pytest.raises(UbnextError) as info:
+        parse_table(document(entry(quantized=q)), "t")
+    assert message in str(info.value), str(info.value)
+
+
 # --------------------------------------------------------------------------- the same choices as before
 
 

@@ -316,6 +316,7 @@ def test_reduction_at_two_ranks_is_the_rank_order_sum():
     (lambda c, x: c.all_reduce_add_rmsnorm(x, x, x[0], eps=-1.0), "all_reduce_add_rmsnorm: eps must be"),
     (lambda c, x: c.all_reduce_add_rmsnorm(x, x, x[0], stream=object()), "all_reduce_add_rmsnorm: stream="),
     (lambda c, x: c.reduce_scatter(x, algorithm="nvls"), "reduce_scatter: algorithm='nvls'"),
+    (lambda c, x: c.reduce_scatter(x, precision="int8"), "reduce_scatter: precision='int8'"),
     (lambda c, x: c.all_gather(x, stream=object()), "all_gather: stream="),
     (lambda c, x: c.reduce_scatter_add_rmsnorm(x, None, x[0], algorithm="twoshot"),
      "reduce_scatter_add_rmsnorm: algorithm='twoshot'"),

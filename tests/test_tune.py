@@ -136,6 +136,28 @@ def test_merged_document_writes_and_keeps_the_quantized_thresholds():
     assert added["gpu"] == "GPU B" and added["quantized"] == new["entries"][0]["quantized"]
 
 
+def test_merged_document_writes_the_reduce_scatters_thresholds_apart():
+    """The reduce-scatter's thresholds go to quantized.collectives.reduce_scatter, merged by
+    world size and dtype as the all-reduce's; a run that measured the reduce-scatter alone
+    writes them without all-reduce thresholds."""
+    rows = {"bfloat16": [[None, "twoshot"]]}
+    both = tune.merged_document(None, "GPU A", 2, rows, {}, quantized={"bfloat16": {"int8": 64 * MiB}},
+                                quantized_rs={"bfloat16": {"int8": 16 * MiB, "int4": "never"}})
+    q = both["entries"][0]["quantized"]
+    assert q["tables"] == {"2": {"bfloat16": {"int8": 64 * MiB}}}
+    assert q["collectives"] == {"reduce_scatter": {"tables": {"2": {"bfloat16": {"int8": 16 * MiB,
+                                                                                 "int4": "never"}}}}}
+    four = tune.merged_document(both, "GPU A", 4, rows, {}, quantized_rs={"bfloat16": {"int4": 8 * MiB}})
+    (entry,) = parse_table(four, "t").entries
+    assert entry.quantized == {"2": {"bfloat16": {"int8": 64 * MiB}}}
+    assert entry.quantized_by_collective["reduce_scatter"] == {"2": {"bfloat16": {"int8": 16 * MiB, "int4": None}},
+                                                               "4": {"bfloat16": {"int4": 8 * MiB}}}
+    alone = tune.merged_document(None, "GPU A", 2, rows, {}, quantized_rs={"bfloat16": {"int8": 1 * MiB}})
+    assert set(alone["entries"][0]["quantized"]) == {"note", "collectives"}
+    assert parse_table(alone, "t").entries[0].quantized_by_collective["reduce_scatter"]["2"]["bfloat16"] == {
+        "int8": 1 * MiB}
+
+
 def test_merged_document_refuses_what_ubnext_cannot_read():
     with pytest.raises(UbnextError, match="unknown algorithm 'ring'"):
         tune.merged_document(None, "GPU", 4, {"bfloat16": [[None, "ring"]]}, {})
@@ -192,6 +214,11 @@ class FakeComm:
         def work():
             self.calls += 1
         stream.enqueue(work)
+
+    def reduce_scatter(self, x, out=None, algorithm="auto", stream=None, precision="auto"):
+        assert x.host.size == self.size * out.host.size and algorithm != "lamport"  # no reduce-scatter kernel
+        self.all_reduce(x, out, algorithm, stream, precision)
+        self.reduce_scatters = getattr(self, "reduce_scatters", 0) + 1
 
 
 @pytest.fixture
@@ -269,19 +296,31 @@ def test_run_on_an_opted_in_communicator_measures_and_writes_the_quantized_thres
         return [{"twoshot": t["twoshot"], "nccl": t["nccl"], "int8": t["int8"], "int4": t["int4"]}
                 for t in _h100x2("out")]
 
+    def measure_rs(comm, stream, dtype, args, progress):  # the reduce-scatter: int8 pays from 64 MiB
+        return [{"twoshot": t, "nccl": 2 * t, "int8": q, "int4": None} for t, q in ((30, 31), (110, 80), (440, 300))]
+
     monkeypatch.setattr(tune, "measure_dtype", measure)
+    monkeypatch.setattr(tune, "measure_reduce_scatter", measure_rs)
     out = tmp_path / "tune.json"
     args = tune.parse_args(["-o", str(out), "-b", "16M", "-e", "256M", "-f", "4"])
     assert tune.run(FakeComm(2, quantized="int8"), args, []) == 0
     text = capsys.readouterr().out
     assert "# quantized for 2 ranks bfloat16 (against the winner, 3% faster): int8 never, int4 from 64 MiB" in text
+    assert "# µs per reduce-scatter (size: the whole input) (plain arrays, out of place)" in text
+    assert ("# quantized reduce_scatter for 2 ranks bfloat16 (against the winner, 3% faster): int8 from 64 MiB"
+            in text)
     (entry,) = load_table(str(out)).entries
     assert entry.quantized == {"2": {"bfloat16": {"int8": None, "int4": 64 * MiB}}}
-    assert entry.entry["measured"]["2"]["bfloat16"]["us"]["int4"] == [60.0, 209.8, 835.0]
+    assert entry.quantized_by_collective == {"reduce_scatter": {"2": {"bfloat16": {"int8": 64 * MiB}}}}
+    record = entry.entry["measured"]["2"]["bfloat16"]
+    assert record["us"]["int4"] == [60.0, 209.8, 835.0]
+    assert record["reduce_scatter"] == {"winners": ["twoshot"] * 3, "us": {
+        "twoshot": [30, 110, 440], "nccl": [60, 220, 880], "int8": [31, 80, 300], "int4": [None] * 3}}
     sel = Selector(2, {}, ALL, load_table(str(out)))
     assert sel.quantized("int4", "bfloat16")[0] == 64 * MiB and sel.quantized("int8", "bfloat16")[0] is None
     assert sel.quantized("int4", "float16")[1].startswith("from 64 MiB (2 ranks bfloat16 (no float16 rows) "
                                                           "(quantized, tune file ")
+    assert sel.quantized("int8", "bfloat16", "reduce_scatter")[0] == 64 * MiB
 
 
 def test_measure_dtype_times_the_formats_only_where_opted_in(cupy):
@@ -293,6 +332,21 @@ def test_measure_dtype_times_the_formats_only_where_opted_in(cupy):
         assert [sorted(r) for r in tune.measure_dtype(comm, cupy.cuda.Stream(), dtype, args, lambda _: None)] \
             == [sorted(ALL)] * 2
     assert tune.parse_args(["--quantized"]).quantized and not tune.parse_args([]).quantized
+
+
+def test_measure_reduce_scatter_times_its_algorithms_and_the_formats_only_where_opted_in(cupy):
+    """Every usable algorithm with a reduce-scatter (not the Lamport one-shot) and every
+    format, on the whole input rounded down to whole slices; nothing where the communicator
+    did not opt in or the dtype is not quantized; a size below one element per rank: None."""
+    args = tune.parse_args(["-b", "16", "-e", "4K", "-f", "16", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
+    comm = FakeComm(size=16, quantized="int4")
+    rows = tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), "bfloat16", args, lambda _: None)
+    assert [sorted(r) for r in rows] == [sorted(["twoshot", "nccl", "int8", "fp8", "int4"])] * 3
+    assert all(v is None for v in rows[0].values())  # 16 bytes: 8 elements, not one per rank of 16
+    assert all(r["fp8"] is None and r["int8"] is not None for r in rows[1:])
+    assert comm.reduce_scatters > 0
+    for comm, dtype in ((FakeComm(), "bfloat16"), (FakeComm(quantized="int8"), "float32")):
+        assert tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), dtype, args, lambda _: None) == []
 
 
 def test_run_refuses_an_invalid_existing_file_before_measuring(cupy, monkeypatch, tmp_path, capsys):

@@ -13,13 +13,18 @@ winner of a size is the fastest algorithm, but a ubnext kernel wins over NCCL
 only when it is at least ``--margin`` percent faster. Adjacent sizes with the
 same winner become one table row; the last row has no upper limit.
 
-On a communicator opted in to the quantized all-reduce (``UBNEXT_QUANTIZED`` set, or
+On a communicator opted in to the quantized collectives (``UBNEXT_QUANTIZED`` set, or
 ``--quantized``), each quantized format (``precision=int8|fp8|int4``; fp8 where the GPU
 has it) is timed beside them for bfloat16/float16, against the size's winner in full
 precision: the format's threshold is the smallest measured size from which it is at
 least ``--margin`` percent faster at every larger measured size, or ``"never"`` where
 it is not at the largest; ``auto`` quantizes from that size on this machine and world
 size (the entry's ``quantized`` thresholds, format 2 of ``ubnext._selection.table``).
+The reduce-scatter is measured the same way, apart: every algorithm with a
+reduce-scatter and every format, a size being its whole input (size x k elements, as
+``reduce_scatter_perf`` counts it), each format against the reduce-scatter's winner; its
+thresholds go to the entry's ``quantized.collectives.reduce_scatter`` (its full-precision
+rows are not written: the table keeps the ones it has).
 
 Rank 0 prints the timings and writes the table (``-o``, format 2 of
 ``ubnext._selection.table``): an entry keyed by this machine (the GPU's name, the
@@ -62,7 +67,8 @@ from ubnext._tools.cli import run_or_abort, size_arg, size_list
 Times = dict[str, float | None]
 #: The ``note`` tune gives the quantized thresholds of an entry it writes.
 QUANTIZED_NOTE = ("Measured by python -m ubnext.tune on plain arrays, out of place, in CUDA graphs: each format "
-                  "against the full-precision winner of each size; a format is used from the smallest measured "
+                  "against the full-precision winner of each size (a reduce-scatter's against the reduce-scatter "
+                  "algorithms, its sizes those of the whole input); a format is used from the smallest measured "
                   "size from which it is faster by the margin at every larger measured size; never: not at the "
                   "largest. The measurements: the entry's measured record.")
 
@@ -141,7 +147,8 @@ def entry_of(document: dict[str, Any], key: dict[str, str]) -> dict[str, Any] | 
 def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
                     rows: dict[str, list], measured: dict[str, dict[str, Any]],
                     link: str = DEFAULT_LINK, placement: str = "plain", mode: str = "graph",
-                    quantized: dict[str, dict[str, int | str]] | None = None) -> dict[str, Any]:
+                    quantized: dict[str, dict[str, int | str]] | None = None,
+                    quantized_rs: dict[str, dict[str, int | str]] | None = None) -> dict[str, Any]:
     """The table document (format 2) after tuning ``world`` ranks for the dtypes in ``rows``.
 
     Args:
@@ -155,11 +162,13 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
             plain arrays in CUDA graphs; the link ubnext assumes, ``table.DEFAULT_LINK``).
         quantized: dtype -> the quantized thresholds measured (:func:`quantized_thresholds`);
             a dtype without any (none measured) is left as it was.
+        quantized_rs: the same, of the reduce-scatter.
 
     Returns:
         A new document: the entry of this machine key (added when there is none) with
         ``tables[world][dtype]``, ``measured[world][dtype]`` and, where measured,
-        ``quantized.tables[world][dtype]`` replaced; its other world
+        ``quantized.tables[world][dtype]`` and
+        ``quantized.collectives.reduce_scatter.tables[world][dtype]`` replaced; its other world
         sizes and dtypes, and every other entry, kept. An entry added where an entry for any
         GPU served this machine (a format-1 file's rows) starts from that entry's rows
         (``tables``, ``collectives``, ``quantized``): a communicator takes one entry of a file, so what
@@ -187,10 +196,13 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
         doc["entries"].append(entry)
     entry["tables"].setdefault(str(world), {}).update(rows)
     entry.setdefault("measured", {}).setdefault(str(world), {}).update(measured)
-    measured_formats = {dtype: t for dtype, t in (quantized or {}).items() if t}
-    if measured_formats:
-        entry.setdefault("quantized", {"note": QUANTIZED_NOTE, "tables": {}})
-        entry["quantized"]["tables"].setdefault(str(world), {}).update(measured_formats)
+    for measured_by_dtype, path in ((quantized, ()), (quantized_rs, ("collectives", "reduce_scatter"))):
+        measured_formats = {dtype: t for dtype, t in (measured_by_dtype or {}).items() if t}
+        if measured_formats:
+            place = entry.setdefault("quantized", {"note": QUANTIZED_NOTE})
+            for key in path:
+                place = place.setdefault(key, {})
+            place.setdefault("tables", {}).setdefault(str(world), {}).update(measured_formats)
     parse_table(doc, "the table being written")  # never write what ubnext cannot read
     return doc
 
@@ -201,25 +213,29 @@ def _width(name: str) -> int:
 
 
 def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Sequence[Times],
-           winners: Sequence[str], args: argparse.Namespace) -> list[str]:
-    """The lines rank 0 prints for one dtype: µs per size and algorithm (and quantized
-    format), the winner, the rows, the quantized thresholds."""
+           winners: Sequence[str], args: argparse.Namespace, collective: str = "all_reduce") -> list[str]:
+    """The lines rank 0 prints for one dtype and collective: µs per size and algorithm (and
+    quantized format), the winner, the rows (the all-reduce's: the reduce-scatter's are
+    not written), the quantized thresholds."""
     names = [n for n in (*ALGORITHMS, *_quant.FORMATS) if any(t.get(n) is not None for t in times)]
+    what = "all-reduce" if collective == "all_reduce" else "reduce-scatter (size: the whole input)"
     lines = [f"# ubnext.tune: {world} ranks, {dtype}, {machine}; CUDA graphs of {args.iters} calls, "
              f"{args.launches} launches per sample, median of {args.repeats} samples, max over ranks",
-             f"# µs per all-reduce (plain arrays, out of place); a kernel beats NCCL only when "
+             f"# µs per {what} (plain arrays, out of place); a kernel beats NCCL only when "
              f"{args.margin:g}% faster",
              f"{'size':>10}" + "".join(f"{n:>{_width(n)}}" for n in names) + "  winner"]
     for nbytes, row, win in zip(sizes, times, winners):
         cells = "".join(f"{'—' if row.get(n) is None else f'{row[n]:.2f}':>{_width(n)}}" for n in names)
         lines.append(f"{human_bytes(nbytes):>10}{cells}  {win}")
-    rows = table_rows(sizes, winners)
-    text = ", ".join(f"≤ {human_bytes(limit)} {name}" if limit else f"then {name}" for limit, name in rows)
-    lines.append(f"# rows for {world} ranks {dtype}: {text}")
+    if collective == "all_reduce":
+        rows = table_rows(sizes, winners)
+        text = ", ".join(f"≤ {human_bytes(limit)} {name}" if limit else f"then {name}" for limit, name in rows)
+        lines.append(f"# rows for {world} ranks {dtype}: {text}")
     thresholds = quantized_thresholds(sizes, times, winners, args.margin)
     if thresholds:
+        label = "quantized" if collective == "all_reduce" else f"quantized {collective}"
         text = ", ".join(f"{fmt} {t if t == NEVER else 'from ' + human_bytes(t)}" for fmt, t in thresholds.items())
-        lines.append(f"# quantized for {world} ranks {dtype} (against the winner, {args.margin:g}% faster): {text}")
+        lines.append(f"# {label} for {world} ranks {dtype} (against the winner, {args.margin:g}% faster): {text}")
     return lines
 
 
@@ -273,9 +289,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- measuring (GPU, collective)
 
 
-def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace) -> float | None:
+def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace,
+                   collective: str = "all_reduce") -> float | None:
     """µs per ``comm.all_reduce(send, out=recv, algorithm=name)`` (``precision=name`` where
-    ``name`` is a quantized format), or None when refused. Collective.
+    ``name`` is a quantized format; ``comm.reduce_scatter`` for that ``collective``), or None
+    when refused. Collective.
 
     Eager warm-up calls come first (compiling the kernel, connecting NCCL,
     outside any capture); a refusal there (the size exceeds the algorithm's
@@ -285,8 +303,10 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
 
     call = {"precision": name} if name in _quant.FORMATS else {"algorithm": name}
 
+    run = getattr(comm, collective)
+
     def launch() -> None:
-        comm.all_reduce(send, out=recv, stream=stream, **call)
+        run(send, out=recv, stream=stream, **call)
 
     refused = None
     try:
@@ -323,6 +343,32 @@ def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) 
         for name in comm.algorithms() + formats:
             progress(f"{dtype} {human_bytes(nbytes):>8} {name}")
             row[name] = time_algorithm(comm, stream, name, send[:count], recv[:count], args)
+        rows.append(row)
+    return rows
+
+
+def measure_reduce_scatter(comm, stream, dtype: str, args: argparse.Namespace, progress) -> list[Times]:
+    """Times of the reduce-scatter at every size (its whole input, rounded down to a multiple
+    of the world size): every usable algorithm that has one and every quantized format, where
+    the communicator opted in and the dtype is one they take; else none ([]). Collective."""
+    import cupy
+
+    from ubnext._interop.arrays import _cupy_dtype
+
+    if comm.config.quantized == "off" or dtype not in _quant.DTYPES:
+        return []
+    width = DTYPES[dtype][1]
+    send = cupy.zeros((args.sizes[-1] // width,), dtype=_cupy_dtype(dtype))
+    recv = cupy.empty_like(send)
+    names = [n for n in comm.algorithms() if ALGORITHMS[n].serves("reduce_scatter")] + list(_quant.FORMATS)
+    rows = []
+    for nbytes in args.sizes:
+        k = nbytes // width // comm.size
+        row: Times = {}
+        for name in names:
+            progress(f"{dtype} {human_bytes(nbytes):>8} reduce_scatter {name}")
+            row[name] = (time_algorithm(comm, stream, name, send[:k * comm.size], recv[:k], args, "reduce_scatter")
+                         if k else None)
         rows.append(row)
     return rows
 
@@ -379,28 +425,35 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
                 sys.stderr.write(f"\r# ubnext.tune {text:<46}" if text else f"\r{'':<60}\r")
                 sys.stderr.flush()
 
-        rows, measured, quantized = {}, {}, {}
+        rows, measured, quantized, quantized_rs = {}, {}, {}, {}
         for dtype in args.dtypes:
             times = measure_dtype(comm, stream, dtype, args, progress)
             winners = [winner(t, args.margin) for t in times]
+            rs_times = measure_reduce_scatter(comm, stream, dtype, args, progress)
+            rs_winners = [winner(t, args.margin) for t in rs_times]
             progress("")
             for line in report(comm.size, dtype, machine, args.sizes, times, winners, args):
                 say(line, flush=True)
+            if rs_times:
+                for line in report(comm.size, dtype, machine, args.sizes, rs_times, rs_winners, args,
+                                   "reduce_scatter"):
+                    say(line, flush=True)
             rows[dtype] = table_rows(args.sizes, winners)
             quantized[dtype] = quantized_thresholds(args.sizes, times, winners, args.margin)
+            quantized_rs[dtype] = quantized_thresholds(args.sizes, rs_times, rs_winners, args.margin)
             measured[dtype] = {
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "machine": machine,
                 "command": shlex.join([sys.executable, "-m", "ubnext.tune", *argv]),
                 "margin_percent": args.margin, "graph_calls": args.iters, "graph_launches": args.launches,
-                "repeats": args.repeats, "sizes": args.sizes, "winners": winners,
-                "us": {n: [t.get(n) for t in times] for n in (*ALGORITHMS, *_quant.FORMATS)
-                       if any(n in t for t in times)},
+                "repeats": args.repeats, "sizes": args.sizes, "winners": winners, "us": _us(times),
             }
+            if rs_times:
+                measured[dtype]["reduce_scatter"] = {"winners": rs_winners, "us": _us(rs_times)}
         outcome = None
         if rank0:
             try:
                 doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured,
-                                      quantized=quantized)
+                                      quantized=quantized, quantized_rs=quantized_rs)
                 write_atomically(args.output, doc)
                 written = Machine(machine)  # the key merged_document's defaults give the entry
                 entry = entry_of(doc, dataclasses.asdict(written))
@@ -414,6 +467,11 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
         say(outcome, file=sys.stdout if ok else sys.stderr, flush=True)
         del stream  # destroyed here, in the communicator's context
         return 0 if ok else 1
+
+
+def _us(times: Sequence[Times]) -> dict[str, list[float | None]]:
+    """The measured record's µs: algorithm or format -> its time at each size."""
+    return {n: [t.get(n) for t in times] for n in (*ALGORITHMS, *_quant.FORMATS) if any(n in t for t in times)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

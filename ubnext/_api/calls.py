@@ -15,6 +15,7 @@ import pickle
 from ubnext._api.plans import Plan
 from ubnext._engine.launch import Packed
 from ubnext._interop import arrays as _arrays
+from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES, UNICAST_OF, op_problem
 from ubnext._protocol.errors import ClosedError, UbnextError
 
@@ -134,6 +135,15 @@ class CallSteps:
             raise UbnextError(f"{name}: {what} must be {xb.dtype} of shape {shape}, "
                               f"got {b.dtype} of shape {tuple(b.shape)}")
         return b
+
+    def _quantized_format(self, name: str, precision: str, algorithm: str, xb, op: str) -> str | None:
+        """The format a call of ``name`` (a collective of ``_quant.COLLECTIVES``) on ``xb`` runs
+        in, or None for full precision (``_quant.choose``, with this communicator's opt-in and
+        the selector table's threshold for the collective)."""
+        setting = self.config.quantized
+        threshold = self._selector.quantized(setting, xb.dtype, name)[0]
+        return _quant.choose(name, precision, algorithm, xb.dtype, op, xb.nbytes, threshold, setting,
+                             self._node is not None, lambda: self._arch)
 
     @functools.cached_property
     def _arch(self) -> int:

@@ -279,10 +279,7 @@ class Communicator(CallSteps):
             xb = self._input(name, x, handle)
             if op not in OPS:
                 raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-            setting = self.config.quantized
-            fmt = _quant.choose(name, precision, algorithm, xb.dtype, op, xb.nbytes,
-                                self._selector.quantized(setting, xb.dtype)[0], setting, self._node is not None,
-                                lambda: self._arch)
+            fmt = self._quantized_format(name, precision, algorithm, xb, op)
             algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
             if out is None:
                 ob = self._new(name, xb, handle, owner, side)
@@ -402,7 +399,8 @@ class Communicator(CallSteps):
             _arrays.mark_written((None if out is None else nb, None if residual_out is None else ob))
             return nb.obj, ob.obj
 
-    def reduce_scatter(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None):
+    def reduce_scatter(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None,
+                       precision: str = "auto"):
         """Reduces ``x`` over the ranks and gives each rank its slice; never blocks the host.
 
         The layout of ``torch.distributed.reduce_scatter_tensor``: ``x`` holds size x k
@@ -423,19 +421,32 @@ class Communicator(CallSteps):
             algorithm: ``"auto"`` (picked by x's bytes) or one of ``algorithms()`` that has a
                 reduce-scatter (``lamport_twoshot``, ``twoshot``, ``nvls``, ``nccl``).
             stream: as for ``all_reduce``.
+            precision: as for ``all_reduce``, with the reduce-scatter's own thresholds:
+                ``"auto"``: full precision unless the communicator opted in
+                (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16 sums and averages
+                from the size (of x) the selector table measured for reduce-scatters on this
+                machine and world size (none measured, as in the shipped table: never;
+                ``describe()`` says which); ``"exact"``: full precision always; ``"int8"``,
+                ``"fp8"`` or ``"int4"``: the quantized reduce-scatter in that format
+                (opt-in communicators only): every rank's slices cross the links quantized,
+                and each rank adds them in rank order in fp32 and rounds its slice once,
+                within the bound docs/quantized.md states (one quantization: below the
+                all-reduce's).
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
 
         Raises:
             UbnextError: invalid arguments, among them a count that the world size does not
-                divide (before anything is launched); closed communicator.
+                divide (before anything is launched), a ``precision`` the call cannot take
+                (as for ``all_reduce``); closed communicator.
                 BrokenCommunicatorError (CollectiveTimeoutError, CollectiveMismatchError,
                 ConcurrentUseError): an earlier collective of this communicator failed; its
                 outputs hold NaN where results were not computed.
         """
         if _arrays.traced(x):
-            return _traced_call(self, "reduce_scatter", x, out=out, op=op, algorithm=algorithm, stream=stream)
+            return _traced_call(self, "reduce_scatter", x, out=out, op=op, algorithm=algorithm, stream=stream,
+                                precision=precision)
         with self._order:
             name = "reduce_scatter"
             handle, owner, side, xb = self._open_call(name, x, stream)
@@ -445,13 +456,19 @@ class Communicator(CallSteps):
                 raise UbnextError(f"{name}: x has {xb.count} elements, which {self.size} ranks do not divide "
                                   f"(x holds size x k elements)")
             k = xb.count // self.size
-            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, op, collective=name)
+            fmt = self._quantized_format(name, precision, algorithm, xb, op)
+            algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op,
+                                                                 collective=name)
             shape = ((xb.shape[0] // self.size, *xb.shape[1:]) if xb.shape and xb.shape[0] % self.size == 0
                      else (k,))
             ob = self._part_out(name, xb, out, k, shape, handle, owner, side)
             if self._prepare(name, algo, xb, k, op, handle, owner, side, (xb, ob)):
-                self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner,
-                                              _signature.encode(name, xb.dtype, op, xb.count))
+                sig = _signature.encode(name, xb.dtype, op, xb.count)
+                if fmt:
+                    self._dispatch.quantized_reduce_scatter(fmt, xb, ob, k, op, handle, owner,
+                                                            _quant.signature(sig, fmt))
+                else:
+                    self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner, sig)
                 if out is not None:
                     _arrays.mark_written((ob,))
             return ob.obj
@@ -672,9 +689,10 @@ class Communicator(CallSteps):
 
         Returns:
             One of ``algorithms()``: the full-precision choice. On a communicator opted in
-            to the quantized all-reduce (``UBNEXT_QUANTIZED``), bfloat16/float16 sums and
-            averages from the size measured for this machine run the quantized two-shot
-            instead; ``describe()`` says per size which format and why.
+            to the quantized collectives (``UBNEXT_QUANTIZED``), bfloat16/float16 sums and
+            averages of an all-reduce or a reduce-scatter from the size measured for this
+            machine (each collective its own) run quantized instead; ``describe()`` says
+            per size which format and why.
 
         Raises:
             UbnextError: ``UBNEXT_ALGO`` names an algorithm that cannot take ``nbytes``;

@@ -20,8 +20,9 @@ class Description(dict):
     ``device_name``, ``path`` (kernels or NCCL only, and why), ``algorithms``,
     ``pool`` (bytes, user heap and free bytes; None without a pool), ``nvls``,
     ``config`` (``UBNEXT_*`` -> value), ``quantized`` (whether and from which size ``auto``
-    quantizes, and where that size comes from: ``UBNEXT_QUANTIZED`` and the tables'
-    quantized thresholds; each ``selection`` reason says it for its size too),
+    quantizes all-reduces and reduce-scatters, and where that size comes from:
+    ``UBNEXT_QUANTIZED`` and the tables' quantized thresholds; each ``selection`` reason
+    says it for its size too, and the reduce-scatter's in ``collectives``),
     ``tables`` (the selector tables, in the order consulted: each the entry chosen for
     this machine and why, ``"default table: NVIDIA H200 nvlink plain graph (exact
     match)"``), ``selection`` (every dtype -> ``[bytes, algorithm, reason]``
@@ -40,7 +41,8 @@ def report(comm) -> Description:
 
     config = comm.config
     kernels = comm.path.startswith("kernels")
-    starts = {dtype: comm.selector.quantized(config.quantized, dtype) for dtype in _quant.DTYPES}
+    starts = {c: {dtype: comm.selector.quantized(config.quantized, dtype, c) for dtype in _quant.DTYPES}
+              for c in _quant.COLLECTIVES}
     return Description(
         rank=comm.rank, ranks=comm.size, local_rank=comm.local_rank, local_ranks=comm.local_size,
         device=comm.device, device_name=device_name(comm.device), path=comm.path,
@@ -48,12 +50,25 @@ def report(comm) -> Description:
         config={f.metadata["env"]: getattr(config, f.name) for f in dataclasses.fields(config)},
         quantized=_quant.describe(config.quantized, kernels, starts),
         tables=[f"{t.where} ({t.why})" for t in comm.selector.tables],
-        selection={dtype: [[n, name, why + _quant.selection_note(config.quantized, kernels, dtype, n,
-                                                                 starts.get(dtype, (None, "")))]
-                           for n in SIZES for name, why in [_choice(comm, n, dtype)]] for dtype in DTYPES},
-        collectives={c: {"bfloat16": [[n, *_choice(comm, n, "bfloat16", c)] for n in SIZES]}
+        selection={dtype: _selection(comm, dtype, "all_reduce", starts) for dtype in DTYPES},
+        collectives={c: {"bfloat16": _selection(comm, "bfloat16", c, starts)}
                      for c in COLLECTIVES if c != "all_reduce"},
     )
+
+
+def _selection(comm, dtype: str, collective: str, starts: dict) -> list:
+    """``[bytes, algorithm, reason]`` of ``auto``'s choice for each of SIZES, the reason saying
+    where sums and averages run quantized instead, for the collectives that quantize
+    (``starts``: as ``_quant.describe`` takes them)."""
+    setting, kernels = comm.config.quantized, comm.path.startswith("kernels")
+
+    def note(nbytes: int) -> str:
+        if collective not in starts:  # the all-gather: always exact
+            return ""
+        return _quant.selection_note(setting, kernels, dtype, nbytes, starts[collective].get(dtype, (None, "")),
+                                     collective)
+
+    return [[n, name, why + note(n)] for n in SIZES for name, why in [_choice(comm, n, dtype, collective)]]
 
 
 def _nvls(comm) -> dict:
@@ -91,7 +106,7 @@ def _render(d: Description) -> list[str]:
     lines.append(f"NVLink multicast: {'on' if nvls['enabled'] else 'off'} ({nvls['reason']})")
     lines.append("config:")
     lines += [f"  {k:<22} {_env_text(v) or '(empty)'}" for k, v in d["config"].items()]
-    lines.append(f"quantized all-reduce: {d['quantized']}")
+    lines.append(f"quantized all-reduce and reduce-scatter: {d['quantized']}")
     lines.append(f"selector tables: {', then '.join(d['tables'])}")
     lines.append('selection (algorithm="auto"):')
     for dtype, rows in d["selection"].items():

@@ -66,6 +66,18 @@ class Dispatcher:
             issue(eng.quantized(fmt, xb.dtype, op, xb.ptr + start * width, ob.ptr + start * width,
                                 min(chunk, xb.count - start), sig), stream)
 
+    def quantized_reduce_scatter(self, fmt: str, xb, ob, k: int, op: str, stream: int, owner, sig: int) -> None:
+        """Quantized reduce-scatter of ``xb`` (size x k elements) into ``ob`` (this rank's k)
+        in ``fmt``, in launches of at most ``_quant.slice_launch_elems`` of every slice (whole
+        units, so that every launch's groups are the slices')."""
+        eng = self._node.engine
+        width = DTYPES[xb.dtype][1]
+        chunk = _quant.slice_launch_elems(eng.nranks)
+        self._order.follow(stream, owner)
+        for c0 in range(0, k, chunk):
+            issue(eng.quantized_rs(fmt, xb.dtype, op, xb.ptr + c0 * width, ob.ptr + c0 * width, min(chunk, k - c0),
+                                   k * width, sig), stream)
+
     def fused_rows(self, algo: str, dtype: str, hidden: int, rows: int, aligned: bool) -> int:
         """Rows one fused launch of ``algo`` takes, or 0 where the call goes unfused."""
         if not (ALGORITHMS[algo].is_kernel and hidden % 8 == 0 and aligned):

@@ -29,7 +29,7 @@ from ubnext._protocol.constants import (
     sentinel_word,
 )
 
-#: parameters of each entry point (kernels/lamport.cu, kernels/twoshot.cu): base, stride,
+#: parameters of each entry point (kernels/lamport.cu, kernels/twoshot.cu, ...): base, stride,
 #: rank, mc, then 64-bit values; the fused ones take eps (fp32) before the signature and
 #: the launch state.
 _PARAMS = {
@@ -43,6 +43,8 @@ _PARAMS = {
     "ub_lamport_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
     "ub_lamport_twoshot_norm": (U64, U64, I32) + (U64,) * 11 + (F32, U64, U64),
     "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32, U64, U64),
+    "ub_quant_twoshot": (U64, U64, I32) + (U64,) * 9,
+    "ub_quant_twoshot_rs": (U64, U64, I32) + (U64,) * 9,
 }
 _NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
 
@@ -98,9 +100,11 @@ class Engine:
                          for t in ("unicast", "multicast")}
         self.staging_off = plan.offset("staging")
         self.staging_ptr = pool.local_ptr(self.staging_off)
-        # the quantized two-shot: flags, launch state, receive areas and their bytes (0: not opted in)
-        self._quant = (plan.offset("flags.quant"), pool.local_ptr(plan.offset("quant.state")),
-                       plan.offset("quant"), plan.nbytes("quant"))
+        # the quantized two-shot: flags, launch state, the receive areas (reduce-scatter slots,
+        # then the all-gather area: _quant.slots_bytes) and their bytes (0: not opted in)
+        slots = plan.offset("quant")
+        self._quant = (plan.offset("flags.quant"), pool.local_ptr(plan.offset("quant.state")), slots,
+                       slots + _quant.slots_bytes(self.nranks), plan.nbytes("quant"))
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
@@ -230,19 +234,45 @@ class Engine:
         ``count`` elements from local ``src`` into local ``dst`` (2-byte aligned; may be
         equal) in ``fmt``, as ``lamport`` gives it; at most ``quant.LAUNCH_BYTES`` of input.
         ``sig``: the call's signature."""
-        flags, state, area, nbytes = self._quant
+        slice_units = -(-_quant.units(count) // self.nranks)
+        return (self._quant_launcher(fmt, dtype, op, "all_reduce"), self._quant_blocks(slice_units),
+                THREADS[_quant.SOURCE], (src, dst, count, sig))
+
+    def quantized_rs(self, fmt: str, dtype: str, op: str, src: int, dst: int, k: int, pitch: int,
+                     sig: int) -> tuple:
+        """The launch of a quantized reduce-scatter (kernels/quant_twoshot.cu) of nranks
+        slices of ``k`` elements, slice r at local ``src + r * pitch`` bytes, this rank's
+        sums into local ``dst`` (k elements; 2-byte aligned; may be this rank's slice of the
+        input), in ``fmt``, as ``lamport`` gives it; k at most ``quant.slice_launch_elems``.
+        ``sig``: the call's signature."""
+        return (self._quant_launcher(fmt, dtype, op, "reduce_scatter"), self._quant_blocks(-(-k // _quant.UNIT)),
+                THREADS[_quant.SOURCE], (src, dst, k, pitch, sig))
+
+    def _quant_launcher(self, fmt: str, dtype: str, op: str, collective: str) -> Launcher:
+        """The launcher of the quantized entry point of ``collective`` (``_quant.ENTRIES``); both
+        come from one module per format, dtype and op, and take the flags and the
+        reduce-scatter slots, the all-reduce the all-gather area too."""
+        flags, state, slots, gather, nbytes = self._quant
         if not nbytes:
             raise AssertionError("engine: the quantized two-shot needs Config.quantized")
-        key = (f"quantized:{fmt}", dtype, op, False, 1, "all_reduce")  # shaped as _kernel's keys
+        key = (f"quantized:{fmt}", dtype, op, False, 1, collective)  # shaped as _kernel's keys
         launcher = self._launchers.get(key)
         if launcher is None:
-            module = compile_module(_quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks),
-                                    self.pool.device)
-            launcher = self._launchers[key] = Launcher(module.get_function(_quant.ENTRY), _PARAMS["ub_twoshot"],
-                                                       self._fixed + (flags, area), (state,), self.dependent)
-        slice_units = -(-_quant.units(count) // self.nranks)
-        blocks = max(1, min(self._blocks, -(-slice_units // _quant.BLOCK_UNITS)))
-        return launcher, blocks, THREADS[_quant.SOURCE], (src, dst, count, sig)
+            mkey = (_quant.SOURCE, fmt, dtype, op)
+            module = self._modules.get(mkey)
+            if module is None:
+                module = self._modules[mkey] = compile_module(
+                    _quant.SOURCE, _quant.compile_defines(fmt, dtype, op, self.nranks), self.pool.device)
+            entry = _quant.ENTRIES[collective]
+            areas = (slots, gather) if collective == "all_reduce" else (slots,)
+            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry],
+                                                       self._fixed + (flags, *areas), (state,), self.dependent)
+        return launcher
+
+    def _quant_blocks(self, slice_units: int) -> int:
+        """Blocks of a quantized launch whose slices have ``slice_units`` units: one per
+        ``_quant.BLOCK_UNITS`` of a slice, at most the engine's (every block resident)."""
+        return max(1, min(self._blocks, -(-slice_units // _quant.BLOCK_UNITS)))
 
     def norm_rows(self, algorithm: str, dtype: str, hidden: int, rows: int) -> int:
         """Rows one fused launch of ``algorithm`` takes (of ``rows``; 0: not even one)."""

@@ -209,11 +209,11 @@ class Config:
     )
     quantized: str = _field(
         "UBNEXT_QUANTIZED", "off", _choice("off", "int8", "fp8", "int4"),
-        "Opt in to the quantized two-shot all-reduce (lossy, with a stated error bound: "
-        "README \"Quantized all-reduce\"): `off`, `int8`, `fp8` (e4m3, sm_89+) or `int4` "
+        "Opt in to the quantized two-shot all-reduce and reduce-scatter (lossy, with a stated error "
+        "bound: docs/quantized.md): `off`, `int8`, `fp8` (e4m3, sm_89+) or `int4` "
         "(fewer bytes than int8, a larger error bound). When set, "
         "`auto` reduces bfloat16/float16 sums and averages in that format from the size "
-        "`python -m ubnext.tune` measured for the machine and world size (the selector "
+        "`python -m ubnext.tune` measured for the machine, world size and collective (the selector "
         "table's quantized thresholds; where none was measured, or it never pays, never: "
         "`comm.describe()` says which), and "
         "`precision=` can pick any format per call; it reserves the receive areas in "

@@ -299,7 +299,7 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
     two-shot kernels have a launch state and barrier flags per transport: the unicast
     barrier stores epochs per source rank, the multicast one counts arrivals. The
     quantized two-shot (opt-in) has a launch state, barrier flags and ``quant_bytes`` of
-    receive areas of its own (``_quant.area_bytes``; 0 where the communicator did not opt in).
+    receive areas of its own (``_quant.quant_area_bytes``; 0 where the communicator did not opt in).
     """
     plan = SlotPlan()
     for name in STATES:

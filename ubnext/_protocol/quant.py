@@ -17,6 +17,10 @@ throughout, IEEE round to nearest even, no fused multiply-add):
   adds them in rank order 0..N-1 in fp32 (starting from rank 0's value), divides by N
   for ``avg``, quantizes the sum once, and every rank dequantizes that and rounds it to
   the input dtype once (to nearest even). A message's last group is padded with zeros.
+* the reduce-scatter (its first half): the groups of each rank's slice r (grouped from
+  the slice's start, its last group padded with zeros) quantized and dequantized, added
+  in rank order in fp32 by rank r, divided by N for ``avg``, and the sum rounded once to
+  the input dtype: rank r's output, not requantized.
 
 The error bound (:func:`bound`) is stated per group, relative to ``M``, the sum over the
 ranks of each rank's largest magnitude in the group (divided by N for ``avg``): every
@@ -38,8 +42,12 @@ from ubnext._protocol.constants import QUANT_GROUP, QUANT_UNIT_GROUPS, THREADS
 from ubnext._protocol.errors import UbnextError
 from ubnext._protocol.signature import COUNT_BITS
 
-#: the kernel source and its entry point (parameters as kernels/twoshot.cu's ub_twoshot)
-SOURCE, ENTRY = "quant_twoshot.cu", "ub_quant_twoshot"
+#: the kernel source
+SOURCE = "quant_twoshot.cu"
+#: collective -> its entry point in SOURCE: the all-reduce, and the reduce-scatter alone
+ENTRIES = {"all_reduce": "ub_quant_twoshot", "reduce_scatter": "ub_quant_twoshot_rs"}
+#: the collectives that take ``precision=`` (the all-gather reduces nothing: it stays exact)
+COLLECTIVES = tuple(ENTRIES)
 #: elements per group (one scale each)
 GROUP = QUANT_GROUP
 #: groups per unit: a warp's work and one record in the receive areas (its codes, then
@@ -55,7 +63,8 @@ OPS = ("sum", "avg")
 #: precision values besides the formats: the communicator's choice, and full precision
 AUTO, EXACT = "auto", "exact"
 #: 16-bit input bytes that one launch takes: the quantized receive areas are sized for it
-#: (quant_area_bytes); larger messages run in launches of this size
+#: (quant_area_bytes); larger messages run in launches of this size (a reduce-scatter's:
+#: of at most this many bytes over all its slices, slice_launch_elems)
 LAUNCH_BYTES = 32 << 20
 #: units of a slice that one block takes at least: one per warp of a block (a warp takes
 #: a unit at a time), so short messages spread over many SMs
@@ -136,20 +145,30 @@ def units(count: int) -> int:
     return -(-count // UNIT)
 
 
-def area_bytes(nranks: int, launch_elems: int, fmt: str) -> int:
-    """Bytes of the quantized receive areas for launches of up to ``launch_elems``
-    elements in ``fmt`` (kernels/quant_twoshot.cu: QuantAreas): a reduce-scatter area of
-    N slots of S unit records and an all-gather area of N * S records, where
-    S = ceil(units / N) units per slice."""
-    slice_units = -(-units(launch_elems) // nranks)
-    return 2 * nranks * slice_units * record_bytes(fmt)
+def slice_launch_elems(nranks: int) -> int:
+    """Elements of each of the N slices that one reduce-scatter launch takes: LAUNCH_BYTES
+    of 16-bit input over the N slices, in whole units, so that every launch's groups are
+    the slices' own (each slice is grouped from its start) and its slots fit those of an
+    all-reduce launch (:func:`slots_bytes`)."""
+    return LAUNCH_BYTES // 2 // nranks // UNIT * UNIT
+
+
+def slots_bytes(nranks: int) -> int:
+    """Bytes of the reduce-scatter slots (kernels/quant_twoshot.cu: QuantAreas) of the
+    largest launch in any format: N slots of S unit records each, S = ceil(units / N) for
+    a launch of LAUNCH_BYTES. They start the quantized receive areas; the all-gather area
+    (N * S records) follows at this offset, apart from the slots of every launch, which a
+    peer's next launch fills while this rank may still read its all-gather area."""
+    slice_units = -(-units(LAUNCH_BYTES // 2) // nranks)
+    return max(nranks * slice_units * record_bytes(f) for f in FORMATS)
 
 
 def quant_area_bytes(nranks: int, setting: str) -> int:
     """The pool bytes of the quantized receive areas of a communicator whose
-    ``Config.quantized`` is ``setting``: none where it is ``"off"``, else room for a
-    launch in any format (``precision=`` picks one per call)."""
-    return 0 if setting == "off" else max(area_bytes(nranks, LAUNCH_BYTES // 2, f) for f in FORMATS)
+    ``Config.quantized`` is ``setting``: none where it is ``"off"``, else the slots and the
+    all-gather area of a launch in any format (``precision=`` picks one per call):
+    twice :func:`slots_bytes`."""
+    return 0 if setting == "off" else 2 * slots_bytes(nranks)
 
 
 def compile_defines(fmt: str, dtype: str, op: str, nranks: int) -> dict[str, str]:
@@ -229,30 +248,39 @@ def signature(sig: int, fmt: str) -> int:
     return sig | (list(FORMATS).index(fmt) + 1) << TAG_SHIFT
 
 
-def describe(setting: str, kernels: bool, starts: dict[str, tuple[int | None, str]]) -> str:
-    """One line for ``describe()``: whether and where ``auto`` quantizes. ``starts``: dtype
-    of DTYPES -> ``Selector.quantized(setting, dtype)`` (used where ``setting`` is a format)."""
+#: how describe() names each collective's quantized kernel
+_KERNEL_NAMES = {"all_reduce": "the quantized two-shot", "reduce_scatter": "the quantized reduce-scatter"}
+
+
+def describe(setting: str, kernels: bool, starts: dict[str, dict[str, tuple[int | None, str]]]) -> str:
+    """One line for ``describe()``: whether and where ``auto`` quantizes. ``starts``: collective
+    of COLLECTIVES -> dtype of DTYPES -> ``Selector.quantized(setting, dtype, collective)``
+    (used where ``setting`` is a format)."""
     if setting == "off":
         return (f"off: auto never quantizes (opt in with UBNEXT_QUANTIZED={_OPT_IN}; then precision= "
                 "picks per call)")
     if not kernels:
         return f"{setting} requested, but this communicator runs NCCL only: every call keeps full precision"
-    where = "; ".join(f"{dtype} {why}" for dtype, (_, why) in starts.items())
+    where = {c: "; ".join(f"{dtype} {why}" for dtype, (_, why) in by_dtype.items()) for c, by_dtype in starts.items()}
     return (f"{setting}: auto reduces {'/'.join(OPS)} in the quantized two-shot where the selector table "
-            f"says it pays: {where} ({wire_fraction(setting):.0%} of the bytes; error <= "
-            f"{bound(setting, 'bfloat16', 8):.4f} x the group's magnitude for bfloat16); precision='exact' "
+            f"says it pays: {where['all_reduce']}; reduce-scatters where it says so for them: "
+            f"{where['reduce_scatter']} ({wire_fraction(setting):.0%} of the bytes; error <= "
+            f"{bound(setting, 'bfloat16', 8):.4f} x the group's magnitude for bfloat16, "
+            f"{bound(setting, 'bfloat16', 8, 'reduce_scatter'):.4f} in a reduce-scatter); precision='exact' "
             f"keeps a call exact")
 
 
-def selection_note(setting: str, kernels: bool, dtype: str, nbytes: int, start: tuple[int | None, str]) -> str:
+def selection_note(setting: str, kernels: bool, dtype: str, nbytes: int, start: tuple[int | None, str],
+                   collective: str = "all_reduce") -> str:
     """What ``describe()`` adds to the reason of ``auto``'s choice for ``nbytes`` of ``dtype``
-    where the communicator opted in: whether its sums and averages run quantized instead,
-    and why (``start``: ``Selector.quantized(setting, dtype)``)."""
+    in ``collective`` (of COLLECTIVES) where the communicator opted in: whether its sums and
+    averages run quantized instead, and why (``start``: ``Selector.quantized(setting, dtype,
+    collective)``)."""
     if setting == "off" or not kernels or dtype not in DTYPES:
         return ""
     threshold, why = start
     if threshold is not None and nbytes >= threshold:
-        return f"; {' and '.join(OPS)} run the quantized two-shot in {setting} instead ({setting} {why})"
+        return f"; {' and '.join(OPS)} run {_KERNEL_NAMES[collective]} in {setting} instead ({setting} {why})"
     return f"; {' and '.join(OPS)} too ({setting} {why})"
 
 
@@ -289,27 +317,53 @@ def _grouped(a: np.ndarray) -> np.ndarray:
     return out.reshape(-1, GROUP)
 
 
-def all_reduce(inputs, fmt: str, op: str = "sum") -> np.ndarray:
-    """The quantized all-reduce of ``inputs`` (one bfloat16/float16 array per rank, in rank
-    order), as every rank's kernel computes it: quantize, dequantize, add in rank order
-    in fp32, quantize once, dequantize, round to the dtype. Returns x's dtype and shape."""
-    first = np.asarray(inputs[0])
-    parts = [_round_trip(_grouped(x), fmt) for x in inputs]
+def _sum(grouped, fmt: str, op: str) -> np.ndarray:
+    """The owner's sum (both collectives' first half): every rank's groups (fp32, (G, GROUP)
+    each, in rank order) quantized and dequantized, added in rank order in fp32, divided by
+    N for ``avg``."""
+    parts = [_round_trip(g, fmt) for g in grouped]
     acc = parts[0]
     with np.errstate(invalid="ignore", over="ignore"):
         for p in parts[1:]:
             acc = (acc + p).astype(_F32)
         if op == "avg":
             acc = (acc / _F32(len(parts))).astype(_F32)
+    return acc
+
+
+def all_reduce(inputs, fmt: str, op: str = "sum") -> np.ndarray:
+    """The quantized all-reduce of ``inputs`` (one bfloat16/float16 array per rank, in rank
+    order), as every rank's kernel computes it: quantize, dequantize, add in rank order
+    in fp32, quantize once, dequantize, round to the dtype. Returns x's dtype and shape."""
+    first = np.asarray(inputs[0])
+    acc = _sum([_grouped(x) for x in inputs], fmt, op)
+    with np.errstate(invalid="ignore", over="ignore"):
         out = _round_trip(acc, fmt).reshape(-1)[:first.size].astype(first.dtype)
     return out.reshape(first.shape)
 
 
+def reduce_scatter(inputs, fmt: str, op: str = "sum") -> list[np.ndarray]:
+    """The quantized reduce-scatter of ``inputs`` (one bfloat16/float16 array of N x k
+    elements per rank, in rank order), as the kernel computes it: rank r's output is slice
+    r (elements [r k, (r + 1) k)) of every rank's input, grouped from the slice's start,
+    quantized, dequantized, added in rank order in fp32 (avg: divided by N) and rounded
+    once to the dtype. Returns every rank's k elements (1-D, x's dtype), in rank order."""
+    flat = [np.asarray(x).reshape(-1) for x in inputs]
+    n = len(flat)
+    if flat[0].size % n:
+        raise ValueError(f"quant.reduce_scatter: {flat[0].size} elements are not {n} slices")
+    k = flat[0].size // n
+    with np.errstate(invalid="ignore", over="ignore"):
+        return [_sum([_grouped(x[r * k:(r + 1) * k]) for x in flat], fmt, op).reshape(-1)[:k].astype(flat[0].dtype)
+                for r in range(n)]
+
+
 # ---- the error bound ----------------------------------------------------------------------
-def bound(fmt: str, dtype: str, nranks: int) -> float:
-    """The largest error of the quantized all-reduce, per group, relative to ``M`` (the
-    sum over ranks of each rank's largest magnitude in the group; for ``avg``, M / N),
-    for groups of finite values whose sum does not overflow.
+def bound(fmt: str, dtype: str, nranks: int, collective: str = "all_reduce") -> float:
+    """The largest error of the quantized all-reduce (or of ``collective``, a key of
+    ENTRIES), per group, relative to ``M`` (the sum over ranks of each rank's largest
+    magnitude in the group; for ``avg``, M / N), for groups of finite values whose sum
+    does not overflow.
 
     With c = FORMATS[fmt].step and u the output dtype's unit roundoff: each rank's
     dequantized group is off by at most c * A_r (its largest magnitude A_r), so the sum
@@ -330,9 +384,16 @@ def bound(fmt: str, dtype: str, nranks: int) -> float:
     that (c = 0.5/7) before and again at the owner's requantization, about 0.152. The
     clamp to +-qmax moves a value by at most its fp32 rounding (scale = amax / qmax is
     rounded, so |x| / scale may exceed qmax by an ulp), inside the doubled fp32 term.
+
+    The reduce-scatter stops before the owner's quantization: its sum, of largest magnitude
+    at most M(1 + c), is rounded once, so ``c + u(1 + c) + (N + 1) 2^-23 (1 + c)``: about
+    0.0079 for int8 -> bfloat16, 0.040 for fp8 and 0.076 for int4 (one quantization each).
     """
     c, u = FORMATS[fmt].step, _UNIT[dtype]
-    return c + c * (1 + c) + u * (1 + c) ** 2 + (nranks + 1) * 2.0**-23 * (1 + c)
+    fp32 = (nranks + 1) * 2.0**-23 * (1 + c)
+    if collective == "reduce_scatter":
+        return c + u * (1 + c) + fp32
+    return c + c * (1 + c) + u * (1 + c) ** 2 + fp32
 
 
 def absolute_slack(dtype: str) -> float:

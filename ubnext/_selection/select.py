@@ -10,7 +10,8 @@ link, ``"plain"`` arrays, ``"graph"`` mode). The selector does not know whether 
 call's arrays are pool buffers: the ``"plain"`` entries serve every call (choosing
 the ``"pool"`` entries for pool buffers is a follow-up). The size from which
 ``precision="auto"`` quantizes on an opted-in communicator comes from the same entries
-(their ``quantized`` thresholds: :meth:`Selector.quantized`).
+(their ``quantized`` thresholds, the all-reduce's and the reduce-scatter's:
+:meth:`Selector.quantized`).
 """
 
 from __future__ import annotations
@@ -109,19 +110,21 @@ class Selector:
         #: reduces the others.
         self._rows = {c: {dtype: next(found for t in self.tables if (found := t.lookup(nranks, dtype, c)))
                           for dtype in KERNEL_DTYPES} for c in COLLECTIVES}
-        #: (format, dtype) -> (the smallest message auto quantizes, or None: never; why)
-        self._quantized = {(fmt, dtype): _threshold(fmt, nranks, next(
-            (found for t in self.tables if (found := t.quantized_lookup(nranks, dtype))), None))
-            for fmt in _quant.FORMATS for dtype in _quant.DTYPES}
+        #: (collective, format, dtype) -> (the smallest message auto quantizes, or None: never; why)
+        self._quantized = {(c, fmt, dtype): _threshold(fmt, nranks, c, next(
+            (found for t in self.tables if (found := t.quantized_lookup(nranks, dtype, c))), None))
+            for c in _quant.COLLECTIVES for fmt in _quant.FORMATS for dtype in _quant.DTYPES}
 
-    def quantized(self, fmt: str, dtype: str) -> tuple[int | None, str]:
+    def quantized(self, fmt: str, dtype: str, collective: str = "all_reduce") -> tuple[int | None, str]:
         """The smallest message (bytes) of ``dtype`` that ``precision="auto"`` reduces in
-        ``fmt`` on a communicator opted in to it, or None where it never does, and why:
-        ``"from 64 MiB (2 ranks bfloat16 (quantized, tune file ...: NVIDIA H100 ...))"``,
-        ``"never (measured not to pay: ...)"``, ``"never: not measured ..."``. From the
-        tables' ``quantized`` thresholds (``table`` module docstring: what is not measured
-        keeps full precision); None at one rank. Any other format or dtype: (None, "")."""
-        return self._quantized.get((fmt, dtype), (None, ""))
+        ``fmt`` on a communicator opted in to it, in an all-reduce or a ``collective`` of
+        ``_quant.COLLECTIVES`` (the reduce-scatter: bytes of its whole input), or None where
+        it never does, and why: ``"from 64 MiB (2 ranks bfloat16 (quantized, tune file ...:
+        NVIDIA H100 ...))"``, ``"never (measured not to pay: ...)"``, ``"never: not measured
+        ..."``. From the tables' ``quantized`` thresholds of the collective (``table`` module
+        docstring: what is not measured keeps full precision); None at one rank. Any other
+        format, dtype or collective: (None, "")."""
+        return self._quantized.get((collective, fmt, dtype), (None, ""))
 
     def fits(self, name: str, nbytes: int) -> bool:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator: in one
@@ -255,12 +258,15 @@ class Selector:
         return why
 
 
-def _threshold(fmt: str, nranks: int, found: tuple[Thresholds, str] | None) -> tuple[int | None, str]:
-    """:meth:`Selector.quantized` of ``fmt`` from the thresholds found for its world size and dtype."""
+def _threshold(fmt: str, nranks: int, collective: str,
+               found: tuple[Thresholds, str] | None) -> tuple[int | None, str]:
+    """:meth:`Selector.quantized` of ``fmt`` from the thresholds found for its collective,
+    world size and dtype."""
     if nranks < 2:
         return None, "never: one rank moves nothing over links"
     if found is None:
-        return None, (f"never: not measured for {nranks} ranks (no selector table has quantized thresholds "
+        what = "quantized" if collective == "all_reduce" else f"quantized {collective}"
+        return None, (f"never: not measured for {nranks} ranks (no selector table has {what} thresholds "
                       f"for them; python -m ubnext.tune --quantized measures them)")
     thresholds, where = found
     if fmt not in thresholds:

@@ -79,17 +79,24 @@ a file, so what the run did not measure keeps serving that machine).
 (``UBNEXT_QUANTIZED``), as ``python -m ubnext.tune`` measured it on that machine::
 
     "quantized": {"note": "...",
-                  "tables": {"2": {"bfloat16": {"int8": 67108864, "fp8": 67108864, "int4": "never"}}}}
+                  "tables": {"2": {"bfloat16": {"int8": 67108864, "fp8": 67108864, "int4": "never"}}},
+                  "collectives": {"reduce_scatter": {"tables": {"2": {"bfloat16": {"int8": 33554432}}}}}}
 
-``tables`` maps a world size (``"*"``: the others) to ``{dtype: {format: threshold}}``
-(dtypes the quantized two-shot takes, ``_quant.DTYPES``; formats of ``_quant.FORMATS``):
-a threshold is the smallest message, in bytes, from which the format is used, or
-``"never"`` where it was measured not to pay at any size. It is found as the rows are:
-the chosen entry of the first table that has it for the world size (its own, then
-``"*"``), a dtype without thresholds taking another's of the same element size.
-**What is not there was not measured, and auto then keeps full precision**: an entry
-without the key (every file written before it existed, the shipped table's other world sizes), a
-world size without thresholds in any table, a format missing from a dtype's. Full
+``tables`` (the all-reduce's) maps a world size (``"*"``: the others) to ``{dtype:
+{format: threshold}}`` (dtypes the quantized two-shot takes, ``_quant.DTYPES``; formats of
+``_quant.FORMATS``): a threshold is the smallest message, in bytes, from which the format
+is used, or ``"never"`` where it was measured not to pay at any size. ``collectives``
+(optional) holds the reduce-scatter's thresholds, ``{"reduce_scatter": {"note": ...,
+"tables": ...}}`` in the same form, its sizes those of the whole input (size x k
+elements, as ``select`` takes them); the all-gather has none (it stays exact). Either
+``tables`` or ``collectives`` may be left out, not both. A threshold is found as the rows
+are: the chosen entry of the first table that has it for the collective and world size
+(its own, then ``"*"``), a dtype without thresholds taking another's of the same element
+size. **What is not there was not measured, and auto then keeps full precision**: an
+entry without the key (every file written before it existed, the shipped table's other
+world sizes), a world size without thresholds in any table, a format missing from a
+dtype's, a collective without thresholds (the shipped table has no reduce-scatter
+thresholds: an opted-in reduce-scatter quantizes only where a tune file says so). Full
 precision, not a guessed size, because the quantized path is lossy and measurements
 (docs/quantized.md) show it slower than full precision at some sizes on some machines:
 quantizing where nobody measured that it pays could cost both accuracy and time.
@@ -178,8 +185,10 @@ class Table:
         rows: world key (``"4"``, ``"*"``) -> dtype -> ascending rows (of the all-reduce).
         entry: the entry's JSON object.
         by_collective: collective other than the all-reduce -> its rows, as ``rows``.
-        quantized: world key -> dtype -> the quantized thresholds (the entry's ``quantized``;
-            empty where it has none: not measured).
+        quantized: world key -> dtype -> the quantized thresholds of the all-reduce (the
+            entry's ``quantized.tables``; empty where it has none: not measured).
+        quantized_by_collective: collective other than the all-reduce (the reduce-scatter)
+            -> its quantized thresholds, as ``quantized`` (``quantized.collectives``).
         why: why :meth:`TableFile.choose` chose it (``"exact match"``, or the fallback); "" before.
     """
 
@@ -192,6 +201,7 @@ class Table:
     entry: dict[str, Any] = field(repr=False, compare=False)
     by_collective: dict[str, dict[str, dict[str, tuple[Row, ...]]]] = field(default_factory=dict)
     quantized: dict[str, dict[str, Thresholds]] = field(default_factory=dict)
+    quantized_by_collective: dict[str, dict[str, dict[str, Thresholds]]] = field(default_factory=dict)
     why: str = ""
 
     @property
@@ -229,15 +239,22 @@ class Table:
         source = self.where if collective == "all_reduce" else f"{collective}, {self.where}"
         return _find(tables, nranks, dtype, source)
 
-    def quantized_lookup(self, nranks: int, dtype: str) -> tuple[Thresholds, str] | None:
-        """The quantized thresholds for ``nranks`` ranks and ``dtype`` (one of ``_quant.DTYPES``)
-        and where they come from, as :meth:`lookup` gives rows (``"2 ranks bfloat16
-        (quantized, default table: ...)"``); None where the entry has none for ``nranks``."""
-        return _find(self.quantized, nranks, dtype, f"quantized, {self.where}")
+    def quantized_lookup(self, nranks: int, dtype: str,
+                         collective: str = "all_reduce") -> tuple[Thresholds, str] | None:
+        """The quantized thresholds of ``collective`` (one of ``_quant.COLLECTIVES``) for
+        ``nranks`` ranks and ``dtype`` (one of ``_quant.DTYPES``) and where they come from,
+        as :meth:`lookup` gives rows (``"2 ranks bfloat16 (quantized, default table: ...)"``,
+        ``"... (quantized reduce_scatter, ...)"``); None where the entry has none for
+        ``nranks``."""
+        if collective == "all_reduce":
+            return _find(self.quantized, nranks, dtype, f"quantized, {self.where}")
+        return _find(self.quantized_by_collective.get(collective, {}), nranks, dtype,
+                     f"quantized {collective}, {self.where}")
 
     def digest(self) -> str:
         """A hash of the key and the rows: equal on every rank that chose the same entry."""
-        rows = {"key": self.key, "all_reduce": self.rows, **self.by_collective, "quantized": self.quantized}
+        rows = {"key": self.key, "all_reduce": self.rows, **self.by_collective, "quantized": self.quantized,
+                **{f"quantized {c}": t for c, t in self.quantized_by_collective.items()}}
         return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
@@ -413,13 +430,36 @@ def _parse_entry(entry: Any, source: str, fail) -> Table:
         if not isinstance(rows_of, dict) or "tables" not in rows_of or set(rows_of) - {"tables", "note"}:
             raise fail(f"collectives[{name!r}] must be an object {{\"note\": ..., \"tables\": ...}}")
         by_collective[name] = _parse_tables(rows_of["tables"], f"collectives[{name!r}].tables", name, fail)
-    quantized = entry.get("quantized")
-    if quantized is not None and (not isinstance(quantized, dict) or "tables" not in quantized
-                                  or set(quantized) - {"tables", "note"}):
-        raise fail("quantized must be an object {\"note\": ..., \"tables\": {\"<world size>\": "
-                   "{\"<dtype>\": {\"<format>\": bytes or \"never\"}}}}")
+    thresholds, by_collective_q = _parse_quantized(entry.get("quantized"), fail)
     return Table(source, entry["gpu"], entry["link"], entry["placement"], entry["mode"], rows, entry,
-                 by_collective, {} if quantized is None else _parse_thresholds(quantized["tables"], fail))
+                 by_collective, thresholds, by_collective_q)
+
+
+def _parse_quantized(quantized: Any, fail) -> tuple[dict[str, dict[str, Thresholds]],
+                                                    dict[str, dict[str, dict[str, Thresholds]]]]:
+    """An entry's ``quantized`` (or None) -> the all-reduce's thresholds and those of the
+    other collectives (``collectives``), each world key -> dtype -> thresholds."""
+    if quantized is None:
+        return {}, {}
+    if (not isinstance(quantized, dict) or not {"tables", "collectives"} & set(quantized)
+            or set(quantized) - {"tables", "collectives", "note"}):
+        raise fail("quantized must be an object {\"note\": ..., \"tables\": {\"<world size>\": "
+                   "{\"<dtype>\": {\"<format>\": bytes or \"never\"}}}, \"collectives\": {\"reduce_scatter\": "
+                   "{\"tables\": ...}}} (tables or collectives, or both)")
+    thresholds = _parse_thresholds(quantized["tables"], "quantized.tables", fail) if "tables" in quantized else {}
+    if "collectives" not in quantized:
+        return thresholds, {}
+    others = [c for c in _quant.COLLECTIVES if c != "all_reduce"]
+    collectives = quantized["collectives"]
+    if not isinstance(collectives, dict) or not collectives or any(c not in others for c in collectives):
+        raise fail(f"quantized.collectives must be a non-empty object whose keys are among {', '.join(others)} "
+                   "(the all-gather stays exact)")
+    by_collective = {}
+    for name, of in collectives.items():
+        if not isinstance(of, dict) or "tables" not in of or set(of) - {"tables", "note"}:
+            raise fail(f"quantized.collectives[{name!r}] must be an object {{\"note\": ..., \"tables\": ...}}")
+        by_collective[name] = _parse_thresholds(of["tables"], f"quantized.collectives[{name!r}].tables", fail)
+    return thresholds, by_collective
 
 
 def _by_world(tables: Any, where: str, inner: str, fail) -> Iterator[tuple[str, dict]]:
@@ -436,9 +476,9 @@ def _by_world(tables: Any, where: str, inner: str, fail) -> Iterator[tuple[str, 
         yield world, by_dtype
 
 
-def _parse_thresholds(tables: Any, fail) -> dict[str, dict[str, Thresholds]]:
-    """``quantized.tables`` of an entry -> world key -> dtype -> format -> bytes or None (never)."""
-    where = "quantized.tables"
+def _parse_thresholds(tables: Any, where: str, fail) -> dict[str, dict[str, Thresholds]]:
+    """Quantized thresholds at ``where`` of an entry (``quantized.tables``, or a collective's)
+    -> world key -> dtype -> format -> bytes or None (never)."""
     parsed: dict[str, dict[str, Thresholds]] = {}
     for world, by_dtype in _by_world(tables, where, "thresholds", fail):
         parsed[world] = {}

@@ -29,8 +29,9 @@ kernel sources:
   ``scale = 1 / sqrt(sumsq / hidden + eps)`` with every step rounded (``rms_scale``) and
   ``normed = round((res * scale) * weight)``.
 * Quantized two-shot (kernels/quant_twoshot.cu, opt-in): groups quantized, dequantized,
-  added in rank order 0..N-1 in fp32, quantized once, dequantized and rounded once; the
-  arithmetic is stated and emulated in ubnext/_protocol/quant.py (``quantized``).
+  added in rank order 0..N-1 in fp32, quantized once, dequantized and rounded once; its
+  reduce-scatter stops after the sum, rounded once; the arithmetic is stated and emulated
+  in ubnext/_protocol/quant.py (``quantized``, ``quantized_reduce_scatter``).
 * NCCL reduces in an order of its own: ``exact`` predicts its bits only for inputs whose
   every partial result is exact, where any order gives the same bits.
 * NCCL reduces the ``TWOSHOT_ONLY`` dtypes as the barrier two-shot does (``integer``:
@@ -249,6 +250,12 @@ def quantized(inputs: Sequence[np.ndarray], fmt: str, op: str = "sum") -> np.nda
     """What the quantized two-shot in ``fmt`` stores on every rank (``_quant.all_reduce``;
     launches of whole groups do not change it)."""
     return _quant.all_reduce(inputs, fmt, op)
+
+
+def quantized_reduce_scatter(inputs: Sequence[np.ndarray], fmt: str, op: str = "sum") -> list[np.ndarray]:
+    """What the quantized reduce-scatter in ``fmt`` stores on each rank, in rank order
+    (``_quant.reduce_scatter``; launches of whole units of every slice do not change it)."""
+    return _quant.reduce_scatter(inputs, fmt, op)
 
 
 # ---- reduce-scatter and all-gather ------------------------------------------------------

@@ -113,9 +113,9 @@ def _all_reduce_add_rmsnorm(comm, x, residual, weight, eps=1e-6, bias=None, out=
                                                    check_eps(name, eps), handle(comm))
 
 
-def _reduce_scatter(comm, x, out=None, op="sum", algorithm="auto", stream=None):
+def _reduce_scatter(comm, x, out=None, op="sum", algorithm="auto", stream=None, precision="auto"):
     name = "reduce_scatter"
-    _untraceable(name, algorithm, stream)
+    _untraceable(name, algorithm, stream, precision)
     op, group = _op(name, op), handle(comm)
     if out is None:
         return torch.ops.ubnext.reduce_scatter(_plain(x), op, group)
