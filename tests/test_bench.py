@@ -783,3 +783,144 @@ def test_quant_training_summarises_each_format_against_full_precision():
                      "held_out_accuracy": 0.9, "weights_rel_drift_vs_exact": None}
     assert int4["final_train_loss"] == sum(range(20)) / 20
     assert int4["weights_rel_drift_vs_exact"] == pytest.approx(0.5 / 5.0)
+
+
+# --------------------------------------------------------------------------- tp_block --precision
+
+
+def test_tp_block_precision_arguments_and_opt_in(monkeypatch):
+    """``--precision`` takes distinct quantized formats; full precision comes first as the
+    path they are measured against; the communicator is opted in only with the flag, and a
+    UBNEXT_QUANTIZED already set stays."""
+    import os
+
+    from bench import tp_block
+
+    assert tp_block.parse_args([]).precision == [] and tp_block.precision_paths([]) == {}
+    args = tp_block.parse_args(["--precision", "int4,int8", "--modes", "graph"])
+    assert args.precision == ["int4", "int8"]
+    assert tp_block.precision_paths(args.precision) == {"ubnext exact": "exact", "ubnext int4": "int4",
+                                                        "ubnext int8": "int8"}
+    for bad in ("int2", "int8,int8", "exact", "auto", "", "int8,"):
+        with pytest.raises(SystemExit):
+            tp_block.parse_args(["--precision", bad])
+    monkeypatch.setenv("UBNEXT_QUANTIZED", "off")
+    monkeypatch.delenv("UBNEXT_QUANTIZED")  # restored (unset) after the test, whatever the calls below set
+    tp_block.parse_and_opt_in(["--modes", "graph"])
+    assert "UBNEXT_QUANTIZED" not in os.environ
+    tp_block.parse_and_opt_in(["--precision", "fp8,int8"])
+    assert os.environ["UBNEXT_QUANTIZED"] == "fp8"
+    monkeypatch.setenv("UBNEXT_QUANTIZED", "int4")
+    tp_block.parse_and_opt_in(["--precision", "int8"])
+    assert os.environ["UBNEXT_QUANTIZED"] == "int4"
+
+
+def test_tp_block_deviation_of_both_outputs():
+    torch = pytest.importorskip("torch")
+    from bench import tp_block
+
+    ref = (torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16), torch.tensor([[1.0, 0.0]], dtype=torch.bfloat16))
+    out = (torch.tensor([[3.0, 4.5]], dtype=torch.bfloat16), torch.tensor([[1.0, -0.25]], dtype=torch.bfloat16))
+    assert tp_block.deviation(out, ref) == {"max_abs_out": 0.5, "rel_out": 0.1, "max_abs_residual": 0.25,
+                                            "rel_residual": 0.25}
+    assert set(tp_block.deviation(ref, ref).values()) == {0.0}
+    nan = float("nan")
+    assert tp_block.nan_max([1.0, 3.0, 2.0]) == 3.0
+    assert all(tp_block.nan_max(v) != tp_block.nan_max(v) for v in ([1.0, nan, 2.0], [nan, 1.0], [2.0, nan]))
+
+
+def test_tp_block_precision_paths_force_the_format_on_the_all_reduce(monkeypatch):
+    """Each --precision path is the unfused block (the NCCL path's arithmetic) with ubnext's
+    all-reduce in place on the down GEMM's output and ``precision=`` forced (a CPU block of
+    two ranks holding the same partial sums)."""
+    torch = pytest.importorskip("torch")
+    import types
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from bench import tp_block
+
+    calls = []
+
+    class Comm:
+        def all_reduce(self, x, out=None, precision="auto"):
+            calls.append((out is x, precision))
+            return out.mul_(2)
+
+    monkeypatch.setattr(dist, "all_reduce", lambda y: y.mul_(2))
+    g = torch.Generator().manual_seed(0)
+    gate_up, down, norm = (torch.randn(*s, generator=g) for s in ((24, 8), (8, 12), (8,)))
+    block = object.__new__(tp_block.Block)  # no GPU: the attributes steps() uses
+    block.mlp = types.SimpleNamespace(gate_up=types.SimpleNamespace(weight=gate_up),
+                                      down=types.SimpleNamespace(weight=down, partial=lambda a: F.linear(a, down)),
+                                      norm=types.SimpleNamespace(weight=norm))
+    block.comm, block.epilogue, block.eps = Comm(), tp_block.add_rmsnorm, 1e-6
+    h, residual = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    fns = block.steps(h, residual, tp_block.precision_paths(["int8", "int4"]))
+    assert list(fns) == ["ubnext", "nccl+torch", "ubnext exact", "ubnext int8", "ubnext int4"]
+    gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
+    want = tp_block.add_rmsnorm(2 * F.linear(F.silu(gate) * up, down), residual, norm, 1e-6)
+    for path in ("nccl+torch", "ubnext exact", "ubnext int8", "ubnext int4"):
+        assert all(torch.equal(a, b) for a, b in zip(fns[path](), want)), path
+    assert calls == [(True, "exact"), (True, "int8"), (True, "int4")]
+    assert list(block.steps(h, residual)) == list(tp_block.PATHS)
+
+
+def _tp_block_records(args) -> list[dict]:
+    """Records as tp_block.run makes them: µs per path (times the tokens), the formats'
+    differences from full precision growing with their step."""
+    from bench import tp_block
+
+    us = {"ubnext": 10.0, "nccl+torch": 20.0, "ubnext exact": 16.0, "ubnext int8": 8.0, "ubnext int4": 4.0}
+    step = {"exact": 0.0, "int8": 1e-3, "int4": 2e-2}
+    precisions = tp_block.precision_paths(args.precision)
+    records = []
+    for t in args.tokens:
+        for path in (*tp_block.PATHS, *precisions):
+            for mode in args.modes.split(","):
+                rec = {"path": path, "mode": mode, "tokens": t, "rel_err_vs_1gpu": 2e-3, "times_us": [us[path] * t],
+                       "median_us": us[path] * t, "peak_torch_bytes": 1 << 20,
+                       "ubnext_pool_bytes": 0 if path == "nccl+torch" else 1 << 30}
+                if mode == "dependent":
+                    rec.update(raw_median_us=100.0, gemm_median_us=90.0)
+                if path in precisions:
+                    e = step[precisions[path]]
+                    rec.update(precision=precisions[path], vs_exact={"max_abs_out": 4 * e, "rel_out": e,
+                                                                     "max_abs_residual": 8 * e, "rel_residual": 2 * e})
+                records.append(rec)
+    return records
+
+
+def test_tp_block_precision_table_and_json(monkeypatch, tmp_path, capsys):
+    """tp_block's report with --precision: the per-mode tables as before, then one row per
+    token count and precision (exact first) with its differences from full precision, its
+    error against one GPU and µs per mode beside exact's; the JSON holds the formats and
+    each record's precision and vs_exact."""
+    fakes.install(monkeypatch)
+    from bench import tp_block
+
+    argv = ["--tokens", "1,8", "--modes", "graph,dependent", "--precision", "int8,int4", "--name", "t",
+            "--outdir", str(tmp_path)]
+    args = tp_block.parse_args(argv)
+    tp_block.report(fakes.Comm(fakes.Bootstrap()), args, argv, _tp_block_records(args))
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("# precision:"))
+    assert lines[at + 1].split() == ["tokens", "format", "max|d|", "out", "rel", "out", "max|d|", "res", "rel",
+                                     "res", "vs", "1", "GPU", "graph", "µs", "x", "exact", "dependent", "µs", "x",
+                                     "exact"]
+    rows = [line.split() for line in lines[at + 2:at + 8]]
+    assert [r[:2] for r in rows] == [[t, f] for t in ("1", "8") for f in ("exact", "int8", "int4")]
+    assert rows[0][2:] == ["0.00e+00"] * 4 + ["2.0e-03", "16.0", "1.00", "16.0", "1.00"]
+    assert rows[5][2:] == ["8.00e-02", "2.00e-02", "1.60e-01", "4.00e-02", "2.0e-03", "32.0", "4.00", "32.0", "4.00"]
+    assert sum(line.startswith(("# graph:", "# dependent:")) for line in lines[:at]) == 2
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert (doc["kind"], doc["precision"], len(doc["results"])) == ("ubnext.tp_block", ["int8", "int4"], 2 * 5 * 2)
+    int4 = [r for r in doc["results"] if r["path"] == "ubnext int4"]
+    assert {r["precision"] for r in int4} == {"int4"} and all(r["vs_exact"]["rel_out"] == 2e-2 for r in int4)
+    assert not any("vs_exact" in r for r in doc["results"] if r["path"] in tp_block.PATHS)
+
+    plain = tp_block.parse_args(argv[:4] + argv[6:])  # without --precision: no such table, none in the JSON
+    tp_block.report(fakes.Comm(fakes.Bootstrap()), plain, argv, _tp_block_records(plain))
+    out = capsys.readouterr().out
+    assert "# precision" not in out and json.loads((tmp_path / "t.json").read_text())["precision"] == []
