@@ -122,6 +122,53 @@ def test_the_watchdog_runs_its_start_on_its_thread_before_the_first_poll():
     assert seen[:2] == [("start", "test-watchdog"), ("poll", "test-watchdog")]
 
 
+def test_no_thread_gets_a_failure_before_its_announce_is_done():
+    """The watchdog's thread may be announcing a failure when a call or synchronize sees
+    it too: that caller waits for the announce, so that a rank that raises and then lines
+    up with its peers has marked them already (else a late peer's Lamport all-gather,
+    finding every pushed slice present, completed without failing)."""
+    import threading
+
+    from ubnext._engine.node import Node
+
+    origin = (KIND["kFailTimeout"], 0)
+    started, release, announced = threading.Event(), threading.Event(), []
+
+    class Records:
+        def error(self, op, timeout_s):
+            return CollectiveTimeoutError(op, 0, 1, "Lamport poll, launch 1", timeout_s)
+
+        def origin(self):
+            return origin
+
+    class SlowAnnounce(Node):
+        def __init__(self):  # only what failure() uses
+            self.failures, self._announced, self._failure_lock = Records(), False, threading.Lock()
+
+        def announce(self, kind, rank):
+            started.set()
+            assert release.wait(10)
+            announced.append((kind, rank))
+
+    node = SlowAnnounce()
+    watchdog = threading.Thread(target=node.failure, args=("watchdog", 1.0), daemon=True)
+    watchdog.start()
+    assert started.wait(10)
+    seen = []
+    caller = threading.Thread(target=lambda: seen.append((node.failure("synchronize", 1.0), list(announced))),
+                              daemon=True)
+    caller.start()
+    caller.join(0.3)
+    assert caller.is_alive(), "the caller got the error while the announce was still in progress"
+    release.set()
+    caller.join(10)
+    watchdog.join(10)
+    error, announced_then = seen[0]
+    assert isinstance(error, CollectiveTimeoutError)
+    assert announced_then == announced == [origin]  # done before the error was returned; once
+    assert node.failure("all_reduce", 1.0) is not None and announced == [origin]
+
+
 def test_the_watchdog_stops_without_a_failure():
     from ubnext._api.lifetime import Watchdog
 

@@ -273,6 +273,46 @@ def test_a_missing_peer_of_a_reduce_scatter_or_all_gather_times_out(world, fresh
     torch_still_works()
 
 
+def test_a_late_rank_gives_up_though_the_watchdog_announced_the_failure(world, fresh, monkeypatch):
+    """Rank 0's watchdog sees the timeout first and announces it slowly; rank 0's
+    synchronize must not raise before that announce is done: the late ranks' Lamport
+    all-gather finds every slice present (rank 0's failed launch pushed its own) and would
+    complete without failing if it did not find its families marked broken."""
+    import torch
+
+    import ubnext
+
+    need_peers(world)
+    comm = fresh()
+    x = torch.ones(comm.size * 4096, device="cuda", dtype=torch.bfloat16)
+    comm.all_gather(x, algorithm="lamport_twoshot")
+    comm.synchronize()
+    world.Barrier()
+    if comm.rank == 0:
+        node = comm._node
+        announce = node.announce
+
+        def slow(kind, rank):
+            time.sleep(3.0)
+            announce(kind, rank)
+
+        monkeypatch.setattr(node, "announce", slow)
+        t0 = time.monotonic()
+        comm.all_gather(x, algorithm="lamport_twoshot")
+        time.sleep(TIMEOUT_S + 1.5)  # the watchdog (a look every 0.5 s) sees the failure first
+        with pytest.raises(ubnext.CollectiveTimeoutError):
+            comm.synchronize()  # during the watchdog's announce
+        assert time.monotonic() - t0 < TIMEOUT_S + 30
+    world.Barrier()
+    if comm.rank != 0:
+        t0 = time.monotonic()
+        comm.all_gather(x, algorithm="lamport_twoshot")
+        with pytest.raises(ubnext.BrokenCommunicatorError):
+            comm.synchronize()
+        assert time.monotonic() - t0 < TIMEOUT_S / 2, "a late rank must give up at once, not time out again"
+    torch_still_works()
+
+
 def test_mismatched_counts_on_different_algorithms_raise_on_every_rank(world, fresh):
     """Counts on either side of the one-shot's limit put the ranks on different kernels,
     which never meet: every rank raises (a timeout, or the failure passed on)."""

@@ -106,6 +106,9 @@ class Node:
             # announce and close exclude each other: an abort or the watchdog of another
             # thread never writes into a pool that close is releasing
             self._announce_lock, self._announced, self._closed = threading.Lock(), False, False
+            # failure()'s first announce: whoever sees the failure first (a call, synchronize,
+            # the watchdog) announces; the others wait until it is done (see failure())
+            self._failure_lock = threading.Lock()
             self.engine.initialize()
             self.heap = UserHeap(plan.end, self.pool.size)
         except BaseException:
@@ -165,16 +168,24 @@ class Node:
 
     def failure(self, op: str, timeout_s: float):
         """The error a kernel of this rank recorded, or None. The first time one is seen,
-        every kernel family of every local rank is marked broken (``announce``). Never
-        blocks; safe from any thread.
+        every kernel family of every local rank is marked broken (``announce``), and no
+        thread gets the error before that announce is done: a rank that raises it and then
+        lines up with its peers (a barrier, a message) must find their families marked
+        already, or a late peer's Lamport launch, finding all pushed data present (the
+        failed launch pushed its own), would complete without failing. Safe from any
+        thread; blocks only while another thread's announce is in progress.
 
         Returns:
             a ``BrokenCommunicatorError`` (or subclass) naming what failed, or None.
         """
         error = self.failures.error(op, timeout_s)
         if error is not None and not self._announced:
-            self._announced = True  # once: a second announce would only write the same words
-            self.announce(*self.failures.origin())
+            with self._failure_lock:  # the watchdog's thread may be announcing it right now
+                if not self._announced:
+                    try:
+                        self.announce(*self.failures.origin())
+                    finally:  # once: a second announce would only write the same words
+                        self._announced = True
         return error
 
     def broken(self) -> bool:
