@@ -258,55 +258,26 @@ def test_the_fused_add_rmsnorm_waits_for_a_late_producer(comm, producer, algorit
         np.testing.assert_array_equal(late_result, on_time, strict=True)
 
 
-def test_the_quantized_all_reduce_waits_for_a_late_producer(comm, producer):
-    """The quantized two-shot's result from a late input equals the one from the input
-    written well before, bit for bit, and its kernel enters before the producer ends."""
+@pytest.mark.parametrize("collective, precision, seed", [("all_reduce", "int8", 17), ("reduce_scatter", "int4", 19)])
+def test_the_quantized_collectives_wait_for_a_late_producer(comm, producer, collective, precision, seed):
+    """The quantized two-shot's all-reduce and its reduce-scatter (an entry point of its own,
+    launched as the all-reduce's) from a late input equal the ones from the input written
+    well before, bit for bit, and the kernel enters before the producer ends."""
     import cupy
     import torch
 
     if comm.size < 2:
-        pytest.skip("the quantized all-reduce runs at 2 ranks or more")
-    count = 1 << 16
+        pytest.skip("the quantized collectives run at 2 ranks or more")
+    count = (1 << 16) * (comm.size if collective == "reduce_scatter" else 1)
     with cupy.cuda.Device(comm.device):
         stream = cupy.cuda.Stream(non_blocking=True)
-        host, _ = small_integers(comm, count, seed=17)
+        host, _ = small_integers(comm, count, seed=seed)
         src = torch.from_numpy(host).to(device=f"cuda:{comm.device}", dtype=torch.bfloat16)
         x = comm.empty(count, "bfloat16", framework="torch")
         late = Late(producer, src, x, stream)
 
         def call():
-            out = comm.all_reduce(x, precision="int8", stream=stream)
-            stream.synchronize()
-            return out.float().cpu().numpy()
-
-        results = _on_time_then_late(late, stream, call)
-        entered = comm._node.engine.entries()["quant.state"]
-        end = int(late.end.get()[0])
-    assert not np.isnan(results[0]).any()
-    np.testing.assert_array_equal(results[1], results[0], strict=True)
-    if _sm90(comm):
-        assert 0 < entered < end
-
-
-def test_the_quantized_reduce_scatter_waits_for_a_late_producer(comm, producer):
-    """The quantized reduce-scatter (its own entry point, launched as the all-reduce's) from
-    a late input equals the one from the input written well before, bit for bit, and its
-    kernel enters before the producer ends."""
-    import cupy
-    import torch
-
-    if comm.size < 2:
-        pytest.skip("at 2 ranks or more, as the quantized all-reduce's test")
-    count = (1 << 16) * comm.size
-    with cupy.cuda.Device(comm.device):
-        stream = cupy.cuda.Stream(non_blocking=True)
-        host, _ = small_integers(comm, count, seed=19)
-        src = torch.from_numpy(host).to(device=f"cuda:{comm.device}", dtype=torch.bfloat16)
-        x = comm.empty(count, "bfloat16", framework="torch")
-        late = Late(producer, src, x, stream)
-
-        def call():
-            out = comm.reduce_scatter(x, precision="int4", stream=stream)
+            out = getattr(comm, collective)(x, precision=precision, stream=stream)
             stream.synchronize()
             return out.float().cpu().numpy()
 
