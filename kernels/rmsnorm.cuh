@@ -36,7 +36,8 @@
 // vectors beyond are read back from res_out. The fused kernels keep one: under their
 // launch bounds more spill to local memory or cost more than the re-read
 // (bench/NOTES.md); the separate kernel (rmsnorm.cu) keeps four without spilling; the host
-// compiles it with UB_ROW_KEEP = ubnext._algorithms.ROW_KEEP.
+// compiles it with UB_ROW_KEEP = ubnext._algorithms.ROW_KEEP. The slot sum + add + RMSNorm
+// (slot_sum.cu) keeps two (SLOT_NORM_ROW_KEEP): its slots' vectors are in flight besides.
 #ifndef UB_ROW_KEEP
 #define UB_ROW_KEEP 1
 #endif
