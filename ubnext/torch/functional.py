@@ -275,7 +275,9 @@ def matmul_reduce_scatter_add_rmsnorm(a: torch.Tensor, b: torch.Tensor, residual
     residual.float()``, rounded once) bit for bit, but for one sign: a missing bias or
     residual is added as +0.0 (as in every fused kernel), so where torch's sum without it
     is -0.0 this one is +0.0. ``normed`` equals that kernel's arithmetic on it (IEEE
-    division, square root and reciprocal, a fixed tree over the row) bit for bit, and an
+    division, square root and reciprocal, a fixed tree over the row, with the row group
+    of this launch: the threads per row follow each round's rows, so the bits may differ
+    from the separate kernel's launch over all of the rank's rows) bit for bit, and an
     RMSNorm in torch (``rsqrt``, torch's reduction order) to within about one rounding of
     a's dtype.
     Without a pool (NCCL only) or at one rank it runs the GEMM, then
