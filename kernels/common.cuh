@@ -14,7 +14,7 @@ typedef unsigned long long u64;
 #include "protocol.h"
 
 // Instantiation of the entry points: element type, reduction op, ranks of the node. The
-// host passes all three (ubnext._algorithms.compile_defines); these defaults only serve
+// host passes all three (ubnext._protocol.algorithms.compile_defines); these defaults only serve
 // a bare compile check (CMakeLists.txt).
 #ifndef UB_T
 #define UB_T bf16
@@ -242,7 +242,7 @@ struct OpAvg {
   static constexpr bool kFinishes = true;
   template <class A> __device__ static A combine(A a, A b) { return acc_add(a, b); }
   template <class A> __device__ static A finish(A a, int n) {
-    static_assert(Elem<A>::kFloat, "avg takes floating-point types (ubnext._algorithms.op_problem)");
+    static_assert(Elem<A>::kFloat, "avg takes floating-point types (ubnext._protocol.algorithms.op_problem)");
     return a / (A)n;
   }
 };

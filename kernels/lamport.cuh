@@ -61,7 +61,7 @@ template <class T> __device__ void lamport_repoison(char* p, u64 vecs) {
   }
 }
 
-// ---- call signatures (ubnext._signature) ---------------------------------------------
+// ---- call signatures (ubnext._protocol.signature) ---------------------------------------------
 // Every rank pushes its call's 64-bit signature into a header vector of each receiving
 // rank beside the data; a receiver compares every rank's with its own before it uses the
 // data, so ranks that called with different arguments fail (kFailMismatch) instead of

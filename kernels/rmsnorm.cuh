@@ -17,7 +17,7 @@
 // host compiles the fused Lamport kernels once per cluster size it launches: the entry
 // points carry the cluster shape (UB_CLUSTER_DIMS), so a plain cuLaunchKernel forms the
 // clusters, and the row sums know the group's size at compile time. A cluster's blocks
-// have at most UB_NORM_THREADS threads together (ubnext._algorithms.row_threads), which
+// have at most UB_NORM_THREADS threads together (ubnext._protocol.algorithms.row_threads), which
 // bounds a block's threads (UB_NORM_BLOCK_THREADS, the entry points' launch bound, with
 // one resident block per SM: ptxas then keeps the fused kernels free of spills).
 #ifndef UB_CLUSTER
@@ -36,7 +36,7 @@
 // vectors beyond are read back from res_out. The fused kernels keep one: under their
 // launch bounds more spill to local memory or cost more than the re-read
 // (bench/NOTES.md); the separate kernel (rmsnorm.cu) keeps four without spilling; the host
-// compiles it with UB_ROW_KEEP = ubnext._algorithms.ROW_KEEP. The slot sum + add + RMSNorm
+// compiles it with UB_ROW_KEEP = ubnext._protocol.algorithms.ROW_KEEP. The slot sum + add + RMSNorm
 // (slot_sum.cu) keeps two (SLOT_NORM_ROW_KEEP): its slots' vectors are in flight besides.
 #ifndef UB_ROW_KEEP
 #define UB_ROW_KEEP 1

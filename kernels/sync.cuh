@@ -36,7 +36,7 @@ struct WaitCtx {
 
 // Reports a failure of kind `kind`: an original failure (not kFailPeer) marks the family's
 // LaunchState.broken, so that every wait of the launch gives up (the host tells the other
-// families and ranks: ubnext._failures); then the first failing thread claims the family's
+// families and ranks: ubnext._engine.failures); then the first failing thread claims the family's
 // ErrorRecord and fills it (flag last, system-scope fences).
 __device__ __noinline__ void report(LaunchState* state, int rank, u32 kind, int peer, u32 site,
                                     u64 mine, u64 theirs) {

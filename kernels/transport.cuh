@@ -11,7 +11,7 @@
 // Unicast goes through every peer's mapped pointer (any P2P NVLink machine). Multicast
 // (NVLS) goes through the multicast mapping of the pool: one multimem access at mc + off
 // reaches offset off of every rank's segment, reduced or broadcast by the NVSwitch.
-// The host picks one with UB_TRANSPORT (ubnext._algorithms.compile_defines).
+// The host picks one with UB_TRANSPORT (ubnext._protocol.algorithms.compile_defines).
 #pragma once
 #include "sync.cuh"
 
