@@ -5,7 +5,8 @@ the GEMM alone, the communication alone, the unoverlapped sequences and torch's 
 
 For each MLP shape (``--shapes``: hidden/intermediate, default 8192/28672 and 4096/14336;
 TP = the ranks) and token count, the two GEMMs of a sequence-parallel MLP block, bf16, in
-CUDA graphs (µs per call, maximum over ranks, median of the repeats):
+CUDA graphs (µs per call, maximum over ranks, median of the repeats; every candidate of a
+size captured first, then sampled in rotation, one sample of each per repeat):
 
 * ``ag``: ``all_gather_matmul(x_shard, gate_up.T)``: tokens/N x hidden gathered, times
   hidden x 2*intermediate/N;
@@ -209,16 +210,24 @@ def run(comm, args, argv) -> int:
                         norm_err = max(comm.bootstrap.allgather_obj(
                             ((fused - unfused).norm() / unfused.norm()).item()))
                         bad |= not norm_err < 1e-2
+                    if rank0:
+                        sys.stderr.write(f"\r{hidden}/{intermediate} {tokens:<6} {side}")
+                    samplers = {}
                     for name, fn in fns.items():
-                        if rank0:
-                            sys.stderr.write(f"\r{hidden}/{intermediate} {tokens:<6} {side} {name:<16}")
                         fn()  # eager first: the ops' first calls allocate and compile
                         torch.cuda.synchronize()
-                        times = tb.time_us(fn, "graph", comm.bootstrap, args.iters, args.graph_launches,
-                                           args.repeats)
+                        samplers[name] = tb.timer(fn, "graph", comm.bootstrap, args.iters, args.graph_launches)
+                    # the candidates' samples in rotation, so that what drifts during a size (clocks,
+                    # what an earlier candidate left behind) falls on every candidate alike
+                    times = {name: [] for name in fns}
+                    for _ in range(args.repeats):
+                        for name, sample in samplers.items():
+                            times[name].append(sample())
+                    del samplers
+                    for name in fns:
                         records.append({"hidden": hidden, "intermediate": intermediate, "tokens": tokens,
-                                        "side": side, "candidate": name, "times_us": times,
-                                        "median_us": tb.median(times), "rel_err_vs_unoverlapped": err,
+                                        "side": side, "candidate": name, "times_us": times[name],
+                                        "median_us": tb.median(times[name]), "rel_err_vs_unoverlapped": err,
                                         "rel_err_fused_norm_vs_unfused": norm_err})
                 del fns
                 torch.cuda.empty_cache()
