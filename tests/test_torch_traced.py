@@ -141,14 +141,16 @@ def test_traced_needs_no_torch():
 
 
 def test_traced_first_asked_under_dynamo():
-    """The predicate's first call (which looks torch up once) may be under tracing."""
+    """The predicate's first call (which looks torch up) may be under tracing: it answers
+    True there without rebinding itself (the rebinding waits for eager code)."""
     code = ("import torch\n"
             "from ubnext._interop import arrays as _arrays\n"
             "assert _arrays._compiling is _arrays._compiling_before_torch\n"
             "fn = torch.compile(lambda x: x + 1 if _arrays.traced(x) else x - 1, fullgraph=True, backend='eager')\n"
             "assert torch.equal(fn(torch.zeros(2)), torch.ones(2))\n"
-            "assert _arrays._compiling is torch.compiler.is_dynamo_compiling\n"
-            "assert not _arrays.traced(torch.zeros(2))\n")
+            "assert _arrays._compiling is _arrays._compiling_before_torch\n"
+            "assert not _arrays.traced(torch.zeros(2))\n"
+            "assert _arrays._compiling is torch.compiler.is_dynamo_compiling\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -377,3 +379,23 @@ def test_functional_ops_are_unchanged():
         return torch.equal(ut.functional.all_reduce(x, group=tc), tc.all_reduce(x))
 
     assert run_ranks(1, body) == [True]
+
+
+def test_a_first_collective_under_compile_is_compiled_once(monkeypatch):
+    """Where no eager collective ran before (``_compiling`` not yet bound to torch's), the
+    first compiled call does not rebind it from inside its trace: a second call reuses
+    the graph instead of recompiling on the changed global."""
+    from ubnext._interop import arrays
+
+    monkeypatch.setattr(arrays, "_compiling", arrays._compiling_before_torch)
+    torch._dynamo.reset()
+
+    def body(tc):
+        comm = traced_communicator(tc)
+        graphs = []
+        fn = torch.compile(lambda t: comm.all_reduce(t), fullgraph=True, backend=recording(graphs))
+        for _ in range(3):
+            fn(torch.randn(4))
+        return len(graphs)
+
+    assert run_ranks(1, body) == [1]

@@ -67,6 +67,7 @@ class Communicator(CallSteps):
         elif overrides:
             raise TypeError("Communicator: pass either config= or keyword overrides, not both")
         self.config = config
+        _arrays.bind_torch()  # before any compiled collective (_interop.arrays.bind_torch)
         _preflight.check("Communicator", config)  # no GPU, no NCCL...: one line, before anything collective
         import cupy
 

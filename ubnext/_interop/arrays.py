@@ -52,14 +52,27 @@ def _torch():
 
 def _compiling_before_torch() -> bool:
     """``_compiling`` until torch is imported: False without torch; once torch is there, it
-    puts ``torch.compiler.is_dynamo_compiling`` in its place (dynamo traces this too,
-    the store included, where the first check runs under tracing)."""
+    puts ``torch.compiler.is_dynamo_compiling`` in its place (:func:`bind_torch`), in
+    eager code only: dynamo guards a compiled function on the ``_compiling`` it traced,
+    so a rebinding from inside its first trace would recompile it at its second call."""
     torch = sys.modules.get("torch")
     if torch is None:
         return False
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    bind_torch()
+    return False
+
+
+def bind_torch() -> None:
+    """Binds ``_compiling`` to ``torch.compiler.is_dynamo_compiling`` where torch is
+    imported (nothing otherwise). Called in eager code (``ubnext.torch``'s import, each
+    Communicator's creation), so that a compiled function's first collective finds it
+    bound already. Not collective; no CUDA call."""
     global _compiling
-    _compiling = torch.compiler.is_dynamo_compiling
-    return _compiling()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _compiling = torch.compiler.is_dynamo_compiling
 
 
 #: whether dynamo is tracing: ``torch.compiler.is_dynamo_compiling`` (a plain ``return

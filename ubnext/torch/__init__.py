@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from torch.distributed import ReduceOp
 
+from ubnext._interop import arrays as _arrays
+
 from . import functional
 from ._planner import BufferPlan
 from ._reduce_op import op_name
@@ -53,6 +55,8 @@ from .tp import (
     TensorParallelAttentionOutput,
     TensorParallelMLP,
 )
+
+_arrays.bind_torch()  # torch is imported: before any compiled collective (_interop.arrays.bind_torch)
 
 # ReduceOp is torch.distributed's, re-exported (documented there)
 __all__ = ["AddRMSNormEpilogue", "BufferPlan", "ColumnParallelLinear", "RowParallelLinear",
