@@ -207,6 +207,14 @@ class Config:
         "shipped table (`ubnext/tables/default.json`).",
         local="the path may differ; the ranks check that the tables they read agree (ubnext._selection.table.agreed_table)",
     )
+    table_mode: str = _field(
+        "UBNEXT_TABLE_MODE", "graph", _choice("graph", "dependent"),
+        "The selector table entries `auto` takes, by how their calls were measured: `graph` (back to "
+        "back in CUDA graphs) or `dependent` (each after a GEMM that writes its input, as in a model: "
+        "`python -m ubnext.tune --mode dependent`). Where a table has no entry of that mode for the "
+        "machine, one of another mode serves (the shipped table has `graph` entries only): "
+        "`comm.describe()` says which entry.",
+    )
     quantized: str = _field(
         "UBNEXT_QUANTIZED", "off", _choice("off", "int8", "fp8", "int4"),
         "Opt in to the quantized two-shot all-reduce and reduce-scatter (lossy, with a stated error "
