@@ -186,7 +186,8 @@ def test_the_dependent_mode_takes_its_entry_and_falls_back_to_the_graph_entry():
     assert pool.key == ("NVIDIA H200", "nvlink", "pool", "graph")
     assert pool.why.endswith("(H); no dependent mode entry for NVIDIA H200 nvlink pool: graph's")
     star = parse_table(document(entry(gpu="*")), "t").choose(Machine("NVIDIA B200", placement="pool"))
-    assert star.why == "no entry for NVIDIA B200: the entry for any GPU; no pool placement entry for any GPU nvlink: plain's"
+    assert star.why == ("no entry for NVIDIA B200: the entry for any GPU; "
+                        "no pool placement entry for any GPU nvlink: plain's")
 
 
 def test_the_selector_follows_the_dependent_entry_where_asked(tmp_path):
@@ -611,8 +612,8 @@ def test_tune_run_writes_an_entry_for_the_gpu_it_ran_on(monkeypatch, tmp_path, c
     cupy = fakes.install(monkeypatch)
     cupy.zeros = lambda shape, dtype: fakes.empty(shape, dtype)
     cupy.empty_like = lambda a: fakes.empty(a.host.shape, a.host.dtype)
-    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: [
-        synthetic_times(n, comm.algorithms()) for n in args.sizes])
+    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: tune.Measured([
+        synthetic_times(n, comm.algorithms()) for n in args.sizes]))
     out = tmp_path / "tune.json"
     out.write_text(OLD_H200.read_text())  # an older tune file: merged into, as format 2
     argv = ["-o", str(out), "-e", "64M"]
@@ -722,7 +723,8 @@ def test_info_chooses_for_the_mode_of_ubnext_table_mode(tmp_path):
                         "(no dependent mode entry for NVIDIA H200 nvlink plain: graph's)")
     path = write(tmp_path, document(entry(), entry(mode="dependent")))
     lines = _info.table_lines({"UBNEXT_TABLE_MODE": "Dependent", "UBNEXT_TUNE_FILE": path}, "NVIDIA H200")
-    assert lines[-1] == "  for NVIDIA H200 nvlink plain dependent: entry NVIDIA H200 nvlink plain dependent (exact match)"
+    assert lines[-1] == ("  for NVIDIA H200 nvlink plain dependent: entry NVIDIA H200 nvlink plain dependent "
+                         "(exact match)")
     # an invalid mode: the configuration section reports it; the entries are chosen for the default
     assert _info.table_lines({"UBNEXT_TABLE_MODE": "eager"}, "NVIDIA H200")[2].endswith("(exact match)")
     assert "UBNEXT_TABLE_MODE" in _info.config_lines({"UBNEXT_TABLE_MODE": "eager"})[0]
