@@ -1,5 +1,6 @@
-"""GPU: comm.describe() agrees with comm.select(), and a short python -m ubnext.tune
-run measures, writes and merges a table that a communicator then loads.
+"""GPU: comm.describe() agrees with comm.select(), and short python -m ubnext.tune runs
+(back to back, and --mode dependent: each call after a GEMM) measure, write and merge a
+table that a communicator then loads (the dependent entry where UBNEXT_TABLE_MODE asks).
 
 Runs at any world size (``mpirun -n N python -m pytest tests/test_gpu_tune.py``).
 """
