@@ -6,9 +6,11 @@ harness, the combination of times over ranks (``-a``) and the JSON report
 (``-J``). ``all_reduce_perf.py`` and ``compare.py`` are built from these.
 
 The dependent-kernel mode (a GEMM produces each all-reduce's input) is here too:
-its exactly known GEMM operands (:class:`GemmData`), its samples and their
-subtraction (:func:`dependent_samples`) and the GEMM's launch (:func:`gemm_launcher`),
-shared by ``compare.py``, ``fused_perf.py`` and ``tp_block.py``.
+its exactly known GEMM operands (:class:`GemmData`) and the GEMM's launch
+(:func:`gemm_launcher`), shared by ``compare.py``, ``fused_perf.py`` and ``tp_block.py``;
+its default shape, ``--gemm`` parsing, the subtraction of its samples
+(:func:`dependent_samples`) and the cupy GEMM launch live in ``ubnext._tools.dependent``
+(``python -m ubnext.tune --mode dependent`` uses them too) and are used from here.
 
 The pure helpers need only numpy and ml_dtypes; everything that touches a
 GPU (``device_bits``, ``upload``, ``poison``, ``download``, ``capture_graph``,
@@ -18,7 +20,6 @@ called, so the helpers can be tested on a machine without a GPU.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -33,6 +34,7 @@ import numpy as np
 
 from ubnext._selection.table import human_bytes as human_bytes  # re-exported for bench scripts
 from ubnext._tools import cli as _cli
+from ubnext._tools import dependent as _dependent
 from ubnext._tools import timing as _timing
 
 # --------------------------------------------------------------------------- dtypes and ops
@@ -447,34 +449,11 @@ def download(array: Any, count: int, dtype: DType, stream: Any) -> np.ndarray:
 
 # --------------------------------------------------------------------------- dependent-kernel mode
 # What a tensor-parallel model runs: a GEMM writes the all-reduce's input, on the same stream,
-# right before it. A kernel launched with programmatic dependent launch overlaps its prologue
-# with the GEMM's tail only when there is such a producer; back-to-back all-reduces never show it.
+# right before it (ubnext._tools.dependent: python -m ubnext.tune --mode dependent uses it too;
+# the benchmarks use its shape, parsing, subtraction and cupy launch from here).
 
-#: ``--gemm`` default ``M,K,N``: 64 tokens through a 4096 x 4096 projection (bf16: 512 KiB out).
-GEMM_SHAPE = (64, 4096, 4096)
-
-
-def parse_gemm(text: str) -> tuple[int, int, int]:
-    """``--gemm`` value ``M,K,N`` -> three positive ints.
-
-    Raises:
-        ValueError: not three positive integers.
-    """
-    try:
-        shape = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise ValueError(f"--gemm takes M,K,N (three positive integers), got {text!r}")
-    return shape  # type: ignore[return-value]
-
-
-def gemm_arg(text: str) -> tuple[int, int, int]:
-    """:func:`parse_gemm` as an argparse ``type``."""
-    try:
-        return parse_gemm(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+GEMM_SHAPE, parse_gemm, gemm_arg = _dependent.GEMM_SHAPE, _dependent.parse_gemm, _dependent.gemm_arg
+dependent_samples = _dependent.dependent_samples
 
 
 @dataclass(frozen=True)
@@ -534,24 +513,6 @@ class GemmData:
         return reduce_exact((self.inputs(r, count) for r in range(self.nranks)), self.nranks, count, op)
 
 
-def dependent_samples(pair: Callable[[], float], gemm: Callable[[], float], repeats: int) -> dict[str, list[float]]:
-    """The dependent mode's numbers, ``repeats`` of each, µs per call.
-
-    ``pair()`` times one sample of the graph of (GEMM, collective) calls, ``gemm()`` one
-    sample of the graph of the same GEMMs alone; each GEMM sample is taken right after its
-    pair sample (same clocks, same neighbours), and their difference is the collective's
-    time with a real producer before it.
-
-    Returns:
-        ``times_us`` (pair - GEMM, per repeat), ``raw_us`` (pair) and ``gemm_us`` (GEMM).
-    """
-    raw, alone = [], []
-    for _ in range(repeats):
-        raw.append(pair())
-        alone.append(gemm())
-    return {"times_us": [r - g for r, g in zip(raw, alone)], "raw_us": raw, "gemm_us": alone}
-
-
 def gemm_launcher(data: GemmData, rank: int, dtype: DType, use_torch: bool,
                   stream: Any = None) -> Callable[[Any], Callable[[], None]]:
     """Put rank ``rank``'s A and B of ``data`` on the current device once; returns ``into``.
@@ -590,14 +551,7 @@ def gemm_launcher(data: GemmData, rank: int, dtype: DType, use_torch: bool,
             b = cupy.asarray(data.b.astype(dtype.numpy))
 
         def into(out: Any) -> Callable[[], None]:
-            c = out[:data.elements].reshape(m, n)
-
-            def launch() -> None:
-                with stream:
-                    cupy.matmul(a, b, out=c)
-
-            launch()
-            return launch
+            return _dependent.matmul_into(a, b, out, stream)
     return into
 
 

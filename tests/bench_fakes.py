@@ -67,10 +67,14 @@ class ndarray:  # noqa: N801 - cupy's name
     data = property(lambda self: _Pointer(self.host.ctypes.data))
     device = property(lambda self: Device(0))
     size = property(lambda self: self.host.size)
+    shape = property(lambda self: self.host.shape)
     dtype = property(lambda self: self.host.dtype)
 
     def view(self, dtype: Any) -> ndarray:
         return ndarray(None, _host=self.host.view(dtype), _owner=self)
+
+    def reshape(self, *shape: Any) -> ndarray:
+        return ndarray(None, _host=self.host.reshape(*shape), _owner=self)
 
     def __getitem__(self, index: Any) -> ndarray:
         return ndarray(None, _host=self.host[index], _owner=self)

@@ -25,7 +25,8 @@ def test_every_config_field_is_agreed_or_exempt_with_its_reason():
             assert isinstance(local, str) and len(local) > 10, f"{f.name}: exempt without a reason"
             assert f.metadata["env"] not in agreed
     assert {"UBNEXT_POOL_MB", "UBNEXT_STAGING_MB", "UBNEXT_MAX_BLOCKS", "UBNEXT_LAMPORT_MAX_KB",
-            "UBNEXT_LAMPORT_TWOSHOT_MAX_KB", "UBNEXT_ALGO", "UBNEXT_NVLS", "UBNEXT_DEBUG"} <= set(agreed)
+            "UBNEXT_LAMPORT_TWOSHOT_MAX_KB", "UBNEXT_ALGO", "UBNEXT_NVLS", "UBNEXT_DEBUG",
+            "UBNEXT_TABLE_MODE"} <= set(agreed)
     facts = _agreement.facts(Config())
     assert facts["ubnext version"] and len(facts["kernel sources"]) == 16
 
@@ -38,6 +39,9 @@ def test_agreeing_ranks_pass():
     ("staging_mb", (128, 64, 128), "UBNEXT_STAGING_MB: 128 on ranks 0, 2; 64 on rank 1"),
     ("max_blocks", (0, 0, 32), "UBNEXT_MAX_BLOCKS: 0 on ranks 0, 1; 32 on rank 2"),
     ("algorithm", ("auto", "twoshot", "auto"), "UBNEXT_ALGO: 'auto' on ranks 0, 2; 'twoshot' on rank 1"),
+    # the selector tables' entries are chosen for it: ranks that differ would choose other rows
+    ("table_mode", ("graph", "graph", "dependent"),
+     "UBNEXT_TABLE_MODE: 'graph' on ranks 0, 1; 'dependent' on rank 2"),
 ])
 def test_a_difference_raises_on_every_rank_naming_setting_and_ranks(field, values, words):
     results = run_ranks(3, lambda boot: _agreement.check(Config(**{field: values[boot.rank]}), boot))

@@ -563,6 +563,16 @@ def test_dependent_samples_subtract_the_gemm_measured_right_after():
     assert calls == ["pair", "gemm"] * 3
 
 
+def test_the_dependent_modes_pieces_are_the_packages():
+    """One source: the benchmarks use the shape, parsing and subtraction that python -m
+    ubnext.tune --mode dependent uses."""
+    from ubnext._tools import dependent
+
+    assert common.GEMM_SHAPE == dependent.GEMM_SHAPE == (64, 4096, 4096)
+    for name in ("parse_gemm", "gemm_arg", "dependent_samples"):
+        assert getattr(common, name) is getattr(dependent, name), name
+
+
 def _record(candidate, nbytes, us, wrong=0, mode="graph"):
     return {"candidate": candidate, "mode": mode, "bytes": nbytes, "status": "ok", "wrong": wrong,
             "median_us": us, "raw_median_us": us + 10}

@@ -30,6 +30,7 @@ DEFAULTS = {
     "debug": False,
     "deterministic": False,
     "tune_file": "",
+    "table_mode": "graph",
     "quantized": "off",
     "pdl": True,
 }
@@ -69,6 +70,7 @@ def test_frozen():
         ("UBNEXT_MAX_BLOCKS", "132", "max_blocks", 132),
         ("UBNEXT_LOG_LEVEL", "debug", "log_level", "DEBUG"),
         ("UBNEXT_TUNE_FILE", "/tmp/tune.json", "tune_file", "/tmp/tune.json"),
+        ("UBNEXT_TABLE_MODE", " Dependent ", "table_mode", "dependent"),
     ],
 )
 def test_env_parsing(var, text, field, value):
@@ -116,6 +118,7 @@ def test_unknown_override_is_type_error():
         ("UBNEXT_NVLS", "2", "one of auto|0|1"),
         ("UBNEXT_LOG_LEVEL", "loud", "one of DEBUG|INFO|WARNING|ERROR|CRITICAL"),
         ("UBNEXT_DEBUG", "maybe", "one of 1|true|yes|on|0|false|no|off"),
+        ("UBNEXT_TABLE_MODE", "eager", "one of graph|dependent"),  # no tool measures eager entries
     ],
 )
 def test_invalid_environment_values(var, text, expected):
@@ -128,7 +131,8 @@ def test_invalid_environment_values(var, text, expected):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("pool_mb", True), ("pool_mb", 2.0), ("timeout_s", False), ("algorithm", 3), ("tune_file", 5)],
+    [("pool_mb", True), ("pool_mb", 2.0), ("timeout_s", False), ("algorithm", 3), ("tune_file", 5),
+     ("table_mode", "stream")],
 )
 def test_invalid_overrides_name_argument_and_variable(field, value):
     with pytest.raises(ValueError, match=rf"Config: invalid argument {field} \(UBNEXT_\w+\)="):
@@ -172,6 +176,7 @@ def test_markdown_table_lists_every_field():
     assert "| `UBNEXT_DEBUG` | `0` |" in rows[9]
     assert "| `UBNEXT_DETERMINISTIC` | `0` |" in rows[10]
     assert "| `UBNEXT_TUNE_FILE` | (empty) |" in rows[11]
+    assert "| `UBNEXT_TABLE_MODE` | `graph` |" in rows[12]
 
 
 def test_readme_table_matches_config():

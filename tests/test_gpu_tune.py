@@ -1,5 +1,6 @@
-"""GPU: comm.describe() agrees with comm.select(), and a short python -m ubnext.tune
-run measures, writes and merges a table that a communicator then loads.
+"""GPU: comm.describe() agrees with comm.select(), and short python -m ubnext.tune runs
+(back to back, and --mode dependent: each call after a GEMM) measure, write and merge a
+table that a communicator then loads (the dependent entry where UBNEXT_TABLE_MODE asks).
 
 Runs at any world size (``mpirun -n N python -m pytest tests/test_gpu_tune.py``).
 """
@@ -77,3 +78,44 @@ def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
         for nbytes, name in winners.items():
             if tuned._selector.fits(name, nbytes):
                 assert tuned.select(nbytes, "bfloat16") == name
+
+
+def test_tune_in_the_dependent_mode_writes_the_entry_a_communicator_asking_for_it_takes(comm, tmp_path, capsys):
+    """--mode dependent: each call after a cupy GEMM writing its input, in CUDA graphs; the
+    entry keyed dependent, its record with the GEMM's shape and the raw and GEMM-alone
+    times; UBNEXT_TABLE_MODE=dependent takes it, graph falls back to it (the file has no
+    graph entry) and describe() says so."""
+    import math
+
+    import ubnext
+    from ubnext import tune
+    from ubnext._selection.table import load_table
+
+    path = comm.bootstrap.bcast_obj(str(tmp_path / "tune_dependent.json") if comm.rank == 0 else None)
+    argv = ["-o", path, "--mode", "dependent", "--gemm", "16,512,256", "-b", "4K", "-e", "1M", "-f", "16",
+            "-n", "4", "-G", "2", "--repeats", "3", "--dtype", "bfloat16,float32"]
+    assert tune.run(comm, tune.parse_args(argv), argv) == 0
+    if comm.rank == 0:
+        out = capsys.readouterr().out
+        assert "dependent mode: CUDA graphs of 4 (GEMM 16x512x256 writing the call's input, call) pairs" in out
+        assert out.rstrip().endswith("export UBNEXT_TABLE_MODE=dependent")
+    comm.bootstrap.barrier()
+    (table,) = load_table(path).entries
+    assert table.gpu == comm.describe()["device_name"] and table.key[1:] == ("nvlink", "plain", "dependent")
+    assert set(table.rows[str(comm.size)]) == {"bfloat16", "float32"}
+    record = table.entry["measured"][str(comm.size)]["bfloat16"]
+    assert record["gemm_mnk"] == [16, 512, 256] and record["sizes"] == [4 << 10, 64 << 10, 1 << 20]
+    assert set(record["raw_us"]) == set(record["gemm_us"]) == set(record["us"])
+    for name, ranked in record["us"].items():
+        for us, raw, gemm in zip(ranked, record["raw_us"][name], record["gemm_us"][name]):
+            assert (us is None) == (raw is None) == (gemm is None), name
+            assert us is None or (raw > 0 and gemm > 0 and math.isfinite(us)), name
+    settings = dict(pool_mb=64, staging_mb=8, lamport_twoshot_max_kb=2048, tune_file=path)
+    with ubnext.Communicator(table_mode="dependent", **settings) as tuned:
+        assert tuned.describe()["tables"][0] == f"tune file {path}: {table.label} (exact match)"
+        for nbytes, name in zip(record["sizes"], record["winners"]):
+            if tuned._selector.fits(name, nbytes):
+                assert tuned.select(nbytes, "bfloat16") == name
+    with ubnext.Communicator(**settings) as graph:
+        assert graph.describe()["tables"][0] == (f"tune file {path}: {table.label} (no graph mode entry for "
+                                                 f"{table.gpu} nvlink plain: dependent's)")

@@ -161,9 +161,54 @@ def test_another_link_only_as_a_last_resort_and_missing_placement_or_mode_fall_b
     assert other_link.choose(Machine("NVIDIA H200")).gpu == "*"
     assert other_link.choose(Machine("NVIDIA H200", link="pcie")).gpu == "NVIDIA H200"
     eager = shipped_like().choose(Machine("NVIDIA H200", mode="eager"))
-    assert eager.key == H200 and eager.why == "no eager mode entry: graph's"
+    assert eager.key == H200 and eager.why == "no eager mode entry for NVIDIA H200 nvlink plain: graph's"
     # placement: the plain entry is listed first, yet pool asks for the pool entry
     assert shipped_like().choose(Machine("NVIDIA H200", placement="pool")).placement == "pool"
+
+
+def test_the_dependent_mode_takes_its_entry_and_falls_back_to_the_graph_entry():
+    """UBNEXT_TABLE_MODE=dependent: the dependent entry where the table has one for the
+    machine, else the graph entry, and the reason names what is missing. The GPU ranks
+    before the mode: this GPU's graph entry wins over another GPU's dependent entry."""
+    both = parse_table(document(entry(rows=[[None, "lamport_twoshot"]]),
+                                entry(mode="dependent", rows=[[None, "lamport"]])), "t")
+    dependent = both.choose(Machine("NVIDIA H200", mode="dependent"))
+    assert dependent.mode == "dependent" and dependent.why == "exact match"
+    assert both.choose(Machine("NVIDIA H200")).mode == "graph"  # graph still takes the graph entry
+    assert both.choose(Machine("NVIDIA H100 80GB HBM3", mode="dependent")).mode == "dependent"  # family, mode
+    fallback = default_table().choose(Machine("NVIDIA H200", mode="dependent"))
+    assert fallback.key == H200 and fallback.why == "no dependent mode entry for NVIDIA H200 nvlink plain: graph's"
+    other_gpu = parse_table(document(entry(), entry(gpu="NVIDIA H100 80GB HBM3", mode="dependent")), "t")
+    chosen = other_gpu.choose(Machine("NVIDIA H200", mode="dependent"))
+    assert chosen.key == H200 and chosen.why == "no dependent mode entry for NVIDIA H200 nvlink plain: graph's"
+    # a placement and a mode both missing: each named with the key before it
+    pool = shipped_like().choose(Machine("NVIDIA H100 80GB HBM3", placement="pool", mode="dependent"))
+    assert pool.key == ("NVIDIA H200", "nvlink", "pool", "graph")
+    assert pool.why.endswith("(H); no dependent mode entry for NVIDIA H200 nvlink pool: graph's")
+    star = parse_table(document(entry(gpu="*")), "t").choose(Machine("NVIDIA B200", placement="pool"))
+    assert star.why == ("no entry for NVIDIA B200: the entry for any GPU; "
+                        "no pool placement entry for any GPU nvlink: plain's")
+
+
+def test_the_selector_follows_the_dependent_entry_where_asked(tmp_path):
+    """The rows of a tune file's dependent entry serve a communicator asking for the
+    dependent mode; one asking for graph keeps the graph entry; the shipped table (graph
+    only) serves what the tune file lacks, whichever the mode."""
+    table = parse_table(document(entry(rows=[[None, "twoshot"]]), entry(
+        mode="dependent", tables={"4": {"bfloat16": [[4096, "lamport"], [None, "nccl"]]}})), "t")
+    limits, usable = buffer_limits(Config.from_env({})), ["lamport", "lamport_twoshot", "twoshot", "nccl"]
+    dependent = Selector(4, limits, usable, table, machine=Machine("NVIDIA H200", mode="dependent"))
+    graph = Selector(4, limits, usable, table, machine=Machine("NVIDIA H200"))
+    assert [dependent.select(n, "bfloat16") for n in (1024, 1 << 20)] == ["lamport", "nccl"]
+    assert [graph.select(n, "bfloat16") for n in (1024, 1 << 20)] == ["twoshot", "twoshot"]
+    assert [t.where for t in dependent.tables] == ["t: NVIDIA H200 nvlink plain dependent",
+                                                   "default table: NVIDIA H200 nvlink plain graph"]
+    assert dependent.tables[1].why == "no dependent mode entry for NVIDIA H200 nvlink plain: graph's"
+    assert dependent.explain(1024, "bfloat16")[1] == ("table row ≤ 4 KiB for 4 ranks bfloat16 "
+                                                     "(t: NVIDIA H200 nvlink plain dependent)")
+    # a world size the tune file lacks: the shipped table's graph entry
+    assert "(default table: NVIDIA H200 nvlink plain graph)" in Selector(
+        2, limits, usable, table, machine=Machine("NVIDIA H200", mode="dependent")).explain(1024, "bfloat16")[1]
 
 
 def test_family_of_gpu_names():
@@ -191,6 +236,8 @@ def test_every_rank_chooses_the_same_entry_with_mixed_gpus():
         chosen.append(shipped_like().choose(machine).digest())
     assert len(set(chosen)) == 1
     assert agreed_machine(_Local(["NVIDIA H200"] * 2), "NVIDIA H200") == (Machine("NVIDIA H200"), "")
+    assert agreed_machine(_Local(["NVIDIA H200"] * 2), "NVIDIA H200", "dependent") == (
+        Machine("NVIDIA H200", mode="dependent"), "")
     # different entries have different digests (so a disagreement would show)
     table = shipped_like()
     assert len({t.digest() for t in table.entries}) == len(table.entries)
@@ -216,18 +263,35 @@ def test_a_rank_that_cannot_read_its_gpu_name_still_joins_the_allgather():
     assert agreed_machine(Recording(["NVIDIA H200"]), lambda: "NVIDIA H200") == (Machine("NVIDIA H200"), "")
 
 
+class _Stop(Exception):
+    pass
+
+
+def _communicator_until_its_context(monkeypatch):
+    """Communicator() on a CPU up to its CUDA context, where a fake Context stops it (_Stop):
+    no preflight, each rank its own device, cupy's Device a stand-in. Returns the module."""
+    import cupy
+
+    from ubnext._api import communicator as _comm
+
+    def context(device):
+        raise _Stop("past agreed_machine")
+
+    monkeypatch.setattr(_comm._preflight, "check", lambda op, config: None)
+    monkeypatch.setattr(_comm, "map_devices", lambda local, device, current: local.rank)
+    monkeypatch.setattr(_comm, "caller_device", lambda: 0)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: SimpleNamespace(use=lambda: None))
+    monkeypatch.setattr(_comm, "Context", context)
+    return _comm
+
+
 def test_the_communicator_reads_the_gpu_name_inside_the_allgather(monkeypatch):
     """Communicator(): a rank whose GPU name cannot be read does not leave the node's other
     ranks waiting in agreed_machine's allgather: every rank gets past it (to the next step,
     stopped here by a fake Context)."""
-    import cupy
     from thread_ranks import run_ranks
 
     import ubnext
-    from ubnext._api import communicator as _comm
-
-    class Stop(Exception):
-        pass
 
     def device_name(device):
         import threading
@@ -236,17 +300,30 @@ def test_the_communicator_reads_the_gpu_name_inside_the_allgather(monkeypatch):
             raise RuntimeError("cudaErrorUnknown: cannot describe the device")
         return "NVIDIA H200"
 
-    def context(device):
-        raise Stop("past agreed_machine")
-
-    monkeypatch.setattr(_comm._preflight, "check", lambda op, config: None)
-    monkeypatch.setattr(_comm, "map_devices", lambda local, device, current: local.rank)
-    monkeypatch.setattr(_comm, "caller_device", lambda: 0)
-    monkeypatch.setattr(cupy.cuda, "Device", lambda d: SimpleNamespace(use=lambda: None))
-    monkeypatch.setattr(_comm, "device_name", device_name)
-    monkeypatch.setattr(_comm, "Context", context)
+    monkeypatch.setattr(_communicator_until_its_context(monkeypatch), "device_name", device_name)
     results = run_ranks(2, lambda boot: ubnext.Communicator(bootstrap=boot))
-    assert all(isinstance(r, Stop) for r in results), results
+    assert all(isinstance(r, _Stop) for r in results), results
+
+
+@pytest.mark.parametrize("overrides, mode", [({}, "graph"), ({"table_mode": "dependent"}, "dependent")])
+def test_the_communicator_asks_for_the_mode_of_ubnext_table_mode(monkeypatch, overrides, mode):
+    from thread_ranks import run_ranks
+
+    import ubnext
+
+    _comm = _communicator_until_its_context(monkeypatch)
+    machines = []
+    real = _comm.agreed_machine
+
+    def agreed(local, gpu, *rest):
+        machines.append(real(local, gpu, *rest)[0])
+        return machines[-1], ""
+
+    monkeypatch.setattr(_comm, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(_comm, "agreed_machine", agreed)
+    results = run_ranks(2, lambda boot: ubnext.Communicator(bootstrap=boot, **overrides))
+    assert all(isinstance(r, _Stop) for r in results), results
+    assert machines == [Machine("NVIDIA H200", mode=mode)] * 2
 
 
 def test_agreed_table_compares_every_entry(tmp_path):
@@ -535,8 +612,8 @@ def test_tune_run_writes_an_entry_for_the_gpu_it_ran_on(monkeypatch, tmp_path, c
     cupy = fakes.install(monkeypatch)
     cupy.zeros = lambda shape, dtype: fakes.empty(shape, dtype)
     cupy.empty_like = lambda a: fakes.empty(a.host.shape, a.host.dtype)
-    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: [
-        synthetic_times(n, comm.algorithms()) for n in args.sizes])
+    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: tune.Measured([
+        synthetic_times(n, comm.algorithms()) for n in args.sizes]))
     out = tmp_path / "tune.json"
     out.write_text(OLD_H200.read_text())  # an older tune file: merged into, as format 2
     argv = ["-o", str(out), "-e", "64M"]
@@ -601,6 +678,27 @@ def test_describe_says_which_entry_and_why(monkeypatch):
     assert set(d["selection"]) == set(DTYPES)
 
 
+def test_describe_says_when_the_dependent_mode_falls_back_to_a_graph_entry(monkeypatch, tmp_path):
+    from ubnext._api import report as _report
+
+    monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "NVIDIA H200")
+    limits = buffer_limits(Config.from_env({}))
+    tuned = load_table(write(tmp_path, document(entry(mode="dependent", rows=[[None, "lamport"]]))))
+    dependent = Machine("NVIDIA H200", mode="dependent")
+    comm = _fake_comm(Selector(4, limits, ["lamport", "nccl"], tuned, machine=dependent))
+    comm.config = Config.from_env({"UBNEXT_TABLE_MODE": "dependent"})
+    d = _report.report(comm)
+    assert d["config"]["UBNEXT_TABLE_MODE"] == "dependent"
+    where = f"{tuned.source}: NVIDIA H200 nvlink plain dependent"
+    assert d["tables"] == [f"{where} (exact match)",
+                           "default table: NVIDIA H200 nvlink plain graph (no dependent mode entry for "
+                           "NVIDIA H200 nvlink plain: graph's)"]
+    text = str(d)
+    assert "  UBNEXT_TABLE_MODE      dependent" in text
+    assert ("selector tables: " + ", then ".join(d["tables"])) in text
+    assert f"lamport  table row (any size) for 4 ranks (via '*') bfloat16 ({where})" in text
+
+
 def test_info_lists_the_entries_and_the_choice_for_gpu_0(tmp_path):
     from ubnext._tools import info as _info
 
@@ -615,3 +713,18 @@ def test_info_lists_the_entries_and_the_choice_for_gpu_0(tmp_path):
     assert f"tune file {path} (UBNEXT_TUNE_FILE) (format 1: one entry for any machine): consulted first" in lines
     assert "  for NVIDIA H200 nvlink plain graph: entry any machine (format-1 file: one entry for any machine)" \
         in lines
+
+
+def test_info_chooses_for_the_mode_of_ubnext_table_mode(tmp_path):
+    from ubnext._tools import info as _info
+
+    lines = _info.table_lines({"UBNEXT_TABLE_MODE": "dependent"}, "NVIDIA H200")
+    assert lines[2] == ("  for NVIDIA H200 nvlink plain dependent: entry NVIDIA H200 nvlink plain graph "
+                        "(no dependent mode entry for NVIDIA H200 nvlink plain: graph's)")
+    path = write(tmp_path, document(entry(), entry(mode="dependent")))
+    lines = _info.table_lines({"UBNEXT_TABLE_MODE": "Dependent", "UBNEXT_TUNE_FILE": path}, "NVIDIA H200")
+    assert lines[-1] == ("  for NVIDIA H200 nvlink plain dependent: entry NVIDIA H200 nvlink plain dependent "
+                         "(exact match)")
+    # an invalid mode: the configuration section reports it; the entries are chosen for the default
+    assert _info.table_lines({"UBNEXT_TABLE_MODE": "eager"}, "NVIDIA H200")[2].endswith("(exact match)")
+    assert "UBNEXT_TABLE_MODE" in _info.config_lines({"UBNEXT_TABLE_MODE": "eager"})[0]

@@ -15,7 +15,7 @@ from stream_fakes import fake_context
 
 from ubnext import UbnextError, tune
 from ubnext._selection.select import Selector
-from ubnext._selection.table import load_table, parse_table
+from ubnext._selection.table import Machine, load_table, parse_table
 
 KiB, MiB = 1 << 10, 1 << 20
 ALL = ["lamport", "twoshot", "nccl"]
@@ -201,6 +201,7 @@ class FakeComm:
         nccl_only = list(usable) == ["nccl"]
         self.path = "NCCL only: ranks span several nodes" if nccl_only else "kernels on the symmetric pool"
         self.calls = 0
+        self.log = []  # "call" as each call runs (on the stream, or from a graph)
 
     def algorithms(self):
         return self._usable
@@ -213,6 +214,7 @@ class FakeComm:
 
         def work():
             self.calls += 1
+            self.log.append("call")
         stream.enqueue(work)
 
     def reduce_scatter(self, x, out=None, algorithm="auto", stream=None, precision="auto"):
@@ -226,6 +228,11 @@ def cupy(monkeypatch):
     fake = fakes.install(monkeypatch)
     fake.zeros = lambda shape, dtype: fakes.empty(shape, dtype)
     fake.empty_like = lambda a: fakes.empty(a.host.shape, a.host.dtype)
+    # the dependent mode's GEMM operands and GEMM (run at once: the fake stream records only
+    # what its engines enqueue)
+    fake.full = lambda shape, value, dtype: fakes.ndarray(None, _host=np.full(shape, value, dtype=dtype))
+    fake.ones = lambda shape, dtype: fakes.ndarray(None, _host=np.ones(shape, dtype=dtype))
+    fake.matmul = lambda a, b, out: out.host.__setitem__(..., a.host @ b.host)
     return fake
 
 
@@ -233,8 +240,8 @@ def test_time_algorithm_captures_launches_and_agrees_on_refusals(cupy):
     comm = FakeComm(lamport_max=4)
     args = tune.parse_args(["-n", "3", "-G", "2", "--repeats", "5", "-w", "2"])
     buf = cupy.zeros((8,), np.float32)
-    us = tune.time_algorithm(comm, cupy.cuda.Stream(), "twoshot", buf, buf, args)
-    assert us is not None and us >= 0
+    timed = tune.time_algorithm(comm, cupy.cuda.Stream(), "twoshot", buf, buf, args)
+    assert timed.us >= 0 and timed.raw_us is None and timed.gemm_us is None  # graph mode: no GEMM
     assert comm.calls == 2 + 3 * (1 + 2 * 5)  # warm-up, graph upload, launches × samples
     assert tune.time_algorithm(comm, cupy.cuda.Stream(), "lamport", buf, buf, args) is None
 
@@ -258,8 +265,8 @@ def synthetic_times(nbytes: int, usable) -> dict:
 
 
 def test_run_measures_writes_merges_and_prints_the_export_line(cupy, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: [
-        synthetic_times(n, comm.algorithms()) for n in args.sizes])
+    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: tune.Measured([
+        synthetic_times(n, comm.algorithms()) for n in args.sizes]))
     out = tmp_path / "tune.json"
     args = tune.parse_args(["-o", str(out)])
     assert tune.run(FakeComm(4), args, ["-o", str(out)]) == 0
@@ -293,11 +300,12 @@ def test_run_on_an_opted_in_communicator_measures_and_writes_the_quantized_thres
     def measure(comm, stream, dtype, args, progress):
         # the 2x H100 out-of-place figures at 16/64/256 MiB; the formats quantized
         assert comm.config.quantized == "int8"
-        return [{"twoshot": t["twoshot"], "nccl": t["nccl"], "int8": t["int8"], "int4": t["int4"]}
-                for t in _h100x2("out")]
+        return tune.Measured([{"twoshot": t["twoshot"], "nccl": t["nccl"], "int8": t["int8"], "int4": t["int4"]}
+                              for t in _h100x2("out")])
 
     def measure_rs(comm, stream, dtype, args, progress):  # the reduce-scatter: int8 pays from 64 MiB
-        return [{"twoshot": t, "nccl": 2 * t, "int8": q, "int4": None} for t, q in ((30, 31), (110, 80), (440, 300))]
+        return tune.Measured([{"twoshot": t, "nccl": 2 * t, "int8": q, "int4": None}
+                              for t, q in ((30, 31), (110, 80), (440, 300))])
 
     monkeypatch.setattr(tune, "measure_dtype", measure)
     monkeypatch.setattr(tune, "measure_reduce_scatter", measure_rs)
@@ -325,12 +333,12 @@ def test_run_on_an_opted_in_communicator_measures_and_writes_the_quantized_thres
 
 def test_measure_dtype_times_the_formats_only_where_opted_in(cupy):
     args = tune.parse_args(["-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
-    rows = tune.measure_dtype(FakeComm(quantized="int4"), cupy.cuda.Stream(), "bfloat16", args, lambda _: None)
+    rows = tune.measure_dtype(FakeComm(quantized="int4"), cupy.cuda.Stream(), "bfloat16", args, lambda _: None).times
     assert [sorted(r) for r in rows] == [sorted([*ALL, "int8", "fp8", "int4"])] * 2
     assert all(r["fp8"] is None and r["int8"] is not None for r in rows)  # fp8 refused
     for comm, dtype in ((FakeComm(), "bfloat16"), (FakeComm(quantized="int8"), "float32")):
-        assert [sorted(r) for r in tune.measure_dtype(comm, cupy.cuda.Stream(), dtype, args, lambda _: None)] \
-            == [sorted(ALL)] * 2
+        measured = tune.measure_dtype(comm, cupy.cuda.Stream(), dtype, args, lambda _: None)
+        assert [sorted(r) for r in measured.times] == [sorted(ALL)] * 2 and measured.raw == measured.gemm == []
     assert tune.parse_args(["--quantized"]).quantized and not tune.parse_args([]).quantized
 
 
@@ -340,13 +348,13 @@ def test_measure_reduce_scatter_times_its_algorithms_and_the_formats_only_where_
     did not opt in or the dtype is not quantized; a size below one element per rank: None."""
     args = tune.parse_args(["-b", "16", "-e", "4K", "-f", "16", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
     comm = FakeComm(size=16, quantized="int4")
-    rows = tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), "bfloat16", args, lambda _: None)
+    rows = tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), "bfloat16", args, lambda _: None).times
     assert [sorted(r) for r in rows] == [sorted(["twoshot", "nccl", "int8", "fp8", "int4"])] * 3
     assert all(v is None for v in rows[0].values())  # 16 bytes: 8 elements, not one per rank of 16
     assert all(r["fp8"] is None and r["int8"] is not None for r in rows[1:])
     assert comm.reduce_scatters > 0
     for comm, dtype in ((FakeComm(), "bfloat16"), (FakeComm(quantized="int8"), "float32")):
-        assert tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), dtype, args, lambda _: None) == []
+        assert tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), dtype, args, lambda _: None) == tune.Measured([])
 
 
 def test_run_refuses_an_invalid_existing_file_before_measuring(cupy, monkeypatch, tmp_path, capsys):
@@ -368,8 +376,178 @@ def test_measure_dtype_on_fake_gpus_covers_every_size_and_algorithm(cupy):
     args = tune.parse_args(["-b", "1K", "-e", "16K", "-f", "4", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
     seen = []
     start = time.perf_counter()
-    rows = tune.measure_dtype(comm, cupy.cuda.Stream(), "float32", args, seen.append)
+    rows = tune.measure_dtype(comm, cupy.cuda.Stream(), "float32", args, seen.append).times
     assert time.perf_counter() - start < 10
     assert [sorted(r) for r in rows] == [sorted(ALL)] * 3
     assert [r["lamport"] is None for r in rows] == [False, False, True]
     assert seen[0] == "float32    1 KiB lamport"
+
+
+# --------------------------------------------------------------------------- the dependent mode
+
+
+def test_parse_args_mode_and_gemm(capsys):
+    graph = tune.parse_args([])
+    assert (graph.mode, graph.gemm) == ("graph", None)
+    dependent = tune.parse_args(["--mode", "dependent"])
+    assert (dependent.mode, dependent.gemm) == ("dependent", (64, 4096, 4096))  # the benchmarks' default
+    assert tune.parse_args(["--mode", "dependent", "--gemm", "8,16,32"]).gemm == (8, 16, 32)
+    for bad in (["--mode", "eager"], ["--mode", "dependent", "--gemm", "8,16"], ["--gemm", "8,16,32"]):
+        with pytest.raises(SystemExit):
+            tune.parse_args(bad)
+    assert "--gemm shapes the GEMM of --mode dependent; the graph mode has none" in capsys.readouterr().err
+
+
+def test_time_algorithm_in_the_dependent_mode_puts_the_gemm_before_each_call(cupy):
+    """Warm-up and graph alike: (GEMM, call) pairs on the stream; a graph of the GEMMs alone
+    is captured beside and sampled right after each sample of the pairs."""
+    comm, stream = FakeComm(), cupy.cuda.Stream()
+
+    def gemm():
+        stream.enqueue(lambda: comm.log.append("gemm"))
+
+    args = tune.parse_args(["--mode", "dependent", "-n", "3", "-G", "2", "--repeats", "2", "-w", "2"])
+    buf = cupy.zeros((8,), np.float32)
+    timed = tune.time_algorithm(comm, stream, "twoshot", buf, buf, args, gemm=gemm)
+    pairs, alone = ["gemm", "call"] * 3, ["gemm"] * 3
+    # warm-up, the two graphs' uploads, then per sample 2 launches of the pairs, 2 of the GEMMs
+    assert comm.log == ["gemm", "call"] * 2 + pairs + alone + (pairs * 2 + alone * 2) * 2
+    assert None not in timed
+    # a refused size is refused with its GEMM before it too
+    assert tune.time_algorithm(FakeComm(lamport_max=4), stream, "lamport", buf, buf, args, gemm=gemm) is None
+
+
+def test_the_dependent_mode_ranks_each_pair_sample_less_the_gemm_sample_after_it(cupy, monkeypatch):
+    from ubnext._tools import timing
+
+    comm, stream = FakeComm(), cupy.cuda.Stream()
+
+    def gemm():
+        pass
+
+    # seconds per launch of each sample: the pairs' and, right after each, the GEMMs' alone
+    pairs, alone = iter([10e-6, 12e-6, 11e-6]), iter([6e-6, 6.5e-6, 7e-6])
+    monkeypatch.setattr(timing, "timer", lambda fn, *a: (lambda: next(alone if fn is gemm else pairs)))
+    comm.bootstrap.allgather_obj = lambda x: [x, None if x is None else x / 2]  # rank 1 faster: rank 0's max
+    args = tune.parse_args(["--mode", "dependent", "--repeats", "3", "-w", "1"])
+    buf = cupy.zeros((8,), np.float32)
+    timed = tune.time_algorithm(comm, stream, "twoshot", buf, buf, args, gemm=gemm)
+    # differences 4, 5.5, 4 µs: their median, not the difference of the medians (11 - 6.5)
+    assert timed == pytest.approx(tune.Timed(4.0, 11.0, 6.5))
+
+
+def test_measured_splits_the_dependent_times_and_the_winners_come_from_the_differences():
+    rows = [{"lamport": tune.Timed(4.0, 14.0, 10.0), "nccl": tune.Timed(7.0, 13.0, 6.0)},
+            {"lamport": None, "nccl": tune.Timed(9.0, 15.5, 6.5)}]
+    m = tune.Measured.of(rows, dependent=True)
+    assert m.times == [{"lamport": 4.0, "nccl": 7.0}, {"lamport": None, "nccl": 9.0}]
+    assert m.raw == [{"lamport": 14.0, "nccl": 13.0}, {"lamport": None, "nccl": 15.5}]
+    assert m.gemm == [{"lamport": 10.0, "nccl": 6.0}, {"lamport": None, "nccl": 6.5}]
+    winners = [tune.winner(t, 3) for t in m.times]
+    assert winners == ["lamport", "nccl"] and tune.winner(m.raw[0], 3) == "nccl"  # the raw pairs would rank otherwise
+    assert m.record(winners) == {"winners": ["lamport", "nccl"], "us": {"lamport": [4.0, None], "nccl": [7.0, 9.0]},
+                                 "raw_us": {"lamport": [14.0, None], "nccl": [13.0, 15.5]},
+                                 "gemm_us": {"lamport": [10.0, None], "nccl": [6.0, 6.5]}}
+    graph = tune.Measured.of([{"nccl": tune.Timed(3.0)}], dependent=False)
+    assert graph == tune.Measured([{"nccl": 3.0}]) and graph.record(["nccl"]) == {"winners": ["nccl"],
+                                                                                  "us": {"nccl": [3.0]}}
+
+
+def test_merged_document_keeps_each_modes_entry_apart():
+    """A dependent entry is added beside the graph entry of the same machine, neither
+    starting from nor changing it; a later graph run leaves the dependent entry alone."""
+    graph = tune.merged_document(None, "GPU A", 4, {"bfloat16": [[None, "twoshot"]]}, {"bfloat16": {}})
+    both = tune.merged_document(graph, "GPU A", 4, {"bfloat16": [[None, "lamport"]]},
+                                {"bfloat16": {"gemm_mnk": [64, 4096, 4096]}}, mode="dependent")
+    assert [(e["gpu"], e["mode"]) for e in both["entries"]] == [("GPU A", "graph"), ("GPU A", "dependent")]
+    assert both["entries"][0] == graph["entries"][0]
+    dependent = both["entries"][1]
+    assert dependent["tables"] == {"4": {"bfloat16": [[None, "lamport"]]}} and "note" not in dependent
+    again = tune.merged_document(both, "GPU A", 2, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
+    assert again["entries"][1] == dependent and set(again["entries"][0]["tables"]) == {"4", "2"}
+    assert tune.entry_of(again, {"gpu": "GPU A", "mode": "dependent"}) is again["entries"][1]
+
+
+#: µs of the GEMMs alone sampled beside each algorithm: unequal (as samples may be), so the
+#: raw pairs would rank otherwise than their differences
+GEMM_ALONE = {"lamport": 12.0, "twoshot": 10.0, "nccl": 2.0}
+
+
+def dependent_times(nbytes: int, usable) -> dict:
+    """After a GEMM: synthetic_times with the two-shot 50 % slower (it never wins)."""
+    return {k: None if t is None else t * (1.5 if k == "twoshot" else 1.0)
+            for k, t in synthetic_times(nbytes, usable).items()}
+
+
+def test_run_in_the_dependent_mode_writes_its_entry_beside_the_graph_entry(cupy, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: tune.Measured([
+        synthetic_times(n, comm.algorithms()) for n in args.sizes]))
+    out = tmp_path / "tune.json"
+    argv = ["-o", str(out), "-e", "64M"]
+    assert tune.run(FakeComm(4), tune.parse_args(argv), argv) == 0
+    assert "export UBNEXT_TABLE_MODE" not in capsys.readouterr().out  # graph: the default
+    (graph_entry,) = json.loads(out.read_text())["entries"]
+
+    def measure(comm, stream, dtype, args, progress):
+        assert args.mode == "dependent" and args.gemm == (8, 16, 32)
+        return tune.Measured.of([{k: None if t is None else tune.Timed(t, t + GEMM_ALONE[k], GEMM_ALONE[k])
+                                  for k, t in dependent_times(n, comm.algorithms()).items()} for n in args.sizes],
+                                dependent=True)
+
+    monkeypatch.setattr(tune, "measure_dtype", measure)
+    argv = ["-o", str(out), "-e", "64M", "--mode", "dependent", "--gemm", "8,16,32"]
+    args = tune.parse_args(argv)
+    assert tune.run(FakeComm(4), args, argv) == 0
+    text = capsys.readouterr().out
+    assert ("# ubnext.tune: 4 ranks, bfloat16, Fake GPU; dependent mode: CUDA graphs of 20 (GEMM 8x16x32 writing "
+            "the call's input, call) pairs, 5 launches per sample, each less a sample of the GEMMs alone taken right "
+            "after it, median of 7 samples, max over ranks") in text
+    assert ("# µs per all-reduce less the GEMM before it (plain arrays, out of place; raw and GEMM-alone times: "
+            "the entry's measured record)") in text
+    assert f"# wrote {out} (entry Fake GPU nvlink plain dependent: world sizes 4)" in text
+    assert text.rstrip().endswith(f"export UBNEXT_TUNE_FILE={out}\nexport UBNEXT_TABLE_MODE=dependent")
+
+    doc = json.loads(out.read_text())
+    assert [e["mode"] for e in doc["entries"]] == ["graph", "dependent"]
+    assert doc["entries"][0] == graph_entry  # not clobbered
+    winners = [tune.winner(dependent_times(n, ALL), 3) for n in args.sizes]
+    rows = tune.table_rows(args.sizes, winners)
+    assert "twoshot" not in winners and doc["entries"][1]["tables"] == {"4": {"bfloat16": rows}}
+    record = doc["entries"][1]["measured"]["4"]["bfloat16"]
+    assert record["gemm_mnk"] == [8, 16, 32] and record["winners"] == winners and record["sizes"] == args.sizes
+    assert record["gemm_us"]["nccl"] == [2.0] * len(args.sizes)
+    assert record["raw_us"]["lamport"][0] == pytest.approx(record["us"]["lamport"][0] + 12.0)
+    assert "--mode dependent --gemm 8,16,32" in record["command"]
+
+    # each mode's communicator takes its entry
+    table = load_table(str(out))
+    for mode, want in (("graph", graph_entry["tables"]["4"]["bfloat16"]), ("dependent", rows)):
+        sel = Selector(4, {}, ALL, table, machine=Machine("Fake GPU", mode=mode))
+        assert sel.tables[0].mode == mode and sel.tables[0].why == "exact match"
+        assert [list(r) for r in sel.tables[0].rows["4"]["bfloat16"]] == want
+
+
+def test_measure_dtype_in_the_dependent_mode_runs_the_gemm_into_each_calls_input(cupy, monkeypatch):
+    """The input holds the GEMM's whole output (M x N elements, here more than the largest
+    size), which the GEMM writes (A = 1/K, B = 1: ones); every algorithm is timed with the
+    raw and GEMM-alone times beside."""
+    comm = FakeComm(lamport_max=1 * KiB)
+    args = tune.parse_args(["--mode", "dependent", "--gemm", "4,8,512", "-b", "1K", "-e", "4K", "-f", "4",
+                            "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
+    inputs, zeros = [], cupy.zeros
+
+    def recorded_zeros(shape, dtype):
+        inputs.append(zeros(shape, dtype))
+        return inputs[-1]
+
+    monkeypatch.setattr(cupy, "zeros", recorded_zeros)
+    m = tune.measure_dtype(comm, cupy.cuda.Stream(), "float32", args, lambda _: None)
+    (send,) = inputs
+    assert send.size == 4 * 512 and (send.host == 1).all()
+    assert [sorted(r) for r in m.times] == [sorted(ALL)] * 2 and len(m.raw) == len(m.gemm) == 2
+    assert m.times[1]["lamport"] is None and m.raw[1]["lamport"] is None  # refused above 1 KiB
+    assert all(t is not None for rows in (m.raw, m.gemm) for t in rows[0].values())
+    comm = FakeComm(size=2, quantized="int8")  # the reduce-scatter too, on its own input
+    inputs.clear()
+    rs = tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), "bfloat16", args, lambda _: None)
+    assert len(rs.raw) == 2 and rs.raw[0]["twoshot"] is not None and (inputs[0].host[:2048] == 1).all()

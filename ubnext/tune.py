@@ -3,6 +3,8 @@
     mpirun -n 4 python -m ubnext.tune -o tune.json
     mpirun -n 2 python -m ubnext.tune -o tune.json      # adds 2 ranks to the same file
     export UBNEXT_TUNE_FILE=$PWD/tune.json
+    mpirun -n 4 python -m ubnext.tune --mode dependent -o tune.json   # adds the dependent entry
+    export UBNEXT_TABLE_MODE=dependent                  # communicators take it
 
 For each dtype (``--dtype``) and message size (``-b`` to ``-e``, times ``-f``),
 every algorithm the communicator can run (``comm.algorithms()``) is timed on
@@ -12,6 +14,17 @@ each sample the maximum over ranks, the median of ``--repeats`` samples. The
 winner of a size is the fastest algorithm, but a ubnext kernel wins over NCCL
 only when it is at least ``--margin`` percent faster. Adjacent sizes with the
 same winner become one table row; the last row has no upper limit.
+
+``--mode`` says how the calls are issued, and keys the entry written. ``graph`` (the
+default): back to back. ``dependent``: as in a model, each call after a GEMM
+(``--gemm M,K,N``, ``cupy.matmul`` on the same stream) that writes its input, so a ubnext
+kernel's programmatic dependent launch overlaps its prologue with the GEMM's tail: the
+graph holds ``-n`` (GEMM, call) pairs, a graph of the ``-n`` GEMMs alone is timed right
+after each sample (``ubnext._tools.dependent``, as ``bench/compare.py --modes dependent``
+does), and their difference, the call's time as a model sees it, is what is ranked (every
+algorithm, the quantized formats and the reduce-scatter alike). One mode per run: a run of
+the other mode with the same ``-o`` adds its entry beside, and ``UBNEXT_TABLE_MODE`` says
+which entries a communicator takes.
 
 On a communicator opted in to the quantized collectives (``UBNEXT_QUANTIZED`` set, or
 ``--quantized``), each quantized format (``precision=int8|fp8|int4``; fp8 where the GPU
@@ -28,13 +41,15 @@ rows are not written: the table keeps the ones it has).
 
 Rank 0 prints the timings and writes the table (``-o``, format 2 of
 ``ubnext._selection.table``): an entry keyed by this machine (the GPU's name, the
-``nvlink`` link, ``plain`` arrays, ``graph`` mode). A file that already exists is
-merged into: in this machine's entry (added when the file has none) the measured world
-size and dtypes are replaced; its other world sizes and dtypes, and the other
-machines' entries, are kept (the quantized thresholds alike: those of the
-measured world size and dtypes replaced, where the run measured them). A format-1 file is rewritten as format 2, its rows kept
-as an entry for any machine; an entry added beside such an entry starts from its rows,
-so what a run does not measure keeps serving this machine as before. All ranks see the
+``nvlink`` link, ``plain`` arrays) and ``--mode``; in the dependent mode its measured
+record keeps the GEMM's shape and the raw (GEMM + call) and GEMM-alone times beside the
+ranked ones. A file that already exists is merged into: in this machine's entry of the
+mode (added when the file has none) the measured world size and dtypes are replaced; its
+other world sizes and dtypes, the entry of the other mode and the other machines'
+entries are kept (the quantized thresholds alike: those of the measured world size and
+dtypes replaced, where the run measured them). A format-1 file is rewritten as format 2,
+its rows kept as an entry for any machine; an entry added beside such an entry starts
+from its rows, so what a run does not measure keeps serving this machine as before. All ranks see the
 same (max over ranks) times, and rank 0's outcome is broadcast, so every rank
 exits alike; a failing rank aborts the whole MPI job.
 """
@@ -52,8 +67,9 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+from ubnext._environment.config import TABLE_MODES, Config
 from ubnext._environment.devices import device_name
 from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
@@ -61,16 +77,54 @@ from ubnext._protocol.errors import CollectiveTimeoutError, CudaError, UbnextErr
 from ubnext._selection.table import (ANY, DEFAULT_LINK, FORMAT, FORMAT_1, NEVER, Machine, human_bytes,
                                      load_table, parse_table, upgrade)
 from ubnext._tools.cli import run_or_abort, size_arg, size_list
+from ubnext._tools.dependent import GEMM_SHAPE, gemm_arg
 
 #: times of one size: algorithm (or quantized format) -> µs, or None where the communicator
 #: refused the call
 Times = dict[str, float | None]
 #: The ``note`` tune gives the quantized thresholds of an entry it writes.
-QUANTIZED_NOTE = ("Measured by python -m ubnext.tune on plain arrays, out of place, in CUDA graphs: each format "
+QUANTIZED_NOTE = ("Measured by python -m ubnext.tune on plain arrays, out of place, in CUDA graphs in the "
+                  "entry's mode (back to back, or each call after a GEMM, less the GEMM): each format "
                   "against the full-precision winner of each size (a reduce-scatter's against the reduce-scatter "
                   "algorithms, its sizes those of the whole input); a format is used from the smallest measured "
                   "size from which it is faster by the margin at every larger measured size; never: not at the "
                   "largest. The measurements: the entry's measured record.")
+
+
+class Timed(NamedTuple):
+    """One call's time at one size, µs: the median of ``--repeats`` samples, each the maximum
+    over ranks. ``us`` is what is ranked: per call (graph mode), or per (GEMM, call) pair less
+    the GEMM alone timed right after it (dependent mode, whose ``raw_us`` and ``gemm_us`` are
+    the medians of those two; None in the graph mode)."""
+
+    us: float
+    raw_us: float | None = None
+    gemm_us: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """The times of one dtype and collective at every size (ascending): ``times``, the ranked
+    (:attr:`Timed.us`), and in the dependent mode ``raw`` and ``gemm`` (empty in the graph mode)."""
+
+    times: list[Times]
+    raw: list[Times] = dataclasses.field(default_factory=list)
+    gemm: list[Times] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, rows: Sequence[dict[str, Timed | None]], dependent: bool) -> Measured:
+        """From each size's :class:`Timed` per name (None: refused), measured in the dependent
+        mode or not."""
+        def part(i: int) -> list[Times]:
+            return [{name: None if t is None else t[i] for name, t in row.items()} for row in rows]
+
+        return cls(part(0), part(1), part(2)) if dependent else cls(part(0))
+
+    def record(self, winners: Sequence[str]) -> dict[str, Any]:
+        """The measured record's winners and µs (:func:`_us`): the ranked, and in the dependent
+        mode the raw and GEMM-alone ones."""
+        return {"winners": list(winners), "us": _us(self.times),
+                **({"raw_us": _us(self.raw), "gemm_us": _us(self.gemm)} if self.raw else {})}
 
 
 # --------------------------------------------------------------------------- decisions (pure)
@@ -159,7 +213,9 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
         rows: dtype -> table rows (:func:`table_rows`).
         measured: dtype -> the record of the measurement (kept under the entry's ``measured``).
         link, placement, mode: the rest of the entry's machine key (what tune measures:
-            plain arrays in CUDA graphs; the link ubnext assumes, ``table.DEFAULT_LINK``).
+            plain arrays in CUDA graphs, back to back (``"graph"``) or each after a GEMM
+            (``"dependent"``: ``--mode``); the link ubnext assumes, ``table.DEFAULT_LINK``). An
+            entry of one mode is never merged into, or started from, an entry of another.
         quantized: dtype -> the quantized thresholds measured (:func:`quantized_thresholds`);
             a dtype without any (none measured) is left as it was.
         quantized_rs: the same, of the reduce-scatter.
@@ -219,10 +275,18 @@ def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Se
     not written), the quantized thresholds."""
     names = [n for n in (*ALGORITHMS, *_quant.FORMATS) if any(t.get(n) is not None for t in times)]
     what = "all-reduce" if collective == "all_reduce" else "reduce-scatter (size: the whole input)"
-    lines = [f"# ubnext.tune: {world} ranks, {dtype}, {machine}; CUDA graphs of {args.iters} calls, "
-             f"{args.launches} launches per sample, median of {args.repeats} samples, max over ranks",
-             f"# µs per {what} (plain arrays, out of place); a kernel beats NCCL only when "
-             f"{args.margin:g}% faster",
+    if args.mode == "dependent":
+        gemm = "x".join(map(str, args.gemm))
+        how = (f"dependent mode: CUDA graphs of {args.iters} (GEMM {gemm} writing the call's input, call) pairs, "
+               f"{args.launches} launches per sample, each less a sample of the GEMMs alone taken right after it")
+        what += " less the GEMM before it"
+        where = "plain arrays, out of place; raw and GEMM-alone times: the entry's measured record"
+    else:
+        how = f"graph mode: CUDA graphs of {args.iters} calls back to back, {args.launches} launches per sample"
+        where = "plain arrays, out of place"
+    lines = [f"# ubnext.tune: {world} ranks, {dtype}, {machine}; {how}, median of {args.repeats} samples, "
+             f"max over ranks",
+             f"# µs per {what} ({where}); a kernel beats NCCL only when {args.margin:g}% faster",
              f"{'size':>10}" + "".join(f"{n:>{_width(n)}}" for n in names) + "  winner"]
     for nbytes, row, win in zip(sizes, times, winners):
         cells = "".join(f"{'—' if row.get(n) is None else f'{row[n]:.2f}':>{_width(n)}}" for n in names)
@@ -251,10 +315,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (default 2)")
     p.add_argument("--margin", type=float, default=3.0,
                    help="percent by which a ubnext kernel must beat NCCL to be chosen (default 3)")
-    p.add_argument("-n", "--iters", type=int, default=20, help="calls captured in the CUDA graph (default 20)")
+    p.add_argument("-n", "--iters", type=int, default=20,
+                   help="calls (dependent mode: (GEMM, call) pairs) captured in the CUDA graph (default 20)")
     p.add_argument("-G", "--launches", type=int, default=5, help="graph launches per sample (default 5)")
     p.add_argument("--repeats", type=int, default=7, help="samples per size and algorithm; median (default 7)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="eager calls before capturing (default 3)")
+    p.add_argument("--mode", choices=TABLE_MODES, default=Config.table_mode,
+                   help="how each call is issued, and the mode of the entry written: graph (back to back) or "
+                        "dependent (each after a GEMM that writes its input, the GEMM alone subtracted); one "
+                        "mode per run: a run of the other with the same -o adds its entry beside (default graph)")
+    p.add_argument("--gemm", type=gemm_arg, default=None, metavar="M,K,N",
+                   help="M,K,N of the GEMM before each call in the dependent mode (default "
+                        f"{','.join(map(str, GEMM_SHAPE))})")
     p.add_argument("--quantized", action="store_true",
                    help="measure the quantized formats against full precision too (implied by UBNEXT_QUANTIZED)")
     p.add_argument("-o", "--output", default="ubnext_tune.json",
@@ -263,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; adds ``dtypes`` and ``sizes``."""
+    """Parse and validate; adds ``dtypes`` and ``sizes``, and sets ``gemm`` in the dependent mode
+    (None in the graph mode)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.dtypes = list(KERNEL_DTYPES) if args.dtype == "all" else [d for d in args.dtype.split(",") if d]
@@ -280,6 +353,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(str(exc))
     if min(args.iters, args.launches, args.repeats) < 1 or args.warmup < 0 or args.margin < 0:
         parser.error("-n, -G and --repeats must be >= 1; -w and --margin >= 0")
+    if args.mode == "dependent":
+        args.gemm = args.gemm or GEMM_SHAPE
+    elif args.gemm is not None:
+        parser.error("--gemm shapes the GEMM of --mode dependent; the graph mode has none")
     args.output = os.path.abspath(args.output)
     if not os.path.isdir(os.path.dirname(args.output)):
         parser.error(f"-o: the directory of {args.output} does not exist")
@@ -290,15 +367,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace,
-                   collective: str = "all_reduce") -> float | None:
-    """µs per ``comm.all_reduce(send, out=recv, algorithm=name)`` (``precision=name`` where
-    ``name`` is a quantized format; ``comm.reduce_scatter`` for that ``collective``), or None
-    when refused. Collective.
+                   collective: str = "all_reduce", gemm=None) -> Timed | None:
+    """The time of ``comm.all_reduce(send, out=recv, algorithm=name)`` (``precision=name``
+    where ``name`` is a quantized format; ``comm.reduce_scatter`` for that ``collective``), or
+    None when refused. Collective.
 
     Eager warm-up calls come first (compiling the kernel, connecting NCCL,
     outside any capture); a refusal there (the size exceeds the algorithm's
     limit) is the same on every rank, and the ranks check that it is.
+
+    ``gemm`` (the dependent mode: a launch of the GEMM that writes the head of the buffer
+    ``send`` views, :func:`gemm_into`) precedes each call, in the warm-up and in the graph;
+    a graph of the GEMMs alone is sampled right after each sample of the pairs, and the
+    difference ranked (:func:`ubnext._tools.dependent.dependent_samples`).
     """
+    from ubnext._tools.dependent import dependent_samples
     from ubnext._tools.timing import timer
 
     call = {"precision": name} if name in _quant.FORMATS else {"algorithm": name}
@@ -308,10 +391,14 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
     def launch() -> None:
         run(send, out=recv, stream=stream, **call)
 
+    def pair() -> None:
+        gemm()
+        launch()
+
     refused = None
     try:
         for _ in range(max(1, args.warmup)):
-            launch()
+            (launch if gemm is None else pair)()
     except UbnextError as exc:
         if isinstance(exc, (CudaError, CollectiveTimeoutError)):
             raise
@@ -321,56 +408,90 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
         if not all(verdicts):
             raise UbnextError(f"tune: ranks disagree whether {name} takes {send.size} elements: {verdicts}")
         return None
-    sample = timer(launch, stream, args.iters, args.launches, comm.bootstrap.barrier)
-    return statistics.median(max(comm.bootstrap.allgather_obj(sample())) for _ in range(args.repeats)) * 1e6
+
+    def sampler(fn):
+        """µs per launch of ``fn`` in one sample of its graph, the maximum over ranks."""
+        sample = timer(fn, stream, args.iters, args.launches, comm.bootstrap.barrier)
+        return lambda: max(comm.bootstrap.allgather_obj(sample())) * 1e6
+
+    if gemm is None:
+        sample = sampler(launch)
+        return Timed(statistics.median(sample() for _ in range(args.repeats)))
+    found = dependent_samples(sampler(pair), sampler(gemm), args.repeats)
+    return Timed(*(statistics.median(found[key]) for key in ("times_us", "raw_us", "gemm_us")))
 
 
-def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) -> list[Times]:
-    """Times of every usable algorithm at every size, for one dtype, and of every quantized
-    format where the communicator opted in and the dtype is one they take. Collective."""
+def buffers(dtype: str, args: argparse.Namespace) -> tuple[Any, Any]:
+    """The input and output cupy arrays of one dtype's calls: the largest size, and in the
+    dependent mode at least the GEMM's output (M x N), which the input's head holds (zeros
+    past it)."""
     import cupy
 
     from ubnext._interop.arrays import _cupy_dtype
 
+    count = args.sizes[-1] // DTYPES[dtype][1]
+    if args.mode == "dependent":
+        count = max(count, args.gemm[0] * args.gemm[2])
+    send = cupy.zeros((count,), dtype=_cupy_dtype(dtype))
+    return send, cupy.empty_like(send)
+
+
+def gemm_into(send, args: argparse.Namespace, stream):
+    """The dependent mode's GEMM (``--gemm``) on ``stream``, writing the head of ``send``
+    (:func:`ubnext._tools.dependent.matmul_into`; run once here), or None in the graph mode.
+    Its operands give every output element 1 (A = 1/K, B = 1: exact where K is a power of
+    two, bounded in every dtype, so no format quantizes infinities)."""
+    if args.mode != "dependent":
+        return None
+    import cupy
+
+    from ubnext._tools.dependent import matmul_into
+
+    m, k, n = args.gemm
+    with stream:
+        a = cupy.full((m, k), 1 / k, dtype=send.dtype)
+        b = cupy.ones((k, n), dtype=send.dtype)
+    return matmul_into(a, b, send, stream)
+
+
+def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) -> Measured:
+    """Times of every usable algorithm at every size, for one dtype, and of every quantized
+    format where the communicator opted in and the dtype is one they take. Collective."""
     width = DTYPES[dtype][1]
-    send = cupy.zeros((args.sizes[-1] // width,), dtype=_cupy_dtype(dtype))
-    recv = cupy.empty_like(send)
+    send, recv = buffers(dtype, args)
+    gemm = gemm_into(send, args, stream)
     formats = list(_quant.FORMATS) if comm.config.quantized != "off" and dtype in _quant.DTYPES else []
     rows = []
     for nbytes in args.sizes:
         count = nbytes // width
-        row: Times = {}
+        row: dict[str, Timed | None] = {}
         for name in comm.algorithms() + formats:
             progress(f"{dtype} {human_bytes(nbytes):>8} {name}")
-            row[name] = time_algorithm(comm, stream, name, send[:count], recv[:count], args)
+            row[name] = time_algorithm(comm, stream, name, send[:count], recv[:count], args, gemm=gemm)
         rows.append(row)
-    return rows
+    return Measured.of(rows, gemm is not None)
 
 
-def measure_reduce_scatter(comm, stream, dtype: str, args: argparse.Namespace, progress) -> list[Times]:
+def measure_reduce_scatter(comm, stream, dtype: str, args: argparse.Namespace, progress) -> Measured:
     """Times of the reduce-scatter at every size (its whole input, rounded down to a multiple
     of the world size): every usable algorithm that has one and every quantized format, where
-    the communicator opted in and the dtype is one they take; else none ([]). Collective."""
-    import cupy
-
-    from ubnext._interop.arrays import _cupy_dtype
-
+    the communicator opted in and the dtype is one they take; else none (no sizes). Collective."""
     if comm.config.quantized == "off" or dtype not in _quant.DTYPES:
-        return []
+        return Measured([])
     width = DTYPES[dtype][1]
-    send = cupy.zeros((args.sizes[-1] // width,), dtype=_cupy_dtype(dtype))
-    recv = cupy.empty_like(send)
+    send, recv = buffers(dtype, args)
+    gemm = gemm_into(send, args, stream)
     names = [n for n in comm.algorithms() if ALGORITHMS[n].serves("reduce_scatter")] + list(_quant.FORMATS)
     rows = []
     for nbytes in args.sizes:
         k = nbytes // width // comm.size
-        row: Times = {}
+        row: dict[str, Timed | None] = {}
         for name in names:
             progress(f"{dtype} {human_bytes(nbytes):>8} reduce_scatter {name}")
-            row[name] = (time_algorithm(comm, stream, name, send[:k * comm.size], recv[:k], args, "reduce_scatter")
-                         if k else None)
+            row[name] = (time_algorithm(comm, stream, name, send[:k * comm.size], recv[:k], args, "reduce_scatter",
+                                        gemm) if k else None)
         rows.append(row)
-    return rows
+    return Measured.of(rows, gemm is not None)
 
 
 def existing_document(path: str) -> dict[str, Any] | None:
@@ -427,9 +548,11 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         rows, measured, quantized, quantized_rs = {}, {}, {}, {}
         for dtype in args.dtypes:
-            times = measure_dtype(comm, stream, dtype, args, progress)
+            found = measure_dtype(comm, stream, dtype, args, progress)
+            times = found.times
             winners = [winner(t, args.margin) for t in times]
-            rs_times = measure_reduce_scatter(comm, stream, dtype, args, progress)
+            found_rs = measure_reduce_scatter(comm, stream, dtype, args, progress)
+            rs_times = found_rs.times
             rs_winners = [winner(t, args.margin) for t in rs_times]
             progress("")
             for line in report(comm.size, dtype, machine, args.sizes, times, winners, args):
@@ -445,21 +568,24 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "machine": machine,
                 "command": shlex.join([sys.executable, "-m", "ubnext.tune", *argv]),
                 "margin_percent": args.margin, "graph_calls": args.iters, "graph_launches": args.launches,
-                "repeats": args.repeats, "sizes": args.sizes, "winners": winners, "us": _us(times),
+                "repeats": args.repeats, **({"gemm_mnk": list(args.gemm)} if args.gemm else {}),
+                "sizes": args.sizes, **found.record(winners),
             }
             if rs_times:
-                measured[dtype]["reduce_scatter"] = {"winners": rs_winners, "us": _us(rs_times)}
+                measured[dtype]["reduce_scatter"] = found_rs.record(rs_winners)
         outcome = None
         if rank0:
             try:
                 doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured,
-                                      quantized=quantized, quantized_rs=quantized_rs)
+                                      mode=args.mode, quantized=quantized, quantized_rs=quantized_rs)
                 write_atomically(args.output, doc)
-                written = Machine(machine)  # the key merged_document's defaults give the entry
+                written = Machine(machine, mode=args.mode)  # the key merged_document gives the entry
                 entry = entry_of(doc, dataclasses.asdict(written))
                 outcome = (f"# wrote {args.output} (entry {written.label()}: world sizes "
                            f"{', '.join(entry['tables'])})\n"
                            f"export UBNEXT_TUNE_FILE={shlex.quote(args.output)}")
+                if args.mode != Config.table_mode:  # communicators take this mode's entries when asked
+                    outcome += f"\nexport UBNEXT_TABLE_MODE={args.mode}"
             except (OSError, UbnextError) as exc:
                 outcome = f"tune: cannot write {args.output}: {exc}"
         outcome = comm.bootstrap.bcast_obj(outcome)

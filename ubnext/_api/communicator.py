@@ -92,8 +92,9 @@ class Communicator(CallSteps):
             cupy.cuda.Device(self.device).use()  # the caller's convenience, as torch.cuda.set_device
             # the selector tables' entries are chosen for local rank 0's GPU, alike on every rank
             # (the name read with this communicator's device current: no other device is touched;
-            # read inside agreed_machine, so a rank that cannot read it still joins the allgather)
-            machine, mixed = agreed_machine(self._local, lambda: device_name(self.device))
+            # read inside agreed_machine, so a rank that cannot read it still joins the allgather),
+            # and for the mode UBNEXT_TABLE_MODE asks for
+            machine, mixed = agreed_machine(self._local, lambda: device_name(self.device), config.table_mode)
             self._context = Context(self.device)
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
             self._node = self._setup_node()

@@ -31,6 +31,10 @@ _PREFIX = "UBNEXT_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: How the calls of a selector table entry were issued, of the modes ``python -m ubnext.tune
+#: --mode`` measures and a communicator may ask for (``UBNEXT_TABLE_MODE``): back to back in
+#: CUDA graphs, or each after a GEMM that writes its input.
+TABLE_MODES = ("graph", "dependent")
 
 
 class _Parser(NamedTuple):
@@ -206,6 +210,14 @@ class Config:
         "local rank 0's GPU (or the nearest measured); world sizes it lacks, and an empty value, use the "
         "shipped table (`ubnext/tables/default.json`).",
         local="the path may differ; the ranks check that the tables they read agree (ubnext._selection.table.agreed_table)",
+    )
+    table_mode: str = _field(
+        "UBNEXT_TABLE_MODE", "graph", _choice(*TABLE_MODES),
+        "The selector table entries `auto` takes, by how their calls were measured: `graph` (back to "
+        "back in CUDA graphs) or `dependent` (each after a GEMM that writes its input, as in a model: "
+        "`python -m ubnext.tune --mode dependent`). Where a table has no entry of that mode for the "
+        "machine, one of another mode serves (the shipped table has `graph` entries only): "
+        "`comm.describe()` says which entry.",
     )
     quantized: str = _field(
         "UBNEXT_QUANTIZED", "off", _choice("off", "int8", "fp8", "int4"),

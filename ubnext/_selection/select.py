@@ -6,7 +6,8 @@ kernel. The size thresholds come from a selector table (``_table``): a tune
 file (``UBNEXT_TUNE_FILE``, written by ``python -m ubnext.tune``) first, for the
 world sizes it covers, then the table shipped in the package; of each, the entry
 for this machine (``TableFile.choose``: the GPU of local rank 0, the ``"nvlink"``
-link, ``"plain"`` arrays, ``"graph"`` mode). The selector does not know whether a
+link, ``"plain"`` arrays, the mode of ``UBNEXT_TABLE_MODE``: ``"graph"`` unless it says
+``"dependent"``). The selector does not know whether a
 call's arrays are pool buffers: the ``"plain"`` entries serve every call (choosing
 the ``"pool"`` entries for pool buffers is a follow-up). The size from which
 ``precision="auto"`` quantizes on an opted-in communicator comes from the same entries

@@ -30,8 +30,12 @@ of machine::
   once per communicator), so a communicator takes the ``"plain"`` entries; choosing per
   call (pool buffers skip the staging copy, which moves the crossovers) is a follow-up.
 - ``mode``: how the calls were issued: ``"graph"`` (back to back in a CUDA graph, what
-  ``python -m ubnext.tune`` measures), ``"dependent"`` (a kernel between calls) or
-  ``"eager"``. A communicator asks for ``"graph"``.
+  ``python -m ubnext.tune`` measures by default), ``"dependent"`` (a kernel between calls:
+  ``python -m ubnext.tune --mode dependent`` puts a GEMM that writes each call's input
+  before it) or ``"eager"``. A communicator asks for the mode ``UBNEXT_TABLE_MODE`` names
+  (``Config.table_mode``: ``"graph"``, the default, or ``"dependent"``); where a table has
+  no entry of that mode for the machine, the choice below falls back to one of another
+  mode (the shipped table has ``"graph"`` entries only).
 
 There is no GPU-count key: the world sizes that key ``tables`` (the ranks of the node
 that took part in the measurement) are the GPU counts the rows were measured at, and
@@ -62,7 +66,10 @@ measured being the first such entry of the file). Among those: the same ``link``
 ``"*"``, then the same ``placement`` (then ``"*"``), then the same ``mode`` (then
 ``"*"``); ties go to the entry listed first. The choice and why are shown by ``describe()`` and
 ``python -m ubnext info``: ``"default table: NVIDIA H200 nvlink plain graph (no entry for
-NVIDIA H100 80GB HBM3: NVIDIA H200, nearest measured of the same family (H))"``. Every
+NVIDIA H100 80GB HBM3: NVIDIA H200, nearest measured of the same family (H))"``; asked for
+the dependent mode, ``"default table: NVIDIA H200 nvlink plain graph (no dependent mode
+entry for NVIDIA H200 nvlink plain: graph's)"``. The GPU comes before the mode: an entry
+for this GPU in another mode is taken before an entry of this mode for another GPU. Every
 rank reads the same document (:func:`agreed_table` checks the digests) and chooses for
 the same machine key, so every rank takes the same entry.
 
@@ -310,9 +317,13 @@ class TableFile:
                 1: f"{chosen.gpu}, nearest measured of the same family ({fam})",
                 2: "the entry for any GPU",
                 3: f"{chosen.gpu}, nearest measured (first such entry)"}[gpu])
-        for what, got, value in (("placement", placement, machine.placement), ("mode", mode, machine.mode)):
+        # a placement or mode not there: no entry of the chosen one's key before it has it (that
+        # entry would have been chosen), which the reason names
+        before = ["any GPU" if chosen.gpu == ANY else chosen.gpu, chosen.link, chosen.placement]
+        for n, (what, got, value) in enumerate((("placement", placement, machine.placement),
+                                                ("mode", mode, machine.mode)), 2):
             if got == 2:
-                reasons.append(f"no {value} {what} entry: {getattr(chosen, what)}'s")
+                reasons.append(f"no {value} {what} entry for {' '.join(before[:n])}: {getattr(chosen, what)}'s")
         return replace(chosen, why="; ".join(reasons) or "exact match")
 
     def digest(self) -> str:
@@ -582,7 +593,7 @@ def agreed_table(path: str, bootstrap) -> TableFile:
     return table
 
 
-def agreed_machine(local, gpu: str | None | Callable[[], str]) -> tuple[Machine, str]:
+def agreed_machine(local, gpu: str | None | Callable[[], str], mode: str = Machine.mode) -> tuple[Machine, str]:
     """The machine key every rank of ``local`` (a node's bootstrap) chooses its entries for:
     the GPU name of local rank 0, so that ranks of a node with mixed GPUs still choose
     alike. Collective (one allgather).
@@ -592,6 +603,7 @@ def agreed_machine(local, gpu: str | None | Callable[[], str]) -> tuple[Machine,
         gpu: this rank's GPU name, or a function that reads it. A read that fails counts
             as a GPU not known (None) and this rank still joins the allgather, so no rank
             is left waiting in it (as ``nvls_gate.decide`` treats an attribute it cannot read).
+        mode: the mode asked for (``Config.table_mode``, which the ranks agree on).
 
     Returns:
         ``(machine, note)``: ``note`` names the GPUs when the ranks' differ, else "".
@@ -607,7 +619,7 @@ def agreed_machine(local, gpu: str | None | Callable[[], str]) -> tuple[Machine,
         shown = [name or "a GPU whose name could not be read" for name in names]
         note = (f"the local ranks have different GPUs ({', '.join(dict.fromkeys(shown))}); every rank "
                 f"chooses the selector table entry of local rank 0's, {shown[0]}")
-    return Machine(gpu=names[0]), note
+    return Machine(gpu=names[0], mode=mode), note
 
 
 def human_bytes(nbytes: int) -> str:

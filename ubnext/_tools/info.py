@@ -121,8 +121,12 @@ def config_lines(environ: Mapping[str, str]) -> list[str]:
 def table_lines(environ: Mapping[str, str], gpu: str | None = None) -> list[str]:
     """The shipped table and the tune file (checked: it loads, or why not): each one's
     entries, and the entry a communicator on GPU ``gpu`` (GPU 0's name; None: no GPU
-    here) chooses, and why."""
-    machine = Machine(gpu=gpu)
+    here) chooses for the mode of ``UBNEXT_TABLE_MODE``, and why."""
+    try:
+        mode = Config(table_mode=environ.get("UBNEXT_TABLE_MODE", Config.table_mode)).table_mode
+    except ValueError:  # the configuration section says so; a communicator would refuse it
+        mode = Config.table_mode
+    machine = Machine(gpu=gpu, mode=mode)
     wanted = machine.label() if gpu else "a GPU not known here"
 
     def summary(tables) -> list[str]:
