@@ -5,6 +5,7 @@ writing flow on a numpy stand-in for the GPU (tests/bench_fakes.py)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from stream_fakes import fake_context
 from ubnext import UbnextError, tune
 from ubnext._selection.select import Selector
 from ubnext._selection.table import Machine, load_table, parse_table
+from ubnext._tools import dependent
 
 KiB, MiB = 1 << 10, 1 << 20
 ALL = ["lamport", "twoshot", "nccl"]
@@ -232,7 +234,14 @@ def cupy(monkeypatch):
     # what its engines enqueue)
     fake.full = lambda shape, value, dtype: fakes.ndarray(None, _host=np.full(shape, value, dtype=dtype))
     fake.ones = lambda shape, dtype: fakes.ndarray(None, _host=np.ones(shape, dtype=dtype))
-    fake.matmul = lambda a, b, out: out.host.__setitem__(..., a.host @ b.host)
+
+    def matmul_into(a, b, out, stream):  # torch's GEMM on the GPU; here the host's, at once
+        def launch():
+            out.host[:a.host.shape[0] * b.host.shape[1]] = (a.host @ b.host).reshape(-1)
+        launch()
+        return launch
+
+    monkeypatch.setattr(dependent, "matmul_into", matmul_into)
     return fake
 
 
@@ -551,3 +560,11 @@ def test_measure_dtype_in_the_dependent_mode_runs_the_gemm_into_each_calls_input
     inputs.clear()
     rs = tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), "bfloat16", args, lambda _: None)
     assert len(rs.raw) == 2 and rs.raw[0]["twoshot"] is not None and (inputs[0].host[:2048] == 1).all()
+
+
+def test_the_dependent_modes_gemm_without_torch_says_what_it_needs(monkeypatch):
+    """cupy cannot call cuBLAS while a graph is captured, so the GEMM is torch's: without
+    torch the dependent mode stops with what to do, before anything is launched."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    with pytest.raises(UbnextError, match="needs torch .* or measure in the graph mode"):
+        dependent.matmul_into(None, None, None, None)

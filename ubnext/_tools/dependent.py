@@ -9,8 +9,9 @@ time as a model sees it.
 
 Shared by ``python -m ubnext.tune --mode dependent`` and ``bench/`` (``compare.py``,
 ``fused_perf.py``, ``tp_block.py``, through ``bench/_common.py``): the GEMM's shape
-(``--gemm M,K,N``), the subtraction and the GEMM's launch with cupy. cupy is imported
-when a GEMM is launched, so importing this module needs no GPU.
+(``--gemm M,K,N``), the subtraction and the GEMM's launch on cupy arrays (torch's GEMM:
+:func:`matmul_into`). torch is imported when a GEMM is launched, so importing this module
+needs neither a GPU nor torch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from typing import Any
+
+from ubnext._protocol.errors import UbnextError
 
 #: ``--gemm`` default ``M,K,N``: 64 tokens through a 4096 x 4096 projection (bf16: 512 KiB out).
 GEMM_SHAPE = (64, 4096, 4096)
@@ -66,16 +69,36 @@ def dependent_samples(pair: Callable[[], float], gemm: Callable[[], float], repe
 
 def matmul_into(a: Any, b: Any, out: Any, stream: Any) -> Callable[[], None]:
     """A launch of ``C = a @ b`` (cupy arrays, M x K and K x N) into the first M * N
-    elements of the flat cupy array ``out`` (viewed M x N), ``cupy.matmul(out=)`` on
-    ``stream``. Runs the GEMM once eagerly, so cuBLAS picks its kernel and workspace
-    before any capture."""
-    import cupy
+    elements of the flat cupy array ``out`` (viewed M x N), on the cupy ``stream``. Runs
+    the GEMM once eagerly, so cuBLAS picks its kernel and workspace before any capture.
 
-    c = out[:a.shape[0] * b.shape[1]].reshape(a.shape[0], b.shape[1])
+    The GEMM is torch's (``torch.matmul(out=)`` on the same memory and stream): cupy's
+    cuBLAS binding refuses to run while a stream is being captured, which is where the
+    dependent mode launches it.
+
+    Raises:
+        UbnextError: torch is not installed.
+    """
+    try:
+        import torch
+    except ImportError:
+        raise UbnextError("the dependent mode's GEMM needs torch (cupy cannot call cuBLAS while a CUDA graph is "
+                          "being captured); install torch, or measure in the graph mode") from None
+    device = torch.device("cuda", out.device.id)
+
+    def tensor(x: Any) -> Any:
+        """``x``'s memory as a torch tensor of its dtype (through same-width integers, which
+        cupy and torch exchange for every dtype, bfloat16 included)."""
+        bits = torch.as_tensor(x.view(f"int{8 * x.itemsize}"), device=device)
+        return bits.view(getattr(torch, x.dtype.name))
+
+    ta, tb = tensor(a), tensor(b)
+    c = tensor(out[:a.shape[0] * b.shape[1]]).view(a.shape[0], b.shape[1])
+    on = torch.cuda.ExternalStream(stream.ptr, device=device)
 
     def launch() -> None:
-        with stream:
-            cupy.matmul(a, b, out=c)
+        with torch.cuda.stream(on):
+            torch.matmul(ta, tb, out=c)
 
     launch()
     return launch
