@@ -24,6 +24,8 @@ KiB, MiB = 1 << 10, 1 << 20
 #: The shipped table as it was in format 1 (ubnext/tables/h200.json before format 2), verbatim.
 OLD_H200 = Path(__file__).with_name("selector_h200_format1.json")
 H200 = ("NVIDIA H200", "nvlink", "plain", "graph")
+H100 = ("NVIDIA H100 80GB HBM3", "nvlink", "plain", "graph")
+H100_DEPENDENT = (*H100[:3], "dependent")
 #: The one deliberate change to the H200 rows since format 1: at 4 ranks the Lamport
 #: one-shot all-reduce takes messages up to 512 KiB (was 256 KiB), every dtype, where two
 #: later tunes on 4x H200 and a 4x H100 run measured the crossover (bench/NOTES.md,
@@ -61,7 +63,7 @@ def write(tmp_path, doc, name="t.json"):
 def test_default_table_is_format_2_with_the_h200_rows_unchanged_but_the_4_rank_one_shot():
     old = json.loads(OLD_H200.read_text())
     shipped = default_table()
-    assert shipped.format == 2 and [t.key for t in shipped.entries] == [H200]
+    assert shipped.format == 2 and [t.key for t in shipped.entries] == [H200, H100, H100_DEPENDENT]
     h200 = shipped.entry(H200)
     assert h200.entry["tables"] == format_1_rows_changed()["tables"]
     assert h200.entry["collectives"] == old["collectives"]
@@ -497,10 +499,15 @@ def test_reduce_scatter_thresholds_are_their_own(tmp_path):
         "int8", "bfloat16", "reduce_scatter") == (None, "never: one rank moves nothing over links")
 
 
-def test_the_shipped_table_has_no_reduce_scatter_thresholds():
-    """None was measured: auto never quantizes a reduce-scatter with the shipped table alone."""
-    for t in default_table().entries:
-        assert not t.quantized_by_collective and "collectives" not in t.entry.get("quantized", {})
+def test_the_shipped_table_has_reduce_scatter_thresholds_only_where_measured():
+    """H200: none measured, so auto never quantizes a reduce-scatter there with the shipped
+    table alone; H100: measured at 2 and 4 ranks (bench/results/tune_h100x*_quant.txt), for
+    both modes' entries (the dependent entry takes the graph entry's: module note)."""
+    shipped = default_table()
+    h200 = shipped.entry(H200)
+    assert not h200.quantized_by_collective and "collectives" not in h200.entry.get("quantized", {})
+    for key in (H100, H100_DEPENDENT):
+        assert set(shipped.entry(key).quantized_by_collective["reduce_scatter"]) == {"2", "4"}
 
 
 def test_reduce_scatter_thresholds_change_the_digest():
@@ -565,7 +572,7 @@ def test_the_h200_rows_choose_as_the_format_1_table_did(usable, config):
         assert {key for key in old if old[key] != changed[key]} == want, (nranks, config)
         assert all(changed[key] in (one_shot, (one_shot, one_shot)) for key in want)
         assert all(old[key] not in (one_shot, (one_shot, one_shot)) for key in want)
-        for machine in (Machine("NVIDIA H200"), Machine("NVIDIA H100 80GB HBM3"), None):
+        for machine in (Machine("NVIDIA H200"), Machine("NVIDIA H800"), Machine("NVIDIA A100-SXM4-80GB"), None):
             new = Selector(nranks, limits, usable, machine=machine)
             assert new.tables[0].key == H200
             assert _selections(new) == changed, (nranks, machine)
@@ -668,12 +675,12 @@ def test_describe_says_which_entry_and_why(monkeypatch):
     limits = buffer_limits(Config.from_env({}))
     d = _report.report(_fake_comm(Selector(4, limits, ["lamport", "nccl"], machine=Machine("NVIDIA H200"))))
     assert d["tables"] == ["default table: NVIDIA H200 nvlink plain graph (exact match)"]
-    h100 = Selector(4, limits, ["lamport", "nccl"], machine=Machine("NVIDIA H100 80GB HBM3"))
-    d = _report.report(_fake_comm(h100))
-    assert d["tables"] == ["default table: NVIDIA H200 nvlink plain graph (no entry for NVIDIA H100 80GB HBM3: "
+    h800 = Selector(4, limits, ["lamport", "nccl"], machine=Machine("NVIDIA H800"))
+    d = _report.report(_fake_comm(h800))
+    assert d["tables"] == ["default table: NVIDIA H200 nvlink plain graph (no entry for NVIDIA H800: "
                            "NVIDIA H200, nearest measured of the same family (H))"]
     text = str(d)
-    assert "selector tables: default table: NVIDIA H200 nvlink plain graph (no entry for NVIDIA H100" in text
+    assert "selector tables: default table: NVIDIA H200 nvlink plain graph (no entry for NVIDIA H800" in text
     assert "table row ≤ 512 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)" in text
     assert set(d["selection"]) == set(DTYPES)
 
@@ -702,12 +709,16 @@ def test_describe_says_when_the_dependent_mode_falls_back_to_a_graph_entry(monke
 def test_info_lists_the_entries_and_the_choice_for_gpu_0(tmp_path):
     from ubnext._tools import info as _info
 
-    lines = _info.table_lines({}, "NVIDIA H100 80GB HBM3")
+    lines = _info.table_lines({}, "NVIDIA H800")
     assert lines[0] == "default table:"
     assert lines[1].startswith("  entry NVIDIA H200 nvlink plain graph: world sizes 2 (bfloat16/float16/float32), 4")
-    assert lines[2] == ("  for NVIDIA H100 80GB HBM3 nvlink plain graph: entry NVIDIA H200 nvlink plain graph "
-                        "(no entry for NVIDIA H100 80GB HBM3: NVIDIA H200, nearest measured of the same family (H))")
-    assert _info.table_lines({}, "NVIDIA H200")[2].endswith("entry NVIDIA H200 nvlink plain graph (exact match)")
+    assert lines[2].startswith("  entry NVIDIA H100 80GB HBM3 nvlink plain graph: world sizes 4 (bfloat16/float32), 2")
+    assert lines[3].startswith("  entry NVIDIA H100 80GB HBM3 nvlink plain dependent: world sizes 4 (bfloat16)")
+    assert lines[4] == ("  for NVIDIA H800 nvlink plain graph: entry NVIDIA H200 nvlink plain graph "
+                        "(no entry for NVIDIA H800: NVIDIA H200, nearest measured of the same family (H))")
+    assert _info.table_lines({}, "NVIDIA H200")[4].endswith("entry NVIDIA H200 nvlink plain graph (exact match)")
+    assert _info.table_lines({}, "NVIDIA H100 80GB HBM3")[4].endswith(
+        "entry NVIDIA H100 80GB HBM3 nvlink plain graph (exact match)")
     path = write(tmp_path, json.loads(OLD_H200.read_text()))
     lines = _info.table_lines({"UBNEXT_TUNE_FILE": path}, "NVIDIA H200")
     assert f"tune file {path} (UBNEXT_TUNE_FILE) (format 1: one entry for any machine): consulted first" in lines
@@ -719,12 +730,37 @@ def test_info_chooses_for_the_mode_of_ubnext_table_mode(tmp_path):
     from ubnext._tools import info as _info
 
     lines = _info.table_lines({"UBNEXT_TABLE_MODE": "dependent"}, "NVIDIA H200")
-    assert lines[2] == ("  for NVIDIA H200 nvlink plain dependent: entry NVIDIA H200 nvlink plain graph "
+    assert lines[4] == ("  for NVIDIA H200 nvlink plain dependent: entry NVIDIA H200 nvlink plain graph "
                         "(no dependent mode entry for NVIDIA H200 nvlink plain: graph's)")
+    assert _info.table_lines({"UBNEXT_TABLE_MODE": "dependent"}, "NVIDIA H100 80GB HBM3")[4].endswith(
+        "entry NVIDIA H100 80GB HBM3 nvlink plain dependent (exact match)")
     path = write(tmp_path, document(entry(), entry(mode="dependent")))
     lines = _info.table_lines({"UBNEXT_TABLE_MODE": "Dependent", "UBNEXT_TUNE_FILE": path}, "NVIDIA H200")
     assert lines[-1] == ("  for NVIDIA H200 nvlink plain dependent: entry NVIDIA H200 nvlink plain dependent "
                          "(exact match)")
     # an invalid mode: the configuration section reports it; the entries are chosen for the default
-    assert _info.table_lines({"UBNEXT_TABLE_MODE": "eager"}, "NVIDIA H200")[2].endswith("(exact match)")
+    assert _info.table_lines({"UBNEXT_TABLE_MODE": "eager"}, "NVIDIA H200")[4].endswith("(exact match)")
     assert "UBNEXT_TABLE_MODE" in _info.config_lines({"UBNEXT_TABLE_MODE": "eager"})[0]
+
+
+def test_an_h100_takes_its_measured_rows():
+    """The H100 entries (python -m ubnext.tune and the reduce-scatter/all-gather sweeps,
+    bench/results/tune_h100x*.txt, rsag_h100x*): the all-reduce's 2-rank Lamport two-shot
+    up to 64 MiB, float32's own 4-rank rows, and NCCL for reduce-scatters and all-gathers
+    past 16 MiB, where the H200 entry's unmeasured rows kept the Lamport two-shot."""
+    limits = buffer_limits(Config.from_env({}))
+    usable = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
+    h100 = {n: Selector(n, limits, usable, machine=Machine("NVIDIA H100 80GB HBM3")) for n in (2, 4)}
+    h200 = {n: Selector(n, limits, usable, machine=Machine("NVIDIA H200")) for n in (2, 4)}
+    assert h100[2].tables[0].key == H100 and h100[4].tables[0].key == H100
+    assert [h100[2].select(n, "bfloat16") for n in (1 * MiB, 1 * MiB + 2, 64 * MiB, 64 * MiB + 2)] == [
+        "lamport", "lamport_twoshot", "lamport_twoshot", "nccl"]
+    assert [h100[4].select(n, "float32") for n in (64 * MiB, 64 * MiB + 4)] == ["lamport_twoshot", "nccl"]
+    assert [h100[4].select(n, "bfloat16") for n in (32 * MiB, 32 * MiB + 2)] == ["lamport_twoshot", "nccl"]
+    for collective in ("reduce_scatter", "all_gather"):
+        for n in (2, 4):
+            assert [h100[n].select(s, "bfloat16", collective) for s in (16 * MiB, 16 * MiB + 2 * n)] == [
+                "lamport_twoshot", "nccl"], (collective, n)
+        assert h200[2].select(256 * MiB, "bfloat16", collective) == "lamport_twoshot"  # not measured there
+    dependent = Selector(4, limits, usable, machine=Machine("NVIDIA H100 80GB HBM3", mode="dependent"))
+    assert dependent.tables[0].key == H100_DEPENDENT and dependent.tables[0].why == "exact match"

@@ -216,7 +216,7 @@ class Config:
         "The selector table entries `auto` takes, by how their calls were measured: `graph` (back to "
         "back in CUDA graphs) or `dependent` (each after a GEMM that writes its input, as in a model: "
         "`python -m ubnext.tune --mode dependent`). Where a table has no entry of that mode for the "
-        "machine, one of another mode serves (the shipped table has `graph` entries only): "
+        "machine, one of another mode serves (the shipped table has a `dependent` entry for H100 only): "
         "`comm.describe()` says which entry.",
     )
     quantized: str = _field(
