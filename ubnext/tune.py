@@ -17,7 +17,7 @@ same winner become one table row; the last row has no upper limit.
 
 ``--mode`` says how the calls are issued, and keys the entry written. ``graph`` (the
 default): back to back. ``dependent``: as in a model, each call after a GEMM
-(``--gemm M,K,N``, ``cupy.matmul`` on the same stream) that writes its input, so a ubnext
+(``--gemm M,K,N``, torch's GEMM on the same stream: it needs torch) that writes its input, so a ubnext
 kernel's programmatic dependent launch overlaps its prologue with the GEMM's tail: the
 graph holds ``-n`` (GEMM, call) pairs, a graph of the ``-n`` GEMMs alone is timed right
 after each sample (``ubnext._tools.dependent``, as ``bench/compare.py --modes dependent``
