@@ -6,9 +6,9 @@ group of the message), unaligned and in-place arrays, groups built to hit roundi
 the clamp, zeros, -0.0 and non-finite values, several launches, CUDA-graph replay, the two
 collectives back to back in changing sizes and formats; the opt-in rules (``auto``
 quantizes only on a communicator that opted in, from the selector table's measured
-threshold of the collective at 2 ranks or more: for the all-reduce the shipped table's,
-for the reduce-scatter never with the shipped table, which has none; full precision
-otherwise, bit for bit as before).
+threshold of the collective at 2 ranks or more: the shipped table's (for the
+reduce-scatter only its H100 entry has any), or a tune file's; full precision otherwise,
+bit for bit as before).
 
 Runs at any world size, ranks sharing a GPU included:
 ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_quant.py``.
@@ -367,7 +367,7 @@ def test_reduce_scatter_auto_quantizes_from_its_own_threshold(comm, tmp_path):
     """auto: a tune file's reduce-scatter threshold (``"*"`` world sizes, bfloat16, int4 from
     2 MiB of input) at 2 ranks or more, full precision below it, with precision="exact", and
     at one rank; the all-reduce keeps its own (none in the file). With the shipped table
-    (no reduce-scatter thresholds) auto never quantizes a reduce-scatter."""
+    auto quantizes a reduce-scatter only from its H100 entry's threshold (2 and 4 ranks)."""
     import torch
 
     import ubnext
@@ -400,11 +400,17 @@ def test_reduce_scatter_auto_quantizes_from_its_own_threshold(comm, tmp_path):
         assert not any(launch.kernel.startswith("quantized") for launch in launches)
         text = tuned.describe()["quantized"]
         assert ("reduce-scatters where it says so for them: bfloat16 from 2 MiB" in text) == (n > 1), text
-    with recorded_launches(comm) as launches:  # the shipped table: never, at any size
-        comm.reduce_scatter(torch.ones(n * (8 << 20), device="cuda", dtype=torch.bfloat16))
+    # the shipped table: its H100 entry has reduce-scatter thresholds at 2 and 4 ranks (16 MiB),
+    # the H200 entry none (never, at any size)
+    whole = n * (8 << 20)  # elements: n x 16 MiB of bfloat16
+    start, why = comm.selector.quantized("int8", "bfloat16", "reduce_scatter")
+    h100 = comm.selector.tables[-1].gpu.startswith("NVIDIA H100")
+    assert (start is not None) == (h100 and n in (2, 4)), why
+    with recorded_launches(comm) as launches:
+        comm.reduce_scatter(torch.ones(whole, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
-    assert not any(launch.kernel.startswith("quantized") for launch in launches)
-    assert comm.selector.quantized("int8", "bfloat16", "reduce_scatter")[0] is None
+    assert any(launch.kernel.startswith("quantized") for launch in launches) == (
+        start is not None and 2 * whole >= start), (start, why)
     assert not failures, "\n".join(failures[:5])
 
 
