@@ -1,6 +1,7 @@
 """GPU: comm.describe() agrees with comm.select(), and short python -m ubnext.tune runs
 (back to back, and --mode dependent: each call after a GEMM) measure, write and merge a
-table that a communicator then loads (the dependent entry where UBNEXT_TABLE_MODE asks).
+table that a communicator then loads (the dependent entry where UBNEXT_TABLE_MODE asks),
+the all-reduce's rows and the reduce-scatter's and all-gather's alike.
 
 Runs at any world size (``mpirun -n N python -m pytest tests/test_gpu_tune.py``).
 """
@@ -78,6 +79,16 @@ def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
         for nbytes, name in winners.items():
             if tuned._selector.fits(name, nbytes):
                 assert tuned.select(nbytes, "bfloat16") == name
+        for collective in ("reduce_scatter", "all_gather"):  # a size: the whole message
+            assert set(table.by_collective[collective][str(comm.size)]) == {"bfloat16", "float32"}
+            kept = record[collective]
+            assert kept["sizes"] == record["sizes"] and all(t is None or t > 0 for ts in kept["us"].values()
+                                                            for t in ts)
+            for nbytes, name in zip(kept["sizes"], kept["winners"]):
+                if tuned.selector.fits(name, nbytes):
+                    assert tuned.select(nbytes, "bfloat16", collective=collective) == name, (collective, nbytes)
+                why = tuned.selector.explain(nbytes, "bfloat16", collective)[1]
+                assert f"({collective}, tune file {path}: {table.label})" in why, why
 
 
 def test_tune_in_the_dependent_mode_writes_the_entry_a_communicator_asking_for_it_takes(comm, tmp_path, capsys):
@@ -106,10 +117,12 @@ def test_tune_in_the_dependent_mode_writes_the_entry_a_communicator_asking_for_i
     record = table.entry["measured"][str(comm.size)]["bfloat16"]
     assert record["gemm_mnk"] == [16, 512, 256] and record["sizes"] == [4 << 10, 64 << 10, 1 << 20]
     assert set(record["raw_us"]) == set(record["gemm_us"]) == set(record["us"])
-    for name, ranked in record["us"].items():
-        for us, raw, gemm in zip(ranked, record["raw_us"][name], record["gemm_us"][name]):
-            assert (us is None) == (raw is None) == (gemm is None), name
-            assert us is None or (raw > 0 and gemm > 0 and math.isfinite(us)), name
+    for kept in (record, record["reduce_scatter"], record["all_gather"]):
+        for name, ranked in kept["us"].items():
+            for us, raw, gemm in zip(ranked, kept["raw_us"][name], kept["gemm_us"][name]):
+                assert (us is None) == (raw is None) == (gemm is None), name
+                assert us is None or (raw > 0 and gemm > 0 and math.isfinite(us)), name
+    assert set(table.by_collective) == {"reduce_scatter", "all_gather"}
     settings = dict(pool_mb=64, staging_mb=8, lamport_twoshot_max_kb=2048, tune_file=path)
     with ubnext.Communicator(table_mode="dependent", **settings) as tuned:
         assert tuned.describe()["tables"][0] == f"tune file {path}: {table.label} (exact match)"

@@ -614,13 +614,12 @@ def test_tune_replaces_only_its_machines_rows():
 
 def test_tune_run_writes_an_entry_for_the_gpu_it_ran_on(monkeypatch, tmp_path, capsys):
     import bench_fakes as fakes
-    from test_tune import ALL, FakeComm, synthetic_times
+    from test_tune import ALL, FakeComm, fake_measure
 
     cupy = fakes.install(monkeypatch)
     cupy.zeros = lambda shape, dtype: fakes.empty(shape, dtype)
     cupy.empty_like = lambda a: fakes.empty(a.host.shape, a.host.dtype)
-    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: tune.Measured([
-        synthetic_times(n, comm.algorithms()) for n in args.sizes]))
+    monkeypatch.setattr(tune, "measure", fake_measure())
     out = tmp_path / "tune.json"
     out.write_text(OLD_H200.read_text())  # an older tune file: merged into, as format 2
     argv = ["-o", str(out), "-e", "64M"]
@@ -634,6 +633,12 @@ def test_tune_run_writes_an_entry_for_the_gpu_it_ran_on(monkeypatch, tmp_path, c
     chosen = load_table(str(out)).choose(Machine("Fake GPU"))
     assert chosen.why == "exact match" and set(chosen.rows) == {"2", "4", "*"}
     assert set(chosen.entry["measured"]) == {"4"}
+    # the reduce-scatter's and all-gather's 4-rank bfloat16 rows measured; the format-1 file's others kept
+    old = load_table(str(OLD_H200)).entries[0].by_collective
+    for collective, crossover in (("reduce_scatter", 32 << 20), ("all_gather", 8 << 20)):
+        got = chosen.by_collective[collective]
+        assert got["4"]["bfloat16"] == ((crossover, "twoshot"), (None, "nccl"))
+        assert {**got, "4": {**got["4"], "bfloat16": old[collective]["4"]["bfloat16"]}} == old[collective]
 
 
 def test_tune_rerun_over_a_format_1_file_changes_only_what_it_measured(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from stream_fakes import fake_context
 
 from ubnext import UbnextError, tune
+from ubnext._protocol.algorithms import ALGORITHMS
 from ubnext._selection.select import Selector
 from ubnext._selection.table import Machine, load_table, parse_table
 from ubnext._tools import dependent
@@ -160,6 +161,58 @@ def test_merged_document_writes_the_reduce_scatters_thresholds_apart():
         "int8": 1 * MiB}
 
 
+def test_merged_document_writes_each_collectives_rows_by_world_size_and_dtype():
+    """The reduce-scatter's and all-gather's rows go to collectives[c].tables, merged by world
+    size and dtype as the all-reduce's; a collective tune adds gets COLLECTIVE_NOTE, one
+    already there keeps its note; a run without a collective leaves its rows alone."""
+    ar = {"bfloat16": [[None, "twoshot"]]}
+    rs4, ag4 = [[8 * MiB, "lamport_twoshot"], [None, "nccl"]], [[1 * MiB, "twoshot"], [None, "nccl"]]
+    four = tune.merged_document(None, "GPU A", 4, ar, {}, collective_rows={
+        "reduce_scatter": {"bfloat16": rs4}, "all_gather": {"bfloat16": ag4}})
+    collectives = four["entries"][0]["collectives"]
+    assert collectives == {"reduce_scatter": {"note": tune.COLLECTIVE_NOTE, "tables": {"4": {"bfloat16": rs4}}},
+                           "all_gather": {"note": tune.COLLECTIVE_NOTE, "tables": {"4": {"bfloat16": ag4}}}}
+    collectives["all_gather"]["note"] = "mine"
+    two = tune.merged_document(four, "GPU A", 2, ar, {}, collective_rows={
+        "reduce_scatter": {"float32": [[None, "nccl"]]}, "all_gather": {}})
+    again = tune.merged_document(two, "GPU A", 4, ar, {}, collective_rows={"reduce_scatter": {
+        "float32": [[None, "twoshot"]]}})
+    again = tune.merged_document(again, "GPU A", 4, ar, {})  # the all-reduce alone
+    collectives = again["entries"][0]["collectives"]
+    assert collectives["reduce_scatter"]["tables"] == {"4": {"bfloat16": rs4, "float32": [[None, "twoshot"]]},
+                                                       "2": {"float32": [[None, "nccl"]]}}
+    assert collectives["all_gather"] == {"note": "mine", "tables": {"4": {"bfloat16": ag4}}}
+    (entry,) = parse_table(again, "t").entries
+    assert entry.by_collective["reduce_scatter"]["4"]["bfloat16"] == ((8 * MiB, "lamport_twoshot"), (None, "nccl"))
+    # another machine's entry: its own collectives, the first entry's kept
+    other = tune.merged_document(again, "GPU B", 4, ar, {}, collective_rows={"all_gather": {"bfloat16": ag4}})
+    assert other["entries"][0] == again["entries"][0]
+    assert other["entries"][1]["collectives"] == {"all_gather": {"note": tune.COLLECTIVE_NOTE,
+                                                                 "tables": {"4": {"bfloat16": ag4}}}}
+    # rows a collective cannot run are refused, as the all-reduce's
+    with pytest.raises(UbnextError, match="lamport has no reduce_scatter kernel"):
+        tune.merged_document(None, "GPU A", 4, ar, {}, collective_rows={"reduce_scatter": {
+            "bfloat16": [[None, "lamport"]]}})
+
+
+def test_report_prints_each_collectives_table_and_rows_line():
+    args = tune.parse_args(["-b", "1K", "-e", "4K"])
+    sizes = [1 * KiB, 2 * KiB, 4 * KiB]
+    times = [{"twoshot": 5.0, "nccl": 9.0}, {"twoshot": 8.0, "nccl": 9.0}, {"twoshot": None, "nccl": 9.0}]
+    winners = [tune.winner(t, args.margin) for t in times]
+    lines = tune.report(4, "bfloat16", "GPU A", sizes, times, winners, args, "all_gather")
+    assert lines[1] == "# µs per all-gather (size: the whole output) (plain arrays, out of place); a kernel " \
+                       "beats NCCL only when 3% faster"
+    assert lines[2].split() == ["size", "twoshot", "nccl", "winner"]
+    assert lines[3].split() == ["1", "KiB", "5.00", "9.00", "twoshot"] and lines[5].split()[2] == "—"
+    assert lines[-1] == "# all_gather rows for 4 ranks bfloat16: ≤ 2 KiB twoshot, then nccl"
+    lines = tune.report(4, "bfloat16", "GPU A", sizes, times, winners, args, "reduce_scatter")
+    assert "reduce-scatter (size: the whole input)" in lines[1]
+    assert lines[-1] == "# reduce_scatter rows for 4 ranks bfloat16: ≤ 2 KiB twoshot, then nccl"
+    assert tune.report(4, "bfloat16", "GPU A", sizes, times, winners, args)[-1] == (
+        "# rows for 4 ranks bfloat16: ≤ 2 KiB twoshot, then nccl")
+
+
 def test_merged_document_refuses_what_ubnext_cannot_read():
     with pytest.raises(UbnextError, match="unknown algorithm 'ring'"):
         tune.merged_document(None, "GPU", 4, {"bfloat16": [[None, "ring"]]}, {})
@@ -179,6 +232,31 @@ def test_parse_args_defaults_and_checks(tmp_path, capsys):
         with pytest.raises(SystemExit):
             tune.parse_args(bad)
     assert "-o: the directory" in capsys.readouterr().err
+
+
+def test_parse_args_collectives(capsys):
+    assert tune.parse_args([]).collectives == ["all_reduce", "reduce_scatter", "all_gather"]
+    assert tune.parse_args(["--collectives", "all_gather,all_reduce,all_gather,"]).collectives == [
+        "all_reduce", "all_gather"]  # in COLLECTIVES' order, once each
+    assert tune.parse_args(["--collectives", "all_reduce"]).collectives == ["all_reduce"]
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--collectives", "all_reduce,all_to_all"])
+    assert "--collectives: unknown all_to_all; use all_reduce, reduce_scatter, all_gather" in capsys.readouterr().err
+    for without in ("reduce_scatter", "reduce_scatter,all_gather", ""):
+        with pytest.raises(SystemExit):
+            tune.parse_args(["--collectives", without])
+        assert "--collectives: all_reduce is always measured" in capsys.readouterr().err
+
+
+def test_run_refuses_sizes_below_one_element_per_rank_before_measuring(cupy, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tune, "measure", lambda *a: pytest.fail("measured sizes it cannot"))
+    argv = ["-o", str(tmp_path / "t.json"), "-b", "16", "-e", "32", "--dtype", "bfloat16,float32"]
+    assert tune.run(FakeComm(16), tune.parse_args(argv), argv) == 2
+    assert ("tune: -e 32 B is below one element per rank at 16 ranks for reduce_scatter float32, all_gather "
+            "float32; raise -e or leave them out of --collectives") in capsys.readouterr().err
+    monkeypatch.setattr(tune, "measure", fake_measure())
+    argv += ["--collectives", "all_reduce"]
+    assert tune.run(FakeComm(16), tune.parse_args(argv), argv) == 0
 
 
 # --------------------------------------------------------------------------- the flow on fake GPUs
@@ -204,6 +282,7 @@ class FakeComm:
         self.path = "NCCL only: ranks span several nodes" if nccl_only else "kernels on the symmetric pool"
         self.calls = 0
         self.log = []  # "call" as each call runs (on the stream, or from a graph)
+        self.sliced = set()  # (method, input elements, output elements) of the calls
 
     def algorithms(self):
         return self._usable
@@ -220,9 +299,15 @@ class FakeComm:
         stream.enqueue(work)
 
     def reduce_scatter(self, x, out=None, algorithm="auto", stream=None, precision="auto"):
-        assert x.host.size == self.size * out.host.size and algorithm != "lamport"  # no reduce-scatter kernel
+        assert x.host.size == self.size * out.host.size
+        assert algorithm == "auto" or ALGORITHMS[algorithm].serves("reduce_scatter")  # auto: a precision's
+        self.sliced.add(("reduce_scatter", x.host.size, out.host.size))
         self.all_reduce(x, out, algorithm, stream, precision)
-        self.reduce_scatters = getattr(self, "reduce_scatters", 0) + 1
+
+    def all_gather(self, x, out=None, algorithm="auto", stream=None):  # no precision: it stays exact
+        assert out.host.size == self.size * x.host.size and ALGORITHMS[algorithm].serves("all_gather")
+        self.sliced.add(("all_gather", x.host.size, out.host.size))
+        self.all_reduce(x, out, algorithm, stream)
 
 
 @pytest.fixture
@@ -273,101 +358,191 @@ def synthetic_times(nbytes: int, usable) -> dict:
     return {k: v for k, v in times.items() if k in usable}
 
 
+def fake_measure(times_of=synthetic_times, calls=None):
+    """A stand-in for tune.measure: ``times_of(size, names)`` at every size, names the usable
+    algorithms that serve the collective; the all-gather's at 4x the size (so it leaves the
+    two-shot for NCCL at a quarter of the others' size). Each (dtype, collective) measured
+    is appended to ``calls``."""
+    def measure(comm, stream, dtype, collective, args, progress):
+        if calls is not None:
+            calls.append((dtype, collective))
+        names = [n for n in comm.algorithms() if ALGORITHMS[n].serves(collective)]
+        scale = 4 if collective == "all_gather" else 1
+        return tune.Measured(args.sizes, [times_of(n * scale, names) for n in args.sizes])
+    return measure
+
+
 def test_run_measures_writes_merges_and_prints_the_export_line(cupy, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: tune.Measured([
-        synthetic_times(n, comm.algorithms()) for n in args.sizes]))
+    calls = []
+    monkeypatch.setattr(tune, "measure", fake_measure(calls=calls))
     out = tmp_path / "tune.json"
     args = tune.parse_args(["-o", str(out)])
     assert tune.run(FakeComm(4), args, ["-o", str(out)]) == 0
+    assert calls == [("bfloat16", c) for c in ("all_reduce", "reduce_scatter", "all_gather")]  # one sweep each
     text = capsys.readouterr().out
     assert f"export UBNEXT_TUNE_FILE={out}" in text
     assert "# rows for 4 ranks bfloat16: ≤ 512 KiB lamport, ≤ 32 MiB twoshot, then nccl" in text
+    assert "# reduce_scatter rows for 4 ranks bfloat16: ≤ 32 MiB twoshot, then nccl" in text
+    assert "# all_gather rows for 4 ranks bfloat16: ≤ 8 MiB twoshot, then nccl" in text
     assert "   256 MiB           —" in text  # lamport refused: shown as a dash
     table = load_table(str(out))
     assert table.format == 2 and len(table.entries) == 1
     entry = table.entries[0]
     assert entry.rows["4"]["bfloat16"] == ((512 * KiB, "lamport"), (32 * MiB, "twoshot"), (None, "nccl"))
+    assert entry.by_collective == {"reduce_scatter": {"4": {"bfloat16": ((32 * MiB, "twoshot"), (None, "nccl"))}},
+                                   "all_gather": {"4": {"bfloat16": ((8 * MiB, "twoshot"), (None, "nccl"))}}}
+    assert {c: entry.entry["collectives"][c]["note"] for c in entry.by_collective} == {
+        "reduce_scatter": tune.COLLECTIVE_NOTE, "all_gather": tune.COLLECTIVE_NOTE}
     record = entry.entry["measured"]["4"]["bfloat16"]
     assert record["sizes"] == args.sizes and len(record["us"]["nccl"]) == 19 and record["margin_percent"] == 3
+    assert record["us"]["lamport"][0] is not None
+    for collective, crossover in (("reduce_scatter", 32 * MiB), ("all_gather", 8 * MiB)):  # one record format
+        kept = record[collective]
+        assert set(kept) == {"sizes", "winners", "us"} and kept["sizes"] == args.sizes
+        assert kept["winners"] == ["twoshot" if n <= crossover else "nccl" for n in args.sizes]
+        assert set(kept["us"]) == {"twoshot", "nccl"} and len(kept["us"]["nccl"]) == 19
 
-    # A second run at 2 ranks, other dtypes, lands in the same file.
-    args2 = tune.parse_args(["-o", str(out), "--dtype", "float32", "-e", "64M"])
-    assert tune.run(FakeComm(2), args2, []) == 0
+    # A second run at 2 ranks, another dtype, the all-gather alone beside the all-reduce,
+    # lands in the same entry: the reduce-scatter's 4-rank rows kept
+    argv2 = ["-o", str(out), "--dtype", "float32", "-e", "64M", "--collectives", "all_gather,all_reduce"]
+    assert tune.run(FakeComm(2), tune.parse_args(argv2), argv2) == 0
+    assert "reduce_scatter" not in capsys.readouterr().out
     table = load_table(str(out))
     assert len(table.entries) == 1  # the same machine's entry
-    rows = table.entries[0].rows
-    assert set(rows) == {"4", "2"} and set(rows["2"]) == {"float32"}
+    entry = table.entries[0]
+    assert set(entry.rows) == {"4", "2"} and set(entry.rows["2"]) == {"float32"}
+    assert entry.by_collective["reduce_scatter"] == {"4": {"bfloat16": ((32 * MiB, "twoshot"), (None, "nccl"))}}
+    assert entry.by_collective["all_gather"] == {"4": {"bfloat16": ((8 * MiB, "twoshot"), (None, "nccl"))},
+                                                 "2": {"float32": ((8 * MiB, "twoshot"), (None, "nccl"))}}
+    assert set(entry.entry["measured"]["2"]["float32"]) >= {"all_gather", "us"}
+    assert "reduce_scatter" not in entry.entry["measured"]["2"]["float32"]
     limits = {"lamport": (1 * MiB, "UBNEXT_LAMPORT_MAX_KB=1024")}
     sel = Selector(4, limits, ALL, table)
     assert sel.select(256 * KiB, "bfloat16") == "lamport" and sel.select(1 << 30, "bfloat16") == "nccl"
-    assert Selector(2, limits, ALL, table).explain(64, "bfloat16")[1].startswith(
+    assert sel.select(16 * MiB, "bfloat16", "reduce_scatter") == "twoshot"
+    assert sel.select(16 * MiB, "bfloat16", "all_gather") == "nccl"
+    assert sel.explain(64 * MiB, "bfloat16", "reduce_scatter")[1].startswith(
+        "table row > 32 MiB for 4 ranks bfloat16 (reduce_scatter, tune file ")
+    two = Selector(2, limits, ALL, table)
+    assert two.explain(64, "bfloat16")[1].startswith(
         "table row ≤ 512 KiB for 2 ranks float32 (no bfloat16 rows) (tune file ")
+    assert two.explain(64, "bfloat16", "all_gather")[1].startswith(
+        "table row ≤ 8 MiB for 2 ranks float32 (no bfloat16 rows) (all_gather, tune file ")
+    assert "(reduce_scatter, default table: " in two.explain(64, "bfloat16", "reduce_scatter")[1]  # not measured
 
 
 def test_run_on_an_opted_in_communicator_measures_and_writes_the_quantized_thresholds(cupy, monkeypatch,
                                                                                          tmp_path, capsys):
-    def measure(comm, stream, dtype, args, progress):
+    """The all-reduce's and the reduce-scatter's thresholds each come from the one sweep of
+    its collective, against that sweep's full-precision winners; the reduce-scatter's rows
+    come from the same sweep; the all-gather has no formats."""
+    by_collective = {
         # the 2x H100 out-of-place figures at 16/64/256 MiB; the formats quantized
+        "all_reduce": [{"twoshot": t["twoshot"], "nccl": t["nccl"], "int8": t["int8"], "int4": t["int4"]}
+                       for t in _h100x2("out")],
+        # the reduce-scatter: int8 pays from 64 MiB
+        "reduce_scatter": [{"twoshot": t, "nccl": 2 * t, "int8": q, "int4": None}
+                           for t, q in ((30, 31), (110, 80), (440, 300))],
+        "all_gather": [{"twoshot": 2 * t, "nccl": t} for t in (20, 70, 280)],
+    }
+    calls = []
+
+    def measure(comm, stream, dtype, collective, args, progress):
         assert comm.config.quantized == "int8"
-        return tune.Measured([{"twoshot": t["twoshot"], "nccl": t["nccl"], "int8": t["int8"], "int4": t["int4"]}
-                              for t in _h100x2("out")])
+        calls.append(collective)
+        return tune.Measured(args.sizes, by_collective[collective])
 
-    def measure_rs(comm, stream, dtype, args, progress):  # the reduce-scatter: int8 pays from 64 MiB
-        return tune.Measured([{"twoshot": t, "nccl": 2 * t, "int8": q, "int4": None}
-                              for t, q in ((30, 31), (110, 80), (440, 300))])
-
-    monkeypatch.setattr(tune, "measure_dtype", measure)
-    monkeypatch.setattr(tune, "measure_reduce_scatter", measure_rs)
+    monkeypatch.setattr(tune, "measure", measure)
     out = tmp_path / "tune.json"
     args = tune.parse_args(["-o", str(out), "-b", "16M", "-e", "256M", "-f", "4"])
     assert tune.run(FakeComm(2, quantized="int8"), args, []) == 0
+    assert calls == ["all_reduce", "reduce_scatter", "all_gather"]  # the reduce-scatter measured once
     text = capsys.readouterr().out
     assert "# quantized for 2 ranks bfloat16 (against the winner, 3% faster): int8 never, int4 from 64 MiB" in text
     assert "# µs per reduce-scatter (size: the whole input) (plain arrays, out of place)" in text
     assert ("# quantized reduce_scatter for 2 ranks bfloat16 (against the winner, 3% faster): int8 from 64 MiB"
             in text)
+    assert "# reduce_scatter rows for 2 ranks bfloat16: then twoshot" in text
+    assert "# all_gather rows for 2 ranks bfloat16: then nccl" in text and "quantized all_gather" not in text
     (entry,) = load_table(str(out)).entries
     assert entry.quantized == {"2": {"bfloat16": {"int8": None, "int4": 64 * MiB}}}
     assert entry.quantized_by_collective == {"reduce_scatter": {"2": {"bfloat16": {"int8": 64 * MiB}}}}
+    assert entry.by_collective == {"reduce_scatter": {"2": {"bfloat16": ((None, "twoshot"),)}},
+                                   "all_gather": {"2": {"bfloat16": ((None, "nccl"),)}}}
     record = entry.entry["measured"]["2"]["bfloat16"]
     assert record["us"]["int4"] == [60.0, 209.8, 835.0]
-    assert record["reduce_scatter"] == {"winners": ["twoshot"] * 3, "us": {
+    assert record["reduce_scatter"] == {"sizes": args.sizes, "winners": ["twoshot"] * 3, "us": {
         "twoshot": [30, 110, 440], "nccl": [60, 220, 880], "int8": [31, 80, 300], "int4": [None] * 3}}
+    assert record["all_gather"] == {"sizes": args.sizes, "winners": ["nccl"] * 3,
+                                    "us": {"twoshot": [40, 140, 560], "nccl": [20, 70, 280]}}
     sel = Selector(2, {}, ALL, load_table(str(out)))
     assert sel.quantized("int4", "bfloat16")[0] == 64 * MiB and sel.quantized("int8", "bfloat16")[0] is None
     assert sel.quantized("int4", "float16")[1].startswith("from 64 MiB (2 ranks bfloat16 (no float16 rows) "
                                                           "(quantized, tune file ")
     assert sel.quantized("int8", "bfloat16", "reduce_scatter")[0] == 64 * MiB
 
+    # the reduce-scatter left out: neither its rows nor its thresholds measured
+    calls.clear()
+    alone = tmp_path / "alone.json"
+    argv = ["-o", str(alone), "-b", "16M", "-e", "256M", "-f", "4", "--collectives", "all_reduce"]
+    assert tune.run(FakeComm(2, quantized="int8"), tune.parse_args(argv), argv) == 0
+    assert calls == ["all_reduce"]
+    (entry,) = json.loads(alone.read_text())["entries"]
+    assert "collectives" not in entry and set(entry["quantized"]) == {"note", "tables"}
 
-def test_measure_dtype_times_the_formats_only_where_opted_in(cupy):
+
+def test_measure_times_the_formats_only_where_opted_in(cupy):
     args = tune.parse_args(["-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
-    rows = tune.measure_dtype(FakeComm(quantized="int4"), cupy.cuda.Stream(), "bfloat16", args, lambda _: None).times
+    rows = tune.measure(FakeComm(quantized="int4"), cupy.cuda.Stream(), "bfloat16", "all_reduce", args,
+                        lambda _: None).times
     assert [sorted(r) for r in rows] == [sorted([*ALL, "int8", "fp8", "int4"])] * 2
     assert all(r["fp8"] is None and r["int8"] is not None for r in rows)  # fp8 refused
     for comm, dtype in ((FakeComm(), "bfloat16"), (FakeComm(quantized="int8"), "float32")):
-        measured = tune.measure_dtype(comm, cupy.cuda.Stream(), dtype, args, lambda _: None)
+        measured = tune.measure(comm, cupy.cuda.Stream(), dtype, "all_reduce", args, lambda _: None)
         assert [sorted(r) for r in measured.times] == [sorted(ALL)] * 2 and measured.raw == measured.gemm == []
+        assert measured.sizes == args.sizes
     assert tune.parse_args(["--quantized"]).quantized and not tune.parse_args([]).quantized
 
 
 def test_measure_reduce_scatter_times_its_algorithms_and_the_formats_only_where_opted_in(cupy):
-    """Every usable algorithm with a reduce-scatter (not the Lamport one-shot) and every
-    format, on the whole input rounded down to whole slices; nothing where the communicator
-    did not opt in or the dtype is not quantized; a size below one element per rank: None."""
+    """Every usable algorithm with a reduce-scatter (not the Lamport one-shot) and, where
+    opted in and the dtype is quantized, every format, on the whole input rounded down to
+    whole slices into k elements; a size below one element per rank is left out."""
     args = tune.parse_args(["-b", "16", "-e", "4K", "-f", "16", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
     comm = FakeComm(size=16, quantized="int4")
-    rows = tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), "bfloat16", args, lambda _: None).times
-    assert [sorted(r) for r in rows] == [sorted(["twoshot", "nccl", "int8", "fp8", "int4"])] * 3
-    assert all(v is None for v in rows[0].values())  # 16 bytes: 8 elements, not one per rank of 16
-    assert all(r["fp8"] is None and r["int8"] is not None for r in rows[1:])
-    assert comm.reduce_scatters > 0
+    found = tune.measure(comm, cupy.cuda.Stream(), "bfloat16", "reduce_scatter", args, lambda _: None)
+    assert found.sizes == [256, 4096]  # 16 bytes: 8 elements, not one per rank of 16
+    assert [sorted(r) for r in found.times] == [sorted(["twoshot", "nccl", "int8", "fp8", "int4"])] * 2
+    assert all(r["fp8"] is None and r["int8"] is not None for r in found.times)
+    assert comm.sliced == {("reduce_scatter", 128, 8), ("reduce_scatter", 2048, 128)}
     for comm, dtype in ((FakeComm(), "bfloat16"), (FakeComm(quantized="int8"), "float32")):
-        assert tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), dtype, args, lambda _: None) == tune.Measured([])
+        found = tune.measure(comm, cupy.cuda.Stream(), dtype, "reduce_scatter", args, lambda _: None)
+        assert [sorted(r) for r in found.times] == [["nccl", "twoshot"]] * 3  # 4 ranks: every size
+        assert all(None not in r.values() for r in found.times)
+
+
+def test_measure_all_gather_times_its_algorithms_into_the_whole_output_and_no_format(cupy):
+    """Every usable algorithm with an all-gather, k elements in and world x k out (a size is
+    the whole output, rounded down to whole slices); no format even where opted in."""
+    args = tune.parse_args(["-b", "16", "-e", "4K", "-f", "16", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
+    comm = FakeComm(size=3, usable=["lamport", "lamport_twoshot", "twoshot", "nccl"], quantized="int8")
+    seen = []
+    found = tune.measure(comm, cupy.cuda.Stream(), "float32", "all_gather", args, seen.append)
+    assert found.sizes == args.sizes == [16, 256, 4096]
+    assert [sorted(r) for r in found.times] == [["lamport_twoshot", "nccl", "twoshot"]] * 3
+    assert comm.sliced == {("all_gather", 1, 3), ("all_gather", 21, 63), ("all_gather", 341, 1023)}
+    assert seen[0] == "float32     16 B all_gather lamport_twoshot"
+
+
+def test_call_counts_of_each_collective():
+    assert tune.call_counts("all_reduce", 10, 4) == (10, 10)
+    assert tune.call_counts("reduce_scatter", 10, 4) == (8, 2)
+    assert tune.call_counts("all_gather", 10, 4) == (2, 8)
+    assert tune.call_counts("all_gather", 3, 4) == (0, 0)
 
 
 def test_run_refuses_an_invalid_existing_file_before_measuring(cupy, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(tune, "measure_dtype", lambda *a: pytest.fail("measured despite a bad output file"))
+    monkeypatch.setattr(tune, "measure", lambda *a: pytest.fail("measured despite a bad output file"))
     out = tmp_path / "tune.json"
     out.write_text(json.dumps({"4": [[1, "lamport"]]}))
     assert tune.run(FakeComm(4), tune.parse_args(["-o", str(out)]), []) == 2
@@ -380,16 +555,17 @@ def test_run_refuses_an_nccl_only_communicator(cupy, tmp_path, capsys):
     assert "runs NCCL only: ranks span several nodes" in capsys.readouterr().err
 
 
-def test_measure_dtype_on_fake_gpus_covers_every_size_and_algorithm(cupy):
+def test_measure_on_fake_gpus_covers_every_size_and_algorithm(cupy):
     comm = FakeComm(lamport_max=4 * KiB)
     args = tune.parse_args(["-b", "1K", "-e", "16K", "-f", "4", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
     seen = []
     start = time.perf_counter()
-    rows = tune.measure_dtype(comm, cupy.cuda.Stream(), "float32", args, seen.append).times
+    rows = tune.measure(comm, cupy.cuda.Stream(), "float32", "all_reduce", args, seen.append).times
     assert time.perf_counter() - start < 10
     assert [sorted(r) for r in rows] == [sorted(ALL)] * 3
     assert [r["lamport"] is None for r in rows] == [False, False, True]
     assert seen[0] == "float32    1 KiB lamport"
+    assert comm.sliced == set()  # all-reduces only
 
 
 # --------------------------------------------------------------------------- the dependent mode
@@ -448,18 +624,19 @@ def test_the_dependent_mode_ranks_each_pair_sample_less_the_gemm_sample_after_it
 def test_measured_splits_the_dependent_times_and_the_winners_come_from_the_differences():
     rows = [{"lamport": tune.Timed(4.0, 14.0, 10.0), "nccl": tune.Timed(7.0, 13.0, 6.0)},
             {"lamport": None, "nccl": tune.Timed(9.0, 15.5, 6.5)}]
-    m = tune.Measured.of(rows, dependent=True)
+    m = tune.Measured.of([1 * KiB, 2 * KiB], rows, dependent=True)
     assert m.times == [{"lamport": 4.0, "nccl": 7.0}, {"lamport": None, "nccl": 9.0}]
     assert m.raw == [{"lamport": 14.0, "nccl": 13.0}, {"lamport": None, "nccl": 15.5}]
     assert m.gemm == [{"lamport": 10.0, "nccl": 6.0}, {"lamport": None, "nccl": 6.5}]
     winners = [tune.winner(t, 3) for t in m.times]
     assert winners == ["lamport", "nccl"] and tune.winner(m.raw[0], 3) == "nccl"  # the raw pairs would rank otherwise
-    assert m.record(winners) == {"winners": ["lamport", "nccl"], "us": {"lamport": [4.0, None], "nccl": [7.0, 9.0]},
+    assert m.record(winners) == {"sizes": [1 * KiB, 2 * KiB], "winners": ["lamport", "nccl"],
+                                 "us": {"lamport": [4.0, None], "nccl": [7.0, 9.0]},
                                  "raw_us": {"lamport": [14.0, None], "nccl": [13.0, 15.5]},
                                  "gemm_us": {"lamport": [10.0, None], "nccl": [6.0, 6.5]}}
-    graph = tune.Measured.of([{"nccl": tune.Timed(3.0)}], dependent=False)
-    assert graph == tune.Measured([{"nccl": 3.0}]) and graph.record(["nccl"]) == {"winners": ["nccl"],
-                                                                                  "us": {"nccl": [3.0]}}
+    graph = tune.Measured.of([16], [{"nccl": tune.Timed(3.0)}], dependent=False)
+    assert graph == tune.Measured([16], [{"nccl": 3.0}])
+    assert graph.record(["nccl"]) == {"sizes": [16], "winners": ["nccl"], "us": {"nccl": [3.0]}}
 
 
 def test_merged_document_keeps_each_modes_entry_apart():
@@ -489,21 +666,21 @@ def dependent_times(nbytes: int, usable) -> dict:
 
 
 def test_run_in_the_dependent_mode_writes_its_entry_beside_the_graph_entry(cupy, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(tune, "measure_dtype", lambda comm, stream, dtype, args, progress: tune.Measured([
-        synthetic_times(n, comm.algorithms()) for n in args.sizes]))
+    monkeypatch.setattr(tune, "measure", fake_measure())
     out = tmp_path / "tune.json"
     argv = ["-o", str(out), "-e", "64M"]
     assert tune.run(FakeComm(4), tune.parse_args(argv), argv) == 0
     assert "export UBNEXT_TABLE_MODE" not in capsys.readouterr().out  # graph: the default
     (graph_entry,) = json.loads(out.read_text())["entries"]
 
-    def measure(comm, stream, dtype, args, progress):
+    def measure(comm, stream, dtype, collective, args, progress):
         assert args.mode == "dependent" and args.gemm == (8, 16, 32)
-        return tune.Measured.of([{k: None if t is None else tune.Timed(t, t + GEMM_ALONE[k], GEMM_ALONE[k])
-                                  for k, t in dependent_times(n, comm.algorithms()).items()} for n in args.sizes],
+        names = [n for n in comm.algorithms() if ALGORITHMS[n].serves(collective)]
+        return tune.Measured.of(args.sizes, [{k: None if t is None else tune.Timed(t, t + GEMM_ALONE[k], GEMM_ALONE[k])
+                                              for k, t in dependent_times(n, names).items()} for n in args.sizes],
                                 dependent=True)
 
-    monkeypatch.setattr(tune, "measure_dtype", measure)
+    monkeypatch.setattr(tune, "measure", measure)
     argv = ["-o", str(out), "-e", "64M", "--mode", "dependent", "--gemm", "8,16,32"]
     args = tune.parse_args(argv)
     assert tune.run(FakeComm(4), args, argv) == 0
@@ -527,6 +704,13 @@ def test_run_in_the_dependent_mode_writes_its_entry_beside_the_graph_entry(cupy,
     assert record["gemm_us"]["nccl"] == [2.0] * len(args.sizes)
     assert record["raw_us"]["lamport"][0] == pytest.approx(record["us"]["lamport"][0] + 12.0)
     assert "--mode dependent --gemm 8,16,32" in record["command"]
+    assert "# µs per reduce-scatter (size: the whole input) less the GEMM before it" in text
+    assert "# µs per all-gather (size: the whole output) less the GEMM before it" in text
+    for collective in ("reduce_scatter", "all_gather"):  # the two-shot never wins after a GEMM here
+        assert doc["entries"][1]["collectives"][collective]["tables"] == {"4": {"bfloat16": [[None, "nccl"]]}}
+        kept = record[collective]
+        assert set(kept) == {"sizes", "winners", "us", "raw_us", "gemm_us"}
+        assert kept["gemm_us"]["twoshot"] == [10.0] * len(args.sizes) and "lamport" not in kept["us"]
 
     # each mode's communicator takes its entry
     table = load_table(str(out))
@@ -536,7 +720,7 @@ def test_run_in_the_dependent_mode_writes_its_entry_beside_the_graph_entry(cupy,
         assert [list(r) for r in sel.tables[0].rows["4"]["bfloat16"]] == want
 
 
-def test_measure_dtype_in_the_dependent_mode_runs_the_gemm_into_each_calls_input(cupy, monkeypatch):
+def test_measure_in_the_dependent_mode_runs_the_gemm_into_each_calls_input(cupy, monkeypatch):
     """The input holds the GEMM's whole output (M x N elements, here more than the largest
     size), which the GEMM writes (A = 1/K, B = 1: ones); every algorithm is timed with the
     raw and GEMM-alone times beside."""
@@ -550,16 +734,47 @@ def test_measure_dtype_in_the_dependent_mode_runs_the_gemm_into_each_calls_input
         return inputs[-1]
 
     monkeypatch.setattr(cupy, "zeros", recorded_zeros)
-    m = tune.measure_dtype(comm, cupy.cuda.Stream(), "float32", args, lambda _: None)
+    m = tune.measure(comm, cupy.cuda.Stream(), "float32", "all_reduce", args, lambda _: None)
     (send,) = inputs
     assert send.size == 4 * 512 and (send.host == 1).all()
     assert [sorted(r) for r in m.times] == [sorted(ALL)] * 2 and len(m.raw) == len(m.gemm) == 2
     assert m.times[1]["lamport"] is None and m.raw[1]["lamport"] is None  # refused above 1 KiB
     assert all(t is not None for rows in (m.raw, m.gemm) for t in rows[0].values())
-    comm = FakeComm(size=2, quantized="int8")  # the reduce-scatter too, on its own input
-    inputs.clear()
-    rs = tune.measure_reduce_scatter(comm, cupy.cuda.Stream(), "bfloat16", args, lambda _: None)
-    assert len(rs.raw) == 2 and rs.raw[0]["twoshot"] is not None and (inputs[0].host[:2048] == 1).all()
+
+
+@pytest.mark.parametrize("collective, sliced", [
+    ("reduce_scatter", {("reduce_scatter", 256, 128), ("reduce_scatter", 1024, 512)}),
+    ("all_gather", {("all_gather", 128, 256), ("all_gather", 512, 1024)}),
+])
+def test_measure_in_the_dependent_mode_puts_the_gemm_before_each_reduce_scatter_and_all_gather(
+        cupy, monkeypatch, collective, sliced):
+    """The GEMM writes the head of the buffer whose head is the call's input (the
+    reduce-scatter's whole input, the all-gather's k elements), and runs before every call:
+    in the warm-up and in the graphs of (GEMM, call) pairs; the raw and GEMM-alone times kept."""
+    comm, stream = FakeComm(size=2, quantized="int8"), cupy.cuda.Stream()
+
+    def matmul_into(a, b, out, on):  # the GEMM as a launch on the stream (recorded while captured)
+        def launch():
+            def work():
+                out.host[:a.host.shape[0] * b.host.shape[1]] = (a.host @ b.host).reshape(-1)
+                comm.log.append("gemm")
+            on.enqueue(work)
+        launch()
+        return launch
+
+    monkeypatch.setattr(dependent, "matmul_into", matmul_into)
+    inputs, zeros = [], cupy.zeros
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype: inputs.append(zeros(shape, dtype)) or inputs[-1])
+    args = tune.parse_args(["--mode", "dependent", "--gemm", "4,8,512", "-b", "1K", "-e", "4K", "-f", "4",
+                            "-n", "2", "-G", "1", "--repeats", "1", "-w", "2"])
+    found = tune.measure(comm, stream, "float32", collective, args, lambda _: None)
+    (send,) = inputs
+    assert send.size == 4 * 512 and (send.host == 1).all()  # M x N elements, all written by the GEMM
+    assert comm.sliced == sliced
+    assert [sorted(r) for r in found.times] == [["nccl", "twoshot"]] * 2  # float32: no formats
+    assert len(found.raw) == len(found.gemm) == 2 and None not in found.raw[0].values()
+    calls = [i for i, what in enumerate(comm.log) if what == "call"]
+    assert calls and all(comm.log[i - 1] == "gemm" for i in calls)
 
 
 def test_the_dependent_modes_gemm_without_torch_says_what_it_needs(monkeypatch):

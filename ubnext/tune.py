@@ -1,4 +1,4 @@
-"""Measure where each all-reduce algorithm wins on this machine; write a selector table.
+"""Measure where each collective's algorithms win on this machine; write a selector table.
 
     mpirun -n 4 python -m ubnext.tune -o tune.json
     mpirun -n 2 python -m ubnext.tune -o tune.json      # adds 2 ranks to the same file
@@ -6,14 +6,21 @@
     mpirun -n 4 python -m ubnext.tune --mode dependent -o tune.json   # adds the dependent entry
     export UBNEXT_TABLE_MODE=dependent                  # communicators take it
 
-For each dtype (``--dtype``) and message size (``-b`` to ``-e``, times ``-f``),
-every algorithm the communicator can run (``comm.algorithms()``) is timed on
-plain cupy arrays (what callers pass; out of place): ``-n`` calls captured in a
-CUDA graph, the graph launched ``-G`` times between CUDA events per sample,
-each sample the maximum over ranks, the median of ``--repeats`` samples. The
-winner of a size is the fastest algorithm, but a ubnext kernel wins over NCCL
-only when it is at least ``--margin`` percent faster. Adjacent sizes with the
-same winner become one table row; the last row has no upper limit.
+For each dtype (``--dtype``), collective (``--collectives``: the all-reduce, the
+reduce-scatter and the all-gather by default) and message size (``-b`` to ``-e``, times
+``-f``), every algorithm the communicator can run (``comm.algorithms()``) that serves the
+collective is timed on plain cupy arrays (what callers pass; out of place): ``-n`` calls
+captured in a CUDA graph, the graph launched ``-G`` times between CUDA events per sample,
+each sample the maximum over ranks, the median of ``--repeats`` samples. A size is the
+whole message: the all-reduce's, the reduce-scatter's input, the all-gather's output (size
+x k elements, k = bytes // itemsize // world size, as ``reduce_scatter_perf`` and
+``all_gather_perf`` count them, and as ``comm.select`` takes them); a size below one
+element per rank is left out. The winner of a size is the fastest algorithm, but a ubnext
+kernel wins over NCCL only when it is at least ``--margin`` percent faster. Adjacent sizes
+with the same winner become one table row; the last row has no upper limit. The
+all-reduce's rows are the entry's ``tables``, the others' its ``collectives`` (format 2 of
+``ubnext._selection.table``); the all-reduce is always measured (an entry's ``tables`` are
+required), the others only where ``--collectives`` names them.
 
 ``--mode`` says how the calls are issued, and keys the entry written. ``graph`` (the
 default): back to back. ``dependent``: as in a model, each call after a GEMM
@@ -22,32 +29,31 @@ kernel's programmatic dependent launch overlaps its prologue with the GEMM's tai
 graph holds ``-n`` (GEMM, call) pairs, a graph of the ``-n`` GEMMs alone is timed right
 after each sample (``ubnext._tools.dependent``, as ``bench/compare.py --modes dependent``
 does), and their difference, the call's time as a model sees it, is what is ranked (every
-algorithm, the quantized formats and the reduce-scatter alike). One mode per run: a run of
+collective, algorithm and quantized format alike). One mode per run: a run of
 the other mode with the same ``-o`` adds its entry beside, and ``UBNEXT_TABLE_MODE`` says
 which entries a communicator takes.
 
 On a communicator opted in to the quantized collectives (``UBNEXT_QUANTIZED`` set, or
 ``--quantized``), each quantized format (``precision=int8|fp8|int4``; fp8 where the GPU
-has it) is timed beside them for bfloat16/float16, against the size's winner in full
-precision: the format's threshold is the smallest measured size from which it is at
-least ``--margin`` percent faster at every larger measured size, or ``"never"`` where
-it is not at the largest; ``auto`` quantizes from that size on this machine and world
-size (the entry's ``quantized`` thresholds, format 2 of ``ubnext._selection.table``).
-The reduce-scatter is measured the same way, apart: every algorithm with a
-reduce-scatter and every format, a size being its whole input (size x k elements, as
-``reduce_scatter_perf`` counts it), each format against the reduce-scatter's winner; its
-thresholds go to the entry's ``quantized.collectives.reduce_scatter`` (its full-precision
-rows are not written: the table keeps the ones it has).
+has it) is timed beside them for bfloat16/float16, in the all-reduce's sweep and in the
+reduce-scatter's (the all-gather stays exact), against the size's winner in full
+precision of the same sweep: the format's threshold is the smallest measured size from
+which it is at least ``--margin`` percent faster at every larger measured size, or
+``"never"`` where it is not at the largest; ``auto`` quantizes from that size on this
+machine and world size (the entry's ``quantized`` thresholds, the reduce-scatter's under
+``quantized.collectives.reduce_scatter``; format 2 of ``ubnext._selection.table``).
 
-Rank 0 prints the timings and writes the table (``-o``, format 2 of
-``ubnext._selection.table``): an entry keyed by this machine (the GPU's name, the
-``nvlink`` link, ``plain`` arrays) and ``--mode``; in the dependent mode its measured
-record keeps the GEMM's shape and the raw (GEMM + call) and GEMM-alone times beside the
-ranked ones. A file that already exists is merged into: in this machine's entry of the
-mode (added when the file has none) the measured world size and dtypes are replaced; its
-other world sizes and dtypes, the entry of the other mode and the other machines'
-entries are kept (the quantized thresholds alike: those of the measured world size and
-dtypes replaced, where the run measured them). A format-1 file is rewritten as format 2,
+Rank 0 prints the timings, rows and thresholds of each collective and writes the table
+(``-o``, format 2 of ``ubnext._selection.table``): an entry keyed by this machine (the
+GPU's name, the ``nvlink`` link, ``plain`` arrays) and ``--mode``; its measured record
+keeps the all-reduce's times and, under the collective's name, each other collective's,
+and in the dependent mode the GEMM's shape and the raw (GEMM + call) and GEMM-alone times
+beside the ranked ones. A file that already exists is merged into: in this machine's entry
+of the mode (added when the file has none) the measured world size and dtypes are
+replaced, collective by collective; its other world sizes and dtypes, the collectives not
+measured, the entry of the other mode and the other machines' entries are kept (the
+quantized thresholds alike: those of the measured world size and dtypes replaced, where
+the run measured them). A format-1 file is rewritten as format 2,
 its rows kept as an entry for any machine; an entry added beside such an entry starts
 from its rows, so what a run does not measure keeps serving this machine as before. All ranks see the
 same (max over ranks) times, and rank 0's outcome is broadcast, so every rank
@@ -72,7 +78,7 @@ from typing import Any, NamedTuple
 from ubnext._environment.config import TABLE_MODES, Config
 from ubnext._environment.devices import device_name
 from ubnext._protocol import quant as _quant
-from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, KERNEL_DTYPES
+from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES
 from ubnext._protocol.errors import CollectiveTimeoutError, CudaError, UbnextError
 from ubnext._selection.table import (ANY, DEFAULT_LINK, FORMAT, FORMAT_1, NEVER, Machine, human_bytes,
                                      load_table, parse_table, upgrade)
@@ -89,6 +95,13 @@ QUANTIZED_NOTE = ("Measured by python -m ubnext.tune on plain arrays, out of pla
                   "algorithms, its sizes those of the whole input); a format is used from the smallest measured "
                   "size from which it is faster by the margin at every larger measured size; never: not at the "
                   "largest. The measurements: the entry's measured record.")
+#: The ``note`` tune gives the rows of a collective other than the all-reduce in an entry
+#: where it adds them (the ``collectives`` key); an existing collective keeps its own.
+COLLECTIVE_NOTE = ("Measured by python -m ubnext.tune on plain arrays, out of place, in CUDA graphs in the "
+                   "entry's mode (back to back, or each call after a GEMM, less the GEMM), as the all-reduce's "
+                   "rows: every algorithm that has the collective, a size being the whole message (the "
+                   "reduce-scatter's input, the all-gather's output: size x k elements). The measurements: the "
+                   "entry's measured record, under the collective's name.")
 
 
 class Timed(NamedTuple):
@@ -104,26 +117,29 @@ class Timed(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    """The times of one dtype and collective at every size (ascending): ``times``, the ranked
-    (:attr:`Timed.us`), and in the dependent mode ``raw`` and ``gemm`` (empty in the graph mode)."""
+    """The times of one dtype and collective at the measured ``sizes`` (ascending; those of
+    ``-b`` to ``-e`` with at least one element per rank): ``times``, the ranked
+    (:attr:`Timed.us`), and in the dependent mode ``raw`` and ``gemm`` (empty in the graph mode),
+    one per size."""
 
+    sizes: list[int]
     times: list[Times]
     raw: list[Times] = dataclasses.field(default_factory=list)
     gemm: list[Times] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, rows: Sequence[dict[str, Timed | None]], dependent: bool) -> Measured:
+    def of(cls, sizes: Sequence[int], rows: Sequence[dict[str, Timed | None]], dependent: bool) -> Measured:
         """From each size's :class:`Timed` per name (None: refused), measured in the dependent
         mode or not."""
         def part(i: int) -> list[Times]:
             return [{name: None if t is None else t[i] for name, t in row.items()} for row in rows]
 
-        return cls(part(0), part(1), part(2)) if dependent else cls(part(0))
+        return cls(list(sizes), part(0), part(1), part(2)) if dependent else cls(list(sizes), part(0))
 
     def record(self, winners: Sequence[str]) -> dict[str, Any]:
-        """The measured record's winners and µs (:func:`_us`): the ranked, and in the dependent
-        mode the raw and GEMM-alone ones."""
-        return {"winners": list(winners), "us": _us(self.times),
+        """The measured record of one collective: sizes, winners and µs (:func:`_us`): the
+        ranked, and in the dependent mode the raw and GEMM-alone ones."""
+        return {"sizes": list(self.sizes), "winners": list(winners), "us": _us(self.times),
                 **({"raw_us": _us(self.raw), "gemm_us": _us(self.gemm)} if self.raw else {})}
 
 
@@ -202,7 +218,8 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
                     rows: dict[str, list], measured: dict[str, dict[str, Any]],
                     link: str = DEFAULT_LINK, placement: str = "plain", mode: str = "graph",
                     quantized: dict[str, dict[str, int | str]] | None = None,
-                    quantized_rs: dict[str, dict[str, int | str]] | None = None) -> dict[str, Any]:
+                    quantized_rs: dict[str, dict[str, int | str]] | None = None,
+                    collective_rows: dict[str, dict[str, list]] | None = None) -> dict[str, Any]:
     """The table document (format 2) after tuning ``world`` ranks for the dtypes in ``rows``.
 
     Args:
@@ -210,7 +227,7 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
             document, which is converted: its rows become an entry for any machine), or None.
         machine: this machine's GPU, e.g. ``"NVIDIA H200"``: the entry's ``gpu``.
         world: the measured world size.
-        rows: dtype -> table rows (:func:`table_rows`).
+        rows: dtype -> table rows (:func:`table_rows`) of the all-reduce.
         measured: dtype -> the record of the measurement (kept under the entry's ``measured``).
         link, placement, mode: the rest of the entry's machine key (what tune measures:
             plain arrays in CUDA graphs, back to back (``"graph"``) or each after a GEMM
@@ -219,13 +236,17 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
         quantized: dtype -> the quantized thresholds measured (:func:`quantized_thresholds`);
             a dtype without any (none measured) is left as it was.
         quantized_rs: the same, of the reduce-scatter.
+        collective_rows: collective other than the all-reduce -> dtype -> its rows; a
+            collective without any (not measured) is left as it was.
 
     Returns:
         A new document: the entry of this machine key (added when there is none) with
         ``tables[world][dtype]``, ``measured[world][dtype]`` and, where measured,
+        ``collectives[c]["tables"][world][dtype]`` (a collective added with the note
+        :data:`COLLECTIVE_NOTE`; one already there keeps its note),
         ``quantized.tables[world][dtype]`` and
         ``quantized.collectives.reduce_scatter.tables[world][dtype]`` replaced; its other world
-        sizes and dtypes, and every other entry, kept. An entry added where an entry for any
+        sizes, dtypes and collectives, and every other entry, kept. An entry added where an entry for any
         GPU served this machine (a format-1 file's rows) starts from that entry's rows
         (``tables``, ``collectives``, ``quantized``): a communicator takes one entry of a file, so what
         this run did not measure keeps serving this machine as before, as format 1's merge kept it.
@@ -252,6 +273,10 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
         doc["entries"].append(entry)
     entry["tables"].setdefault(str(world), {}).update(rows)
     entry.setdefault("measured", {}).setdefault(str(world), {}).update(measured)
+    for collective, by_dtype in (collective_rows or {}).items():
+        if by_dtype:
+            place = entry.setdefault("collectives", {}).setdefault(collective, {"note": COLLECTIVE_NOTE})
+            place.setdefault("tables", {}).setdefault(str(world), {}).update(by_dtype)
     for measured_by_dtype, path in ((quantized, ()), (quantized_rs, ("collectives", "reduce_scatter"))):
         measured_formats = {dtype: t for dtype, t in (measured_by_dtype or {}).items() if t}
         if measured_formats:
@@ -271,10 +296,10 @@ def _width(name: str) -> int:
 def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Sequence[Times],
            winners: Sequence[str], args: argparse.Namespace, collective: str = "all_reduce") -> list[str]:
     """The lines rank 0 prints for one dtype and collective: µs per size and algorithm (and
-    quantized format), the winner, the rows (the all-reduce's: the reduce-scatter's are
-    not written), the quantized thresholds."""
+    quantized format), the winner, the rows, the quantized thresholds."""
     names = [n for n in (*ALGORITHMS, *_quant.FORMATS) if any(t.get(n) is not None for t in times)]
-    what = "all-reduce" if collective == "all_reduce" else "reduce-scatter (size: the whole input)"
+    what = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter (size: the whole input)",
+            "all_gather": "all-gather (size: the whole output)"}[collective]
     if args.mode == "dependent":
         gemm = "x".join(map(str, args.gemm))
         how = (f"dependent mode: CUDA graphs of {args.iters} (GEMM {gemm} writing the call's input, call) pairs, "
@@ -291,13 +316,13 @@ def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Se
     for nbytes, row, win in zip(sizes, times, winners):
         cells = "".join(f"{'—' if row.get(n) is None else f'{row[n]:.2f}':>{_width(n)}}" for n in names)
         lines.append(f"{human_bytes(nbytes):>10}{cells}  {win}")
-    if collective == "all_reduce":
-        rows = table_rows(sizes, winners)
-        text = ", ".join(f"≤ {human_bytes(limit)} {name}" if limit else f"then {name}" for limit, name in rows)
-        lines.append(f"# rows for {world} ranks {dtype}: {text}")
+    of = "" if collective == "all_reduce" else f" {collective}"
+    text = ", ".join(f"≤ {human_bytes(limit)} {name}" if limit else f"then {name}"
+                     for limit, name in table_rows(sizes, winners))
+    lines.append(f"#{of} rows for {world} ranks {dtype}: {text}")
     thresholds = quantized_thresholds(sizes, times, winners, args.margin)
     if thresholds:
-        label = "quantized" if collective == "all_reduce" else f"quantized {collective}"
+        label = f"quantized{of}"
         text = ", ".join(f"{fmt} {t if t == NEVER else 'from ' + human_bytes(t)}" for fmt, t in thresholds.items())
         lines.append(f"# {label} for {world} ranks {dtype} (against the winner, {args.margin:g}% faster): {text}")
     return lines
@@ -310,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ubnext.tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16",
                    help=f"comma-separated dtypes to tune, or all ({', '.join(KERNEL_DTYPES)}; default bfloat16)")
+    p.add_argument("--collectives", default=",".join(COLLECTIVES),
+                   help=f"comma-separated collectives to tune, all_reduce among them (its rows are the entry's "
+                        f"tables, which every entry has); sizes are whole messages: the reduce-scatter's input, "
+                        f"the all-gather's output (default {','.join(COLLECTIVES)})")
     p.add_argument("-b", "--minbytes", type=size_arg, default=1 << 10, help="smallest size (default 1K)")
     p.add_argument("-e", "--maxbytes", type=size_arg, default=256 << 20, help="largest size (default 256M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (default 2)")
@@ -335,14 +364,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; adds ``dtypes`` and ``sizes``, and sets ``gemm`` in the dependent mode
-    (None in the graph mode)."""
+    """Parse and validate; adds ``dtypes`` and ``sizes``, makes ``collectives`` a list (in the
+    order of ``COLLECTIVES``), and sets ``gemm`` in the dependent mode (None in the graph mode)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.dtypes = list(KERNEL_DTYPES) if args.dtype == "all" else [d for d in args.dtype.split(",") if d]
     unknown = [d for d in args.dtypes if d not in KERNEL_DTYPES]
     if unknown or not args.dtypes:
         parser.error(f"--dtype: unknown {', '.join(unknown) or '(none)'}; use {', '.join(KERNEL_DTYPES)} or all")
+    wanted = [c for c in args.collectives.split(",") if c]
+    unknown = [c for c in wanted if c not in COLLECTIVES]
+    if unknown:
+        parser.error(f"--collectives: unknown {', '.join(unknown)}; use {', '.join(COLLECTIVES)}")
+    if "all_reduce" not in wanted:  # a new entry could not be written without its rows
+        parser.error("--collectives: all_reduce is always measured (its rows are the entry's tables, which every "
+                     "entry has); add the others to it, e.g. all_reduce,reduce_scatter")
+    args.collectives = [c for c in COLLECTIVES if c in wanted]
     if args.stepfactor < 2:
         parser.error("-f must be >= 2")
     if args.minbytes < 16:
@@ -369,8 +406,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace,
                    collective: str = "all_reduce", gemm=None) -> Timed | None:
     """The time of ``comm.all_reduce(send, out=recv, algorithm=name)`` (``precision=name``
-    where ``name`` is a quantized format; ``comm.reduce_scatter`` for that ``collective``), or
-    None when refused. Collective.
+    where ``name`` is a quantized format; ``comm.reduce_scatter`` or ``comm.all_gather`` for
+    that ``collective``), or None when refused. Collective.
 
     Eager warm-up calls come first (compiling the kernel, connecting NCCL,
     outside any capture); a refusal there (the size exceeds the algorithm's
@@ -454,44 +491,39 @@ def gemm_into(send, args: argparse.Namespace, stream):
     return matmul_into(a, b, send, stream)
 
 
-def measure_dtype(comm, stream, dtype: str, args: argparse.Namespace, progress) -> Measured:
-    """Times of every usable algorithm at every size, for one dtype, and of every quantized
-    format where the communicator opted in and the dtype is one they take. Collective."""
+def call_counts(collective: str, count: int, world: int) -> tuple[int, int]:
+    """Elements of the input and of the output of a ``collective`` call on ``world`` ranks whose
+    whole message is ``count`` elements: the all-reduce's ``count`` both; with k = count // world,
+    the reduce-scatter's world x k in and k out, the all-gather's k in and world x k out
+    (0: below one element per rank). Pure."""
+    k = count // world
+    return {"all_reduce": (count, count), "reduce_scatter": (k * world, k), "all_gather": (k, k * world)}[collective]
+
+
+def measure(comm, stream, dtype: str, collective: str, args: argparse.Namespace, progress) -> Measured:
+    """Times of ``collective`` for one dtype at every size of ``args.sizes`` with at least one
+    element per rank (:func:`call_counts`): every usable algorithm that serves it, and every
+    quantized format where the communicator opted in and the collective and dtype are ones they
+    take (``_quant.COLLECTIVES``, ``_quant.DTYPES``). Collective."""
     width = DTYPES[dtype][1]
     send, recv = buffers(dtype, args)
     gemm = gemm_into(send, args, stream)
-    formats = list(_quant.FORMATS) if comm.config.quantized != "off" and dtype in _quant.DTYPES else []
-    rows = []
+    formats = (list(_quant.FORMATS) if comm.config.quantized != "off" and collective in _quant.COLLECTIVES
+               and dtype in _quant.DTYPES else [])
+    names = [n for n in comm.algorithms() if ALGORITHMS[n].serves(collective)] + formats
+    of = "" if collective == "all_reduce" else f" {collective}"
+    sizes, rows = [], []
     for nbytes in args.sizes:
-        count = nbytes // width
-        row: dict[str, Timed | None] = {}
-        for name in comm.algorithms() + formats:
-            progress(f"{dtype} {human_bytes(nbytes):>8} {name}")
-            row[name] = time_algorithm(comm, stream, name, send[:count], recv[:count], args, gemm=gemm)
-        rows.append(row)
-    return Measured.of(rows, gemm is not None)
-
-
-def measure_reduce_scatter(comm, stream, dtype: str, args: argparse.Namespace, progress) -> Measured:
-    """Times of the reduce-scatter at every size (its whole input, rounded down to a multiple
-    of the world size): every usable algorithm that has one and every quantized format, where
-    the communicator opted in and the dtype is one they take; else none (no sizes). Collective."""
-    if comm.config.quantized == "off" or dtype not in _quant.DTYPES:
-        return Measured([])
-    width = DTYPES[dtype][1]
-    send, recv = buffers(dtype, args)
-    gemm = gemm_into(send, args, stream)
-    names = [n for n in comm.algorithms() if ALGORITHMS[n].serves("reduce_scatter")] + list(_quant.FORMATS)
-    rows = []
-    for nbytes in args.sizes:
-        k = nbytes // width // comm.size
+        inputs, outputs = call_counts(collective, nbytes // width, comm.size)
+        if not min(inputs, outputs):
+            continue
         row: dict[str, Timed | None] = {}
         for name in names:
-            progress(f"{dtype} {human_bytes(nbytes):>8} reduce_scatter {name}")
-            row[name] = (time_algorithm(comm, stream, name, send[:k * comm.size], recv[:k], args, "reduce_scatter",
-                                        gemm) if k else None)
+            progress(f"{dtype} {human_bytes(nbytes):>8}{of} {name}")
+            row[name] = time_algorithm(comm, stream, name, send[:inputs], recv[:outputs], args, collective, gemm)
+        sizes.append(nbytes)
         rows.append(row)
-    return Measured.of(rows, gemm is not None)
+    return Measured.of(sizes, rows, gemm is not None)
 
 
 def existing_document(path: str) -> dict[str, Any] | None:
@@ -533,6 +565,11 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
                 error = str(exc)
         if comm.algorithms() == ["nccl"]:
             error = f"tune: this communicator runs {comm.path}; there is nothing to choose"
+        unmeasurable = [f"{c} {d}" for d in args.dtypes for c in args.collectives
+                        if not min(call_counts(c, args.sizes[-1] // DTYPES[d][1], comm.size))]
+        if unmeasurable:
+            error = (f"tune: -e {human_bytes(args.sizes[-1])} is below one element per rank at {comm.size} ranks "
+                     f"for {', '.join(unmeasurable)}; raise -e or leave them out of --collectives")
         error = comm.bootstrap.bcast_obj(error)
         if error:
             say(error, file=sys.stderr)
@@ -546,38 +583,37 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
                 sys.stderr.write(f"\r# ubnext.tune {text:<46}" if text else f"\r{'':<60}\r")
                 sys.stderr.flush()
 
-        rows, measured, quantized, quantized_rs = {}, {}, {}, {}
+        rows: dict[str, dict[str, list]] = {c: {} for c in args.collectives}
+        quantized: dict[str, dict[str, dict[str, int | str]]] = {c: {} for c in _quant.COLLECTIVES}
+        measured = {}
         for dtype in args.dtypes:
-            found = measure_dtype(comm, stream, dtype, args, progress)
-            times = found.times
-            winners = [winner(t, args.margin) for t in times]
-            found_rs = measure_reduce_scatter(comm, stream, dtype, args, progress)
-            rs_times = found_rs.times
-            rs_winners = [winner(t, args.margin) for t in rs_times]
-            progress("")
-            for line in report(comm.size, dtype, machine, args.sizes, times, winners, args):
-                say(line, flush=True)
-            if rs_times:
-                for line in report(comm.size, dtype, machine, args.sizes, rs_times, rs_winners, args,
-                                   "reduce_scatter"):
-                    say(line, flush=True)
-            rows[dtype] = table_rows(args.sizes, winners)
-            quantized[dtype] = quantized_thresholds(args.sizes, times, winners, args.margin)
-            quantized_rs[dtype] = quantized_thresholds(args.sizes, rs_times, rs_winners, args.margin)
-            measured[dtype] = {
+            record = {
                 "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "machine": machine,
                 "command": shlex.join([sys.executable, "-m", "ubnext.tune", *argv]),
                 "margin_percent": args.margin, "graph_calls": args.iters, "graph_launches": args.launches,
                 "repeats": args.repeats, **({"gemm_mnk": list(args.gemm)} if args.gemm else {}),
-                "sizes": args.sizes, **found.record(winners),
             }
-            if rs_times:
-                measured[dtype]["reduce_scatter"] = found_rs.record(rs_winners)
+            for collective in args.collectives:
+                found = measure(comm, stream, dtype, collective, args, progress)
+                winners = [winner(t, args.margin) for t in found.times]
+                progress("")
+                for line in report(comm.size, dtype, machine, found.sizes, found.times, winners, args, collective):
+                    say(line, flush=True)
+                rows[collective][dtype] = table_rows(found.sizes, winners)
+                if collective in quantized:  # the formats measured in this sweep, against its winners
+                    quantized[collective][dtype] = quantized_thresholds(found.sizes, found.times, winners,
+                                                                        args.margin)
+                # the all-reduce's record is the dtype's; each other collective's is under its name
+                kept = found.record(winners)
+                record.update(kept if collective == "all_reduce" else {collective: kept})
+            measured[dtype] = record
         outcome = None
         if rank0:
             try:
-                doc = merged_document(existing_document(args.output), machine, comm.size, rows, measured,
-                                      mode=args.mode, quantized=quantized, quantized_rs=quantized_rs)
+                doc = merged_document(existing_document(args.output), machine, comm.size, rows["all_reduce"],
+                                      measured, mode=args.mode, quantized=quantized["all_reduce"],
+                                      quantized_rs=quantized["reduce_scatter"],
+                                      collective_rows={c: rows[c] for c in args.collectives if c != "all_reduce"})
                 write_atomically(args.output, doc)
                 written = Machine(machine, mode=args.mode)  # the key merged_document gives the entry
                 entry = entry_of(doc, dataclasses.asdict(written))
