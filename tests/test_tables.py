@@ -749,8 +749,8 @@ def test_info_chooses_for_the_mode_of_ubnext_table_mode(tmp_path):
 
 
 def test_an_h100_takes_its_measured_rows():
-    """The H100 entries (python -m ubnext.tune and the reduce-scatter/all-gather sweeps,
-    bench/results/tune_h100x*.txt, rsag_h100x*): the all-reduce's 2-rank Lamport two-shot
+    """The H100 entries (python -m ubnext.tune with every collective, bench/results/
+    tune_h100x*_all.txt; the sweeps rsag_h100x* agree): the all-reduce's 2-rank Lamport two-shot
     up to 64 MiB, float32's own 4-rank rows, and NCCL for reduce-scatters and all-gathers
     past 16 MiB, where the H200 entry's unmeasured rows kept the Lamport two-shot."""
     limits = buffer_limits(Config.from_env({}))
