@@ -9,7 +9,7 @@ The dependent-kernel mode (a GEMM produces each all-reduce's input) is here too:
 its exactly known GEMM operands (:class:`GemmData`) and the GEMM's launch
 (:func:`gemm_launcher`), shared by ``compare.py``, ``fused_perf.py`` and ``tp_block.py``;
 its default shape, ``--gemm`` parsing, the subtraction of its samples
-(:func:`dependent_samples`) and the cupy GEMM launch live in ``ubnext._tools.dependent``
+(:func:`dependent_samples`) and the GEMM launch on cupy arrays live in ``ubnext._tools.dependent``
 (``python -m ubnext.tune --mode dependent`` uses them too) and are used from here.
 
 The pure helpers need only numpy and ml_dtypes; everything that touches a
@@ -520,8 +520,10 @@ def gemm_launcher(data: GemmData, rank: int, dtype: DType, use_torch: bool,
     ``into(out)``, for a flat cupy array or torch tensor ``out`` of at least M * N
     elements, returns a launch of ``C = A @ B`` into ``out``'s first M * N elements
     (viewed M x N): ``torch.matmul(out=)`` on torch's current stream, or, where torch is
-    not used, ``cupy.matmul(out=)`` on ``stream``. ``into`` runs the GEMM once eagerly, so
-    cuBLAS picks its kernel and workspace before any capture.
+    not the benchmark's framework, torch's GEMM on the cupy arrays and ``stream``
+    (``ubnext._tools.dependent.matmul_into``: cupy cannot call cuBLAS during capture).
+    ``into`` runs the GEMM once eagerly, so cuBLAS picks its kernel and workspace before
+    any capture.
     """
     m, k, n = data.shape
     if use_torch:

@@ -92,7 +92,7 @@ def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
 
 
 def test_tune_in_the_dependent_mode_writes_the_entry_a_communicator_asking_for_it_takes(comm, tmp_path, capsys):
-    """--mode dependent: each call after a cupy GEMM writing its input, in CUDA graphs; the
+    """--mode dependent: each call after a GEMM (torch's) writing its input, in CUDA graphs; the
     entry keyed dependent, its record with the GEMM's shape and the raw and GEMM-alone
     times; UBNEXT_TABLE_MODE=dependent takes it, graph falls back to it (the file has no
     graph entry) and describe() says so."""

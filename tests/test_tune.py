@@ -195,6 +195,23 @@ def test_merged_document_writes_each_collectives_rows_by_world_size_and_dtype():
             "bfloat16": [[None, "lamport"]]}})
 
 
+def test_merged_document_keeps_the_records_of_the_collectives_a_run_left_out():
+    """A run of the all-reduce alone replaces its record of each dtype but keeps the
+    reduce-scatter's and all-gather's records beside the rows they were measured for."""
+    ar = {"bfloat16": [[None, "twoshot"]]}
+    rows = {"reduce_scatter": {"bfloat16": [[None, "nccl"]]}, "all_gather": {"bfloat16": [[None, "nccl"]]}}
+    full = {"bfloat16": {"winners": ["twoshot"], "reduce_scatter": {"winners": ["nccl"]},
+                         "all_gather": {"winners": ["nccl"]}}}
+    first = tune.merged_document(None, "GPU A", 4, ar, full, collective_rows=rows)
+    again = tune.merged_document(first, "GPU A", 4, ar, {"bfloat16": {"winners": ["lamport_twoshot"]}})
+    assert again["entries"][0]["measured"]["4"]["bfloat16"] == {
+        "winners": ["lamport_twoshot"], "reduce_scatter": {"winners": ["nccl"]}, "all_gather": {"winners": ["nccl"]}}
+    redone = tune.merged_document(again, "GPU A", 4, ar, {"bfloat16": {"winners": ["nccl"],
+                                                                        "all_gather": {"winners": ["twoshot"]}}})
+    assert redone["entries"][0]["measured"]["4"]["bfloat16"] == {
+        "winners": ["nccl"], "all_gather": {"winners": ["twoshot"]}, "reduce_scatter": {"winners": ["nccl"]}}
+
+
 def test_report_prints_each_collectives_table_and_rows_line():
     args = tune.parse_args(["-b", "1K", "-e", "4K"])
     sizes = [1 * KiB, 2 * KiB, 4 * KiB]
@@ -783,3 +800,12 @@ def test_the_dependent_modes_gemm_without_torch_says_what_it_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     with pytest.raises(UbnextError, match="needs torch .* or measure in the graph mode"):
         dependent.matmul_into(None, None, None, None)
+
+
+def test_the_dependent_mode_without_torch_stops_at_parsing(monkeypatch, capsys):
+    """Every rank stops before any communicator is built, saying what is needed."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--mode", "dependent"])
+    assert "--mode dependent needs torch" in capsys.readouterr().err
+    assert tune.parse_args([]).mode == "graph"  # the graph mode needs no torch

@@ -272,7 +272,10 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
                              f"which served it before this entry was added")
         doc["entries"].append(entry)
     entry["tables"].setdefault(str(world), {}).update(rows)
-    entry.setdefault("measured", {}).setdefault(str(world), {}).update(measured)
+    records = entry.setdefault("measured", {}).setdefault(str(world), {})
+    for dtype, record in measured.items():  # a collective this run left out keeps its record
+        kept = {c: r for c, r in records.get(dtype, {}).items() if c in COLLECTIVES and c not in record}
+        records[dtype] = {**record, **kept}
     for collective, by_dtype in (collective_rows or {}).items():
         if by_dtype:
             place = entry.setdefault("collectives", {}).setdefault(collective, {"note": COLLECTIVE_NOTE})
@@ -392,6 +395,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("-n, -G and --repeats must be >= 1; -w and --margin >= 0")
     if args.mode == "dependent":
         args.gemm = args.gemm or GEMM_SHAPE
+        try:  # before any rank builds a communicator: the GEMM is torch's (dependent.matmul_into)
+            import torch  # noqa: F401
+        except ImportError:
+            parser.error("--mode dependent needs torch for its GEMM (cupy cannot call cuBLAS while a CUDA graph "
+                         "is being captured); install torch, or use --mode graph")
     elif args.gemm is not None:
         parser.error("--gemm shapes the GEMM of --mode dependent; the graph mode has none")
     args.output = os.path.abspath(args.output)
@@ -458,10 +466,10 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
     return Timed(*(statistics.median(found[key]) for key in ("times_us", "raw_us", "gemm_us")))
 
 
-def buffers(dtype: str, args: argparse.Namespace) -> tuple[Any, Any]:
-    """The input and output cupy arrays of one dtype's calls: the largest size, and in the
-    dependent mode at least the GEMM's output (M x N), which the input's head holds (zeros
-    past it)."""
+def buffers(dtype: str, args: argparse.Namespace, stream) -> tuple[Any, Any]:
+    """The input and output cupy arrays of one dtype's calls, made on ``stream``: the
+    largest size, and in the dependent mode at least the GEMM's output (M x N), which the
+    input's head holds (zeros past it)."""
     import cupy
 
     from ubnext._interop.arrays import _cupy_dtype
@@ -469,8 +477,9 @@ def buffers(dtype: str, args: argparse.Namespace) -> tuple[Any, Any]:
     count = args.sizes[-1] // DTYPES[dtype][1]
     if args.mode == "dependent":
         count = max(count, args.gemm[0] * args.gemm[2])
-    send = cupy.zeros((count,), dtype=_cupy_dtype(dtype))
-    return send, cupy.empty_like(send)
+    with stream:  # the zeros ordered before the dependent mode's first GEMM on the stream
+        send = cupy.zeros((count,), dtype=_cupy_dtype(dtype))
+        return send, cupy.empty_like(send)
 
 
 def gemm_into(send, args: argparse.Namespace, stream):
@@ -506,7 +515,7 @@ def measure(comm, stream, dtype: str, collective: str, args: argparse.Namespace,
     quantized format where the communicator opted in and the collective and dtype are ones they
     take (``_quant.COLLECTIVES``, ``_quant.DTYPES``). Collective."""
     width = DTYPES[dtype][1]
-    send, recv = buffers(dtype, args)
+    send, recv = buffers(dtype, args, stream)
     gemm = gemm_into(send, args, stream)
     formats = (list(_quant.FORMATS) if comm.config.quantized != "off" and collective in _quant.COLLECTIVES
                and dtype in _quant.DTYPES else [])

@@ -35,7 +35,7 @@ of machine::
   before it) or ``"eager"``. A communicator asks for the mode ``UBNEXT_TABLE_MODE`` names
   (``Config.table_mode``: ``"graph"``, the default, or ``"dependent"``); where a table has
   no entry of that mode for the machine, the choice below falls back to one of another
-  mode (the shipped table has ``"graph"`` entries only).
+  mode (the shipped table has a ``"dependent"`` entry for H100 only).
 
 There is no GPU-count key: the world sizes that key ``tables`` (the ranks of the node
 that took part in the measurement) are the GPU counts the rows were measured at, and
@@ -102,8 +102,8 @@ are: the chosen entry of the first table that has it for the collective and worl
 size. **What is not there was not measured, and auto then keeps full precision**: an
 entry without the key (every file written before it existed, the shipped table's other
 world sizes), a world size without thresholds in any table, a format missing from a
-dtype's, a collective without thresholds (the shipped table has no reduce-scatter
-thresholds: an opted-in reduce-scatter quantizes only where a tune file says so). Full
+dtype's, a collective without thresholds (the shipped table has reduce-scatter thresholds
+for H100 only: elsewhere an opted-in reduce-scatter quantizes only where a tune file says so). Full
 precision, not a guessed size, because the quantized path is lossy and measurements
 (docs/quantized.md) show it slower than full precision at some sizes on some machines:
 quantizing where nobody measured that it pays could cost both accuracy and time.
