@@ -237,31 +237,39 @@ def test_without_the_opt_in_every_call_is_exact(plain):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_cuda_graph_replay(comm, fmt):
-    """A captured quantized all-reduce replayed with new inputs into poisoned outputs."""
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_cuda_graph_replay(comm, collective, fmt):
+    """A captured quantized all-reduce or reduce-scatter replayed with new inputs into
+    poisoned outputs."""
     import torch
 
-    count = 100_003
-    x = torch.empty(count, device="cuda", dtype=torch.bfloat16)
-    y = Bordered(count, "bfloat16", seed=5)
+    n = comm.size
+    rs = collective == "reduce_scatter"
+    k = 25_001 if rs else 100_003  # this rank's output elements
+    x = torch.empty(n * k if rs else k, device="cuda", dtype=torch.bfloat16)
+    y = Bordered(k, "bfloat16", seed=6 if rs else 5)
+    call = getattr(comm, collective)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):  # warm up: compiles the kernel outside capture
-        comm.all_reduce(x.fill_(1), out=y.view, precision=fmt)
+        call(x.fill_(1), out=y.view, precision=fmt)
     s.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
-        comm.all_reduce(x, out=y.view, precision=fmt)
+        call(x, out=y.view, precision=fmt)
     failures = []
     for it in range(5):
-        inputs = rank_inputs(count, "bfloat16", comm.size, 500 + it)
+        inputs = rank_inputs(x.numel(), "bfloat16", n, (600 if rs else 500) + it)
         x.copy_(device(inputs[comm.rank]))
         y.view.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
         with collected(failures):
-            reference.assert_same_bits(host(y.view), reference.quantized(inputs, fmt), f"replay {it}")
+            want = (reference.quantized_reduce_scatter(inputs, fmt)[comm.rank] if rs
+                    else reference.quantized(inputs, fmt))
+            reference.assert_same_bits(host(y.view), want, f"replay {it}")
             y.assert_intact(f"replay {it}")
-    assert_same_bits_everywhere(comm, y.view)
+    if not rs:
+        assert_same_bits_everywhere(comm, y.view)
     assert not failures, "\n".join(failures[:5])
 
 
@@ -426,35 +434,6 @@ def test_reduce_scatter_without_the_opt_in_raises(plain):
         plain.reduce_scatter(x)
     torch.cuda.synchronize()
     assert not any(launch.kernel.startswith("quantized") for launch in launches)
-
-
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_reduce_scatter_cuda_graph_replay(comm, fmt):
-    """A captured quantized reduce-scatter replayed with new inputs into poisoned outputs."""
-    import torch
-
-    n, k = comm.size, 25_001
-    x = torch.empty(n * k, device="cuda", dtype=torch.bfloat16)
-    y = Bordered(k, "bfloat16", seed=6)
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):  # warm up: compiles the kernel outside capture
-        comm.reduce_scatter(x.fill_(1), out=y.view, precision=fmt)
-    s.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        comm.reduce_scatter(x, out=y.view, precision=fmt)
-    failures = []
-    for it in range(5):
-        inputs = rank_inputs(n * k, "bfloat16", n, 600 + it)
-        x.copy_(device(inputs[comm.rank]))
-        y.view.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        with collected(failures):
-            want = reference.quantized_reduce_scatter(inputs, fmt)[comm.rank]
-            reference.assert_same_bits(host(y.view), want, f"replay {it}")
-            y.assert_intact(f"replay {it}")
-    assert not failures, "\n".join(failures[:5])
 
 
 def test_all_reduces_and_reduce_scatters_back_to_back_in_changing_sizes_and_formats(comm):
