@@ -132,3 +132,27 @@ def test_tune_in_the_dependent_mode_writes_the_entry_a_communicator_asking_for_i
     with ubnext.Communicator(**settings) as graph:
         assert graph.describe()["tables"][0] == (f"tune file {path}: {table.label} (no graph mode entry for "
                                                  f"{table.gpu} nvlink plain: dependent's)")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_tune_times_calls_on_values_not_zeros(comm, dtype):
+    """The quantized kernels skip a group of zeros' arithmetic: tune's input must hold no
+    such group (nor infinities or NaNs), so that it times what a model's data costs."""
+    import cupy
+    import ml_dtypes
+    import numpy as np
+
+    from ubnext import tune
+    from ubnext._protocol import quant as _quant
+
+    host_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    args = tune.parse_args(["-b", "4K", "-e", "1M", "--dtype", dtype])
+    send, out = tune.buffers(dtype, args, stream)
+    stream.synchronize()
+    assert send.size == out.size == (1 << 20) // np.dtype(host_dtype).itemsize
+    values = cupy.asnumpy(send.view(cupy.uint32 if dtype == "float32" else cupy.uint16)).view(host_dtype)
+    values = values.astype(np.float32)
+    assert np.isfinite(values).all() and np.abs(values).max() <= 0.5
+    whole = values[: values.size // _quant.GROUP * _quant.GROUP].reshape(-1, _quant.GROUP)
+    assert (np.abs(whole).max(axis=1) > 0).all()

@@ -744,13 +744,13 @@ def test_measure_in_the_dependent_mode_runs_the_gemm_into_each_calls_input(cupy,
     comm = FakeComm(lamport_max=1 * KiB)
     args = tune.parse_args(["--mode", "dependent", "--gemm", "4,8,512", "-b", "1K", "-e", "4K", "-f", "4",
                             "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
-    inputs, zeros = [], cupy.zeros
+    inputs, empty = [], cupy.empty
 
-    def recorded_zeros(shape, dtype):
-        inputs.append(zeros(shape, dtype))
+    def recorded_empty(shape, dtype):
+        inputs.append(empty(shape, dtype))
         return inputs[-1]
 
-    monkeypatch.setattr(cupy, "zeros", recorded_zeros)
+    monkeypatch.setattr(cupy, "empty", recorded_empty)
     m = tune.measure(comm, cupy.cuda.Stream(), "float32", "all_reduce", args, lambda _: None)
     (send,) = inputs
     assert send.size == 4 * 512 and (send.host == 1).all()
@@ -780,8 +780,8 @@ def test_measure_in_the_dependent_mode_puts_the_gemm_before_each_reduce_scatter_
         return launch
 
     monkeypatch.setattr(dependent, "matmul_into", matmul_into)
-    inputs, zeros = [], cupy.zeros
-    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype: inputs.append(zeros(shape, dtype)) or inputs[-1])
+    inputs, empty = [], cupy.empty
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype: inputs.append(empty(shape, dtype)) or inputs[-1])
     args = tune.parse_args(["--mode", "dependent", "--gemm", "4,8,512", "-b", "1K", "-e", "4K", "-f", "4",
                             "-n", "2", "-G", "1", "--repeats", "1", "-w", "2"])
     found = tune.measure(comm, stream, "float32", collective, args, lambda _: None)

@@ -469,16 +469,26 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
 def buffers(dtype: str, args: argparse.Namespace, stream) -> tuple[Any, Any]:
     """The input and output cupy arrays of one dtype's calls, made on ``stream``: the
     largest size, and in the dependent mode at least the GEMM's output (M x N), which the
-    input's head holds (zeros past it)."""
+    input's head holds. The input holds values spread over [-0.5, 0.5), not zeros: the
+    quantized kernels skip the arithmetic of a group of zeros, and would be timed faster
+    than on a model's data."""
     import cupy
+    import numpy as np
 
     from ubnext._interop.arrays import _cupy_dtype
 
     count = args.sizes[-1] // DTYPES[dtype][1]
     if args.mode == "dependent":
         count = max(count, args.gemm[0] * args.gemm[2])
-    with stream:  # the zeros ordered before the dependent mode's first GEMM on the stream
-        send = cupy.zeros((count,), dtype=_cupy_dtype(dtype))
+    key = np.arange(count, dtype=np.uint32) * np.uint32(0x9E3779B1)  # a Weyl sequence
+    values = (key >> np.uint32(16)).astype(np.float32) / np.float32(65536) - np.float32(0.5)
+    if dtype == "bfloat16":  # its bits: the top half of the float32's (exact here)
+        values = (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    elif dtype == "float16":
+        values = values.astype(np.float16).view(np.uint16)
+    with stream:  # the values ordered before the dependent mode's first GEMM on the stream
+        send = cupy.empty((count,), dtype=_cupy_dtype(dtype))
+        send.view(values.dtype).set(values, stream=stream)
         return send, cupy.empty_like(send)
 
 
