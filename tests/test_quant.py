@@ -65,6 +65,23 @@ def test_int8_codes_round_to_nearest_even_and_scale_is_amax_over_127():
     assert scale[0] == 2.0 and list(codes[0, :4]) == [127.0, 0.0, 1.0, -1.0]
 
 
+def test_codes_are_the_values_times_the_scales_reciprocal():
+    """code = rint(x * fp32(1 / scale)), one product per element (the kernel's), which here
+    differs from rint(x / scale): 0.8968256 / scale is the tie 104.5 (even: 104), its product
+    with the rounded reciprocal 104.50001 (105). Below fp32's normal range the scale divides."""
+    amax, x = np.float32(1.089922), np.float32(0.8968256)
+    scale = amax / np.float32(127)
+    assert np.float32(x / scale) == 104.5 and np.float32(x * (np.float32(1) / scale)) > 104.5
+    group = np.zeros((1, 32), np.float32)
+    group[0, :2] = [amax, x]
+    codes, got = _quant.quantize(group, "int8")
+    assert got[0] == scale and list(codes[0, :2]) == [127.0, 105.0]
+    tiny = np.float32(2.0**-149)  # scale 2^-149: its reciprocal overflows, x / scale is exact
+    group[0, :2] = [127 * tiny, 3 * tiny]
+    codes, got = _quant.quantize(group, "int8")
+    assert got[0] == tiny and list(codes[0, :2]) == [127.0, 3.0]
+
+
 def test_int4_codes_round_to_nearest_even_within_7_and_scale_is_amax_over_7():
     x = np.zeros((1, 32), np.float32)
     x[0, :7] = [7.0, 0.5, 1.5, -2.5, 3.5, -0.0, -6.5]  # scale 1: the codes are rint of the values

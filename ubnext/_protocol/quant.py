@@ -7,7 +7,9 @@ throughout, IEEE round to nearest even, no fused multiply-add):
 
 * quantize a group ``x`` (fp32): ``amax = max |x|``; ``scale = amax / QMAX`` (fp32
   division); if any element is NaN or infinite, ``scale = NaN``. Where ``scale > 0``:
-  ``y = min(max(x / scale, -QMAX), QMAX)`` (fp32 division) and the code is ``y`` rounded
+  ``y = min(max(x * inv, -QMAX), QMAX)`` with ``inv = 1 / scale`` (fp32 division once per
+  group, one fp32 product per element; for a scale below fp32's normal range, whose
+  reciprocal may overflow, ``x / scale`` instead) and the code is ``y`` rounded
   to the format: int8 and int4 ``rint(y)`` (ties to even), fp8 the e4m3 value nearest
   ``y`` (ties to even). Elsewhere (a group of zeros, a scale that underflows to 0, or a
   NaN scale) every code is 0.
@@ -74,6 +76,8 @@ _UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 #: half of float16's subnormal spacing: the absolute error of rounding a tiny value to it
 _ABS = {"bfloat16": 0.0, "float16": 2.0**-25}
 _F32 = np.float32
+#: the least normal fp32 (2^-126): a scale from here on has a finite reciprocal
+_F32_MIN = np.finfo(np.float32).tiny
 
 
 @dataclass(frozen=True)
@@ -294,7 +298,11 @@ def quantize(x: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
         scale = amax / _F32(f.qmax)
         scale = np.where(np.all(np.isfinite(x), axis=1), scale, _F32(np.nan)).astype(_F32)
         ok = scale > 0
-        y = np.where(ok[:, None], x / np.where(ok, scale, _F32(1))[:, None], _F32(0)).astype(_F32)
+        normal = scale >= _F32_MIN  # the reciprocal is finite: one product per element
+        safe = np.where(ok, scale, _F32(1)).astype(_F32)[:, None]
+        inv = (_F32(1) / safe).astype(_F32)
+        y = np.where(normal[:, None], x * inv, x / safe).astype(_F32)
+        y = np.where(ok[:, None], y, _F32(0)).astype(_F32)
         y = np.minimum(np.maximum(y, _F32(-f.qmax)), _F32(f.qmax))
     return f.encode(y), scale
 
@@ -370,8 +378,12 @@ def bound(fmt: str, dtype: str, nranks: int, collective: str = "all_reduce") -> 
     of them by c * M; the fp32 additions (and avg's division) add at most
     (N + 1) * 2^-24 * M(1 + c); the owner's quantization of a sum whose largest magnitude
     is at most M(1 + c) adds c * M(1 + c); the final rounding u * M(1 + c)^2. The fp32
-    roundings of x / scale and of code * scale add about 2^-24 per quantization, covered
-    by doubling the fp32 term. Not covered: a float16 result below its normal range
+    roundings of each quantization (inv = 1 / scale and x * inv: y off by at most 2^-23 |y|,
+    so the value by 2^-23 of the group's largest magnitude) and of code * scale (2^-24 of
+    it) add at most 1.5 * 2^-23 per quantization of its largest magnitude (times 1 + c):
+    for the ranks' groups and the owner's sum together at most 3 * 2^-23 * M(1 + c)^2
+    (the reduce-scatter: one of them, 1.5 * 2^-23 * M(1 + c)). Not covered: a float16
+    result below its normal range
     (an absolute error up to 2^-25 more: :func:`absolute_slack`) and a group whose scale
     is below fp32's normal range (largest magnitude below qmax * 2^-126, about 1e-37 for
     int4 and 1e-36 for int8): the scale then rounds to a multiple of 2^-149, which adds an
@@ -382,18 +394,19 @@ def bound(fmt: str, dtype: str, nranks: int, collective: str = "all_reduce") -> 
     about 0.0118; fp8 e4m3, c = 16/448, about 0.077; int4, whose codes -7..7 are 1/7 of
     the group's largest magnitude apart, so that rounding to one is off by at most half
     that (c = 0.5/7) before and again at the owner's requantization, about 0.152. The
-    clamp to +-qmax moves a value by at most its fp32 rounding (scale = amax / qmax is
-    rounded, so |x| / scale may exceed qmax by an ulp), inside the doubled fp32 term.
+    clamp to +-qmax moves a value by at most its fp32 roundings (scale = amax / qmax and
+    inv are rounded, so |x| * inv may exceed qmax by two ulps), inside the quantizations'
+    term.
 
     The reduce-scatter stops before the owner's quantization: its sum, of largest magnitude
-    at most M(1 + c), is rounded once, so ``c + u(1 + c) + (N + 1) 2^-23 (1 + c)``: about
+    at most M(1 + c), is rounded once, so ``c + u(1 + c) + (N + 2.5) 2^-23 (1 + c)``: about
     0.0079 for int8 -> bfloat16, 0.040 for fp8 and 0.076 for int4 (one quantization each).
     """
     c, u = FORMATS[fmt].step, _UNIT[dtype]
     fp32 = (nranks + 1) * 2.0**-23 * (1 + c)
     if collective == "reduce_scatter":
-        return c + u * (1 + c) + fp32
-    return c + c * (1 + c) + u * (1 + c) ** 2 + fp32
+        return c + u * (1 + c) + (nranks + 2.5) * 2.0**-23 * (1 + c)
+    return c + c * (1 + c) + u * (1 + c) ** 2 + fp32 + 3 * 2.0**-23 * (1 + c) ** 2
 
 
 def absolute_slack(dtype: str) -> float:
