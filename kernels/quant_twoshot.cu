@@ -15,20 +15,27 @@
 //   2. barrier     block b of every rank has stored its part b everywhere (signatures agree)
 //   3. reduce      part b of own slice: dequantize every rank's slot, add in rank order
 //                  0..N-1 (fp32), finish (avg); the all-reduce quantizes the sums once and
-//                  stores them into every rank's all-gather area, the reduce-scatter rounds
+//                  stores them into its own all-gather area, the reduce-scatter rounds
 //                  them once to the dtype into its output
-//   4. barrier     block b of every rank has stored its part b everywhere (the
-//                  reduce-scatter: has read its slots)
-//   5. dequantize  the all-reduce: part b of every slice of the all-gather area -> out
-//                  (poison after a failure; the reduce-scatter poisons its part of out)
-// Every rank dequantizes the same stored records: identical bits everywhere. The areas are
-// this kernel's alone, so a peer's next launch may store into slot [peer] before its entry
-// barrier: it starts only after its own launch passed the exit barrier, which this rank's
-// blocks reach after reading their slots. This rank may still read its all-gather area
-// then (phase 5), so that area lies apart from the slots of any launch (the host passes its
-// offset: ubnext/_protocol/quant.py, slots_bytes): the next launch's slots move with its
-// size, format and collective and would otherwise overlap it. Flags and launch state are
-// the family's own too, shared by both entry points.
+//   4. barrier     block b of every rank has stored its part b (the reduce-scatter: has
+//                  read its slots)
+//   5. dequantize  the all-reduce: part b of every slice, loaded from its owner's
+//                  all-gather area -> out (poison after a failure; the reduce-scatter
+//                  poisons its part of out)
+// The all-gather is by loads (phase 5 pulls the records) rather than stores in phase 3:
+// the dequantization then runs under the link transfer instead of after it (4x H100,
+// 256 MiB: int8 915 -> 883 us, bench/NOTES.md). Every rank dequantizes the same stored
+// records: identical bits everywhere. The areas are this kernel's alone, so a peer's next
+// launch may store into slot [peer] before its entry barrier: it starts only after its own
+// launch passed the exit barrier, which this rank's blocks reach after reading their slots.
+// Peers may still load this rank's all-gather area then (phase 5), so that area lies apart
+// from the slots of any launch (the host passes its offset: ubnext/_protocol/quant.py,
+// slots_bytes): the next launch's slots move with its size, format and collective and
+// would otherwise overlap it. This rank's next launch writes its all-gather area only
+// after its entry barrier, which every peer reaches only once its previous launch (phase
+// 5 included) has ended: a launch waits for the one before it on its stream
+// (enter_launch) before joining any barrier. Flags and launch state are the family's own
+// too, shared by both entry points.
 #include "quant.cuh"
 #include "transport.cuh"
 
@@ -172,13 +179,13 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
   WaitCtx c = wait_ctx(state, tp.rank);
   const UnitPart p = unit_part(slice);
   const int lane = p.lane;
-  const char* mine = tp.seg(tp.rank);
+  char* mine = tp.seg(tp.rank);
 
   // 1. reduce-scatter by stores of quantized units
   push_slices<T, Q, N>(tp, a, WholeMessage{src, n, units, slice}, p);
   const bool entered = tp.barrier(flags_off, 0, l.epoch + 1u, sig, c, kSiteEntryBarrier);
 
-  // 3. reduce own units in rank order, quantize once, all-gather by stores
+  // 3. reduce own units in rank order, quantize once into the own all-gather area
   for (u64 j = p.lo + p.warp; entered && j < p.hi && tp.rank * slice + j < units; j += p.warps) {
     const u64 g = tp.rank * slice + j;
     u32 words[R::kWords];
@@ -188,26 +195,24 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
       keep_scale(scale, s, lane, quantize_step<Q>(acc, w));
 #pragma unroll
       for (int i = 0; i < Q::kWords; ++i) words[s * Q::kWords + i] = w[i];
-      if ((s + 1) % R::kStepsPerVec == 0) {  // the last step of vector v: store it everywhere
-        const int v = s / R::kStepsPerVec;
-#pragma unroll
-        for (int k = 0; k < N; ++k) put_codes<Q>(tp.seg(tp.peer(k)) + a.ag(g), v, lane, words);
-      }
+      if ((s + 1) % R::kStepsPerVec == 0) put_codes<Q>(mine + a.ag(g), s / R::kStepsPerVec, lane, words);
     });
-#pragma unroll
-    for (int k = 0; k < N; ++k) put_scale<Q>(tp.seg(tp.peer(k)) + a.ag(g), lane, scale);
+    put_scale<Q>(mine + a.ag(g), lane, scale);
   }
   const bool ok = tp.barrier(flags_off, 1, l.epoch + 1u, 0, c, kSiteExitBarrier);
 
-  // 5. dequantize every gathered unit of part b into out; poison after a failure
-  for (int o = 0; o < N; ++o) {
+  // 5. all-gather by loads: every owner's part b dequantized into out, owners in peer()
+  //    order (spreads the loads over the links); poison after a failure
+  for (int k = 0; k < N; ++k) {
+    const int o = tp.peer(k);
+    const char* rec = tp.seg(o);
     for (u64 j = p.lo + p.warp; j < p.hi && o * slice + j < units; j += p.warps) {
       const u64 u = o * slice + j;
       u32 words[R::kWords];
       float scale[kSteps];
       if (ok) {
-        take_codes<Q>(mine + a.ag(u), lane, words);
-        take_scales<Q>(mine + a.ag(u), lane, scale);
+        take_codes<Q>(rec + a.ag(u), lane, words);
+        take_scales<Q>(rec + a.ag(u), lane, scale);
       }
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
