@@ -7,7 +7,9 @@
 Every size is checked before it is timed: inputs are small integers whose sums
 are exact in every dtype, outputs are poisoned with NaN first, and the result
 is compared bit for bit (``#wrong``). Calls are timed on such inputs too, also with
-``-c 0`` (the quantized kernels' speed depends on the values). The time is measured with CUDA events
+``-c 0`` (the quantized kernels' speed depends on the values); an in-place sum grows by
+N a call and reaches infinities within the timed calls, so the quantized in-place
+columns time groups that skip their arithmetic. The time is measured with CUDA events
 around ``-n`` back-to-back calls (eager), or around ``-G`` launches of a CUDA
 graph holding ``-n`` calls, and combined over ranks per ``-a`` (as nccl-tests:
 0 rank 0, 1 average, 2 minimum, 3 maximum). busbw = algbw * 2(n-1)/n.
@@ -403,8 +405,8 @@ def measure(world: World, args: argparse.Namespace, dtype: common.DType, op: str
     data (also with ``-c 0``: the quantized kernels' time depends on the values, e.g. a group
     of zeros skips its divisions). Collective; blocks the host."""
     send, recv = world.views(count, in_place)
-    common.upload(send, common.make_input(world.rank, world.size, send.size, 0).astype("float64"), dtype,
-                  world.stream)
+    send_n = world.collective.buffers(count, world.size)[0]  # send.size is a method on a torch tensor
+    common.upload(send, common.make_input(world.rank, world.size, send_n, 0).astype("float64"), dtype, world.stream)
     launch = _launcher(world, send, recv, dtype, op)
     for _ in range(args.warmup_iters):
         launch()

@@ -21,6 +21,7 @@ import bench_fakes as fakes  # noqa: E402
 from bench import _common as common  # noqa: E402
 from bench import _torchbench, compare, plot  # noqa: E402
 from bench import all_reduce_perf as arp  # noqa: E402
+from bench._sliced_perf import REDUCE_SCATTER_PERF  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "mpi_scripts"
 BF16, HALF, FLOAT = common.DTYPES["bfloat16"], common.DTYPES["half"], common.DTYPES["float"]
@@ -934,3 +935,30 @@ def test_tp_block_precision_table_and_json(monkeypatch, tmp_path, capsys):
     tp_block.report(fakes.Comm(fakes.Bootstrap()), plain, argv, _tp_block_records(plain))
     out = capsys.readouterr().out
     assert "# precision" not in out and json.loads((tmp_path / "t.json").read_text())["precision"] == []
+
+
+@pytest.mark.parametrize("program", [arp.ALL_REDUCE_PERF, REDUCE_SCATTER_PERF], ids=["all_reduce", "reduce_scatter"])
+def test_measure_times_this_ranks_data_also_on_torch_tensors(monkeypatch, program):
+    """measure() uploads the rank's make_input data before timing (the quantized kernels'
+    time depends on the values), counting the elements from the collective, not the array:
+    torch tensors (the nccl_symmetric backend's buffers) have no element-count attribute."""
+    from types import SimpleNamespace
+
+    import torch
+
+    count, nranks, rank = 64, 2, 1
+    args = arp.parse_args(["-d", "bfloat16", "-w", "0"], program)
+    send_n, recv_n = program.collective.buffers(count, nranks)
+    uploaded = []
+    world = SimpleNamespace(views=lambda c, in_place: (torch.zeros(send_n), torch.zeros(recv_n)),
+                            collective=program.collective, size=nranks, rank=rank, stream=None,
+                            comm=SimpleNamespace(bootstrap=SimpleNamespace(barrier=lambda: None)))
+    monkeypatch.setattr(common, "upload", lambda array, values, dtype, stream: uploaded.append((array, values)))
+    monkeypatch.setattr(arp, "_launcher", lambda *a: lambda: None)
+    monkeypatch.setattr(common, "timer", lambda *a: lambda: 2e-6)
+    monkeypatch.setattr(common, "allgather_float", lambda bootstrap, v: [v] * nranks)
+    assert arp.measure(world, args, common.DTYPES["bfloat16"], "sum", count, False) == pytest.approx(2e-6)
+    ((array, values),) = uploaded
+    assert array.numel() == send_n and values.size == send_n
+    np.testing.assert_array_equal(values, common.make_input(rank, nranks, send_n, 0))
+    assert np.any(values != 0)
