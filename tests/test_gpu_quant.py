@@ -129,10 +129,12 @@ def special_groups(rank: int) -> np.ndarray:
     owner's sum requantizes them too): rounding ties of int4 (scale 1: codes k + 0.5),
     of int8 (127) and of fp8 (448: halfway between e4m3 neighbours), every int4 code, a
     group of -0.0, one with a NaN, one with an infinity, one so small that its fp32 scale
-    is subnormal and rounds down (the clamp), a random one; then a partial group."""
+    is subnormal and rounds down (the clamp), a random one, two whose scales lie just below
+    2^-126 (rank 0's: divided, not multiplied by the reciprocal; the codes differ: int8
+    64, int4 -4); then a partial group."""
     import ml_dtypes
 
-    groups = np.zeros((9, _quant.GROUP), np.float32)
+    groups = np.zeros((11, _quant.GROUP), np.float32)
     groups[0, :12] = [7, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 4.5, 5.5, 6.5, -7]
     groups[1, :6] = [127, 0.5, 1.5, -2.5, 126.5, -125.5]
     groups[2, :5] = [448, 1.0625, 1.1875, -3, 2.0**-9]
@@ -142,6 +144,8 @@ def special_groups(rank: int) -> np.ndarray:
     groups[6, :3] = [1, -np.inf, 2]
     groups[7, :2] = [10 * 2.0**-133, -3 * 2.0**-133]  # bfloat16 subnormals; amax / 7 ~ 2^-130
     groups[8] = np.random.default_rng(rank).standard_normal(_quant.GROUP)
+    groups[9, :2] = [float.fromhex("0x1.6ep-120"), float.fromhex("0x1.6ep-121")]
+    groups[10, :2] = [float.fromhex("0x1.08p-124"), -float.fromhex("0x1.08p-125")]
     flat = np.concatenate([groups.reshape(-1), np.arange(1, 6, dtype=np.float32)])
     return (flat * (rank + 1)).astype(ml_dtypes.bfloat16)
 

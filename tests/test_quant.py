@@ -80,6 +80,13 @@ def test_codes_are_the_values_times_the_scales_reciprocal():
     group[0, :2] = [127 * tiny, 3 * tiny]
     codes, got = _quant.quantize(group, "int8")
     assert got[0] == tiny and list(codes[0, :2]) == [127.0, 3.0]
+    # scales just below 2^-126, whose reciprocals are finite: the quotient's tie (63.5, -3.5),
+    # not the product's (63.499996, -3.4999998), pins where the kernel switches
+    for fmt, amax, x, code in (("int8", "0x1.6ep-120", "0x1.6ep-121", 64.0), ("int4", "0x1.08p-124", "-0x1.08p-125", -4.0)):
+        group[0, :2] = [float.fromhex(amax), float.fromhex(x)]
+        codes, got = _quant.quantize(group, fmt)
+        assert got[0] < np.finfo(np.float32).tiny and np.isfinite(np.float32(1) / got[0])
+        assert codes[0, 1] == code, (fmt, codes[0, 1])
 
 
 def test_int4_codes_round_to_nearest_even_within_7_and_scale_is_amax_over_7():
