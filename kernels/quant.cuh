@@ -11,9 +11,9 @@
 // A unit crosses the links as one Record of whole 128-byte lines (layout below), written by
 // warp stores of 512 (codes) and 128 (scales) contiguous bytes.
 //
-// Every fp32 step is an explicit round-to-nearest-even intrinsic (__fdiv_rn, __fmul_rn,
-// __fadd_rn), so the compiler can neither contract a product and a sum into an FMA nor use
-// an approximate division: the host reproduces the bits.
+// Every fp32 step is an explicit round-to-nearest-even intrinsic (__fdiv_rn, __frcp_rn,
+// __fmul_rn, __fadd_rn), so the compiler can neither contract a product and a sum into an
+// FMA nor use an approximate division or reciprocal: the host reproduces the bits.
 #pragma once
 #include "common.cuh"
 

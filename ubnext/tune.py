@@ -482,7 +482,7 @@ def buffers(dtype: str, args: argparse.Namespace, stream) -> tuple[Any, Any]:
         count = max(count, args.gemm[0] * args.gemm[2])
     key = np.arange(count, dtype=np.uint32) * np.uint32(0x9E3779B1)  # a Weyl sequence
     values = (key >> np.uint32(16)).astype(np.float32) / np.float32(65536) - np.float32(0.5)
-    if dtype == "bfloat16":  # its bits: the top half of the float32's (exact here)
+    if dtype == "bfloat16":  # its bits: the top half of the float32's (truncated: any values will do)
         values = (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
     elif dtype == "float16":
         values = values.astype(np.float16).view(np.uint16)

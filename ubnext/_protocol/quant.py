@@ -162,7 +162,8 @@ def slots_bytes(nranks: int) -> int:
     largest launch in any format: N slots of S unit records each, S = ceil(units / N) for
     a launch of LAUNCH_BYTES. They start the quantized receive areas; the all-gather area
     (N * S records) follows at this offset, apart from the slots of every launch, which a
-    peer's next launch fills while this rank may still read its all-gather area."""
+    peer's next launch fills while other ranks may still load this rank's all-gather area
+    (the all-gather is by loads)."""
     slice_units = -(-units(LAUNCH_BYTES // 2) // nranks)
     return max(nranks * slice_units * record_bytes(f) for f in FORMATS)
 
