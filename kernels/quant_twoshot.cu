@@ -44,12 +44,13 @@
 #endif
 
 // Byte offsets of a launch's records in a segment, for S units per slice: the
-// reduce-scatter slots [N][S] from `slots`, the all-gather area [N * S] from `gather`.
+// reduce-scatter slots [N][S] from `slots`, the all-gather area [S] (the rank's own slice)
+// from `gather`.
 template <class Q> struct QuantAreas {
   u64 slots, gather;
   u64 s;  // units per slice
   __device__ u64 rs(int src, u64 j) const { return slots + (src * s + j) * Record<Q>::kBytes; }
-  __device__ u64 ag(u64 u) const { return gather + u * Record<Q>::kBytes; }
+  __device__ u64 ag(u64 j) const { return gather + j * Record<Q>::kBytes; }
 };
 
 // Units [lo, hi) of every slice of `slice` units that this block handles, and this
@@ -187,7 +188,6 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
 
   // 3. reduce own units in rank order, quantize once into the own all-gather area
   for (u64 j = p.lo + p.warp; entered && j < p.hi && tp.rank * slice + j < units; j += p.warps) {
-    const u64 g = tp.rank * slice + j;
     u32 words[R::kWords];
     float scale = 0.f;  // of step lane % kSteps (keep_scale)
     sum_unit<Op, Q, N>(mine, a, j, lane, [&](int s, float (&acc)[kLaneElems]) {
@@ -195,9 +195,9 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
       keep_scale(scale, s, lane, quantize_step<Q>(acc, w));
 #pragma unroll
       for (int i = 0; i < Q::kWords; ++i) words[s * Q::kWords + i] = w[i];
-      if ((s + 1) % R::kStepsPerVec == 0) put_codes<Q>(mine + a.ag(g), s / R::kStepsPerVec, lane, words);
+      if ((s + 1) % R::kStepsPerVec == 0) put_codes<Q>(mine + a.ag(j), s / R::kStepsPerVec, lane, words);
     });
-    put_scale<Q>(mine + a.ag(g), lane, scale);
+    put_scale<Q>(mine + a.ag(j), lane, scale);
   }
   const bool ok = tp.barrier(flags_off, 1, l.epoch + 1u, 0, c, kSiteExitBarrier);
 
@@ -211,8 +211,8 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
       u32 words[R::kWords];
       float scale[kSteps];
       if (ok) {
-        take_codes<Q>(rec + a.ag(u), lane, words);
-        take_scales<Q>(rec + a.ag(u), lane, scale);
+        take_codes<Q>(rec + a.ag(j), lane, words);
+        take_scales<Q>(rec + a.ag(j), lane, scale);
       }
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {

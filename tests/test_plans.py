@@ -424,7 +424,7 @@ def test_quantized_launches_take_the_slots_and_the_gather_area_after_them(make_c
     plan = comm._node.engine.plan
     slots = plan.offset("quant")
     assert launch[4][4:7] == (plan.offset("flags.quant"), slots, slots + _quant.slots_bytes(1))
-    assert slots + 2 * _quant.slots_bytes(1) == slots + plan.nbytes("quant")
+    assert slots + _quant.slots_bytes(1) + _quant.gather_bytes(1) == slots + plan.nbytes("quant")
 
 
 def test_the_quantized_reduce_scatter_launches_its_entry_of_the_all_reduces_module(make_comm, fakes):

@@ -360,7 +360,8 @@ def test_config_opt_in(monkeypatch):
 def test_pool_reserves_the_areas_only_when_opted_in():
     off = plan_layout(4, 1 << 20, 1 << 20, 1 << 20, _quant.quant_area_bytes(4, "off"))
     on = plan_layout(4, 1 << 20, 1 << 20, 1 << 20, _quant.quant_area_bytes(4, "int8"))
-    assert off.nbytes("quant") == 0 and on.nbytes("quant") == 2 * _quant.slots_bytes(4)
+    assert off.nbytes("quant") == 0 and on.nbytes("quant") == _quant.slots_bytes(4) + _quant.gather_bytes(4)
+    assert on.nbytes("quant") == 18 * 2**20 + 18 * 2**20 // 4  # 22.5 MiB at 4 ranks (docs, Config)
     assert on.offset("quant") % 128 == 0 and on.offset("flags.quant") % 16 == 0  # records on whole lines
     assert "quant.state" in on
     # any opt-in reserves room for every format (precision= picks one per call): int8's
@@ -370,18 +371,20 @@ def test_pool_reserves_the_areas_only_when_opted_in():
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4, 8])
 def test_areas_hold_every_launch_its_gather_area_apart_from_every_launchs_slots(nranks):
     """Every launch up to LAUNCH_BYTES in every format fits the areas (kernels/quant_twoshot.cu:
-    QuantAreas: N slots of S unit records, then an all-gather area of N S records from
-    slots_bytes), its records on whole 128-byte lines. The all-gather area starts where
-    the slots of the largest launch in the largest format end: a peer's next launch, of
-    any size and format, fills its slots while this rank may still read that area."""
-    slots, area = _quant.slots_bytes(nranks), _quant.quant_area_bytes(nranks, "int8")
-    assert slots % 128 == 0 and area == 2 * slots
+    QuantAreas: N slots of S unit records, then an all-gather area of the S records of the
+    rank's own slice from slots_bytes), its records on whole 128-byte lines. The all-gather
+    area starts where the slots of the largest launch in the largest format end: a peer's
+    next launch, of any size and format, fills this rank's slots while other ranks may
+    still load that area."""
+    slots, gather = _quant.slots_bytes(nranks), _quant.gather_bytes(nranks)
+    assert slots % 128 == 0 and _quant.quant_area_bytes(nranks, "int8") == slots + gather
+    assert gather * nranks == slots  # the largest launch's own slice: its S records
     for fmt in _quant.FORMATS:
         assert _quant.record_bytes(fmt) % 128 == 0
         assert _quant.record_bytes(fmt) == _quant.UNIT * _quant.bytes_per_element(fmt)
         for count in (1, 33, 4099, _quant.LAUNCH_BYTES // 2 - 7, _quant.LAUNCH_BYTES // 2):
-            records = nranks * -(-_quant.units(count) // nranks) * _quant.record_bytes(fmt)
-            assert records <= slots  # the slots end before the all-gather area; it ends in the area
+            own = -(-_quant.units(count) // nranks) * _quant.record_bytes(fmt)  # S records
+            assert nranks * own <= slots and own <= gather  # the slots end before the all-gather area
     big = nranks * -(-_quant.units(_quant.LAUNCH_BYTES // 2) // nranks) * _quant.record_bytes("int8")
     assert big == slots  # no room wasted: the largest launch fills the slots
 

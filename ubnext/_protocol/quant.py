@@ -161,19 +161,26 @@ def slots_bytes(nranks: int) -> int:
     """Bytes of the reduce-scatter slots (kernels/quant_twoshot.cu: QuantAreas) of the
     largest launch in any format: N slots of S unit records each, S = ceil(units / N) for
     a launch of LAUNCH_BYTES. They start the quantized receive areas; the all-gather area
-    (N * S records) follows at this offset, apart from the slots of every launch, which a
-    peer's next launch fills while other ranks may still load this rank's all-gather area
-    (the all-gather is by loads)."""
+    (:func:`gather_bytes`) follows at this offset, apart from the slots of every launch,
+    which a peer's next launch fills while other ranks may still load this rank's
+    all-gather area (the all-gather is by loads)."""
+    return nranks * gather_bytes(nranks)
+
+
+def gather_bytes(nranks: int) -> int:
+    """Bytes of a rank's all-gather area: the S unit records of its own slice of the
+    largest launch in any format (the all-gather is by loads: each rank stores only its
+    own slice, which every rank then loads from it)."""
     slice_units = -(-units(LAUNCH_BYTES // 2) // nranks)
-    return max(nranks * slice_units * record_bytes(f) for f in FORMATS)
+    return max(slice_units * record_bytes(f) for f in FORMATS)
 
 
 def quant_area_bytes(nranks: int, setting: str) -> int:
     """The pool bytes of the quantized receive areas of a communicator whose
     ``Config.quantized`` is ``setting``: none where it is ``"off"``, else the slots and the
     all-gather area of a launch in any format (``precision=`` picks one per call):
-    twice :func:`slots_bytes`."""
-    return 0 if setting == "off" else 2 * slots_bytes(nranks)
+    :func:`slots_bytes` + :func:`gather_bytes` (18 MiB + 18 / N MiB)."""
+    return 0 if setting == "off" else slots_bytes(nranks) + gather_bytes(nranks)
 
 
 def compile_defines(fmt: str, dtype: str, op: str, nranks: int) -> dict[str, str]:
