@@ -151,8 +151,7 @@ template <class Q> struct Record {
 // group (NaN if any element is NaN or infinite); where scale > 0 each code is x * (1 /
 // scale) clamped to +-kMax and rounded, else 0 (x / scale where the scale is below fp32's
 // normal range and its reciprocal could overflow). One product per element instead of an
-// IEEE division (about ten instructions): the division was half the quantization's issue
-// slots. Returns the scale, sets the codes w.
+// IEEE division, about ten instructions each. Returns the scale, sets the codes w.
 template <class Q> __device__ float quantize_step(const float (&x)[kLaneElems], u32 (&w)[Q::kWords]) {
   u32 top = 0u;  // the largest |x| as bits (their order is the magnitudes'): past kFltMaxBits
                  // for an infinity or a NaN, so one integer maximum finds both

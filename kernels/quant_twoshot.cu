@@ -23,8 +23,8 @@
 //                  all-gather area -> out (poison after a failure; the reduce-scatter
 //                  poisons its part of out)
 // The all-gather is by loads (phase 5 pulls the records) rather than stores in phase 3:
-// the dequantization then runs under the link transfer instead of after it (4x H100,
-// 256 MiB: int8 915 -> 883 us, bench/NOTES.md). Every rank dequantizes the same stored
+// the dequantization then runs under the link transfer instead of after it (measured in
+// bench/NOTES.md, twenty-second session). Every rank dequantizes the same stored
 // records: identical bits everywhere. The areas are this kernel's alone, so a peer's next
 // launch may store into slot [peer] before its entry barrier: it starts only after its own
 // launch passed the exit barrier, which this rank's blocks reach after reading their slots.
