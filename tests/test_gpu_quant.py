@@ -96,11 +96,18 @@ def check_quantized(comm, count: int, dtype: str, fmt: str, seed: int, *, op: st
     if place == "out":
         x.assert_intact("quantized all_reduce (input)")
         reference.assert_same_bits(host(x.view), inputs[comm.rank], "the call modified its input")
-    finite = np.all([np.isfinite(_quant._grouped(a)).all(axis=1) for a in inputs], axis=0)
-    errors = _quant.group_errors(inputs, got, op)[finite]
+    errors = _quant.group_errors(inputs, got, op)[bounded_groups(inputs)]
     limit = _quant.bound(fmt, dtype, comm.size) + 1e-12
     assert errors.size == 0 or errors.max() <= limit, f"error {errors.max()} over the bound {limit}"
     return launches
+
+
+def bounded_groups(inputs) -> np.ndarray:
+    """The groups the error bound covers: finite inputs whose sum cannot overflow (the
+    overflow rule makes the others NaN or inf)."""
+    groups = np.stack([_quant._grouped(a).astype(np.float64) for a in inputs])
+    largest = np.abs(groups).max(axis=2).sum(axis=0)
+    return np.isfinite(groups).all(axis=(0, 2)) & (largest < float(ml_dtypes.finfo(inputs[0].dtype).max) / 2)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -160,6 +167,59 @@ def test_special_groups_in_every_format(comm):
             data = [np.tile(x, repeat) for x in inputs]
             with collected(failures):
                 check_quantized(comm, data[0].size, "bfloat16", fmt, seed=90 + k, inputs=data, op="sum")
+    assert not failures, "\n".join(failures[:5])
+
+
+#: a bfloat16 value whose fp32 sum over two ranks overflows; float16's: 40000, whose fp32
+#: sum is finite and past float16's 65504
+BIG = {"bfloat16": 1.5 * 2.0**127, "float16": 40000.0}
+
+
+def overflow_inputs(groups: int, dtype: str, rank: int) -> np.ndarray:
+    """Rank ``rank``'s input of ``groups`` groups of random values where element g % 32 of
+    every 5th group g is +BIG (g % 10 == 0) or -BIG: its sum overflows from two ranks on."""
+    x = np.random.default_rng(rank).standard_normal((groups, _quant.GROUP)).astype(np.float32)
+    for g in range(0, groups, 5):
+        x[g, g % _quant.GROUP] = BIG[dtype] if g % 10 == 0 else -BIG[dtype]
+    return x.reshape(-1).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
+
+
+def assert_the_overflow_rule(result: np.ndarray, first: int, dtype: str, op: str, nranks: int) -> None:
+    """``result``: groups ``first``, ``first + 1``, ... of an overflow_inputs message. From two
+    ranks on, bfloat16: the groups holding BIG are NaN throughout (the fp32 sum overflowed,
+    avg's too); float16 sums: that element is +-inf (the sum rounded past 65504), the
+    group's others finite; every other group finite. At one rank, and float16 averages
+    (40000): everything finite."""
+    got = result.astype(np.float32).reshape(-1, _quant.GROUP)
+    for i, group in enumerate(got):
+        g = first + i
+        if g % 5 or nranks < 2 or (dtype, op) == ("float16", "avg"):
+            assert np.isfinite(group).all(), (g, group)
+        elif dtype == "bfloat16":
+            assert np.isnan(group).all(), (g, group)
+        else:
+            assert group[g % _quant.GROUP] == (np.inf if g % 10 == 0 else -np.inf), (g, group)
+            assert np.isfinite(np.delete(group, g % _quant.GROUP)).all(), (g, group)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("groups", [45, 2 * 1031])
+def test_an_overflowing_sum_follows_one_rule_in_both_collectives(comm, dtype, groups):
+    """The overflow rule of docs/quantized.md, bit for bit against the emulation in every
+    format, sum and avg, in the all-reduce and the reduce-scatter alike (``groups`` per
+    slice: a partial unit, and several units and a partial one)."""
+    n, r = comm.size, comm.rank
+    inputs = [overflow_inputs(n * groups, dtype, rank) for rank in range(n)]
+    failures = []
+    for j, fmt in enumerate(_formats(comm)):
+        for op in ("sum", "avg"):
+            with collected(failures):
+                check_quantized(comm, inputs[0].size, dtype, fmt, seed=300 + j, op=op, inputs=inputs)
+                assert_the_overflow_rule(reference.quantized(inputs, fmt, op), 0, dtype, op, n)
+            with collected(failures):
+                check_quantized_rs(comm, groups * _quant.GROUP, dtype, fmt, seed=400 + j, op=op, inputs=inputs)
+                mine = reference.quantized_reduce_scatter(inputs, fmt, op)[r]
+                assert_the_overflow_rule(mine, r * groups, dtype, op, n)
     assert not failures, "\n".join(failures[:5])
 
 
@@ -317,13 +377,10 @@ def check_quantized_rs(comm, k: int, dtype: str, fmt: str, seed: int, *, op: str
         mine = np.zeros(n * k, bool)
         mine[r * k:(r + 1) * k] = True
         reference.assert_same_bits(whole[~mine], inputs[r][~mine], "the call modified x outside its slice")
-    # the bound's groups: finite inputs whose sum cannot overflow the dtype (a slice may
-    # start at make_input's largest finite value, apart from its infinity and NaN)
+    # the bound's groups (a slice may start at make_input's largest finite value, apart
+    # from its infinity and NaN)
     slices = [a[r * k:(r + 1) * k] for a in inputs]
-    groups = np.stack([_quant._grouped(a).astype(np.float64) for a in slices])
-    largest = np.abs(groups).max(axis=2).sum(axis=0)
-    bounded = np.isfinite(groups).all(axis=(0, 2)) & (largest < float(ml_dtypes.finfo(inputs[0].dtype).max) / 2)
-    errors = _quant.group_errors(slices, got, op)[bounded]
+    errors = _quant.group_errors(slices, got, op)[bounded_groups(slices)]
     limit = _quant.bound(fmt, dtype, n, "reduce_scatter") + 1e-12
     assert errors.size == 0 or errors.max() <= limit, f"error {errors.max()} over the bound {limit}"
     return launches

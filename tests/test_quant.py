@@ -246,6 +246,58 @@ def test_reduce_scatter_specials():
             assert (out.view(np.uint16) == 0).all()
 
 
+BIG = 1.5 * 2.0**127  # a bfloat16 value; two of them overflow fp32
+
+
+def _overflow_groups(nranks: int) -> list[np.ndarray]:
+    """Every rank's bfloat16 input of 2 slices x 3 groups: a group whose element 0 is BIG on
+    every rank (its sum overflows to +inf), one whose element 5 is -BIG (-inf), one of small
+    integers (finite); the second slice the same groups in another order."""
+    out = []
+    for r in range(nranks):
+        g = np.tile(np.arange(1, 33, dtype=np.float32) * (r + 1), (3, 1))
+        g[0, 0], g[1, 5] = BIG, -BIG
+        out.append(np.concatenate([g[[0, 1, 2]].reshape(-1), g[[2, 0, 1]].reshape(-1)]).astype(NP["bfloat16"]))
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+@pytest.mark.parametrize("op", list(_quant.OPS))
+def test_an_overflowing_sum_turns_its_group_nan_in_both_collectives(fmt, op):
+    """The overflow rule: a group whose fp32 sum overflows comes out NaN, every element of it,
+    in the all-reduce and in the reduce-scatter alike; the other groups stay finite within
+    the bound."""
+    inputs = _overflow_groups(2)
+    nan_groups = np.array([True, True, False, False, True, True])  # the groups of the whole message
+    ar = _quant.all_reduce(inputs, fmt, op).astype(np.float32).reshape(6, 32)
+    rs = np.concatenate(_quant.reduce_scatter(inputs, fmt, op)).astype(np.float32).reshape(6, 32)
+    for got in (ar, rs):
+        assert np.isnan(got[nan_groups]).all() and np.isfinite(got[~nan_groups]).all()
+    finite = [x.reshape(6, 32)[~nan_groups] for x in inputs]
+    assert _quant.group_errors(finite, ar[~nan_groups], op).max() <= _quant.bound(fmt, "bfloat16", 2)
+
+
+def test_an_overflow_in_rank_order_counts_even_where_the_exact_sum_is_finite():
+    """BIG + BIG - BIG: the exact sum is BIG, the fp32 sum in rank order overflows first."""
+    parts = [np.full(64, v, np.float32).astype(NP["bfloat16"]) for v in (BIG, BIG, -BIG)]
+    parts = [np.concatenate([p, p[:32]]) for p in parts]  # 3 slices of 32
+    for fmt in _quant.FORMATS:
+        assert np.isnan(_quant.all_reduce(parts, fmt).astype(np.float32)).all()
+        assert all(np.isnan(o.astype(np.float32)).all() for o in _quant.reduce_scatter(parts, fmt))
+
+
+def test_a_finite_sum_past_float16s_range_is_inf_in_that_element_only():
+    """float16: the fp32 sum of 40000 + 40000 is finite; rounded to float16 it is +inf, the
+    group's other elements stay finite, in both collectives."""
+    x = np.ones(64, np.float16)
+    x[0] = x[32 + 7] = 40000
+    for fmt in _quant.FORMATS:
+        for got in (_quant.all_reduce([x, x], fmt), np.concatenate(_quant.reduce_scatter([x, x], fmt))):
+            got = got.astype(np.float32)
+            assert got[0] == got[32 + 7] == np.inf
+            assert np.isfinite(np.delete(got, [0, 32 + 7])).all()
+
+
 def test_reduce_scatter_takes_whole_slices():
     with pytest.raises(ValueError, match="not 4 slices"):
         _quant.reduce_scatter([np.ones(10, NP["bfloat16"])] * 4, "int8")

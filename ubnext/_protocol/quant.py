@@ -23,6 +23,13 @@ throughout, IEEE round to nearest even, no fused multiply-add):
   the slice's start, its last group padded with zeros) quantized and dequantized, added
   in rank order in fp32 by rank r, divided by N for ``avg``, and the sum rounded once to
   the input dtype: rank r's output, not requantized.
+* overflow, one rule for both: a group whose fp32 sum in rank order overflows (bfloat16
+  inputs near fp32's top) is NaN throughout, as a group holding a NaN or infinity is
+  (the all-reduce's requantization of it has a NaN scale; the reduce-scatter makes the
+  group NaN before rounding it). A finite fp32 result beyond the output dtype's range
+  (float16 past 65504) rounds to +-inf, that element only, in both. An overflow is thus
+  never silent: it comes out NaN or inf, which a loss scaler's check for non-finite
+  gradients sees.
 
 The error bound (:func:`bound`) is stated per group, relative to ``M``, the sum over the
 ranks of each rank's largest magnitude in the group (divided by N for ``avg``): every
@@ -336,7 +343,8 @@ def _grouped(a: np.ndarray) -> np.ndarray:
 def _sum(grouped, fmt: str, op: str) -> np.ndarray:
     """The owner's sum (both collectives' first half): every rank's groups (fp32, (G, GROUP)
     each, in rank order) quantized and dequantized, added in rank order in fp32, divided by
-    N for ``avg``."""
+    N for ``avg``; a group holding an infinity (a sum that overflowed) or a NaN is NaN
+    throughout (the overflow rule of both collectives)."""
     parts = [_round_trip(g, fmt) for g in grouped]
     acc = parts[0]
     with np.errstate(invalid="ignore", over="ignore"):
@@ -344,7 +352,7 @@ def _sum(grouped, fmt: str, op: str) -> np.ndarray:
             acc = (acc + p).astype(_F32)
         if op == "avg":
             acc = (acc / _F32(len(parts))).astype(_F32)
-    return acc
+    return np.where(np.isfinite(acc).all(axis=1)[:, None], acc, _F32(np.nan)).astype(_F32)
 
 
 def all_reduce(inputs, fmt: str, op: str = "sum") -> np.ndarray:
