@@ -6,9 +6,10 @@ group of the message), unaligned and in-place arrays, groups built to hit roundi
 the clamp, zeros, -0.0 and non-finite values, several launches, CUDA-graph replay, the two
 collectives back to back in changing sizes and formats; the opt-in rules (``auto``
 quantizes only on a communicator that opted in, from the selector table's measured
-threshold of the collective at 2 ranks or more: the shipped table's (for the
-reduce-scatter only its H100 entry has any), or a tune file's; full precision otherwise,
-bit for bit as before).
+threshold of the collective at 2 ranks or more: the shipped table's for this machine's own
+entry (only H100 80GB HBM3 in graph mode has any: no other machine takes them), or a tune
+file's; full precision otherwise, bit for bit as before); the overflow rule, alike in both
+collectives.
 
 Runs at any world size, ranks sharing a GPU included:
 ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_quant.py``.
@@ -61,6 +62,25 @@ def plain():
     c = ubnext.Communicator(**SMALL)
     yield c
     c.close()
+
+
+def shipped_threshold(comm, collective: str) -> int | None:
+    """The int8 bfloat16 threshold of ``collective`` that the shipped file (ubnext/tables/
+    default.json, read as JSON) holds for this machine's own entry (its GPU, nvlink, plain
+    arrays, the communicator's table mode) at this world size, or None: no machine takes
+    another's (the nearest-entry fallback lends rows only)."""
+    from pathlib import Path
+
+    from ubnext._environment.devices import device_name
+
+    key = (device_name(comm.device), "nvlink", "plain", comm.config.table_mode)
+    for e in json.loads((Path(__file__).parents[1] / "ubnext" / "tables" / "default.json").read_text())["entries"]:
+        if (e["gpu"], e["link"], e["placement"], e["mode"]) == key:
+            q = e.get("quantized", {})
+            tables = q.get("tables", {}) if collective == "all_reduce" else q.get("collectives", {}).get(
+                collective, {}).get("tables", {})
+            return None if comm.size < 2 else tables.get(str(comm.size), {}).get("bfloat16", {}).get("int8")
+    return None
 
 
 def _formats(comm):
@@ -234,8 +254,8 @@ def test_messages_past_one_launch(comm, fmt):
 def test_auto_quantizes_from_the_measured_threshold_and_exact_keeps_full_precision(comm, tmp_path):
     """On an opted-in communicator auto quantizes from the selector table's threshold at 2
     ranks or more: a tune file's (``"*"`` world sizes, bfloat16, int8 from 2 MiB); with the
-    shipped table, its threshold for this world size (measured above 2 MiB), and one rank
-    never. Smaller messages, one rank, float32, max and
+    shipped table, its threshold for this machine and world size (read from the file: none
+    but on H100 at 2 and 4 ranks, above 2 MiB), and one rank never. Smaller messages, one rank, float32, max and
     precision="exact" keep full precision, bit for bit as the plain path."""
     import torch
 
@@ -278,8 +298,8 @@ def test_auto_quantizes_from_the_measured_threshold_and_exact_keeps_full_precisi
         comm.all_reduce(torch.ones(big, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
     assert not any(launch.kernel.startswith("quantized") for launch in launches)
-    start, why = comm.selector.quantized("int8", "bfloat16")  # the shipped table's, for this world size
-    assert (start is None) == (comm.size not in (2, 4)), why  # the shipped entry measured 2 and 4 ranks
+    start, why = comm.selector.quantized("int8", "bfloat16")  # the shipped table's, for this machine only
+    assert start == shipped_threshold(comm, "all_reduce"), why
     text = comm.describe()["quantized"]
     assert "int8: auto reduces" in text and why in text, text
     assert start is None or start > 2 * big  # so the 2 MiB call above stayed exact
@@ -436,7 +456,8 @@ def test_reduce_scatter_auto_quantizes_from_its_own_threshold(comm, tmp_path):
     """auto: a tune file's reduce-scatter threshold (``"*"`` world sizes, bfloat16, int4 from
     2 MiB of input) at 2 ranks or more, full precision below it, with precision="exact", and
     at one rank; the all-reduce keeps its own (none in the file). With the shipped table
-    auto quantizes a reduce-scatter only from its H100 entry's threshold (2 and 4 ranks)."""
+    auto quantizes a reduce-scatter only from this machine's own entry's threshold (H100: 2
+    and 4 ranks)."""
     import torch
 
     import ubnext
@@ -469,12 +490,10 @@ def test_reduce_scatter_auto_quantizes_from_its_own_threshold(comm, tmp_path):
         assert not any(launch.kernel.startswith("quantized") for launch in launches)
         text = tuned.describe()["quantized"]
         assert ("reduce-scatters where it says so for them: bfloat16 from 2 MiB" in text) == (n > 1), text
-    # the shipped table: its H100 entry has reduce-scatter thresholds at 2 and 4 ranks (16 MiB),
-    # the H200 entry none (never, at any size)
+    # the shipped table: thresholds for this machine's own entry only (H100 graph: 2 and 4 ranks)
     whole = n * (8 << 20)  # elements: n x 16 MiB of bfloat16
     start, why = comm.selector.quantized("int8", "bfloat16", "reduce_scatter")
-    h100 = comm.selector.tables[-1].gpu.startswith("NVIDIA H100")
-    assert (start is not None) == (h100 and n in (2, 4)), why
+    assert start == shipped_threshold(comm, "reduce_scatter"), why
     with recorded_launches(comm) as launches:
         comm.reduce_scatter(torch.ones(whole, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()

@@ -536,14 +536,16 @@ def test_quant_error_script_writes_its_table(tmp_path):
 @pytest.mark.parametrize("setting", ["off", "int8"])
 def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     """Per size, the report says whether sums and averages run quantized and why: with the
-    shipped table (no quantized thresholds) never, not measured; with a tune file's
-    threshold from that size, naming the file's entry."""
+    shipped table never where it has no thresholds (8 ranks; a GPU not measured), from its
+    H100 entry's on that machine; with a tune file's threshold from that size, naming the
+    file's entry."""
     import types
 
     from ubnext._api import report as _report
     from ubnext._selection.select import Selector, buffer_limits
-    from ubnext._selection.table import parse_table
+    from ubnext._selection.table import Machine, parse_table
 
+    H100 = "NVIDIA H100 80GB HBM3"
     monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "fake")
     cfg = Config(quantized=setting)
     names = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
@@ -553,10 +555,11 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
                        "collectives": {"reduce_scatter": {"tables": {"4": {"bfloat16": {"int8": 16 * MiB}}}}}}}]},
         "tune file t.json")
 
-    def describe(table, size=4):
+    def describe(table, size=4, machine=Machine(H100)):
         comm = types.SimpleNamespace(config=cfg, rank=0, size=size, local_rank=0, local_size=size, device=0,
                                      path="kernels on the symmetric pool", algorithms=lambda: names, pool=None,
-                                     nvls=None, selector=Selector(size, buffer_limits(cfg), names, table))
+                                     nvls=None, selector=Selector(size, buffer_limits(cfg), names, table,
+                                                                  machine=machine))
         return _report.report(comm)
 
     d = describe(None, size=8)  # the shipped table has no thresholds for 8 ranks
@@ -568,14 +571,17 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     if setting == "off":
         assert d["quantized"] == _quant.describe("off", True, {}) and not any("sum and avg" in w for w in whys)
         return
-    never = "int8 never: not measured for 8 ranks (no selector table has quantized thresholds for them"
+    never = f"int8 never: not measured for 8 ranks on {H100} nvlink plain graph (no selector table has quantized " \
+            "thresholds for them"
     assert f"bfloat16 {never[5:]}" in d["quantized"] and all(never in why for why in whys)
-    shipped = describe(None)["quantized"]  # the H200 entry's thresholds, measured at 4 ranks
-    assert "bfloat16 from 8 MiB (4 ranks bfloat16 (quantized, default table: NVIDIA H200 nvlink plain graph))" \
+    shipped = describe(None)["quantized"]  # the H100 entry's thresholds, measured at 4 ranks
+    assert f"bfloat16 from 16 MiB (4 ranks bfloat16 (quantized, default table: {H100} nvlink plain graph))" \
         in shipped, shipped
-    # the shipped table has no reduce-scatter thresholds: never, at every size
-    rs_never = "int8 never: not measured for 4 ranks (no selector table has quantized reduce_scatter thresholds"
-    assert f"reduce-scatters where it says so for them: bfloat16 {rs_never[5:]}" in shipped, shipped
+    # a GPU the shipped table has no thresholds for (its rows from the nearest entry): never, at every size
+    elsewhere = describe(None, machine=Machine("NVIDIA B200"))["quantized"]
+    rs_never = ("int8 never: not measured for 4 ranks on NVIDIA B200 nvlink plain graph (no selector table has "
+                "quantized reduce_scatter thresholds")
+    assert f"reduce-scatters where it says so for them: bfloat16 {rs_never[5:]}" in elsewhere, elsewhere
     assert not any("quantized" in why for _, _, why in d["collectives"]["all_gather"]["bfloat16"])
     d = describe(tuned)
     assert "bfloat16 from 64 MiB (4 ranks bfloat16 (quantized, tune file t.json: any machine))" in d["quantized"]

@@ -254,6 +254,24 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbyte
     return fmt
 
 
+def check_opt_in(op: str, setting: str, archs) -> None:
+    """Refuse an opt-in (``Config.quantized``) to a format that a GPU of the node cannot
+    convert to (fp8 before sm_89), so that ``auto`` never chooses it there. Pure; every
+    rank passes the same ``archs`` (every local rank's compute capability, e.g. 80, in
+    local rank order) and raises alike.
+
+    Raises:
+        UbnextError: one line naming the setting, the first such GPU and the formats it runs.
+    """
+    fmt = FORMATS.get(setting)
+    short = [(r, arch) for r, arch in enumerate(archs) if fmt is not None and arch < fmt.min_arch]
+    if short:
+        rank, arch = short[0]
+        usable = " or ".join(f for f, q in FORMATS.items() if q.min_arch <= min(archs))
+        raise UbnextError(f"{op}: UBNEXT_QUANTIZED={setting} needs compute capability {fmt.min_arch / 10:.1f} or "
+                          f"newer on every GPU of the node (local rank {rank}'s: {arch / 10:.1f}); use {usable}")
+
+
 #: bits of a call signature's count field (``_signature``) above which the format is carried
 TAG_SHIFT = COUNT_BITS - 4
 
