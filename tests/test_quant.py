@@ -4,6 +4,8 @@ rules, the configuration and the pool layout it needs."""
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -518,6 +520,56 @@ def test_reduce_scatter_perf_checks_the_quantized_result_bit_for_bit(monkeypatch
         assert rows and all((r[8] != "0") == wrong for r in rows), rows
 
 
+def test_all_reduce_perf_flags_in_place_quantized_rows_whose_data_reached_inf(monkeypatch, capsys, tmp_path):
+    """A quantized in-place timing whose data turned non-finite (an engine that stores the
+    emulation, then inf in a call in place after one in place: the timed calls, not the
+    check; as a sum at N ranks reaches after about 128 / log2(N) calls) ends its row with '*',
+    sets non_finite_data in its JSON record
+    and prints the note; out of place, and in place on data that stays finite, nothing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_fakes as fakes
+
+    from bench import all_reduce_perf as arp
+
+    fakes.install(monkeypatch)
+    import cupy  # the fake
+
+    class Quantized(fakes.ReduceEngine):
+        def __init__(self, bootstrap, overflows):
+            super().__init__(bootstrap)
+            self.overflows, self.in_place = overflows, False
+
+        def all_reduce(self, send, recv, dtype, op, stream):
+            def work():
+                in_place, after_in_place = np.shares_memory(send.host, recv.host), self.in_place
+                self.in_place = in_place
+                recv.host[...] = _quant.all_reduce([send.host.copy()], "int8", op)
+                if in_place and after_in_place and self.overflows:
+                    recv.host[0] = np.inf
+            stream.enqueue(work)
+
+    for overflows in (True, False):
+        argv = ["-b", "64", "-e", "4K", "-f", "8", "-d", "bfloat16", "-n", "2", "-w", "1", "--precision", "int8",
+                "-J", str(tmp_path / f"{overflows}.json")]
+        args = arp.parse_args(argv)
+        boot = fakes.Bootstrap()
+        world = arp.World(fakes.Comm(boot), Quantized(boot, overflows), cupy.cuda.Stream(),
+                          lambda count, dtype: cupy.empty((count,), dtype.numpy), ["# Buffers: fake"])
+        assert arp.run(args, world, argv) == 0
+        out = capsys.readouterr().out
+        rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+        assert rows and all((r[-1] == arp.NON_FINITE_MARK) == overflows for r in rows), rows
+        assert all(r[8] == "0" and r[-1 - overflows] == "0" for r in rows), rows  # checked bit for bit
+        assert (arp.NON_FINITE_NOTE in out) == overflows
+        records = json.loads((tmp_path / f"{overflows}.json").read_text())["results"]
+        assert all(r["in_place"].get("non_finite_data", False) == overflows for r in records)
+        assert not any("non_finite_data" in r["out_of_place"] for r in records)
+
+
 def test_quant_error_script_writes_its_table(tmp_path):
     import sys
     from pathlib import Path
@@ -530,7 +582,16 @@ def test_quant_error_script_writes_its_table(tmp_path):
     assert "rows whose maximum exceeds the bound: 0" in text and "56.2% of bfloat16's" in text
     assert "int4: 0.625 bytes per element" in text and "31.2% of bfloat16's" in text
     assert "rs median    rs max  rs bound" in text  # the reduce-scatter's columns, checked against its bound
+    assert "rel2   rs rel2 exact rel2" in text  # relative to the result: each collective's and the exact path's
     assert (tmp_path / "quant_error.png").stat().st_size > 0 and (tmp_path / "quant_error.json").is_file()
+    rows = json.loads((tmp_path / "quant_error.json").read_text())["rows"]
+    int8 = [r for r in rows if r["format"] == "int8" and r["data"] == "normal"]
+    assert all(r["exact_path_rel2"] < r["rs_rel2"] < r["rel2"] < 0.02 for r in int8), int8
+    # ||result - exact|| / ||exact||: 3-4-5 by hand
+    inputs = [np.array([1.0, 4.0], np.float32), np.array([2.0, 0.0], np.float32)]
+    assert quant_error.relative_2norm(inputs, np.array([3.0, 4.0])) == 0.0
+    assert quant_error.relative_2norm(inputs, np.array([0.0, 0.0])) == 1.0
+    assert quant_error.relative_2norm(inputs, np.array([3.0, 1.0])) == pytest.approx(0.6)
 
 
 @pytest.mark.parametrize("setting", ["off", "int8"])
