@@ -7,9 +7,11 @@
 Every size is checked before it is timed: inputs are small integers whose sums
 are exact in every dtype, outputs are poisoned with NaN first, and the result
 is compared bit for bit (``#wrong``). Calls are timed on such inputs too, also with
-``-c 0`` (the quantized kernels' speed depends on the values); an in-place sum grows by
-N a call and reaches infinities within the timed calls, so the quantized in-place
-columns time groups that skip their arithmetic. The time is measured with CUDA events
+``-c 0`` (the quantized kernels' speed depends on the values). An in-place all-reduce sum
+grows by N a call and reaches infinities within the timed calls, whose quantized groups
+then skip their arithmetic: a quantized row whose in-place data reached inf or NaN on any
+rank ends with ``*`` (its JSON record ``"non_finite_data": true``) and a note below the
+table says so; use its out-of-place columns. The time is measured with CUDA events
 around ``-n`` back-to-back calls (eager), or around ``-G`` launches of a CUDA
 graph holding ``-n`` calls, and combined over ranks per ``-a`` (as nccl-tests:
 0 rank 0, 1 average, 2 minimum, 3 maximum). busbw = algbw * 2(n-1)/n.
@@ -41,6 +43,8 @@ from typing import Any
 
 if __package__ in (None, ""):  # run as a script (python bench/all_reduce_perf.py): bench/_standalone.py
     import _standalone  # noqa: F401
+
+import numpy as np  # noqa: E402
 
 from bench import _common as common  # noqa: E402
 from ubnext._protocol.quant import FORMATS as QUANT_FORMATS  # noqa: E402
@@ -498,8 +502,27 @@ def bench_size(world: World, args: argparse.Namespace, dtype: common.DType, op: 
         line += common.row_result(seconds * 1e6, algbw, busbw, wrong)
         record["in_place" if in_place else "out_of_place"] = {
             "time": seconds * 1e6, "alg_bw": algbw, "bus_bw": busbw, "nwrong": wrong}
+        if in_place and args.precision in QUANT_FORMATS and reached_non_finite(world, dtype, count):
+            line += f"  {NON_FINITE_MARK}"
+            record["in_place"]["non_finite_data"] = True
     record.update(actual_iterations=args.iters, experiment_name="")
     return line, record, failed, busbws
+
+
+#: the end of a row whose in-place quantized timing ran on data that reached inf or NaN
+NON_FINITE_MARK = "*"
+NON_FINITE_NOTE = (f"# {NON_FINITE_MARK}: in place, the timed calls' data reached inf or NaN (an all-reduce sum "
+                   "multiplies it by N a call), whose quantized groups skip their arithmetic: not a time of finite "
+                   "data; use the out-of-place columns")
+
+
+def reached_non_finite(world: World, dtype: common.DType, count: int) -> bool:
+    """Whether the in-place buffer of the calls just timed holds inf or NaN on any rank.
+    Collective; blocks the host."""
+    send = world.views(count, True)[0]
+    bits = common.download(send, world.collective.buffers(count, world.size)[0], dtype, world.stream)
+    bad = not np.isfinite(bits.view(dtype.numpy).astype(np.float32)).all()
+    return any(common.allgather_float(world.comm.bootstrap, float(bad)))
 
 
 def run(args: argparse.Namespace, world: World, argv: list[str]) -> int:
@@ -523,6 +546,8 @@ def run(args: argparse.Namespace, world: World, argv: list[str]) -> int:
                 failed += wrong_tests
                 busbws += bws
     avg_busbw = sum(busbws) / len(busbws) if busbws else 0.0
+    if any((r["in_place"] or {}).get("non_finite_data") for r in doc["results"]):
+        say(NON_FINITE_NOTE, flush=True)
     for line in common.footer(failed, avg_busbw, args.program.name):
         say(line, flush=True)
     if args.output_file and world.rank == 0:

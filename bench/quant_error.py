@@ -11,7 +11,11 @@ magnitude in the group (_quant.group_errors). The table gives the median, 99th
 percentile and maximum over groups, the stated bound (_quant.bound), and the same
 maximum for the full-precision path (the fp32 sum rounded once to the dtype) beside it;
 then the reduce-scatter's median and maximum (the same inputs as N slices, every rank's
-output) and its own bound. Writes ``quant_error.txt``, ``.json`` and ``.png`` (the
+output) and its own bound. Per group over M, more ranks look more accurate (M grows with
+N faster than the sum's magnitude does), so each case also gives the error relative to
+the result (``rel2``): ||result - exact||_2 / ||exact||_2 over the whole message, of the
+all-reduce, of the reduce-scatter (every rank's output in rank order: the message) and
+of the full-precision path. Writes ``quant_error.txt``, ``.json`` and ``.png`` (the
 all-reduce's distribution per format, the reduce-scatter's dashed) to ``--outdir``.
 
 Kinds of data: ``normal`` N(0, 1); ``heavy`` Student t with 2 degrees of freedom;
@@ -67,36 +71,48 @@ def full_precision(inputs) -> np.ndarray:
     return acc.astype(inputs[0].dtype)
 
 
-def reduce_scatter_errors(inputs, fmt: str) -> np.ndarray:
-    """Every group's error of the quantized reduce-scatter of ``inputs`` (N slices each),
-    over every rank's output."""
+def reduce_scatter_errors(inputs, outputs) -> np.ndarray:
+    """Every group's error of the quantized reduce-scatter ``outputs`` (every rank's, in rank
+    order) of ``inputs`` (N slices each)."""
     k = inputs[0].size // len(inputs)
-    outputs = _quant.reduce_scatter(inputs, fmt)
     return np.concatenate([_quant.group_errors([x[r * k:(r + 1) * k] for x in inputs], out, "sum")
                            for r, out in enumerate(outputs)])
 
 
+def relative_2norm(inputs, result) -> float:
+    """The error relative to the result: ||result - exact||_2 / ||exact||_2 over the message
+    (exact: the fp64 sum of ``inputs``)."""
+    exact = np.sum([x.astype(np.float64) for x in inputs], axis=0).reshape(-1)
+    return float(np.linalg.norm(np.asarray(result, np.float64).reshape(-1) - exact) / np.linalg.norm(exact))
+
+
 def measure(fmt: str, dtype: str, nranks: int, kind: str, count: int) -> dict:
     inputs = [rank_data(kind, dtype, count // nranks * nranks, r) for r in range(nranks)]
-    errors = _quant.group_errors(inputs, _quant.all_reduce(inputs, fmt), "sum")
-    baseline = _quant.group_errors(inputs, full_precision(inputs), "sum")
-    rs = reduce_scatter_errors(inputs, fmt)
+    result, exact_path = _quant.all_reduce(inputs, fmt), full_precision(inputs)
+    rs_outputs = _quant.reduce_scatter(inputs, fmt)
+    errors = _quant.group_errors(inputs, result, "sum")
+    baseline = _quant.group_errors(inputs, exact_path, "sum")
+    rs = reduce_scatter_errors(inputs, rs_outputs)
     return {"format": fmt, "dtype": dtype, "ranks": nranks, "data": kind, "groups": int(errors.size),
             "median": float(np.median(errors)), "p99": float(np.percentile(errors, 99)),
             "max": float(errors.max()), "bound": _quant.bound(fmt, dtype, nranks),
             "exact_path_max": float(baseline.max()), "distribution": np.quantile(errors, np.linspace(0, 1, 129)),
             "rs_median": float(np.median(rs)), "rs_max": float(rs.max()),
             "rs_bound": _quant.bound(fmt, dtype, nranks, "reduce_scatter"),
-            "rs_distribution": np.quantile(rs, np.linspace(0, 1, 129))}
+            "rs_distribution": np.quantile(rs, np.linspace(0, 1, 129)),
+            "rel2": relative_2norm(inputs, result), "rs_rel2": relative_2norm(inputs, np.concatenate(rs_outputs)),
+            "exact_path_rel2": relative_2norm(inputs, exact_path)}
 
 
 def table(rows: list[dict]) -> list[str]:
     lines = [f"{'format':<6} {'dtype':<9} {'ranks':>5} {'data':<9} {'median':>9} {'p99':>9} {'max':>9} "
-             f"{'bound':>9} {'exact max':>9} {'rs median':>9} {'rs max':>9} {'rs bound':>9}"]
+             f"{'bound':>9} {'exact max':>9} {'rs median':>9} {'rs max':>9} {'rs bound':>9} {'rel2':>9} "
+             f"{'rs rel2':>9} {'exact rel2':>10}"]
     for r in rows:
         lines.append(f"{r['format']:<6} {r['dtype']:<9} {r['ranks']:>5} {r['data']:<9} {r['median']:>9.5f} "
                      f"{r['p99']:>9.5f} {r['max']:>9.5f} {r['bound']:>9.5f} {r['exact_path_max']:>9.5f} "
-                     f"{r['rs_median']:>9.5f} {r['rs_max']:>9.5f} {r['rs_bound']:>9.5f}")
+                     f"{r['rs_median']:>9.5f} {r['rs_max']:>9.5f} {r['rs_bound']:>9.5f} {r['rel2']:>9.5f} "
+                     f"{r['rs_rel2']:>9.5f} {r['exact_path_rel2']:>10.5f}")
     return lines
 
 
@@ -142,6 +158,8 @@ def main(argv=None) -> int:
             "the group",
             "# rs: the quantized reduce-scatter of the same inputs (N slices, every rank's output): one "
             "quantization, no requantization",
+            "# rel2: relative to the result, ||result - exact||_2 / ||exact||_2 over the message (the "
+            "all-reduce's, the reduce-scatter's, the full-precision path's)",
             *[f"# {fmt}: {_quant.bytes_per_element(fmt):.3f} bytes per element on the links "
               f"({_quant.wire_fraction(fmt):.1%} of bfloat16's)" for fmt in _quant.FORMATS]]
     text = "\n".join(head + table(rows) + [f"# rows whose maximum exceeds the bound: {len(over)}"]) + "\n"

@@ -152,13 +152,30 @@ template <class Q> struct Record {
 // scale) clamped to +-kMax and rounded, else 0 (x / scale where the scale is below fp32's
 // normal range and its reciprocal could overflow). One product per element instead of an
 // IEEE division, about ten instructions each. Returns the scale, sets the codes w.
-template <class Q> __device__ float quantize_step(const float (&x)[kLaneElems], u32 (&w)[Q::kWords]) {
-  u32 top = 0u;  // the largest |x| as bits (their order is the magnitudes'): past kFltMaxBits
-                 // for an infinity or a NaN, so one integer maximum finds both
+// The largest |x| of the group of this lane's step x as bits (their order is the
+// magnitudes'; every lane of the warp calls it together): past kFltMaxBits where the group
+// holds an infinity or a NaN, so one integer maximum finds both.
+__device__ __forceinline__ u32 group_top(const float (&x)[kLaneElems]) {
+  u32 top = 0u;
 #pragma unroll
   for (int e = 0; e < kLaneElems; ++e) top = max(top, __float_as_uint(x[e]) & 0x7fffffffu);
 #pragma unroll
   for (int d = 1; d < kGroupLanes; d *= 2) top = max(top, __shfl_xor_sync(~0u, top, d));
+  return top;
+}
+
+// The overflow rule of both collectives: a group of the owner's fp32 sums that holds an
+// infinity (a sum that overflowed) or a NaN becomes NaN throughout, as the all-reduce's
+// requantization of it does (its scale is NaN). Every lane of the warp calls it together.
+__device__ __forceinline__ void poison_non_finite_group(float (&x)[kLaneElems]) {
+  if (group_top(x) > kFltMaxBits) {  // group-uniform
+#pragma unroll
+    for (int e = 0; e < kLaneElems; ++e) x[e] = __uint_as_float(Elem<float>::kNaN);
+  }
+}
+
+template <class Q> __device__ float quantize_step(const float (&x)[kLaneElems], u32 (&w)[Q::kWords]) {
+  const u32 top = group_top(x);
   const float scale = top <= kFltMaxBits ? __fdiv_rn(__uint_as_float(top), Q::kMax)
                                          : __uint_as_float(Elem<float>::kNaN);
   float y[kLaneElems] = {};  // the codes of a group of zeros or with a NaN scale: 0

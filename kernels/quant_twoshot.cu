@@ -233,7 +233,8 @@ __device__ void quant_twoshot_allreduce(const Unicast<N>& tp, u64 flags_off, u64
 
 // The quantized reduce-scatter of N slices of k elements (slice o at src + o * pitch
 // bytes): phases 1 to 4, phase 3 rounding this rank's sums once to T into dst (k elements,
-// local) instead of requantizing them; after a failure, poison into dst. dst may be this
+// local) instead of requantizing them (a group whose sum overflowed: NaN throughout, as the
+// all-reduce's requantization makes it); after a failure, poison into dst. dst may be this
 // rank's slice of src (in place): a unit of it is read (phase 1) and written (phase 3) by
 // the same warp.
 template <class T, class Op, class Q, int N>
@@ -254,6 +255,7 @@ __device__ void quant_twoshot_reduce_scatter(const Unicast<N>& tp, u64 flags_off
   // 3. reduce own units in rank order into dst, each sum rounded once
   for (u64 j = p.lo + p.warp; entered && j < p.hi; j += p.warps) {
     sum_unit<Op, Q, N>(mine, a, j, p.lane, [&](int s, float (&acc)[kLaneElems]) {
+      poison_non_finite_group(acc);  // the all-reduce's requantization does the same
       store_step(dst, step_elem(j, s, p.lane), k, Vec<T>::pack(acc));
     });
   }

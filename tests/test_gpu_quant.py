@@ -6,9 +6,10 @@ group of the message), unaligned and in-place arrays, groups built to hit roundi
 the clamp, zeros, -0.0 and non-finite values, several launches, CUDA-graph replay, the two
 collectives back to back in changing sizes and formats; the opt-in rules (``auto``
 quantizes only on a communicator that opted in, from the selector table's measured
-threshold of the collective at 2 ranks or more: the shipped table's (for the
-reduce-scatter only its H100 entry has any), or a tune file's; full precision otherwise,
-bit for bit as before).
+threshold of the collective at 2 ranks or more: the shipped table's for this machine's own
+entry (only H100 80GB HBM3 in graph mode has any: no other machine takes them), or a tune
+file's; full precision otherwise, bit for bit as before); the overflow rule, alike in both
+collectives.
 
 Runs at any world size, ranks sharing a GPU included:
 ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_quant.py``.
@@ -63,6 +64,25 @@ def plain():
     c.close()
 
 
+def shipped_threshold(comm, collective: str) -> int | None:
+    """The int8 bfloat16 threshold of ``collective`` that the shipped file (ubnext/tables/
+    default.json, read as JSON) holds for this machine's own entry (its GPU, nvlink, plain
+    arrays, the communicator's table mode) at this world size, or None: no machine takes
+    another's (the nearest-entry fallback lends rows only)."""
+    from pathlib import Path
+
+    from ubnext._environment.devices import device_name
+
+    key = (device_name(comm.device), "nvlink", "plain", comm.config.table_mode)
+    for e in json.loads((Path(__file__).parents[1] / "ubnext" / "tables" / "default.json").read_text())["entries"]:
+        if (e["gpu"], e["link"], e["placement"], e["mode"]) == key:
+            q = e.get("quantized", {})
+            tables = q.get("tables", {}) if collective == "all_reduce" else q.get("collectives", {}).get(
+                collective, {}).get("tables", {})
+            return None if comm.size < 2 else tables.get(str(comm.size), {}).get("bfloat16", {}).get("int8")
+    return None
+
+
 def _formats(comm):
     return [f for f in _quant.FORMATS if comm._arch >= _quant.FORMATS[f].min_arch]
 
@@ -96,11 +116,18 @@ def check_quantized(comm, count: int, dtype: str, fmt: str, seed: int, *, op: st
     if place == "out":
         x.assert_intact("quantized all_reduce (input)")
         reference.assert_same_bits(host(x.view), inputs[comm.rank], "the call modified its input")
-    finite = np.all([np.isfinite(_quant._grouped(a)).all(axis=1) for a in inputs], axis=0)
-    errors = _quant.group_errors(inputs, got, op)[finite]
+    errors = _quant.group_errors(inputs, got, op)[bounded_groups(inputs)]
     limit = _quant.bound(fmt, dtype, comm.size) + 1e-12
     assert errors.size == 0 or errors.max() <= limit, f"error {errors.max()} over the bound {limit}"
     return launches
+
+
+def bounded_groups(inputs) -> np.ndarray:
+    """The groups the error bound covers: finite inputs whose sum cannot overflow (the
+    overflow rule makes the others NaN or inf)."""
+    groups = np.stack([_quant._grouped(a).astype(np.float64) for a in inputs])
+    largest = np.abs(groups).max(axis=2).sum(axis=0)
+    return np.isfinite(groups).all(axis=(0, 2)) & (largest < float(ml_dtypes.finfo(inputs[0].dtype).max) / 2)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -163,6 +190,59 @@ def test_special_groups_in_every_format(comm):
     assert not failures, "\n".join(failures[:5])
 
 
+#: a bfloat16 value whose fp32 sum over two ranks overflows; float16's: 40000, whose fp32
+#: sum is finite and past float16's 65504
+BIG = {"bfloat16": 1.5 * 2.0**127, "float16": 40000.0}
+
+
+def overflow_inputs(groups: int, dtype: str, rank: int) -> np.ndarray:
+    """Rank ``rank``'s input of ``groups`` groups of random values where element g % 32 of
+    every 5th group g is +BIG (g % 10 == 0) or -BIG: its sum overflows from two ranks on."""
+    x = np.random.default_rng(rank).standard_normal((groups, _quant.GROUP)).astype(np.float32)
+    for g in range(0, groups, 5):
+        x[g, g % _quant.GROUP] = BIG[dtype] if g % 10 == 0 else -BIG[dtype]
+    return x.reshape(-1).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16)
+
+
+def assert_the_overflow_rule(result: np.ndarray, first: int, dtype: str, op: str, nranks: int) -> None:
+    """``result``: groups ``first``, ``first + 1``, ... of an overflow_inputs message. From two
+    ranks on, bfloat16: the groups holding BIG are NaN throughout (the fp32 sum overflowed,
+    avg's too); float16 sums: that element is +-inf (the sum rounded past 65504), the
+    group's others finite; every other group finite. At one rank, and float16 averages
+    (40000): everything finite."""
+    got = result.astype(np.float32).reshape(-1, _quant.GROUP)
+    for i, group in enumerate(got):
+        g = first + i
+        if g % 5 or nranks < 2 or (dtype, op) == ("float16", "avg"):
+            assert np.isfinite(group).all(), (g, group)
+        elif dtype == "bfloat16":
+            assert np.isnan(group).all(), (g, group)
+        else:
+            assert group[g % _quant.GROUP] == (np.inf if g % 10 == 0 else -np.inf), (g, group)
+            assert np.isfinite(np.delete(group, g % _quant.GROUP)).all(), (g, group)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("groups", [45, 2 * 1031])
+def test_an_overflowing_sum_follows_one_rule_in_both_collectives(comm, dtype, groups):
+    """The overflow rule of docs/quantized.md, bit for bit against the emulation in every
+    format, sum and avg, in the all-reduce and the reduce-scatter alike (``groups`` per
+    slice: a partial unit, and several units and a partial one)."""
+    n, r = comm.size, comm.rank
+    inputs = [overflow_inputs(n * groups, dtype, rank) for rank in range(n)]
+    failures = []
+    for j, fmt in enumerate(_formats(comm)):
+        for op in ("sum", "avg"):
+            with collected(failures):
+                check_quantized(comm, inputs[0].size, dtype, fmt, seed=300 + j, op=op, inputs=inputs)
+                assert_the_overflow_rule(reference.quantized(inputs, fmt, op), 0, dtype, op, n)
+            with collected(failures):
+                check_quantized_rs(comm, groups * _quant.GROUP, dtype, fmt, seed=400 + j, op=op, inputs=inputs)
+                mine = reference.quantized_reduce_scatter(inputs, fmt, op)[r]
+                assert_the_overflow_rule(mine, r * groups, dtype, op, n)
+    assert not failures, "\n".join(failures[:5])
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_messages_past_one_launch(comm, fmt):
     """A message of several launches (_quant.LAUNCH_BYTES each) reduces like one."""
@@ -174,8 +254,8 @@ def test_messages_past_one_launch(comm, fmt):
 def test_auto_quantizes_from_the_measured_threshold_and_exact_keeps_full_precision(comm, tmp_path):
     """On an opted-in communicator auto quantizes from the selector table's threshold at 2
     ranks or more: a tune file's (``"*"`` world sizes, bfloat16, int8 from 2 MiB); with the
-    shipped table, its threshold for this world size (measured above 2 MiB), and one rank
-    never. Smaller messages, one rank, float32, max and
+    shipped table, its threshold for this machine and world size (read from the file: none
+    but on H100 at 2 and 4 ranks, above 2 MiB), and one rank never. Smaller messages, one rank, float32, max and
     precision="exact" keep full precision, bit for bit as the plain path."""
     import torch
 
@@ -218,8 +298,8 @@ def test_auto_quantizes_from_the_measured_threshold_and_exact_keeps_full_precisi
         comm.all_reduce(torch.ones(big, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()
     assert not any(launch.kernel.startswith("quantized") for launch in launches)
-    start, why = comm.selector.quantized("int8", "bfloat16")  # the shipped table's, for this world size
-    assert (start is None) == (comm.size not in (2, 4)), why  # the shipped entry measured 2 and 4 ranks
+    start, why = comm.selector.quantized("int8", "bfloat16")  # the shipped table's, for this machine only
+    assert start == shipped_threshold(comm, "all_reduce"), why
     text = comm.describe()["quantized"]
     assert "int8: auto reduces" in text and why in text, text
     assert start is None or start > 2 * big  # so the 2 MiB call above stayed exact
@@ -317,13 +397,10 @@ def check_quantized_rs(comm, k: int, dtype: str, fmt: str, seed: int, *, op: str
         mine = np.zeros(n * k, bool)
         mine[r * k:(r + 1) * k] = True
         reference.assert_same_bits(whole[~mine], inputs[r][~mine], "the call modified x outside its slice")
-    # the bound's groups: finite inputs whose sum cannot overflow the dtype (a slice may
-    # start at make_input's largest finite value, apart from its infinity and NaN)
+    # the bound's groups (a slice may start at make_input's largest finite value, apart
+    # from its infinity and NaN)
     slices = [a[r * k:(r + 1) * k] for a in inputs]
-    groups = np.stack([_quant._grouped(a).astype(np.float64) for a in slices])
-    largest = np.abs(groups).max(axis=2).sum(axis=0)
-    bounded = np.isfinite(groups).all(axis=(0, 2)) & (largest < float(ml_dtypes.finfo(inputs[0].dtype).max) / 2)
-    errors = _quant.group_errors(slices, got, op)[bounded]
+    errors = _quant.group_errors(slices, got, op)[bounded_groups(slices)]
     limit = _quant.bound(fmt, dtype, n, "reduce_scatter") + 1e-12
     assert errors.size == 0 or errors.max() <= limit, f"error {errors.max()} over the bound {limit}"
     return launches
@@ -379,7 +456,8 @@ def test_reduce_scatter_auto_quantizes_from_its_own_threshold(comm, tmp_path):
     """auto: a tune file's reduce-scatter threshold (``"*"`` world sizes, bfloat16, int4 from
     2 MiB of input) at 2 ranks or more, full precision below it, with precision="exact", and
     at one rank; the all-reduce keeps its own (none in the file). With the shipped table
-    auto quantizes a reduce-scatter only from its H100 entry's threshold (2 and 4 ranks)."""
+    auto quantizes a reduce-scatter only from this machine's own entry's threshold (H100: 2
+    and 4 ranks)."""
     import torch
 
     import ubnext
@@ -412,12 +490,10 @@ def test_reduce_scatter_auto_quantizes_from_its_own_threshold(comm, tmp_path):
         assert not any(launch.kernel.startswith("quantized") for launch in launches)
         text = tuned.describe()["quantized"]
         assert ("reduce-scatters where it says so for them: bfloat16 from 2 MiB" in text) == (n > 1), text
-    # the shipped table: its H100 entry has reduce-scatter thresholds at 2 and 4 ranks (16 MiB),
-    # the H200 entry none (never, at any size)
+    # the shipped table: thresholds for this machine's own entry only (H100 graph: 2 and 4 ranks)
     whole = n * (8 << 20)  # elements: n x 16 MiB of bfloat16
     start, why = comm.selector.quantized("int8", "bfloat16", "reduce_scatter")
-    h100 = comm.selector.tables[-1].gpu.startswith("NVIDIA H100")
-    assert (start is not None) == (h100 and n in (2, 4)), why
+    assert start == shipped_threshold(comm, "reduce_scatter"), why
     with recorded_launches(comm) as launches:
         comm.reduce_scatter(torch.ones(whole, device="cuda", dtype=torch.bfloat16))
     torch.cuda.synchronize()

@@ -4,6 +4,8 @@ rules, the configuration and the pool layout it needs."""
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -246,6 +248,58 @@ def test_reduce_scatter_specials():
             assert (out.view(np.uint16) == 0).all()
 
 
+BIG = 1.5 * 2.0**127  # a bfloat16 value; two of them overflow fp32
+
+
+def _overflow_groups(nranks: int) -> list[np.ndarray]:
+    """Every rank's bfloat16 input of 2 slices x 3 groups: a group whose element 0 is BIG on
+    every rank (its sum overflows to +inf), one whose element 5 is -BIG (-inf), one of small
+    integers (finite); the second slice the same groups in another order."""
+    out = []
+    for r in range(nranks):
+        g = np.tile(np.arange(1, 33, dtype=np.float32) * (r + 1), (3, 1))
+        g[0, 0], g[1, 5] = BIG, -BIG
+        out.append(np.concatenate([g[[0, 1, 2]].reshape(-1), g[[2, 0, 1]].reshape(-1)]).astype(NP["bfloat16"]))
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(_quant.FORMATS))
+@pytest.mark.parametrize("op", list(_quant.OPS))
+def test_an_overflowing_sum_turns_its_group_nan_in_both_collectives(fmt, op):
+    """The overflow rule: a group whose fp32 sum overflows comes out NaN, every element of it,
+    in the all-reduce and in the reduce-scatter alike; the other groups stay finite within
+    the bound."""
+    inputs = _overflow_groups(2)
+    nan_groups = np.array([True, True, False, False, True, True])  # the groups of the whole message
+    ar = _quant.all_reduce(inputs, fmt, op).astype(np.float32).reshape(6, 32)
+    rs = np.concatenate(_quant.reduce_scatter(inputs, fmt, op)).astype(np.float32).reshape(6, 32)
+    for got in (ar, rs):
+        assert np.isnan(got[nan_groups]).all() and np.isfinite(got[~nan_groups]).all()
+    finite = [x.reshape(6, 32)[~nan_groups] for x in inputs]
+    assert _quant.group_errors(finite, ar[~nan_groups], op).max() <= _quant.bound(fmt, "bfloat16", 2)
+
+
+def test_an_overflow_in_rank_order_counts_even_where_the_exact_sum_is_finite():
+    """BIG + BIG - BIG: the exact sum is BIG, the fp32 sum in rank order overflows first."""
+    parts = [np.full(64, v, np.float32).astype(NP["bfloat16"]) for v in (BIG, BIG, -BIG)]
+    parts = [np.concatenate([p, p[:32]]) for p in parts]  # 3 slices of 32
+    for fmt in _quant.FORMATS:
+        assert np.isnan(_quant.all_reduce(parts, fmt).astype(np.float32)).all()
+        assert all(np.isnan(o.astype(np.float32)).all() for o in _quant.reduce_scatter(parts, fmt))
+
+
+def test_a_finite_sum_past_float16s_range_is_inf_in_that_element_only():
+    """float16: the fp32 sum of 40000 + 40000 is finite; rounded to float16 it is +inf, the
+    group's other elements stay finite, in both collectives."""
+    x = np.ones(64, np.float16)
+    x[0] = x[32 + 7] = 40000
+    for fmt in _quant.FORMATS:
+        for got in (_quant.all_reduce([x, x], fmt), np.concatenate(_quant.reduce_scatter([x, x], fmt))):
+            got = got.astype(np.float32)
+            assert got[0] == got[32 + 7] == np.inf
+            assert np.isfinite(np.delete(got, [0, 32 + 7])).all()
+
+
 def test_reduce_scatter_takes_whole_slices():
     with pytest.raises(ValueError, match="not 4 slices"):
         _quant.reduce_scatter([np.ones(10, NP["bfloat16"])] * 4, "int8")
@@ -466,6 +520,56 @@ def test_reduce_scatter_perf_checks_the_quantized_result_bit_for_bit(monkeypatch
         assert rows and all((r[8] != "0") == wrong for r in rows), rows
 
 
+def test_all_reduce_perf_flags_in_place_quantized_rows_whose_data_reached_inf(monkeypatch, capsys, tmp_path):
+    """A quantized in-place timing whose data turned non-finite (an engine that stores the
+    emulation, then inf in a call in place after one in place: the timed calls, not the
+    check; as a sum at N ranks reaches after about 128 / log2(N) calls) ends its row with '*',
+    sets non_finite_data in its JSON record
+    and prints the note; out of place, and in place on data that stays finite, nothing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_fakes as fakes
+
+    from bench import all_reduce_perf as arp
+
+    fakes.install(monkeypatch)
+    import cupy  # the fake
+
+    class Quantized(fakes.ReduceEngine):
+        def __init__(self, bootstrap, overflows):
+            super().__init__(bootstrap)
+            self.overflows, self.in_place = overflows, False
+
+        def all_reduce(self, send, recv, dtype, op, stream):
+            def work():
+                in_place, after_in_place = np.shares_memory(send.host, recv.host), self.in_place
+                self.in_place = in_place
+                recv.host[...] = _quant.all_reduce([send.host.copy()], "int8", op)
+                if in_place and after_in_place and self.overflows:
+                    recv.host[0] = np.inf
+            stream.enqueue(work)
+
+    for overflows in (True, False):
+        argv = ["-b", "64", "-e", "4K", "-f", "8", "-d", "bfloat16", "-n", "2", "-w", "1", "--precision", "int8",
+                "-J", str(tmp_path / f"{overflows}.json")]
+        args = arp.parse_args(argv)
+        boot = fakes.Bootstrap()
+        world = arp.World(fakes.Comm(boot), Quantized(boot, overflows), cupy.cuda.Stream(),
+                          lambda count, dtype: cupy.empty((count,), dtype.numpy), ["# Buffers: fake"])
+        assert arp.run(args, world, argv) == 0
+        out = capsys.readouterr().out
+        rows = [line.split() for line in out.splitlines() if not line.startswith("#")]
+        assert rows and all((r[-1] == arp.NON_FINITE_MARK) == overflows for r in rows), rows
+        assert all(r[8] == "0" and r[-1 - overflows] == "0" for r in rows), rows  # checked bit for bit
+        assert (arp.NON_FINITE_NOTE in out) == overflows
+        records = json.loads((tmp_path / f"{overflows}.json").read_text())["results"]
+        assert all(r["in_place"].get("non_finite_data", False) == overflows for r in records)
+        assert not any("non_finite_data" in r["out_of_place"] for r in records)
+
+
 def test_quant_error_script_writes_its_table(tmp_path):
     import sys
     from pathlib import Path
@@ -478,20 +582,31 @@ def test_quant_error_script_writes_its_table(tmp_path):
     assert "rows whose maximum exceeds the bound: 0" in text and "56.2% of bfloat16's" in text
     assert "int4: 0.625 bytes per element" in text and "31.2% of bfloat16's" in text
     assert "rs median    rs max  rs bound" in text  # the reduce-scatter's columns, checked against its bound
+    assert "rel2   rs rel2 exact rel2" in text  # relative to the result: each collective's and the exact path's
     assert (tmp_path / "quant_error.png").stat().st_size > 0 and (tmp_path / "quant_error.json").is_file()
+    rows = json.loads((tmp_path / "quant_error.json").read_text())["rows"]
+    int8 = [r for r in rows if r["format"] == "int8" and r["data"] == "normal"]
+    assert all(r["exact_path_rel2"] < r["rs_rel2"] < r["rel2"] < 0.02 for r in int8), int8
+    # ||result - exact|| / ||exact||: 3-4-5 by hand
+    inputs = [np.array([1.0, 4.0], np.float32), np.array([2.0, 0.0], np.float32)]
+    assert quant_error.relative_2norm(inputs, np.array([3.0, 4.0])) == 0.0
+    assert quant_error.relative_2norm(inputs, np.array([0.0, 0.0])) == 1.0
+    assert quant_error.relative_2norm(inputs, np.array([3.0, 1.0])) == pytest.approx(0.6)
 
 
 @pytest.mark.parametrize("setting", ["off", "int8"])
 def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     """Per size, the report says whether sums and averages run quantized and why: with the
-    shipped table (no quantized thresholds) never, not measured; with a tune file's
-    threshold from that size, naming the file's entry."""
+    shipped table never where it has no thresholds (8 ranks; a GPU not measured), from its
+    H100 entry's on that machine; with a tune file's threshold from that size, naming the
+    file's entry."""
     import types
 
     from ubnext._api import report as _report
     from ubnext._selection.select import Selector, buffer_limits
-    from ubnext._selection.table import parse_table
+    from ubnext._selection.table import Machine, parse_table
 
+    H100 = "NVIDIA H100 80GB HBM3"
     monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "fake")
     cfg = Config(quantized=setting)
     names = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
@@ -501,10 +616,11 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
                        "collectives": {"reduce_scatter": {"tables": {"4": {"bfloat16": {"int8": 16 * MiB}}}}}}}]},
         "tune file t.json")
 
-    def describe(table, size=4):
+    def describe(table, size=4, machine=Machine(H100)):
         comm = types.SimpleNamespace(config=cfg, rank=0, size=size, local_rank=0, local_size=size, device=0,
                                      path="kernels on the symmetric pool", algorithms=lambda: names, pool=None,
-                                     nvls=None, selector=Selector(size, buffer_limits(cfg), names, table))
+                                     nvls=None, selector=Selector(size, buffer_limits(cfg), names, table,
+                                                                  machine=machine))
         return _report.report(comm)
 
     d = describe(None, size=8)  # the shipped table has no thresholds for 8 ranks
@@ -516,14 +632,17 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
     if setting == "off":
         assert d["quantized"] == _quant.describe("off", True, {}) and not any("sum and avg" in w for w in whys)
         return
-    never = "int8 never: not measured for 8 ranks (no selector table has quantized thresholds for them"
+    never = f"int8 never: not measured for 8 ranks on {H100} nvlink plain graph (no selector table has quantized " \
+            "thresholds for them"
     assert f"bfloat16 {never[5:]}" in d["quantized"] and all(never in why for why in whys)
-    shipped = describe(None)["quantized"]  # the H200 entry's thresholds, measured at 4 ranks
-    assert "bfloat16 from 8 MiB (4 ranks bfloat16 (quantized, default table: NVIDIA H200 nvlink plain graph))" \
+    shipped = describe(None)["quantized"]  # the H100 entry's thresholds, measured at 4 ranks
+    assert f"bfloat16 from 16 MiB (4 ranks bfloat16 (quantized, default table: {H100} nvlink plain graph))" \
         in shipped, shipped
-    # the shipped table has no reduce-scatter thresholds: never, at every size
-    rs_never = "int8 never: not measured for 4 ranks (no selector table has quantized reduce_scatter thresholds"
-    assert f"reduce-scatters where it says so for them: bfloat16 {rs_never[5:]}" in shipped, shipped
+    # a GPU the shipped table has no thresholds for (its rows from the nearest entry): never, at every size
+    elsewhere = describe(None, machine=Machine("NVIDIA B200"))["quantized"]
+    rs_never = ("int8 never: not measured for 4 ranks on NVIDIA B200 nvlink plain graph (no selector table has "
+                "quantized reduce_scatter thresholds")
+    assert f"reduce-scatters where it says so for them: bfloat16 {rs_never[5:]}" in elsewhere, elsewhere
     assert not any("quantized" in why for _, _, why in d["collectives"]["all_gather"]["bfloat16"])
     d = describe(tuned)
     assert "bfloat16 from 64 MiB (4 ranks bfloat16 (quantized, tune file t.json: any machine))" in d["quantized"]

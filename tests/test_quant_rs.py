@@ -5,6 +5,8 @@ slices' pitch, the format's signature) through a recording engine."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,7 @@ from ubnext._protocol import signature as _signature
 from ubnext._protocol.algorithms import ALGORITHMS
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import parse_table
+from ubnext._selection.table import Machine, parse_table
 
 MIB = 1 << 20
 RANKS = 4
@@ -61,14 +63,14 @@ def make(monkeypatch):
     monkeypatch.setattr(_arrays, "launch_stream", lambda stream, x, device: (0, None, False))
     monkeypatch.setattr(_arrays, "empty_like", lambda x, s, o, side, shape=None: buffer(shape[0], x.dtype, 1 << 30))
 
-    def make(quantized="int8", table=None, kernels=True, arch=90):
+    def make(quantized="int8", table=None, kernels=True, arch=90, machine=None):
         cfg = Config(quantized=quantized)
         local = type("Local", (), {"rank": 1, "size": RANKS})()
         node = SimpleNamespace(pool=None, failure=lambda name, timeout: None) if kernels else None
         usable = [n for n, a in ALGORITHMS.items() if not a.multicast] if kernels else ["nccl"]
         return bare_communicator(fake_order(), config=cfg, _dispatch=Recorder(), rank=1, size=RANKS, _local=local,
                                  _node=node, _arch=arch, _nccl_reason=None if kernels else "test",
-                                 _selector=Selector(RANKS, buffer_limits(cfg), usable, table, ""))
+                                 _selector=Selector(RANKS, buffer_limits(cfg), usable, table, "", machine=machine))
 
     return make
 
@@ -119,11 +121,42 @@ def test_auto_quantizes_from_the_reduce_scatters_own_threshold(make):
     assert comm._quantized_format("all_reduce", "auto", "auto", buffer(4 * MIB), "sum") is None  # 8 MiB < 64 MiB
 
 
-@pytest.mark.parametrize("table", [None, "all-reduce only"])
-def test_auto_never_quantizes_where_no_reduce_scatter_threshold_was_measured(make, table):
-    """The shipped table has none, and a tune file with the all-reduce's only has none:
-    full precision at every size."""
-    comm = make(table=None if table is None else tune_file(ar={"bfloat16": {"int8": 1024}}))
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def shipped_rs_threshold(machine: Machine) -> int | None:
+    """The int8 bfloat16 reduce-scatter threshold at RANKS ranks that the shipped file
+    (ubnext/tables/default.json, read as JSON) holds for ``machine``'s exact key, or None."""
+    path = Path(__file__).parents[1] / "ubnext" / "tables" / "default.json"
+    for e in json.loads(path.read_text())["entries"]:
+        if (e["gpu"], e["link"], e["placement"], e["mode"]) == (machine.gpu, machine.link, machine.placement,
+                                                                machine.mode):
+            tables = e.get("quantized", {}).get("collectives", {}).get("reduce_scatter", {}).get("tables", {})
+            return tables.get(str(RANKS), {}).get("bfloat16", {}).get("int8")
+    return None
+
+
+@pytest.mark.parametrize("machine", [Machine("NVIDIA H200"), Machine(H100), Machine("NVIDIA B200"), Machine(None),
+                                     Machine(H100, mode="dependent"), Machine(H100, mode="eager"),
+                                     Machine(H100, link="pcie")], ids=lambda m: m.label())
+def test_auto_quantizes_a_reduce_scatter_only_where_the_shipped_table_measured_it(make, machine):
+    """The shipped table itself: its H100 graph entry's threshold on that machine (measured
+    at 4 ranks), and on every other machine none, its nearest entry's included: full
+    precision at every size, and describe() says why."""
+    want = shipped_rs_threshold(machine)
+    assert (want is not None) == (machine == Machine(H100))
+    comm = make(machine=machine)
+    comm.reduce_scatter(buffer(256 * MIB))
+    assert bool(quantized_calls(comm)) == (want is not None)
+    threshold, why = comm.selector.quantized("int8", "bfloat16", "reduce_scatter")
+    assert threshold == want, why
+    if want is None:
+        assert why.startswith(f"never: not measured for {RANKS} ranks on {machine.label()} (no selector table has "
+                              "quantized reduce_scatter thresholds"), why
+
+
+def test_a_tune_file_with_the_all_reduces_thresholds_only_has_none_for_the_reduce_scatter(make):
+    comm = make(table=tune_file(ar={"bfloat16": {"int8": 1024}}), machine=Machine("NVIDIA H200"))
     comm.reduce_scatter(buffer(256 * MIB))
     assert not quantized_calls(comm) and comm._dispatch.calls[0][0] == "reduce_scatter"
     threshold, why = comm.selector.quantized("int8", "bfloat16", "reduce_scatter")

@@ -492,7 +492,7 @@ def test_run_on_an_opted_in_communicator_measures_and_writes_the_quantized_thres
         "twoshot": [30, 110, 440], "nccl": [60, 220, 880], "int8": [31, 80, 300], "int4": [None] * 3}}
     assert record["all_gather"] == {"sizes": args.sizes, "winners": ["nccl"] * 3,
                                     "us": {"twoshot": [40, 140, 560], "nccl": [20, 70, 280]}}
-    sel = Selector(2, {}, ALL, load_table(str(out)))
+    sel = Selector(2, {}, ALL, load_table(str(out)), machine=Machine(entry.gpu))  # the machine it ran on
     assert sel.quantized("int4", "bfloat16")[0] == 64 * MiB and sel.quantized("int8", "bfloat16")[0] is None
     assert sel.quantized("int4", "float16")[1].startswith("from 64 MiB (2 ranks bfloat16 (no float16 rows) "
                                                           "(quantized, tune file ")

@@ -58,7 +58,9 @@ class Communicator(CallSteps):
     Raises:
         UbnextError: invalid configuration; no usable GPU, CuPy, MPI or NCCL (one line
             with the fix, raised before any collective setup); a launcher whose ranks
-            the bootstrap does not see; or a setup step failed on this rank.
+            the bootstrap does not see; a quantized opt-in that a GPU of the node cannot
+            run (fp8 before compute capability 8.9: on every rank alike); or a setup step
+            failed on this rank.
     """
 
     def __init__(self, bootstrap=None, device=None, config: Config | None = None, **overrides):
@@ -95,6 +97,8 @@ class Communicator(CallSteps):
             # read inside agreed_machine, so a rank that cannot read it still joins the allgather),
             # and for the mode UBNEXT_TABLE_MODE asks for
             machine, mixed = agreed_machine(self._local, lambda: device_name(self.device), config.table_mode)
+            if config.quantized in _quant.FORMATS:  # a format every GPU of the node runs (fp8: sm_89), alike
+                _quant.check_opt_in("Communicator", config.quantized, self._local.allgather_obj(self._arch))
             self._context = Context(self.device)
             self._nvls = _gate.decide(config.nvls, os.environ, self._local, self.device)
             self._node = self._setup_node()

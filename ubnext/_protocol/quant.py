@@ -23,6 +23,13 @@ throughout, IEEE round to nearest even, no fused multiply-add):
   the slice's start, its last group padded with zeros) quantized and dequantized, added
   in rank order in fp32 by rank r, divided by N for ``avg``, and the sum rounded once to
   the input dtype: rank r's output, not requantized.
+* overflow, one rule for both: a group whose fp32 sum in rank order overflows (bfloat16
+  inputs near fp32's top) is NaN throughout, as a group holding a NaN or infinity is
+  (the all-reduce's requantization of it has a NaN scale; the reduce-scatter makes the
+  group NaN before rounding it). A finite fp32 result beyond the output dtype's range
+  (float16 past 65504) rounds to +-inf, that element only, in both. An overflow is thus
+  never silent: it comes out NaN or inf, which a loss scaler's check for non-finite
+  gradients sees.
 
 The error bound (:func:`bound`) is stated per group, relative to ``M``, the sum over the
 ranks of each rank's largest magnitude in the group (divided by N for ``avg``): every
@@ -247,6 +254,24 @@ def choose(name: str, precision: str, algorithm: str, dtype: str, op: str, nbyte
     return fmt
 
 
+def check_opt_in(op: str, setting: str, archs) -> None:
+    """Refuse an opt-in (``Config.quantized``) to a format that a GPU of the node cannot
+    convert to (fp8 before sm_89), so that ``auto`` never chooses it there. Pure; every
+    rank passes the same ``archs`` (every local rank's compute capability, e.g. 80, in
+    local rank order) and raises alike.
+
+    Raises:
+        UbnextError: one line naming the setting, the first such GPU and the formats it runs.
+    """
+    fmt = FORMATS.get(setting)
+    short = [(r, arch) for r, arch in enumerate(archs) if fmt is not None and arch < fmt.min_arch]
+    if short:
+        rank, arch = short[0]
+        usable = " or ".join(f for f, q in FORMATS.items() if q.min_arch <= min(archs))
+        raise UbnextError(f"{op}: UBNEXT_QUANTIZED={setting} needs compute capability {fmt.min_arch / 10:.1f} or "
+                          f"newer on every GPU of the node (local rank {rank}'s: {arch / 10:.1f}); use {usable}")
+
+
 #: bits of a call signature's count field (``_signature``) above which the format is carried
 TAG_SHIFT = COUNT_BITS - 4
 
@@ -336,7 +361,8 @@ def _grouped(a: np.ndarray) -> np.ndarray:
 def _sum(grouped, fmt: str, op: str) -> np.ndarray:
     """The owner's sum (both collectives' first half): every rank's groups (fp32, (G, GROUP)
     each, in rank order) quantized and dequantized, added in rank order in fp32, divided by
-    N for ``avg``."""
+    N for ``avg``; a group holding an infinity (a sum that overflowed) or a NaN is NaN
+    throughout (the overflow rule of both collectives)."""
     parts = [_round_trip(g, fmt) for g in grouped]
     acc = parts[0]
     with np.errstate(invalid="ignore", over="ignore"):
@@ -344,7 +370,7 @@ def _sum(grouped, fmt: str, op: str) -> np.ndarray:
             acc = (acc + p).astype(_F32)
         if op == "avg":
             acc = (acc / _F32(len(parts))).astype(_F32)
-    return acc
+    return np.where(np.isfinite(acc).all(axis=1)[:, None], acc, _F32(np.nan)).astype(_F32)
 
 
 def all_reduce(inputs, fmt: str, op: str = "sum") -> np.ndarray:

@@ -112,7 +112,7 @@ class Selector:
         self._rows = {c: {dtype: next(found for t in self.tables if (found := t.lookup(nranks, dtype, c)))
                           for dtype in KERNEL_DTYPES} for c in COLLECTIVES}
         #: (collective, format, dtype) -> (the smallest message auto quantizes, or None: never; why)
-        self._quantized = {(c, fmt, dtype): _threshold(fmt, nranks, c, next(
+        self._quantized = {(c, fmt, dtype): _threshold(fmt, nranks, c, self.machine, next(
             (found for t in self.tables if (found := t.quantized_lookup(nranks, dtype, c))), None))
             for c in _quant.COLLECTIVES for fmt in _quant.FORMATS for dtype in _quant.DTYPES}
 
@@ -259,16 +259,16 @@ class Selector:
         return why
 
 
-def _threshold(fmt: str, nranks: int, collective: str,
+def _threshold(fmt: str, nranks: int, collective: str, machine: Machine,
                found: tuple[Thresholds, str] | None) -> tuple[int | None, str]:
     """:meth:`Selector.quantized` of ``fmt`` from the thresholds found for its collective,
-    world size and dtype."""
+    world size and dtype on ``machine``."""
     if nranks < 2:
         return None, "never: one rank moves nothing over links"
     if found is None:
         what = "quantized" if collective == "all_reduce" else f"quantized {collective}"
-        return None, (f"never: not measured for {nranks} ranks (no selector table has {what} thresholds "
-                      f"for them; python -m ubnext.tune --quantized measures them)")
+        return None, (f"never: not measured for {nranks} ranks on {machine.label()} (no selector table has "
+                      f"{what} thresholds for them; python -m ubnext.tune --quantized measures them)")
     thresholds, where = found
     if fmt not in thresholds:
         return None, f"never: {fmt} not measured ({where})"

@@ -99,11 +99,14 @@ elements, as ``select`` takes them); the all-gather has none (it stays exact). E
 ``tables`` or ``collectives`` may be left out, not both. A threshold is found as the rows
 are: the chosen entry of the first table that has it for the collective and world size
 (its own, then ``"*"``), a dtype without thresholds taking another's of the same element
-size. **What is not there was not measured, and auto then keeps full precision**: an
-entry without the key (every file written before it existed, the shipped table's other
-world sizes), a world size without thresholds in any table, a format missing from a
-dtype's, a collective without thresholds (the shipped table has reduce-scatter thresholds
-for H100 only: elsewhere an opted-in reduce-scatter quantizes only where a tune file says so). Full
+size. **Thresholds serve only the machine they were measured on**: an entry chosen for
+another machine (another GPU of its family, the first entry, another link, placement or
+mode: the fallbacks above) lends its rows, never its thresholds; a ``"*"`` in an entry's
+key (written by hand: ``python -m ubnext.tune`` writes the machine it ran on) says any.
+**What is not there was not measured, and auto then keeps full precision**: an entry
+without the key (files written before it existed; the shipped table's but H100's graph
+entry), a world size without thresholds in any table, a format missing from a dtype's, a
+collective without thresholds. Full
 precision, not a guessed size, because the quantized path is lossy and measurements
 (docs/quantized.md) show it slower than full precision at some sizes on some machines:
 quantizing where nobody measured that it pays could cost both accuracy and time.
@@ -193,7 +196,8 @@ class Table:
         entry: the entry's JSON object.
         by_collective: collective other than the all-reduce -> its rows, as ``rows``.
         quantized: world key -> dtype -> the quantized thresholds of the all-reduce (the
-            entry's ``quantized.tables``; empty where it has none: not measured).
+            entry's ``quantized.tables``; empty where it has none, and where
+            :meth:`TableFile.choose` took the entry for another machine: not measured).
         quantized_by_collective: collective other than the all-reduce (the reduce-scatter)
             -> its quantized thresholds, as ``quantized`` (``quantized.collectives``).
         why: why :meth:`TableFile.choose` chose it (``"exact match"``, or the fallback); "" before.
@@ -307,6 +311,13 @@ class TableFile:
                   for i, t in enumerate(self.entries)]
         (_, gpu, link, placement, mode), _, chosen = min(ranked, key=lambda r: (r[0], r[1]))
         reasons = []
+        # thresholds only for the machine measured (or an entry's "*", which says any)
+        measured = gpu in (0, 2) and max(link, placement, mode) < 2
+        if not measured and (chosen.quantized or chosen.quantized_by_collective):
+            chosen = replace(chosen, quantized={}, quantized_by_collective={})
+            unmeasured = f"; its quantized thresholds not taken (measured on {chosen.label} only)"
+        else:
+            unmeasured = ""
         if link == 2:
             reasons.append(f"no {machine.link} entry: {chosen.link}'s")
         if gpu and self.format == FORMAT_1:
@@ -324,7 +335,7 @@ class TableFile:
                                                 ("mode", mode, machine.mode)), 2):
             if got == 2:
                 reasons.append(f"no {value} {what} entry for {' '.join(before[:n])}: {getattr(chosen, what)}'s")
-        return replace(chosen, why="; ".join(reasons) or "exact match")
+        return replace(chosen, why=("; ".join(reasons) or "exact match") + unmeasured)
 
     def digest(self) -> str:
         """A hash of every entry's key and rows: equal on every rank that read the same table."""
