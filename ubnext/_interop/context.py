@@ -33,6 +33,12 @@ def caller_device() -> int:
     return runtime.getDevice()
 
 
+def current_device() -> int:
+    """The device of the current context (in a launch section: the communicator's; the
+    runtime's answer). Not collective; no context is made or switched."""
+    return _default_driver().runtime_device()
+
+
 class Driver:
     """The context calls of the CUDA driver. Tests pass a recording fake with these methods.
 
@@ -107,9 +113,14 @@ class Context:
         return caller
 
     def leave(self, caller) -> None:
-        """Gives the caller's context back (``caller``: what :meth:`enter` returned)."""
-        if caller != self.handle:
+        """Gives the caller's context back (``caller``: what :meth:`enter` returned, or the
+        context current before, where it was this one), whatever was made current
+        meanwhile: code run in between (torch's guards, a library's export) may have
+        switched it. One read of the current context where the caller's is current."""
+        if caller.__class__ is _Bare:
             _restore(self._driver, caller)
+        elif self.current_handle() != caller:
+            self._make_current(caller)
 
     def owns(self, stream: int) -> bool:
         """Whether stream handle ``stream`` belongs to this context: the handles of the
