@@ -12,7 +12,15 @@ afterwards, also where the caller had none.
 The communicator's launch section (``_streams.LaunchOrder``) enters it for every call,
 close and a dropped communicator's release included; the steps that run outside the
 section (abort's and the watchdog's announce, the node's teardown) enter it with
-``with context.current():``.
+``with context.current():``. Leaving either compares the context actually current with
+the caller's, so a switch made inside is undone too.
+
+This module is the one place that sets the context (tests/test_ambient_state.py). What
+else could switch it inside runs through :func:`keep_current` (a torch stream's
+constructor, which enters torch's device guard; a producer's DLPack export); torch's
+stream guard (``torch.cuda.stream``) and ``ExternalStream`` are not used at all: leaving
+the stream guard sets torch's lazy per-thread device, a ``cudaSetDevice`` that makes a
+context on a device no call of the communicator uses, which no restore undoes.
 """
 
 from __future__ import annotations

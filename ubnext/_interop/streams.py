@@ -152,7 +152,10 @@ class LaunchOrder:
     under them, nor close the communicator under them), and makes the communicator's
     context current where another one is (``_context.Context``): whatever device the
     caller made current, the call's kernels, compiles, allocations and stream handle 0
-    are the communicator's. Leaving gives the caller's context back and releases the lock.
+    are the communicator's. Leaving compares the context actually current with the
+    caller's and gives the caller's back whatever switched it inside (torch or CuPy code
+    the call ran, a producer's export), then releases the lock. An operation made of
+    several calls and launches of its own takes one ``composite`` section.
     ``follow`` makes ``stream`` wait for the stream of the previous launch when it is
     another one. The per-thread default stream is another stream in every thread, and a
     thread cannot name another thread's one, so leaving records an event after a call on
