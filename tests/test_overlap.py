@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from torch_fakes import rank_order, run_ranks  # noqa: E402
 
 import ubnext.torch as ut  # noqa: E402
-from ubnext import UbnextError  # noqa: E402
+from ubnext import ClosedError, UbnextError  # noqa: E402
 from ubnext.torch import _overlap_plan as plan  # noqa: E402
 from ubnext.torch import _rmsnorm  # noqa: E402
 
@@ -547,6 +547,11 @@ class _PooledComm:
                 comm.held -= 1
 
         self._order = SimpleNamespace(composite=Section)
+        self.closed = False
+
+    def _check_open(self, name):
+        if self.closed:
+            raise ClosedError(f"{name}: the communicator is closed")
 
     def algorithms(self):
         return ["lamport"]
@@ -818,3 +823,16 @@ def test_a_failing_overlapped_call_joins_the_side_stream_before_it_raises(op, fa
     assert _side_joined(cuda.calls)
     assert cuda.live == set() and comm.held == 0
     assert cuda.names()[-1] == "destroy"
+
+
+@pytest.mark.parametrize("op", OVERLAPPED)
+def test_an_overlapped_call_after_close_raises_before_anything_is_queued(op, monkeypatch):
+    """A close of another thread that came first (the call then enters the section after
+    it): ClosedError, nothing made, queued or launched, the section left."""
+    cuda = _fake_streams(monkeypatch)
+    comm = _AreaComm()
+    _recording_side(monkeypatch, comm)
+    comm.closed = True
+    with pytest.raises(ClosedError, match=f"ubnext::{op}: the communicator is closed"):
+        _run(op, comm, torch.ones(2 * 4, 8), torch.ones(8, 3))
+    assert comm.reached == [] and cuda.calls == [] and comm.held == 0

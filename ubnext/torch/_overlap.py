@@ -210,6 +210,7 @@ class _Call:
         self._section.__enter__()
         self._events = None
         try:
+            self._comm._check_open(f"ubnext::{self._name}")  # closed or broken: before anything is made or queued
             self._side = _side(self._comm, self._name)
             self._caller = _current(self._device)
             self._events = _Events()
