@@ -836,3 +836,55 @@ def test_an_overlapped_call_after_close_raises_before_anything_is_queued(op, mon
     with pytest.raises(ClosedError, match=f"ubnext::{op}: the communicator is closed"):
         _run(op, comm, torch.ones(2 * 4, 8), torch.ones(8, 3))
     assert comm.reached == [] and cuda.calls == [] and comm.held == 0
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_the_slot_sum_launches_as_config_pdl_says_and_keeps_its_arguments_across_threads(pdl, monkeypatch):
+    """Its launchers are dependent ones exactly where Config.pdl (and the device) says so,
+    and calls from several threads each launch with their own arguments (one argument pack
+    per launcher: the slot sum's own lock keeps pack and launch together)."""
+    import threading
+    import time
+
+    from stream_fakes import FakeDriver, fake_kernel
+
+    from ubnext._engine import launch as _launch
+    from ubnext._engine import slot_sum as _slot_sum
+
+    class Module:
+        def get_function(self, name):
+            return fake_kernel()
+
+    monkeypatch.setattr(_slot_sum, "compile_module", lambda source, defines, device: Module())
+    monkeypatch.setattr(_slot_sum, "programmatic", lambda on, device: on)
+    inside, seen, wrong = threading.Lock(), [], []
+
+    def on_launch(stream, read):
+        if not inside.acquire(blocking=False):
+            wrong.append(("overlap", stream))
+            return
+        try:
+            time.sleep(0)  # invite a thread switch between pack and launch
+            if read() != [stream, stream + 16, 4, stream + 48]:
+                wrong.append(stream)
+            seen.append(stream)
+        finally:
+            inside.release()
+
+    driver = FakeDriver(4, on_launch)
+    monkeypatch.setattr(_launch, "_cupy_driver", driver)
+    monkeypatch.setattr(_launch, "_launch_ex", driver.launch_ex)
+    sums = _slot_sum.SlotSum(0, 132, 2, pdl)
+    launchers = [*sums._launchers.values(), *sums._norms.values()]
+    assert launchers and all(launcher.dependent is pdl for launcher in launchers)
+
+    def calls(handle):
+        for _ in range(200):
+            sums("float32", handle, handle + 16, 4, handle + 48, handle)
+
+    workers = [threading.Thread(target=calls, args=(0x1000 * (t + 1),)) for t in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not wrong and len(seen) == 800
