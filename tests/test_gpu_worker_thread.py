@@ -37,12 +37,10 @@ Skipped without a GPU.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
-from gpu_support import SMALL, require_gpu_and_torch, small_integers
-from test_gpu_devices import array_device, caller_state, settled_state, state_changes
+from gpu_support import communicator, small_integers
+from test_gpu_devices import array_device, arrays_in, caller_state, in_new_thread, settled_state, state_changes
 
 pytestmark = pytest.mark.gpu
 
@@ -52,18 +50,9 @@ ROWS, HIDDEN, INTERMEDIATE = 16, 256, 512
 #: the overlapped GEMMs: m rows of a per rank, k, n (small integers: exact products)
 M, K, N = 8, 64, 32
 EPS = 1e-6
-THREAD_TIMEOUT_S = 300
 
-
-@pytest.fixture(scope="module")
-def comm():
-    """A communicator of every rank (the main thread: its constructor makes its device current)."""
-    require_gpu_and_torch()
-    import ubnext
-
-    c = ubnext.Communicator(**SMALL)
-    yield c
-    c.close()
+#: a communicator of every rank, made on the main thread (its constructor makes its device current there)
+comm = pytest.fixture(scope="module", name="comm")(communicator)
 
 
 def other_contexts(device: int) -> dict:
@@ -111,19 +100,11 @@ class Checked:
         created = [d for d in now if now[d] and not contexts[d]]
         if created:
             self.problems.append(f"{what}: created a primary context on device(s) {created}")
-        for a in _arrays(result):
+        for a in arrays_in(result):
             if array_device(a) != self.device:
                 self.problems.append(f"{what}: returned a tensor on device {array_device(a)}, "
                                      f"the communicator's is {self.device}")
         return result
-
-
-def _arrays(result):
-    if isinstance(result, (tuple, list)):
-        for r in result:
-            yield from _arrays(r)
-    elif array_device(result) is not None:
-        yield result
 
 
 def _host(t) -> np.ndarray:
@@ -132,21 +113,7 @@ def _host(t) -> np.ndarray:
 
 def in_worker(fn):
     """``fn()`` on a new thread that never set a device; its result, or its exception."""
-    box = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 (re-raised on the caller's thread)
-            box["error"] = e
-
-    t = threading.Thread(target=target, name="worker that never set its device", daemon=True)
-    t.start()
-    t.join(THREAD_TIMEOUT_S)
-    assert not t.is_alive(), f"the worker thread still runs after {THREAD_TIMEOUT_S} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return in_new_thread(fn, "a worker that never set its device")
 
 
 def _scenario(comm):
@@ -158,6 +125,18 @@ def _scenario(comm):
     x = torch.full((COUNT,), 1.0 + comm.rank, device=dev)
     s = torch.cuda.Stream(device=comm.device)
     return dev, x, s
+
+
+def _collectives_scenario(comm, h: dict):
+    """The scenario with the collectives' inputs ``h`` (``_collective_inputs``) in x and on
+    the device, ready (torch's current stream synchronized): ``(x, s, tensors, Checked)``."""
+    import torch
+
+    dev, x, s = _scenario(comm)
+    x.copy_(torch.from_numpy(h["mine"]))
+    d = _on(dev, x2d=h["x2d"], res=h["res"], weight=h["weight"], res_shard=h["res_shard"], shard=h["shard"])
+    torch.cuda.current_stream(comm.device).synchronize()  # the inputs before the calls on s
+    return x, s, d, Checked(comm.device)
 
 
 def _main_thread(comm, fn):
@@ -220,11 +199,7 @@ def test_the_communicators_collectives_on_a_worker_stream_without_out(comm):
     h = _collective_inputs(comm)
 
     def work():
-        dev, x, s = _scenario(comm)
-        check = Checked(comm.device)
-        x.copy_(torch.from_numpy(h["mine"]))
-        d = _on(dev, x2d=h["x2d"], res=h["res"], weight=h["weight"], res_shard=h["res_shard"], shard=h["shard"])
-        torch.cuda.current_stream(comm.device).synchronize()  # the inputs before the calls on s
+        x, s, d, check = _collectives_scenario(comm, h)
         got = {
             "all_reduce": check.call("all_reduce", lambda: comm.all_reduce(x, stream=s)),
             "all_reduce_add_rmsnorm": check.call("all_reduce_add_rmsnorm", lambda: comm.all_reduce_add_rmsnorm(
@@ -287,12 +262,8 @@ def _torch_ops(comm, inside_stream_block: bool) -> None:
     h = _collective_inputs(comm)
 
     def work():
-        dev, x, s = _scenario(comm)
-        check = Checked(comm.device)
-        x.copy_(torch.from_numpy(h["mine"]))
-        d = _on(dev, x2d=h["x2d"], res=h["res"], weight=h["weight"], res_shard=h["res_shard"], shard=h["shard"])
+        x, s, d, check = _collectives_scenario(comm, h)
         d["x"] = x
-        torch.cuda.current_stream(comm.device).synchronize()
         if not inside_stream_block:
             got = _torch_op_calls(comm, ut, d, check)
             torch.cuda.current_stream(comm.device).synchronize()

@@ -229,12 +229,15 @@ class LaunchOrder:
             self._followed = None
             if self._depth > 1:  # a call inside a composite section: the section goes on
                 self._depth -= 1
-                return
-            try:
-                self.context.leave(self._caller)
-            finally:
-                self._holder = None
-                self._release()
+            else:
+                self._leave()
+
+    def _leave(self) -> None:
+        try:
+            self.context.leave(self._caller)
+        finally:
+            self._holder = None
+            self._release()
 
     def composite(self) -> _Composite:
         """``with order.composite():`` one section for an operation made of several calls of
