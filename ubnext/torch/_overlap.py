@@ -197,7 +197,7 @@ class _Events:
 
 
 class _Call:
-    """``with _Call(comm, name) as (side, events, caller):`` one overlapped call: in the
+    """``with _Call(comm, name, device) as (side, events, caller):`` one overlapped call: in the
     communicator's section, its _Side, the call's events and the caller's stream (raw);
     the side stream forked from the caller's on entry and joined back on exit, whether the
     call completes or raises; the side marked ready where it completes."""
