@@ -58,8 +58,8 @@ IN_THE_GUARD = {
 SETS_ON_PURPOSE = {
     ("_api/communicator.py", "__init__"): "the Communicator makes its device the caller's current one at "
                                           "construction, as torch.cuda.set_device (the caller's convenience)",
-    ("_tools/dependent.py", "matmul_into"): "a benchmark tool's GEMM on the tool's CuPy stream, captured into a graph on "
-                                     "the tool's own thread (no call of the library)",
+    ("_tools/dependent.py", "matmul_into"): "a benchmark tool's GEMM on the tool's CuPy stream, captured into a "
+                                            "graph on the tool's own thread (no call of the library)",
 }
 
 
@@ -151,8 +151,7 @@ def context_switches(source: str) -> list[tuple[int, str, str]]:
             elif full == "torch.cuda.Stream" and not {"stream_id", "device_index"} <= {k.arg for k in node.keywords} \
                     and (node.args or node.keywords):
                 what = "torch.cuda.Stream(device): its constructor enters torch's device guard"
-            elif isinstance(node.func, ast.Attribute) and node.func.attr == "use" and isinstance(node.func.value, ast.Call) \
-                    and dotted(node.func.value.func, names).endswith("Device"):
+            elif _device_use(node, names):
                 what = "Device(...).use()"
         elif isinstance(node, ast.withitem) and isinstance(node.context_expr, ast.Call) \
                 and dotted(node.context_expr.func, names).rpartition(".")[2] == "Device":
@@ -161,6 +160,13 @@ def context_switches(source: str) -> list[tuple[int, str, str]]:
             line = node.context_expr.lineno if isinstance(node, ast.withitem) else node.lineno
             found.append((line, owner.get(node, ""), what))
     return sorted(found)
+
+
+def _device_use(call: ast.Call, names: dict[str, str]) -> bool:
+    """Whether ``call`` is ``<...>Device(...).use()``."""
+    func = call.func
+    return isinstance(func, ast.Attribute) and func.attr == "use" and isinstance(func.value, ast.Call) \
+        and dotted(func.value.func, names).endswith("Device")
 
 
 def unguarded_allocations(source: str) -> list[tuple[int, str, str]]:

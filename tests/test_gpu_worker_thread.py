@@ -304,7 +304,8 @@ def _overlapped_inputs(comm) -> dict:
     summed = _rows_of(rank, size, sum(x.astype(np.float64) @ y.astype(np.float64) for x, y in zip(a2, b2)))
     residual, bias = _ints((M, N), rank, 29), _ints((N,), 0, 33)
     gathered = np.concatenate(shards)
-    return dict(shard=shards[rank], b=b, gathered=gathered, product=(gathered.astype(np.float64) @ b).astype(np.float32),
+    product = (gathered.astype(np.float64) @ b).astype(np.float32)
+    return dict(shard=shards[rank], b=b, gathered=gathered, product=product,
                 a2=a2[rank], b2=b2[rank], summed=summed.astype(np.float32), residual=residual, bias=bias,
                 weight=0.5 + _ints((N,), 0, 31) / 4)
 

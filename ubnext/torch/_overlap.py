@@ -333,10 +333,10 @@ def _dtype(t: torch.Tensor) -> str:
 
 def _scatter(comm, name: str, a: torch.Tensor, b: torch.Tensor, reduce) -> None:
     """The rounds of the reduce-scatter side (the module docstring), in the call's section:
-    each rank's products pushed into its peers' slots under the GEMMs, a barrier, then ``reduce(side, slots, stride, r0, rows, stream)`` of
-    each round with rows (slot 0's address, the slots' stride in bytes, the round's first
-    output row and its rows; on the caller's stream ``stream``), which reads the slots and
-    writes the round's output rows."""
+    each rank's products pushed into its peers' slots under the GEMMs, a barrier, then
+    ``reduce(side, slots, stride, r0, rows, stream)`` of each round with rows (slot 0's
+    address, the slots' stride in bytes, the round's first output row and its rows; on the
+    caller's stream ``stream``), which reads the slots and writes the round's output rows."""
     size, rank = comm.size, comm.rank
     m, n = a.shape[0] // size, b.shape[1]
     with _Call(comm, name, a.get_device()) as (side, events, caller):
