@@ -422,8 +422,17 @@ def test_leaving_the_section_gives_the_callers_context_back_whatever_switched_it
         if composite:
             with order:
                 contexts.make_current(foreign)  # inside a call of the composite section
+                order.follow(A)  # before its launches: the communicator's again
+                assert contexts.current() == mine
+                contexts.make_current(foreign)
             assert contexts.current() == foreign  # an inner call's exit leaves the section's state alone
+            with order:  # the next call of the composite section: the communicator's again
+                assert contexts.current() == mine
+                contexts.make_current(foreign)
         else:
+            contexts.make_current(foreign)
+            order.follow(A)
+            assert contexts.current() == mine
             contexts.make_current(foreign)
     assert contexts.current() == before
 

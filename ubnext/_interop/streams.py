@@ -199,6 +199,7 @@ class LaunchOrder:
             if self._holder == get_ident():
                 if self._depth:  # a composite section of this thread: its calls are parts of it
                     self._depth += 1
+                    self._keep_context()
                     return self
                 from ubnext._protocol.errors import UbnextError
 
@@ -253,13 +254,22 @@ class LaunchOrder:
         came from, or None) that follow after those of the previous call. Costs one
         comparison while the stream stays the same. Only inside the section.
 
+        Also makes the communicator's context current again where code the call ran
+        before its launches switched it (torch's device guard of an allocation, whose exit
+        sets the device torch takes for the thread's: one read while nothing did).
+
         Raises:
             CudaError or CuPy's CUDARuntimeError: the wait could not be queued (the next
                 call tries again).
         """
+        self._keep_context()
         if stream != self._stream or stream == PER_THREAD:
             self._change(stream, owner)
         self._followed = stream  # once ordered: a failed wait leaves the previous stream the one to follow
+
+    def _keep_context(self) -> None:
+        if self._current() != self._handle:
+            self.context.enter()
 
     def close(self) -> None:
         """Drops the previous call's stream object and destroys its pending event, on this
