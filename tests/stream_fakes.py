@@ -24,12 +24,12 @@ class FakeCuda:
         self._next = 100
         self._mutex = threading.Lock()
 
-    def event(self, device: int) -> int:
+    def event(self) -> int:
         with self._mutex:
             self._next += 1
             event = self._next
             self.live.add(event)
-            self.calls.append(("event", device, event))
+            self.calls.append(("event", event))
         return event
 
     def record(self, event: int, stream: int) -> None:

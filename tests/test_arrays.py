@@ -103,7 +103,27 @@ def test_record_stream_marks_every_torch_tensor_for_the_side_stream(monkeypatch)
     record_stream(0x7800, side, (buffer_of(x, "torch"), None, buffer_of(out, "torch"), buffer_of(object(), "cupy")))
     assert x.recorded == [side] and out.recorded == [side]
     record_stream(0x7900, None, (buffer_of(x, "torch"),))  # a raw handle: an external stream of the device
-    assert x.recorded[-1].cuda_stream == 0x7900 and x.recorded[-1].device == 0
+    assert (x.recorded[-1].cuda_stream, x.recorded[-1].device, x.recorded[-1].device_type) == (0x7900, 0, 1)
+    record_stream(_streams.LEGACY, None, (buffer_of(x, "torch"),))  # the legacy default stream: torch's default, id 0
+    assert x.recorded[-1].cuda_stream == 0
+
+
+def test_a_new_torch_output_on_a_side_stream_is_ordered_after_the_current_stream(monkeypatch):
+    """Without torch's stream guard (whose exit sets torch's device: a context on another
+    GPU): allocated on the current stream, which the launch stream then waits for."""
+    torch = fake_torch(monkeypatch, current=0x7700)  # no torch.cuda.stream: a guard would raise
+    cuda = FakeCuda()
+    monkeypatch.setattr(_streams, "CUDA", cuda)
+    made = []
+    torch.empty_like = lambda t: made.append(t) or torch.Tensor(device=0)
+    x = torch.Tensor(device=0)
+    new = _arrays.empty_like(buffer_of(x, "torch"), 0x7800, None, True)
+    assert made == [x] and isinstance(new, torch.Tensor)
+    event = cuda.calls[0][1]
+    assert cuda.calls == [("event", event), ("record", event, 0x7700), ("wait", 0x7800, event), ("destroy", event)]
+    cuda.calls.clear()
+    _arrays.empty_like(buffer_of(x, "torch"), 0x7700, None, False)  # on the current stream: nothing to order
+    assert cuda.calls == [] and len(made) == 2
 
 
 def fake_torch(monkeypatch, current):
@@ -122,7 +142,13 @@ def fake_torch(monkeypatch, current):
             self.recorded.append(stream)
 
     class CudaStream:
-        def __init__(self, handle, device=0):
+        """torch.cuda.Stream: made by ubnext from the fields (stream_id, device_index,
+        device_type), which enters no device guard; its ``cuda_stream`` as torch reads an
+        external stream's id (the handle) or the default stream's (0)."""
+
+        def __init__(self, handle=None, device=0, *, stream_id=None, device_index=None, device_type=None):
+            if stream_id is not None:
+                handle, device, self.device_type = stream_id, device_index, device_type
             self.cuda_stream, self.device = handle, device
 
     def raw(device):
@@ -132,7 +158,7 @@ def fake_torch(monkeypatch, current):
     torch = types.SimpleNamespace(
         Tensor=Tensor, bfloat16="bf16", float16="f16", float32="f32", asked=asked,
         _C=types.SimpleNamespace(_cuda_getCurrentRawStream=raw),
-        cuda=types.SimpleNamespace(Stream=CudaStream, ExternalStream=CudaStream),
+        cuda=types.SimpleNamespace(Stream=CudaStream),  # no ExternalStream: it enters torch's device guard
     )
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setattr(_arrays, "_TORCH_NAMES", {})
@@ -247,8 +273,8 @@ def test_dlpack_memory_off_the_gpu_is_refused(cuda, device_memory):
 def test_an_interface_stream_is_waited_for_on_the_launch_stream(cuda, device_memory):
     b = as_buffer(CaiProducer(stream=0x6600), "all_reduce", LAUNCH)
     assert (b.ptr, b.count, b.dtype, b.shape) == (4096, 4, "float32", (4,))
-    event = cuda.calls[0][2]
-    assert cuda.calls == [("event", 0, event), ("record", event, 0x6600), ("wait", LAUNCH, event),
+    event = cuda.calls[0][1]
+    assert cuda.calls == [("event", event), ("record", event, 0x6600), ("wait", LAUNCH, event),
                           ("destroy", event)]
 
 

@@ -143,11 +143,17 @@ ALGORITHMS = ("lamport", "lamport_twoshot", "twoshot")
 @pytest.mark.parametrize("mode", ["eager", "planned", "graph"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_late_producer_never_yields_a_wrong_sum_and_the_kernel_enters_before_it_ends(
-        comm, producer, algorithm, mode):
+        comm, producer, algorithm, mode, monkeypatch):
+    """"eager" takes the full (unplanned) path at every call (no ``out``: a call that
+    allocates its output is never planned), "planned" the call plan of the first call's
+    arguments, "graph" a replay; the path each call took is checked."""
     import cupy
 
     if algorithm not in comm.algorithms():
         pytest.skip(f"{algorithm} does not run on this communicator")
+    full_paths = []  # the Dispatcher's full-path launches (a planned call launches its plan instead)
+    full = comm._dispatch.all_reduce
+    monkeypatch.setattr(comm._dispatch, "all_reduce", lambda *a, **k: full_paths.append(1) or full(*a, **k))
     with cupy.cuda.Device(comm.device):
         stream = cupy.cuda.Stream(non_blocking=True)
         host, expected = small_integers(comm, COUNT, seed=len(mode) + len(algorithm))
@@ -165,13 +171,17 @@ def test_a_late_producer_never_yields_a_wrong_sum_and_the_kernel_enters_before_i
                 graph = stream.end_capture()
             for _ in range(calls):
                 out.fill(np.nan)
+                result = out
                 if mode == "graph":
                     graph.launch(stream)
                 else:
                     late()
-                    comm.all_reduce(x, out=out, algorithm=algorithm, stream=stream)
+                    before = len(full_paths)
+                    result = comm.all_reduce(x, out=None if mode == "eager" else out, algorithm=algorithm,
+                                             stream=stream)
+                    assert len(full_paths) == before + (mode == "eager"), f"the {mode} call took the other path"
                 stream.synchronize()
-                np.testing.assert_array_equal(cupy.asnumpy(out), expected, strict=True)
+                np.testing.assert_array_equal(cupy.asnumpy(result), expected, strict=True)
         entered = comm._node.engine.entries()[_state(algorithm)]
         end = int(late.end.get()[0])
     if _sm90(comm):

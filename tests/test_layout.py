@@ -77,6 +77,35 @@ def imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def in_functions(path: Path) -> set[int]:
+    """The lines of the imports in ``path`` that are made inside a function (run when it is
+    called, not when the module is imported)."""
+    lines = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            lines.update(n.lineno for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return lines
+
+
+def upward(path: Path) -> list[str]:
+    """The imports of ``path`` that point up the layers: any not in ALLOWED_UPWARD, and an
+    allowed one made at module level (it must be made inside the function that needs it,
+    so that importing the lower layer does not import the upper one)."""
+    mine = layer_of(module_name(path))
+    inside = in_functions(path)
+    found = []
+    for line, target in imports(path):
+        theirs = layer_of(target)
+        if LAYERS.index(theirs) <= LAYERS.index(mine):
+            continue
+        where = f"{path.relative_to(PACKAGE.parent)}:{line}: {target} ({mine or 'entry'} -> {theirs or 'entry'})"
+        if (mine, theirs) not in ALLOWED_UPWARD:
+            found.append(where)
+        elif line not in inside:
+            found.append(where + " at module level; allowed only inside the function that needs it")
+    return found
+
+
 def modules() -> list[Path]:
     return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
@@ -93,13 +122,24 @@ def test_top_level_holds_only_entry_points():
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: module_name(p))
 def test_imports_point_down(path):
-    mine = layer_of(module_name(path))
-    upward = []
-    for line, target in imports(path):
-        theirs = layer_of(target)
-        if LAYERS.index(theirs) > LAYERS.index(mine) and (mine, theirs) not in ALLOWED_UPWARD:
-            upward.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {target} ({mine or 'entry'} -> {theirs or 'entry'})")
-    assert upward == [], "imports pointing up the layers:\n" + "\n".join(upward)
+    found = upward(path)
+    assert found == [], "imports pointing up the layers:\n" + "\n".join(found)
+
+
+def test_an_allowed_upward_import_counts_only_inside_a_function(tmp_path, monkeypatch):
+    """The one allowed upward import (_api -> torch) passes inside a function and fails
+    at module level; an upward import that is not allowed fails inside a function too."""
+    root = tmp_path / "ubnext"
+    (root / "_api").mkdir(parents=True)
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", root)
+    module = root / "_api" / "planted.py"
+    module.write_text("def call():\n    from ubnext.torch import _traced\n")
+    assert upward(module) == []
+    module.write_text("from ubnext.torch import _traced\n")
+    assert upward(module) == ["ubnext/_api/planted.py:1: ubnext.torch (_api -> torch) at module level; "
+                              "allowed only inside the function that needs it"]
+    module.write_text("def call():\n    from ubnext._tools import info\n")
+    assert upward(module) == ["ubnext/_api/planted.py:2: ubnext._tools (_api -> _tools)"]
 
 
 def test_the_checker_resolves_relative_and_module_imports(tmp_path):

@@ -8,7 +8,7 @@ overlapped one)."""
 
 from __future__ import annotations
 
-import contextlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from torch_fakes import rank_order, run_ranks  # noqa: E402
 
 import ubnext.torch as ut  # noqa: E402
-from ubnext import UbnextError  # noqa: E402
+from ubnext import ClosedError, UbnextError  # noqa: E402
 from ubnext.torch import _overlap_plan as plan  # noqa: E402
 from ubnext.torch import _rmsnorm  # noqa: E402
 
@@ -530,12 +530,28 @@ def test_the_trace_summary_counts_time_under_two_gemm_kernels_once(tmp_path):
 # ---- a first overlapped call under CUDA graph capture --------------------------------------
 class _PooledComm:
     """A communicator that would overlap (2 ranks, a pool, the barrier's algorithm) and
-    records what an overlapped call reaches."""
+    records what an overlapped call reaches; its launch section records whether it is held."""
 
     rank, size, device, local_rank, pool = 0, 2, 0, 0, {}
 
     def __init__(self):
         self.reached = []
+        self.held = 0
+        comm = self
+
+        class Section:
+            def __enter__(self):
+                comm.held += 1
+
+            def __exit__(self, *exc):
+                comm.held -= 1
+
+        self._order = SimpleNamespace(composite=Section)
+        self.closed = False
+
+    def _check_open(self, name):
+        if self.closed:
+            raise ClosedError(f"{name}: the communicator is closed")
 
     def algorithms(self):
         return ["lamport"]
@@ -543,6 +559,24 @@ class _PooledComm:
     def _symmetric_area(self, *args):
         self.reached.append("area")
         raise RuntimeError("the area was reached")
+
+
+CALLER = 0x7000  # the raw handle of torch's current stream in these tests
+
+
+def _fake_streams(monkeypatch, capturing=lambda stream: 0):
+    """torch's current stream (CALLER) and the runtime calls of the overlapped ops' events
+    (a FakeCuda whose capture answers ``capturing``), without a GPU."""
+    from stream_fakes import FakeCuda
+
+    from ubnext._interop import streams as _streams
+    from ubnext.torch import _overlap
+
+    cuda = FakeCuda()
+    cuda.capture = capturing
+    monkeypatch.setattr(_streams, "CUDA", cuda)
+    monkeypatch.setattr(_overlap, "_current", lambda device: CALLER)
+    return cuda
 
 
 @pytest.mark.parametrize("op", OVERLAPPED)
@@ -555,12 +589,13 @@ def test_a_first_overlapped_call_under_capture_raises_before_it_queues_anything(
     from ubnext.torch import _overlap
 
     class Side:
-        def __init__(self, device, size):
+        handle = 0x7100
+
+        def __init__(self, comm):
             self.ready = False
 
     capturing = [True]
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    _fake_streams(monkeypatch, lambda stream: 5 if capturing[0] and stream == CALLER else 0)
     monkeypatch.setattr(_overlap, "_Side", Side)
     monkeypatch.setattr(torch, "matmul", lambda *a, **k: pytest.fail("a GEMM was queued"))
     comm, a, b = _PooledComm(), torch.ones(4, 8), torch.ones(8, 3)
@@ -607,9 +642,9 @@ def test_the_path_depends_only_on_what_every_rank_agrees_on(op, shapes, overlapp
     from ubnext.torch import _overlap
 
     class Side:
-        ready = True
+        ready, handle = True, 0x7100
 
-        def __init__(self, device, size):
+        def __init__(self, comm):
             pass
 
     class Comm(_PooledComm):
@@ -625,8 +660,7 @@ def test_the_path_depends_only_on_what_every_rank_agrees_on(op, shapes, overlapp
             self.reached.append("unoverlapped")
             return p[:p.shape[0] // self.size], p[:p.shape[0] // self.size]
 
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _fake_streams(monkeypatch)
     monkeypatch.setattr(_overlap, "_Side", Side)
     comm = Comm()
     comm.local_rank = local_rank
@@ -639,20 +673,6 @@ def test_the_path_depends_only_on_what_every_rank_agrees_on(op, shapes, overlapp
 
 
 # ---- the fused op's rounds -------------------------------------------------------------------
-class _Stream:
-    def __init__(self, handle):
-        self.cuda_stream = handle
-
-    def wait_stream(self, other):
-        pass
-
-    def record_event(self):
-        return object()
-
-    def wait_event(self, event):
-        pass
-
-
 @pytest.mark.parametrize("size", [2, 4])
 def test_the_fused_op_finishes_each_round_in_its_reduction(size, monkeypatch):
     """The fused op on the overlapped path (several rounds) takes matmul_reduce_scatter's
@@ -662,9 +682,7 @@ def test_the_fused_op_finishes_each_round_in_its_reduction(size, monkeypatch):
     from ubnext.torch import _overlap
 
     monkeypatch.setattr(plan, "AREA_BYTES", 2048)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(7))
+    _fake_streams(monkeypatch)
     monkeypatch.setattr(_overlap, "_copy", lambda *args: None)
     monkeypatch.setattr(_overlap, "_barrier", lambda comm, side: None)
 
@@ -679,10 +697,10 @@ def test_the_fused_op_finishes_each_round_in_its_reduction(size, monkeypatch):
             self.launches.append(("add_rmsnorm", *args))
 
     class Side:
-        ready = True
+        ready, handle = True, 100
 
-        def __init__(self, device, size):
-            self.stream, self.sum = _Stream(100), Sum()
+        def __init__(self, comm):
+            self.sum = Sum()
 
     monkeypatch.setattr(_overlap, "_Side", Side)
 
@@ -707,10 +725,166 @@ def test_the_fused_op_finishes_each_round_in_its_reduction(size, monkeypatch):
             _, dtype, slots, stride, count, out, stream = s_
             _, dtype2, slots2, stride2, rows2, hidden, norm, eps, stream2 = n_
             assert (dtype2, slots2, stride2, rows2 * hidden, stream2) == (dtype, slots, stride, count, stream)
-            assert (dtype, hidden, rows2, eps, stream) == ("float32", n, m, 1e-6, 7)
+            assert (dtype, hidden, rows2, eps, stream) == ("float32", n, m, 1e-6, CALLER)
             assert out - sums[0][5] == r0 * n * 4
             residual, bias, weight, normed, res_out = norm
             assert (bias, weight) == firsts[1:3]
             for ptr, first in ((residual, firsts[0]), (normed, firsts[3]), (res_out, firsts[4])):
                 assert ptr - first == r0 * n * 4  # the round's rows
         assert len({firsts[0], firsts[3], firsts[4]}) == 3 and 0 not in firsts
+
+
+# ---- every launch inside the section; the side stream joined back, also on an error -----------
+class _AreaComm(_PooledComm):
+    """A pooled communicator whose area is host memory (the copies are recorded, not run)."""
+
+    def _symmetric_area(self, key, nbytes, framework):
+        self.reached.append(("area", self.held))
+        return torch.empty(nbytes, dtype=torch.uint8), tuple((1 << 40) + (q << 24) for q in range(self.size))
+
+
+def _recording_side(monkeypatch, comm, fail_barrier: int | None = None):
+    """Fakes of the side state, the copies, the barrier and the slot sum that record in
+    ``comm.reached`` whether the section is held when each is launched (the barrier
+    number ``fail_barrier`` raises, as a broken communicator's does)."""
+    from ubnext.torch import _overlap
+
+    class Sum:
+        def __call__(self, *args):
+            comm.reached.append(("sum", comm.held))
+
+        def add_rmsnorm(self, *args):
+            comm.reached.append(("sum", comm.held))
+
+    class Side:
+        ready, handle = True, 0x7100
+
+        def __init__(self, comm):
+            self.sum = Sum()
+
+    barriers = []
+
+    def barrier(comm_, side):
+        barriers.append(None)
+        if len(barriers) == fail_barrier:
+            raise UbnextError("all_reduce: a collective of this communicator failed")
+        comm.reached.append(("barrier", comm.held))
+
+    real = torch.matmul
+
+    def matmul(*args, **kwargs):
+        comm.reached.append(("gemm", comm.held))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_overlap, "_Side", Side)
+    monkeypatch.setattr(_overlap, "_copy", lambda *args: comm.reached.append(("copy", comm.held)))
+    monkeypatch.setattr(_overlap, "_barrier", barrier)
+    monkeypatch.setattr(torch, "matmul", matmul)
+
+
+@pytest.mark.parametrize("op", OVERLAPPED)
+def test_every_launch_of_an_overlapped_call_is_inside_the_section(op, monkeypatch):
+    """The area, the GEMMs, the copies, the barriers and the slot sums all come while the
+    communicator's launch section is held (so a close or abort of another thread waits for
+    them or comes first); the side stream forked from the caller's first and joined back
+    last; every event destroyed."""
+    cuda = _fake_streams(monkeypatch)
+    comm = _AreaComm()
+    _recording_side(monkeypatch, comm)
+    _run(op, comm, torch.ones(2 * 4, 8), torch.ones(8, 3))
+    kinds = {kind for kind, _ in comm.reached}
+    assert {"area", "gemm", "copy", "barrier"} <= kinds and ("sum" in kinds) == (op != "all_gather_matmul")
+    assert [held for _, held in comm.reached] == [1] * len(comm.reached), comm.reached
+    assert comm.held == 0
+    first = cuda.calls[:3]
+    assert [c[0] for c in first] == ["event", "record", "wait"] and first[1][2] == CALLER and first[2][1] == 0x7100
+    assert _side_joined(cuda.calls)
+    assert cuda.live == set()
+
+
+def _side_joined(calls) -> bool:
+    """Whether the caller's stream waits for an event recorded on the side stream after
+    the side stream's last work (its last record)."""
+    last = max(i for i, c in enumerate(calls) if c[0] == "record" and c[2] == 0x7100)
+    return ("wait", CALLER, calls[last][1]) in calls[last:]
+
+
+@pytest.mark.parametrize("op", OVERLAPPED)
+@pytest.mark.parametrize("fail", [1, 2])
+def test_a_failing_overlapped_call_joins_the_side_stream_before_it_raises(op, fail, monkeypatch):
+    """A barrier that raises (a broken communicator; the opening one, or a round's): the
+    caller's stream waits for the side stream (whose copies may be queued) before the
+    error reaches the caller, every event is destroyed and the section is left."""
+    cuda = _fake_streams(monkeypatch)
+    comm = _AreaComm()
+    _recording_side(monkeypatch, comm, fail_barrier=fail)
+    with pytest.raises(UbnextError, match="a collective of this communicator failed"):
+        _run(op, comm, torch.ones(2 * 4, 8), torch.ones(8, 3))
+    assert _side_joined(cuda.calls)
+    assert cuda.live == set() and comm.held == 0
+    assert cuda.names()[-1] == "destroy"
+
+
+@pytest.mark.parametrize("op", OVERLAPPED)
+def test_an_overlapped_call_after_close_raises_before_anything_is_queued(op, monkeypatch):
+    """A close of another thread that came first (the call then enters the section after
+    it): ClosedError, nothing made, queued or launched, the section left."""
+    cuda = _fake_streams(monkeypatch)
+    comm = _AreaComm()
+    _recording_side(monkeypatch, comm)
+    comm.closed = True
+    with pytest.raises(ClosedError, match=f"ubnext::{op}: the communicator is closed"):
+        _run(op, comm, torch.ones(2 * 4, 8), torch.ones(8, 3))
+    assert comm.reached == [] and cuda.calls == [] and comm.held == 0
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_the_slot_sum_launches_as_config_pdl_says_and_keeps_its_arguments_across_threads(pdl, monkeypatch):
+    """Its launchers are dependent ones exactly where Config.pdl (and the device) says so,
+    and calls from several threads each launch with their own arguments (one argument pack
+    per launcher: the slot sum's own lock keeps pack and launch together)."""
+    import threading
+    import time
+
+    from stream_fakes import FakeDriver, fake_kernel
+
+    from ubnext._engine import launch as _launch
+    from ubnext._engine import slot_sum as _slot_sum
+
+    class Module:
+        def get_function(self, name):
+            return fake_kernel()
+
+    monkeypatch.setattr(_slot_sum, "compile_module", lambda source, defines, device: Module())
+    monkeypatch.setattr(_slot_sum, "programmatic", lambda on, device: on)
+    inside, seen, wrong = threading.Lock(), [], []
+
+    def on_launch(stream, read):
+        if not inside.acquire(blocking=False):
+            wrong.append(("overlap", stream))
+            return
+        try:
+            time.sleep(0)  # invite a thread switch between pack and launch
+            if read() != [stream, stream + 16, 4, stream + 48]:
+                wrong.append(stream)
+            seen.append(stream)
+        finally:
+            inside.release()
+
+    driver = FakeDriver(4, on_launch)
+    monkeypatch.setattr(_launch, "_cupy_driver", driver)
+    monkeypatch.setattr(_launch, "_launch_ex", driver.launch_ex)
+    sums = _slot_sum.SlotSum(0, 132, 2, pdl)
+    launchers = [*sums._launchers.values(), *sums._norms.values()]
+    assert launchers and all(launcher.dependent is pdl for launcher in launchers)
+
+    def calls(handle):
+        for _ in range(200):
+            sums("float32", handle, handle + 16, 4, handle + 48, handle)
+
+    workers = [threading.Thread(target=calls, args=(0x1000 * (t + 1),)) for t in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not wrong and len(seen) == 800

@@ -43,8 +43,8 @@ def test_a_call_on_another_stream_waits_for_the_previous_stream():
     order = LaunchOrder(fake_context(DEVICE), cuda)
     enter(order, A)
     enter(order, B)
-    (event,) = [c[2] for c in cuda.calls if c[0] == "event"]
-    assert cuda.calls == [("event", DEVICE, event), ("record", event, A), ("wait", B, event), ("destroy", event)]
+    (event,) = [c[1] for c in cuda.calls if c[0] == "event"]
+    assert cuda.calls == [("event", event), ("record", event, A), ("wait", B, event), ("destroy", event)]
     cuda.calls.clear()
     enter(order, B)
     assert cuda.calls == []
@@ -84,10 +84,10 @@ def test_no_wait_crosses_the_border_of_a_graph_capture():
 
 def test_order_after_reports_whether_it_waited():
     cuda = FakeCuda(captures={C: 9})
-    assert order_after(A, B, DEVICE, cuda) is True
-    assert order_after(A, A, DEVICE, cuda) is False
-    assert order_after(0, LEGACY, DEVICE, cuda) is False
-    assert order_after(A, C, DEVICE, cuda) is False
+    assert order_after(A, B, cuda) is True
+    assert order_after(A, A, cuda) is False
+    assert order_after(0, LEGACY, cuda) is False
+    assert order_after(A, C, cuda) is False
     assert [c[0] for c in cuda.calls] == ["event", "record", "wait", "destroy"]
 
 
@@ -163,7 +163,7 @@ def test_per_thread_default_streams_of_two_threads_are_ordered():
     assert [c[0] for c in first] == ["event", "record"] and first[1][2] == PER_THREAD
     cuda.calls.clear()
     in_thread(lambda: enter(order, PER_THREAD))
-    assert cuda.calls[:2] == [("wait", PER_THREAD, first[0][2]), ("destroy", first[0][2])]
+    assert cuda.calls[:2] == [("wait", PER_THREAD, first[0][1]), ("destroy", first[0][1])]
     assert [c[0] for c in cuda.calls[2:]] == ["event", "record"]
     cuda.calls.clear()
     enter(order, A)  # this thread names A: it waits for the event of the other thread's last call
@@ -403,6 +403,70 @@ def test_a_failed_switch_leaves_the_section():
         with order:
             pass
     assert order._acquire(blocking=False), "the section stayed locked after a failed switch"
+    order._release()
+
+
+@pytest.mark.parametrize("caller", ["the communicator's", "another device's", "none"])
+@pytest.mark.parametrize("composite", [False, True])
+def test_leaving_the_section_gives_the_callers_context_back_whatever_switched_it_inside(caller, composite):
+    """Code run in the section (torch's guard exit: cudaSetDevice of torch's idea of the
+    device; a library's export) makes another context current: leaving the section makes
+    the caller's current again, also where the caller's was the communicator's own (the
+    section then switched nothing on entry), and after a composite section's inner calls."""
+    contexts = FakeContexts()
+    order = fake_order(DEVICE, contexts, FakeCuda())
+    mine, foreign = contexts.of(DEVICE), contexts.of(0)
+    before = {"the communicator's": mine, "another device's": contexts.of(DEVICE + 1), "none": 0}[caller]
+    contexts.make_current(before)
+    with (order.composite() if composite else order):
+        if composite:
+            with order:
+                contexts.make_current(foreign)  # inside a call of the composite section
+                order.follow(A)  # before its launches: the communicator's again
+                assert contexts.current() == mine
+                contexts.make_current(foreign)
+            assert contexts.current() == foreign  # an inner call's exit leaves the section's state alone
+            with order:  # the next call of the composite section: the communicator's again
+                assert contexts.current() == mine
+                contexts.make_current(foreign)
+        else:
+            contexts.make_current(foreign)
+            order.follow(A)
+            assert contexts.current() == mine
+            contexts.make_current(foreign)
+    assert contexts.current() == before
+
+
+def test_a_composite_section_takes_its_own_calls_and_keeps_other_threads_out():
+    """Its holder's calls enter at once (as often as they come, nested too); another
+    thread's call waits until the composite section is left; an ordinary call's section
+    still refuses a call from inside it."""
+    order = fake_order(DEVICE, FakeContexts(), FakeCuda())
+    entered = threading.Event()
+    log = []
+
+    def other():
+        with order:
+            log.append("other")
+        entered.set()
+
+    with order.composite():
+        with order:
+            order.follow(A)
+        with order.composite():
+            with order:
+                order.follow(B)
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert not entered.wait(0.2), "another thread's call came inside the composite section"
+        log.append("composite")
+    assert entered.wait(10) and log == ["composite", "other"]
+    thread.join(10)
+    with pytest.raises(UbnextError, match="from inside one of its own calls"):
+        with order:
+            with order:
+                pass
+    assert order._depth == 0 and order._acquire(blocking=False)
     order._release()
 
 

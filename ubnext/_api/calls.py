@@ -109,7 +109,7 @@ class CallSteps:
 
     def _new(self, name: str, xb, handle: int, owner, side: bool, shape: tuple | None = None):
         """A new output of x's framework (``_arrays.empty_like``: x's shape or ``shape``,
-        allocated on the launch stream) as a Buffer, checked to be on this communicator's
+        ordered for the launch stream) as a Buffer, checked to be on this communicator's
         device like every array a call takes."""
         return self._on_device(name, _arrays.as_buffer(_arrays.empty_like(xb, handle, owner, side, shape), name,
                                                        handle), "a new output")

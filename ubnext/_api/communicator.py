@@ -246,8 +246,9 @@ class Communicator(CallSteps):
                 stream of x's framework (CuPy's for other inputs, whose producers are
                 ordered before it: ``__dlpack__(stream=...)``, or the interface's
                 ``stream``). On a stream other than the current one, torch tensors are
-                recorded on it for the caching allocator and a new ``out`` is allocated
-                on it. Calls on different streams run in the order they were issued.
+                recorded on it for the caching allocator, and a new ``out`` is ordered for
+                it (CuPy's allocated on it; torch's on the current stream, which ``stream``
+                then waits for). Calls on different streams run in the order they were issued.
             precision: ``"auto"``: full precision unless the communicator opted in to the
                 quantized all-reduce (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16
                 sums and averages from the size the selector table measured for this machine

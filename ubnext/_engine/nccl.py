@@ -113,7 +113,10 @@ class NcclComm:
         """Create the NCCL communicator now; does nothing if it exists.
 
         Collective: yes, over the bootstrap, the first time. Blocks the host
-        until every rank has joined. Not capturable in a CUDA graph.
+        until every rank has joined. Not capturable in a CUDA graph. Runs with
+        ``device``'s context current, where NCCL joins: a communicator calls it
+        in its launch section (``_interop.streams.LaunchOrder``); the benchmarks
+        with the communicator's device current.
 
         Args:
             op: operation name that starts error messages.
@@ -131,11 +134,8 @@ class NcclComm:
         nccl = self._module(op)
         self._refuse_shared_gpus(op)
         uid = self._unique_id(nccl, op)
-        import cupy
-
-        try:
-            with cupy.cuda.Device(self.device):
-                self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        try:  # NCCL joins on the current device: the section's, the communicator's (no switch here)
+            self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         except nccl.NcclError as exc:
             raise UbnextError(
                 f"{op}: ncclCommInitRank failed on rank {self.rank} "

@@ -7,9 +7,11 @@ overlapped matmul + reduce-scatter + add + RMSNorm). Local to this rank: no pool
 
 from __future__ import annotations
 
+import threading
+
 from ubnext._engine.epilogue import row_launch
 from ubnext._engine.kernels import compile_module
-from ubnext._engine.launch import F32, SM_THREADS, U64, Launcher
+from ubnext._engine.launch import F32, SM_THREADS, U64, Launcher, programmatic
 from ubnext._protocol.algorithms import (
     DTYPES,
     SLOT_NORM_DTYPES,
@@ -37,23 +39,30 @@ class SlotSum:
 
     Args:
         device: the GPU it launches on (its context current at construction and at every
-            call).
+            call: ``ubnext.torch``'s overlapped calls make both in the communicator's launch
+            section).
         sms: the device's multiprocessors.
         count: the slots of every sum.
+        pdl: ``Config.pdl``: launch with programmatic dependent launch where the device
+            has it (``launch.programmatic``); both entry points wait for the grid
+            dependency before they read anything (kernels/slot_sum.cu).
 
-    Its calls must not overlap (one argument pack per launcher, ``launch.Launcher``):
-    ``ubnext.torch``'s overlapped calls on one communicator, whose side state holds it,
-    come one after the other, as their barriers' order requires.
+    Thread-safe: each launcher has one argument pack (``launch.Launcher``), so its calls
+    take a lock of their own around the packing and the launch (the overlapped calls of
+    one communicator also come one at a time, in its section).
     """
 
-    def __init__(self, device: int, sms: int, count: int):
+    def __init__(self, device: int, sms: int, count: int, pdl: bool = True):
         self._sms = sms
         self._most = sms * _BLOCKS_PER_SM
+        self._lock = threading.Lock()
+        dependent = programmatic(pdl, device)
         modules = {dtype: compile_module(SLOT_SUM_SOURCE, slot_sum_defines(dtype, count), device)
                    for dtype in SLOT_SUM_DTYPES}
-        self._launchers = {dtype: Launcher(module.get_function(SLOT_SUM_ENTRY), _PARAMS)
+        self._launchers = {dtype: Launcher(module.get_function(SLOT_SUM_ENTRY), _PARAMS, dependent=dependent)
                            for dtype, module in modules.items()}
-        self._norms = {dtype: Launcher(modules[dtype].get_function(SLOT_NORM_ENTRY), _NORM_PARAMS)
+        self._norms = {dtype: Launcher(modules[dtype].get_function(SLOT_NORM_ENTRY), _NORM_PARAMS,
+                                       dependent=dependent)
                        for dtype in SLOT_NORM_DTYPES}
 
     def __call__(self, dtype: str, slots: int, stride: int, n: int, out: int, stream: int) -> None:
@@ -66,7 +75,8 @@ class SlotSum:
         """
         vectors = -(-n * DTYPES[dtype][1] // VEC_BYTES)
         blocks = max(1, min(self._most, -(-vectors // SLOT_SUM_THREADS)))
-        self._launchers[dtype](blocks, SLOT_SUM_THREADS, stream, slots, stride, n, out)
+        with self._lock:
+            self._launchers[dtype](blocks, SLOT_SUM_THREADS, stream, slots, stride, n, out)
 
     def add_rmsnorm(self, dtype: str, slots: int, stride: int, rows: int, hidden: int, norm: tuple, eps: float,
                     stream: int) -> None:
@@ -82,4 +92,5 @@ class SlotSum:
         """
         blocks, threads = row_launch(rows, -(-hidden * DTYPES[dtype][1] // VEC_BYTES), self._sms,
                                      SLOT_NORM_ROW_KEEP)
-        self._norms[dtype](blocks, threads, stream, slots, stride, rows, hidden, *norm, eps)
+        with self._lock:
+            self._norms[dtype](blocks, threads, stream, slots, stride, rows, hidden, *norm, eps)

@@ -13,7 +13,7 @@ import sys
 from typing import NamedTuple
 
 from ubnext._interop import streams as _streams
-from ubnext._interop.context import keep_current
+from ubnext._interop.context import current_device, keep_current
 from ubnext._protocol.algorithms import DTYPES
 from ubnext._protocol.errors import UbnextError
 
@@ -259,8 +259,10 @@ def _from_cai(x, desc: dict, op: str, stream: int):
         count *= d
     nbytes = count * _WIDTH[name]
     device = _pointer_device(ptr, op, kind) if nbytes else -1  # no memory: CuPy's -1, the current device
-    if producer is not None and nbytes:  # nothing to read: no wait
-        _streams.order_after(int(producer), stream, device)
+    # nothing to read: no wait; memory of another device than the section's: the call refuses it
+    # (on_device), and an event of the section's context cannot be recorded on that device's stream
+    if producer is not None and nbytes and device == current_device():
+        _streams.order_after(int(producer), stream)
     mem = cupy.cuda.UnownedMemory(ptr, nbytes, x, device_id=device)
     return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
@@ -338,32 +340,36 @@ def overlap(a: Buffer, b: Buffer) -> bool:
 
 
 def empty_like(x: Buffer, stream: int, owner, side: bool, shape: tuple | None = None):
-    """A new array of x's framework, shape (or ``shape``) and dtype (the framework's allocator).
+    """A new array of x's framework, shape (or ``shape``) and dtype (the framework's
+    allocator), on the communicator's device (the section's context is current). Not
+    collective.
 
     With ``side`` (``launch_stream``: the call runs on a stream other than the current
-    one), it is allocated on the launch stream ``stream`` (``owner``: its stream object
-    or None): the caching allocators of torch and CuPy hand out memory in the order of
-    the allocating stream only, so memory taken on the current stream could still be in
-    use by work queued there.
+    one; ``owner``: its stream object or None), the new array is ordered for the launch
+    stream ``stream``: the caching allocators of torch and CuPy hand out memory in the
+    order of the allocating stream only, so memory taken on the current stream could
+    still be in use by work queued there. CuPy allocates on ``stream`` itself (CuPy's
+    stream context sets no device). torch would need its stream guard for that, whose
+    exit sets torch's idea of the current device (``cudaSetDevice``, which makes a
+    context on a device no call of this communicator uses): the tensor is allocated on
+    torch's current stream of the device, and ``stream`` waits for that stream's work
+    queued so far, as torch's NCCL backend orders every call (the call then records the
+    tensor on ``stream``: ``record_stream``).
     """
     if x.framework == "torch":
-        torch = _torch()
-
-        def new():
-            return torch.empty_like(x.obj) if shape is None else x.obj.new_empty(shape)
-        if not side:
-            return new()
-        with torch.cuda.stream(_torch_stream(stream, owner, x.device)):
-            return new()
+        new = _torch().empty_like(x.obj) if shape is None else x.obj.new_empty(shape)
+        if side:
+            _streams.order_after(_torch()._C._cuda_getCurrentRawStream(x.device), stream)
+        return new
     import cupy
 
-    def new():
+    def make():
         return cupy.empty_like(x.obj) if shape is None else cupy.empty(shape, _cupy_dtype(x.dtype))
     if not side:
-        return new()
+        return make()
     on = owner if isinstance(owner, cupy.cuda.Stream) else cupy.cuda.Stream.from_external(_StreamRef(stream))
     with on:
-        return new()
+        return make()
 
 
 class _StreamRef:
@@ -423,11 +429,21 @@ def increment_versions(tensors) -> None:
 _INCREMENT: list = []  # torch's version-counter increment, bound on first use
 
 
+#: c10::DeviceType::CUDA, as torch's stream objects carry it
+_TORCH_CUDA = 1
+
+
 def _torch_stream(stream: int, owner, device: int):
+    """``stream`` (a raw handle of ``device``; ``owner``: its stream object or None) as a
+    torch.cuda.Stream, made without a device guard (``torch.cuda.ExternalStream`` enters
+    one): by the fields torch's own ``current_stream`` builds a Stream from. torch names
+    a foreign stream by its handle (c10's external stream id: the pointer, even); the
+    legacy default stream is torch's default stream, id 0."""
     torch = _torch()
     if isinstance(owner, torch.cuda.Stream):
         return owner
-    return torch.cuda.ExternalStream(stream, device=device)
+    return torch.cuda.Stream(stream_id=0 if stream == _streams.LEGACY else stream, device_index=device,
+                             device_type=_TORCH_CUDA)
 
 
 def launch_stream(stream, x, device: int) -> tuple[int, object, bool]:

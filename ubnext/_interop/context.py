@@ -12,7 +12,15 @@ afterwards, also where the caller had none.
 The communicator's launch section (``_streams.LaunchOrder``) enters it for every call,
 close and a dropped communicator's release included; the steps that run outside the
 section (abort's and the watchdog's announce, the node's teardown) enter it with
-``with context.current():``.
+``with context.current():``. Leaving either compares the context actually current with
+the caller's, so a switch made inside is undone too.
+
+This module is the one place that sets the context (tests/test_ambient_state.py). What
+else could switch it inside runs through :func:`keep_current` (a torch stream's
+constructor, which enters torch's device guard; a producer's DLPack export); torch's
+stream guard (``torch.cuda.stream``) and ``ExternalStream`` are not used at all: leaving
+the stream guard sets torch's lazy per-thread device, a ``cudaSetDevice`` that makes a
+context on a device no call of the communicator uses, which no restore undoes.
 """
 
 from __future__ import annotations
@@ -31,6 +39,12 @@ def caller_device() -> int:
     from cupy.cuda import runtime
 
     return runtime.getDevice()
+
+
+def current_device() -> int:
+    """The device of the current context (in a launch section: the communicator's; the
+    runtime's answer). Not collective; no context is made or switched."""
+    return _default_driver().runtime_device()
 
 
 class Driver:
@@ -107,9 +121,14 @@ class Context:
         return caller
 
     def leave(self, caller) -> None:
-        """Gives the caller's context back (``caller``: what :meth:`enter` returned)."""
-        if caller != self.handle:
+        """Gives the caller's context back (``caller``: what :meth:`enter` returned, or the
+        context current before, where it was this one), whatever was made current
+        meanwhile: code run in between (torch's guards, a library's export) may have
+        switched it. One read of the current context where the caller's is current."""
+        if caller.__class__ is _Bare:
             _restore(self._driver, caller)
+        elif self.current_handle() != caller:
+            self._make_current(caller)
 
     def owns(self, stream: int) -> bool:
         """Whether stream handle ``stream`` belongs to this context: the handles of the

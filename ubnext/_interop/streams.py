@@ -37,12 +37,12 @@ class Cuda:
     sequence id through cuda.bindings). Tests pass a recording fake with these methods.
     None of them blocks the host."""
 
-    def event(self, device: int) -> int:
-        """A new event on ``device`` (no timing)."""
-        from cupy.cuda import Device, runtime
+    def event(self) -> int:
+        """A new event (no timing) of the current context: in a launch section, the
+        communicator's (no context is switched to make it)."""
+        from cupy.cuda import runtime
 
-        with Device(device):
-            return runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+        return runtime.eventCreateWithFlags(runtime.eventDisableTiming)
 
     def record(self, event: int, stream: int) -> None:
         from cupy.cuda import runtime
@@ -103,15 +103,15 @@ def same_stream(a: int, b: int) -> bool:
     return a == b or (a in (0, LEGACY) and b in (0, LEGACY))
 
 
-def order_after(producer: int, consumer: int, device: int, cuda: Cuda | None = None) -> bool:
+def order_after(producer: int, consumer: int, cuda: Cuda | None = None) -> bool:
     """Makes the work queued later on ``consumer`` wait for the work queued so far on
     ``producer``: an event recorded on ``producer`` and waited for by ``consumer``. The
-    host does not wait. Not collective.
+    host does not wait. Not collective. Only where ``producer``'s context is current (in
+    a launch section: a stream of the communicator's device).
 
     Args:
         producer: raw cudaStream_t whose queued work must come first.
         consumer: raw cudaStream_t of the work that follows.
-        device: the device of ``producer`` (where the event is created).
         cuda: the runtime calls; default ``CUDA``.
 
     Returns:
@@ -127,7 +127,7 @@ def order_after(producer: int, consumer: int, device: int, cuda: Cuda | None = N
     capture = cuda.capture(consumer)
     if capture < 0 or capture != cuda.capture(producer):
         return False
-    event = cuda.event(device)
+    event = cuda.event()
     try:
         cuda.record(event, producer)
         cuda.wait(consumer, event)
@@ -152,7 +152,10 @@ class LaunchOrder:
     under them, nor close the communicator under them), and makes the communicator's
     context current where another one is (``_context.Context``): whatever device the
     caller made current, the call's kernels, compiles, allocations and stream handle 0
-    are the communicator's. Leaving gives the caller's context back and releases the lock.
+    are the communicator's. Leaving compares the context actually current with the
+    caller's and gives the caller's back whatever switched it inside (torch or CuPy code
+    the call ran, a producer's export), then releases the lock. An operation made of
+    several calls and launches of its own takes one ``composite`` section.
     ``follow`` makes ``stream`` wait for the stream of the previous launch when it is
     another one. The per-thread default stream is another stream in every thread, and a
     thread cannot name another thread's one, so leaving records an event after a call on
@@ -178,10 +181,12 @@ class LaunchOrder:
         self._thread = None    # the thread it came from, for the per-thread default stream
         self._owner = None     # its stream object, kept so that it is not destroyed meanwhile
         self._done = None      # event recorded after the previous launch (per-thread default stream)
+        self._depth = 0        # in a composite section: 1 + the calls of it under way
 
     def __enter__(self) -> LaunchOrder:
         """Blocks while another thread is in the section, then makes the communicator's
-        context current (one read of the current context while it already is).
+        context current (one read of the current context while it already is). Inside a
+        :meth:`composite` section of the same thread, the calls it makes enter at once.
 
         Raises:
             UbnextError: the thread in the section enters it again (code that a call runs,
@@ -192,6 +197,10 @@ class LaunchOrder:
         """
         if not self._acquire(False):
             if self._holder == get_ident():
+                if self._depth:  # a composite section of this thread: its calls are parts of it
+                    self._depth += 1
+                    self._keep_context()
+                    return self
                 from ubnext._protocol.errors import UbnextError
 
                 raise UbnextError("ubnext: a call of this communicator was made from inside one of its own "
@@ -211,31 +220,56 @@ class LaunchOrder:
 
     def __exit__(self, *exc) -> None:
         """Records the event a call on the per-thread default stream leaves for the next
-        call, gives the caller's context back and leaves the section."""
+        call; then, leaving the outermost section, makes the caller's context current again
+        where another one is, whatever switched it (the caller's, or something the call ran:
+        torch or CuPy code, a library's export), and leaves the section."""
         try:
             if self._followed == PER_THREAD:
                 self._record_done()
         finally:
             self._followed = None
-            try:
-                if self._caller != self._handle:
-                    self.context.leave(self._caller)
-            finally:
-                self._holder = None
-                self._release()
+            if self._depth > 1:  # a call inside a composite section: the section goes on
+                self._depth -= 1
+            else:
+                self._leave()
+
+    def _leave(self) -> None:
+        try:
+            self.context.leave(self._caller)
+        finally:
+            self._holder = None
+            self._release()
+
+    def composite(self) -> _Composite:
+        """``with order.composite():`` one section for an operation made of several calls of
+        the communicator and launches of its own (``ubnext.torch``'s overlapped GEMMs: their
+        GEMMs into the pool, copies, barriers and joins): its calls, made by the same
+        thread, enter without waiting, and no other thread's call, close or abort comes in
+        between. Not a way in for foreign code: a call from inside an ordinary section
+        still raises."""
+        return _Composite(self)
 
     def follow(self, stream: int, owner=None) -> None:
         """Orders the launches on ``stream`` (raw handle; ``owner``: the stream object it
         came from, or None) that follow after those of the previous call. Costs one
         comparison while the stream stays the same. Only inside the section.
 
+        Also makes the communicator's context current again where code the call ran
+        before its launches switched it (torch's device guard of an allocation, whose exit
+        sets the device torch takes for the thread's: one read while nothing did).
+
         Raises:
             CudaError or CuPy's CUDARuntimeError: the wait could not be queued (the next
                 call tries again).
         """
+        self._keep_context()
         if stream != self._stream or stream == PER_THREAD:
             self._change(stream, owner)
         self._followed = stream  # once ordered: a failed wait leaves the previous stream the one to follow
+
+    def _keep_context(self) -> None:
+        if self._current() != self._handle:
+            self.context.enter()
 
     def close(self) -> None:
         """Drops the previous call's stream object and destroys its pending event, on this
@@ -259,7 +293,7 @@ class LaunchOrder:
     def _after_previous(self, stream: int) -> None:
         cuda = self._cuda or CUDA
         if self._done is None:
-            order_after(self._stream, stream, self._device, cuda)
+            order_after(self._stream, stream, cuda)
             return
         # the previous stream was a thread's default stream, which this thread may not be
         # able to name: wait for the event recorded after its launches
@@ -276,10 +310,33 @@ class LaunchOrder:
             cuda.destroy(self._done)
             self._done = None
         if cuda.capture(PER_THREAD) == 0:
-            event = cuda.event(self._device)
+            event = cuda.event()
             try:
                 cuda.record(event, PER_THREAD)
             except BaseException:
                 cuda.destroy(event)
                 raise
             self._done = event
+
+
+class _Composite:
+    """The ``with`` form of ``LaunchOrder.composite``: a section (or, inside one already
+    composite, a part of it) whose holder's calls enter again."""
+
+    __slots__ = ("_order", "_outer")
+
+    def __init__(self, order: LaunchOrder):
+        self._order = order
+        self._outer = False
+
+    def __enter__(self) -> LaunchOrder:
+        order = self._order
+        order.__enter__()
+        if not order._depth:  # a section of its own (not a part of a composite one)
+            order._depth, self._outer = 1, True
+        return order
+
+    def __exit__(self, *exc) -> None:
+        if self._outer:
+            self._order._depth = 0
+        self._order.__exit__(*exc)
