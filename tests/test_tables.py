@@ -23,6 +23,7 @@ from ubnext._selection.table import (
 KiB, MiB = 1 << 10, 1 << 20
 #: The shipped table as it was in format 1 (ubnext/tables/h200.json before format 2), verbatim.
 OLD_H200 = Path(__file__).with_name("selector_h200_format1.json")
+TUNE_H200X2 = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune_h200x2_1129.json"
 H200 = ("NVIDIA H200", "nvlink", "plain", "graph")
 H100 = ("NVIDIA H100 80GB HBM3", "nvlink", "plain", "graph")
 H100_DEPENDENT = (*H100[:3], "dependent")
@@ -66,7 +67,15 @@ def test_default_table_is_format_2_with_the_h200_rows_unchanged_but_the_4_rank_o
     assert shipped.format == 2 and [t.key for t in shipped.entries] == [H200, H100, H100_DEPENDENT]
     h200 = shipped.entry(H200)
     assert h200.entry["tables"] == format_1_rows_changed()["tables"]
-    assert h200.entry["collectives"] == old["collectives"]
+    # the reduce-scatter's and all-gather's rows: format 1's defaults, but at 2 ranks those
+    # measured on 2x H200 (float16 takes bfloat16's rows)
+    measured = json.loads(TUNE_H200X2.read_text())["entries"][0]
+    assert measured["gpu"] == "NVIDIA H200" and measured["mode"] == "graph"
+    for collective, place in old["collectives"].items():
+        tables = h200.entry["collectives"][collective]["tables"]
+        assert {w: t for w, t in tables.items() if w != "2"} == {w: t for w, t in place["tables"].items() if w != "2"}
+        rows = measured["collectives"][collective]["tables"]["2"]
+        assert tables["2"] == {**rows, "float16": rows["bfloat16"]}
     # the change is exactly that: the first row of each 4-rank dtype, nothing else
     changed = {(world, dtype, i) for world, by_dtype in old["tables"].items() for dtype, rows in by_dtype.items()
                for i, row in enumerate(rows) if h200.entry["tables"][world][dtype][i] != row}
@@ -521,7 +530,7 @@ def shipped_thresholds(key, collective="all_reduce"):
 #: mode (bench/results/tune_h100x{4,2}_quant.txt, 2026-11-27). An entry re-measured (H200's,
 #: removed because they were timed on zeros with the kernel before) is added here with its
 #: evidence; nothing else may hold thresholds.
-MEASURED_THRESHOLDS = {H100: {"2", "4"}}
+MEASURED_THRESHOLDS = {H100: {"2", "4"}, H200: {"2"}}
 
 
 def test_the_shipped_table_has_thresholds_only_for_the_machines_measured_with_todays_kernel():
