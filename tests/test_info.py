@@ -45,7 +45,8 @@ def test_info_prints_versions_config_and_tables_without_a_gpu():
     assert "UBNEXT_ALGO            auto       default" in out
     assert "default table:\n    entry NVIDIA H200 nvlink plain graph: world sizes 2 (" in out
     assert "for a GPU not known here: entry NVIDIA H200 nvlink plain graph (GPU not known: NVIDIA H200, " \
-           "nearest measured (first such entry))" in out
+           "nearest measured (first such entry); its quantized thresholds not taken (measured on NVIDIA H200 " \
+           "nvlink plain graph only))" in out
     assert "UBNEXT_TUNE_FILE: not set" in out
 
 
@@ -106,7 +107,8 @@ def test_describe_reports_path_pool_tables_and_selection():
     assert d["nvls"] == {"enabled": False, "reason": "not available in this build"}
     assert d["config"]["UBNEXT_POOL_MB"] == 1024
     assert d["tables"] == ["default table: NVIDIA H200 nvlink plain graph (GPU not known: NVIDIA H200, "
-                           "nearest measured (first such entry))"]
+                           "nearest measured (first such entry); its quantized thresholds not taken (measured on "
+                           "NVIDIA H200 nvlink plain graph only))"]
     assert [row[0] for row in d["selection"]["bfloat16"]] == _report.SIZES
     assert _report.SIZES[0] == 1 << 10 and _report.SIZES[-1] == 1 << 30
     text = str(d)

@@ -23,7 +23,14 @@ from ubnext._selection.table import (
 KiB, MiB = 1 << 10, 1 << 20
 #: The shipped table as it was in format 1 (ubnext/tables/h200.json before format 2), verbatim.
 OLD_H200 = Path(__file__).with_name("selector_h200_format1.json")
+#: python -m ubnext.tune --quantized on 2x H200 (2026-11-29; bench/results/README.md): a graph
+#: and a dependent entry, whose 2-rank reduce-scatter/all-gather rows and (graph) quantized
+#: thresholds the shipped H200 entry took.
+TUNE_H200X2 = Path(__file__).resolve().parents[1] / "bench" / "results" / "tune_h200x2_1129.json"
 H200 = ("NVIDIA H200", "nvlink", "plain", "graph")
+#: What a reason adds where the H200 entry serves a machine other than its own (another GPU,
+#: link, placement or mode): it holds thresholds measured on 2x H200 in graph mode.
+H200_THRESHOLDS_NOT_TAKEN = "; its quantized thresholds not taken (measured on NVIDIA H200 nvlink plain graph only)"
 H100 = ("NVIDIA H100 80GB HBM3", "nvlink", "plain", "graph")
 H100_DEPENDENT = (*H100[:3], "dependent")
 #: The one deliberate change to the H200 rows since format 1: at 4 ranks the Lamport
@@ -40,6 +47,32 @@ def format_1_rows_changed():
         assert rows[0] == [ONE_SHOT_4["was"], "lamport"]
         rows[0][0] = ONE_SHOT_4["now"]
     return old
+
+
+def tune_h200x2(mode):
+    """The entry of TUNE_H200X2 measured in ``mode`` (``graph`` or ``dependent``)."""
+    (measured,) = [e for e in json.loads(TUNE_H200X2.read_text())["entries"] if e["mode"] == mode]
+    assert (measured["gpu"], measured["link"], measured["placement"]) == H200[:3]
+    return measured
+
+
+def format_1_rows_measured():
+    """format_1_rows_changed() with the 2-rank reduce-scatter's and all-gather's rows
+    measured on 2x H200 (graph mode), float16 taking bfloat16's: what the shipped H200
+    entry should hold."""
+    doc = format_1_rows_changed()
+    measured = tune_h200x2("graph")["collectives"]
+    for collective, place in doc["collectives"].items():
+        rows = measured[collective]["tables"]["2"]
+        place["tables"]["2"] = {**rows, "float16": rows["bfloat16"]}
+    return doc
+
+
+def as_rows(collectives):
+    """A JSON document's ``collectives`` as a parsed entry's ``by_collective`` holds them:
+    collective -> world key -> dtype -> ((max_bytes, algorithm), ...)."""
+    return {c: {w: {d: tuple((m, a) for m, a in rows) for d, rows in by_dtype.items()}
+                for w, by_dtype in place["tables"].items()} for c, place in collectives.items()}
 
 
 def entry(gpu="NVIDIA H200", link="nvlink", placement="plain", mode="graph", rows=None, **extra):
@@ -66,7 +99,13 @@ def test_default_table_is_format_2_with_the_h200_rows_unchanged_but_the_4_rank_o
     assert shipped.format == 2 and [t.key for t in shipped.entries] == [H200, H100, H100_DEPENDENT]
     h200 = shipped.entry(H200)
     assert h200.entry["tables"] == format_1_rows_changed()["tables"]
-    assert h200.entry["collectives"] == old["collectives"]
+    # the reduce-scatter's and all-gather's rows: format 1's defaults, but at 2 ranks those
+    # measured on 2x H200 (float16 takes bfloat16's rows)
+    measured = format_1_rows_measured()["collectives"]
+    assert {c: h200.entry["collectives"][c]["tables"] for c in old["collectives"]} == {
+        c: measured[c]["tables"] for c in old["collectives"]}
+    for collective, place in old["collectives"].items():
+        assert {w for w in place["tables"] if place["tables"][w] != measured[collective]["tables"][w]} == {"2"}
     # the change is exactly that: the first row of each 4-rank dtype, nothing else
     changed = {(world, dtype, i) for world, by_dtype in old["tables"].items() for dtype, rows in by_dtype.items()
                for i, row in enumerate(rows) if h200.entry["tables"][world][dtype][i] != row}
@@ -181,7 +220,8 @@ def test_the_dependent_mode_takes_its_entry_and_falls_back_to_the_graph_entry():
     assert both.choose(Machine("NVIDIA H200")).mode == "graph"  # graph still takes the graph entry
     assert both.choose(Machine("NVIDIA H100 80GB HBM3", mode="dependent")).mode == "dependent"  # family, mode
     fallback = default_table().choose(Machine("NVIDIA H200", mode="dependent"))
-    assert fallback.key == H200 and fallback.why == "no dependent mode entry for NVIDIA H200 nvlink plain: graph's"
+    assert fallback.key == H200 and fallback.why == (
+        "no dependent mode entry for NVIDIA H200 nvlink plain: graph's" + H200_THRESHOLDS_NOT_TAKEN)
     other_gpu = parse_table(document(entry(), entry(gpu="NVIDIA H100 80GB HBM3", mode="dependent")), "t")
     chosen = other_gpu.choose(Machine("NVIDIA H200", mode="dependent"))
     assert chosen.key == H200 and chosen.why == "no dependent mode entry for NVIDIA H200 nvlink plain: graph's"
@@ -207,7 +247,8 @@ def test_the_selector_follows_the_dependent_entry_where_asked(tmp_path):
     assert [graph.select(n, "bfloat16") for n in (1024, 1 << 20)] == ["twoshot", "twoshot"]
     assert [t.where for t in dependent.tables] == ["t: NVIDIA H200 nvlink plain dependent",
                                                    "default table: NVIDIA H200 nvlink plain graph"]
-    assert dependent.tables[1].why == "no dependent mode entry for NVIDIA H200 nvlink plain: graph's"
+    assert dependent.tables[1].why == "no dependent mode entry for NVIDIA H200 nvlink plain: graph's" + (
+        H200_THRESHOLDS_NOT_TAKEN)
     assert dependent.explain(1024, "bfloat16")[1] == ("table row ≤ 4 KiB for 4 ranks bfloat16 "
                                                      "(t: NVIDIA H200 nvlink plain dependent)")
     # a world size the tune file lacks: the shipped table's graph entry
@@ -360,7 +401,7 @@ def test_a_format_1_file_loads_as_one_entry_for_any_machine(tmp_path):
     assert only.note.startswith("format-1 table (machine: NVIDIA H200 (2 and 4 GPUs")
     # the other collectives' rows come along (else they would fall through to the default table)
     assert set(only.by_collective) == set(old["collectives"]) == {"reduce_scatter", "all_gather"}
-    assert only.by_collective == default_table().entry(H200).by_collective
+    assert only.by_collective == as_rows(old["collectives"])
     for machine in (Machine("NVIDIA H200"), Machine("NVIDIA B200", link="pcie", mode="eager"), Machine()):
         chosen = table.choose(machine)
         assert chosen.rows == only.rows and chosen.by_collective == only.by_collective
@@ -470,8 +511,9 @@ def rs_thresholds(tables):
 def test_reduce_scatter_thresholds_are_their_own(tmp_path):
     """The reduce-scatter's thresholds (``quantized.collectives.reduce_scatter``) are looked
     up as the all-reduce's, apart from them: an entry with only the all-reduce's leaves the
-    reduce-scatter not measured (never), whatever the next table says for the all-reduce;
-    an entry may hold the reduce-scatter's alone."""
+    reduce-scatter not measured (never), whatever the next table says for the all-reduce,
+    and the next table's own reduce-scatter thresholds then serve; an entry may hold the
+    reduce-scatter's alone."""
     both = document(entry(quantized={**quantized({"2": {"bfloat16": {"int8": 64 * MiB}}}),
                                      **rs_thresholds({"*": {"bfloat16": {"int8": 8 * MiB, "int4": "never"}}})}))
     table = load_table(write(tmp_path, both))
@@ -483,15 +525,25 @@ def test_reduce_scatter_thresholds_are_their_own(tmp_path):
     assert two.quantized("int4", "bfloat16", "reduce_scatter")[1].startswith("never (measured not to pay: ")
     assert two.quantized("fp8", "bfloat16", "reduce_scatter")[1].startswith("never: fp8 not measured")
     assert two.quantized("int8", "bfloat16", "all_gather") == (None, "")  # the all-gather never quantizes
-    # the all-reduce's only (this file's, then the shipped H200 entry's): the reduce-scatter was not measured
-    only_ar = load_table(write(tmp_path, document(entry(quantized=quantized({"2": {"bfloat16": {"int8": 1}}}))),
-                               "ar.json"))
+    # the all-reduce's only (this file's; the shipped H200 entry has none at 4 ranks): the
+    # reduce-scatter was not measured
+    only_ar = load_table(write(tmp_path, document(entry(quantized=quantized(
+        {"2": {"bfloat16": {"int8": 1}}, "4": {"bfloat16": {"int8": 1}}}))), "ar.json"))
+    assert not shipped_thresholds(H200, "reduce_scatter").get("4")
     for table_ in (only_ar, None):
-        threshold, why = Selector(2, {}, ["nccl"], table_, machine=Machine("NVIDIA H200")).quantized(
+        threshold, why = Selector(4, {}, ["nccl"], table_, machine=Machine("NVIDIA H200")).quantized(
             "int8", "bfloat16", "reduce_scatter")
         assert threshold is None and why == (
-            "never: not measured for 2 ranks on NVIDIA H200 nvlink plain graph (no selector table has quantized "
+            "never: not measured for 4 ranks on NVIDIA H200 nvlink plain graph (no selector table has quantized "
             "reduce_scatter thresholds for them; python -m ubnext.tune --quantized measures them)")
+    # at 2 ranks the shipped H200 entry has the reduce-scatter's own (measured on 2x H200):
+    # those, not the file's all-reduce threshold
+    measured = tune_h200x2("graph")["quantized"]["collectives"]["reduce_scatter"]["tables"]["2"]["bfloat16"]["int8"]
+    assert measured == 16 * MiB
+    assert Selector(2, {}, ["nccl"], only_ar, machine=Machine("NVIDIA H200")).quantized(
+        "int8", "bfloat16", "reduce_scatter") == (
+        measured, "from 16 MiB (2 ranks bfloat16 (quantized reduce_scatter, default table: NVIDIA H200 nvlink plain "
+                  "graph))")
     only_rs = parse_table(document(entry(gpu=H100[0], quantized=rs_thresholds(
         {"2": {"bfloat16": {"int8": 4 * MiB}}}))), "t")
     sel = Selector(2, {}, ["nccl"], only_rs, machine=Machine(H100[0]))
@@ -518,10 +570,11 @@ def shipped_thresholds(key, collective="all_reduce"):
 
 #: The shipped entries with quantized thresholds measured by python -m ubnext.tune --quantized
 #: with today's kernel on nonzero inputs, and their world sizes (both collectives): H100 graph
-#: mode (bench/results/tune_h100x{4,2}_quant.txt, 2026-11-27). An entry re-measured (H200's,
-#: removed because they were timed on zeros with the kernel before) is added here with its
-#: evidence; nothing else may hold thresholds.
-MEASURED_THRESHOLDS = {H100: {"2", "4"}}
+#: mode (bench/results/tune_h100x{4,2}_quant.txt, 2026-11-27); H200 graph mode at 2 ranks
+#: (TUNE_H200X2, 2026-11-29; its 4-rank thresholds, timed on zeros with the kernel before, stay
+#: removed until measured again). An entry re-measured is added here with its evidence;
+#: nothing else may hold thresholds.
+MEASURED_THRESHOLDS = {H100: {"2", "4"}, H200: {"2"}}
 
 
 def test_the_shipped_table_has_thresholds_only_for_the_machines_measured_with_todays_kernel():
@@ -537,12 +590,29 @@ def test_the_shipped_table_has_thresholds_only_for_the_machines_measured_with_to
     assert H100_DEPENDENT not in MEASURED_THRESHOLDS
 
 
-#: machines the shipped table is asked for: the one measured (H100 graph) and machines
+def test_the_h200_thresholds_are_those_measured_on_2x_h200_in_graph_mode():
+    """The shipped H200 entry's thresholds (2 ranks, both collectives) are the graph run's of
+    TUNE_H200X2 (int8 and fp8 from 16 MiB, int4 from 8 MiB). The dependent run's (its
+    reduce-scatter's int8 and fp8 from 8 MiB) are not shipped: the table has no dependent
+    H200 entry, and a dependent communicator takes the graph entry's rows, not its thresholds."""
+    (shipped,) = [e["quantized"] for e in json.loads(SHIPPED.read_text())["entries"]
+                  if (e["gpu"], e["link"], e["placement"], e["mode"]) == H200]
+    graph, dependent = tune_h200x2("graph")["quantized"], tune_h200x2("dependent")["quantized"]
+    assert shipped["tables"] == graph["tables"] == {"2": {"bfloat16": {"int8": 16 * MiB, "fp8": 16 * MiB,
+                                                                       "int4": 8 * MiB}}}
+    assert shipped["collectives"]["reduce_scatter"]["tables"] == graph["collectives"]["reduce_scatter"]["tables"] == (
+        graph["tables"])
+    assert dependent["collectives"]["reduce_scatter"]["tables"] != graph["collectives"]["reduce_scatter"]["tables"]
+    assert not any(e["mode"] == "dependent" and e["gpu"] == H200[0] for e in json.loads(SHIPPED.read_text())["entries"])
+
+
+#: machines the shipped table is asked for: those measured (H100 and H200 graph) and machines
 #: whose nearest entry is another's (the fallbacks), or that have an entry without thresholds
 MACHINES = [Machine(H100[0]), Machine("NVIDIA A100-SXM4-80GB"), Machine("NVIDIA B200"), Machine("NVIDIA L40S"),
             Machine(None), Machine("NVIDIA H200"), Machine("NVIDIA H800"), Machine("NVIDIA H100 PCIe"),
             Machine(H100[0], link="pcie"), Machine(H100[0], mode="dependent"), Machine(H100[0], mode="eager"),
-            Machine(H100[0], placement="pool")]
+            Machine(H100[0], placement="pool"), Machine("NVIDIA H200", mode="dependent"),
+            Machine("NVIDIA H200", link="pcie")]
 
 
 @pytest.mark.parametrize("machine", MACHINES, ids=lambda m: m.label())
@@ -628,10 +698,13 @@ def test_the_h200_rows_choose_as_the_format_1_table_did(usable, config):
     GPU nobody measured, and with no GPU known. Same algorithm everywhere but for the one
     deliberate change (ONE_SHOT_4): at 4 ranks, all-reduces (plain and fused) of more
     than 256 KiB up to 512 KiB now take the Lamport one-shot (its multicast instantiation
-    where multicast is usable) where its buffers hold them; the format-1 rows with that
-    change choose exactly as the shipped table."""
+    where multicast is usable) where its buffers hold them; and for the 2-rank
+    reduce-scatters and all-gathers, which follow the rows measured on 2x H200
+    (format_1_rows_measured) instead of format 1's unmeasured ones. The format-1 rows with
+    those changes choose exactly as the shipped table."""
     old_table = parse_table(json.loads(OLD_H200.read_text()), "old")
     changed_table = parse_table(format_1_rows_changed(), "old, changed")
+    measured_table = parse_table(format_1_rows_measured(), "old, changed, measured")
     limits = buffer_limits(Config.from_env({}, **config))
     one_shot = "nvls_lamport" if "nvls_lamport" in usable else "lamport"
     for nranks in (1, 2, 3, 4, 8):
@@ -644,10 +717,14 @@ def test_the_h200_rows_choose_as_the_format_1_table_did(usable, config):
         assert {key for key in old if old[key] != changed[key]} == want, (nranks, config)
         assert all(changed[key] in (one_shot, (one_shot, one_shot)) for key in want)
         assert all(old[key] not in (one_shot, (one_shot, one_shot)) for key in want)
+        # the measured rows: only 2-rank reduce-scatters and all-gathers choose otherwise
+        measured = _selections(Selector(nranks, limits, usable, measured_table))
+        moved = {key for key in changed if changed[key] != measured[key]}
+        assert {key[0] for key in moved} == ({"reduce_scatter", "all_gather"} if nranks == 2 else set()), nranks
         for machine in (Machine("NVIDIA H200"), Machine("NVIDIA H800"), Machine("NVIDIA A100-SXM4-80GB"), None):
             new = Selector(nranks, limits, usable, machine=machine)
             assert new.tables[0].key == H200
-            assert _selections(new) == changed, (nranks, machine)
+            assert _selections(new) == measured, (nranks, machine)
 
 
 # --------------------------------------------------------------------------- tune
@@ -661,7 +738,7 @@ def test_tune_merges_into_a_format_1_file_as_format_2():
         ("*",) * 4, ("NVIDIA H100 80GB HBM3", "nvlink", "plain", "graph")]
     assert table.entries[0].entry["tables"] == old["tables"]
     assert table.entries[0].entry["collectives"] == old["collectives"]
-    assert table.entries[0].by_collective == default_table().entry(H200).by_collective
+    assert table.entries[0].by_collective == as_rows(old["collectives"])
     # the new entry starts from the format-1 rows that served this GPU: only 2 ranks bfloat16 changed
     h100 = table.choose(Machine("NVIDIA H100 80GB HBM3"))
     assert h100.rows == {**table.entries[0].rows, "2": {**table.entries[0].rows["2"], "bfloat16": ((None, "nccl"),)}}
@@ -755,7 +832,7 @@ def test_describe_says_which_entry_and_why(monkeypatch):
     h800 = Selector(4, limits, ["lamport", "nccl"], machine=Machine("NVIDIA H800"))
     d = _report.report(_fake_comm(h800))
     assert d["tables"] == ["default table: NVIDIA H200 nvlink plain graph (no entry for NVIDIA H800: "
-                           "NVIDIA H200, nearest measured of the same family (H))"]
+                           f"NVIDIA H200, nearest measured of the same family (H){H200_THRESHOLDS_NOT_TAKEN})"]
     text = str(d)
     assert "selector tables: default table: NVIDIA H200 nvlink plain graph (no entry for NVIDIA H800" in text
     assert "table row ≤ 512 KiB for 4 ranks bfloat16 (default table: NVIDIA H200 nvlink plain graph)" in text
@@ -776,7 +853,7 @@ def test_describe_says_when_the_dependent_mode_falls_back_to_a_graph_entry(monke
     where = f"{tuned.source}: NVIDIA H200 nvlink plain dependent"
     assert d["tables"] == [f"{where} (exact match)",
                            "default table: NVIDIA H200 nvlink plain graph (no dependent mode entry for "
-                           "NVIDIA H200 nvlink plain: graph's)"]
+                           f"NVIDIA H200 nvlink plain: graph's{H200_THRESHOLDS_NOT_TAKEN})"]
     text = str(d)
     assert "  UBNEXT_TABLE_MODE      dependent" in text
     assert ("selector tables: " + ", then ".join(d["tables"])) in text
@@ -792,7 +869,8 @@ def test_info_lists_the_entries_and_the_choice_for_gpu_0(tmp_path):
     assert lines[2].startswith("  entry NVIDIA H100 80GB HBM3 nvlink plain graph: world sizes 4 (bfloat16/float32), 2")
     assert lines[3].startswith("  entry NVIDIA H100 80GB HBM3 nvlink plain dependent: world sizes 4 (bfloat16)")
     assert lines[4] == ("  for NVIDIA H800 nvlink plain graph: entry NVIDIA H200 nvlink plain graph "
-                        "(no entry for NVIDIA H800: NVIDIA H200, nearest measured of the same family (H))")
+                        f"(no entry for NVIDIA H800: NVIDIA H200, nearest measured of the same family (H)"
+                        f"{H200_THRESHOLDS_NOT_TAKEN})")
     assert _info.table_lines({}, "NVIDIA H200")[4].endswith("entry NVIDIA H200 nvlink plain graph (exact match)")
     assert _info.table_lines({}, "NVIDIA H100 80GB HBM3")[4].endswith(
         "entry NVIDIA H100 80GB HBM3 nvlink plain graph (exact match)")
@@ -808,7 +886,7 @@ def test_info_chooses_for_the_mode_of_ubnext_table_mode(tmp_path):
 
     lines = _info.table_lines({"UBNEXT_TABLE_MODE": "dependent"}, "NVIDIA H200")
     assert lines[4] == ("  for NVIDIA H200 nvlink plain dependent: entry NVIDIA H200 nvlink plain graph "
-                        "(no dependent mode entry for NVIDIA H200 nvlink plain: graph's)")
+                        f"(no dependent mode entry for NVIDIA H200 nvlink plain: graph's{H200_THRESHOLDS_NOT_TAKEN})")
     assert _info.table_lines({"UBNEXT_TABLE_MODE": "dependent"}, "NVIDIA H100 80GB HBM3")[4].endswith(
         "entry NVIDIA H100 80GB HBM3 nvlink plain dependent (exact match)")
     path = write(tmp_path, document(entry(), entry(mode="dependent")))
@@ -824,7 +902,7 @@ def test_an_h100_takes_its_measured_rows():
     """The H100 entries (python -m ubnext.tune with every collective, bench/results/
     tune_h100x*_all.txt; the sweeps rsag_h100x* agree): the all-reduce's 2-rank Lamport two-shot
     up to 64 MiB, float32's own 4-rank rows, and NCCL for reduce-scatters and all-gathers
-    past 16 MiB, where the H200 entry's unmeasured rows kept the Lamport two-shot."""
+    past 16 MiB, where the H200 entry's unmeasured 4-rank rows keep the Lamport two-shot."""
     limits = buffer_limits(Config.from_env({}))
     usable = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
     h100 = {n: Selector(n, limits, usable, machine=Machine("NVIDIA H100 80GB HBM3")) for n in (2, 4)}
@@ -838,9 +916,37 @@ def test_an_h100_takes_its_measured_rows():
         for n in (2, 4):
             assert [h100[n].select(s, "bfloat16", collective) for s in (16 * MiB, 16 * MiB + 2 * n)] == [
                 "lamport_twoshot", "nccl"], (collective, n)
-        assert h200[2].select(256 * MiB, "bfloat16", collective) == "lamport_twoshot"  # not measured there
+        assert h200[4].select(16 * MiB + 8, "bfloat16", collective) == "lamport_twoshot"  # not measured there
     dependent = Selector(4, limits, usable, machine=Machine("NVIDIA H100 80GB HBM3", mode="dependent"))
     assert dependent.tables[0].key == H100_DEPENDENT and dependent.tables[0].why == "exact match"
+
+
+@pytest.mark.parametrize("mode", ["graph", "dependent"])
+def test_an_h200_takes_the_2_rank_reduce_scatter_and_all_gather_rows_measured_on_2x_h200(mode):
+    """bench/results/tune_h200x2_1129_graph.txt (2x H200, 2026-11-29): bfloat16's reduce-scatter
+    and all-gather take the Lamport two-shot up to 16 MiB, the barrier two-shot up to 64 MiB,
+    NCCL above (128 MiB: 303.98 µs against the two-shot's 352.49); float16 takes bfloat16's
+    rows; float32's all-gather as bfloat16's, its reduce-scatter NCCL past 16 MiB (32 MiB:
+    the two-shot 86.71 against 89.10, under the 3 % margin). The dependent run chose the same
+    bfloat16 rows; no dependent H200 entry is shipped, so that mode takes the graph entry's.
+    4 ranks keep the unmeasured rows (the Lamport two-shot up to 32 MiB)."""
+    assert {c: tune_h200x2("dependent")["collectives"][c]["tables"]["2"]["bfloat16"]
+            for c in ("reduce_scatter", "all_gather")} == {
+        c: tune_h200x2("graph")["collectives"][c]["tables"]["2"]["bfloat16"] for c in ("reduce_scatter", "all_gather")}
+    limits = buffer_limits(Config.from_env({}))
+    usable = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
+    two = Selector(2, limits, usable, machine=Machine("NVIDIA H200", mode=mode))
+    assert two.tables[0].key == H200
+    sizes = (1 * KiB, 16 * MiB, 16 * MiB + 8, 64 * MiB, 64 * MiB + 8, 256 * MiB)
+    rows = ["lamport_twoshot", "lamport_twoshot", "twoshot", "twoshot", "nccl", "nccl"]
+    want = {("reduce_scatter", "bfloat16"): rows, ("reduce_scatter", "float16"): rows,
+            ("reduce_scatter", "float32"): ["lamport_twoshot", "lamport_twoshot", "nccl", "nccl", "nccl", "nccl"],
+            ("all_gather", "bfloat16"): rows, ("all_gather", "float16"): rows, ("all_gather", "float32"): rows}
+    assert {(c, dtype): [two.select(n, dtype, c) for n in sizes] for c, dtype in want} == want
+    four = Selector(4, limits, usable, machine=Machine("NVIDIA H200", mode=mode))
+    for collective in ("reduce_scatter", "all_gather"):
+        assert [four.select(n, "bfloat16", collective) for n in (32 * MiB, 32 * MiB + 8)] == [
+            "lamport_twoshot", "nccl"], collective
 
 
 @pytest.mark.parametrize("mode", ["graph", "dependent"])

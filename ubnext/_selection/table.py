@@ -66,12 +66,12 @@ measured being the first such entry of the file). Among those: the same ``link``
 ``"*"``, then the same ``placement`` (then ``"*"``), then the same ``mode`` (then
 ``"*"``); ties go to the entry listed first. The choice and why are shown by ``describe()`` and
 ``python -m ubnext info``: ``"default table: NVIDIA H200 nvlink plain graph (no entry for
-NVIDIA H100 80GB HBM3: NVIDIA H200, nearest measured of the same family (H))"``; asked for
-the dependent mode, ``"default table: NVIDIA H200 nvlink plain graph (no dependent mode
-entry for NVIDIA H200 nvlink plain: graph's)"``. The GPU comes before the mode: an entry
-for this GPU in another mode is taken before an entry of this mode for another GPU. Every
-rank reads the same document (:func:`agreed_table` checks the digests) and chooses for
-the same machine key, so every rank takes the same entry.
+NVIDIA H800: NVIDIA H200, nearest measured of the same family (H); its quantized thresholds
+not taken (...))"``; asked for the dependent mode, ``"default table: NVIDIA H200 nvlink
+plain graph (no dependent mode entry for NVIDIA H200 nvlink plain: graph's; ...)"``. The
+GPU comes before the mode: an entry for this GPU in another mode is taken before an entry
+of this mode for another GPU. Every rank reads the same document (:func:`agreed_table`
+checks the digests) and chooses for the same machine key, so every rank takes the same entry.
 
 **Format 1** (``{"format": 1, "machine": "<text>", "tables": ..., "collectives": ...,
 "note": ..., "measured": ...}``, written by earlier ``python -m ubnext.tune``) still loads:
@@ -104,7 +104,7 @@ another machine (another GPU of its family, the first entry, another link, place
 mode: the fallbacks above) lends its rows, never its thresholds; a ``"*"`` in an entry's
 key (written by hand: ``python -m ubnext.tune`` writes the machine it ran on) says any.
 **What is not there was not measured, and auto then keeps full precision**: an entry
-without the key (files written before it existed; the shipped table's but H100's graph
+without the key (files written before it existed; the shipped table's H100 dependent
 entry), a world size without thresholds in any table, a format missing from a dtype's, a
 collective without thresholds. Full
 precision, not a guessed size, because the quantized path is lossy and measurements
