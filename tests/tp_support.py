@@ -57,17 +57,18 @@ def inputs(tokens: int, hidden: int, heads_features: int, dtype, device, seed: i
             "grad_normed": rnd(tokens, hidden), "grad_residual": rnd(tokens, hidden)}
 
 
-def mlp(group, w: dict, dtype, device, plan=None) -> TensorParallelMLP:
+def mlp(group, w: dict, dtype, device, plan=None, **kwargs) -> TensorParallelMLP:
     hidden, intermediate = w["down"].shape
-    m = TensorParallelMLP(hidden, intermediate, group, bias=True, eps=EPS, plan=plan, dtype=dtype, device=device)
+    m = TensorParallelMLP(hidden, intermediate, group, bias=True, eps=EPS, plan=plan, dtype=dtype, device=device,
+                          **kwargs)
     m.load_full(w["gate"], w["up"], w["down"], w["mlp_norm"], w["down_bias"])
     return m
 
 
-def attention_output(group, w: dict, dtype, device, plan=None) -> TensorParallelAttentionOutput:
+def attention_output(group, w: dict, dtype, device, plan=None, **kwargs) -> TensorParallelAttentionOutput:
     hidden, heads_features = w["o"].shape
     m = TensorParallelAttentionOutput(hidden, heads_features, group, bias=True, eps=EPS, plan=plan, dtype=dtype,
-                                      device=device)
+                                      device=device, **kwargs)
     m.proj.load_full(w["o"], w["o_bias"])
     with torch.no_grad():
         m.norm.weight.copy_(w["attn_norm"])
@@ -91,6 +92,80 @@ def run_block(kind: str, module, rank: int, size: int, data: dict, backward: boo
         out.update(grad_x=x.grad, grad_residual=residual.grad,
                    **{f"grad:{n.removeprefix('_orig_mod.')}": p.grad for n, p in module.named_parameters()})
     return out
+
+
+#: the replicated parameters of each block: with sequence parallelism, each rank's rows give a
+#: part of their gradients
+REPLICATED = {"mlp": ("norm.weight", "down.bias"), "attention": ("norm.weight", "proj.bias")}
+
+
+def block(kind: str, group, w: dict, dtype, device, **kwargs):
+    """The MLP (``kind="mlp"``) or the attention output projection of ``w``."""
+    return (mlp if kind == "mlp" else attention_output)(group, w, dtype, device, **kwargs)
+
+
+def _rows(t, rank: int, size: int):
+    n = t.shape[0] // size
+    return t[rank * n:(rank + 1) * n]
+
+
+def train(kind: str, module, rank: int, size: int, batches: list, sequence_parallel: bool, lr: float = 0.25) -> list:
+    """Steps of SGD on ``module``, each over its micro-batches (``batches[step]``: a list of
+    ``inputs()``, the gradients accumulated over them: one backward each, one step):
+    per step, what the last micro-batch gave (this rank's rows with ``sequence_parallel``:
+    outputs, the gradients of x and the residual), every parameter's gradient before the
+    step (``grad:name``) and every parameter after it (``param:name``)."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    record = []
+    for micro in batches:
+        optimizer.zero_grad(set_to_none=True)
+        for data in micro:
+            def mine(t):
+                return _rows(t, rank, size) if sequence_parallel else t
+
+            if kind == "mlp":
+                x = mine(data["x"])
+            else:  # this rank's heads, every token
+                cols = data["attention"].shape[1] // size
+                x = data["attention"][:, rank * cols:(rank + 1) * cols]
+            x = x.detach().clone(memory_format=torch.contiguous_format).requires_grad_()
+            residual = mine(data["residual"]).detach().clone().requires_grad_()
+            normed, res = module(x, residual)
+            torch.autograd.backward((normed, res), (mine(data["grad_normed"]), mine(data["grad_residual"])))
+        got = {"normed": normed.detach(), "residual_out": res.detach(), "grad_x": x.grad,
+               "grad_residual": residual.grad,
+               **{f"grad:{n}": p.grad.clone() for n, p in module.named_parameters()}}
+        optimizer.step()
+        got.update({f"param:{n}": p.detach().clone() for n, p in module.named_parameters()})
+        record.append(got)
+    return record
+
+
+def rows_of_plain(kind: str, got: dict, rank: int, size: int) -> dict:
+    """A block's record without sequence parallelism (``train``), cut to what the
+    sequence-parallel block's record holds: this rank's rows of the outputs and of the
+    gradients of the residual (and of x in the MLP; the attention's x is this rank's heads)."""
+    rows = ("normed", "residual_out", "grad_residual") + (("grad_x",) if kind == "mlp" else ())
+    return {k: _rows(v, rank, size) if k in rows else v for k, v in got.items()}
+
+
+def assert_replicated_alike(records: list, kind: str) -> None:
+    """Every replicated parameter (``REPLICATED``) and its gradient bit for bit the same on
+    every rank after every step (``records[rank][step]``, ``train``'s)."""
+    for step in range(len(records[0])):
+        for name in REPLICATED[kind]:
+            for what in ("param", "grad"):
+                key = f"{what}:{name}"
+                first = records[0][step][key]
+                for r, rec in enumerate(records[1:], 1):
+                    assert torch.equal(bits(rec[step][key]), bits(first)), (
+                        f"step {step}: {key} of rank {r} differs from rank 0's in "
+                        f"{int((rec[step][key] != first).sum())} elements")
+
+
+def bits(t):
+    """``t``'s bits as integers (NaN and -0.0 compared bitwise)."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def emulate(kind: str, w: dict, data: dict, rank: int, size: int, fused, all_reduce, backward: bool = True) -> dict:
