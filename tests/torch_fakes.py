@@ -42,7 +42,7 @@ def int8_grid(t):
 
 
 class _Group:
-    def __init__(self, n: int, quantized: str):
+    def __init__(self, n: int, quantized: str = "off"):
         self.slots: list = [None] * n
         self.barrier = threading.Barrier(n, timeout=TIMEOUT_S)
         self.calls = 0
