@@ -619,27 +619,10 @@ def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _differentiable_forms(comm, x, w):
-    """Every differentiable form whose forward or backward reduces, on bfloat16 ``x`` (this
-    rank's, 8 x 32) and ``w`` (32 x 16, shared): outputs and the gradients of x and w."""
-    rows = x.shape[0] // comm.size
-    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
-    lx, lw = leaves
-    outs = [functional.all_reduce(lx, group=comm), functional.reduce_scatter(lx, group=comm),
-            functional.all_gather(lx[:rows], group=comm),  # backward: the reduce-scatter
-            functional.copy_to_group(lx, comm) @ lw,  # backward: the all-reduce
-            *functional.all_gather_matmul(lx[:rows], lw, group=comm),  # gathered output's gradient reduce-scattered
-            functional.matmul_reduce_scatter(lx, lw, group=comm), *functional.sum_gradients(lx, lw, group=comm)]
-    g = torch.Generator().manual_seed(comm.rank)
-    torch.autograd.backward(outs, [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs])
-    in_place, into = x.clone(), torch.empty(rows * x.shape[1], dtype=x.dtype)
-    ut.all_reduce(in_place, group=comm)
-    ut.reduce_scatter_tensor(into, x, group=comm)
-    return [o.detach() for o in outs] + [lx.grad, lw.grad, in_place, into]
-
-
 @pytest.mark.parametrize("size", [2, 4])
 def test_the_ops_quantize_only_where_asked(size):
+    import tp_support as tp
+
     """On a communicator that opted in to the quantized collectives (the thread
     communicators' lossy emulation from any size), every differentiable form, forward and
     backward, and the in-place forms give the bits of one that did not; given
@@ -651,7 +634,7 @@ def test_the_ops_quantize_only_where_asked(size):
 
     def body(comm, opted_in: bool):
         x = xs[comm.rank]
-        forms = _differentiable_forms(comm, x, w)
+        forms = tp.differentiable_forms(comm, x, w)
         if not opted_in:  # formats raise there
             return forms, None, None
         asked = {"functional.all_reduce": functional.all_reduce(x, group=comm, precision="auto"),

@@ -237,7 +237,7 @@ def test_an_opted_in_communicator_leaves_the_layers_exact(kind, sequence_paralle
         x = batches[0][0]["x"]
         lossy = not torch.equal(comm.all_reduce(x), comm.all_reduce(x, precision="exact"))
         if kind == "linears":
-            return _train_linears(comm, w, batches, sequence_parallel, dtype), lossy
+            return tp.train_linears(comm, w, batches, sequence_parallel), lossy
         block = tp.block(kind, comm, w, dtype, "cpu", sequence_parallel=sequence_parallel)
         return tp.train(kind, block, comm.rank, comm.size, batches, sequence_parallel), lossy
 
@@ -246,33 +246,3 @@ def test_an_opted_in_communicator_leaves_the_layers_exact(kind, sequence_paralle
         assert lossy, "the thread communicators' opt-in did not quantize: the test shows nothing"
         for step_got, step_want in zip(got, want):
             tp.assert_equal_bits(step_got, step_want)
-
-
-def _train_linears(comm, w: dict, batches: list, sequence_parallel: bool, dtype) -> list:
-    """Two SGD steps of ColumnParallelLinear (gate, bias) then RowParallelLinear (down,
-    bias): with ``sequence_parallel`` the gathered GEMM and the reduce-scatter; without, the
-    input's gradient all-reduced and the output all-reduced."""
-    from ubnext.torch import ColumnParallelLinear, RowParallelLinear
-
-    col = ColumnParallelLinear(HIDDEN, INTERMEDIATE, comm, bias=True, dtype=dtype,
-                               sequence_parallel=sequence_parallel)
-    row = RowParallelLinear(INTERMEDIATE, HIDDEN, comm, bias=True, dtype=dtype, sequence_parallel=sequence_parallel)
-    col.load_full(w["gate"], w["up"][:, 0])
-    row.load_full(w["down"], w["down_bias"])
-    params = [*col.parameters(), *row.parameters()]
-    optimizer = torch.optim.SGD(params, lr=0.25)
-    rows = TOKENS // comm.size
-    record = []
-    for (data,) in batches:
-        optimizer.zero_grad(set_to_none=True)
-        x, grad = data["x"], data["grad_normed"]
-        if sequence_parallel:
-            x, grad = x[comm.rank * rows:(comm.rank + 1) * rows], grad[comm.rank * rows:(comm.rank + 1) * rows]
-        x = x.clone().requires_grad_()
-        y = row(col(x))
-        y.backward(grad)
-        got = {"y": y.detach(), "grad_x": x.grad, **{f"grad:{i}": p.grad.clone() for i, p in enumerate(params)}}
-        optimizer.step()
-        got.update({f"param:{i}": p.detach().clone() for i, p in enumerate(params)})
-        record.append(got)
-    return record

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ubnext.torch import TensorParallelAttentionOutput, TensorParallelMLP, _rmsnorm
+import ubnext.torch as ut
+from ubnext.torch import TensorParallelAttentionOutput, TensorParallelMLP, _rmsnorm, functional
 
 EPS = 1e-5
 #: the stated bound of a bf16 block against the unsharded float64 model: max |got - ref|
@@ -30,6 +31,40 @@ def gpu_communicator(nbytes: int, dtype: str):
     if c.select(nbytes, dtype) == "nccl":
         skip_where_nccl_cannot_run(c)
     return c
+
+
+def quantized_pair(directory, threshold: int = 1024):
+    """Two communicators of every rank, alike but for the opt-in: ``(plain, opted_in)``,
+    the latter ``quantized="int8"`` with a tune file (in ``directory``, each rank its own
+    copy) whose thresholds send every bfloat16 all-reduce and reduce-scatter of
+    ``threshold`` bytes or more of any world size through the quantized two-shot
+    (``precision="auto"``); torch's current device set to theirs. Skips where NCCL would
+    reduce a test's sizes but cannot. Collective; the caller closes both."""
+    import json
+
+    from gpu_support import SMALL, require_gpu_and_torch, skip_where_nccl_cannot_run
+
+    import ubnext
+
+    require_gpu_and_torch()
+    thresholds = {"*": {"bfloat16": {"int8": threshold}}}
+    path = directory / "tune.json"
+    path.write_text(json.dumps({"format": 2, "entries": [
+        {"gpu": "*", "link": "*", "placement": "*", "mode": "*",
+         "tables": {"1024": {"bfloat16": [[None, "nccl"]]}},  # rows for no world size here: the shipped ones
+         "quantized": {"tables": thresholds, "collectives": {"reduce_scatter": {"tables": thresholds}}}}]}))
+    config = dict(SMALL, pool_mb=160, tune_file=str(path))
+    pair = (ubnext.Communicator(**config), ubnext.Communicator(quantized="int8", **config))
+    torch.cuda.set_device(pair[0].device)
+    try:
+        if any(c.select(1 << 16, "bfloat16", collective=k) == "nccl"
+               for c in pair for k in ("all_reduce", "reduce_scatter", "all_gather")):
+            skip_where_nccl_cannot_run(pair[0])
+    except BaseException:  # the skip too
+        for c in pair:
+            c.close()
+        raise
+    return pair
 
 
 def weights(hidden: int, intermediate: int, heads_features: int, dtype, device, seed: int = 0) -> dict:
@@ -139,6 +174,57 @@ def train(kind: str, module, rank: int, size: int, batches: list, sequence_paral
         got.update({f"param:{n}": p.detach().clone() for n, p in module.named_parameters()})
         record.append(got)
     return record
+
+
+def train_linears(comm, w: dict, batches: list, sequence_parallel: bool) -> list:
+    """Two SGD steps of ColumnParallelLinear (gate, bias) then RowParallelLinear (down,
+    bias): with ``sequence_parallel`` the gathered GEMM and the reduce-scatter; without, the
+    input's gradient all-reduced and the output all-reduced."""
+    from ubnext.torch import ColumnParallelLinear, RowParallelLinear
+
+    hidden, intermediate = w["down"].shape
+    like = {"dtype": w["down"].dtype, "device": w["down"].device, "sequence_parallel": sequence_parallel}
+    col = ColumnParallelLinear(hidden, intermediate, comm, bias=True, **like)
+    row = RowParallelLinear(intermediate, hidden, comm, bias=True, **like)
+    col.load_full(w["gate"], w["up"][:, 0])
+    row.load_full(w["down"], w["down_bias"])
+    params = [*col.parameters(), *row.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.25)
+    record = []
+    for (data,) in batches:
+        optimizer.zero_grad(set_to_none=True)
+        x, grad = data["x"], data["grad_normed"]
+        if sequence_parallel:
+            x, grad = _rows(x, comm.rank, comm.size), _rows(grad, comm.rank, comm.size)
+        x = x.clone().requires_grad_()
+        y = row(col(x))
+        y.backward(grad)
+        got = {"y": y.detach(), "grad_x": x.grad, **{f"grad:{i}": p.grad.clone() for i, p in enumerate(params)}}
+        optimizer.step()
+        got.update({f"param:{i}": p.detach().clone() for i, p in enumerate(params)})
+        record.append(got)
+    return record
+
+
+def differentiable_forms(comm, x, w) -> list:
+    """Every form of ``ubnext.torch.functional`` whose forward or backward reduces, and
+    the in-place forms, on ``x`` (this rank's, rows a multiple of the ranks) and ``w``
+    (x.shape[1] x n, shared), with their defaults: outputs, and the gradients of x and w
+    from random output gradients (the same on every run)."""
+    rows = x.shape[0] // comm.size
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    lx, lw = leaves
+    outs = [functional.all_reduce(lx, group=comm), functional.reduce_scatter(lx, group=comm),
+            functional.all_gather(lx[:rows], group=comm),  # backward: the reduce-scatter
+            functional.copy_to_group(lx, comm) @ lw,  # backward: the all-reduce
+            *functional.all_gather_matmul(lx[:rows], lw, group=comm),  # gathered output's gradient reduce-scattered
+            functional.matmul_reduce_scatter(lx, lw, group=comm), *functional.sum_gradients(lx, lw, group=comm)]
+    g = torch.Generator().manual_seed(comm.rank)
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=g).to(o.dtype).to(o.device) for o in outs])
+    in_place, into = x.clone(), x.new_empty(rows * x.shape[1])
+    ut.all_reduce(in_place, group=comm)
+    ut.reduce_scatter_tensor(into, x, group=comm)
+    return [o.detach() for o in outs] + [lx.grad, lw.grad, in_place, into]
 
 
 def rows_of_plain(kind: str, got: dict, rank: int, size: int) -> dict:
