@@ -246,3 +246,28 @@ def test_an_opted_in_communicator_leaves_the_layers_exact(kind, sequence_paralle
         assert lossy, "the thread communicators' opt-in did not quantize: the test shows nothing"
         for step_got, step_want in zip(got, want):
             tp.assert_equal_bits(step_got, step_want)
+
+
+def test_compiled_sequence_parallel_block_trains_as_eager():
+    """A sequence-parallel MLP under torch.compile(fullgraph=True) (the gradient sum's
+    autograd.Function traced into the backward graph): two SGD steps of 2 micro-batches
+    with eager's bits. One rank: dynamo is not thread-safe (the GPU tests compile at N
+    ranks, in N processes)."""
+    torch._dynamo.reset()
+    dtype = torch.float32
+    w = tp.weights(HIDDEN, INTERMEDIATE, HEADS_FEATURES, dtype, "cpu")
+    batches = _batches(2, 2, dtype)
+
+    def rank(comm):
+        out = []
+        for compiled in (False, True):
+            block = tp.block("mlp", comm, w, dtype, "cpu", sequence_parallel=True)
+            if compiled:
+                block = torch.compile(block, fullgraph=True, backend="aot_eager")
+            out.append([{k.replace("_orig_mod.", ""): v for k, v in step.items()}
+                        for step in tp.train("mlp", block, comm.rank, comm.size, batches, True)])
+        return out
+
+    eager, compiled = run_ranks(1, rank)[0]
+    for got, want in zip(compiled, eager):
+        tp.assert_equal_bits(got, want)
