@@ -42,7 +42,7 @@ def quantized_pair(directory, threshold: int = 1024):
     reduce a test's sizes but cannot. Collective; the caller closes both."""
     import json
 
-    from gpu_support import SMALL, require_gpu_and_torch, skip_where_nccl_cannot_run
+    from gpu_support import require_gpu_and_torch, skip_where_nccl_cannot_run
 
     import ubnext
 
@@ -53,8 +53,8 @@ def quantized_pair(directory, threshold: int = 1024):
         {"gpu": "*", "link": "*", "placement": "*", "mode": "*",
          "tables": {"1024": {"bfloat16": [[None, "nccl"]]}},  # rows for no world size here: the shipped ones
          "quantized": {"tables": thresholds, "collectives": {"reduce_scatter": {"tables": thresholds}}}}]}))
-    config = dict(SMALL, pool_mb=160, tune_file=str(path))
-    pair = (ubnext.Communicator(**config), ubnext.Communicator(quantized="int8", **config))
+    # the default pool: room for the overlapped ops' area beside the quantized receive areas
+    pair = (ubnext.Communicator(tune_file=str(path)), ubnext.Communicator(quantized="int8", tune_file=str(path)))
     torch.cuda.set_device(pair[0].device)
     try:
         if any(c.select(1 << 16, "bfloat16", collective=k) == "nccl"

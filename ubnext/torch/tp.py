@@ -24,6 +24,7 @@ over the tensor-parallel group itself.
 The layers never quantize unless given ``precision=`` (RowParallelLinear's all-reduce): a
 communicator's opt-in to the quantized collectives (``UBNEXT_QUANTIZED``) serves its own
 calls, not these.
+
 Shards are rows (column-parallel) or columns (row-parallel) ``[rank * n / size, (rank + 1)
 * n / size)`` of the full weight; ``load_full`` takes them from the unsharded weights.
 """
