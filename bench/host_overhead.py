@@ -81,7 +81,7 @@ def candidates(comm, nbytes: int, dtype: str) -> dict:
         lambda: comm.all_reduce(x),
         lambda: comm.all_reduce(cx, out=cy),
         lambda: comm.all_reduce_add_rmsnorm(row, residual, weight, out=normed, residual_out=res_out),
-        lambda: op(x, "sum", group),
+        lambda: op(x, "sum", "exact", group),
         lambda: dist.all_reduce(x),
     )))
     found.update(symm_mem_candidates(x))

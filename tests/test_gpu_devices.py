@@ -816,7 +816,7 @@ def test_torch_ops(comm, home, second, mode):
         ops = {
             "functional.all_reduce": lambda: ut.functional.all_reduce(x, "sum", group=comm),
             "all_reduce": lambda: ut.all_reduce(in_place, group=comm),
-            "torch.ops.ubnext.all_reduce": lambda: torch.ops.ubnext.all_reduce(x, "sum", ut.handle(comm)),
+            "torch.ops.ubnext.all_reduce": lambda: torch.ops.ubnext.all_reduce(x, "sum", "exact", ut.handle(comm)),
             "functional.reduce_scatter": lambda: ut.functional.reduce_scatter(x, "sum", group=comm),
             "reduce_scatter_tensor": lambda: ut.reduce_scatter_tensor(rs_into, x, group=comm),
             "functional.all_gather": lambda: ut.functional.all_gather(x, group=comm),

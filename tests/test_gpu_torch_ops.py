@@ -1,7 +1,9 @@
 """ubnext.torch's custom ops on GPUs: torch.library.opcheck of every op, the
 torch.distributed forms and the functional ones against Communicator.all_reduce,
 reduce_scatter, all_gather and reduce_scatter_add_rmsnorm bit for bit (and the
-sequence-parallel gradients against the collectives they are), the Communicator's own
+sequence-parallel gradients against the collectives they are), every form, forward and
+backward, on a communicator that opted in to the quantized collectives giving the bits of
+one that did not (and the communicator's choice where given ``precision=``), the Communicator's own
 collectives compiled (torch.compile traces them into the ops), and a function compiled
 with torch.compile(fullgraph=True) captured in a CUDA graph and replayed with results
 equal, bit for bit, to the same function run eagerly.
@@ -34,6 +36,17 @@ def comm():
     c.close()
 
 
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """``(plain, opted_in)``: alike but for the quantized opt-in (``tp_support.quantized_pair``)."""
+    from tp_support import quantized_pair
+
+    both = quantized_pair(tmp_path_factory.mktemp("tune"))
+    yield both
+    for c in both:
+        c.close()
+
+
 def operands(comm, seed: int):
     """x of this rank, and the residual, weight and bias every rank shares."""
     import torch
@@ -52,9 +65,9 @@ def test_opcheck(comm):
     h = ut.handle(comm)
     x, r, w, b = operands(comm, 1)
     ops = torch.ops.ubnext
-    torch.library.opcheck(ops.all_reduce.default, (x, "sum", h))
-    torch.library.opcheck(ops.all_reduce.default, (x.clone().requires_grad_(), "avg", h))
-    torch.library.opcheck(ops.all_reduce_.default, (x.clone(), "max", h))
+    torch.library.opcheck(ops.all_reduce.default, (x, "sum", "exact", h))
+    torch.library.opcheck(ops.all_reduce.default, (x.clone().requires_grad_(), "avg", "auto", h))
+    torch.library.opcheck(ops.all_reduce_.default, (x.clone(), "max", "exact", h))
     torch.library.opcheck(ops.all_reduce_add_rmsnorm.default, (x, r, w, b, 1e-6, h))
     torch.library.opcheck(ops.all_reduce_add_rmsnorm.default,
                           (x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_(),
@@ -62,10 +75,11 @@ def test_opcheck(comm):
     torch.library.opcheck(ops.all_reduce_add_rmsnorm.default, (x, None, w, None, 0.0, h))
     shard = (TOKENS // comm.size, HIDDEN)
     rs = r[:shard[0]]
-    torch.library.opcheck(ops.reduce_scatter.default, (x, "sum", h))
-    torch.library.opcheck(ops.reduce_scatter.default, (x.clone().requires_grad_(), "avg", h))
+    torch.library.opcheck(ops.reduce_scatter.default, (x, "sum", "exact", h))
+    torch.library.opcheck(ops.reduce_scatter.default, (x.clone().requires_grad_(), "avg", "exact", h))
     torch.library.opcheck(ops.all_gather.default, (x[:2].clone().requires_grad_(), h))
-    torch.library.opcheck(ops.reduce_scatter_.default, (torch.empty(shard, dtype=x.dtype, device="cuda"), x, "max", h))
+    torch.library.opcheck(ops.reduce_scatter_.default,
+                          (torch.empty(shard, dtype=x.dtype, device="cuda"), x, "max", "exact", h))
     torch.library.opcheck(ops.all_gather_.default, (torch.empty(comm.size * 2, HIDDEN, dtype=x.dtype, device="cuda"),
                                                     x[:2], h))
     torch.library.opcheck(ops.reduce_scatter_add_rmsnorm.default, (x, rs, w, b, 1e-6, h))
@@ -235,3 +249,39 @@ def test_communicator_methods_compile_to_the_ops(comm):
         for g, w in zip(got, want):
             assert g.shape == w.shape and torch.equal(g.view(torch.int16), w.view(torch.int16))
     comm.synchronize()
+
+
+def test_the_ops_quantize_only_where_asked(pair):
+    """On a communicator that opted in to int8 from 1 KiB (every call here is above it),
+    every differentiable form, forward and backward (copy_to_group's, all_gather's and the
+    gathered output's gradient of all_gather_matmul reduce), and the in-place forms give
+    the bits of a communicator that did not; given ``precision="auto"`` (or a format), the
+    all-reduce and reduce-scatter forms take the opted-in communicator's choice: its own
+    calls' bits, quantized at 2 ranks or more."""
+    import torch
+
+    import tp_support as tp
+    import ubnext.torch as ut
+
+    plain, opted_in = pair
+    g = torch.Generator().manual_seed(40 + opted_in.rank)
+    x = torch.randn(16, 256, generator=g).bfloat16().cuda()
+    w = (torch.randn(256, 64, generator=torch.Generator().manual_seed(41)) / 16).bfloat16().cuda()
+    forms = [tp.differentiable_forms(c, x, w) for c in pair]
+    exact = opted_in.all_reduce(x, precision="exact")
+    auto, auto_rs = opted_in.all_reduce(x), opted_in.reduce_scatter(x, precision="int8")
+    in_place, into = x.clone(), x.new_empty(x.numel() // opted_in.size)
+    ut.all_reduce(in_place, group=opted_in, precision="auto")
+    ut.reduce_scatter_tensor(into, x, group=opted_in, precision="int8")
+    asked = {"functional.all_reduce": (ut.functional.all_reduce(x, group=opted_in, precision="auto"), auto),
+             "all_reduce": (in_place, auto),
+             "functional.reduce_scatter": (ut.functional.reduce_scatter(x, group=opted_in, precision="int8"), auto_rs),
+             "reduce_scatter_tensor": (into.view(auto_rs.shape), auto_rs)}
+    torch.cuda.synchronize()
+    assert torch.equal(bits(auto), bits(exact)) == (opted_in.size == 1), "auto did not quantize: the test shows nothing"
+    for i, (a, b) in enumerate(zip(*forms)):
+        assert torch.equal(bits(a), bits(b)), f"form {i} quantized without being asked"
+    for name, (got, want) in asked.items():
+        assert torch.equal(bits(got), bits(want)), name
+    for c in pair:
+        c.synchronize()

@@ -23,15 +23,18 @@ def one_rank(fn):
 
 def test_schemas_and_mutations():
     ops = torch.ops.ubnext
-    assert str(ops.all_reduce.default._schema) == "ubnext::all_reduce(Tensor x, str op, int group) -> Tensor"
-    assert str(ops.all_reduce_.default._schema) == "ubnext::all_reduce_(Tensor(a!) x, str op, int group) -> ()"
+    assert str(ops.all_reduce.default._schema) == (
+        "ubnext::all_reduce(Tensor x, str op, str precision, int group) -> Tensor")
+    assert str(ops.all_reduce_.default._schema) == (
+        "ubnext::all_reduce_(Tensor(a!) x, str op, str precision, int group) -> ()")
     assert str(ops.all_reduce_add_rmsnorm.default._schema) == (
         "ubnext::all_reduce_add_rmsnorm(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, "
         "int group) -> (Tensor, Tensor)")
-    assert str(ops.reduce_scatter.default._schema) == "ubnext::reduce_scatter(Tensor x, str op, int group) -> Tensor"
+    assert str(ops.reduce_scatter.default._schema) == (
+        "ubnext::reduce_scatter(Tensor x, str op, str precision, int group) -> Tensor")
     assert str(ops.all_gather.default._schema) == "ubnext::all_gather(Tensor x, int group) -> Tensor"
     assert str(ops.reduce_scatter_.default._schema) == (
-        "ubnext::reduce_scatter_(Tensor(a!) out, Tensor x, str op, int group) -> ()")
+        "ubnext::reduce_scatter_(Tensor(a!) out, Tensor x, str op, str precision, int group) -> ()")
     assert str(ops.all_gather_.default._schema) == "ubnext::all_gather_(Tensor(a!) out, Tensor x, int group) -> ()"
     assert str(ops.reduce_scatter_add_rmsnorm.default._schema) == (
         "ubnext::reduce_scatter_add_rmsnorm(Tensor x, Tensor? residual_shard, Tensor weight, Tensor? bias, "
@@ -52,9 +55,9 @@ def test_opcheck():
         x = torch.randn(4, 16)
         r, w, b = torch.randn(4, 16), torch.randn(16), torch.randn(16)
         ops = torch.ops.ubnext
-        torch.library.opcheck(ops.all_reduce.default, (x, "sum", h))
-        torch.library.opcheck(ops.all_reduce.default, (x.requires_grad_(), "avg", h))
-        torch.library.opcheck(ops.all_reduce_.default, (torch.randn(4, 16), "max", h))
+        torch.library.opcheck(ops.all_reduce.default, (x, "sum", "exact", h))
+        torch.library.opcheck(ops.all_reduce.default, (x.requires_grad_(), "avg", "auto", h))
+        torch.library.opcheck(ops.all_reduce_.default, (torch.randn(4, 16), "max", "exact", h))
         torch.library.opcheck(ops.all_reduce_add_rmsnorm.default, (x, r, w, b, 1e-6, h))
         torch.library.opcheck(ops.all_reduce_add_rmsnorm.default,
                               (x, r.requires_grad_(), w.requires_grad_(), b.requires_grad_(), 1e-6, h))
@@ -77,12 +80,12 @@ def test_opcheck_sequence_parallel(size):
         r, w, b = torch.randn(4 // comm.size, 16), torch.randn(16), torch.randn(16)
         ops = torch.ops.ubnext
         for op, args in [
-                (ops.reduce_scatter, (x, "sum", h)),
-                (ops.reduce_scatter, (x.clone().requires_grad_(), "avg", h)),
-                (ops.reduce_scatter, (odd.clone().requires_grad_(), "sum", h)),  # flat slices
+                (ops.reduce_scatter, (x, "sum", "exact", h)),
+                (ops.reduce_scatter, (x.clone().requires_grad_(), "avg", "exact", h)),
+                (ops.reduce_scatter, (odd.clone().requires_grad_(), "sum", "exact", h)),  # flat slices
                 (ops.all_gather, (x.clone().requires_grad_(), h)),
                 (ops.all_gather, (torch.randn((), generator=g).requires_grad_(), h)),
-                (ops.reduce_scatter_, (torch.empty(4 // comm.size, 16), x, "max", h)),
+                (ops.reduce_scatter_, (torch.empty(4 // comm.size, 16), x, "max", "exact", h)),
                 (ops.all_gather_, (torch.empty(4 * comm.size, 16), x, h)),
                 (ops.reduce_scatter_add_rmsnorm, (x, r, w, b, 1e-6, h)),
                 (ops.reduce_scatter_add_rmsnorm, (x.clone().requires_grad_(), r.requires_grad_(), w.requires_grad_(),
@@ -100,9 +103,9 @@ def test_fake_implementations():
         h = ut.handle(comm)
         with FakeTensorMode():
             x = torch.empty(5, 24, dtype=torch.bfloat16)
-            y = torch.ops.ubnext.all_reduce(x, "sum", h)
+            y = torch.ops.ubnext.all_reduce(x, "sum", "exact", h)
             n, r = torch.ops.ubnext.all_reduce_add_rmsnorm(x, x, torch.empty(24, dtype=torch.bfloat16), None, 1e-6, h)
-            torch.ops.ubnext.all_reduce_(x, "sum", h)
+            torch.ops.ubnext.all_reduce_(x, "sum", "exact", h)
         for t in (y, n, r):
             assert t.shape == (5, 24) and t.dtype == torch.bfloat16
         return comm.calls
@@ -129,7 +132,7 @@ def test_fake_shapes_of_sequence_parallel_ops(size, shape):
         with FakeTensorMode():
             x = torch.empty(shape, dtype=torch.bfloat16)
             fake_ag = torch.ops.ubnext.all_gather(x, h)
-            fake_rs = torch.ops.ubnext.reduce_scatter(x, "sum", h) if scatters else None
+            fake_rs = torch.ops.ubnext.reduce_scatter(x, "sum", "exact", h) if scatters else None
         real_ag = functional.all_gather(torch.ones(shape, dtype=torch.bfloat16), group=comm)
         real_rs = functional.reduce_scatter(torch.ones(shape, dtype=torch.bfloat16), group=comm) if scatters else None
         return fake_ag, real_ag, fake_rs, real_rs
@@ -190,9 +193,10 @@ def test_dynamo_explain_has_no_graph_breaks():
             explained = torch._dynamo.explain(fn)(x.clone(), r, w)
             assert explained.graph_break_count == 0, explained.break_reasons
             assert explained.graph_count == 1
-        m = tp.mlp(comm, tp.weights(16, 32, 16, torch.float32, "cpu"), torch.float32, "cpu")
-        explained = torch._dynamo.explain(m)(x, r)
-        assert explained.graph_break_count == 0, explained.break_reasons
+        for sp in (False, True):  # with sequence parallelism: sum_gradients' autograd.Function too
+            m = tp.mlp(comm, tp.weights(16, 32, 16, torch.float32, "cpu"), torch.float32, "cpu", sequence_parallel=sp)
+            explained = torch._dynamo.explain(m)(x.requires_grad_(), r)
+            assert explained.graph_break_count == 0, explained.break_reasons
 
     one_rank(body)
 
@@ -285,7 +289,8 @@ def test_ops_that_write_in_place_bump_the_version_autograd_checks(name, monkeypa
     instead of giving a wrong gradient. The fake collectives here write nothing (the
     fakes' own copy_ would bump the version itself)."""
     for method in ("all_reduce", "reduce_scatter", "all_gather"):
-        monkeypatch.setattr(ThreadComm, method, lambda self, x, out=None, op="sum": x if out is None else out)
+        monkeypatch.setattr(ThreadComm, method, lambda self, x, out=None, op="sum", precision="auto":
+                            x if out is None else out)
 
     def body(comm):
         h = ut.handle(comm)
@@ -296,9 +301,9 @@ def test_ops_that_write_in_place_bump_the_version_autograd_checks(name, monkeypa
         op = getattr(torch.ops.ubnext, name)
         with torch.no_grad():
             if name == "all_reduce_":
-                op(b, "sum", h)
+                op(b, "sum", "exact", h)
             elif name == "reduce_scatter_":
-                op(b, torch.ones(8), "sum", h)
+                op(b, torch.ones(8), "sum", "exact", h)
             else:
                 op(b, torch.ones(8), h)
         assert b._version > before
@@ -359,7 +364,7 @@ def test_group_required_and_dead_handles():
     with pytest.raises(UbnextError, match="pass group="):
         ut.all_reduce(torch.ones(2))
     with pytest.raises(UbnextError, match="no open communicator has handle 987654"):
-        torch.ops.ubnext.all_reduce(torch.ones(2), "sum", 987654)
+        torch.ops.ubnext.all_reduce(torch.ones(2), "sum", "exact", 987654)
 
 
 def test_handles_are_stable():
@@ -606,5 +611,96 @@ def test_a_handle_carries_the_world_size_so_compiled_shapes_follow_it():
     assert len(set(handles)) == 3
     assert [_registry.size_of(h) for h in handles] == [1, 2, 4]
     x = torch.empty(8, 3, device="meta")
-    assert [tuple(_ops._reduce_scatter_fake(x, "sum", h).shape) for h in handles] == [(8, 3), (4, 3), (2, 3)]
+    assert [tuple(_ops._reduce_scatter_fake(x, "sum", "exact", h).shape) for h in handles] == [(8, 3), (4, 3), (2, 3)]
     assert [tuple(_ops._all_gather_fake(x, h).shape) for h in handles] == [(8, 3), (16, 3), (32, 3)]
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_ops_quantize_only_where_asked(size):
+    import tp_support as tp
+
+    """On a communicator that opted in to the quantized collectives (the thread
+    communicators' lossy emulation from any size), every differentiable form, forward and
+    backward, and the in-place forms give the bits of one that did not; given
+    ``precision="auto"`` (or a format), the all-reduce and reduce-scatter forms take the
+    communicator's choice, its own calls' bits, which are lossy."""
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, 32, generator=g).bfloat16() for _ in range(size)]
+    w = torch.randn(32, 16, generator=g).bfloat16()
+
+    def body(comm, opted_in: bool):
+        x = xs[comm.rank]
+        forms = tp.differentiable_forms(comm, x, w)
+        if not opted_in:  # formats raise there
+            return forms, None, None
+        asked = {"functional.all_reduce": functional.all_reduce(x, group=comm, precision="auto"),
+                 "communicator": comm.all_reduce(x),
+                 "functional.reduce_scatter": functional.reduce_scatter(x, group=comm, precision="int8"),
+                 "communicator_rs": comm.reduce_scatter(x, precision="int8")}
+        in_place, into = x.clone(), torch.empty(x.numel() // comm.size, dtype=x.dtype)
+        ut.all_reduce(in_place, group=comm, precision="auto")
+        ut.reduce_scatter_tensor(into, x, group=comm, precision="int8")
+        asked.update({"all_reduce": in_place, "reduce_scatter_tensor": into.view(-1, x.shape[1])})
+        return forms, asked, comm.all_reduce(x, precision="exact")
+
+    opted_in = run_ranks(size, lambda comm: body(comm, True), quantized="int8")
+    plain = run_ranks(size, lambda comm: body(comm, False))
+    for (forms, asked, exact), (want, _, _) in zip(opted_in, plain):
+        for i, (a, b) in enumerate(zip(forms, want)):
+            assert torch.equal(_bits(a), _bits(b)), f"form {i} quantized without being asked"
+        assert not torch.equal(_bits(asked["communicator"]), _bits(exact)), "the emulation did not quantize"
+        for name in ("functional.all_reduce", "all_reduce"):
+            assert torch.equal(_bits(asked[name]), _bits(asked["communicator"])), name
+        for name in ("functional.reduce_scatter", "reduce_scatter_tensor"):
+            assert torch.equal(_bits(asked[name]), _bits(asked["communicator_rs"])), name
+
+
+def test_a_precision_the_communicator_cannot_take_raises():
+    """A format on a communicator that did not opt in raises (``Communicator.all_reduce``'s
+    message), from every form that takes ``precision=``."""
+    def body(comm):
+        x = torch.ones(4, 8, dtype=torch.bfloat16)
+        for call in (lambda: functional.all_reduce(x, group=comm, precision="int8"),
+                     lambda: ut.all_reduce(x, group=comm, precision="int4"),
+                     lambda: functional.reduce_scatter(x, group=comm, precision="int8"),
+                     lambda: ut.reduce_scatter_tensor(x[:2].clone(), x, group=comm, precision="int8")):
+            with pytest.raises(UbnextError, match="opted out"):
+                call()
+        with pytest.raises(UbnextError, match="unknown precision 'fast'"):
+            functional.all_reduce(x, group=comm, precision="fast")
+
+    run_ranks(2, body)
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_sum_gradients_sums_each_incoming_gradient_once(size):
+    """``sum_gradients``: the tensors' values forward; backward, the incoming gradients
+    summed over the ranks in rank order, in one all-reduce for both tensors, each
+    micro-batch's once (two backwards: ``.grad`` is the sum of the two sums); None passes
+    through; without gradients, the tensors themselves and no collective."""
+    g = torch.Generator().manual_seed(8)
+    grads = [[(torch.randn(6, generator=g), torch.randn(2, 3, generator=g)) for _ in range(size)] for _ in range(2)]
+
+    def body(comm):
+        a, b = torch.randn(6).requires_grad_(), torch.randn(2, 3).requires_grad_()
+        for micro in grads:
+            va, none, vb = functional.sum_gradients(a, None, b, group=comm)
+            assert none is None and torch.equal(va, a) and torch.equal(vb, b)
+            calls = comm.calls
+            torch.autograd.backward((va, vb), micro[comm.rank])
+            assert comm.calls == calls + 1
+        with torch.no_grad():
+            assert functional.sum_gradients(a, b, group=comm) == (a, b)
+        plain = torch.ones(3)
+        assert functional.sum_gradients(plain, group=comm)[0] is plain
+        return a.grad, b.grad, comm.calls
+
+    for ga, gb, calls in run_ranks(size, body):
+        assert calls == 2
+        for i, got in enumerate((ga, gb)):
+            want = sum(rank_order([micro[r][i] for r in range(size)]) for micro in grads)
+            assert torch.equal(got, want)

@@ -5,7 +5,12 @@ in fp32, rounded once (``rank_order``), as ubnext's Lamport kernels do, and its 
 are that all-reduce (or its rank's slice, the reduce-scatter, in the layout of
 torch.distributed.reduce_scatter_tensor) followed by ubnext.torch's add + RMSNorm
 reference; its all-gather concatenates in rank order; every exchange
-waits on a barrier with a timeout, so a rank that skips a collective fails the test."""
+waits on a barrier with a timeout, so a rank that skips a collective fails the test.
+``run_ranks(n, fn, quantized="int8")`` gives communicators that opted in to the quantized
+all-reduce and reduce-scatter: where ubnext's rule (``_quant.choose``, every size above
+a threshold of 0) picks a format, each rank's part is rounded to an int8 grid of its
+largest magnitude before the sum (a lossy stand-in for the quantized two-shot), so a call
+that quantizes where it should not changes the bits."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import threading
 
 import torch
 
+from ubnext._protocol import quant as _quant
 from ubnext.torch import _rmsnorm
 
 TIMEOUT_S = 60.0
@@ -29,11 +35,18 @@ def rank_order(parts, op: str = "sum"):
     return acc.to(parts[0].dtype)
 
 
+def int8_grid(t):
+    """``t`` rounded to 255 levels of its largest magnitude (the lossy stand-in)."""
+    scale = t.float().abs().amax().clamp_min(torch.finfo(torch.float32).tiny) / 127
+    return (torch.round(t.float() / scale) * scale).to(t.dtype)
+
+
 class _Group:
-    def __init__(self, n: int):
+    def __init__(self, n: int, quantized: str = "off"):
         self.slots: list = [None] * n
         self.barrier = threading.Barrier(n, timeout=TIMEOUT_S)
         self.calls = 0
+        self.quantized = quantized
 
 
 class ThreadComm:
@@ -44,6 +57,15 @@ class ThreadComm:
     def __init__(self, group: _Group, rank: int):
         self._group, self.rank, self.size = group, rank, len(group.slots)
         self.calls = 0  # collectives this rank made
+        self.precisions: list = []  # the precision= of each all_reduce and reduce_scatter, in order
+
+    def _lossy(self, name: str, x, op: str, precision: str) -> bool:
+        """Whether this call quantizes: ubnext's rule with this group's opt-in, a threshold
+        of 0 and kernels on a pool (raises as a Communicator does for a format it cannot take)."""
+        self.precisions.append(precision)
+        dtype = str(x.dtype).removeprefix("torch.")
+        return _quant.choose(name, precision, "auto", dtype, op, x.numel() * x.element_size(), 0,
+                             self._group.quantized, self.size > 1, lambda: 90) is not None
 
     def _gather(self, x):
         self.calls += 1
@@ -54,20 +76,24 @@ class ThreadComm:
         g.barrier.wait()
         return parts
 
-    def all_reduce(self, x, out=None, op: str = "sum"):
+    def all_reduce(self, x, out=None, op: str = "sum", precision: str = "auto"):
+        lossy = self._lossy("all_reduce", x, op, precision)
         # by elements, as the kernels reduce: the ranks' shapes of one count may differ
-        r = rank_order([p.reshape(-1) for p in self._gather(x)], op).view(x.shape)
+        r = rank_order([(int8_grid(p) if lossy else p).reshape(-1) for p in self._gather(x)], op).view(x.shape)
         if out is None:
             return r
         out.copy_(r.view(out.shape))  # any shape of x's count, as Communicator.all_reduce takes
         return out
 
     def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None):
-        return _rmsnorm.add_rmsnorm(self.all_reduce(x), residual, weight, bias, eps)
+        # the fused kernels have no quantized form
+        return _rmsnorm.add_rmsnorm(self.all_reduce(x, precision=_quant.EXACT), residual, weight, bias, eps)
 
-    def reduce_scatter(self, x, out=None, op: str = "sum"):
+    def reduce_scatter(self, x, out=None, op: str = "sum", precision: str = "auto"):
+        lossy = self._lossy("reduce_scatter", x, op, precision)
         k = x.numel() // self.size
-        flat = rank_order([p.reshape(-1) for p in self._gather(x)], op)[self.rank * k:(self.rank + 1) * k]
+        parts = [(int8_grid(p) if lossy else p).reshape(-1) for p in self._gather(x)]
+        flat = rank_order(parts, op)[self.rank * k:(self.rank + 1) * k]
         if out is not None:
             out.copy_(flat.view(out.shape))
             return out
@@ -82,15 +108,16 @@ class ThreadComm:
         return gathered.reshape(self.size * x.shape[0], *x.shape[1:]) if x.dim() else gathered
 
     def reduce_scatter_add_rmsnorm(self, x, residual_shard, weight, eps: float = 1e-6, bias=None):
-        return _rmsnorm.add_rmsnorm(self.reduce_scatter(x), residual_shard, weight, bias, eps)
+        return _rmsnorm.add_rmsnorm(self.reduce_scatter(x, precision=_quant.EXACT), residual_shard, weight, bias, eps)
 
     def empty(self, shape, dtype: str = "float32", framework: str = "torch"):
         return torch.empty(shape, dtype=getattr(torch, dtype))
 
 
-def run_ranks(n: int, fn):
-    """``[fn(comm) for each of n ranks]``, the ranks on threads."""
-    group = _Group(n)
+def run_ranks(n: int, fn, quantized: str = "off"):
+    """``[fn(comm) for each of n ranks]``, the ranks on threads; ``quantized``: the
+    communicators' opt-in (``Communicator(quantized=...)``)."""
+    group = _Group(n, quantized)
     results: list = [None] * n
     errors: list = [None] * n
 

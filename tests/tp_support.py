@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ubnext.torch import TensorParallelAttentionOutput, TensorParallelMLP, _rmsnorm
+import ubnext.torch as ut
+from ubnext.torch import TensorParallelAttentionOutput, TensorParallelMLP, _rmsnorm, functional
 
 EPS = 1e-5
 #: the stated bound of a bf16 block against the unsharded float64 model: max |got - ref|
@@ -30,6 +31,40 @@ def gpu_communicator(nbytes: int, dtype: str):
     if c.select(nbytes, dtype) == "nccl":
         skip_where_nccl_cannot_run(c)
     return c
+
+
+def quantized_pair(directory, threshold: int = 1024):
+    """Two communicators of every rank, alike but for the opt-in: ``(plain, opted_in)``,
+    the latter ``quantized="int8"`` with a tune file (in ``directory``, each rank its own
+    copy) whose thresholds send every bfloat16 all-reduce and reduce-scatter of
+    ``threshold`` bytes or more of any world size through the quantized two-shot
+    (``precision="auto"``); torch's current device set to theirs. Skips where NCCL would
+    reduce a test's sizes but cannot. Collective; the caller closes both."""
+    import json
+
+    from gpu_support import require_gpu_and_torch, skip_where_nccl_cannot_run
+
+    import ubnext
+
+    require_gpu_and_torch()
+    thresholds = {"*": {"bfloat16": {"int8": threshold}}}
+    path = directory / "tune.json"
+    path.write_text(json.dumps({"format": 2, "entries": [
+        {"gpu": "*", "link": "*", "placement": "*", "mode": "*",
+         "tables": {"1024": {"bfloat16": [[None, "nccl"]]}},  # rows for no world size here: the shipped ones
+         "quantized": {"tables": thresholds, "collectives": {"reduce_scatter": {"tables": thresholds}}}}]}))
+    # the default pool: room for the overlapped ops' area beside the quantized receive areas
+    pair = (ubnext.Communicator(tune_file=str(path)), ubnext.Communicator(quantized="int8", tune_file=str(path)))
+    torch.cuda.set_device(pair[0].device)
+    try:
+        if any(c.select(1 << 16, "bfloat16", collective=k) == "nccl"
+               for c in pair for k in ("all_reduce", "reduce_scatter", "all_gather")):
+            skip_where_nccl_cannot_run(pair[0])
+    except BaseException:  # the skip too
+        for c in pair:
+            c.close()
+        raise
+    return pair
 
 
 def weights(hidden: int, intermediate: int, heads_features: int, dtype, device, seed: int = 0) -> dict:
@@ -57,17 +92,18 @@ def inputs(tokens: int, hidden: int, heads_features: int, dtype, device, seed: i
             "grad_normed": rnd(tokens, hidden), "grad_residual": rnd(tokens, hidden)}
 
 
-def mlp(group, w: dict, dtype, device, plan=None) -> TensorParallelMLP:
+def mlp(group, w: dict, dtype, device, plan=None, **kwargs) -> TensorParallelMLP:
     hidden, intermediate = w["down"].shape
-    m = TensorParallelMLP(hidden, intermediate, group, bias=True, eps=EPS, plan=plan, dtype=dtype, device=device)
+    m = TensorParallelMLP(hidden, intermediate, group, bias=True, eps=EPS, plan=plan, dtype=dtype, device=device,
+                          **kwargs)
     m.load_full(w["gate"], w["up"], w["down"], w["mlp_norm"], w["down_bias"])
     return m
 
 
-def attention_output(group, w: dict, dtype, device, plan=None) -> TensorParallelAttentionOutput:
+def attention_output(group, w: dict, dtype, device, plan=None, **kwargs) -> TensorParallelAttentionOutput:
     hidden, heads_features = w["o"].shape
     m = TensorParallelAttentionOutput(hidden, heads_features, group, bias=True, eps=EPS, plan=plan, dtype=dtype,
-                                      device=device)
+                                      device=device, **kwargs)
     m.proj.load_full(w["o"], w["o_bias"])
     with torch.no_grad():
         m.norm.weight.copy_(w["attn_norm"])
@@ -91,6 +127,131 @@ def run_block(kind: str, module, rank: int, size: int, data: dict, backward: boo
         out.update(grad_x=x.grad, grad_residual=residual.grad,
                    **{f"grad:{n.removeprefix('_orig_mod.')}": p.grad for n, p in module.named_parameters()})
     return out
+
+
+#: the replicated parameters of each block: with sequence parallelism, each rank's rows give a
+#: part of their gradients
+REPLICATED = {"mlp": ("norm.weight", "down.bias"), "attention": ("norm.weight", "proj.bias")}
+
+
+def block(kind: str, group, w: dict, dtype, device, **kwargs):
+    """The MLP (``kind="mlp"``) or the attention output projection of ``w``."""
+    return (mlp if kind == "mlp" else attention_output)(group, w, dtype, device, **kwargs)
+
+
+def _rows(t, rank: int, size: int):
+    n = t.shape[0] // size
+    return t[rank * n:(rank + 1) * n]
+
+
+def train(kind: str, module, rank: int, size: int, batches: list, sequence_parallel: bool, lr: float = 0.25) -> list:
+    """Steps of SGD on ``module``, each over its micro-batches (``batches[step]``: a list of
+    ``inputs()``, the gradients accumulated over them: one backward each, one step):
+    per step, what the last micro-batch gave (this rank's rows with ``sequence_parallel``:
+    outputs, the gradients of x and the residual), every parameter's gradient before the
+    step (``grad:name``) and every parameter after it (``param:name``)."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    record = []
+    for micro in batches:
+        optimizer.zero_grad(set_to_none=True)
+        for data in micro:
+            def mine(t):
+                return _rows(t, rank, size) if sequence_parallel else t
+
+            if kind == "mlp":
+                x = mine(data["x"])
+            else:  # this rank's heads, every token
+                cols = data["attention"].shape[1] // size
+                x = data["attention"][:, rank * cols:(rank + 1) * cols]
+            x = x.detach().clone(memory_format=torch.contiguous_format).requires_grad_()
+            residual = mine(data["residual"]).detach().clone().requires_grad_()
+            normed, res = module(x, residual)
+            torch.autograd.backward((normed, res), (mine(data["grad_normed"]), mine(data["grad_residual"])))
+        got = {"normed": normed.detach(), "residual_out": res.detach(), "grad_x": x.grad,
+               "grad_residual": residual.grad,
+               **{f"grad:{n}": p.grad.clone() for n, p in module.named_parameters()}}
+        optimizer.step()
+        got.update({f"param:{n}": p.detach().clone() for n, p in module.named_parameters()})
+        record.append(got)
+    return record
+
+
+def train_linears(comm, w: dict, batches: list, sequence_parallel: bool) -> list:
+    """Two SGD steps of ColumnParallelLinear (gate, bias) then RowParallelLinear (down,
+    bias): with ``sequence_parallel`` the gathered GEMM and the reduce-scatter; without, the
+    input's gradient all-reduced and the output all-reduced."""
+    from ubnext.torch import ColumnParallelLinear, RowParallelLinear
+
+    hidden, intermediate = w["down"].shape
+    like = {"dtype": w["down"].dtype, "device": w["down"].device, "sequence_parallel": sequence_parallel}
+    col = ColumnParallelLinear(hidden, intermediate, comm, bias=True, **like)
+    row = RowParallelLinear(intermediate, hidden, comm, bias=True, **like)
+    col.load_full(w["gate"], w["up"][:, 0])
+    row.load_full(w["down"], w["down_bias"])
+    params = [*col.parameters(), *row.parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.25)
+    record = []
+    for (data,) in batches:
+        optimizer.zero_grad(set_to_none=True)
+        x, grad = data["x"], data["grad_normed"]
+        if sequence_parallel:
+            x, grad = _rows(x, comm.rank, comm.size), _rows(grad, comm.rank, comm.size)
+        x = x.clone().requires_grad_()
+        y = row(col(x))
+        y.backward(grad)
+        got = {"y": y.detach(), "grad_x": x.grad, **{f"grad:{i}": p.grad.clone() for i, p in enumerate(params)}}
+        optimizer.step()
+        got.update({f"param:{i}": p.detach().clone() for i, p in enumerate(params)})
+        record.append(got)
+    return record
+
+
+def differentiable_forms(comm, x, w) -> list:
+    """Every form of ``ubnext.torch.functional`` whose forward or backward reduces, and
+    the in-place forms, on ``x`` (this rank's, rows a multiple of the ranks) and ``w``
+    (x.shape[1] x n, shared), with their defaults: outputs, and the gradients of x and w
+    from random output gradients (the same on every run)."""
+    rows = x.shape[0] // comm.size
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    lx, lw = leaves
+    outs = [functional.all_reduce(lx, group=comm), functional.reduce_scatter(lx, group=comm),
+            functional.all_gather(lx[:rows], group=comm),  # backward: the reduce-scatter
+            functional.copy_to_group(lx, comm) @ lw,  # backward: the all-reduce
+            *functional.all_gather_matmul(lx[:rows], lw, group=comm),  # gathered output's gradient reduce-scattered
+            functional.matmul_reduce_scatter(lx, lw, group=comm), *functional.sum_gradients(lx, lw, group=comm)]
+    g = torch.Generator().manual_seed(comm.rank)
+    torch.autograd.backward(outs, [torch.randn(o.shape, generator=g).to(o.dtype).to(o.device) for o in outs])
+    in_place, into = x.clone(), x.new_empty(rows * x.shape[1])
+    ut.all_reduce(in_place, group=comm)
+    ut.reduce_scatter_tensor(into, x, group=comm)
+    return [o.detach() for o in outs] + [lx.grad, lw.grad, in_place, into]
+
+
+def rows_of_plain(kind: str, got: dict, rank: int, size: int) -> dict:
+    """A block's record without sequence parallelism (``train``), cut to what the
+    sequence-parallel block's record holds: this rank's rows of the outputs and of the
+    gradients of the residual (and of x in the MLP; the attention's x is this rank's heads)."""
+    rows = ("normed", "residual_out", "grad_residual") + (("grad_x",) if kind == "mlp" else ())
+    return {k: _rows(v, rank, size) if k in rows else v for k, v in got.items()}
+
+
+def assert_replicated_alike(records: list, kind: str) -> None:
+    """Every replicated parameter (``REPLICATED``) and its gradient bit for bit the same on
+    every rank after every step (``records[rank][step]``, ``train``'s)."""
+    for step in range(len(records[0])):
+        for name in REPLICATED[kind]:
+            for what in ("param", "grad"):
+                key = f"{what}:{name}"
+                first = records[0][step][key]
+                for r, rec in enumerate(records[1:], 1):
+                    assert torch.equal(bits(rec[step][key]), bits(first)), (
+                        f"step {step}: {key} of rank {r} differs from rank 0's in "
+                        f"{int((rec[step][key] != first).sum())} elements")
+
+
+def bits(t):
+    """``t``'s bits as integers (NaN and -0.0 compared bitwise)."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def emulate(kind: str, w: dict, data: dict, rank: int, size: int, fused, all_reduce, backward: bool = True) -> dict:

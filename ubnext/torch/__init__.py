@@ -10,13 +10,15 @@ Which form does what:
 
 * ``all_reduce(t, op, group)``: in place (``torch.ops.ubnext.all_reduce_``), as
   ``torch.distributed.all_reduce``; no gradient. (``Communicator.all_reduce(t)`` instead
-  returns a new tensor and leaves ``t`` unchanged.)
+  returns a new tensor and leaves ``t`` unchanged.) ``precision="auto"`` (or a format)
+  lets it quantize, e.g. a data-parallel gradient reduction.
 * ``reduce_scatter_tensor(output, input, op, group)``, ``all_gather_into_tensor(output,
   input, group)``: into ``output`` (``torch.ops.ubnext.reduce_scatter_``,
   ``all_gather_``), as torch.distributed's; no gradient.
 * ``functional.all_reduce``, ``functional.all_reduce_add_rmsnorm``: out of place, as torch's
   functional collectives; differentiable with tensor-parallel meanings;
-  ``functional.copy_to_group``: forward identity, backward all-reduce;
+  ``functional.copy_to_group``: forward identity, backward all-reduce (``sum_gradients``:
+  of several tensors in one all-reduce);
   ``functional.reduce_scatter``, ``functional.all_gather``,
   ``functional.reduce_scatter_add_rmsnorm``: the same with sequence-parallel meanings
   (each other's transposes; the fused op's weight and bias gradients are this rank's
@@ -35,6 +37,10 @@ Which form does what:
   GEMMs); ``BufferPlan``: planned symmetric buffers the row-parallel GEMMs write into.
 
 ``group`` is a ``ubnext.Communicator`` (or the int from ``handle(comm)``, which the ops take).
+
+Nothing here quantizes unless its call or layer is given ``precision=``: a communicator's
+opt-in (``Communicator(quantized=...)``, ``UBNEXT_QUANTIZED``) serves the Communicator's own
+calls with ``precision="auto"``, never a layer, an op's backward or a call that did not ask.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 from torch.distributed import ReduceOp
 
 from ubnext._interop import arrays as _arrays
+from ubnext._protocol.quant import EXACT
 
 from . import functional
 from ._planner import BufferPlan
@@ -76,7 +83,7 @@ class _Done:
         return True
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, precision: str = EXACT):
     """All-reduces ``tensor`` in place, like ``torch.distributed.all_reduce``.
 
     Collective: yes: every rank of ``group`` calls it, in the same order.
@@ -89,21 +96,27 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
         group: the ``ubnext.Communicator`` (or its handle); required.
         async_op: as torch's: with True, a work object whose ``wait()`` returns at once
             (the call is ordered on the current stream, never blocking the host).
+        precision: ``"exact"`` (default): full precision, whatever the communicator opted
+            in to; ``"auto"``: the communicator's choice (with ``UBNEXT_QUANTIZED`` /
+            ``Communicator(quantized=...)``, its format from the measured size: e.g. a
+            data-parallel gradient reduction); ``"int8"``, ``"fp8"``, ``"int4"``: that
+            format (opted-in communicators only); as ``Communicator.all_reduce``'s.
 
     Returns:
         None, or the work object with ``async_op``.
 
     Raises:
         UbnextError: an op ubnext does not reduce (PRODUCT, bitwise, PREMUL_SUM), no group,
-            or what ``Communicator.all_reduce`` raises.
+            or what ``Communicator.all_reduce`` raises (a precision it cannot take).
     """
     import torch
 
-    torch.ops.ubnext.all_reduce_(tensor, op_name(op), handle(functional._required(group)))
+    torch.ops.ubnext.all_reduce_(tensor, op_name(op), precision, handle(functional._required(group)))
     return _Done() if async_op else None
 
 
-def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False):
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False,
+                          precision: str = EXACT):
     """Reduce-scatters ``input`` into ``output``, like ``torch.distributed.reduce_scatter_tensor``:
     rank r's ``output`` gets elements ``[r * k, (r + 1) * k)`` of the reduction of every
     rank's ``input`` (size x k elements).
@@ -118,17 +131,19 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
         op: ``ReduceOp.SUM``, ``AVG``, ``MAX`` or ``MIN`` (or their names).
         group: the ``ubnext.Communicator`` (or its handle); required.
         async_op: as for ``all_reduce``.
+        precision: as for ``all_reduce`` (default ``"exact"``; ``"auto"``: the
+            communicator's choice, with the reduce-scatter's thresholds).
 
     Returns:
         None, or the work object with ``async_op``.
 
     Raises:
         UbnextError: an op ubnext does not reduce, no group, or what
-            ``Communicator.reduce_scatter`` raises.
+            ``Communicator.reduce_scatter`` raises (a precision it cannot take).
     """
     import torch
 
-    torch.ops.ubnext.reduce_scatter_(output, input, op_name(op), handle(functional._required(group)))
+    torch.ops.ubnext.reduce_scatter_(output, input, op_name(op), precision, handle(functional._required(group)))
     return _Done() if async_op else None
 
 

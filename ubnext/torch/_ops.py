@@ -13,6 +13,11 @@ for the differentiable ones, its backward. ``register()`` turns each entry into
 Out-of-place ops return new tensors; a name ending in ``_`` writes into its first
 argument (``Tensor(a!)``), as ``torch.distributed`` does, and has no gradient.
 
+The all-reduce and reduce-scatter ops take the call's ``precision`` (``Communicator.all_reduce``'s):
+their callers in ``ubnext.torch`` pass ``"exact"`` unless their own caller gave another, so a
+communicator's opt-in to the quantized collectives (``UBNEXT_QUANTIZED``) never reaches a
+layer, an op's backward or a call that did not ask; every backward here runs exact.
+
 The backwards carry the tensor-parallel meanings: the all-reduce of a row-parallel
 output passes its gradient through (each rank's partial sum contributed once to the
 replicated result; avg scales it by 1/size), and the fused all-reduce + add + RMSNorm
@@ -22,7 +27,8 @@ gradient (avg: divided by size), an all-gather's the reduce-scatter (sum) of its
 gradient, and the fused reduce-scatter + add + RMSNorm all-gathers the gradient of its
 pre-norm sum into x's and gives it to the residual shard; its weight and bias gradients
 are this rank's rows' only, partial sums that the caller sums over the ranks (as
-Megatron-LM all-reduces its sequence-parallel norm weights' gradients). The overlapped
+Megatron-LM all-reduces its sequence-parallel norm weights' gradients; the layers of
+``tp`` do, by ``functional.sum_gradients``). The overlapped
 matmul + reduce-scatter + add + RMSNorm gives the gradient of its pre-norm sum to the
 residual and through matmul_reduce_scatter's backward to a and b, with the same partial
 weight and bias gradients.
@@ -39,6 +45,7 @@ from torch.autograd.graph import increment_version
 from ubnext._engine.epilogue import check_eps
 from ubnext._protocol.algorithms import FLOAT_DTYPES, SLOT_NORM_DTYPES
 from ubnext._protocol.errors import UbnextError
+from ubnext._protocol.quant import EXACT
 
 from . import _overlap, _rmsnorm
 from ._registry import lookup, size_of
@@ -72,19 +79,19 @@ class Op:
 
 # ---- all_reduce ------------------------------------------------------------------------
 def _all_reduce_context(ctx, inputs, output):
-    ctx.op, ctx.group = inputs[1], inputs[2]
+    ctx.op, ctx.group = inputs[1], inputs[3]
 
 
 def _all_reduce_backward(ctx, grad):
     if ctx.op == "sum":
-        return grad, None, None
+        return grad, None, None, None
     if ctx.op == "avg":
-        return grad / size_of(ctx.group), None, None
+        return grad / size_of(ctx.group), None, None, None
     raise RuntimeError(f"ubnext::all_reduce: op {ctx.op!r} has no gradient (sum and avg have)")
 
 
 # ---- reduce_scatter / all_gather ---------------------------------------------------------
-def _reduce_scatter_fake(x, op, group):
+def _reduce_scatter_fake(x, op, precision, group):
     """Communicator.reduce_scatter's default out: (x.shape[0] / size, *x.shape[1:]) where
     size divides x.shape[0], else flat (k,)."""
     size = size_of(group)
@@ -100,7 +107,7 @@ def _all_gather_fake(x, group):
 
 
 def _reduce_scatter_context(ctx, inputs, output):
-    x, ctx.op, ctx.group = inputs
+    x, ctx.op, _, ctx.group = inputs
     ctx.shape = x.shape
 
 
@@ -113,11 +120,11 @@ def _reduce_scatter_backward(ctx, grad):
     if ctx.op not in ("sum", "avg"):
         raise RuntimeError(f"ubnext::reduce_scatter: op {ctx.op!r} has no gradient (sum and avg have)")
     d = torch.ops.ubnext.all_gather(grad.contiguous(), ctx.group).reshape(ctx.shape)
-    return (d if ctx.op == "sum" else d / size_of(ctx.group)), None, None
+    return (d if ctx.op == "sum" else d / size_of(ctx.group)), None, None, None
 
 
 def _all_gather_backward(ctx, grad):
-    return torch.ops.ubnext.reduce_scatter(grad.contiguous(), "sum", ctx.group).reshape(ctx.shape), None
+    return torch.ops.ubnext.reduce_scatter(grad.contiguous(), "sum", EXACT, ctx.group).reshape(ctx.shape), None
 
 
 # ---- all_reduce_add_rmsnorm, reduce_scatter_add_rmsnorm ---------------------------------
@@ -163,16 +170,16 @@ def _shard_fake(x, residual_shard, weight, bias, eps, group):
     return shard, torch.empty_like(shard)
 
 
-def _all_reduce_in_place(comm, x, op):
-    comm.all_reduce(x, out=x, op=op)
+def _all_reduce_in_place(comm, x, op, precision):
+    comm.all_reduce(x, out=x, op=op, precision=precision)
 
 
 def _fused_run(comm, x, residual, weight, bias, eps):
     return comm.all_reduce_add_rmsnorm(x, residual, weight, eps=eps, bias=bias)
 
 
-def _reduce_scatter_into(comm, out, x, op):
-    comm.reduce_scatter(x, out=out, op=op)
+def _reduce_scatter_into(comm, out, x, op, precision):
+    comm.reduce_scatter(x, out=out, op=op, precision=precision)
 
 
 def _all_gather_into(comm, out, x):
@@ -263,7 +270,7 @@ def _all_gather_matmul_backward(ctx, grad_gathered, grad_out):
     if grad_out is not None and ctx.needs_input_grad[0]:
         da = torch.ops.ubnext.matmul_reduce_scatter(grad_out, b.t(), ctx.group)
     if grad_gathered is not None and ctx.needs_input_grad[0]:
-        rs = torch.ops.ubnext.reduce_scatter(grad_gathered.contiguous(), "sum", ctx.group)
+        rs = torch.ops.ubnext.reduce_scatter(grad_gathered.contiguous(), "sum", EXACT, ctx.group)
         da = rs if da is None else da + rs
     if grad_out is not None and ctx.needs_input_grad[1]:
         db = _rows(gathered).t() @ _rows(grad_out)
@@ -339,30 +346,31 @@ def _matmul_norm_backward(ctx, grad_normed, grad_residual):
 
 OPS: dict[str, Op] = {
     # out of place: a new tensor, x unchanged
-    "all_reduce": Op("(Tensor x, str op, int group) -> Tensor", (),
-                     lambda comm, x, op: comm.all_reduce(x, op=op),
-                     lambda x, op, group: torch.empty_like(x),
+    "all_reduce": Op("(Tensor x, str op, str precision, int group) -> Tensor", (),
+                     lambda comm, x, op, precision: comm.all_reduce(x, op=op, precision=precision),
+                     lambda x, op, precision, group: torch.empty_like(x),
                      _all_reduce_backward, _all_reduce_context),
     # in place, as torch.distributed.all_reduce (no gradient: autograd does not take mutations)
-    "all_reduce_": Op("(Tensor(a!) x, str op, int group) -> ()", ("x",),
+    "all_reduce_": Op("(Tensor(a!) x, str op, str precision, int group) -> ()", ("x",),
                       _all_reduce_in_place,
-                      lambda x, op, group: None),
+                      lambda x, op, precision, group: None),
     # (normed, residual_out), both new
     "all_reduce_add_rmsnorm": Op(
         "(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, int group) -> (Tensor, Tensor)", (),
         _fused_run, lambda x, residual, weight, bias, eps, group: (torch.empty_like(x), torch.empty_like(x)),
         _fused_backward, _fused_context),
     # sequence parallelism: this rank's slice of the reduction; every rank's x gathered
-    "reduce_scatter": Op("(Tensor x, str op, int group) -> Tensor", (),
-                         lambda comm, x, op: comm.reduce_scatter(x, op=op), _reduce_scatter_fake,
+    "reduce_scatter": Op("(Tensor x, str op, str precision, int group) -> Tensor", (),
+                         lambda comm, x, op, precision: comm.reduce_scatter(x, op=op, precision=precision),
+                         _reduce_scatter_fake,
                          _reduce_scatter_backward, _reduce_scatter_context),
     "all_gather": Op("(Tensor x, int group) -> Tensor", (),
                      lambda comm, x: comm.all_gather(x), _all_gather_fake,
                      _all_gather_backward, _all_gather_context),
     # into out, as torch.distributed.reduce_scatter_tensor / all_gather_into_tensor
-    "reduce_scatter_": Op("(Tensor(a!) out, Tensor x, str op, int group) -> ()", ("out",),
+    "reduce_scatter_": Op("(Tensor(a!) out, Tensor x, str op, str precision, int group) -> ()", ("out",),
                           _reduce_scatter_into,
-                          lambda out, x, op, group: None),
+                          lambda out, x, op, precision, group: None),
     "all_gather_": Op("(Tensor(a!) out, Tensor x, int group) -> ()", ("out",),
                       _all_gather_into,
                       lambda out, x, group: None),

@@ -286,7 +286,7 @@ def matmul_reduce_scatter(comm, a: torch.Tensor, b: torch.Tensor):
     taken depends on m and n, not on k (``_overlaps``)."""
     if 0 in (a.shape[0], b.shape[1]) or not _overlaps(comm):
         product = torch.matmul(a, b)
-        return comm.reduce_scatter(product) if comm.size > 1 else product
+        return comm.reduce_scatter(product, precision="exact") if comm.size > 1 else product
     n = b.shape[1]
     out = a.new_empty((a.shape[0] // comm.size, n))
     dtype = _dtype(a)

@@ -9,9 +9,11 @@ op calls the method eagerly, the same call (the same bits) as without torch.comp
 
 ``out=`` maps to the ops that write into their first argument (``all_reduce_``,
 ``reduce_scatter_``, ``all_gather_``); an all-reduce into an ``out`` other than x copies x
-there first, then reduces it in place. What no op expresses raises UbnextError naming the
-argument, never ignored: ``stream=``, an ``algorithm`` or ``precision`` other than
-``"auto"``, and the fused all-reduce's ``out=`` and ``residual_out=``. torch.compile
+there first, then reduces it in place. What these forms do not map raises UbnextError naming
+the argument, never ignored: ``stream=``, an ``algorithm`` or ``precision`` other than
+``"auto"``, and the fused all-reduce's ``out=`` and ``residual_out=``. ``"auto"`` reaches
+the op as the call's precision: the Communicator's own calls keep its quantized opt-in
+under torch.compile (``ubnext.torch``'s own functions pass ``"exact"`` unless asked). torch.compile
 raises it from the compiled function's call (with ``fullgraph=True`` as dynamo's
 ``Unsupported``, whose message holds ours); the same call outside torch.compile takes
 the argument. The methods are not differentiable in eager
@@ -27,6 +29,7 @@ import torch
 from ubnext._engine.epilogue import check_eps
 from ubnext._protocol.algorithms import OPS
 from ubnext._protocol.errors import UbnextError
+from ubnext._protocol.quant import AUTO
 
 from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
 from ._registry import handle
@@ -89,13 +92,13 @@ def _all_reduce(comm, x, out=None, op="sum", algorithm="auto", stream=None, prec
     _untraceable(name, algorithm, stream, precision)
     op, group = _op(name, op), handle(comm)
     if out is None:
-        return torch.ops.ubnext.all_reduce(_plain(x), op, group)
+        return torch.ops.ubnext.all_reduce(_plain(x), op, AUTO, group)
     if out is not x:
         if out.numel() != x.numel() or out.dtype != x.dtype:
             raise UbnextError(f"{name}: out has {out.numel()} {_dtype(out)} elements, input has {x.numel()} "
                               f"{_dtype(x)}; they must match")
         _plain(out).copy_(_plain(x).reshape(out.shape))
-    torch.ops.ubnext.all_reduce_(_plain(out), op, group)
+    torch.ops.ubnext.all_reduce_(_plain(out), op, AUTO, group)
     return out
 
 
@@ -118,8 +121,8 @@ def _reduce_scatter(comm, x, out=None, op="sum", algorithm="auto", stream=None, 
     _untraceable(name, algorithm, stream, precision)
     op, group = _op(name, op), handle(comm)
     if out is None:
-        return torch.ops.ubnext.reduce_scatter(_plain(x), op, group)
-    torch.ops.ubnext.reduce_scatter_(_plain(out), _plain(x), op, group)
+        return torch.ops.ubnext.reduce_scatter(_plain(x), op, AUTO, group)
+    torch.ops.ubnext.reduce_scatter_(_plain(out), _plain(x), op, AUTO, group)
     return out
 
 

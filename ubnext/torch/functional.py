@@ -3,22 +3,30 @@
 Each returns a new tensor and leaves its inputs unchanged; torch.compile(fullgraph=True)
 traces them (they are ``torch.ops.ubnext`` custom ops), and their gradients carry the
 tensor- and sequence-parallel meanings (see ``all_reduce``, ``copy_to_group``,
-``reduce_scatter``, ``all_gather``).
+``reduce_scatter``, ``all_gather``, ``sum_gradients``).
+
+None of them quantizes unless its call says so: ``all_reduce`` and ``reduce_scatter``
+take ``precision=`` (default ``"exact"``; ``"auto"`` follows the communicator's opt-in,
+``UBNEXT_QUANTIZED``, as ``Communicator.all_reduce`` does), and every backward runs in
+full precision.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ubnext._protocol.quant import EXACT
+
 from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
 from ._reduce_op import op_name
 from ._registry import handle
 
 __all__ = ["all_gather", "all_gather_matmul", "all_reduce", "all_reduce_add_rmsnorm", "copy_to_group",
-           "matmul_reduce_scatter", "matmul_reduce_scatter_add_rmsnorm", "reduce_scatter", "reduce_scatter_add_rmsnorm"]
+           "matmul_reduce_scatter", "matmul_reduce_scatter_add_rmsnorm", "reduce_scatter", "reduce_scatter_add_rmsnorm",
+           "sum_gradients"]
 
 
-def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, op="sum", group=None, precision: str = EXACT) -> torch.Tensor:
     """All-reduce into a new tensor (``torch.ops.ubnext.all_reduce``); ``tensor`` is unchanged.
 
     The gradient is the tensor-parallel "reduce from the group" one: a row-parallel
@@ -32,15 +40,20 @@ def all_reduce(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
         tensor: CUDA tensor on the communicator's device.
         op: ``torch.distributed.ReduceOp`` SUM/AVG/MAX/MIN, or ``"sum"``/``"avg"``/``"max"``/``"min"``.
         group: the ``Communicator`` (or its handle from ``ubnext.torch.handle``).
+        precision: ``"exact"`` (default): full precision, whatever the communicator opted
+            in to; ``"auto"``: the communicator's choice (its quantized opt-in from the
+            measured size, ``UBNEXT_QUANTIZED``; ``Communicator.all_reduce``'s default);
+            ``"int8"``, ``"fp8"`` or ``"int4"``: that quantized format (opted-in
+            communicators only). The gradient passes through unquantized.
 
     Returns:
         The reduced tensor.
 
     Raises:
         UbnextError: an op ubnext does not reduce (PRODUCT, bitwise, PREMUL_SUM), no group,
-            or what ``Communicator.all_reduce`` raises.
+            or what ``Communicator.all_reduce`` raises (a precision it cannot take).
     """
-    return torch.ops.ubnext.all_reduce(tensor, op_name(op), handle(_required(group)))
+    return torch.ops.ubnext.all_reduce(tensor, op_name(op), precision, handle(_required(group)))
 
 
 def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -73,7 +86,7 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weigh
     return torch.ops.ubnext.all_reduce_add_rmsnorm(x, residual, weight, bias, float(eps), handle(_required(group)))
 
 
-def reduce_scatter(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
+def reduce_scatter(tensor: torch.Tensor, op="sum", group=None, precision: str = EXACT) -> torch.Tensor:
     """Reduce-scatter into a new tensor (``torch.ops.ubnext.reduce_scatter``; as
     ``Communicator.reduce_scatter``): rank r gets slice r of the reduction of every
     rank's ``tensor`` (size x k elements); ``tensor`` is unchanged.
@@ -89,6 +102,9 @@ def reduce_scatter(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
         tensor: CUDA tensor of size x k elements, on the communicator's device.
         op: ``torch.distributed.ReduceOp`` SUM/AVG/MAX/MIN, or ``"sum"``/``"avg"``/``"max"``/``"min"``.
         group: the ``Communicator`` (or its handle from ``ubnext.torch.handle``).
+        precision: as for ``all_reduce`` (default ``"exact"``; ``"auto"``: the
+            communicator's choice, with the reduce-scatter's thresholds); the gradient's
+            all-gather moves the gradient unquantized.
 
     Returns:
         This rank's slice: shape (tensor.shape[0] / size, *tensor.shape[1:]) where size
@@ -96,9 +112,10 @@ def reduce_scatter(tensor: torch.Tensor, op="sum", group=None) -> torch.Tensor:
 
     Raises:
         UbnextError: an op ubnext does not reduce, no group, or what
-            ``Communicator.reduce_scatter`` raises (a count the ranks do not divide).
+            ``Communicator.reduce_scatter`` raises (a count the ranks do not divide, a
+            precision it cannot take).
     """
-    return torch.ops.ubnext.reduce_scatter(tensor, op_name(op), handle(_required(group)))
+    return torch.ops.ubnext.reduce_scatter(tensor, op_name(op), precision, handle(_required(group)))
 
 
 def all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -106,7 +123,7 @@ def all_gather(tensor: torch.Tensor, group=None) -> torch.Tensor:
     ``Communicator.all_gather``): every rank's ``tensor`` in rank order.
 
     The gradient is the sequence-parallel one: the reduce-scatter (sum) of the result's
-    gradient, every rank's gradient of slice r summed into rank r's input.
+    gradient, every rank's gradient of slice r summed into rank r's input (in full precision).
 
     Collective: yes: every rank of ``group`` calls it, in the same order.
     Graph-capturable: yes, after a first eager call (as ``Communicator.all_gather``).
@@ -135,9 +152,11 @@ def reduce_scatter_add_rmsnorm(x: torch.Tensor, residual_shard: torch.Tensor | N
     one through the norm plus that of ``residual_shard_out`` itself) goes to
     ``residual_shard``, and, all-gathered, to ``x`` (every rank's rows; collective in
     backward). ``weight`` and ``bias`` get the gradient of this rank's rows only: partial
-    sums, different on every rank; sum them over the ranks before the optimizer step
-    (``ubnext.torch.all_reduce(weight.grad, group=comm)``), as Megatron-LM all-reduces its
-    sequence-parallel norm weights' gradients.
+    sums, different on every rank; pass them through ``sum_gradients`` first
+    (``weight, bias = sum_gradients(weight, bias, group=comm)``: each backward's gradients
+    summed over the ranks as they arrive, one all-reduce), or sum them some other way
+    before the optimizer step, as Megatron-LM all-reduces its sequence-parallel norm
+    weights' gradients. (The layers of ``ubnext.torch.tp`` do the former.)
 
     Collective: yes: every rank of ``group`` calls it, in the same order.
     Graph-capturable: yes, after a first eager call of the same shape.
@@ -287,7 +306,7 @@ def matmul_reduce_scatter_add_rmsnorm(a: torch.Tensor, b: torch.Tensor, residual
     norm plus that of ``residual_out`` itself) goes to ``residual`` and, through
     ``matmul_reduce_scatter``'s backward (``all_gather_matmul``), to ``a`` and ``b``.
     ``weight`` and ``bias`` get the gradient of this rank's rows only: partial sums, to be
-    summed over the ranks (as for ``reduce_scatter_add_rmsnorm``).
+    summed over the ranks (as for ``reduce_scatter_add_rmsnorm``: ``sum_gradients``).
 
     Collective: yes: every rank of ``group`` calls it, in the same order (its backward too),
     with the same dtype, ``a``'s rows and ``b``'s n on every rank (as ``matmul_reduce_scatter``).
@@ -325,21 +344,62 @@ def _dim_zero(name: str, what: str, dim: int) -> None:
         raise UbnextError(f"ubnext.torch.{name}: {what} must be 0 (rows), got {dim}")
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group: int):
-        ctx.group = group
-        return x.view_as(x)
+class _SumGradients(torch.autograd.Function):
+    """Views of the tensors forward; their gradients summed over the ranks backward, in one
+    all-reduce of them all (flattened end to end, in full precision)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return torch.ops.ubnext.all_reduce(grad.contiguous(), "sum", ctx.group), None
+    def forward(ctx, group: int, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        given = [g for g in grads if g is not None]
+        if not given:
+            return (None, *grads)
+        flat = torch.cat([g.reshape(-1) for g in given]) if len(given) > 1 else given[0].reshape(-1).contiguous()
+        summed = iter(torch.ops.ubnext.all_reduce(flat, "sum", EXACT, ctx.group).split([g.numel() for g in given]))
+        return (None, *(None if g is None else next(summed).view(g.shape).to(g.dtype) for g in grads))
+
+
+def sum_gradients(*tensors: torch.Tensor, group=None) -> tuple:
+    """The tensors themselves forward (views), their gradients summed over the ranks
+    backward: each backward's incoming gradients, before autograd adds them to ``.grad``
+    (so accumulating micro-batches counts each once), all in one all-reduce (the
+    gradients flattened end to end; one dtype: torch.cat's promotion otherwise), in full
+    precision, the same bits on every rank. For parameters that every rank holds alike
+    but whose gradient each rank computes from its own rows only: the sequence-parallel
+    ops' norm weight and bias (``reduce_scatter_add_rmsnorm``,
+    ``matmul_reduce_scatter_add_rmsnorm``), a bias added to this rank's rows.
+    ``copy_to_group`` is the same for one tensor.
+
+    Collective: yes in backward (one all-reduce per call, where a gradient arrives; every
+    rank's backward must reach it); the forward moves nothing.
+    Graph-capturable: yes.
+
+    Args:
+        *tensors: the tensors (None passes through as None).
+        group: the ``Communicator`` (or its handle).
+
+    Returns:
+        A tuple of views of the tensors (None for None).
+
+    Raises:
+        UbnextError: no group; in backward, what ``Communicator.all_reduce`` raises.
+    """
+    h = handle(_required(group))
+    real = [t for t in tensors if t is not None]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in real)):
+        return tuple(tensors)
+    views = iter(_SumGradients.apply(h, *real))
+    return tuple(None if t is None else next(views) for t in tensors)
 
 
 def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
     """The input of a column-parallel layer: ``x`` itself forward (a view), its gradient
     all-reduced backward (each rank's shard contributes a partial gradient of the
-    replicated input).
+    replicated input), in full precision.
 
     Collective: yes in backward (an all-reduce per call); the forward moves nothing.
     Graph-capturable: yes.
@@ -354,7 +414,7 @@ def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
     Raises:
         UbnextError: no group.
     """
-    return _CopyToGroup.apply(x, handle(_required(group)))
+    return _SumGradients.apply(handle(_required(group)), x)[0]
 
 
 def _required(group):

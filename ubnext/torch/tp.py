@@ -12,9 +12,19 @@ over the ranks instead of replicated: a column-parallel layer multiplies every r
 as they arrive (``all_gather_matmul``) and a row-parallel one reduce-scatters its product
 by rows as it computes (``matmul_reduce_scatter``), the communication under the GEMMs; the
 blocks reduce-scatter theirs together with the bias + residual add and the RMSNorm of
-this rank's rows, in the reduction's pass (``matmul_reduce_scatter_add_rmsnorm``; their
-norm weight's and bias's gradients are this rank's rows' partial sums, to be summed over
-the ranks, as for ``functional.reduce_scatter_add_rmsnorm``).
+this rank's rows, in the reduction's pass (``matmul_reduce_scatter_add_rmsnorm``).
+The parameters every rank holds alike whose gradients then come from this rank's rows
+(the norm weight, a row-parallel bias) have them summed over the ranks in backward, as
+they arrive (``functional.sum_gradients``: one all-reduce per block, each micro-batch
+counted once), so ``.grad`` is complete and the same on every rank; with
+``reduce_replicated_grads=False`` they keep this rank's partial sums and carry
+``sequence_parallel = True``, Megatron-LM's mark for the gradients that a framework sums
+over the tensor-parallel group itself.
+
+The layers never quantize unless given ``precision=`` (RowParallelLinear's all-reduce): a
+communicator's opt-in to the quantized collectives (``UBNEXT_QUANTIZED``) serves its own
+calls, not these.
+
 Shards are rows (column-parallel) or columns (row-parallel) ``[rank * n / size, (rank + 1)
 * n / size)`` of the full weight; ``load_full`` takes them from the unsharded weights.
 """
@@ -26,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ubnext._protocol.errors import UbnextError
+from ubnext._protocol.quant import EXACT
 
 from . import functional
 from ._registry import handle, lookup
@@ -36,6 +47,16 @@ def _ranks(group) -> tuple[int, int, int]:
     h = handle(group)
     comm = lookup(h)
     return h, comm.rank, comm.size
+
+
+def _mark_partial(sequence_parallel: bool, reduce_replicated_grads: bool, *params) -> None:
+    """Marks ``params`` (replicated; their gradients from this rank's rows under sequence
+    parallelism) with Megatron-LM's ``sequence_parallel = True`` where their gradients are
+    left partial, for the framework that sums them (None: no parameter)."""
+    if sequence_parallel and not reduce_replicated_grads:
+        for p in params:
+            if p is not None:
+                p.sequence_parallel = True
 
 
 def _shard(n: int, size: int, what: str) -> int:
@@ -118,9 +139,12 @@ class RowParallelLinear(nn.Module):
 
     With ``sequence_parallel``, ``forward`` returns this rank's rows (tokens) of the sum,
     reduce-scattered under the GEMMs by ``functional.matmul_reduce_scatter`` (plus the
-    bias); ``plan`` is not used there.
+    bias, whose gradient, from this rank's rows, is summed over the ranks in backward
+    unless ``reduce_replicated_grads=False``); ``plan`` and ``precision`` are not used there.
 
-    Collective: yes: ``forward`` (an all-reduce, or the reduce-scatter); ``partial`` is local.
+    Collective: yes: ``forward`` (an all-reduce, or the reduce-scatter; with
+    ``sequence_parallel`` and a bias, an all-reduce of its gradient in backward);
+    ``partial`` is local.
     Graph-capturable: yes.
 
     Args:
@@ -135,19 +159,29 @@ class RowParallelLinear(nn.Module):
             view (no copy), overwritten by the layer's next planned call; default False:
             a tensor of its own.
         sequence_parallel: ``forward`` reduce-scatters by rows (tokens) instead of all-reducing.
+        reduce_replicated_grads: with ``sequence_parallel``, the bias's gradient is summed
+            over the ranks in backward (default); False: it stays this rank's rows' partial
+            sum and the bias carries ``sequence_parallel = True`` (for a framework that sums
+            such gradients itself, as Megatron-LM does).
+        precision: of the all-reduce of ``forward``: ``"exact"`` (default), whatever the
+            communicator opted in to; ``"auto"``: the communicator's choice (its quantized
+            opt-in from the measured size); or a format (``Communicator.all_reduce``'s).
 
     Raises:
         UbnextError: in_features not a multiple of the ranks.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = False, plan=None, key=None,
-                 dtype=None, device=None, *, reuse_output: bool = False, sequence_parallel: bool = False):
+                 dtype=None, device=None, *, reuse_output: bool = False, sequence_parallel: bool = False,
+                 reduce_replicated_grads: bool = True, precision: str = EXACT):
         super().__init__()
         self.sequence_parallel = bool(sequence_parallel)
         self.group, self.rank, self.size = _ranks(group)
         local = _shard(in_features, self.size, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.reduce_replicated_grads, self.precision = bool(reduce_replicated_grads), precision
+        _mark_partial(self.sequence_parallel, self.reduce_replicated_grads, self.bias)
         self.plan = plan
         self.reuse_output = bool(reuse_output)
         self.key = key if key is not None else f"row-parallel-{id(self)}"
@@ -205,15 +239,20 @@ class RowParallelLinear(nn.Module):
         """
         if self.sequence_parallel:
             y = self.scattered(x)
-            return y if self.bias is None else y + self.bias
+            if self.bias is None:
+                return y
+            bias = self.bias
+            if self.reduce_replicated_grads:  # its gradient: this rank's rows'
+                (bias,) = functional.sum_gradients(bias, group=self.group)
+            return y + bias
         partial = self.partial(x)
         if self.plan is not None and not torch.compiler.is_compiling() and self._planned(partial):
-            torch.ops.ubnext.all_reduce_(partial, "sum", self.group)
+            torch.ops.ubnext.all_reduce_(partial, "sum", self.precision, self.group)
             # the buffer is the plan's: the next planned call overwrites it, so the caller
             # gets a copy unless it opted in to the view (the bias sum below is new anyway)
             y = partial if self.reuse_output or self.bias is not None else partial.clone()
         else:
-            y = functional.all_reduce(partial, "sum", self.group)
+            y = functional.all_reduce(partial, "sum", self.group, self.precision)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -264,7 +303,8 @@ class AddRMSNormEpilogue(nn.Module):
     ``(normed, residual)`` from a partial sum; with sequence parallelism (``scattered``),
     the row-parallel GEMMs' reduce-scatter fused with them.
 
-    Collective: yes (one fused kernel; ``scattered``: one overlapped op).
+    Collective: yes (one fused kernel; ``scattered``: one overlapped op, and in backward an
+    all-reduce of the norm weight's and bias's gradients).
     Graph-capturable: yes, after a first eager call of the same shape.
 
     Args:
@@ -272,16 +312,25 @@ class AddRMSNormEpilogue(nn.Module):
         group: the ``ubnext.Communicator``.
         eps: the RMSNorm epsilon.
         dtype, device: of the norm weight.
+        sequence_parallel: the layer is used through ``scattered`` (marks the weight where
+            ``reduce_replicated_grads`` is False).
+        reduce_replicated_grads: ``scattered`` sums the gradients of the weight and the
+            bias (this rank's rows') over the ranks in backward (default); False: they stay
+            partial, and with ``sequence_parallel`` the weight carries ``sequence_parallel =
+            True`` (for a framework that sums such gradients itself, as Megatron-LM does).
 
     Raises:
         UbnextError: ``group`` is not a live communicator.
     """
 
-    def __init__(self, hidden: int, group, eps: float = 1e-6, dtype=None, device=None):
+    def __init__(self, hidden: int, group, eps: float = 1e-6, dtype=None, device=None, *,
+                 sequence_parallel: bool = False, reduce_replicated_grads: bool = True):
         super().__init__()
         self.group = handle(group)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.reduce_replicated_grads = bool(reduce_replicated_grads)
+        _mark_partial(sequence_parallel, self.reduce_replicated_grads, self.weight)
 
     def forward(self, partial, residual, bias=None):
         return functional.all_reduce_add_rmsnorm(partial, residual, self.weight, bias, self.eps, self.group)
@@ -291,8 +340,10 @@ class AddRMSNormEpilogue(nn.Module):
         ranks (a row-parallel layer's product, reduce-scattered by rows under its GEMMs),
         plus ``bias`` and ``residual``, normalized: one op,
         ``functional.matmul_reduce_scatter_add_rmsnorm``, the add + RMSNorm in the
-        reduction's pass. The sequence-parallel blocks' epilogue; the weight's and bias's
-        gradients are this rank's rows' partial sums.
+        reduction's pass. The sequence-parallel blocks' epilogue. The norm weight's and
+        ``bias``'s gradients come from this rank's rows: summed over the ranks as they
+        arrive in backward (one all-reduce of both), unless ``reduce_replicated_grads`` is
+        False (then partial sums).
 
         Collective: yes: every rank calls it, in the same order (its backward too).
         Graph-capturable: yes, after a first eager call.
@@ -309,7 +360,10 @@ class AddRMSNormEpilogue(nn.Module):
         Raises:
             UbnextError: what ``functional.matmul_reduce_scatter_add_rmsnorm`` raises.
         """
-        return functional.matmul_reduce_scatter_add_rmsnorm(x, weight.t(), residual, self.weight, bias, self.eps,
+        norm_weight = self.weight
+        if self.reduce_replicated_grads:
+            norm_weight, bias = functional.sum_gradients(norm_weight, bias, group=self.group)
+        return functional.matmul_reduce_scatter_add_rmsnorm(x, weight.t(), residual, norm_weight, bias, self.eps,
                                                             self.group)
 
 
@@ -319,26 +373,28 @@ class TensorParallelAttentionOutput(nn.Module):
     ``sequence_parallel``, the projection's reduce-scatter under its GEMMs fused with them.
 
     Collective: yes (one fused kernel forward, none backward; with ``sequence_parallel``
-    one overlapped op forward, the projection's backward its transpose).
+    one overlapped op forward, the projection's backward its transpose and the all-reduce
+    of the norm weight's and bias's gradients).
     Graph-capturable: yes.
 
     Args:
         hidden: model features.
         heads_features: heads x head_dim of the full attention (a multiple of the ranks).
-        group, bias, eps, plan, key, dtype, device, sequence_parallel: as for
-            ``TensorParallelMLP`` (``bias``: the projection's).
+        group, bias, eps, plan, key, dtype, device, sequence_parallel, reduce_replicated_grads:
+            as for ``TensorParallelMLP`` (``bias``: the projection's).
 
     Raises:
         UbnextError: heads_features not a multiple of the ranks.
     """
 
     def __init__(self, hidden: int, heads_features: int, group, bias: bool = False, eps: float = 1e-6, plan=None,
-                 key="attention-output", dtype=None, device=None, *, sequence_parallel: bool = False):
+                 key="attention-output", dtype=None, device=None, *, sequence_parallel: bool = False,
+                 reduce_replicated_grads: bool = True):
         super().__init__()
         self.sequence_parallel = bool(sequence_parallel)
-        self.proj = RowParallelLinear(heads_features, hidden, group, bias, plan, key, dtype, device,
-                                      sequence_parallel=sequence_parallel)
-        self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device)
+        sp = {"sequence_parallel": sequence_parallel, "reduce_replicated_grads": reduce_replicated_grads}
+        self.proj = RowParallelLinear(heads_features, hidden, group, bias, plan, key, dtype, device, **sp)
+        self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device, **sp)
 
     def forward(self, attention, residual):
         """``(normed, residual)`` from this rank's heads' outputs.
@@ -369,7 +425,9 @@ class TensorParallelMLP(nn.Module):
     shards), SiLU(gate) * up, down row-parallel, then the fused all-reduce + bias +
     residual add + RMSNorm.
 
-    Collective: yes (one fused kernel forward; one all-reduce backward, of the input's gradient).
+    Collective: yes (one fused kernel forward; one all-reduce backward, of the input's
+    gradient; with ``sequence_parallel``: the overlapped ops, and in backward one
+    all-reduce of the norm weight's and bias's gradients).
     Graph-capturable: yes.
 
     Args:
@@ -383,20 +441,27 @@ class TensorParallelMLP(nn.Module):
         sequence_parallel: inputs and outputs are this rank's rows (tokens): gate and up
             all-gather their input under the GEMM, down reduce-scatters its product under
             its GEMMs with the add + RMSNorm of this rank's rows (``AddRMSNormEpilogue.scattered``).
+        reduce_replicated_grads: with ``sequence_parallel``, the gradients of the norm
+            weight and down's bias (this rank's rows') are summed over the ranks in backward,
+            as they arrive (default: one all-reduce, each micro-batch counted once), so
+            every rank's ``.grad`` is complete and alike; False: they stay partial and those
+            parameters carry ``sequence_parallel = True`` (Megatron-LM's mark, for a
+            framework that sums such gradients itself).
 
     Raises:
         UbnextError: intermediate not a multiple of the ranks.
     """
 
     def __init__(self, hidden: int, intermediate: int, group, bias: bool = False, eps: float = 1e-6, plan=None,
-                 key="mlp", dtype=None, device=None, *, sequence_parallel: bool = False):
+                 key="mlp", dtype=None, device=None, *, sequence_parallel: bool = False,
+                 reduce_replicated_grads: bool = True):
         super().__init__()
         self.sequence_parallel = bool(sequence_parallel)
         self.gate_up = ColumnParallelLinear(hidden, 2 * intermediate, group, False, dtype, device,
                                             sequence_parallel=sequence_parallel)
-        self.down = RowParallelLinear(intermediate, hidden, group, bias, plan, key, dtype, device,
-                                      sequence_parallel=sequence_parallel)
-        self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device)
+        sp = {"sequence_parallel": sequence_parallel, "reduce_replicated_grads": reduce_replicated_grads}
+        self.down = RowParallelLinear(intermediate, hidden, group, bias, plan, key, dtype, device, **sp)
+        self.norm = AddRMSNormEpilogue(hidden, group, eps, dtype, device, **sp)
 
     def forward(self, x, residual):
         """``(normed, residual)`` from the block's input and residual.
