@@ -1,0 +1,236 @@
+"""The expert-parallel host reference (ubnext/_moe/reference.py) on the CPU: its dispatch
+against a naive gather written another way (sorting every rank's (expert, source, token)
+triples), its combine against the same fixed order written as scalar loops and against
+fp64 within fp32's error bound, on random routing, skewed routing, tokens with no expert
+on some GPUs, dropped (-1) slots, T = 0 on some ranks, and -0.0 / inf / NaN payloads;
+and the checked sizes and the pool area's formula (docs/moe.md)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ubnext._moe import layout
+from ubnext._moe import reference as ref
+from ubnext._protocol.errors import UbnextError
+
+NP = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+
+
+def routing(kind: str, tokens: int, shape: layout.Shape, rng) -> np.ndarray:
+    """``[tokens, K]`` int32 expert ids of one rank, for a routing ``kind``."""
+    e, k, lo = shape.num_experts, shape.top_k, shape.local_experts
+    if tokens == 0:
+        return np.zeros((0, k), np.int32)
+    if kind == "skewed":  # every token to expert 1 (on GPU 0), its other slots dropped
+        idx = np.full((tokens, k), -1, np.int32)
+        idx[:, 0] = 1
+        return idx
+    rows = np.stack([rng.permutation(e)[:k] for _ in range(tokens)]).astype(np.int32).reshape(tokens, k)
+    if kind == "not_last_gpu":  # no token has an expert on the last GPU
+        rows = np.full((tokens, k), -1, np.int32)
+        for row in rows:
+            kept = rng.permutation(e - lo)[:k]
+            row[:len(kept)] = kept
+    if kind == "dropped":
+        rows[rng.random(rows.shape) < 0.4] = -1
+        rows[::5] = -1  # tokens with no expert at all
+    return rows
+
+
+def inputs(shape: layout.Shape, kind: str, tokens: list[int], seed: int):
+    rng = np.random.default_rng(seed)
+    xs, idxs, ws = [], [], []
+    for t in tokens:
+        x = rng.standard_normal((t, shape.hidden)).astype(NP[shape.dtype])
+        if t:
+            x.flat[1::13] = -0.0
+            x.flat[3] = np.inf
+            x.flat[7] = np.nan
+        w = rng.random((t, shape.top_k)).astype(np.float32)
+        w.flat[2::11] = -0.0
+        xs.append(x)
+        idxs.append(routing(kind, t, shape, rng))
+        ws.append(w)
+    return xs, idxs, ws
+
+
+def naive_dispatch(shape, xs, idxs, ws):
+    """Per GPU and local expert, the (source, token, weight) rows in the order of a sort of
+    (expert, source, token) triples."""
+    triples = sorted((int(e), s, t, k) for s, idx in enumerate(idxs) for t in range(len(idx))
+                     for k, e in enumerate(idx[t]) if e >= 0)
+    out = {}
+    for e, s, t, k in triples:
+        out.setdefault(e, []).append((s, t, k))
+    return out
+
+
+SHAPES = {
+    "n4": dict(nranks=4, num_experts=16, hidden=24, max_tokens=9, top_k=3),
+    "n2": dict(nranks=2, num_experts=6, hidden=16, max_tokens=5, top_k=4),
+    "n1": dict(nranks=1, num_experts=4, hidden=8, max_tokens=6, top_k=2),
+}
+KINDS = ("random", "skewed", "not_last_gpu", "dropped")
+
+
+def cases():
+    for name, sizes in SHAPES.items():
+        for dtype in layout.MOE_DTYPES:
+            for kind in KINDS:
+                if kind == "not_last_gpu" and sizes["nranks"] == 1:
+                    continue
+                yield pytest.param(sizes, dtype, kind, id=f"{name}-{dtype}-{kind}")
+
+
+def tokens_of(shape):
+    """Tokens per rank: full, partial, and T = 0 on rank 1 where there are 2 ranks or more."""
+    return [shape.max_tokens if r % 2 == 0 else 0 if r == 1 else shape.max_tokens - 2 for r in range(shape.nranks)]
+
+
+@pytest.mark.parametrize("sizes,dtype,kind", list(cases()))
+def test_dispatch_matches_a_sort_of_the_routing(sizes, dtype, kind):
+    shape = layout.shape(dtype=dtype, **sizes)
+    xs, idxs, ws = inputs(shape, kind, tokens_of(shape), seed=len(kind))
+    got = ref.dispatch(shape, xs, idxs, ws)
+    want = naive_dispatch(shape, xs, idxs, ws)
+    lo, c, m = shape.local_experts, shape.capacity, shape.max_tokens
+    for g, d in enumerate(got):
+        assert not d.overflow
+        for e in range(lo):
+            rows = want.get(g * lo + e, [])
+            assert d.counts[e] == len(rows)
+            for j, (s, t, k) in enumerate(rows):
+                assert d.src[e, j] == s * m + t
+                np.testing.assert_array_equal(d.recv_x[e, j].view(np.uint8), xs[s][t].view(np.uint8))  # bit for bit
+                w = ws[s][t, k]
+                assert d.weights[e, j] == w and not np.signbit(d.weights[e, j])  # -0.0 arrives as +0.0
+                assert d.route[s, t, k] == e * c + j
+            assert (d.src[e, len(rows):] == -1).all()
+        # every slot whose expert is elsewhere (or dropped) routes nowhere here
+        for s, idx in enumerate(idxs):
+            for t in range(len(idx)):
+                for k, e in enumerate(idx[t]):
+                    if not (e >= 0 and e // lo == g):
+                        assert d.route[s, t, k] == ref.ROUTE_ELSEWHERE
+            assert (d.route[s, len(idx):] == ref.ROUTE_ELSEWHERE).all()
+
+
+def naive_combine_token(shape, dispatched, ys, idx_row, s, t):
+    """The fixed order, element by element with numpy fp32 scalars."""
+    lo = shape.local_experts
+    out = []
+    for h in range(shape.hidden):
+        acc = np.float32(0.0)
+        for g in range(shape.nranks):
+            if not any(e >= 0 and e // lo == g for e in idx_row):
+                continue
+            part = np.float32(0.0)
+            for k, e in enumerate(idx_row):
+                if e >= 0 and e // lo == g:
+                    r = int(dispatched[g].route[s, t, k])
+                    w = dispatched[g].weights.reshape(-1)[r]
+                    part = np.float32(part + np.float32(w * np.float32(ys[g].reshape(-1, shape.hidden)[r, h])))
+            acc = np.float32(acc + part)
+        out.append(acc)
+    return np.array(out, np.float32)
+
+
+def expert_outputs(shape, dispatched, seed):
+    rng = np.random.default_rng(seed)
+    ys = []
+    for _ in dispatched:
+        y = rng.standard_normal((shape.local_experts, shape.capacity, shape.hidden)).astype(NP[shape.dtype])
+        y.flat[5::17] = -0.0
+        ys.append(y)
+    return ys
+
+
+@pytest.mark.parametrize("sizes,dtype,kind", list(cases()))
+def test_combine_is_the_fixed_order_fp32_sum(sizes, dtype, kind):
+    shape = layout.shape(dtype=dtype, **sizes)
+    xs, idxs, ws = inputs(shape, kind, tokens_of(shape), seed=7 + len(kind))
+    dispatched = ref.dispatch(shape, xs, idxs, ws)
+    ys = expert_outputs(shape, dispatched, seed=3)
+    got = ref.combine(shape, dispatched, ys, idxs)
+    for s, idx in enumerate(idxs):
+        assert got[s].shape == (len(idx), shape.hidden) and got[s].dtype == NP[dtype]
+        for t in range(len(idx)):
+            want = naive_combine_token(shape, dispatched, ys, idx[t], s, t).astype(NP[dtype])
+            np.testing.assert_array_equal(got[s][t].view(np.uint8), want.view(np.uint8))
+            if (idx[t] < 0).all():
+                assert not np.signbit(got[s][t].astype(np.float32)).any()  # +0.0
+
+
+@pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
+def test_combine_is_within_fp32_bounds_of_fp64(dtype):
+    """Finite inputs: the fp32 sum of at most K products differs from the fp64 sum by at
+    most 2K 2^-24 sum |w y| before the final rounding (each product and sum rounded once),
+    and the rounding to bfloat16 adds 2^-8 of the sum."""
+    shape = layout.shape(dtype=dtype, **SHAPES["n4"])
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal((shape.max_tokens, shape.hidden)).astype(NP[dtype]) for _ in range(shape.nranks)]
+    idxs = [routing("random", shape.max_tokens, shape, rng) for _ in range(shape.nranks)]
+    ws = [rng.random((shape.max_tokens, shape.top_k)).astype(np.float32) for _ in range(shape.nranks)]
+    dispatched = ref.dispatch(shape, xs, idxs, ws)
+    ys = [rng.standard_normal((shape.local_experts, shape.capacity, shape.hidden)).astype(NP[dtype])
+          for _ in dispatched]
+    got = ref.combine(shape, dispatched, ys, idxs)
+    lo = shape.local_experts
+    for s, idx in enumerate(idxs):
+        for t in range(len(idx)):
+            exact = np.zeros(shape.hidden)
+            mag = np.zeros(shape.hidden)
+            for k, e in enumerate(idx[t]):
+                g = int(e) // lo
+                r = int(dispatched[g].route[s, t, k])
+                term = float(ws[s][t, k]) * ys[g].reshape(-1, shape.hidden)[r].astype(np.float64)
+                exact += term
+                mag += np.abs(term)
+            u = 2.0 ** -8 if dtype == "bfloat16" else 0.0  # the final rounding's unit roundoff
+            fp32 = 2 * shape.top_k * 2.0 ** -24 * mag
+            bound = fp32 + u * (np.abs(exact) + fp32) + 1e-30
+            assert (np.abs(got[s][t].astype(np.float64) - exact) <= bound).all()
+
+
+def test_slot_errors_mark_out_of_range_and_repeated_ids():
+    idx = np.array([[0, 3, -1], [4, 0, 2], [-2, 1, 1], [2, -1, 2]], np.int32)
+    want = np.array([[0, 0, 0], [1, 0, 0], [1, 0, 1], [0, 0, 1]], bool)
+    np.testing.assert_array_equal(ref.slot_errors(idx, num_experts=4), want)
+    np.testing.assert_array_equal(ref.valid_slots(idx, 4), (idx >= 0) & ~want)
+
+
+def test_capacity_overflow_drops_later_rows():
+    shape = layout.shape(nranks=2, num_experts=2, hidden=8, max_tokens=4, top_k=1, dtype="float32", capacity=3)
+    xs = [np.arange(32, dtype=np.float32).reshape(4, 8) + 100 * r for r in range(2)]
+    idxs = [np.zeros((4, 1), np.int32), np.zeros((4, 1), np.int32)]
+    ws = [np.ones((4, 1), np.float32)] * 2
+    d = ref.dispatch(shape, xs, idxs, ws)[0]
+    assert d.overflow and d.counts[0] == 3
+    np.testing.assert_array_equal(d.src[0], [0, 1, 2])
+    assert (d.route[0, 3] == ref.ROUTE_OVERFLOW).all() and (d.route[1] == ref.ROUTE_OVERFLOW).all()
+
+
+def test_area_formula_of_the_docs():
+    s = layout.shape(nranks=4, num_experts=256, hidden=7168, max_tokens=128, top_k=8, dtype="bfloat16")
+    rows, partials = 2 * 4 * 128 * 7168 * 2, 2 * 4 * 128 * 7168 * 4
+    assert s.region_bytes()["rows"] == rows and s.region_bytes()["partials"] == partials
+    assert s.area_bytes == 2 * 3 * 4 * 128 + 3 * 4 * 128 * 4 * 16 + rows + partials
+    assert round(s.area_bytes / 1e6, 1) == 44.1
+    assert round(layout.shape(nranks=8, num_experts=256, hidden=7168, max_tokens=128, top_k=8,
+                              dtype="bfloat16").area_bytes / 1e6, 1) == 88.3
+    offsets = s.offsets(4096)
+    assert list(offsets) == list(layout.REGIONS) and offsets["dispatch_headers"] == 4096
+    assert all(o % 16 == 0 for o in offsets.values())
+
+
+@pytest.mark.parametrize("bad,words", [
+    (dict(dtype="float16"), "dtype"), (dict(num_experts=6), "multiple"), (dict(top_k=17), "top_k"),
+    (dict(hidden=12), "hidden"), (dict(capacity=0), "capacity"), (dict(capacity=129), "capacity"),
+    (dict(max_tokens=0), "max_tokens"), (dict(nranks=9), "ranks"),
+])
+def test_bad_sizes_raise_before_anything(bad, words):
+    sizes = dict(nranks=4, num_experts=8, hidden=16, max_tokens=32, top_k=2, dtype="bfloat16") | bad
+    with pytest.raises(UbnextError, match=f"^ExpertParallel: .*{words}"):
+        layout.shape(**sizes)

@@ -1,0 +1,7 @@
+"""Expert parallelism: the mixture-of-experts dispatch and combine (docs/moe.md).
+
+Owns: the checked sizes and the pool area of an expert-parallel object (``layout``), the
+host reference of its kernels' arithmetic (``reference``), and the object itself, which
+launches kernels/moe_dispatch.cu and kernels/moe_combine.cu (``expert_parallel``).
+Imports: ``_protocol``, ``_engine``, ``_interop``, ``_api`` (the Communicator it is made from).
+"""
