@@ -216,12 +216,12 @@ def test_area_formula_of_the_docs():
     s = layout.shape(nranks=4, num_experts=256, hidden=7168, max_tokens=128, top_k=8, dtype="bfloat16")
     rows, partials = 2 * 4 * 128 * 7168 * 2, 2 * 4 * 128 * 7168 * 4
     assert s.region_bytes()["rows"] == rows and s.region_bytes()["partials"] == partials
-    assert s.area_bytes == 2 * 3 * 4 * 128 + 3 * 4 * 128 * 4 * 16 + rows + partials
+    assert s.area_bytes == 128 + 2 * 3 * 4 * 128 + 3 * 4 * 128 * 4 * 16 + rows + partials
     assert round(s.area_bytes / 1e6, 1) == 44.1
     assert round(layout.shape(nranks=8, num_experts=256, hidden=7168, max_tokens=128, top_k=8,
                               dtype="bfloat16").area_bytes / 1e6, 1) == 88.3
     offsets = s.offsets(4096)
-    assert list(offsets) == list(layout.REGIONS) and offsets["dispatch_headers"] == 4096
+    assert list(offsets) == list(layout.REGIONS) and offsets["rotation"] == 4096
     assert all(o % 16 == 0 for o in offsets.values())
 
 
@@ -229,6 +229,8 @@ def test_area_formula_of_the_docs():
     (dict(dtype="float16"), "dtype"), (dict(num_experts=6), "multiple"), (dict(top_k=17), "top_k"),
     (dict(hidden=12), "hidden"), (dict(capacity=0), "capacity"), (dict(capacity=129), "capacity"),
     (dict(max_tokens=0), "max_tokens"), (dict(nranks=9), "ranks"),
+    (dict(nranks=8, max_tokens=2048), "capacity"), (dict(num_experts=4096), "experts must be below 4096"),
+    (dict(max_tokens=1 << 15, capacity=8), "max_tokens must be below"), (dict(hidden=1 << 20), "hidden must be"),
 ])
 def test_bad_sizes_raise_before_anything(bad, words):
     sizes = dict(nranks=4, num_experts=8, hidden=16, max_tokens=32, top_k=2, dtype="bfloat16") | bad

@@ -4,6 +4,7 @@ Pure Python, no CUDA (docs/moe.md, "Size of the pool area"). The area lies at th
 offset of every rank's segment; its regions, in order (each region's sets one after the
 other, each set indexed as the kernels index it, kernels/moe.cuh):
 
+* the object's rotation: its launches, per kernel, in each rank's own segment (not polled)
 * dispatch headers: 3 sets of ``[N][HEADER_BYTES]`` (signature vector, then T + 1)
 * dispatch routing records: 3 sets of ``[N source][M token][R vectors]``
 * dispatch token rows: 2 sets of ``[N source][M token][H elements]``
@@ -18,17 +19,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ubnext._protocol.constants import HEADER_BYTES, MAX_RANKS, VEC_BYTES
+from ubnext._protocol.constants import HEADER_BYTES, MAX_RANKS, MOE_MAX_CAPACITY, MOE_MAX_TOPK, VEC_BYTES
 from ubnext._protocol.errors import UbnextError
+from ubnext._protocol.signature import HIDDEN_BITS, MOE_BITS
 
 #: the payload dtypes of dispatch and combine, and their element bytes
 MOE_DTYPES = {"bfloat16": 2, "float32": 4}
 #: the largest top-k a routing record holds (its ids and weights, kernels/moe.cuh)
-MAX_TOPK = 16
+MAX_TOPK = MOE_MAX_TOPK
 #: rotating sets of the polled regions (the Lamport rotation) and of the unpolled rows
 POLLED_SETS, ROW_SETS = 3, 2
 #: the regions of the area, in order
-REGIONS = ("dispatch_headers", "records", "rows", "combine_headers", "partials")
+REGIONS = ("rotation", "dispatch_headers", "records", "rows", "combine_headers", "partials")
 
 
 def record_vectors(top_k: int) -> int:
@@ -77,7 +79,8 @@ class Shape:
         """Bytes of each region of the pool area (all sets), by name (REGIONS)."""
         n, m = self.nranks, self.max_tokens
         headers = POLLED_SETS * n * HEADER_BYTES
-        return {"dispatch_headers": headers,
+        return {"rotation": HEADER_BYTES,
+                "dispatch_headers": headers,
                 "records": POLLED_SETS * n * m * record_vectors(self.top_k) * VEC_BYTES,
                 "rows": ROW_SETS * n * m * self.row_bytes,
                 "combine_headers": headers,
@@ -118,10 +121,15 @@ def shape(nranks: int, num_experts: int, hidden: int, max_tokens: int, top_k: in
     name = "ExpertParallel"
     if dtype not in MOE_DTYPES:
         raise UbnextError(f"{name}: dtype must be one of {', '.join(MOE_DTYPES)}, not {dtype!r}")
-    ints = dict(num_experts=num_experts, hidden=hidden, max_tokens=max_tokens, top_k=top_k)
+    ints = dict(experts=num_experts, hidden=hidden, max_tokens=max_tokens, top_k=top_k)
     for what, value in ints.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UbnextError(f"{name}: {what} must be a positive int, got {value!r}")
+            raise UbnextError(f"{name}: {'num_experts' if what == 'experts' else what} must be a positive int, "
+                              f"got {value!r}")
+    for what, bits in (*MOE_BITS.items(), ("hidden", HIDDEN_BITS)):
+        if ints[what] >= 1 << bits:
+            raise UbnextError(f"{name}: {what} must be below {1 << bits} (the call signature's field), "
+                              f"got {ints[what]}")
     if not 1 <= nranks <= MAX_RANKS:
         raise UbnextError(f"{name}: {nranks} ranks on the node; the kernels take 1 to {MAX_RANKS}")
     if num_experts % nranks:
@@ -134,7 +142,9 @@ def shape(nranks: int, num_experts: int, hidden: int, max_tokens: int, top_k: in
                           f"{VEC_BYTES}")
     if capacity is None:
         capacity = nranks * max_tokens
-    if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= nranks * max_tokens:
-        raise UbnextError(f"{name}: capacity must be an int in 1..{nranks * max_tokens} (ranks x max_tokens), "
-                          f"got {capacity!r}")
+    most = min(nranks * max_tokens, MOE_MAX_CAPACITY)
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or not 1 <= capacity <= most:
+        raise UbnextError(f"{name}: capacity must be an int in 1..{most} (ranks x max_tokens, at most "
+                          f"{MOE_MAX_CAPACITY}), got {capacity!r}; give a capacity where ranks x max_tokens "
+                          f"exceeds {MOE_MAX_CAPACITY}")
     return Shape(nranks, num_experts, hidden, max_tokens, top_k, dtype, capacity)

@@ -24,11 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ubnext._moe.layout import Shape
+from ubnext._protocol.constants import MOE_ROUTE_ELSEWHERE as ROUTE_ELSEWHERE
+from ubnext._protocol.constants import MOE_ROUTE_OVERFLOW as ROUTE_OVERFLOW
 
-#: route of a slot whose expert is on another GPU, or dropped (kernels/moe.cuh)
-ROUTE_ELSEWHERE = -1
-#: route of a slot whose expert is on this GPU but past its capacity (no term)
-ROUTE_OVERFLOW = -2
 _F32 = np.float32
 
 
