@@ -7,54 +7,13 @@ and the checked sizes and the pool area's formula (docs/moe.md)."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
+from moe_support import NP, expert_outputs, inputs, routing, tokens_of
 
 from ubnext._moe import layout
 from ubnext._moe import reference as ref
 from ubnext._protocol.errors import UbnextError
-
-NP = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
-
-
-def routing(kind: str, tokens: int, shape: layout.Shape, rng) -> np.ndarray:
-    """``[tokens, K]`` int32 expert ids of one rank, for a routing ``kind``."""
-    e, k, lo = shape.num_experts, shape.top_k, shape.local_experts
-    if tokens == 0:
-        return np.zeros((0, k), np.int32)
-    if kind == "skewed":  # every token to expert 1 (on GPU 0), its other slots dropped
-        idx = np.full((tokens, k), -1, np.int32)
-        idx[:, 0] = 1
-        return idx
-    rows = np.stack([rng.permutation(e)[:k] for _ in range(tokens)]).astype(np.int32).reshape(tokens, k)
-    if kind == "not_last_gpu":  # no token has an expert on the last GPU
-        rows = np.full((tokens, k), -1, np.int32)
-        for row in rows:
-            kept = rng.permutation(e - lo)[:k]
-            row[:len(kept)] = kept
-    if kind == "dropped":
-        rows[rng.random(rows.shape) < 0.4] = -1
-        rows[::5] = -1  # tokens with no expert at all
-    return rows
-
-
-def inputs(shape: layout.Shape, kind: str, tokens: list[int], seed: int):
-    rng = np.random.default_rng(seed)
-    xs, idxs, ws = [], [], []
-    for t in tokens:
-        x = rng.standard_normal((t, shape.hidden)).astype(NP[shape.dtype])
-        if t:
-            x.flat[1::13] = -0.0
-            x.flat[3] = np.inf
-            x.flat[7] = np.nan
-        w = rng.random((t, shape.top_k)).astype(np.float32)
-        w.flat[2::11] = -0.0
-        xs.append(x)
-        idxs.append(routing(kind, t, shape, rng))
-        ws.append(w)
-    return xs, idxs, ws
-
 
 def naive_dispatch(shape, xs, idxs, ws):
     """Per GPU and local expert, the (source, token, weight) rows in the order of a sort of
@@ -82,11 +41,6 @@ def cases():
                 if kind == "not_last_gpu" and sizes["nranks"] == 1:
                     continue
                 yield pytest.param(sizes, dtype, kind, id=f"{name}-{dtype}-{kind}")
-
-
-def tokens_of(shape):
-    """Tokens per rank: full, partial, and T = 0 on rank 1 where there are 2 ranks or more."""
-    return [shape.max_tokens if r % 2 == 0 else 0 if r == 1 else shape.max_tokens - 2 for r in range(shape.nranks)]
 
 
 @pytest.mark.parametrize("sizes,dtype,kind", list(cases()))
@@ -120,31 +74,22 @@ def test_dispatch_matches_a_sort_of_the_routing(sizes, dtype, kind):
 def naive_combine_token(shape, dispatched, ys, idx_row, s, t):
     """The fixed order, element by element with numpy fp32 scalars."""
     lo = shape.local_experts
-    out = []
-    for h in range(shape.hidden):
-        acc = np.float32(0.0)
-        for g in range(shape.nranks):
-            if not any(e >= 0 and e // lo == g for e in idx_row):
-                continue
-            part = np.float32(0.0)
-            for k, e in enumerate(idx_row):
-                if e >= 0 and e // lo == g:
-                    r = int(dispatched[g].route[s, t, k])
-                    w = dispatched[g].weights.reshape(-1)[r]
-                    part = np.float32(part + np.float32(w * np.float32(ys[g].reshape(-1, shape.hidden)[r, h])))
-            acc = np.float32(acc + part)
-        out.append(acc)
-    return np.array(out, np.float32)
-
-
-def expert_outputs(shape, dispatched, seed):
-    rng = np.random.default_rng(seed)
-    ys = []
-    for _ in dispatched:
-        y = rng.standard_normal((shape.local_experts, shape.capacity, shape.hidden)).astype(NP[shape.dtype])
-        y.flat[5::17] = -0.0
-        ys.append(y)
-    return ys
+    out = np.zeros(shape.hidden, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for h in range(shape.hidden):
+            acc = np.float32(0.0)
+            for g in range(shape.nranks):
+                if not any(e >= 0 and e // lo == g for e in idx_row):
+                    continue
+                part = np.float32(0.0)
+                for k, e in enumerate(idx_row):
+                    if e >= 0 and e // lo == g:
+                        r = int(dispatched[g].route[s, t, k])
+                        w = dispatched[g].weights.reshape(-1)[r]
+                        part = np.float32(part + np.float32(w * np.float32(ys[g].reshape(-1, shape.hidden)[r, h])))
+                acc = np.float32(acc + part)
+            out[h] = acc
+    return out
 
 
 @pytest.mark.parametrize("sizes,dtype,kind", list(cases()))
@@ -152,7 +97,7 @@ def test_combine_is_the_fixed_order_fp32_sum(sizes, dtype, kind):
     shape = layout.shape(dtype=dtype, **sizes)
     xs, idxs, ws = inputs(shape, kind, tokens_of(shape), seed=7 + len(kind))
     dispatched = ref.dispatch(shape, xs, idxs, ws)
-    ys = expert_outputs(shape, dispatched, seed=3)
+    ys = expert_outputs(shape, seed=3)
     got = ref.combine(shape, dispatched, ys, idxs)
     for s, idx in enumerate(idxs):
         assert got[s].shape == (len(idx), shape.hidden) and got[s].dtype == NP[dtype]

@@ -12,22 +12,25 @@ the two kernels are the communicator's (``heap.STATES``: ``moe_dispatch.state``,
 
 from __future__ import annotations
 
-import weakref
+import math
 from dataclasses import dataclass
 
 from ubnext._engine.kernels import compile_module
 from ubnext._engine.launch import I32, U64, Launcher
 from ubnext._interop import arrays as _arrays
+from ubnext._memory.heap import round_up
 from ubnext._moe import layout as _layout
 from ubnext._protocol import signature as _signature
-from ubnext._protocol.algorithms import compile_defines
-from ubnext._protocol.constants import THREADS, sentinel_word
+from ubnext._protocol.algorithms import DTYPES, compile_defines
+from ubnext._protocol.constants import THREADS, VEC_BYTES, sentinel_word
 from ubnext._protocol.errors import UbnextError
 
 #: the kernels, by call: (source in kernels/, entry point), each compiled per dtype and rank count
 SOURCES = {"dispatch": ("moe_dispatch.cu", "ub_moe_dispatch"), "combine": ("moe_combine.cu", "ub_moe_combine")}
 #: base, stride, rank, mc, then the regions and sizes (10 and 9), the call's (12 and 7), the state
 _PARAMS = {"dispatch": (U64, U64, I32) + (U64,) * 24, "combine": (U64, U64, I32) + (U64,) * 18}
+#: bytes between and around the object's arrays in its buffer, and their byte at creation
+GAP_BYTES, CANARY = 256, 0xA5
 
 
 @dataclass(frozen=True)
@@ -90,20 +93,13 @@ class ExpertParallel:
         shape = self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype,
                                            capacity)
         area, ptrs = comm._symmetric_area(shape.key, shape.area_bytes)  # collective
-        self._comm = weakref.proxy(comm)
+        self._comm = comm  # its calls need it open; it holds the area
         self._generation = 0
-        n, lo, c, m, k = shape.nranks, shape.local_experts, shape.capacity, shape.max_tokens, shape.top_k
         with comm._order:
             offset = node.pool.contains(ptrs[node.pool.local_rank], shape.area_bytes)
             regions = shape.offsets(offset)
             self._fill(comm, area)
-            new = {"recv_x": ((lo, c, hidden), dtype), "counts": ((lo,), "int32"), "src": ((lo, c), "int32"),
-                   "weights": ((lo, c), "float32"), "route": ((n, m, k), "int32"), "tokens": ((n,), "uint32"),
-                   "dest": ((m,), "uint32")}
-            self._arrays = {key: cupy.zeros(dims, _arrays._cupy_dtype(dt)) for key, (dims, dt) in new.items()}
-            self._views = {key: a if framework == "cupy" else _arrays.wrap(a.data.ptr, a.shape, new[key][1],
-                                                                           comm.device, "torch", a)
-                           for key, a in self._arrays.items()}
+            self._allocate(comm.device, framework)
             cupy.cuda.Device(comm.device).synchronize()
             self._launchers = self._compile(comm, node, regions)
         comm._local.barrier()  # no rank pushes into an area a peer is still filling
@@ -111,6 +107,28 @@ class ExpertParallel:
         self._blocks = max(1, min(node.engine._blocks, sms))  # every block resident (docs/moe.md)
         self._sig = {kind: _signature.encode_moe(f"moe_{kind}", dtype, num_experts, top_k, max_tokens, hidden)
                      for kind in SOURCES}
+
+    def _allocate(self, device: int, framework: str) -> None:
+        """The outputs and the combine's inputs, in one device buffer (``_raw``): each array
+        at ``_slots[key]`` (offset, bytes), with GAP_BYTES between and around them, every
+        byte CANARY at creation (the GPU tests check that the gaps keep it)."""
+        import cupy
+
+        s = self.shape
+        n, lo, c, m, k = s.nranks, s.local_experts, s.capacity, s.max_tokens, s.top_k
+        specs = {"recv_x": ((lo, c, s.hidden), s.dtype), "counts": ((lo,), "int32"), "src": ((lo, c), "int32"),
+                 "weights": ((lo, c), "float32"), "route": ((n, m, k), "int32"), "tokens": ((n,), "uint32"),
+                 "dest": ((m,), "uint32")}
+        self._slots, at = {}, GAP_BYTES
+        for key, (dims, dtype) in specs.items():
+            nbytes = math.prod(dims) * DTYPES[dtype][1]
+            self._slots[key] = (at, nbytes)
+            at = round_up(at + nbytes, GAP_BYTES) + GAP_BYTES
+        self._raw = cupy.full(at, CANARY, cupy.uint8)
+        base = self._raw.data.ptr
+        self._ptr = {key: base + offset for key, (offset, _) in self._slots.items()}
+        self._views = {key: _arrays.wrap(self._ptr[key], dims, dtype, device, framework, self._raw)
+                       for key, (dims, dtype) in specs.items()}
 
     def _fill(self, comm, area) -> None:
         """The polled regions to the sentinel, the rest (the rotation, the rows) to zero:
@@ -186,12 +204,11 @@ class ExpertParallel:
             wb = self._operand(name, topk_weights, "topk_weights", (count, s.top_k), "float32", handle)
             if side:
                 _arrays.record_stream(handle, owner, (xb, ib, wb))
-            a = self._arrays
+            a = self._ptr
             comm._order.follow(handle, owner)
             self._launchers["dispatch"](self._blocks, THREADS["moe_dispatch.cu"], handle, xb.ptr, ib.ptr, wb.ptr,
-                                        count, *(a[key].data.ptr for key in ("recv_x", "counts", "src", "weights",
-                                                                             "route", "tokens", "dest")),
-                                        self._sig["dispatch"])
+                                        count, *(a[key] for key in ("recv_x", "counts", "src", "weights", "route",
+                                                                    "tokens", "dest")), self._sig["dispatch"])
             self._generation += 1
             v = self._views
             return v["recv_x"], v["counts"], Handle(v["src"], v["weights"], count, self, self._generation)
@@ -239,10 +256,10 @@ class ExpertParallel:
                     raise UbnextError(f"{name}: out overlaps y")
             if side:
                 _arrays.record_stream(stream_handle, owner, (yb, ob))
-            a = self._arrays
+            a = self._ptr
             comm._order.follow(stream_handle, owner)
             self._launchers["combine"](self._blocks, THREADS["moe_combine.cu"], stream_handle, yb.ptr,
-                                       *(a[key].data.ptr for key in ("weights", "route", "tokens", "dest")),
+                                       *(a[key] for key in ("weights", "route", "tokens", "dest")),
                                        ob.ptr, self._sig["combine"])
             if out is not None:
                 _arrays.mark_written((ob,))
@@ -250,11 +267,14 @@ class ExpertParallel:
 
     def _operand(self, name: str, arr, what: str, shape: tuple, dtype: str, handle: int):
         """``arr`` as a Buffer on the communicator's device, of ``dtype`` and ``shape`` (None:
-        any size there)."""
+        any size there); a payload (x, y, out) 16-byte aligned."""
         b = self._comm._input(name, arr, handle)
         dims = tuple(b.shape)
         if b.dtype != dtype or len(dims) != len(shape) or any(w is not None and d != w for d, w in zip(dims, shape)):
             want = " x ".join("T" if w is None else str(w) for w in shape)
             raise UbnextError(f"{name}: {what} must be {dtype} of shape [{want}], got {b.dtype} of shape "
                               f"{list(dims)}")
+        if dtype in _layout.MOE_DTYPES and b.ptr % VEC_BYTES:  # the rows move in 16-byte vectors
+            raise UbnextError(f"{name}: {what} must be {VEC_BYTES}-byte aligned (its address is {b.ptr:#x}); "
+                              f"pass a copy")
         return b

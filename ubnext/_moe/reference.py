@@ -125,10 +125,11 @@ def partial(shape: Shape, d: Dispatched, y: np.ndarray, s: int, t: int) -> np.nd
     dispatch ``d``: the kept slots in top-k order, each ``acc + w * y`` rounded step by step."""
     acc = np.zeros(shape.hidden, _F32)
     flat_y, flat_w = y.reshape(-1, shape.hidden), d.weights.reshape(-1)
-    for slot in range(shape.top_k):
-        r = int(d.route[s, t, slot])
-        if r >= 0:
-            acc = (acc + (flat_w[r] * flat_y[r].astype(_F32)).astype(_F32)).astype(_F32)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0, inf - inf: NaN, as IEEE says
+        for slot in range(shape.top_k):
+            r = int(d.route[s, t, slot])
+            if r >= 0:
+                acc = (acc + (flat_w[r] * flat_y[r].astype(_F32)).astype(_F32)).astype(_F32)
     return acc
 
 
@@ -143,7 +144,8 @@ def combine(shape: Shape, dispatched: Sequence[Dispatched], ys: Sequence[np.ndar
         for t in range(len(idx)):
             acc = np.zeros(shape.hidden, _F32)
             for g in np.flatnonzero(dest[t]):
-                acc = (acc + partial(shape, dispatched[g], ys[g], s, t)).astype(_F32)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    acc = (acc + partial(shape, dispatched[g], ys[g], s, t)).astype(_F32)
             res[t] = acc.astype(ys[0].dtype)
         out.append(res)
     return out
