@@ -251,7 +251,7 @@ def test_host_visible_errors_raise_before_any_launch(comm):
 
 
 @pytest.mark.parametrize("problem", ["out_of_range", "repeated"])
-def test_bad_routing_raises_on_every_rank_after_the_call(problem):
+def test_bad_routing_raises_on_every_rank_after_the_call(comm, problem):
     """Every rank passes one bad slot: every rank's kernel finds it, writes nothing out of
     bounds, every wait completes, and every rank raises at its next call: RoutingError where
     its own kernel recorded it first (a rank whose kernel saw another rank's failure
@@ -260,7 +260,7 @@ def test_bad_routing_raises_on_every_rank_after_the_call(problem):
 
     import ubnext
 
-    c = communicator()
+    c = communicator(device=comm.device)  # a communicator of its own: the failure breaks it
     try:
         ep, shape = make(c, "small", "float32")
         xs, idxs, ws = inputs(shape, "random", [shape.max_tokens] * c.size, seed=5)
@@ -280,7 +280,7 @@ def test_bad_routing_raises_on_every_rank_after_the_call(problem):
         c.close()
 
 
-def test_capacity_exceeded_raises_where_it_is_found_and_breaks_the_others():
+def test_capacity_exceeded_raises_where_it_is_found_and_breaks_the_others(comm):
     """Every token of every rank to expert 1 (on rank 0) with a capacity of 2: rank 0's
     kernel finds it and raises RoutingError; after a host barrier, the other ranks' next
     call finds the communicator broken."""
@@ -288,7 +288,7 @@ def test_capacity_exceeded_raises_where_it_is_found_and_breaks_the_others():
 
     import ubnext
 
-    c = communicator()
+    c = communicator(device=comm.device)  # a communicator of its own: the failure breaks it
     try:
         ep, shape = make(c, "small", "bfloat16", capacity=2)
         xs, idxs, ws = inputs(shape, "skewed", [shape.max_tokens] * c.size, seed=6)
