@@ -48,14 +48,25 @@ def test_the_combine_rounds_every_product_and_sum(dtype):
     assert not re.search(r"\bfma\.rn(\.ftz)?\.f32\b", ptx)
 
 
+#: the entry points' parameters, in the order ExpertParallel packs them (_compile's prefixes,
+#: the calls' values: tests/test_moe_host.py), then the launch state
+NAMES = {
+    "dispatch": ("base stride rank mc rot_off hdr_off rec_off rows_off experts local topk hidden tokens capacity "
+                 "x idx w count recv_x counts src weights route src_tokens dest sig state"),
+    "combine": ("base stride rank mc rot_off hdr_off part_off experts local topk hidden tokens capacity "
+                "y weights route src_tokens dest out sig state"),
+}
+
+
 @pytest.mark.parametrize("kind", list(SOURCES))
 def test_entry_points_take_the_launchers_parameters(kind):
-    """Parameters of the extern "C" entry point, counted, against the Launcher's types."""
+    """Parameters of the extern "C" entry point, by name, against the Launcher's types."""
     source, entry = SOURCES[kind]
     text = _kernels.source(source)
     assert "#include" not in text and "#define UB_MOE_MAX_CAPACITY" in text
     params = re.search(rf"{entry}\(([^)]*)\)", text).group(1)
-    assert len(params.split(",")) == len(_PARAMS[kind])
+    names = [re.findall(r"\w+", p)[-1] for p in params.split(",")]
+    assert names == NAMES[kind].split() and len(names) == len(_PARAMS[kind])
     header = _protocol.header()
     assert f"#define UB_{source[:-3].upper()}_THREADS {_protocol.THREADS[source]}\n" in header
     for code, (name, _) in _protocol.MOE_INPUT_ERRORS.items():
