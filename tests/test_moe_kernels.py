@@ -91,3 +91,18 @@ def test_a_routing_failure_reads_as_a_routing_error():
     peer = next(code for code, (name, _) in _protocol.FAIL_KINDS.items() if name == "kFailPeer")
     other = _failures.error_of("ExpertParallel.combine", peer, 0, 2, kind, 8, 0, 0, 600.0)
     assert "rank 2 failed first (a call's input was invalid" in str(other)
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_the_entry_point_waits_for_the_kernel_before_it_and_keeps_subnormals(kind):
+    """Programmatic dependent launch: before griddepcontrol.wait, the PTX loads parameters
+    only and stores block 0's entry stamp only (sync.cuh: enter_launch); the trigger for
+    dependents follows the wait; no instruction flushes subnormals (.ftz)."""
+    ptx = _compile(kind, "bfloat16", 4, arch="compute_90a").decode(errors="replace")
+    assert ".ftz" not in ptx
+    body = ptx[ptx.index(f".entry {SOURCES[kind][1]}("):]
+    wait = body.index("griddepcontrol.wait;")
+    assert body.index("griddepcontrol.launch_dependents;") > wait
+    early = [line.split()[0] for line in body[:wait].splitlines()
+             if re.match(r"\s*(ld|st|atom|red|cp|prefetch)\.", line)]
+    assert [i for i in early if not i.startswith("ld.param")] == ["st.relaxed.gpu.global.u64"], early
