@@ -16,7 +16,9 @@ default; the NCCL baseline is always eager, since it reads the counts on the hos
 
 Routing (``--routing``): ``uniform`` (each token's K distinct experts uniformly at
 random) or ``skewed`` (from the first 2K experts only: hot experts on the first GPUs).
-Bytes are the most any rank sends to other GPUs (dispatch: rows; combine: fp32 partials);
+The capacity is the most tokens any expert receives in the run (``recv_x`` no larger than
+the routing fills). Bytes are the most any rank sends to other GPUs (dispatch: rows;
+combine: fp32 partials);
 ``floor`` is those bytes at the NVLink push rate measured in the same run
 (bench/link_ceiling.py's ``push`` kernel at ``--ceiling-bytes``), ``frac`` the floor over
 the time. Times: µs per call, median of ``--repeats``, maximum over ranks. Before timing,
@@ -97,6 +99,14 @@ def link_bytes(args, nranks: int, idxs: list[np.ndarray]) -> tuple[int, int]:
                     out_rows[s] += 1
                     partial_rows[g] += 1
     return max(out_rows) * args.hidden * width, max(partial_rows) * args.hidden * 4
+
+
+def busiest_expert(experts: int, idxs: list[np.ndarray]) -> int:
+    """The most tokens any expert receives (at least 1): the capacity the run needs, so that
+    recv_x ([local experts, capacity, hidden]) is no larger than the routing fills."""
+    counts = np.bincount(np.concatenate([i.reshape(-1) for i in idxs] + [np.zeros(0, np.int32)]).clip(-1) + 1,
+                         minlength=experts + 1)
+    return max(1, int(counts[1:].max(initial=0)))
 
 
 class NcclBaseline:
@@ -191,11 +201,12 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
     from ubnext._moe import layout
 
     n, r = comm.size, comm.rank
-    shape = layout.shape(n, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype)
-    ep = ubnext.ExpertParallel(comm, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype,
-                               framework="torch")
     routes = [routing(args, s, tokens) for s in range(n)]
     idxs, ws = [i for i, _ in routes], [w for _, w in routes]
+    capacity = busiest_expert(args.experts, idxs)
+    shape = layout.shape(n, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype, capacity)
+    ep = ubnext.ExpertParallel(comm, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype,
+                               capacity=capacity, framework="torch")
     xs = [payload(args, s, (tokens, args.hidden)) for s in range(n)]
     x = to_device(xs[r], args.dtype)
     idx, w = torch.from_numpy(idxs[r]).cuda(), torch.from_numpy(ws[r]).cuda()
@@ -217,7 +228,7 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
         samples = tb.time_us(fn, how, comm.bootstrap, args.iters, args.launches, args.repeats)
         times[name] = {"time_us": tb.median(samples), "samples_us": samples, "mode": how}
     dispatch_bytes, combine_bytes = link_bytes(args, n, idxs)
-    return {"tokens": tokens, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes, "wrong": wrong,
+    return {"tokens": tokens, "capacity": capacity, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes, "wrong": wrong,
             "times": times}
 
 

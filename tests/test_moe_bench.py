@@ -31,3 +31,9 @@ def test_link_bytes_count_rows_to_other_gpus_once_each():
     rows, partials = moe_perf.link_bytes(a, 2, idxs)
     assert rows == 2 * 8 * 2        # rank 0 sends 2 rows of 8 bf16 (GPU 1 receives token 2 once)
     assert partials == 2 * 8 * 4    # GPU 1 returns 2 fp32 partials to rank 0
+
+
+def test_the_capacity_is_the_busiest_experts_count():
+    idxs = [np.array([[0, 3], [3, -1]], np.int32), np.array([[3, 1]], np.int32), np.zeros((0, 2), np.int32)]
+    assert moe_perf.busiest_expert(4, idxs) == 3
+    assert moe_perf.busiest_expert(4, [np.full((2, 2), -1, np.int32)]) == 1
