@@ -177,6 +177,26 @@ def test_dispatches_without_combine_and_a_smaller_capacity(comm, dtype):
     assert bad.size == 0
 
 
+@pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
+def test_combine_with_weights_of_its_own(comm, dtype):
+    """weights=ones (the dispatch's transpose: each token's rows summed) and weights=2 w
+    (every product twice the router's, exactly), against the reference with those weights."""
+    import torch
+
+    ep, shape = make(comm, "small", dtype)
+    r = comm.rank
+    xs, idxs, ws = inputs(shape, "random", tokens_of(shape), seed=60)
+    _, _, handle = ep.dispatch(to_device(xs[r]), to_device(idxs[r]), to_device(ws[r]))
+    want = ref.dispatch(shape, xs, idxs, ws)
+    ys = expert_outputs(shape, 61)
+    for what, weights in (("ones", [np.ones((shape.local_experts, shape.capacity), np.float32)] * comm.size),
+                          ("twice", [2 * d.weights for d in want])):
+        out = ep.combine(to_device(ys[r]), handle, weights=to_device(weights[r]))
+        torch.cuda.synchronize()
+        bad = ref_mismatches(host(out), ref.combine(shape, want, ys, idxs, weights)[r])
+        assert bad.size == 0, f"{what}: {bad.size} elements differ"
+
+
 def test_cuda_graph_replay(comm):
     """dispatch + combine captured once, replayed with new inputs copied into the captured
     buffers: every replay matches the reference (the kernels advance their own state)."""

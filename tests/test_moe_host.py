@@ -147,3 +147,14 @@ def test_combine_refuses_a_stale_or_foreign_handle_and_wrong_arrays():
     with pytest.raises(UbnextError, match="^ExpertParallel.combine: the handle is not"):
         ep.combine(y, first)
     assert [kind for kind, _ in ep.launches] == ["dispatch", "dispatch"]
+
+
+def test_combine_takes_weights_of_its_own():
+    ep = fake()
+    _, _, handle = ep.dispatch(*operands())
+    y = np.zeros((4, 10, 64), NP["bfloat16"])
+    ones = np.ones((4, 10), np.float32)
+    ep.combine(y, handle, weights=ones)
+    assert ep.launches[-1][1][4] == ones.ctypes.data
+    with pytest.raises(UbnextError, match="^ExpertParallel.combine: weights must be float32 of shape \\[4 x 10\\]"):
+        ep.combine(y, handle, weights=ones[:3].copy())

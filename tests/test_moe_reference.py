@@ -181,3 +181,27 @@ def test_bad_sizes_raise_before_anything(bad, words):
     sizes = dict(nranks=4, num_experts=8, hidden=16, max_tokens=32, top_k=2, dtype="bfloat16") | bad
     with pytest.raises(UbnextError, match=f"^ExpertParallel: .*{words}"):
         layout.shape(**sizes)
+
+
+def test_combine_with_unit_weights_sums_the_rows_in_the_fixed_order():
+    """weights=ones: each token's rows summed (the dispatch's transpose), top-k order on a
+    GPU, GPUs in rank order, from +0.0, rounded once."""
+    shape = layout.shape(dtype="float32", **SHAPES["n4"])
+    xs, idxs, ws = inputs(shape, "dropped", tokens_of(shape), seed=12)
+    dispatched = ref.dispatch(shape, xs, idxs, ws)
+    ys = expert_outputs(shape, seed=13)
+    ones = [np.ones((shape.local_experts, shape.capacity), np.float32) for _ in range(shape.nranks)]
+    got = ref.combine(shape, dispatched, ys, idxs, ones)
+    lo = shape.local_experts
+    for s, idx in enumerate(idxs):
+        for t in range(len(idx)):
+            want = np.zeros(shape.hidden, np.float32)
+            with np.errstate(invalid="ignore", over="ignore"):
+                for g in range(shape.nranks):
+                    rows = [int(dispatched[g].route[s, t, k]) for k, e in enumerate(idx[t]) if e >= 0 and e // lo == g]
+                    if rows:
+                        part = np.zeros(shape.hidden, np.float32)
+                        for r in rows:
+                            part = part + ys[g].reshape(-1, shape.hidden)[r]
+                        want = want + part
+            np.testing.assert_array_equal(got[s][t].view(np.uint32), want.view(np.uint32))

@@ -213,12 +213,13 @@ class ExpertParallel:
             v = self._views
             return v["recv_x"], v["counts"], Handle(v["src"], v["weights"], count, self, self._generation)
 
-    def combine(self, y, handle: Handle, out=None, stream=None):
+    def combine(self, y, handle: Handle, out=None, weights=None, stream=None):
         """Sums each token's experts' outputs with its router weights, in its original order.
 
         ``out[t] = round(sum over GPUs g in rank order (sum over the token's slots k on g,
         in top-k order, of w_k * y_k))``, every product and sum in fp32 from +0.0, rounded
-        once to the dtype (docs/moe.md, "Numerics").
+        once to the dtype (docs/moe.md, "Numerics"); ``w_k`` is the dispatch's weight of
+        the row, or the row's entry of ``weights``.
 
         Collective: yes, as ``dispatch``. Never blocks the host.
         Graph-capturable: yes.
@@ -229,6 +230,9 @@ class ExpertParallel:
             handle: the latest dispatch's handle.
             out: ``[T, H]`` of the dtype (T of that dispatch), or None for a new array (of
                 y's framework, on the launch stream).
+            weights: None (the router's, ``handle.weights``), or ``[L, C]`` float32: a
+                weight per row of y in their place (ones: the plain sum of the rows, the
+                dispatch's transpose).
             stream: as ``dispatch``.
 
         Returns:
@@ -254,12 +258,16 @@ class ExpertParallel:
                 ob = self._operand(name, out, "out", shape, s.dtype, stream_handle)
                 if _arrays.overlap(ob, yb):
                     raise UbnextError(f"{name}: out overlaps y")
-            if side:
-                _arrays.record_stream(stream_handle, owner, (yb, ob))
             a = self._ptr
+            wb = None
+            if weights is not None:
+                wb = self._operand(name, weights, "weights", (s.local_experts, s.capacity), "float32", stream_handle)
+            if side:
+                _arrays.record_stream(stream_handle, owner, (yb, ob, wb))
             comm._order.follow(stream_handle, owner)
             self._launchers["combine"](self._blocks, THREADS["moe_combine.cu"], stream_handle, yb.ptr,
-                                       *(a[key] for key in ("weights", "route", "tokens", "dest")),
+                                       a["weights"] if wb is None else wb.ptr,
+                                       *(a[key] for key in ("route", "tokens", "dest")),
                                        ob.ptr, self._sig["combine"])
             if out is not None:
                 _arrays.mark_written((ob,))

@@ -120,11 +120,12 @@ def destinations(shape: Shape, idx: np.ndarray) -> np.ndarray:
     return np.stack([(gpu == g).any(axis=1) for g in range(shape.nranks)], axis=1).reshape(len(idx), shape.nranks)
 
 
-def partial(shape: Shape, d: Dispatched, y: np.ndarray, s: int, t: int) -> np.ndarray:
+def partial(shape: Shape, d: Dispatched, y: np.ndarray, s: int, t: int, w: np.ndarray | None = None) -> np.ndarray:
     """GPU's fp32 partial of token (s, t) from its experts' outputs ``y [L, C, H]`` and its
-    dispatch ``d``: the kept slots in top-k order, each ``acc + w * y`` rounded step by step."""
+    dispatch ``d``: the kept slots in top-k order, each ``acc + w * y`` rounded step by step,
+    ``w`` the row's weight in ``d.weights``, or in ``w [L, C]`` where given."""
     acc = np.zeros(shape.hidden, _F32)
-    flat_y, flat_w = y.reshape(-1, shape.hidden), d.weights.reshape(-1)
+    flat_y, flat_w = y.reshape(-1, shape.hidden), (d.weights if w is None else np.asarray(w, _F32)).reshape(-1)
     with np.errstate(invalid="ignore", over="ignore"):  # inf * 0, inf - inf: NaN, as IEEE says
         for slot in range(shape.top_k):
             r = int(d.route[s, t, slot])
@@ -134,9 +135,10 @@ def partial(shape: Shape, d: Dispatched, y: np.ndarray, s: int, t: int) -> np.nd
 
 
 def combine(shape: Shape, dispatched: Sequence[Dispatched], ys: Sequence[np.ndarray],
-            idxs: Sequence[np.ndarray]) -> list[np.ndarray]:
+            idxs: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
     """Every rank's combine: ``out [T_s, H]`` of the dtype of ``ys`` (every GPU's ``[L, C,
-    H]``), from every GPU's dispatch and every rank's ``idx``."""
+    H]``), from every GPU's dispatch and every rank's ``idx``; with ``weights`` (every GPU's
+    ``[L, C]``), those in place of the dispatch's."""
     out = []
     for s, idx in enumerate(idxs):
         dest = destinations(shape, idx)
@@ -145,7 +147,8 @@ def combine(shape: Shape, dispatched: Sequence[Dispatched], ys: Sequence[np.ndar
             acc = np.zeros(shape.hidden, _F32)
             for g in np.flatnonzero(dest[t]):
                 with np.errstate(invalid="ignore", over="ignore"):
-                    acc = (acc + partial(shape, dispatched[g], ys[g], s, t)).astype(_F32)
+                    w = None if weights is None else weights[g]
+                    acc = (acc + partial(shape, dispatched[g], ys[g], s, t, w)).astype(_F32)
             res[t] = acc.astype(ys[0].dtype)
         out.append(res)
     return out
