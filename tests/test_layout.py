@@ -22,6 +22,7 @@ LAYERS = (
     "_memory",       # the symmetric pool and what lives in it
     "_selection",    # which algorithm a call takes
     "_engine",       # the kernels, their launch, NCCL, the node's resources
+    "_moe",          # expert parallelism: dispatch and combine over the pool
     "_api",          # the Communicator
     "torch",         # torch ops and layers over the Communicator (public package)
     "_tools",        # selftest, info, what tune and the benchmarks share

@@ -14,6 +14,7 @@ _install.check_install()  # one line naming the install choices, before anything
 from ubnext import bootstrap  # noqa: E402
 from ubnext._api.communicator import Communicator  # noqa: E402
 from ubnext._environment.config import Config  # noqa: E402
+from ubnext._moe.expert_parallel import ExpertParallel  # noqa: E402
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, OPS  # noqa: E402
 from ubnext._protocol.errors import (  # noqa: E402
                       BrokenCommunicatorError,
@@ -22,6 +23,7 @@ from ubnext._protocol.errors import (  # noqa: E402
                       CollectiveTimeoutError,
                       ConcurrentUseError,
                       CudaError,
+                      RoutingError,
                       UbnextError,
 )
 from ubnext._version import __version__ as __version__  # noqa: E402 (re-exported)
@@ -38,6 +40,8 @@ __all__ = [
     "Communicator",
     "Config",
     "CudaError",
+    "ExpertParallel",
+    "RoutingError",
     "UbnextError",
     "bootstrap",
 ]

@@ -20,6 +20,7 @@ from ubnext._protocol.constants import (
     ERROR_RECORD,
     FAIL_KINDS,
     LAUNCH_STATE,
+    MOE_INPUT_ERRORS,
     WAIT_SITES,
     field_offset,
     struct_bytes,
@@ -29,6 +30,7 @@ from ubnext._protocol.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ConcurrentUseError,
+    RoutingError,
 )
 
 _RECORD_BYTES = 64
@@ -127,6 +129,9 @@ def error_of(op: str, kind: int, rank: int, peer: int, site: int, epoch: int, mi
         return CollectiveMismatchError(op, rank, peer, mine, theirs)
     if kind == _KIND["kFailConcurrent"]:
         return ConcurrentUseError(op, rank)
+    if kind == _KIND["kFailInput"]:
+        what = MOE_INPUT_ERRORS[site][1] if site in MOE_INPUT_ERRORS else f"invalid input {site}"
+        return RoutingError(op, rank, what, mine, theirs - (1 << 64) if theirs >> 63 else theirs)
     what = FAIL_KINDS[site][1] if site in FAIL_KINDS else f"failure {site}"
     return BrokenCommunicatorError(op, peer, f"rank {peer} failed first ({what}); rank {rank} gave up its launch")
 

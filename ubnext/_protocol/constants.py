@@ -29,8 +29,17 @@ HEADER_BYTES = 128
 NORM_THREADS = 1024
 #: threads per block of the slot sum (kernels/slot_sum.cu: the overlapped reduce-scatter's reduction)
 SLOT_SUM_THREADS = 512
-#: threads per block of each all-reduce source's plain entry point (its launch bound)
-THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512}
+#: threads per block of each kernel source's plain entry points (their launch bound)
+THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512,
+           "moe_dispatch.cu": 512, "moe_combine.cu": 512}
+#: the largest top-k of the expert-parallel dispatch (a routing record's ids and weights)
+MOE_MAX_TOPK = 16
+#: the largest capacity (rows per local expert) of the expert-parallel dispatch: its
+#: scatter lists a part's rows in shared memory (kernels/moe_dispatch.cu), 4 bytes each
+MOE_MAX_CAPACITY = 8192
+#: a dispatch's route of a token's slot (kernels/moe.cuh), besides a row ``e * C + row`` of
+#: this GPU: its expert is on another GPU (or the slot is dropped); past the capacity
+MOE_ROUTE_ELSEWHERE, MOE_ROUTE_OVERFLOW = -1, -2
 #: elements per group of the quantized two-shot (one fp32 scale each; ubnext/_protocol/quant.py)
 QUANT_GROUP = 32
 #: groups per unit of the quantized two-shot: what one warp quantizes at a time, stored as
@@ -46,6 +55,7 @@ WAIT_SITES = {
     2: ("kSiteEntryBarrier", "two-shot entry barrier"),
     3: ("kSiteExitBarrier", "two-shot exit barrier"),
     4: ("kSiteClusterMail", "row sum of a thread-block cluster"),
+    5: ("kSiteMoePoll", "expert-parallel poll"),
 }
 
 #: how a communicator failed: code -> (name in the kernels, words for the host's message)
@@ -55,6 +65,15 @@ FAIL_KINDS = {
     3: ("kFailConcurrent", "two launches of the communicator overlapped"),
     4: ("kFailPeer", "another rank failed first"),
     5: ("kFailAborted", "the communicator was aborted"),
+    6: ("kFailInput", "a call's input was invalid where only the device could see it"),
+}
+
+#: what a kFailInput of the expert-parallel kernels found (ErrorRecord.site): code -> (name
+#: in the kernels, words for the host's message)
+MOE_INPUT_ERRORS = {
+    1: ("kMoeBadExpert", "an expert id out of range"),
+    2: ("kMoeRepeatedExpert", "one expert twice in a token's top-k"),
+    3: ("kMoeOverCapacity", "more tokens for one local expert than its capacity"),
 }
 
 #: Per rank and kernel family, in the rank's own segment: (type, field, meaning). Every
@@ -81,10 +100,10 @@ ERROR_RECORD = (
     ("u32", "kind", "a FailKind"),
     ("u32", "rank", "the rank that recorded it"),
     ("u32", "peer", "the rank waited for (ANY_PEER: a counting wait); kFailPeer: the rank that failed"),
-    ("u32", "site", "a WaitSite; kFailPeer: the FailKind of the rank that failed"),
+    ("u32", "site", "a WaitSite; kFailPeer: the FailKind of the rank that failed; kFailInput: what was wrong"),
     ("u32", "epoch", "launch epoch of the recording kernel"),
-    ("u64", "mine", "kFailMismatch: this rank's call signature"),
-    ("u64", "theirs", "kFailMismatch: the peer's call signature"),
+    ("u64", "mine", "kFailMismatch: this rank's call signature; kFailInput: where (a token, an expert)"),
+    ("u64", "theirs", "kFailMismatch: the peer's call signature; kFailInput: the value found"),
 )
 
 _TYPE_BYTES = {"u32": 4, "u64": 8}
@@ -150,12 +169,16 @@ def header() -> str:
         "UB_ANY_PEER": f"{ANY_PEER:#x}u",
         "UB_QUANT_GROUP": QUANT_GROUP,
         "UB_QUANT_UNIT_GROUPS": QUANT_UNIT_GROUPS,
+        "UB_MOE_MAX_TOPK": MOE_MAX_TOPK,
+        "UB_MOE_MAX_CAPACITY": MOE_MAX_CAPACITY,
+        "UB_MOE_ROUTE_ELSEWHERE": f"({MOE_ROUTE_ELSEWHERE})",
+        "UB_MOE_ROUTE_OVERFLOW": f"({MOE_ROUTE_OVERFLOW})",
         **{f"UB_{source.removesuffix('.cu').upper()}_THREADS": n for source, n in THREADS.items()},
     }
     lines = ["// Generated from ubnext/_protocol/constants.py: the constants the kernels share with the host.",
              "#pragma once"]
     lines += [f"#define {name} {value}" for name, value in macros.items()]
-    for enum, table in (("WaitSite", WAIT_SITES), ("FailKind", FAIL_KINDS)):
+    for enum, table in (("WaitSite", WAIT_SITES), ("FailKind", FAIL_KINDS), ("MoeInputError", MOE_INPUT_ERRORS)):
         lines += [f"enum {enum} : u32 {{"]
         lines += [f"  {name} = {code},  // {words}" for code, (name, words) in table.items()]
         lines += ["};"]

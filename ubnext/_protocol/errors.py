@@ -87,5 +87,21 @@ class ConcurrentUseError(BrokenCommunicatorError):
                                    "replayed while other calls ran on another stream?); order them on one stream")
 
 
+class RoutingError(BrokenCommunicatorError):
+    """An expert-parallel call's routing was invalid where only the device could see it (an
+    expert id out of range, one expert twice in a token's top-k, more tokens for a local
+    expert than its capacity); the kernel wrote nothing out of bounds.
+
+    Attributes:
+        rank: the rank whose kernel found it.
+        what: the words for what was wrong.
+        where, value: the token slot (token * top_k + k) or expert, and the value found.
+    """
+
+    def __init__(self, op: str, rank: int, what: str, where: int, value: int):
+        super().__init__(op, rank, f"rank {rank} found {what} (at {where}: {value})")
+        self.what, self.where, self.value = what, where, value
+
+
 class ClosedError(UbnextError):
     """An operation was attempted on a communicator or pool after ``close()``."""

@@ -9,7 +9,8 @@ different arguments get ``CollectiveMismatchError`` instead of a result, with no
 round trip added.
 
 Layout (bits): 63..60 collective, 59..56 dtype, 55..52 op, 51..0 count; the fused call's
-count is ``rows << HIDDEN_BITS | hidden``.
+count is ``rows << HIDDEN_BITS | hidden``; the expert-parallel calls' (``encode_moe``) is
+``experts << 40 | top_k << 35 | max_tokens << 20 | hidden``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from __future__ import annotations
 from ubnext._protocol.algorithms import DTYPES, OPS
 
 #: collectives that carry a signature, in code order (code 0 is never used)
-COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm")
+COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm",
+               "moe_dispatch", "moe_combine")
+#: the expert-parallel calls, whose count is their object's sizes (encode_moe)
+_MOE = ("moe_dispatch", "moe_combine")
+#: bits of the expert-parallel sizes in the count: experts, top-k, max tokens (hidden: HIDDEN_BITS)
+MOE_BITS = {"experts": 12, "top_k": 5, "max_tokens": 15}
 #: the fused calls, whose count is rows and hidden size
 _FUSED = ("all_reduce_add_rmsnorm", "reduce_scatter_add_rmsnorm")
 COUNT_BITS = 52
@@ -48,6 +54,19 @@ def encode_fused(dtype: str, rows: int, hidden: int, collective: str = "all_redu
     return encode(collective, dtype, "sum", rows << HIDDEN_BITS | hidden)
 
 
+def encode_moe(collective: str, dtype: str, experts: int, top_k: int, max_tokens: int, hidden: int) -> int:
+    """The signature of an expert-parallel ``collective`` (``moe_dispatch`` or
+    ``moe_combine``) of an object of these sizes (``ubnext._moe.layout.Shape``).
+
+    Raises:
+        ValueError: a size that does not fit its field (MOE_BITS, HIDDEN_BITS).
+    """
+    sizes = {"experts": experts, "top_k": top_k, "max_tokens": max_tokens}
+    if hidden >= 1 << HIDDEN_BITS or any(value >= 1 << MOE_BITS[name] for name, value in sizes.items()):
+        raise ValueError(f"signature: {sizes} x hidden {hidden} does not fit")
+    return encode(collective, dtype, "sum", experts << 40 | top_k << 35 | max_tokens << HIDDEN_BITS | hidden)
+
+
 def text(signature: int) -> str:
     """Words for a signature, e.g. ``"all_reduce of 4096 bfloat16 (sum)"``."""
     code, dtype, op = signature >> 60, signature >> 56 & 0xF, signature >> 52 & 0xF
@@ -55,6 +74,9 @@ def text(signature: int) -> str:
     if not 1 <= code <= len(COLLECTIVES) or dtype >= len(_DTYPES) or op >= len(_OPS):
         return f"an unknown call (signature {signature:#018x})"
     collective = COLLECTIVES[code - 1]
+    if collective in _MOE:
+        return (f"{collective} of {count >> 40} experts, top-{count >> 35 & 31}, {count >> HIDDEN_BITS & 0x7FFF} "
+                f"tokens of {count & ((1 << HIDDEN_BITS) - 1)} {_DTYPES[dtype]}")
     if collective in _FUSED:
         rows, hidden = count >> HIDDEN_BITS, count & ((1 << HIDDEN_BITS) - 1)
         return f"{collective} of {rows} x {hidden} {_DTYPES[dtype]}"

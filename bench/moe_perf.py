@@ -1,0 +1,270 @@
+"""Expert-parallel dispatch and combine: ubnext.ExpertParallel beside NCCL's all_to_all_single.
+
+    mpirun -n 4 python bench/moe_perf.py -t 1,16,128 --hidden 7168 -k 8 -e 256 -d bfloat16
+
+For each tokens-per-rank T (``-t``), in the same run (CUDA graphs with ``-G 1``, the
+default; the NCCL baseline is always eager, since it reads the counts on the host):
+
+* ``ubnext dispatch`` / ``ubnext combine``: one call of ``ExpertParallel`` (docs/moe.md);
+* ``nccl dispatch``: the common implementation a user writes: the per-destination counts
+  exchanged by ``all_to_all_single``, read on the host, the tokens gathered in destination
+  order (one copy per destination GPU, as ubnext sends) and exchanged by
+  ``all_to_all_single`` with those splits;
+* ``nccl combine``: each GPU's fp32 partial per token (the same bytes as ubnext's) sent
+  back by ``all_to_all_single`` with the dispatch's splits, summed per token by
+  ``index_add_`` and rounded.
+
+Routing (``--routing``): ``uniform`` (each token's K distinct experts uniformly at
+random) or ``skewed`` (from the first 2K experts only: hot experts on the first GPUs).
+The capacity is the most tokens any expert receives in the run (``recv_x`` no larger than
+the routing fills). Bytes are the most any rank sends to other GPUs (dispatch: rows;
+combine: fp32 partials);
+``floor`` is those bytes at the NVLink push rate measured in the same run
+(bench/link_ceiling.py's ``push`` kernel at ``--ceiling-bytes``), ``frac`` the floor over
+the time. Times: µs per call, median of ``--repeats``, maximum over ranks. Before timing,
+one dispatch and combine are checked bit for bit against the host reference
+(``-c 0`` skips it; the ``wrong`` column counts differing elements on rank 0).
+Rank 0 prints the table and writes ``<outdir>/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script (python bench/moe_perf.py): bench/_standalone.py
+    import _standalone  # noqa: F401
+
+import numpy as np  # noqa: E402
+
+from bench import _common as common  # noqa: E402
+from bench import _torchbench as tb  # noqa: E402
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CANDIDATES = ("ubnext dispatch", "nccl dispatch", "ubnext combine", "nccl combine")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="moe_perf", description=__doc__.split("\n\n")[0])
+    p.add_argument("-t", "--tokens", type=lambda t: [int(v) for v in t.split(",")], default=[1, 16, 128],
+                   help="tokens per rank, comma-separated")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("-k", "--top-k", type=int, default=8)
+    p.add_argument("-e", "--experts", type=int, default=256)
+    p.add_argument("-d", "--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    p.add_argument("-G", "--graphs", type=int, choices=(0, 1), default=1, help="1: CUDA graphs; 0: eager")
+    p.add_argument("-n", "--iters", type=int, default=20, help="calls per sample (per captured graph)")
+    p.add_argument("--launches", type=int, default=5, help="graph replays per sample")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1)
+    p.add_argument("--ceiling-bytes", type=common.size_arg, default=64 << 20,
+                   help="message of the push-rate measurement (bench/link_ceiling.py)")
+    p.add_argument("--name", default=None, help="file stem (default: moe_perf_<gpu>_<n>gpu_<date>)")
+    p.add_argument("--outdir", default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    if min(args.tokens) < 0 or args.top_k < 1 or args.experts < args.top_k:
+        p.error("tokens >= 0, 1 <= top-k <= experts")
+    return args
+
+
+def routing(args, rank: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s ``[T, K]`` int32 experts and float32 weights (the same on any run)."""
+    rng = np.random.default_rng(1000 * rank + tokens)
+    pool = args.experts if args.routing == "uniform" else min(args.experts, 2 * args.top_k)
+    idx = np.stack([rng.permutation(pool)[:args.top_k] for _ in range(tokens)]).reshape(tokens, args.top_k)
+    return idx.astype(np.int32), rng.random((tokens, args.top_k)).astype(np.float32)
+
+
+def payload(args, rank: int, shape: tuple) -> np.ndarray:
+    """Normal values of ``shape`` in the dtype (host), the same on any run."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(7 + rank)
+    dtype = ml_dtypes.bfloat16 if args.dtype == "bfloat16" else np.float32
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def link_bytes(args, nranks: int, idxs: list[np.ndarray]) -> tuple[int, int]:
+    """The most bytes any rank sends to other GPUs: (dispatch rows, combine fp32 partials)."""
+    local = args.experts // nranks
+    width = 2 if args.dtype == "bfloat16" else 4
+    out_rows = [0] * nranks
+    partial_rows = [0] * nranks
+    for s, idx in enumerate(idxs):
+        for row in idx:
+            for g in set(int(e) // local for e in row if e >= 0):
+                if g != s:
+                    out_rows[s] += 1
+                    partial_rows[g] += 1
+    return max(out_rows) * args.hidden * width, max(partial_rows) * args.hidden * 4
+
+
+def busiest_expert(experts: int, idxs: list[np.ndarray]) -> int:
+    """The most tokens any expert receives (at least 1): the capacity the run needs, so that
+    recv_x ([local experts, capacity, hidden]) is no larger than the routing fills."""
+    counts = np.bincount(np.concatenate([i.reshape(-1) for i in idxs] + [np.zeros(0, np.int32)]).clip(-1) + 1,
+                         minlength=experts + 1)
+    return max(1, int(counts[1:].max(initial=0)))
+
+
+class NcclBaseline:
+    """The all_to_all_single dispatch and combine of one rank's routing (module docstring)."""
+
+    def __init__(self, args, nranks: int, x, idx):
+        import torch
+
+        self.n, self.x, self.hidden = nranks, x, args.hidden
+        local = args.experts // nranks
+        gpu = torch.where(idx >= 0, idx // local, -1)
+        dest = torch.stack([(gpu == g).any(dim=1) for g in range(nranks)])  # [N, T]
+        self.counts = dest.sum(dim=1).to(torch.int64)
+        self.order = torch.cat([torch.nonzero(dest[g]).flatten() for g in range(nranks)])  # tokens by destination
+        self.out_dtype = x.dtype
+
+    def dispatch(self):
+        import torch
+        import torch.distributed as dist
+
+        recv_counts = torch.empty_like(self.counts)
+        dist.all_to_all_single(recv_counts, self.counts)
+        splits_in, splits_out = self.counts.tolist(), recv_counts.tolist()  # the host sync
+        send = self.x.index_select(0, self.order)
+        recv = send.new_empty((sum(splits_out), self.hidden))
+        dist.all_to_all_single(recv, send, splits_out, splits_in)
+        self._splits = (splits_in, splits_out)
+        return recv
+
+    def combine(self, partials):
+        import torch
+        import torch.distributed as dist
+
+        splits_in, splits_out = self._splits
+        back = partials.new_empty((sum(splits_in), self.hidden))
+        dist.all_to_all_single(back, partials, splits_in, splits_out)
+        acc = torch.zeros((self.x.shape[0], self.hidden), device=back.device, dtype=torch.float32)
+        acc.index_add_(0, self.order, back)
+        return acc.to(self.out_dtype)
+
+
+def push_rate(comm, args) -> float:
+    """The NVLink push rate (bytes/s per direction) of bench/link_ceiling.py's push kernel."""
+    import cupy
+
+    from bench import link_ceiling
+    from bench.all_reduce_perf import ALL_REDUCE
+
+    module = cupy.RawModule(code=link_ceiling._SOURCE)
+    push = link_ceiling.candidates(comm, args.ceiling_bytes, module)["push"]
+    push()
+    us = tb.median(tb.time_us(push, "graph", comm.bootstrap, args.iters, args.launches, args.repeats))
+    return ALL_REDUCE.bandwidths(args.ceiling_bytes, us * 1e-6, comm.size)[1] * 1e9
+
+
+def check(comm, args, ep, shape, xs, idxs, ws, x, idx, w) -> int:
+    """Elements of this rank's dispatch rows and combine output that differ from the host
+    reference (bit for bit, NaN as a class)."""
+    import torch
+
+    from ubnext._moe import reference as ref
+    from ubnext._tools import reference as bits
+
+    r = comm.rank
+    recv_x, counts, handle = ep.dispatch(x, idx, w)
+    want = ref.dispatch(shape, xs, idxs, ws)
+    ys = [payload(args, 100 + g, (shape.local_experts, shape.capacity, shape.hidden)) for g in range(comm.size)]
+    out = ep.combine(to_device(ys[r], args.dtype), handle)
+    torch.cuda.synchronize()
+    wrong = int((counts.cpu().numpy() != want[r].counts).sum())
+    got_x = recv_x.cpu().view(torch.int16 if args.dtype == "bfloat16" else torch.int32).numpy()
+    for e, n in enumerate(want[r].counts):
+        wrong += int((got_x[e, :n].reshape(-1) != want[r].recv_x[e, :n].reshape(-1).view(got_x.dtype)).sum())
+    got_out = out.cpu().view(torch.int16 if args.dtype == "bfloat16" else torch.int32).numpy()
+    want_out = ref.combine(shape, want, ys, idxs)[r]
+    wrong += int(bits.mismatches(got_out.view(want_out.dtype).reshape(-1), want_out.reshape(-1)).size)
+    return wrong
+
+
+def to_device(a: np.ndarray, dtype: str):
+    """Host ``a`` (bfloat16 or float32) as a CUDA tensor of the same bits."""
+    import torch
+
+    ints = torch.from_numpy(np.ascontiguousarray(a).view(np.int16 if dtype == "bfloat16" else np.int32))
+    return ints.cuda().view(getattr(torch, dtype))
+
+
+def measure(comm, args, tokens: int, mode: str) -> dict:
+    import torch
+
+    import ubnext
+    from ubnext._moe import layout
+
+    n, r = comm.size, comm.rank
+    routes = [routing(args, s, tokens) for s in range(n)]
+    idxs, ws = [i for i, _ in routes], [w for _, w in routes]
+    capacity = busiest_expert(args.experts, idxs)
+    shape = layout.shape(n, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype, capacity)
+    ep = ubnext.ExpertParallel(comm, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype,
+                               capacity=capacity, framework="torch")
+    xs = [payload(args, s, (tokens, args.hidden)) for s in range(n)]
+    x = to_device(xs[r], args.dtype)
+    idx, w = torch.from_numpy(idxs[r]).cuda(), torch.from_numpy(ws[r]).cuda()
+    wrong = check(comm, args, ep, shape, xs, idxs, ws, x, idx, w) if args.check else None
+    recv_x, _, handle = ep.dispatch(x, idx, w)
+    y = recv_x.clone()
+    out = torch.empty_like(x)
+    nccl = NcclBaseline(args, n, x, idx.long())
+    partials = nccl.dispatch().float()
+    fns = {"ubnext dispatch": (lambda: ep.dispatch(x, idx, w), mode),
+           "nccl dispatch": (nccl.dispatch, "eager"),
+           "ubnext combine": (lambda: ep.combine(y, handle, out=out), mode),
+           "nccl combine": (lambda: nccl.combine(partials), "eager")}
+    times = {}
+    for name, (fn, how) in fns.items():
+        if name == "ubnext combine":
+            handle = ep.dispatch(x, idx, w)[2]  # the latest dispatch's (the timed dispatches ran since)
+        fn()
+        samples = tb.time_us(fn, how, comm.bootstrap, args.iters, args.launches, args.repeats)
+        times[name] = {"time_us": tb.median(samples), "samples_us": samples, "mode": how}
+    dispatch_bytes, combine_bytes = link_bytes(args, n, idxs)
+    return {"tokens": tokens, "capacity": capacity, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes, "wrong": wrong,
+            "times": times}
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("UBNEXT_POOL_MB", "2048")
+    return tb.main(parse_args, run, argv)
+
+
+def run(comm, args, argv) -> int:
+    mode = "graph" if args.graphs else "eager"
+    rate = push_rate(comm, args)
+    records = [measure(comm, args, t, mode) for t in args.tokens]
+    if comm.rank != 0:
+        return 0
+    print(f"# {comm.size} ranks, hidden {args.hidden}, top-{args.top_k}, {args.experts} experts, {args.dtype}, "
+          f"routing {args.routing}; ubnext {'in CUDA graphs' if args.graphs else 'eager'}, NCCL eager (host sync); "
+          f"µs (median of {args.repeats}, max over ranks); push rate {rate / 1e9:.1f} GB/s per direction")
+    print(f"{'tokens':>7} {'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9}   "
+          f"{'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9} {'wrong':>6}")
+    print(f"{'':>7} {'dispatch':>44}   {'combine':>44}")
+    for rec in records:
+        cells = []
+        for kind, nbytes in (("dispatch", rec["dispatch_bytes"]), ("combine", rec["combine_bytes"])):
+            ours, theirs = rec["times"][f"ubnext {kind}"]["time_us"], rec["times"][f"nccl {kind}"]["time_us"]
+            floor = nbytes / rate * 1e6
+            rec[f"{kind}_floor_us"] = floor
+            cells.append(f"{nbytes:>10} {ours:9.2f} {floor:7.2f} {floor / ours:5.2f} {theirs:9.2f}")
+        wrong = "-" if rec["wrong"] is None else str(rec["wrong"])
+        print(f"{rec['tokens']:>7} " + "   ".join(cells) + f" {wrong:>6}")
+    tb.save_report(comm, "moe_perf", "moe_perf", args, argv, {
+        "config": {k: getattr(args, k) for k in ("hidden", "top_k", "experts", "dtype", "routing", "graphs", "iters",
+                                                  "launches", "repeats", "ceiling_bytes")},
+        "push_rate_gbs": rate / 1e9, "results": records})
+    failed = any(rec["wrong"] for rec in records)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(common.run_or_abort(main))

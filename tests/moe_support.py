@@ -1,0 +1,76 @@
+"""Inputs of the expert-parallel tests (tests/test_moe_reference.py on the CPU,
+tests/test_gpu_moe.py on GPUs): every rank's tokens, routing and weights, made on the host
+from a seed, so that every rank makes every rank's inputs alike and computes the reference
+of all of them."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ubnext._moe import layout
+
+NP = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+
+
+def routing(kind: str, tokens: int, shape: layout.Shape, rng) -> np.ndarray:
+    """``[tokens, K]`` int32 expert ids of one rank, for a routing ``kind``: ``random``
+    (distinct experts uniformly), ``skewed`` (every token to expert 1 alone), ``not_last_gpu``
+    (no expert on the last GPU), ``dropped`` (random, 40 % of the slots -1 and every 5th
+    token with no expert at all)."""
+    e, k, lo = shape.num_experts, shape.top_k, shape.local_experts
+    if tokens == 0:
+        return np.zeros((0, k), np.int32)
+    if kind == "skewed":  # every token to expert 1 (on GPU 0), its other slots dropped
+        idx = np.full((tokens, k), -1, np.int32)
+        idx[:, 0] = 1
+        return idx
+    rows = np.stack([rng.permutation(e)[:k] for _ in range(tokens)]).astype(np.int32).reshape(tokens, k)
+    if kind == "not_last_gpu":  # no token has an expert on the last GPU
+        rows = np.full((tokens, k), -1, np.int32)
+        for row in rows:
+            kept = rng.permutation(e - lo)[:k]
+            row[:len(kept)] = kept
+    if kind == "dropped":
+        rows[rng.random(rows.shape) < 0.4] = -1
+        rows[::5] = -1  # tokens with no expert at all
+    return rows
+
+
+def inputs(shape: layout.Shape, kind: str, tokens: list[int], seed: int):
+    """Every rank's ``x [T_r, H]`` (normal values, with -0.0 at every 13th element, +inf at
+    element 3 and NaN at 7), ``idx [T_r, K]`` (``routing``) and ``weights [T_r, K]`` (in
+    [0, 1), -0.0 at every 11th), T_r = ``tokens[r]``."""
+    rng = np.random.default_rng(seed)
+    xs, idxs, ws = [], [], []
+    for t in tokens:
+        x = rng.standard_normal((t, shape.hidden)).astype(NP[shape.dtype])
+        if t:
+            x.flat[1::13] = -0.0
+            x.flat[3] = np.inf
+            x.flat[7] = np.nan
+        w = rng.random((t, shape.top_k)).astype(np.float32)
+        w.flat[2::11] = -0.0
+        xs.append(x)
+        idxs.append(routing(kind, t, shape, rng))
+        ws.append(w)
+    return xs, idxs, ws
+
+
+def tokens_of(shape: layout.Shape) -> list[int]:
+    """Tokens per rank: full, partial, and T = 0 on rank 1 where there are 2 ranks or more."""
+    return [shape.max_tokens if r % 2 == 0 else 0 if r == 1 else shape.max_tokens - 2 for r in range(shape.nranks)]
+
+
+def expert_outputs(shape: layout.Shape, seed: int) -> list[np.ndarray]:
+    """Every GPU's experts' outputs ``[L, C, H]``: normal values, -0.0 at every 17th, +inf at
+    element 9 and NaN at 29 of every GPU's."""
+    rng = np.random.default_rng(seed)
+    ys = []
+    for _ in range(shape.nranks):
+        y = rng.standard_normal((shape.local_experts, shape.capacity, shape.hidden)).astype(NP[shape.dtype])
+        y.flat[5::17] = -0.0
+        y.flat[9] = np.inf
+        y.flat[29] = np.nan
+        ys.append(y)
+    return ys

@@ -1,0 +1,160 @@
+"""ExpertParallel's host side on the CPU, over a recording stand-in of its communicator and
+launchers: what dispatch and combine check before any launch (shapes, dtypes, T, alignment,
+the handle), and the arguments each launch passes in the entry points' order
+(kernels/moe_dispatch.cu, kernels/moe_combine.cu)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+from moe_support import NP
+
+from ubnext._interop.arrays import Buffer
+from ubnext._moe import layout
+from ubnext._moe.expert_parallel import ExpertParallel, Handle
+from ubnext._protocol import signature
+from ubnext._protocol.constants import THREADS
+from ubnext._protocol.errors import UbnextError
+
+KEYS = ("recv_x", "counts", "src", "weights", "route", "tokens", "dest")
+STREAM = 0x5EED
+
+
+class FakeOrder(contextlib.nullcontext):
+    def __init__(self):
+        super().__init__()
+        self.followed = []
+
+    def follow(self, stream, owner=None):
+        self.followed.append(stream)
+
+
+class FakeComm:
+    """The communicator steps ExpertParallel's calls use, over host numpy arrays."""
+
+    device = 0
+
+    def __init__(self):
+        self._order = FakeOrder()
+
+    def _check_open(self, name):
+        pass
+
+    def _launch_stream(self, name, stream, x):
+        return STREAM, None, False
+
+    def _input(self, name, arr, handle):
+        dtype = "bfloat16" if arr.dtype == NP["bfloat16"] else str(arr.dtype)
+        return Buffer(arr, "cupy", arr.ctypes.data, arr.size, dtype, 0, arr.shape, arr.nbytes)
+
+    def _new(self, name, yb, handle, owner, side, shape):
+        return self._input(name, np.zeros(shape, yb.obj.dtype), handle)
+
+
+def fake(dtype="bfloat16"):
+    """An ExpertParallel of 2 ranks, 8 experts, hidden 64, 5 tokens, top-2, whose launches
+    are recorded instead of made."""
+    ep = object.__new__(ExpertParallel)
+    ep.shape = layout.shape(2, 8, 64, 5, 2, dtype)
+    ep._comm, ep._generation, ep._blocks = FakeComm(), 0, 7
+    ep._ptr = {key: 0x10000 * (i + 1) for i, key in enumerate(KEYS)}
+    ep._views = {key: f"view of {key}" for key in KEYS}
+    ep._sig = {kind: signature.encode_moe(f"moe_{kind}", dtype, 8, 2, 5, 64) for kind in ("dispatch", "combine")}
+    ep.launches = []
+    ep._launchers = {kind: (lambda kind: lambda *args: ep.launches.append((kind, args)))(kind)
+                     for kind in ("dispatch", "combine")}
+    return ep
+
+
+def operands(t=4, dtype="bfloat16"):
+    x = np.ones((t, 64), NP[dtype])
+    idx = np.tile(np.array([0, 5], np.int32), (t, 1))
+    w = np.ones((t, 2), np.float32)
+    return x, idx, w
+
+
+def test_dispatch_launches_once_with_the_entry_points_arguments():
+    ep = fake()
+    x, idx, w = operands()
+    recv_x, counts, handle = ep.dispatch(x, idx, w)
+    (kind, args), = ep.launches
+    assert kind == "dispatch" and args[:3] == (7, THREADS["moe_dispatch.cu"], STREAM)
+    assert args[3:] == (x.ctypes.data, idx.ctypes.data, w.ctypes.data, 4, *(ep._ptr[k] for k in KEYS),
+                        ep._sig["dispatch"])
+    assert (recv_x, counts) == ("view of recv_x", "view of counts") and ep._comm._order.followed == [STREAM]
+    assert isinstance(handle, Handle) and handle.tokens == 4 and handle.src == "view of src"
+
+
+def test_combine_launches_with_the_dispatch_state_and_a_new_output():
+    ep = fake("float32")
+    _, _, handle = ep.dispatch(*operands(3, "float32"))
+    y = np.zeros((4, 10, 64), np.float32)
+    out = ep.combine(y, handle)
+    kind, args = ep.launches[-1]
+    assert kind == "combine" and out.shape == (3, 64) and out.dtype == np.float32
+    assert args[:3] == (7, THREADS["moe_combine.cu"], STREAM)
+    assert args[3:] == (y.ctypes.data, *(ep._ptr[k] for k in ("weights", "route", "tokens", "dest")),
+                        out.ctypes.data, ep._sig["combine"])
+    given = np.zeros((3, 64), np.float32)
+    assert ep.combine(y, handle, out=given) is given
+
+
+def test_t_zero_dispatches():
+    ep = fake()
+    _, _, handle = ep.dispatch(*operands(0))
+    assert ep.launches[0][1][6] == 0 and handle.tokens == 0
+
+
+def misaligned(shape, dtype):
+    raw = np.zeros(int(np.prod(shape)) + 8, dtype)
+    start = next(i for i in range(1, 8) if (raw[i:].ctypes.data % 16))
+    return raw[start:start + int(np.prod(shape))].reshape(shape)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("x dtype", "x must be bfloat16 of shape \\[T x 64\\], got float32"),
+    ("x hidden", "x must be bfloat16 of shape"),
+    ("too many", "6 tokens; the object takes at most max_tokens=5"),
+    ("idx dtype", "topk_idx must be int32 of shape \\[4 x 2\\], got int64"),
+    ("idx rows", "topk_idx must be int32 of shape \\[4 x 2\\]"),
+    ("w dtype", "topk_weights must be float32"),
+    ("x aligned", "x must be 16-byte aligned"),
+])
+def test_dispatch_refuses_before_any_launch(case, words):
+    ep = fake()
+    x, idx, w = operands()
+    args = {"x dtype": (x.astype(np.float32), idx, w), "x hidden": (x[:, :56].copy(), idx, w),
+            "too many": (np.ones((6, 64), x.dtype), idx, w), "idx dtype": (x, idx.astype(np.int64), w),
+            "idx rows": (x, idx[:3].copy(), w), "w dtype": (x, idx, w.astype(np.float64)),
+            "x aligned": (misaligned((4, 64), x.dtype), idx, w)}[case]
+    with pytest.raises(UbnextError, match=f"^ExpertParallel.dispatch: {words}"):
+        ep.dispatch(*args)
+    assert ep.launches == [] and ep._generation == 0
+
+
+def test_combine_refuses_a_stale_or_foreign_handle_and_wrong_arrays():
+    ep, other = fake(), fake()
+    _, _, first = ep.dispatch(*operands())
+    y = np.zeros((4, 10, 64), NP["bfloat16"])
+    for bad, words in (((y[:, :8].copy(), first), "y must be bfloat16 of shape \\[4 x 10 x 64\\]"),
+                       ((y, first, np.zeros((5, 64), NP["bfloat16"])), "out must be bfloat16 of shape \\[4 x 64\\]"),
+                       ((y, other.dispatch(*operands())[2]), "the handle is not")):
+        with pytest.raises(UbnextError, match=f"^ExpertParallel.combine: {words}"):
+            ep.combine(*bad)
+    ep.dispatch(*operands())
+    with pytest.raises(UbnextError, match="^ExpertParallel.combine: the handle is not"):
+        ep.combine(y, first)
+    assert [kind for kind, _ in ep.launches] == ["dispatch", "dispatch"]
+
+
+def test_combine_takes_weights_of_its_own():
+    ep = fake()
+    _, _, handle = ep.dispatch(*operands())
+    y = np.zeros((4, 10, 64), NP["bfloat16"])
+    ones = np.ones((4, 10), np.float32)
+    ep.combine(y, handle, weights=ones)
+    assert ep.launches[-1][1][4] == ones.ctypes.data
+    with pytest.raises(UbnextError, match="^ExpertParallel.combine: weights must be float32 of shape \\[4 x 10\\]"):
+        ep.combine(y, handle, weights=ones[:3].copy())
