@@ -2,8 +2,8 @@
 (bench/broadcast_perf.py, bench/alltoall_perf.py, bench/sendrecv_perf.py): nccl-tests'
 layouts and bus factors, run by the machinery of bench/all_reduce_perf.py (its flags,
 table, check before timing, JSON). Every result is checked bit for bit (redop "none").
-The ubnext backend runs ``comm.broadcast``, ``comm.all_to_all`` and
-``comm.batch_isend_irecv``; ``--backend nccl`` runs ``ncclBroadcast`` and grouped
+The ubnext backend runs ``comm.broadcast``, ``comm.all_to_all`` (``--algo copy``: the
+pool's copy form; ``nccl``; ``auto``) and ``comm.batch_isend_irecv``; ``--backend nccl`` runs ``ncclBroadcast`` and grouped
 ``ncclSend``/``ncclRecv`` (``ubnext._engine.nccl.NcclComm``) on the same kind of buffers.
 """
 
@@ -14,6 +14,7 @@ import numpy as np
 from bench import _common as common
 from bench._sliced_perf import script as script  # noqa: F401 (the scripts' entry)
 from bench.all_reduce_perf import Program
+from ubnext._protocol.algorithms import MOVERS
 
 #: root of the broadcast (nccl-tests' default ``-r 0``)
 ROOT = 0
@@ -59,6 +60,8 @@ SENDRECV = common.Collective(
     run=lambda engine, send, recv, dtype, op, stream: engine.sendrecv(send, recv, dtype, op, stream),
     data=sendrecv_data, reduces=False, has_in_place=False)
 
-BROADCAST_PERF = Program("broadcast_perf", BROADCAST, ("auto",))
-ALLTOALL_PERF = Program("alltoall_perf", ALL_TO_ALL, ("auto",))
+#: ``--algo``: ubnext's algorithms of the movers (``ubnext._protocol.algorithms.MOVERS``)
+_MOVER_ALGORITHMS = ("auto", *MOVERS)
+BROADCAST_PERF = Program("broadcast_perf", BROADCAST, _MOVER_ALGORITHMS)
+ALLTOALL_PERF = Program("alltoall_perf", ALL_TO_ALL, _MOVER_ALGORITHMS)
 SENDRECV_PERF = Program("sendrecv_perf", SENDRECV, ("auto",))

@@ -170,10 +170,10 @@ class UbnextEngine:
         self.comm.all_gather(send, out=recv, algorithm=self.algorithm, stream=stream)
 
     def broadcast(self, send: Any, recv: Any, dtype: common.DType, root: int, stream: Any) -> None:
-        self.comm.broadcast(send, root, out=recv, stream=stream)
+        self.comm.broadcast(send, root, out=recv, stream=stream, algorithm=self.algorithm)
 
     def all_to_all(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
-        self.comm.all_to_all(send, out=recv, stream=stream)
+        self.comm.all_to_all(send, out=recv, stream=stream, algorithm=self.algorithm)
 
     def sendrecv(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
         """To the next rank, from the previous one (nccl-tests' sendrecv), as one batch."""

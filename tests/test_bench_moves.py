@@ -108,12 +108,15 @@ def test_layouts_and_bus_factors_at_four_ranks():
     assert (want == common.make_input(3, 4, 50, 7)).all()
 
 
-def test_flags_are_nccl_tests_and_algo_is_auto_only(capsys):
+def test_flags_are_nccl_tests_and_algo_the_movers(capsys):
     args = arp.parse_args(["-b", "8", "-e", "1M", "-f", "2", "-n", "5", "-w", "2", "-d", "bfloat16", "-G", "10",
                            "--backend", "nccl"], moves.ALLTOALL_PERF)
     assert (args.ops, args.backend, args.cudagraph, args.symmetric) == (["none"], "nccl", 10, 0)
+    assert arp.parse_args(["--algo", "copy"], moves.BROADCAST_PERF).algo == "copy"
     with pytest.raises(SystemExit):
         arp.parse_args(["--algo", "lamport"], moves.BROADCAST_PERF)
+    with pytest.raises(SystemExit):
+        arp.parse_args(["--algo", "copy"], moves.SENDRECV_PERF)
 
 
 def test_engines_call_the_communicator_and_nccl_alike():
@@ -127,8 +130,8 @@ def test_engines_call_the_communicator_and_nccl_alike():
     ub.broadcast(x, y, f32, 0, stream)
     ub.all_to_all(x, y, f32, "none", stream)
     ub.sendrecv(x, y, f32, "none", stream)
-    assert calls == [("broadcast", (x, 0), {"out": y, "stream": stream}),
-                     ("all_to_all", (x,), {"out": y, "stream": stream}),
+    assert calls == [("broadcast", (x, 0), {"out": y, "stream": stream, "algorithm": "auto"}),
+                     ("all_to_all", (x,), {"out": y, "stream": stream, "algorithm": "auto"}),
                      ("batch", ([("send", x, 2), ("recv", y, 0)],), {"stream": stream})]
     calls.clear()
     nccl = SimpleNamespace(rank=1, size=4, broadcast=record("broadcast"), exchange=record("exchange"))

@@ -67,7 +67,7 @@ def make_comm(monkeypatch, rank=1, nccl_problem=None, debug=False, views=None):
     boot = SimpleNamespace(allgather_obj=lambda obj: views(obj) if views else [obj] * RANKS,
                            allgather=lambda data: [data] * RANKS)
     c = bare_communicator(fake_order(), config=cfg, _dispatch=Dispatch(), rank=rank, size=RANKS, _local=local,
-                          bootstrap=boot,
+                          bootstrap=boot, _nccl_reason="UBNEXT_ALGO=nccl",
                           _selector=Selector(RANKS, buffer_limits(cfg), list(ALGORITHMS), None, "", False,
                                              nccl_problem))
     c.made = made

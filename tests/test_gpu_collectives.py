@@ -6,10 +6,13 @@ payloads, infinities and every integer pattern; element 1 -0.0 and element 2 all
 NaN in every float format), outputs poisoned and bordered by canary bytes, inputs
 unchanged; the reduce on small exact values (NCCL's order of reduction is its own).
 
-Every call but ``barrier`` runs on NCCL, which refuses ranks sharing a GPU: there the
-tests of those calls are skipped and ``test_where_nccl_cannot_run_the_calls_raise``
-checks that each raises UbnextError on every rank before anything is launched, while
-``barrier`` (ubnext's all-reduce) runs.
+broadcast, all_to_all (even splits), gather and scatter run on NCCL and on the pool's
+copy form (``algorithm="copy"``, every test at every world size, ranks sharing a GPU
+included; ``auto`` takes it where NCCL cannot run); the others run on NCCL only, which
+refuses ranks sharing a GPU: there their tests are skipped and
+``test_where_nccl_cannot_run_the_calls_raise`` checks that each raises UbnextError on
+every rank before anything is launched, while ``barrier`` (ubnext's all-reduce) and the
+movers' ``auto`` (the copy form) run.
 
 Run at 1 rank (plain pytest), at 2 and 4 ranks one per GPU, and with ranks sharing one
 GPU: ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_collectives.py``;
@@ -44,6 +47,17 @@ comm = pytest.fixture(scope="module", name="comm")(communicator)
 def nccl(comm):
     """Skips where NCCL cannot run (ranks sharing a GPU)."""
     skip_where_nccl_cannot_run(comm)
+    return comm
+
+
+#: the algorithms of the data movers (broadcast, even all_to_all, gather, scatter)
+MOVERS = ("copy", "nccl")
+
+
+def mover(comm, algo: str):
+    """``comm`` for a mover's test by ``algo``; skips NCCL where it cannot run."""
+    if algo == "nccl":
+        skip_where_nccl_cannot_run(comm)
     return comm
 
 
@@ -114,19 +128,21 @@ def cases():
 
 
 # ---- broadcast -------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", MOVERS)
 @pytest.mark.parametrize("place", ["new", "out", "in"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
-def test_broadcast_bit_for_bit(nccl, dtype, count, place):
+def test_broadcast_bit_for_bit(comm, dtype, count, place, algo):
     import torch
 
-    comm = nccl
+    comm = mover(comm, algo)
     seed = seed_of("bcast", dtype, count, place)
     root = seed % comm.size
     mine = rank_bytes(count, dtype, comm.rank, seed)
     x = Bordered(count, dtype, seed + 1)
     x.view.copy_(on_device(mine, dtype))
     out = Bordered(count, dtype, seed + 2) if place == "out" else None
-    result = comm.broadcast(x.view, root, out=x.view if place == "in" else None if out is None else out.view)
+    result = comm.broadcast(x.view, root, out=x.view if place == "in" else None if out is None else out.view,
+                            algorithm=algo)
     torch.cuda.synchronize()
     want = rank_bytes(count, dtype, root, seed)
     assert_bytes(host_bytes(result), want, f"broadcast from {root}")
@@ -138,12 +154,13 @@ def test_broadcast_bit_for_bit(nccl, dtype, count, place):
     assert result.shape == x.view.shape and result.dtype == x.view.dtype
 
 
-def test_broadcast_of_cupy_arrays(nccl):
+@pytest.mark.parametrize("algo", MOVERS)
+def test_broadcast_of_cupy_arrays(comm, algo):
     import cupy
 
-    comm = nccl
+    comm = mover(comm, algo)
     x = cupy.arange(1000, dtype=cupy.float32) + comm.rank * 1000
-    out = comm.broadcast(x, root=comm.size - 1)
+    out = comm.broadcast(x, root=comm.size - 1, algorithm=algo)
     assert isinstance(out, cupy.ndarray)
     cupy.testing.assert_array_equal(out, cupy.arange(1000, dtype=cupy.float32) + (comm.size - 1) * 1000)
 
@@ -204,12 +221,13 @@ def rows_between(i: int, j: int, seed: int) -> int:
     return (i * 3 + j * 5 + seed) % 4
 
 
-@pytest.mark.parametrize("splits", ["even", "host", "device"])
+@pytest.mark.parametrize("splits", ["even:copy", "even:nccl", "host", "device"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
-def test_all_to_all_bit_for_bit(nccl, dtype, count, splits):
+def test_all_to_all_bit_for_bit(comm, dtype, count, splits):
     import torch
 
-    comm = nccl
+    splits, _, algo = splits.partition(":")
+    comm = mover(comm, algo or "nccl")
     n, me = comm.size, comm.rank
     seed = seed_of("a2a", dtype, count, splits)
     row = count  # elements per row
@@ -230,7 +248,7 @@ def test_all_to_all_bit_for_bit(nccl, dtype, count, splits):
     elif splits == "device":
         kwargs = dict(in_splits=torch.tensor(send[me], device="cuda"),
                       out_splits=torch.tensor([send[j][me] for j in range(n)], device="cuda", dtype=torch.int32))
-    result = comm.all_to_all(x.view, out.view, **kwargs)
+    result = comm.all_to_all(x.view, out.view, algorithm=algo or "auto", **kwargs)
     torch.cuda.synchronize()
     w = WIDTH[dtype] * row
     want = []
@@ -245,17 +263,20 @@ def test_all_to_all_bit_for_bit(nccl, dtype, count, splits):
     assert_bytes(host_bytes(x.view), data[me], "all_to_all changed x")
 
 
-def test_all_to_all_default_out_has_the_rows_received(nccl):
+@pytest.mark.parametrize("algo", MOVERS)
+def test_all_to_all_default_out_has_the_rows_received(comm, algo):
     import torch
 
-    comm = nccl
+    comm = mover(comm, algo)
     n = comm.size
     x = torch.arange(2 * n * 3, dtype=torch.int64, device="cuda").view(2 * n, 3) + 1000 * comm.rank
-    out = comm.all_to_all(x)
+    out = comm.all_to_all(x, algorithm=algo)
     assert tuple(out.shape) == (2 * n, 3)
     want = torch.cat([torch.arange(2 * n * 3, device="cuda").view(2 * n, 3)[2 * comm.rank:2 * comm.rank + 2] + 1000 * j
                       for j in range(n)])
     assert torch.equal(out, want)
+    if algo == "copy":
+        return  # uneven splits: NCCL's
     uneven = comm.all_to_all(x, in_splits=[2 * n] + [0] * (n - 1),  # everything to rank 0
                              out_splits=[2 * n] * n if comm.rank == 0 else [0] * n)
     assert tuple(uneven.shape) == ((2 * n * n, 3) if comm.rank == 0 else (0, 3))
@@ -281,12 +302,13 @@ def test_device_split_errors_raise_on_every_rank_and_write_nothing(nccl):
 
 
 # ---- gather and scatter ------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", MOVERS)
 @pytest.mark.parametrize("place", ["new", "out", "in"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
-def test_gather_bit_for_bit(nccl, dtype, count, place):
+def test_gather_bit_for_bit(comm, dtype, count, place, algo):
     import torch
 
-    comm = nccl
+    comm = mover(comm, algo)
     n = comm.size
     seed = seed_of("gather", dtype, count, place)
     root = seed % n
@@ -298,7 +320,7 @@ def test_gather_bit_for_bit(nccl, dtype, count, place):
         x = Bordered(count, dtype, seed + 1)
         x_view = x.view
     x_view.copy_(on_device(data[comm.rank], dtype))
-    result = comm.gather(x_view, root, out=None if place == "new" else out.view)
+    result = comm.gather(x_view, root, out=None if place == "new" else out.view, algorithm=algo)
     torch.cuda.synchronize()
     failures = []
     with collected(failures):
@@ -316,12 +338,13 @@ def test_gather_bit_for_bit(nccl, dtype, count, place):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("algo", MOVERS)
 @pytest.mark.parametrize("place", ["new", "out", "in"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
-def test_scatter_bit_for_bit(nccl, dtype, count, place):
+def test_scatter_bit_for_bit(comm, dtype, count, place, algo):
     import torch
 
-    comm = nccl
+    comm = mover(comm, algo)
     n = comm.size
     seed = seed_of("scatter", dtype, count, place)
     root = seed % n
@@ -337,7 +360,7 @@ def test_scatter_bit_for_bit(nccl, dtype, count, place):
     else:
         out = Bordered(count, dtype, seed + 2)
         out_view = out.view
-    result = comm.scatter(None if x is None else x.view, root, out=out_view)
+    result = comm.scatter(None if x is None else x.view, root, out=out_view, algorithm=algo)
     torch.cuda.synchronize()
     w = count * WIDTH[dtype]
     failures = []
@@ -426,23 +449,27 @@ def test_send_recv_pairs(nccl, dtype):
 
 
 # ---- graphs --------------------------------------------------------------------------------------
-def test_graph_replay(nccl):
-    """broadcast, all_to_all with host splits, gather, scatter, a batch and barrier captured
-    after eager calls, replayed on new inputs."""
+@pytest.mark.parametrize("algo", MOVERS)
+def test_graph_replay(comm, algo):
+    """broadcast, all_to_all with host splits (even ones by the copy form), gather, scatter,
+    a batch (NCCL) and barrier captured after eager calls, replayed on new inputs."""
     import torch
 
-    comm = nccl
+    comm = mover(comm, algo)
     n, me = comm.size, comm.rank
     x = torch.zeros(n * 4, dtype=torch.float32, device="cuda")
     b, a, g = torch.empty_like(x), torch.empty_like(x), torch.empty(n, n * 4, device="cuda")
     s, r = torch.empty(4, device="cuda"), torch.empty_like(x)
 
     def calls():
-        comm.broadcast(x, 0, out=b)
-        comm.all_to_all(x, a, [4] * n, [4] * n)
-        comm.gather(x, 0, out=g)
-        comm.scatter(x, 0, out=s)
-        comm.batch_isend_irecv([("send", x, (me + 1) % n), ("recv", r, (me - 1) % n)])
+        comm.broadcast(x, 0, out=b, algorithm=algo)
+        if algo == "nccl":
+            comm.all_to_all(x, a, [4] * n, [4] * n)
+            comm.batch_isend_irecv([("send", x, (me + 1) % n), ("recv", r, (me - 1) % n)])
+        else:
+            comm.all_to_all(x, a, algorithm=algo)
+        comm.gather(x, 0, out=g, algorithm=algo)
+        comm.scatter(x, 0, out=s, algorithm=algo)
         comm.barrier(stream=torch.cuda.current_stream())
 
     calls()  # eager first
@@ -462,7 +489,8 @@ def test_graph_replay(nccl):
             if me == 0:
                 assert torch.equal(g, torch.stack([base + 100 * j for j in range(n)]))
             assert torch.equal(s, base[4 * me:4 * me + 4])
-            assert torch.equal(r, base + 100 * ((me - 1) % n))
+            if algo == "nccl":
+                assert torch.equal(r, base + 100 * ((me - 1) % n))
     assert not failures, failures
 
 
@@ -494,22 +522,28 @@ def test_barrier_orders_the_stream_without_blocking_the_host(comm):
 
 # ---- where NCCL cannot run ------------------------------------------------------------------------
 def test_where_nccl_cannot_run_the_calls_raise(comm):
+    """Ranks sharing a GPU: the calls that only NCCL serves raise on every rank before
+    anything is launched; the movers' ``auto`` takes the copy form, ``barrier`` runs."""
     import torch
 
     if comm.selector.nccl_problem is None:
         pytest.skip("NCCL runs here")
     n = comm.size
-    x = torch.zeros(n * 2, dtype=torch.float32, device="cuda")
+    x = torch.arange(n * 2, dtype=torch.float32, device="cuda") + 10 * comm.rank
     out = Bordered(n * 2, "float32", 9)
-    calls = {"broadcast": lambda: comm.broadcast(x, 0, out=out.view), "reduce": lambda: comm.reduce(x, 0, out=out.view),
-             "all_to_all": lambda: comm.all_to_all(x, out.view), "gather": lambda: comm.gather(x[:2], 0),
-             "scatter": lambda: comm.scatter(x, 0, out=out.view[:2]), "send": lambda: comm.send(x, (comm.rank + 1) % n),
-             "recv": lambda: comm.recv(out.view, (comm.rank + 1) % n),
-             "batch_isend_irecv": lambda: comm.batch_isend_irecv([("send", x, comm.rank)])}
+    ones = [1] * n
+    calls = {"reduce": lambda: comm.reduce(x, 0, out=out.view),
+             "all_to_all": lambda: comm.all_to_all(x[:n], out.view[:n], ones, ones),
+             "send": lambda: comm.send(x, (comm.rank + 1) % n), "recv": lambda: comm.recv(out.view, (comm.rank + 1) % n),
+             "batch_isend_irecv": lambda: comm.batch_isend_irecv([("send", x, comm.rank)]),
+             "broadcast": lambda: comm.broadcast(x, 0, out=out.view, algorithm="nccl")}
     for name, call in calls.items():
         with pytest.raises(UbnextError, match=f"^{name}: ubnext has no {name} kernel, and NCCL, which runs it, "
                                               f"cannot run here"):
             call()
-    comm.barrier(stream=torch.cuda.current_stream())  # ubnext's all-reduce: runs
     torch.cuda.synchronize()
     assert_bytes(host_bytes(out.view), np.full(n * 2 * 4, POISON, np.uint8), "a refused call wrote out")
+    got = comm.broadcast(x, 0)  # auto: the copy form
+    comm.barrier(stream=torch.cuda.current_stream())  # ubnext's all-reduce: runs
+    torch.cuda.synchronize()
+    assert torch.equal(got, torch.arange(n * 2, dtype=torch.float32, device="cuda"))

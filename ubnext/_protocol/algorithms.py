@@ -157,6 +157,13 @@ ALGORITHMS: dict[str, Algorithm] = {
     )
 }
 
+#: the algorithms of the data movers (``broadcast``, ``all_to_all`` with even splits,
+#: ``gather``, ``scatter``: ubnext/_api/collectives), besides ``"auto"``
+MOVERS = {
+    "copy": "copy engines between the ranks' segments of a pool area, ubnext's one-shot all-reduce as the barrier",
+    "nccl": "the NCCL library (ncclBroadcast; grouped ncclSend/ncclRecv for the others)",
+}
+
 #: the unicast algorithm each multicast one falls back to
 UNICAST_OF = {"nvls_lamport": "lamport", "nvls": "twoshot"}
 

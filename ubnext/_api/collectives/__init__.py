@@ -2,7 +2,8 @@
 validation, selection and launch: ``broadcast``, ``reduce``, ``all_to_all``,
 ``send_recv`` (send, recv, batch_isend_irecv), ``gather``, ``scatter``, ``barrier``;
 ``rung``: what they share (the NCCL rung that serves them where no ubnext kernel does,
-the checks of root and peer ranks).
+the checks of root and peer ranks); ``pool_copy``: the pool's copy form of the data
+movers (broadcast, even all-to-all, gather, scatter).
 
 Each module holds one base class of the Communicator (as ``_api.calls.CallSteps``):
 its public method runs on the state the Communicator's constructor sets, inside the

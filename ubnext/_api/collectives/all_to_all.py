@@ -2,7 +2,7 @@
 parts received stacked in rank order (``torch.distributed.all_to_all_single``'s layout
 along dim 0), with even splits, uneven splits given as host lists, or uneven splits in
 device arrays. Runs on NCCL: grouped sends and receives (CuPy's binding has no
-``ncclAlltoAll``).
+``ncclAlltoAll``), or, with even splits, on the pool's copy form (``pool_copy``).
 
 Splits count rows (elements along dim 0): rank i's ``in_splits[j]`` rows go to rank j,
 which takes them as its ``out_splits[i]``; so rank i's ``in_splits[j]`` must equal rank
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import numbers
 
-from ubnext._api.collectives.rung import Rung
+from ubnext._api.collectives.pool_copy import AREA_BYTES, PoolCopy, all_to_all_plan
 from ubnext._interop import arrays as _arrays
 from ubnext._interop.streams import CUDA
+from ubnext._protocol import signature as _signature
 from ubnext._protocol.errors import UbnextError
 
 #: the dtypes of device split arrays
@@ -24,10 +25,10 @@ SPLIT_DTYPES = ("int32", "int64")
 _D2H = 2  # cudaMemcpyDeviceToHost
 
 
-class AllToAll(Rung):
+class AllToAll(PoolCopy):
     """The Communicator's ``all_to_all`` (module docstring)."""
 
-    def all_to_all(self, x, out=None, in_splits=None, out_splits=None, stream=None):
+    def all_to_all(self, x, out=None, in_splits=None, out_splits=None, stream=None, algorithm: str = "auto"):
         """Sends part j of this rank's rows to rank j and stacks the parts received, in rank
         order; bit for bit, never blocks the host with host splits.
 
@@ -43,7 +44,10 @@ class AllToAll(Rung):
         moves: a count past x's or out's rows, or two ranks that disagree on a pair, raises
         the same UbnextError on every rank, and nothing is written.
 
-        Runs on NCCL: one group of ``ncclSend``/``ncclRecv`` calls (logged once). NCCL needs
+        Runs on NCCL: one group of ``ncclSend``/``ncclRecv`` calls (logged once); or, with
+        no splits given, on the pool's copy form (each rank copies part j into its slot of
+        rank j's area, then its slots out, barriers between), which ``auto`` takes where
+        NCCL cannot run (uneven splits there raise). NCCL needs
         the counts on the host: with device splits this call synchronizes the host with
         ``stream`` (a device-to-host copy of the splits, then a wait) and exchanges them
         over the bootstrap; that form blocks the host and cannot be captured in a CUDA
@@ -69,6 +73,7 @@ class AllToAll(Rung):
                 (summing to out's rows where out is given), or a device array (their sum
                 at most out's rows). Host and device splits are not mixed.
             stream: as for ``all_reduce``.
+            algorithm: ``"auto"``, ``"copy"`` (the pool's copy form; no splits) or ``"nccl"``.
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
@@ -83,8 +88,9 @@ class AllToAll(Rung):
                 rank before anything moves; an error NCCL reports; a closed communicator.
                 BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
         """
+        name = "all_to_all"
+        algo = self._mover(name, algorithm, even=in_splits is None and out_splits is None)
         with self._order:
-            name = "all_to_all"
             handle, owner, side, xb = self._open_call(name, x, stream)
             if not xb.shape:
                 raise UbnextError(f"{name}: x is 0-d; its rows (dim 0) are what is split")
@@ -93,7 +99,8 @@ class AllToAll(Rung):
             for d in xb.shape[1:]:
                 row *= int(d)
             on_device = [s is not None and not _is_host_list(s) for s in (in_splits, out_splits)]
-            self._rung(name)
+            if algo == "nccl":
+                self._rung(name)
             if any(on_device):
                 if not all(on_device):
                     raise UbnextError(f"{name}: give both splits as device arrays, or both as host lists (or None)")
@@ -115,10 +122,19 @@ class AllToAll(Rung):
                 if ob is None:
                     ob = self._new(name, xb, handle, owner, side, (out_rows, *xb.shape[1:]))
             row_bytes = row * (xb.nbytes // xb.count if xb.count else 0)
-            sends, recvs = _parts(xb.ptr, ins, row_bytes), _parts(ob.ptr, outs, row_bytes)
             self._record(handle, owner, side, (xb, ob))
-            if sends or recvs:
-                self._dispatch.nccl_for(handle, owner).exchange(sends, recvs, handle, name)
+            if algo == "copy":
+                if ob.count != xb.count:
+                    raise UbnextError(f"{name}: the copy form takes an out of x's {xb.count} elements (even splits "
+                                      f"both ways), not {ob.count}")
+                if xb.count:
+                    self._run_copies(all_to_all_plan(self.rank, self._copy_area(), self._node.pool.stride, xb.ptr,
+                                                     ob.ptr, ins[0] * row_bytes, AREA_BYTES // 2),
+                                     _signature.encode(name, xb.dtype, "sum", xb.count), handle, owner)
+            else:
+                sends, recvs = _parts(xb.ptr, ins, row_bytes), _parts(ob.ptr, outs, row_bytes)
+                if sends or recvs:
+                    self._dispatch.nccl_for(handle, owner).exchange(sends, recvs, handle, name)
             if out is not None:
                 _arrays.mark_written((ob,))
             return ob.obj

@@ -1,0 +1,163 @@
+"""The pool's copy form of the data movers (``broadcast``, ``all_to_all`` with even splits,
+``gather``, ``scatter``): copy engines move the bytes between the ranks' segments of a
+symmetric area, and ubnext's one-shot all-reduce of one flag vector is the barrier that
+says when a peer's bytes have landed or a peer has read them (the pattern of the
+overlapped GEMMs, ``ubnext.torch._overlap``). No kernel of its own, so every dtype moves
+exactly and the form runs wherever the pool does, ranks sharing a GPU included.
+
+Plans (:func:`broadcast_plan` ...) are pure lists of steps, so the layouts are tested
+without a GPU; :meth:`PoolCopy._run_copies` issues them on the caller's stream. Each
+plan opens with a barrier (every rank's reads of the area by earlier calls are done
+before anyone writes it) and moves the message in rounds of at most a half of the area,
+round j in half j % 2: a rank writes a half at round j + 2 only after the barrier of
+round j + 1, which every rank passes only after its reads of round j. The barrier
+carries the call's signature, so ranks calling different movers or counts raise
+CollectiveMismatchError.
+
+:class:`PoolCopy` is a base of the Communicator, under the movers' classes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ubnext._api.collectives.rung import Rung
+from ubnext._engine.copies import copy as _copy
+from ubnext._engine.copies import copy_rows as _copy_rows
+from ubnext._environment.log import log_once
+from ubnext._interop import arrays as _arrays
+from ubnext._protocol.algorithms import MOVERS
+from ubnext._protocol.constants import VEC_BYTES
+from ubnext._protocol.errors import UbnextError
+
+#: bytes of the movers' symmetric area per rank (two halves; allocated at the first call
+#: of the copy form)
+AREA_BYTES = 8 << 20
+AREA_KEY = "ubnext.collectives"
+#: the barrier's algorithm: the one-shot all-reduce (pushes into every peer, polled)
+BARRIER = "lamport"
+#: a step that waits for every rank (the barrier)
+WAIT = ("barrier",)
+
+
+def _rounds(nbytes: int, unit: int):
+    """``(j, offset, bytes)`` of the rounds of a message of ``nbytes`` in pieces of ``unit``."""
+    for j, off in enumerate(range(0, nbytes, unit)):
+        yield j, off, min(unit, nbytes - off)
+
+
+def _slot(half: int, nranks: int) -> int:
+    """Bytes of one rank's slot in a half shared by ``nranks`` slots (whole vectors)."""
+    return half // nranks // VEC_BYTES * VEC_BYTES
+
+
+def broadcast_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: int, half: int) -> list:
+    """The root stages each round in its own half; every other rank pulls it into ``out``.
+    ``area``: the area's address in every rank's segment."""
+    steps = [WAIT]
+    for j, off, n in _rounds(nbytes, half):
+        h = (j % 2) * half
+        if me == root:
+            steps.append(("copy", area[me] + h, x + off, n))
+        steps.append(WAIT)
+        if me != root:
+            steps.append(("copy", out + off, area[root] + h, n))
+    if me == root and out != x:
+        steps.append(("copy", out, x, nbytes))
+    return steps
+
+
+def all_to_all_plan(me: int, area: tuple, stride: int, x: int, out: int, part: int, half: int) -> list:
+    """Each rank pushes part d of ``x`` (``part`` bytes each) into slot ``me`` of rank d's
+    half (one 2-D copy: the ranks' areas are ``stride`` apart), then copies its slots, in
+    rank order, into ``out``."""
+    nranks, slot = len(area), _slot(half, len(area))
+    steps = [WAIT]
+    for j, off, n in _rounds(part, slot):
+        h = (j % 2) * half
+        steps.append(("rows", area[0] + h + me * slot, stride, x + off, part, n, nranks))
+        steps.append(WAIT)
+        steps.append(("rows", out + off, part, area[me] + h, slot, n, nranks))
+    return steps
+
+
+def gather_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: int, half: int) -> list:
+    """Each rank pushes ``x`` into slot ``me`` of the root's half; the root copies the
+    slots, in rank order, into ``out``."""
+    nranks, slot = len(area), _slot(half, len(area))
+    steps = [WAIT]
+    for j, off, n in _rounds(nbytes, slot):
+        h = (j % 2) * half
+        steps.append(("copy", area[root] + h + me * slot, x + off, n))
+        steps.append(WAIT)
+        if me == root:
+            steps.append(("rows", out + off, nbytes, area[me] + h, slot, n, nranks))
+    return steps
+
+
+def scatter_plan(me: int, root: int, area: tuple, stride: int, x: int, out: int, nbytes: int, half: int) -> list:
+    """The root pushes part d of ``x`` (``nbytes`` each) into rank d's half (one 2-D copy);
+    every rank copies its half into ``out``."""
+    steps = [WAIT]
+    for j, off, n in _rounds(nbytes, half):
+        h = (j % 2) * half
+        if me == root:
+            steps.append(("rows", area[0] + h, stride, x + off, nbytes, n, len(area)))
+        steps.append(WAIT)
+        steps.append(("copy", out + off, area[me] + h, n))
+    return steps
+
+
+class PoolCopy(Rung):
+    """The copy form's choice, area, barrier and issue (module docstring)."""
+
+    def _mover(self, name: str, algorithm: str, even: bool = True) -> str:
+        """The algorithm of a data mover's call: ``"copy"`` or ``"nccl"`` (``algorithm``: one
+        of ``MOVERS`` or ``"auto"``; ``even``: an all-to-all's splits are even, which the
+        copy form needs). ``auto`` takes NCCL where it can run (the copy form's speed is
+        not measured yet), the copy form where it cannot. The same on every rank: it reads
+        only what they agreed at construction. Where the copy form runs, its area is
+        allocated at the first call (collectively, in the section of its own: call it
+        before the call's section)."""
+        if algorithm != "auto" and algorithm not in MOVERS:
+            raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(MOVERS)}")
+        copy_ok = self._node is not None and even and self._selector.fits(BARRIER, VEC_BYTES)
+        if algorithm == "copy" and not copy_ok:
+            why = "even splits" if self._node is not None and not even else "the symmetric pool"
+            raise UbnextError(f"{name}: algorithm 'copy' needs {why} ({self.path})")
+        algo = algorithm
+        if algorithm == "auto":
+            algo = "copy" if copy_ok and self._selector.nccl_problem else "nccl"
+            if algo == "copy":
+                log_once(f"mover:{name}:copy", f"{name}: NCCL cannot run here ({self._selector.nccl_problem}); "
+                         f"the pool's copy form serves it", logging.INFO)
+        if algo == "copy":
+            self._symmetric_area(AREA_KEY, AREA_BYTES)
+        return algo
+
+    def _run_copies(self, steps: list, sig: int, handle: int, owner) -> None:
+        """``steps`` issued on ``handle``: copies, and the barrier carrying ``sig``."""
+        flag = self._copy_flag(handle)
+        for step in steps:
+            if step is WAIT:
+                self._dispatch.all_reduce(BARRIER, flag, flag, "sum", handle, owner, sig)
+            elif step[0] == "copy":
+                _copy(step[1], step[2], step[3], handle)
+            else:
+                _copy_rows(*step[1:], handle)
+
+    def _copy_area(self) -> tuple:
+        """The area's address in every rank's segment (allocated by ``_mover``)."""
+        return self._areas[AREA_KEY][1]
+
+    def _copy_flag(self, handle: int):
+        """The barrier's flag: 4 float32 zeros of this communicator (a Buffer), allocated and
+        zeroed at the first call, inside the section (on the communicator's device)."""
+        flag = self.__dict__.get("_copy_flag_buffer")
+        if flag is None:
+            import cupy
+
+            array = cupy.zeros(4, cupy.float32)
+            cupy.cuda.get_current_stream(self.device).synchronize()  # zero before any stream's barrier reads it
+            flag = self._copy_flag_buffer = _arrays.as_buffer(array, "barrier", handle)
+        return flag
