@@ -18,13 +18,14 @@ from ubnext._api.collectives import pool_copy as pc
 from ubnext._protocol import signature as _signature
 from ubnext._protocol.errors import UbnextError
 
-STRIDE = 1 << 16
+STRIDE = 1 << 14
 HALF = 96  # small halves: several rounds, slots of 96 // n bytes rounded down to 16
 
 
 class Node:
     """``n`` ranks: rank r's area at r * STRIDE (2 * HALF bytes), its x at r * STRIDE + 4096,
-    its out at r * STRIDE + 8192; random bytes everywhere."""
+    its out at r * STRIDE + 8192; random bytes everywhere. A copy (a row of a 2-D copy
+    too) must stay within one rank's memory."""
 
     def __init__(self, n: int, seed: int = 0):
         self.n = n
@@ -56,10 +57,14 @@ class Node:
     def _do(self, step):
         if step[0] == "copy":
             _, dst, src, n = step
+            for a in (dst, src):
+                assert a // STRIDE == (a + n - 1) // STRIDE, f"a copy of {n} bytes at {a} crosses ranks' memory"
             self.mem[dst:dst + n] = self.mem[src:src + n].copy()
         else:
             _, dst, dp, src, sp, w, rows = step
             assert dp >= w and sp >= w
+            for a, pitch in ((dst, dp), (src, sp)):  # one 2-D copy reads or writes one rank's memory
+                assert a // STRIDE == (a + (rows - 1) * pitch + w - 1) // STRIDE, "a 2-D copy spans ranks' memory"
             for i in range(rows):
                 self._do(("copy", dst + i * dp, src + i * sp, w))
 
@@ -115,7 +120,7 @@ def test_broadcast_plan(n, nbytes):
 def test_all_to_all_plan(n, part):
     node = Node(n, part)
     x = [node.mem[node.x(r):node.x(r) + n * part].copy() for r in range(n)]
-    plans = [pc.all_to_all_plan(r, node.area, STRIDE, node.x(r), node.out(r), part, HALF) for r in range(n)]
+    plans = [pc.all_to_all_plan(r, node.area, node.x(r), node.out(r), part, HALF) for r in range(n)]
     node.run([p + p for p in plans])
     for r in range(n):
         want = np.concatenate([x[j][r * part:(r + 1) * part] for j in range(n)])
@@ -144,7 +149,7 @@ def test_scatter_plan(n, k):
     node = Node(n, k)
     root = k % n
     whole = node.mem[node.x(root):node.x(root) + n * k].copy()
-    plans = [pc.scatter_plan(r, root, node.area, STRIDE, node.x(r), node.out(r), k, HALF) for r in range(n)]
+    plans = [pc.scatter_plan(r, root, node.area, node.x(r), node.out(r), k, HALF) for r in range(n)]
     node.run([p + p for p in plans])
     for r in range(n):
         assert (node.mem[node.out(r):node.out(r) + k] == whole[r * k:(r + 1) * k]).all()
@@ -221,7 +226,7 @@ def test_the_copy_form_is_named_or_refused(monkeypatch):
     x = buffer(4 * 6, shape=(4, 6))
     out = c.all_to_all(x, algorithm="copy")
     slot = pc._slot(pc.AREA_BYTES // 2, 4)  # rank 1 pushes into slot 1 of every rank's half 0
-    assert c.steps == [("rows", 0x100000 + 1 * slot, 0x10000, x.ptr, 12, 12, 4, 0x77),
+    assert c.steps == [*(("copy", 0x100000 + d * 0x10000 + 1 * slot, x.ptr + d * 12, 12, 0x77) for d in range(4)),
                        ("rows", out.ptr, 12, 0x100000 + 0x10000, slot, 12, 4, 0x77)]
     with pytest.raises(UbnextError, match="^all_to_all: algorithm 'copy' needs even splits"):
         c.all_to_all(x, algorithm="copy", in_splits=[1, 1, 1, 1])
@@ -250,6 +255,7 @@ def test_gather_and_scatter_issue_their_plans(monkeypatch):
     assert c.steps == [("copy", 0x100000, x.ptr, 20, 0x77), ("rows", out.ptr, 20, 0x100000, slot, 20, 4, 0x77)]
     c.steps.clear()
     part = c.scatter(buffer(8, "int8", ptr=1 << 21), root=0)
-    assert c.steps == [("rows", 0x100000, 0x10000, 1 << 21, 2, 2, 4, 0x77), ("copy", part.ptr, 0x100000, 2, 0x77)]
+    assert c.steps == [*(("copy", 0x100000 + d * 0x10000, (1 << 21) + 2 * d, 2, 0x77) for d in range(4)),
+                       ("copy", part.ptr, 0x100000, 2, 0x77)]
     sigs = {b[-1] >> 60 for b in c._dispatch.barriers}
     assert sigs == {_signature.COLLECTIVES.index(n) + 1 for n in ("gather", "scatter")}

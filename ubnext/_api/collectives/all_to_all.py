@@ -128,8 +128,8 @@ class AllToAll(PoolCopy):
                     raise UbnextError(f"{name}: the copy form takes an out of x's {xb.count} elements (even splits "
                                       f"both ways), not {ob.count}")
                 if xb.count:
-                    self._run_copies(all_to_all_plan(self.rank, self._copy_area(), self._node.pool.stride, xb.ptr,
-                                                     ob.ptr, ins[0] * row_bytes, AREA_BYTES // 2),
+                    self._run_copies(all_to_all_plan(self.rank, self._copy_area(), xb.ptr, ob.ptr, ins[0] * row_bytes,
+                                                     AREA_BYTES // 2),
                                      _signature.encode(name, xb.dtype, "sum", xb.count), handle, owner)
             else:
                 sends, recvs = _parts(xb.ptr, ins, row_bytes), _parts(ob.ptr, outs, row_bytes)

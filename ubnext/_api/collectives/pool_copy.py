@@ -6,7 +6,8 @@ overlapped GEMMs, ``ubnext.torch._overlap``). No kernel of its own, so every dty
 exactly and the form runs wherever the pool does, ranks sharing a GPU included.
 
 Plans (:func:`broadcast_plan` ...) are pure lists of steps, so the layouts are tested
-without a GPU; :meth:`PoolCopy._run_copies` issues them on the caller's stream. Each
+without a GPU; a copy stays within one rank's memory and the caller's array (the 2-D
+copies read one segment); :meth:`PoolCopy._run_copies` issues them on the caller's stream. Each
 plan opens with a barrier (every rank's reads of the area by earlier calls are done
 before anyone writes it) and moves the message in rounds of at most a half of the area,
 round j in half j % 2: a rank writes a half at round j + 2 only after the barrier of
@@ -67,15 +68,15 @@ def broadcast_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: in
     return steps
 
 
-def all_to_all_plan(me: int, area: tuple, stride: int, x: int, out: int, part: int, half: int) -> list:
+def all_to_all_plan(me: int, area: tuple, x: int, out: int, part: int, half: int) -> list:
     """Each rank pushes part d of ``x`` (``part`` bytes each) into slot ``me`` of rank d's
-    half (one 2-D copy: the ranks' areas are ``stride`` apart), then copies its slots, in
-    rank order, into ``out``."""
+    half (a copy per rank: a copy stays within one rank's memory), then copies its slots,
+    in rank order, into ``out`` (one 2-D copy)."""
     nranks, slot = len(area), _slot(half, len(area))
     steps = [WAIT]
     for j, off, n in _rounds(part, slot):
         h = (j % 2) * half
-        steps.append(("rows", area[0] + h + me * slot, stride, x + off, part, n, nranks))
+        steps += [("copy", area[d] + h + me * slot, x + d * part + off, n) for d in range(nranks)]
         steps.append(WAIT)
         steps.append(("rows", out + off, part, area[me] + h, slot, n, nranks))
     return steps
@@ -95,14 +96,14 @@ def gather_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: int, 
     return steps
 
 
-def scatter_plan(me: int, root: int, area: tuple, stride: int, x: int, out: int, nbytes: int, half: int) -> list:
-    """The root pushes part d of ``x`` (``nbytes`` each) into rank d's half (one 2-D copy);
-    every rank copies its half into ``out``."""
+def scatter_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: int, half: int) -> list:
+    """The root pushes part d of ``x`` (``nbytes`` each) into rank d's half (a copy per
+    rank); every rank copies its half into ``out``."""
     steps = [WAIT]
     for j, off, n in _rounds(nbytes, half):
         h = (j % 2) * half
         if me == root:
-            steps.append(("rows", area[0] + h, stride, x + off, nbytes, n, len(area)))
+            steps += [("copy", area[d] + h, x + d * nbytes + off, n) for d in range(len(area))]
         steps.append(WAIT)
         steps.append(("copy", out + off, area[me] + h, n))
     return steps

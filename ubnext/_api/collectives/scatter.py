@@ -82,8 +82,8 @@ class Scatter(PoolCopy):
                 return ob.obj
             part = ob.nbytes
             if algo == "copy":
-                self._run_copies(scatter_plan(self.rank, root, self._copy_area(), self._node.pool.stride,
-                                              0 if xb is None else xb.ptr, ob.ptr, part, AREA_BYTES // 2),
+                self._run_copies(scatter_plan(self.rank, root, self._copy_area(), 0 if xb is None else xb.ptr,
+                                              ob.ptr, part, AREA_BYTES // 2),
                                  _signature.encode(name, ob.dtype, "sum", ob.count), handle, owner)
             else:
                 sends = [(xb.ptr + r * part, part, r) for r in range(self.size)] if mine else []
