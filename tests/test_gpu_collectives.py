@@ -14,6 +14,11 @@ refuses ranks sharing a GPU: there their tests are skipped and
 every rank before anything is launched, while ``barrier`` (ubnext's all-reduce) and the
 movers' ``auto`` (the copy form) run.
 
+The low-latency kernel (``algorithm="ll"``: broadcast and even all_to_all, parts up to
+LL_MAX_BYTES) runs on a communicator of its own with a 60 s timeout (``ll_comm``), so that
+a failure of it leaves the other tests' communicator intact; its tests are the same
+bodies, plus back-to-back calls that alternate its buffers and a CUDA-graph replay.
+
 Run at 1 rank (plain pytest), at 2 and 4 ranks one per GPU, and with ranks sharing one
 GPU: ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_collectives.py``;
 skipped without a GPU.
@@ -29,6 +34,7 @@ import pytest
 from gpu_support import GUARD_BYTES, collected, communicator, seed_of, skip_where_nccl_cannot_run, torch_dtype
 
 from ubnext._protocol.algorithms import DTYPES
+from ubnext._protocol.constants import LL_MAX_BYTES
 from ubnext._protocol.errors import UbnextError
 
 pytestmark = pytest.mark.gpu
@@ -52,12 +58,32 @@ def nccl(comm):
 
 #: the algorithms of the data movers (broadcast, even all_to_all, gather, scatter)
 MOVERS = ("copy", "nccl")
+#: and of the two that have a low-latency kernel (broadcast, even all_to_all)
+LL_MOVERS = ("ll", "copy", "nccl")
 
 
-def mover(comm, algo: str):
-    """``comm`` for a mover's test by ``algo``; skips NCCL where it cannot run."""
+@pytest.fixture(scope="module")
+def ll_comm():
+    """The low-latency kernel's communicator (a small pool, a 60 s timeout)."""
+    from gpu_support import SMALL, require_gpu_and_torch
+
+    require_gpu_and_torch()
+    import ubnext
+
+    c = ubnext.Communicator(**SMALL, timeout_s=60)
+    yield c
+    c.close()
+
+
+def mover(comm, algo: str, request=None, nbytes: int = 0):
+    """The communicator of a mover's test by ``algo`` (``ll``: ``ll_comm``, skipped past
+    LL_MAX_BYTES per part); skips NCCL where it cannot run."""
     if algo == "nccl":
         skip_where_nccl_cannot_run(comm)
+    if algo == "ll":
+        if nbytes > LL_MAX_BYTES:
+            pytest.skip(f"parts of {nbytes} bytes: past the low-latency kernel's {LL_MAX_BYTES}")
+        return request.getfixturevalue("ll_comm")
     return comm
 
 
@@ -128,13 +154,13 @@ def cases():
 
 
 # ---- broadcast -------------------------------------------------------------------------------
-@pytest.mark.parametrize("algo", MOVERS)
+@pytest.mark.parametrize("algo", LL_MOVERS)
 @pytest.mark.parametrize("place", ["new", "out", "in"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
-def test_broadcast_bit_for_bit(comm, dtype, count, place, algo):
+def test_broadcast_bit_for_bit(comm, dtype, count, place, algo, request):
     import torch
 
-    comm = mover(comm, algo)
+    comm = mover(comm, algo, request, count * WIDTH[dtype])
     seed = seed_of("bcast", dtype, count, place)
     root = seed % comm.size
     mine = rank_bytes(count, dtype, comm.rank, seed)
@@ -154,11 +180,11 @@ def test_broadcast_bit_for_bit(comm, dtype, count, place, algo):
     assert result.shape == x.view.shape and result.dtype == x.view.dtype
 
 
-@pytest.mark.parametrize("algo", MOVERS)
-def test_broadcast_of_cupy_arrays(comm, algo):
+@pytest.mark.parametrize("algo", LL_MOVERS)
+def test_broadcast_of_cupy_arrays(comm, algo, request):
     import cupy
 
-    comm = mover(comm, algo)
+    comm = mover(comm, algo, request)
     x = cupy.arange(1000, dtype=cupy.float32) + comm.rank * 1000
     out = comm.broadcast(x, root=comm.size - 1, algorithm=algo)
     assert isinstance(out, cupy.ndarray)
@@ -221,13 +247,13 @@ def rows_between(i: int, j: int, seed: int) -> int:
     return (i * 3 + j * 5 + seed) % 4
 
 
-@pytest.mark.parametrize("splits", ["even:copy", "even:nccl", "host", "device"])
+@pytest.mark.parametrize("splits", ["even:ll", "even:copy", "even:nccl", "host", "device"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
-def test_all_to_all_bit_for_bit(comm, dtype, count, splits):
+def test_all_to_all_bit_for_bit(comm, dtype, count, splits, request):
     import torch
 
     splits, _, algo = splits.partition(":")
-    comm = mover(comm, algo or "nccl")
+    comm = mover(comm, algo or "nccl", request, 2 * count * WIDTH[dtype])
     n, me = comm.size, comm.rank
     seed = seed_of("a2a", dtype, count, splits)
     row = count  # elements per row
@@ -263,11 +289,11 @@ def test_all_to_all_bit_for_bit(comm, dtype, count, splits):
     assert_bytes(host_bytes(x.view), data[me], "all_to_all changed x")
 
 
-@pytest.mark.parametrize("algo", MOVERS)
-def test_all_to_all_default_out_has_the_rows_received(comm, algo):
+@pytest.mark.parametrize("algo", LL_MOVERS)
+def test_all_to_all_default_out_has_the_rows_received(comm, algo, request):
     import torch
 
-    comm = mover(comm, algo)
+    comm = mover(comm, algo, request)
     n = comm.size
     x = torch.arange(2 * n * 3, dtype=torch.int64, device="cuda").view(2 * n, 3) + 1000 * comm.rank
     out = comm.all_to_all(x, algorithm=algo)
@@ -275,7 +301,7 @@ def test_all_to_all_default_out_has_the_rows_received(comm, algo):
     want = torch.cat([torch.arange(2 * n * 3, device="cuda").view(2 * n, 3)[2 * comm.rank:2 * comm.rank + 2] + 1000 * j
                       for j in range(n)])
     assert torch.equal(out, want)
-    if algo == "copy":
+    if algo != "nccl":
         return  # uneven splits: NCCL's
     uneven = comm.all_to_all(x, in_splits=[2 * n] + [0] * (n - 1),  # everything to rank 0
                              out_splits=[2 * n] * n if comm.rank == 0 else [0] * n)
@@ -491,6 +517,64 @@ def test_graph_replay(comm, algo):
             assert torch.equal(s, base[4 * me:4 * me + 4])
             if algo == "nccl":
                 assert torch.equal(r, base + 100 * ((me - 1) % n))
+    assert not failures, failures
+
+
+def test_ll_back_to_back_alternates_its_buffers(ll_comm):
+    """Sixty calls of the low-latency kernel queued without a wait, broadcasts (every rank
+    the root in turn) and all-to-alls of changing sizes, each into an output of its own:
+    every one bit for bit (a rank one launch ahead pushes into the other buffer; lines of
+    older launches carry older flags)."""
+    import torch
+
+    comm = ll_comm
+    n, me = comm.size, comm.rank
+    made = []
+    for k in range(60):
+        count = (1, 7, 4099, 8192, 33)[k % 5]
+        seed = seed_of("ll-b2b", k)
+        if k % 2:
+            data = [rank_bytes(n * count, "float32", r, seed) for r in range(n)]
+            out = torch.empty(n * count, dtype=torch.float32, device="cuda")
+            comm.all_to_all(on_device(data[me], "float32"), out, algorithm="ll")
+            w = count * 4
+            want = np.concatenate([data[j][me * w:(me + 1) * w] for j in range(n)])
+        else:
+            root = k // 2 % n
+            out = comm.broadcast(on_device(rank_bytes(count, "bfloat16", me, seed), "bfloat16"), root, algorithm="ll")
+            want = rank_bytes(count, "bfloat16", root, seed)
+        made.append((k, out, want))
+    torch.cuda.synchronize()
+    for k, out, want in made:
+        assert_bytes(host_bytes(out), want, f"call {k}")
+
+
+def test_ll_graph_replay(ll_comm):
+    import torch
+
+    comm = ll_comm
+    n, me = comm.size, comm.rank
+    x = torch.zeros(n * 4, dtype=torch.float32, device="cuda")
+    b, a = torch.empty_like(x), torch.empty_like(x)
+
+    def calls():
+        comm.broadcast(x, n - 1, out=b, algorithm="ll")
+        comm.all_to_all(x, a, algorithm="ll")
+
+    calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    failures = []
+    for step in range(4):
+        x.copy_(torch.arange(n * 4, device="cuda", dtype=torch.float32) + 100 * me + 10000 * step)
+        graph.replay()
+        torch.cuda.synchronize()
+        base = torch.arange(n * 4, device="cuda", dtype=torch.float32) + 10000 * step
+        with collected(failures):
+            assert torch.equal(b, base + 100 * (n - 1))
+            assert torch.equal(a, torch.cat([base[4 * me:4 * me + 4] + 100 * j for j in range(n)]))
     assert not failures, failures
 
 

@@ -230,10 +230,12 @@ def test_the_copy_form_is_named_or_refused(monkeypatch):
                        ("rows", out.ptr, 12, 0x100000 + 0x10000, slot, 12, 4, 0x77)]
     with pytest.raises(UbnextError, match="^all_to_all: algorithm 'copy' needs even splits"):
         c.all_to_all(x, algorithm="copy", in_splits=[1, 1, 1, 1])
-    with pytest.raises(UbnextError, match="^all_to_all: the copy form takes an out of x's 24 elements"):
+    with pytest.raises(UbnextError, match="^all_to_all: algorithm 'copy' takes an out of x's 24 elements"):
         c.all_to_all(x, out=buffer(48, ptr=1 << 25), algorithm="copy")
     with pytest.raises(UbnextError, match="^gather: unknown algorithm 'lamport'; use auto or one of copy, nccl"):
         c.gather(x, algorithm="lamport")
+    with pytest.raises(UbnextError, match="^scatter: unknown algorithm 'll'; use auto or one of copy, nccl"):
+        c.scatter(x, 1, algorithm="ll")
     bare = make_comm(monkeypatch)
     with pytest.raises(UbnextError, match=r"^scatter: algorithm 'copy' needs the symmetric pool \(NCCL only"):
         bare.scatter(x, 1, algorithm="copy")
@@ -259,3 +261,26 @@ def test_gather_and_scatter_issue_their_plans(monkeypatch):
                        ("copy", part.ptr, 0x100000, 2, 0x77)]
     sigs = {b[-1] >> 60 for b in c._dispatch.barriers}
     assert sigs == {_signature.COLLECTIVES.index(n) + 1 for n in ("gather", "scatter")}
+
+
+# ---- the low-latency kernel's launch ----------------------------------------------------------------
+def test_ll_is_named_launched_and_bounded(monkeypatch):
+    c = pooled(monkeypatch)
+    launches, issued = [], []
+    c._node.engine = SimpleNamespace(ll_move=lambda *a: launches.append(a) or ("launch", a))
+    monkeypatch.setattr(pc, "issue", lambda launch, stream: issued.append((launch, stream)))
+    x = buffer(4 * 6, "int8", shape=(4, 6))
+    out = c.all_to_all(x, algorithm="ll")
+    y = buffer(9, "float64", ptr=1 << 22)
+    got = c.broadcast(y, root=3, algorithm="ll")
+    assert launches == [("ub_ll_alltoall", x.ptr, out.ptr, 6, _signature.encode("all_to_all", "int8", "sum", 24), None),
+                        ("ub_ll_broadcast", y.ptr, got.ptr, 72, _signature.encode("broadcast", "float64", "sum", 9), 3)]
+    assert [s for _, s in issued] == [0x77, 0x77] and c.steps == [] and calls(c) == [] and c.areas == []
+    with pytest.raises(UbnextError, match=f"^broadcast: algorithm 'll' takes at most {pc.LL_MAX_BYTES} bytes per "
+                                          f"message, not {pc.LL_MAX_BYTES + 2}"):
+        c.broadcast(buffer(pc.LL_MAX_BYTES // 2 + 1), algorithm="ll")
+    with pytest.raises(UbnextError, match="^all_to_all: algorithm 'll' needs even splits"):
+        c.all_to_all(x, in_splits=[1, 1, 1, 1], out_splits=[1, 1, 1, 1], algorithm="ll")
+    with pytest.raises(UbnextError, match=r"^broadcast: algorithm 'll' needs the symmetric pool \(NCCL only"):
+        make_comm(monkeypatch).broadcast(y, algorithm="ll")
+    assert len(launches) == 2

@@ -30,7 +30,12 @@ NORM_THREADS = 1024
 #: threads per block of the slot sum (kernels/slot_sum.cu: the overlapped reduce-scatter's reduction)
 SLOT_SUM_THREADS = 512
 #: threads per block of each all-reduce source's plain entry point (its launch bound)
-THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512}
+THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512,
+           "ll_move.cu": 512}
+#: the low-latency data movers (kernels/ll_move.cu): the largest part one rank sends one
+#: peer in one launch (an all-to-all's part, a broadcast's message); each 8 bytes travel
+#: in a 16-byte line with the launch's flag
+LL_MAX_BYTES = 64 << 10
 #: elements per group of the quantized two-shot (one fp32 scale each; ubnext/_protocol/quant.py)
 QUANT_GROUP = 32
 #: groups per unit of the quantized two-shot: what one warp quantizes at a time, stored as
@@ -46,6 +51,7 @@ WAIT_SITES = {
     2: ("kSiteEntryBarrier", "two-shot entry barrier"),
     3: ("kSiteExitBarrier", "two-shot exit barrier"),
     4: ("kSiteClusterMail", "row sum of a thread-block cluster"),
+    5: ("kSiteLinePoll", "low-latency line poll"),
 }
 
 #: how a communicator failed: code -> (name in the kernels, words for the host's message)

@@ -73,7 +73,9 @@ class AllToAll(PoolCopy):
                 (summing to out's rows where out is given), or a device array (their sum
                 at most out's rows). Host and device splits are not mixed.
             stream: as for ``all_reduce``.
-            algorithm: ``"auto"``, ``"copy"`` (the pool's copy form; no splits) or ``"nccl"``.
+            algorithm: ``"auto"``, ``"ll"`` (the low-latency kernel: no splits, parts of at
+                most ``LL_MAX_BYTES``, 64 KiB), ``"copy"`` (the pool's copy form; no splits) or
+                ``"nccl"``.
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
@@ -123,14 +125,18 @@ class AllToAll(PoolCopy):
                     ob = self._new(name, xb, handle, owner, side, (out_rows, *xb.shape[1:]))
             row_bytes = row * (xb.nbytes // xb.count if xb.count else 0)
             self._record(handle, owner, side, (xb, ob))
-            if algo == "copy":
+            if algo in ("copy", "ll"):
                 if ob.count != xb.count:
-                    raise UbnextError(f"{name}: the copy form takes an out of x's {xb.count} elements (even splits "
-                                      f"both ways), not {ob.count}")
-                if xb.count:
+                    raise UbnextError(f"{name}: algorithm {algo!r} takes an out of x's {xb.count} elements (even "
+                                      f"splits both ways), not {ob.count}")
+                sig = _signature.encode(name, xb.dtype, "sum", xb.count)
+                if not xb.count:
+                    pass
+                elif algo == "ll":
+                    self._run_ll(name, xb.ptr, ob.ptr, ins[0] * row_bytes, sig, handle, owner)
+                else:
                     self._run_copies(all_to_all_plan(self.rank, self._copy_area(), xb.ptr, ob.ptr, ins[0] * row_bytes,
-                                                     AREA_BYTES // 2),
-                                     _signature.encode(name, xb.dtype, "sum", xb.count), handle, owner)
+                                                     AREA_BYTES // 2), sig, handle, owner)
             else:
                 sends, recvs = _parts(xb.ptr, ins, row_bytes), _parts(ob.ptr, outs, row_bytes)
                 if sends or recvs:

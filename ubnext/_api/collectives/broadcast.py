@@ -22,7 +22,9 @@ class Broadcast(PoolCopy):
         Runs on NCCL (``ncclBroadcast``), logged once, or on the pool's copy form (the root
         stages the message in its area, every other rank copies it out, barriers between:
         ``ubnext._api.collectives.pool_copy``), which ``auto`` takes where NCCL cannot run
-        (ranks sharing a GPU).
+        (ranks sharing a GPU), or, named, on the low-latency kernel (``"ll"``: the root
+        pushes 8 bytes and a flag per 16-byte line into every rank, which polls; messages of
+        at most ``LL_MAX_BYTES``, 64 KiB).
 
         Collective: yes: every rank calls it, in the same order, with the same root, count
         and dtype.
@@ -35,15 +37,16 @@ class Broadcast(PoolCopy):
             out: where to write (x's count and dtype; ``x`` for in place; apart from x
                 otherwise); default: a new array of x's framework and shape.
             stream: as for ``all_reduce``.
-            algorithm: ``"auto"``, ``"copy"`` (the pool's copy form) or ``"nccl"``.
+            algorithm: ``"auto"``, ``"ll"`` (the low-latency kernel), ``"copy"`` (the pool's
+                copy form) or ``"nccl"``.
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
 
         Raises:
             UbnextError: bad arguments (a root that is not a rank, an ``out`` of another
-                count or dtype, or partly overlapping x, an unknown algorithm or ``"copy"``
-                without a pool), or NCCL cannot run here (ranks sharing a GPU) where it is
+                count or dtype, or partly overlapping x, an unknown algorithm, ``"copy"`` or
+                ``"ll"`` without a pool, ``"ll"`` past its size), or NCCL cannot run here (ranks sharing a GPU) where it is
                 named, raised before anything is launched; an error NCCL reports;
                 a closed communicator. BrokenCommunicatorError and its kinds, as
                 ``all_reduce`` raises them.
@@ -62,12 +65,14 @@ class Broadcast(PoolCopy):
             else:
                 ob = _arrays.check_out(xb, out, name, handle)
             if self._prepare(name, algo, xb, xb.count, f"root {root}", handle, owner, side, (xb, ob)):
+                sig = _signature.encode(name, xb.dtype, "sum", xb.count)
                 if algo == "nccl":
                     self._dispatch.nccl_for(handle, owner).broadcast(xb.ptr, ob.ptr, xb.count, xb.dtype, root, handle)
+                elif algo == "ll":
+                    self._run_ll(name, xb.ptr, ob.ptr, xb.nbytes, sig, handle, owner, root)
                 else:
                     self._run_copies(broadcast_plan(self.rank, root, self._copy_area(), xb.ptr, ob.ptr, xb.nbytes,
-                                                    AREA_BYTES // 2),
-                                     _signature.encode(name, xb.dtype, "sum", xb.count), handle, owner)
+                                                    AREA_BYTES // 2), sig, handle, owner)
                 if out is not None:
                     _arrays.mark_written((ob,))
             return ob.obj

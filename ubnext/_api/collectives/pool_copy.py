@@ -1,5 +1,7 @@
-"""The pool's copy form of the data movers (``broadcast``, ``all_to_all`` with even splits,
-``gather``, ``scatter``): copy engines move the bytes between the ranks' segments of a
+"""The pool's forms of the data movers: the choice between them and NCCL (``_mover``),
+the launch of the low-latency kernel (``_run_ll``: kernels/ll_move.cu, broadcast and
+all-to-all), and the copy form of ``broadcast``, ``all_to_all`` with even splits,
+``gather`` and ``scatter``: copy engines move the bytes between the ranks' segments of a
 symmetric area, and ubnext's one-shot all-reduce of one flag vector is the barrier that
 says when a peer's bytes have landed or a peer has read them (the pattern of the
 overlapped GEMMs, ``ubnext.torch._overlap``). No kernel of its own, so every dtype moves
@@ -25,10 +27,11 @@ import logging
 from ubnext._api.collectives.rung import Rung
 from ubnext._engine.copies import copy as _copy
 from ubnext._engine.copies import copy_rows as _copy_rows
+from ubnext._engine.launch import issue
 from ubnext._environment.log import log_once
 from ubnext._interop import arrays as _arrays
-from ubnext._protocol.algorithms import MOVERS
-from ubnext._protocol.constants import VEC_BYTES
+from ubnext._protocol.algorithms import LL_ENTRIES, MOVERS
+from ubnext._protocol.constants import LL_MAX_BYTES, VEC_BYTES
 from ubnext._protocol.errors import UbnextError
 
 #: bytes of the movers' symmetric area per rank (two halves; allocated at the first call
@@ -113,19 +116,22 @@ class PoolCopy(Rung):
     """The copy form's choice, area, barrier and issue (module docstring)."""
 
     def _mover(self, name: str, algorithm: str, even: bool = True) -> str:
-        """The algorithm of a data mover's call: ``"copy"`` or ``"nccl"`` (``algorithm``: one
-        of ``MOVERS`` or ``"auto"``; ``even``: an all-to-all's splits are even, which the
-        copy form needs). ``auto`` takes NCCL where it can run (the copy form's speed is
-        not measured yet), the copy form where it cannot. The same on every rank: it reads
-        only what they agreed at construction. Where the copy form runs, its area is
+        """The algorithm of a data mover's call: ``"ll"`` (broadcast and all_to_all:
+        ``ll_move``), ``"copy"`` or ``"nccl"`` (``algorithm``: one of ``MOVERS`` the call
+        has, or ``"auto"``; ``even``: an all-to-all's splits are even, which the pool's forms
+        need). ``auto`` takes NCCL where it can run and the copy form where it cannot (the
+        other forms' speed against NCCL is not measured yet). The same on every rank: it
+        reads only what they agreed at construction. Where the copy form runs, its area is
         allocated at the first call (collectively, in the section of its own: call it
         before the call's section)."""
-        if algorithm != "auto" and algorithm not in MOVERS:
-            raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(MOVERS)}")
-        copy_ok = self._node is not None and even and self._selector.fits(BARRIER, VEC_BYTES)
-        if algorithm == "copy" and not copy_ok:
+        served = [a for a in MOVERS if a != "ll" or name in LL_ENTRIES]
+        if algorithm != "auto" and algorithm not in served:
+            raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(served)}")
+        pooled = self._node is not None and even
+        copy_ok = pooled and self._selector.fits(BARRIER, VEC_BYTES)
+        if algorithm in ("copy", "ll") and not (copy_ok if algorithm == "copy" else pooled):
             why = "even splits" if self._node is not None and not even else "the symmetric pool"
-            raise UbnextError(f"{name}: algorithm 'copy' needs {why} ({self.path})")
+            raise UbnextError(f"{name}: algorithm {algorithm!r} needs {why} ({self.path})")
         algo = algorithm
         if algorithm == "auto":
             algo = "copy" if copy_ok and self._selector.nccl_problem else "nccl"
@@ -135,6 +141,17 @@ class PoolCopy(Rung):
         if algo == "copy":
             self._symmetric_area(AREA_KEY, AREA_BYTES)
         return algo
+
+    def _run_ll(self, name: str, x: int, out: int, nbytes: int, sig: int, handle: int, owner,
+                root: int | None = None) -> None:
+        """The low-latency kernel of ``name`` (``LL_ENTRIES``) on ``handle``: ``nbytes`` per
+        part (all_to_all) or of the message (broadcast, from ``root``); larger ones raise
+        (before anything is launched: the sizes agree on every rank)."""
+        if nbytes > LL_MAX_BYTES:
+            raise UbnextError(f"{name}: algorithm 'll' takes at most {LL_MAX_BYTES} bytes "
+                              f"{'per part' if root is None else 'per message'}, not {nbytes}")
+        self._order.follow(handle, owner)
+        issue(self._node.engine.ll_move(LL_ENTRIES[name], x, out, nbytes, sig, root), handle)
 
     def _run_copies(self, steps: list, sig: int, handle: int, owner) -> None:
         """``steps`` issued on ``handle``: copies, and the barrier carrying ``sig``."""
