@@ -2,8 +2,9 @@
 (bench/broadcast_perf.py, bench/alltoall_perf.py, bench/sendrecv_perf.py): nccl-tests'
 layouts and bus factors, run by the machinery of bench/all_reduce_perf.py (its flags,
 table, check before timing, JSON). Every result is checked bit for bit (redop "none").
-The ubnext backend runs ``comm.broadcast``, ``comm.all_to_all`` (``--algo copy``: the
-pool's copy form; ``nccl``; ``auto``) and ``comm.batch_isend_irecv``; ``--backend nccl`` runs ``ncclBroadcast`` and grouped
+The ubnext backend runs ``comm.broadcast`` and ``comm.all_to_all`` (``--algo``: ``ll``,
+the low-latency kernel; ``copy``, the pool's copy form; ``nccl``; ``auto``) and
+``comm.batch_isend_irecv``; ``--backend nccl`` runs ``ncclBroadcast`` and grouped
 ``ncclSend``/``ncclRecv`` (``ubnext._engine.nccl.NcclComm``) on the same kind of buffers.
 """
 

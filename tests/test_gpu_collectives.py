@@ -475,6 +475,29 @@ def test_send_recv_pairs(nccl, dtype):
 
 
 # ---- graphs --------------------------------------------------------------------------------------
+def captured(calls):
+    """``calls()`` run once eagerly (which sets everything up), then captured in a CUDA graph."""
+    import torch
+
+    calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return graph
+
+
+def replayed(graph, x, me: int, steps: int):
+    """Replays ``graph`` ``steps`` times, x set before each to ``base + 100 * me``; yields
+    each step's ``base`` (float32 ``arange(x.numel()) + 10000 * step``) after its replay."""
+    import torch
+
+    for step in range(steps):
+        base = torch.arange(x.numel(), device="cuda", dtype=torch.float32) + 10000 * step
+        x.copy_(base + 100 * me)
+        graph.replay()
+        torch.cuda.synchronize()
+        yield base
 @pytest.mark.parametrize("algo", MOVERS)
 def test_graph_replay(comm, algo):
     """broadcast, all_to_all with host splits (even ones by the copy form), gather, scatter,
@@ -498,17 +521,8 @@ def test_graph_replay(comm, algo):
         comm.scatter(x, 0, out=s, algorithm=algo)
         comm.barrier(stream=torch.cuda.current_stream())
 
-    calls()  # eager first
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
     failures = []
-    for step in range(3):
-        x.copy_(torch.arange(n * 4, device="cuda", dtype=torch.float32) + 100 * me + 10000 * step)
-        graph.replay()
-        torch.cuda.synchronize()
-        base = torch.arange(n * 4, device="cuda", dtype=torch.float32) + 10000 * step
+    for base in replayed(captured(calls), x, me, 3):
         with collected(failures):
             assert torch.equal(b, base)
             assert torch.equal(a, torch.cat([base[4 * me:4 * me + 4] + 100 * j for j in range(n)]))
@@ -561,17 +575,8 @@ def test_ll_graph_replay(ll_comm):
         comm.broadcast(x, n - 1, out=b, algorithm="ll")
         comm.all_to_all(x, a, algorithm="ll")
 
-    calls()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
     failures = []
-    for step in range(4):
-        x.copy_(torch.arange(n * 4, device="cuda", dtype=torch.float32) + 100 * me + 10000 * step)
-        graph.replay()
-        torch.cuda.synchronize()
-        base = torch.arange(n * 4, device="cuda", dtype=torch.float32) + 10000 * step
+    for base in replayed(captured(calls), x, me, 4):
         with collected(failures):
             assert torch.equal(b, base + 100 * (n - 1))
             assert torch.equal(a, torch.cat([base[4 * me:4 * me + 4] + 100 * j for j in range(n)]))

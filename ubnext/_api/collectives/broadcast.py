@@ -46,18 +46,15 @@ class Broadcast(PoolCopy):
         Raises:
             UbnextError: bad arguments (a root that is not a rank, an ``out`` of another
                 count or dtype, or partly overlapping x, an unknown algorithm, ``"copy"`` or
-                ``"ll"`` without a pool, ``"ll"`` past its size), or NCCL cannot run here (ranks sharing a GPU) where it is
-                named, raised before anything is launched; an error NCCL reports;
-                a closed communicator. BrokenCommunicatorError and its kinds, as
+                ``"ll"`` without a pool, ``"ll"`` past its size), or NCCL cannot run here
+                (ranks sharing a GPU) where it is named, raised before anything is launched;
+                an error NCCL reports; a closed communicator. BrokenCommunicatorError and its kinds, as
                 ``all_reduce`` raises them.
         """
         name = "broadcast"
         algo = self._mover(name, algorithm)
         with self._order:
-            handle, owner, side, xb = self._open_call(name, x, stream)
-            root = self._rank_arg(name, root, "root")
-            if algo == "nccl":
-                self._rung(name)
+            handle, owner, side, xb, root = self._open_rooted(name, x, stream, root, algo)
             if out is None:
                 ob = self._new(name, xb, handle, owner, side)
             elif out is x:

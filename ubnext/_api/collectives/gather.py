@@ -44,17 +44,14 @@ class Gather(PoolCopy):
 
         Raises:
             UbnextError: bad arguments (root, ``out``, algorithm), or NCCL cannot run here
-                (ranks sharing a GPU) where it is named, raised before anything is launched; an error NCCL reports;
-                a closed communicator. BrokenCommunicatorError and its kinds, as
+                (ranks sharing a GPU) where it is named, raised before anything is launched;
+                an error NCCL reports; a closed communicator. BrokenCommunicatorError and its kinds, as
                 ``all_reduce`` raises them.
         """
         name = "gather"
         algo = self._mover(name, algorithm)
         with self._order:
-            handle, owner, side, xb = self._open_call(name, x, stream)
-            root = self._rank_arg(name, root, "root")
-            if algo == "nccl":
-                self._rung(name)
+            handle, owner, side, xb, root = self._open_rooted(name, x, stream, root, algo)
             mine = self.rank == root
             ob = None
             if mine:

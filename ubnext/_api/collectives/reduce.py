@@ -46,14 +46,12 @@ class Reduce(Rung):
         """
         with self._order:
             name = "reduce"
-            handle, owner, side, xb = self._open_call(name, x, stream)
-            root = self._rank_arg(name, root, "root")
             if op not in OPS:
                 raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
+            handle, owner, side, xb, root = self._open_rooted(name, x, stream, root)
             problem = op_problem(xb.dtype, op)
             if problem:
                 raise UbnextError(f"{name}: {problem}")
-            self._rung(name)
             mine = self.rank == root
             if out is x:
                 ob = xb

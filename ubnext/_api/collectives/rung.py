@@ -38,6 +38,15 @@ class Rung:
             raise UbnextError(f"{name}: {what} {value} is not a rank of this communicator (0..{self.size - 1})")
         return int(value)
 
+    def _open_rooted(self, name: str, x, stream, root, algo: str = "nccl") -> tuple:
+        """The start of a call with a root: ``_open_call``'s ``(handle, owner, side, xb)``
+        and the root checked, then, where ``algo`` is NCCL, the rung's check."""
+        handle, owner, side, xb = self._open_call(name, x, stream)
+        root = self._rank_arg(name, root, "root")
+        if algo == "nccl":
+            self._rung(name)
+        return handle, owner, side, xb, root
+
     @staticmethod
     def _record(handle: int, owner, side: bool, buffers) -> None:
         """The call's ``buffers`` recorded on a side stream (``_arrays.record_stream``), for the

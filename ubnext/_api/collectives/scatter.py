@@ -50,7 +50,8 @@ class Scatter(PoolCopy):
             UbnextError: bad arguments (root; on the root an x whose count the world size
                 does not divide or an ``out`` of another count or dtype; elsewhere no
                 ``out``; an unknown algorithm), or NCCL cannot run here (ranks sharing a
-                GPU) where it is named, raised before anything is launched; an error NCCL reports; a closed communicator.
+                GPU) where it is named, raised before anything is launched; an error NCCL
+                reports; a closed communicator.
                 BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
         """
         name = "scatter"
