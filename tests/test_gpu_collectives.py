@@ -627,7 +627,7 @@ def test_where_nccl_cannot_run_the_calls_raise(comm):
              "batch_isend_irecv": lambda: comm.batch_isend_irecv([("send", x, comm.rank)]),
              "broadcast": lambda: comm.broadcast(x, 0, out=out.view, algorithm="nccl")}
     for name, call in calls.items():
-        with pytest.raises(UbnextError, match=f"^{name}: ubnext has no {name} kernel, and NCCL, which runs it, "
+        with pytest.raises(UbnextError, match=f"^{name}: [^,]+, and NCCL, which runs it, "
                                               f"cannot run here"):
             call()
     torch.cuda.synchronize()

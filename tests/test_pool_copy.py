@@ -243,8 +243,12 @@ def test_the_copy_form_is_named_or_refused(monkeypatch):
 
 def test_where_nothing_serves_uneven_splits_they_raise(monkeypatch):
     c = pooled(monkeypatch, nccl_problem="local ranks 0, 1 share one GPU")
-    with pytest.raises(UbnextError, match="^all_to_all: ubnext has no all_to_all kernel, and NCCL"):
+    with pytest.raises(UbnextError, match="^all_to_all: ubnext's forms of it take even splits only, and NCCL, which "
+                                          r"runs it, cannot run here \(local ranks 0, 1 share one GPU\)"):
         c.all_to_all(buffer(4), in_splits=[1, 1, 1, 1], out_splits=[1, 1, 1, 1])
+    with pytest.raises(UbnextError, match="^gather: algorithm 'nccl' was named, and NCCL, which runs it, cannot"):
+        c.gather(buffer(4), algorithm="nccl")
+    assert c.areas == []  # refused before the copy form's area
     c.all_to_all(buffer(4))  # even: the copy form
     assert c.steps and calls(c) == []
 

@@ -101,8 +101,6 @@ class AllToAll(PoolCopy):
             for d in xb.shape[1:]:
                 row *= int(d)
             on_device = [s is not None and not _is_host_list(s) for s in (in_splits, out_splits)]
-            if algo == "nccl":
-                self._rung(name)
             if any(on_device):
                 if not all(on_device):
                     raise UbnextError(f"{name}: give both splits as device arrays, or both as host lists (or None)")

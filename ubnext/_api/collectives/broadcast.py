@@ -54,7 +54,7 @@ class Broadcast(PoolCopy):
         name = "broadcast"
         algo = self._mover(name, algorithm)
         with self._order:
-            handle, owner, side, xb, root = self._open_rooted(name, x, stream, root, algo)
+            handle, owner, side, xb, root = self._open_rooted(name, x, stream, root, rung=False)
             if out is None:
                 ob = self._new(name, xb, handle, owner, side)
             elif out is x:

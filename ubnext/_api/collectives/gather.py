@@ -51,7 +51,7 @@ class Gather(PoolCopy):
         name = "gather"
         algo = self._mover(name, algorithm)
         with self._order:
-            handle, owner, side, xb, root = self._open_rooted(name, x, stream, root, algo)
+            handle, owner, side, xb, root = self._open_rooted(name, x, stream, root, rung=False)
             mine = self.rank == root
             ob = None
             if mine:

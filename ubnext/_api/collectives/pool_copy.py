@@ -121,7 +121,8 @@ class PoolCopy(Rung):
         has, or ``"auto"``; ``even``: an all-to-all's splits are even, which the pool's forms
         need). ``auto`` takes NCCL where it can run and the copy form where it cannot (the
         other forms' speed against NCCL is not measured yet). The same on every rank: it
-        reads only what they agreed at construction. Where the copy form runs, its area is
+        reads only what they agreed at construction. Where NCCL runs, the rung's check
+        (``_rung``: it raises where NCCL cannot run); where the copy form runs, its area is
         allocated at the first call (collectively, in the section of its own: call it
         before the call's section)."""
         served = [a for a in MOVERS if a != "ll" or name in LL_ENTRIES]
@@ -138,6 +139,11 @@ class PoolCopy(Rung):
             if algo == "copy":
                 log_once(f"mover:{name}:copy", f"{name}: NCCL cannot run here ({self._selector.nccl_problem}); "
                          f"the pool's copy form serves it", logging.INFO)
+        if algo == "nccl":  # refused here where NCCL cannot run, before anything is launched
+            self._rung(name, "algorithm 'nccl' was named" if algorithm == "nccl" else
+                       "ubnext's forms of it take even splits only" if self._node is not None and not even else
+                       "the pool's forms are not measured against NCCL yet" if copy_ok else
+                       f"this communicator has no symmetric pool ({self.path})")
         if algo == "copy":
             self._symmetric_area(AREA_KEY, AREA_BYTES)
         return algo

@@ -18,16 +18,16 @@ from ubnext._protocol.errors import UbnextError
 class Rung:
     """The shared steps of the collectives of ``_api.collectives`` (module docstring)."""
 
-    def _rung(self, name: str):
-        """The NCCL communicator's check for a call of ``name``, which ubnext has no kernel
-        for: raises, before anything is launched, where NCCL cannot run here (ranks sharing
-        a GPU, a rank without the library: known alike on every rank since construction);
-        else logs once that NCCL runs ``name``."""
+    def _rung(self, name: str, why: str | None = None):
+        """The NCCL rung's check for a call of ``name`` that NCCL runs (``why``: the reason,
+        by default that ubnext has no kernel for it): raises, before anything is launched,
+        where NCCL cannot run here (ranks sharing a GPU, a rank without the library: known
+        alike on every rank since construction); else logs once that NCCL runs it."""
+        why = why or f"ubnext has no {name} kernel"
         problem = self._selector.nccl_problem
         if problem:
-            raise UbnextError(f"{name}: ubnext has no {name} kernel, and NCCL, which runs it, cannot run here "
-                              f"({problem})")
-        log_once(f"rung:{name}", f"{name}: runs on NCCL (ubnext has no {name} kernel)", logging.INFO)
+            raise UbnextError(f"{name}: {why}, and NCCL, which runs it, cannot run here ({problem})")
+        log_once(f"rung:{name}:{why}", f"{name}: runs on NCCL ({why})", logging.INFO)
 
     def _rank_arg(self, name: str, value, what: str) -> int:
         """``value`` (a root or peer) as an int that is a rank of this communicator (a
@@ -38,12 +38,13 @@ class Rung:
             raise UbnextError(f"{name}: {what} {value} is not a rank of this communicator (0..{self.size - 1})")
         return int(value)
 
-    def _open_rooted(self, name: str, x, stream, root, algo: str = "nccl") -> tuple:
+    def _open_rooted(self, name: str, x, stream, root, rung: bool = True) -> tuple:
         """The start of a call with a root: ``_open_call``'s ``(handle, owner, side, xb)``
-        and the root checked, then, where ``algo`` is NCCL, the rung's check."""
+        and the root checked, then with ``rung`` the rung's check (the data movers' choice,
+        ``_mover``, makes it itself)."""
         handle, owner, side, xb = self._open_call(name, x, stream)
         root = self._rank_arg(name, root, "root")
-        if algo == "nccl":
+        if rung:
             self._rung(name)
         return handle, owner, side, xb, root
 

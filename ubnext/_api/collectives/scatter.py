@@ -59,8 +59,6 @@ class Scatter(PoolCopy):
         with self._order:
             self._check_open(name)
             root = self._rank_arg(name, root, "root")
-            if algo == "nccl":
-                self._rung(name)
             mine = self.rank == root
             if mine:
                 if x is None:
