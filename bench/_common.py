@@ -151,6 +151,8 @@ class Collective:
         quantized: ``(inputs, format, op, rank) -> rank's output`` of ubnext's quantized form
             in that format (``--precision``), from every rank's input, bit for bit; None:
             the collective has none.
+        root: the root rank (the table's ``root`` column; -1: none).
+        has_in_place: whether it has an in-place form (else the in-place columns read N/A).
     """
 
     name: str
@@ -162,6 +164,8 @@ class Collective:
     data: Callable[..., tuple[np.ndarray, np.ndarray]] = all_reduce_data
     reduces: bool = True
     quantized: Callable[..., np.ndarray] | None = None
+    root: int = -1
+    has_in_place: bool = True
 
     def bandwidths(self, nbytes: int, seconds: float, nranks: int) -> tuple[float, float]:
         """``(algbw, busbw)`` in GB/s (10^9 bytes) for ``nbytes`` moved in ``seconds``."""

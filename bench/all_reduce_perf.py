@@ -173,6 +173,17 @@ class UbnextEngine:
     def all_gather(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
         self.comm.all_gather(send, out=recv, algorithm=self.algorithm, stream=stream)
 
+    def broadcast(self, send: Any, recv: Any, dtype: common.DType, root: int, stream: Any) -> None:
+        self.comm.broadcast(send, root, out=recv, stream=stream, algorithm=self.algorithm)
+
+    def all_to_all(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        self.comm.all_to_all(send, out=recv, stream=stream, algorithm=self.algorithm)
+
+    def sendrecv(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        """To the next rank, from the previous one (nccl-tests' sendrecv), as one batch."""
+        n, rank = self.comm.size, self.comm.rank
+        self.comm.batch_isend_irecv([("send", send, (rank + 1) % n), ("recv", recv, (rank - 1) % n)], stream=stream)
+
 
 class NcclEngine:
     """The real NCCL on the raw pointers of cupy arrays."""
@@ -188,6 +199,21 @@ class NcclEngine:
 
     def all_gather(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
         self.nccl.all_gather(send.data.ptr, recv.data.ptr, send.size, dtype.ubnext, stream.ptr)
+
+    def broadcast(self, send: Any, recv: Any, dtype: common.DType, root: int, stream: Any) -> None:
+        self.nccl.broadcast(send.data.ptr, recv.data.ptr, send.size, dtype.ubnext, root, stream.ptr)
+
+    def all_to_all(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        """Grouped sends and receives of equal parts (CuPy's binding has no ncclAlltoAll)."""
+        n = self.nccl.size
+        part = send.size // n * dtype.itemsize
+        self.nccl.exchange([(send.data.ptr + j * part, part, j) for j in range(n)],
+                           [(recv.data.ptr + j * part, part, j) for j in range(n)], stream.ptr, "nccl.all_to_all")
+
+    def sendrecv(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        n, rank, nbytes = self.nccl.size, self.nccl.rank, send.size * dtype.itemsize
+        self.nccl.exchange([(send.data.ptr, nbytes, (rank + 1) % n)], [(recv.data.ptr, nbytes, (rank - 1) % n)],
+                           stream.ptr, "nccl.sendrecv")
 
 
 class TorchNcclEngine:
@@ -482,11 +508,13 @@ def bench_size(world: World, args: argparse.Namespace, dtype: common.DType, op: 
     """
     count = world.collective.count(nbytes, dtype.itemsize, world.size)
     nbytes = count * dtype.itemsize
-    line = common.row_prefix(nbytes, count, dtype.name, op)
-    record: dict[str, Any] = {"size": nbytes, "count": count, "type": dtype.name, "redop": op, "root": f"{-1:6d}"}
+    root = world.collective.root
+    line = common.row_prefix(nbytes, count, dtype.name, op, root)
+    record: dict[str, Any] = {"size": nbytes, "count": count, "type": dtype.name, "redop": op, "root": f"{root:6d}"}
     failed, busbws = 0, []
     for in_place in (False, True):
-        if not in_place and getattr(world.engine, "in_place_only", False):
+        if (not in_place and getattr(world.engine, "in_place_only", False)) or (
+                in_place and not world.collective.has_in_place):
             line += common.row_absent()
             record["out_of_place"] = None
             continue

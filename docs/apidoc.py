@@ -117,7 +117,7 @@ def _entries_of(name: str, obj: Any, module: Any) -> list[Entry]:
     else:
         init = obj.__init__ if "__init__" in vars(obj) or dataclasses.is_dataclass(obj) else None
         out = [_callable(name, kind, obj, init)]
-    for attr, value in vars(obj).items():
+    for attr, value in _members(obj):
         if attr.startswith("_") or _inherits_doc(obj, attr, value):
             continue
         if isinstance(value, property):
@@ -126,6 +126,17 @@ def _entries_of(name: str, obj: Any, module: Any) -> list[Entry]:
             func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
             out.append(_callable(f"{name}.{attr}", "method", getattr(obj, attr), func))
     return out
+
+
+def _members(cls: type) -> list:
+    """``cls``'s attributes, then those it takes from bases in ubnext's private modules (the
+    Communicator's collectives are such bases: ``ubnext._api.collectives``)."""
+    members: dict = {}
+    for klass in cls.__mro__:
+        if klass is cls or klass.__module__.startswith("ubnext._"):
+            for attr, value in vars(klass).items():
+                members.setdefault(attr, value)
+    return list(members.items())
 
 
 def _inherits_doc(cls: type, attr: str, value: Any) -> bool:

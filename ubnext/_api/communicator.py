@@ -9,6 +9,7 @@ import weakref
 from ubnext._api import agreement as _agreement
 from ubnext._api import lifetime
 from ubnext._api.calls import CallSteps
+from ubnext._api.collectives import AllToAll, Barrier, Broadcast, Gather, Reduce, Scatter, SendRecv
 from ubnext._api.plans import Plans, add_rmsnorm_key, all_reduce_key
 from ubnext._api.report import Description, report
 from ubnext._engine import nccl as _nccl
@@ -34,8 +35,10 @@ from ubnext._selection.table import agreed_machine, agreed_table
 _WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
 
 
-class Communicator(CallSteps):
-    """A group of ranks that all-reduce, reduce-scatter and all-gather together.
+class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Scatter, Barrier):
+    """A group of ranks that run NCCL's collectives together: all-reduce, reduce-scatter,
+    all-gather (ubnext's kernels), broadcast, reduce, all-to-all, send/recv, gather,
+    scatter (NCCL's, ``ubnext._api.collectives``) and barrier.
 
     Creating one is collective over ``bootstrap``: every rank of it must construct
     its Communicator at the same time. On one node whose GPUs reach each other

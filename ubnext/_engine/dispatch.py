@@ -139,6 +139,13 @@ class Dispatcher:
         else:
             self._nccl().reduce_scatter(xb.ptr, ob.ptr, k, xb.dtype, op, stream)
 
+    def nccl_for(self, stream: int, owner):
+        """The NCCL communicator (``_engine.nccl.NcclComm``, made on first use) for a call's
+        work on ``stream``, the launch order following that stream: the calls that NCCL
+        serves alone (``_api.collectives``) issue their work on it."""
+        self._order.follow(stream, owner)
+        return self._nccl()
+
     def close(self, local: bool) -> None:
         """Releases the NCCL communicator (``local``: aborts it, waiting for no rank), the
         launch order's stream and event and the add + RMSNorm kernels, on this thread."""

@@ -14,9 +14,9 @@ import numpy as np
 
 from ubnext._engine.kernels import compile_module
 from ubnext._engine.launch import F32, I32, U64, Launcher, programmatic
-from ubnext._memory.heap import STATES, SlotPlan, round_up, set_unit, twoshot_norm_rows
+from ubnext._memory.heap import STATES, SlotPlan, ll_slot_bytes, round_up, set_unit, twoshot_norm_rows
 from ubnext._protocol import quant as _quant
-from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, compile_defines, row_threads
+from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, LL_SOURCE, compile_defines, ll_defines, row_threads
 from ubnext._protocol.constants import (
     LAUNCH_STATE,
     LAUNCH_STATE_BYTES,
@@ -45,6 +45,8 @@ _PARAMS = {
     "ub_twoshot_norm": (U64, U64, I32) + (U64,) * 12 + (F32, U64, U64),
     "ub_quant_twoshot": (U64, U64, I32) + (U64,) * 9,
     "ub_quant_twoshot_rs": (U64, U64, I32) + (U64,) * 9,
+    "ub_ll_alltoall": (U64, U64, I32) + (U64,) * 8,
+    "ub_ll_broadcast": (U64, U64, I32) + (U64,) * 9,
 }
 _NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
 
@@ -105,6 +107,8 @@ class Engine:
         slots = plan.offset("quant")
         self._quant = (plan.offset("flags.quant"), pool.local_ptr(plan.offset("quant.state")), slots,
                        slots + _quant.slots_bytes(self.nranks), plan.nbytes("quant"))
+        # the low-latency movers: their set, launch state and slot bytes
+        self._ll = (plan.offset("ll"), pool.local_ptr(plan.offset("ll.state")), ll_slot_bytes())
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
@@ -268,6 +272,26 @@ class Engine:
             launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry],
                                                        self._fixed + (flags, *areas), (state,), self.dependent)
         return launcher
+
+    def ll_move(self, entry: str, x: int, out: int, nbytes: int, sig: int, root: int | None = None) -> tuple:
+        """The launch of a low-latency data mover (kernels/ll_move.cu), as ``lamport`` gives
+        it: ``entry`` ``"ub_ll_alltoall"`` (``nbytes``: each part, at most LL_MAX_BYTES) or
+        ``"ub_ll_broadcast"`` (``nbytes``: the message; ``root``); local addresses of any
+        alignment. ``sig``: the call's signature."""
+        key = ("ll", "-", "-", False, 1, entry)  # shaped as _kernel's keys
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            set_off, state, slot_bytes = self._ll
+            module = self._modules.get(LL_SOURCE)
+            if module is None:
+                module = self._modules[LL_SOURCE] = compile_module(LL_SOURCE, ll_defines(self.nranks),
+                                                                   self.pool.device)
+            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry],
+                                                       self._fixed + (set_off, slot_bytes), (state,), self.dependent)
+        threads = THREADS[LL_SOURCE]
+        lines = self.nranks * -(-nbytes // 8)
+        values = (x, out, nbytes, sig) if root is None else (x, out, nbytes, root, sig)
+        return launcher, max(1, min(self._blocks, -(-lines // threads))), threads, values
 
     def _quant_blocks(self, slice_units: int) -> int:
         """Blocks of a quantized launch whose slices have ``slice_units`` units: one per

@@ -1,5 +1,6 @@
-"""The NCCL library as a collective engine (all-reduce, reduce-scatter, all-gather),
-through ``cupy.cuda.nccl``.
+"""The NCCL library as a collective engine (all-reduce, reduce-scatter, all-gather,
+broadcast, reduce, and grouped sends and receives, of which the collectives CuPy's
+binding lacks are composed: all-to-all, gather, scatter), through ``cupy.cuda.nccl``.
 
 :class:`NcclComm` is what ``algorithm="nccl"`` runs and what the communicator
 falls back to (several nodes, no P2P, a message the pool cannot hold). The
@@ -202,6 +203,72 @@ class NcclComm:
         nccl = self._check(name, dtype, None, send_count)
         self._call(nccl, name, "allGather", send_ptr, recv_ptr, send_count, dtype, None, stream_ptr)
 
+    # -- the rest of NCCL's set: rooted calls, and sends and receives in one group ------
+    def broadcast(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, root: int, stream_ptr: int) -> None:
+        """Enqueue ``ncclBroadcast``: root's ``count`` elements at ``send_ptr`` into
+        ``recv_ptr`` on every rank (``send_ptr`` is read on the root only; in place when the
+        two are equal). Collective, capturable and raising as :meth:`all_reduce`."""
+        name = "nccl.broadcast"
+        nccl = self._check(name, dtype, None, count)
+        self._check_rank(name, root, "root")
+        self._invoke(nccl, name, "broadcast", send_ptr, recv_ptr, count, self._dtypes[dtype], root, stream_ptr)
+
+    def reduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, op: str, root: int,
+               stream_ptr: int) -> None:
+        """Enqueue ``ncclReduce``: the reduction of every rank's ``count`` elements into
+        ``recv_ptr`` on the root (written there only). Collective, capturable and raising as
+        :meth:`all_reduce`."""
+        name = "nccl.reduce"
+        nccl = self._check(name, dtype, op, count)
+        self._check_rank(name, root, "root")
+        if self.rank == root and self._one_rank_average(send_ptr, recv_ptr, count, dtype, op, stream_ptr):
+            return
+        self._invoke(nccl, name, "reduce", send_ptr, recv_ptr, count, self._dtypes[dtype], self._ops[op], root,
+                     stream_ptr)
+
+    def exchange(self, sends: list, recvs: list, stream_ptr: int, name: str = "nccl.exchange") -> None:
+        """Enqueue ``ncclSend`` and ``ncclRecv`` calls of bytes as one group
+        (``ncclGroupStart`` ... ``ncclGroupEnd``): NCCL runs them together, so their order
+        within the group does not matter and none waits for another. What they move is
+        bytes (``ncclUint8``): every dtype alike.
+
+        Matching rule (NCCL's): between two ranks a and b, the k-th send of a to b matches
+        the k-th receive of b from a (over a's and b's groups and single calls in issue
+        order), with the same byte count; a rank may send to and receive from itself within
+        one group.
+
+        Collective: no, between the pairs named (but the first NCCL call of the
+        communicator connects it, collectively: :meth:`connect`). Capturable as
+        :meth:`all_reduce`.
+
+        Args:
+            sends: ``(ptr, nbytes, peer)`` triples.
+            recvs: ``(ptr, nbytes, peer)`` triples.
+            stream_ptr: as for :meth:`all_reduce`.
+            name: the operation that starts error messages.
+
+        Raises:
+            ValueError: a negative byte count or a peer out of range.
+            ClosedError, UbnextError: as :meth:`all_reduce`.
+        """
+        nccl = self._module(name)
+        for _, nbytes, peer in (*sends, *recvs):
+            self._check(name, "uint8", None, nbytes)
+            self._check_rank(name, peer, "peer")
+        self.connect(name)
+        code = self._dtypes["uint8"]
+        try:
+            nccl.groupStart()
+            try:
+                for ptr, nbytes, peer in sends:
+                    self._comm.send(ptr, nbytes, code, peer, stream_ptr)
+                for ptr, nbytes, peer in recvs:
+                    self._comm.recv(ptr, nbytes, code, peer, stream_ptr)
+            finally:
+                nccl.groupEnd()
+        except nccl.NcclError as exc:
+            raise UbnextError(f"{name}: {exc}") from exc
+
     def close(self) -> None:
         """Destroy the NCCL communicator; idempotent.
 
@@ -259,12 +326,20 @@ class NcclComm:
     def _call(self, nccl: Any, name: str, call: str, send_ptr: int, recv_ptr: int, count: int, dtype: str,
               op: str | None, stream_ptr: int) -> None:
         """Connects on first use, then calls cupy's ``call``."""
-        self.connect(name)
         ops = () if op is None else (self._ops[op],)
+        self._invoke(nccl, name, call, send_ptr, recv_ptr, count, self._dtypes[dtype], *ops, stream_ptr)
+
+    def _invoke(self, nccl: Any, name: str, call: str, *args: Any) -> None:
+        """Connects on first use, then calls cupy's ``call`` with ``args``."""
+        self.connect(name)
         try:
-            getattr(self._comm, call)(send_ptr, recv_ptr, count, self._dtypes[dtype], *ops, stream_ptr)
+            getattr(self._comm, call)(*args)
         except nccl.NcclError as exc:
             raise UbnextError(f"{name}: {exc}") from exc
+
+    def _check_rank(self, name: str, rank: int, what: str) -> None:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"{name}: {what} {rank} is not a rank of {self.size}")
 
     def _module(self, op: str) -> Any:
         """``cupy.cuda.nccl``, loaded once, with the name tables built from it."""

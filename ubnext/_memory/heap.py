@@ -27,6 +27,7 @@ from ubnext._protocol.constants import (
     FLAG_PHASES,
     HEADER_BYTES,
     LAUNCH_STATE_BYTES,
+    LL_MAX_BYTES,
     MAX_BLOCKS,
     MAX_RANKS,
     TWOSHOT_ALIGN_VECS,
@@ -280,7 +281,7 @@ def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple
 #: quantized two-shot's, and one per expert-parallel kernel (ubnext._moe)
 STATES = tuple([f"{family}{width}.state" for width in (2, 4) for family in ("lamport", "lamport_twoshot")]
                + [f"twoshot.{transport}.state" for transport in ("unicast", "multicast")] + ["quant.state"]
-               + ["moe_dispatch.state", "moe_combine.state"])
+               + ["moe_dispatch.state", "moe_combine.state", "ll.state"])
 #: bytes of the barrier flags and signatures of one transport (kernels/sync.cuh:
 #: flag_offset, signature_offset)
 FLAG_BYTES = (4 * FLAG_PHASES + 8) * MAX_BLOCKS * MAX_RANKS
@@ -302,6 +303,7 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
     barrier stores epochs per source rank, the multicast one counts arrivals. The
     quantized two-shot (opt-in) has a launch state, barrier flags and ``quant_bytes`` of
     receive areas of its own (``_quant.quant_area_bytes``; 0 where the communicator did not opt in).
+    The low-latency data movers have a launch state and two buffers of LL lines (``ll``).
     """
     plan = SlotPlan()
     for name in STATES:
@@ -313,8 +315,16 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
         plan.add(f"lamport_twoshot{width}", set_bytes("lamport_twoshot", nranks, area(lamport_twoshot_bytes)))
     plan.add("flags.quant", FLAG_BYTES)
     plan.add("quant", quant_bytes)
+    plan.add("ll", 2 * nranks * ll_slot_bytes())
     plan.add("staging", staging_bytes)
     return plan
+
+
+def ll_slot_bytes() -> int:
+    """Bytes of one rank's slot in a buffer of the low-latency data movers
+    (kernels/ll_move.cu): its header line, then a 16-byte line per 8 bytes of up to
+    LL_MAX_BYTES; their set holds two buffers of nranks slots."""
+    return HEADER_BYTES + 2 * LL_MAX_BYTES
 
 
 def set_bytes(family: str, nranks: int, unit: int) -> int:

@@ -157,6 +157,24 @@ ALGORITHMS: dict[str, Algorithm] = {
     )
 }
 
+#: the algorithms of the data movers (``broadcast``, ``all_to_all`` with even splits,
+#: ``gather``, ``scatter``: ubnext/_api/collectives), besides ``"auto"``
+MOVERS = {
+    "ll": "low-latency kernel: 8 bytes and a flag per pushed 16-byte line, polled, no barrier (broadcast and "
+          "all_to_all; parts up to LL_MAX_BYTES)",
+    "copy": "copy engines between the ranks' segments of a pool area, ubnext's one-shot all-reduce as the barrier",
+    "nccl": "the NCCL library (ncclBroadcast; grouped ncclSend/ncclRecv for the others)",
+}
+#: the low-latency movers' kernel source and its entry point per collective
+LL_SOURCE = "ll_move.cu"
+LL_ENTRIES = {"all_to_all": "ub_ll_alltoall", "broadcast": "ub_ll_broadcast"}
+
+
+def ll_defines(nranks: int) -> dict[str, str]:
+    """Preprocessor definitions of the low-latency movers (LL_SOURCE) for ``nranks`` ranks:
+    they move bytes, so no dtype or op; the unicast transport."""
+    return {"UB_NRANKS": str(nranks), "UB_TRANSPORT": "Unicast"}
+
 #: the unicast algorithm each multicast one falls back to
 UNICAST_OF = {"nvls_lamport": "lamport", "nvls": "twoshot"}
 

@@ -31,7 +31,7 @@ NORM_THREADS = 1024
 SLOT_SUM_THREADS = 512
 #: threads per block of each kernel source's plain entry points (their launch bound)
 THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512,
-           "moe_dispatch.cu": 512, "moe_combine.cu": 512}
+           "moe_dispatch.cu": 512, "moe_combine.cu": 512, "ll_move.cu": 512}
 #: the largest top-k of the expert-parallel dispatch (a routing record's ids and weights)
 MOE_MAX_TOPK = 16
 #: the largest capacity (rows per local expert) of the expert-parallel dispatch: its
@@ -40,6 +40,10 @@ MOE_MAX_CAPACITY = 8192
 #: a dispatch's route of a token's slot (kernels/moe.cuh), besides a row ``e * C + row`` of
 #: this GPU: its expert is on another GPU (or the slot is dropped); past the capacity
 MOE_ROUTE_ELSEWHERE, MOE_ROUTE_OVERFLOW = -1, -2
+#: the low-latency data movers (kernels/ll_move.cu): the largest part one rank sends one
+#: peer in one launch (an all-to-all's part, a broadcast's message); each 8 bytes travel
+#: in a 16-byte line with the launch's flag
+LL_MAX_BYTES = 64 << 10
 #: elements per group of the quantized two-shot (one fp32 scale each; ubnext/_protocol/quant.py)
 QUANT_GROUP = 32
 #: groups per unit of the quantized two-shot: what one warp quantizes at a time, stored as
@@ -56,6 +60,7 @@ WAIT_SITES = {
     3: ("kSiteExitBarrier", "two-shot exit barrier"),
     4: ("kSiteClusterMail", "row sum of a thread-block cluster"),
     5: ("kSiteMoePoll", "expert-parallel poll"),
+    6: ("kSiteLinePoll", "low-latency line poll"),
 }
 
 #: how a communicator failed: code -> (name in the kernels, words for the host's message)

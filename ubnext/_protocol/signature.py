@@ -19,11 +19,13 @@ from ubnext._protocol.algorithms import DTYPES, OPS
 
 #: collectives that carry a signature, in code order (code 0 is never used)
 COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm",
-               "moe_dispatch", "moe_combine")
+               "moe_dispatch", "moe_combine", "broadcast", "all_to_all", "gather", "scatter")
 #: the expert-parallel calls, whose count is their object's sizes (encode_moe)
 _MOE = ("moe_dispatch", "moe_combine")
 #: bits of the expert-parallel sizes in the count: experts, top-k, max tokens (hidden: HIDDEN_BITS)
 MOE_BITS = {"experts": 12, "top_k": 5, "max_tokens": 15}
+#: the collectives that reduce nothing (their op field is "sum", and says nothing)
+_MOVERS = ("all_gather", "broadcast", "all_to_all", "gather", "scatter")
 #: the fused calls, whose count is rows and hidden size
 _FUSED = ("all_reduce_add_rmsnorm", "reduce_scatter_add_rmsnorm")
 COUNT_BITS = 52
@@ -80,6 +82,6 @@ def text(signature: int) -> str:
     if collective in _FUSED:
         rows, hidden = count >> HIDDEN_BITS, count & ((1 << HIDDEN_BITS) - 1)
         return f"{collective} of {rows} x {hidden} {_DTYPES[dtype]}"
-    if collective == "all_gather":
+    if collective in _MOVERS:
         return f"{collective} of {count} {_DTYPES[dtype]}"
     return f"{collective} of {count} {_DTYPES[dtype]} ({_OPS[op]})"

@@ -1,0 +1,187 @@
+"""The pool's forms of the data movers: the choice between them and NCCL (``_mover``),
+the launch of the low-latency kernel (``_run_ll``: kernels/ll_move.cu, broadcast and
+all-to-all), and the copy form of ``broadcast``, ``all_to_all`` with even splits,
+``gather`` and ``scatter``: copy engines move the bytes between the ranks' segments of a
+symmetric area, and ubnext's one-shot all-reduce of one flag vector is the barrier that
+says when a peer's bytes have landed or a peer has read them (the pattern of the
+overlapped GEMMs, ``ubnext.torch._overlap``). No kernel of its own, so every dtype moves
+exactly and the form runs wherever the pool does, ranks sharing a GPU included.
+
+Plans (:func:`broadcast_plan` ...) are pure lists of steps, so the layouts are tested
+without a GPU; a copy stays within one rank's memory and the caller's array (the 2-D
+copies read one segment); :meth:`PoolCopy._run_copies` issues them on the caller's stream. Each
+plan opens with a barrier (every rank's reads of the area by earlier calls are done
+before anyone writes it) and moves the message in rounds of at most a half of the area,
+round j in half j % 2: a rank writes a half at round j + 2 only after the barrier of
+round j + 1, which every rank passes only after its reads of round j. The barrier
+carries the call's signature, so ranks calling different movers or counts raise
+CollectiveMismatchError.
+
+:class:`PoolCopy` is a base of the Communicator, under the movers' classes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ubnext._api.collectives.rung import Rung
+from ubnext._engine.copies import copy as _copy
+from ubnext._engine.copies import copy_rows as _copy_rows
+from ubnext._engine.launch import issue
+from ubnext._environment.log import log_once
+from ubnext._interop import arrays as _arrays
+from ubnext._protocol.algorithms import LL_ENTRIES, MOVERS
+from ubnext._protocol.constants import LL_MAX_BYTES, VEC_BYTES
+from ubnext._protocol.errors import UbnextError
+
+#: bytes of the movers' symmetric area per rank (two halves; allocated at the first call
+#: of the copy form)
+AREA_BYTES = 8 << 20
+AREA_KEY = "ubnext.collectives"
+#: the barrier's algorithm: the one-shot all-reduce (pushes into every peer, polled)
+BARRIER = "lamport"
+#: a step that waits for every rank (the barrier)
+WAIT = ("barrier",)
+
+
+def _rounds(nbytes: int, unit: int):
+    """``(j, offset, bytes)`` of the rounds of a message of ``nbytes`` in pieces of ``unit``."""
+    for j, off in enumerate(range(0, nbytes, unit)):
+        yield j, off, min(unit, nbytes - off)
+
+
+def _slot(half: int, nranks: int) -> int:
+    """Bytes of one rank's slot in a half shared by ``nranks`` slots (whole vectors)."""
+    return half // nranks // VEC_BYTES * VEC_BYTES
+
+
+def broadcast_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: int, half: int) -> list:
+    """The root stages each round in its own half; every other rank pulls it into ``out``.
+    ``area``: the area's address in every rank's segment."""
+    steps = [WAIT]
+    for j, off, n in _rounds(nbytes, half):
+        h = (j % 2) * half
+        if me == root:
+            steps.append(("copy", area[me] + h, x + off, n))
+        steps.append(WAIT)
+        if me != root:
+            steps.append(("copy", out + off, area[root] + h, n))
+    if me == root and out != x:
+        steps.append(("copy", out, x, nbytes))
+    return steps
+
+
+def all_to_all_plan(me: int, area: tuple, x: int, out: int, part: int, half: int) -> list:
+    """Each rank pushes part d of ``x`` (``part`` bytes each) into slot ``me`` of rank d's
+    half (a copy per rank: a copy stays within one rank's memory), then copies its slots,
+    in rank order, into ``out`` (one 2-D copy)."""
+    nranks, slot = len(area), _slot(half, len(area))
+    steps = [WAIT]
+    for j, off, n in _rounds(part, slot):
+        h = (j % 2) * half
+        steps += [("copy", area[d] + h + me * slot, x + d * part + off, n) for d in range(nranks)]
+        steps.append(WAIT)
+        steps.append(("rows", out + off, part, area[me] + h, slot, n, nranks))
+    return steps
+
+
+def gather_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: int, half: int) -> list:
+    """Each rank pushes ``x`` into slot ``me`` of the root's half; the root copies the
+    slots, in rank order, into ``out``."""
+    nranks, slot = len(area), _slot(half, len(area))
+    steps = [WAIT]
+    for j, off, n in _rounds(nbytes, slot):
+        h = (j % 2) * half
+        steps.append(("copy", area[root] + h + me * slot, x + off, n))
+        steps.append(WAIT)
+        if me == root:
+            steps.append(("rows", out + off, nbytes, area[me] + h, slot, n, nranks))
+    return steps
+
+
+def scatter_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: int, half: int) -> list:
+    """The root pushes part d of ``x`` (``nbytes`` each) into rank d's half (a copy per
+    rank); every rank copies its half into ``out``."""
+    steps = [WAIT]
+    for j, off, n in _rounds(nbytes, half):
+        h = (j % 2) * half
+        if me == root:
+            steps += [("copy", area[d] + h, x + d * nbytes + off, n) for d in range(len(area))]
+        steps.append(WAIT)
+        steps.append(("copy", out + off, area[me] + h, n))
+    return steps
+
+
+class PoolCopy(Rung):
+    """The copy form's choice, area, barrier and issue (module docstring)."""
+
+    def _mover(self, name: str, algorithm: str, even: bool = True) -> str:
+        """The algorithm of a data mover's call: ``"ll"`` (broadcast and all_to_all:
+        ``ll_move``), ``"copy"`` or ``"nccl"`` (``algorithm``: one of ``MOVERS`` the call
+        has, or ``"auto"``; ``even``: an all-to-all's splits are even, which the pool's forms
+        need). ``auto`` takes NCCL where it can run and the copy form where it cannot (the
+        other forms' speed against NCCL is not measured yet). The same on every rank: it
+        reads only what they agreed at construction. Where NCCL runs, the rung's check
+        (``_rung``: it raises where NCCL cannot run); where the copy form runs, its area is
+        allocated at the first call (collectively, in the section of its own: call it
+        before the call's section)."""
+        served = [a for a in MOVERS if a != "ll" or name in LL_ENTRIES]
+        if algorithm != "auto" and algorithm not in served:
+            raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(served)}")
+        pooled = self._node is not None and even
+        copy_ok = pooled and self._selector.fits(BARRIER, VEC_BYTES)
+        if algorithm in ("copy", "ll") and not (copy_ok if algorithm == "copy" else pooled):
+            why = "even splits" if self._node is not None and not even else "the symmetric pool"
+            raise UbnextError(f"{name}: algorithm {algorithm!r} needs {why} ({self.path})")
+        algo = algorithm
+        if algorithm == "auto":
+            algo = "copy" if copy_ok and self._selector.nccl_problem else "nccl"
+            if algo == "copy":
+                log_once(f"mover:{name}:copy", f"{name}: NCCL cannot run here ({self._selector.nccl_problem}); "
+                         f"the pool's copy form serves it", logging.INFO)
+        if algo == "nccl":  # refused here where NCCL cannot run, before anything is launched
+            self._rung(name, "algorithm 'nccl' was named" if algorithm == "nccl" else
+                       "ubnext's forms of it take even splits only" if self._node is not None and not even else
+                       "the pool's forms are not measured against NCCL yet" if copy_ok else
+                       f"this communicator has no symmetric pool ({self.path})")
+        if algo == "copy":
+            self._symmetric_area(AREA_KEY, AREA_BYTES)
+        return algo
+
+    def _run_ll(self, name: str, x: int, out: int, nbytes: int, sig: int, handle: int, owner,
+                root: int | None = None) -> None:
+        """The low-latency kernel of ``name`` (``LL_ENTRIES``) on ``handle``: ``nbytes`` per
+        part (all_to_all) or of the message (broadcast, from ``root``); larger ones raise
+        (before anything is launched: the sizes agree on every rank)."""
+        if nbytes > LL_MAX_BYTES:
+            raise UbnextError(f"{name}: algorithm 'll' takes at most {LL_MAX_BYTES} bytes "
+                              f"{'per part' if root is None else 'per message'}, not {nbytes}")
+        self._order.follow(handle, owner)
+        issue(self._node.engine.ll_move(LL_ENTRIES[name], x, out, nbytes, sig, root), handle)
+
+    def _run_copies(self, steps: list, sig: int, handle: int, owner) -> None:
+        """``steps`` issued on ``handle``: copies, and the barrier carrying ``sig``."""
+        flag = self._copy_flag(handle)
+        for step in steps:
+            if step is WAIT:
+                self._dispatch.all_reduce(BARRIER, flag, flag, "sum", handle, owner, sig)
+            elif step[0] == "copy":
+                _copy(step[1], step[2], step[3], handle)
+            else:
+                _copy_rows(*step[1:], handle)
+
+    def _copy_area(self) -> tuple:
+        """The area's address in every rank's segment (allocated by ``_mover``)."""
+        return self._areas[AREA_KEY][1]
+
+    def _copy_flag(self, handle: int):
+        """The barrier's flag: 4 float32 zeros of this communicator (a Buffer), allocated and
+        zeroed at the first call, inside the section (on the communicator's device)."""
+        flag = self.__dict__.get("_copy_flag_buffer")
+        if flag is None:
+            import cupy
+
+            array = cupy.zeros(4, cupy.float32)
+            cupy.cuda.get_current_stream(self.device).synchronize()  # zero before any stream's barrier reads it
+            flag = self._copy_flag_buffer = _arrays.as_buffer(array, "barrier", handle)
+        return flag

@@ -1,0 +1,151 @@
+"""Point-to-point: ``send``, ``recv`` and ``batch_isend_irecv`` (``torch.distributed``'s
+meanings). Run on NCCL (``ncclSend``/``ncclRecv``, a batch as one group).
+
+Matching rule, per ordered pair of ranks (NCCL's): the k-th send of rank a to rank b
+matches the k-th receive of rank b from rank a, counting single calls and the entries
+of batches in issue order; the two move the same number of bytes (dtypes may differ:
+bytes are moved as they are). Only the two ranks of a pair take part; no other rank
+calls anything."""
+
+from __future__ import annotations
+
+from ubnext._api.collectives.rung import Rung
+from ubnext._interop import arrays as _arrays
+from ubnext._protocol.errors import UbnextError
+
+#: what an entry of ``batch_isend_irecv`` may call its kind (a name, or the ``__name__``
+#: of torch.distributed's isend/irecv that a ``P2POp`` holds) -> "send" or "recv"
+_KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+
+class SendRecv(Rung):
+    """The Communicator's point-to-point calls (module docstring)."""
+
+    def send(self, x, peer: int, stream=None) -> None:
+        """Sends ``x`` to rank ``peer``, which receives it with ``recv``; never blocks the host.
+
+        Matching rule and engine: the module's (the k-th send to a peer matches the peer's
+        k-th receive from this rank). The first NCCL call of a communicator sets NCCL up,
+        collectively: every rank must have reached its first NCCL call (of any kind).
+
+        Collective: no: this rank and ``peer`` only (after NCCL is set up).
+        Graph-capturable: yes, after a first eager call (which sets NCCL up).
+
+        Args:
+            x: CUDA array as ``all_reduce`` takes it (any dtype of ``ubnext.DTYPES``).
+            peer: the receiving rank, not this one (a send to oneself belongs in a
+                ``batch_isend_irecv`` with its receive).
+            stream: as for ``all_reduce``.
+
+        Raises:
+            UbnextError: bad arguments (``peer``), or NCCL cannot run here (ranks sharing
+                a GPU), raised before anything is launched; an error NCCL reports; a closed
+                communicator. BrokenCommunicatorError and its kinds, as ``all_reduce``
+                raises them.
+        """
+        with self._order:
+            name = "send"
+            handle, owner, side, xb = self._open_call(name, x, stream)
+            self._issue(name, [("send", xb, self._peer(name, peer))], handle, owner, side)
+
+    def recv(self, out, peer: int, stream=None):
+        """Receives into ``out`` what rank ``peer`` sends with ``send``; never blocks the host.
+
+        Matching rule and engine: as for ``send``.
+
+        Collective: no: this rank and ``peer`` only (after NCCL is set up).
+        Graph-capturable: yes, after a first eager call (which sets NCCL up).
+
+        Args:
+            out: CUDA array as ``all_reduce`` takes it, of the bytes the peer sends.
+            peer: the sending rank, not this one.
+            stream: as for ``all_reduce``.
+
+        Returns:
+            ``out`` (its framework type for torch/CuPy, CuPy for other inputs).
+
+        Raises:
+            UbnextError: as for ``send``.
+        """
+        with self._order:
+            name = "recv"
+            handle, owner, side, ob = self._open_call(name, out, stream)
+            self._issue(name, [("recv", ob, self._peer(name, peer))], handle, owner, side)
+            _arrays.mark_written((ob,))
+            return ob.obj
+
+    def batch_isend_irecv(self, ops, stream=None) -> None:
+        """Issues several sends and receives as one group; never blocks the host.
+
+        The group's entries run together (NCCL's ``ncclGroupStart`` ... ``ncclGroupEnd``):
+        their order within the batch does not matter to progress, so a ring exchange or an
+        all-to-all written as one batch cannot deadlock. Matching rule: the module's, with
+        the batch's entries counted in their order. A rank may send to and receive from
+        itself within one batch.
+
+        Collective: no: the ranks the entries name (after NCCL is set up).
+        Graph-capturable: yes, after a first eager call (which sets NCCL up).
+
+        Args:
+            ops: a non-empty list of ``("send", x, peer)`` / ``("recv", out, peer)``
+                tuples, or objects with ``op``, ``tensor`` and ``peer`` attributes
+                (``torch.distributed.P2POp``: its ``op`` is ``dist.isend`` or
+                ``dist.irecv``), CUDA arrays as ``all_reduce`` takes them.
+            stream: as for ``all_reduce`` (of the first entry's array); every entry runs on it.
+
+        Raises:
+            UbnextError: a malformed entry, a peer that is not a rank, a receive buffer
+                that overlaps another entry's array, or NCCL cannot run here, raised before
+                anything is launched; an error NCCL reports; a closed communicator.
+                BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
+        """
+        with self._order:
+            name = "batch_isend_irecv"
+            self._check_open(name)
+            entries = _entries(name, ops)
+            handle, owner, side = self._launch_stream(name, stream, entries[0][1])
+            items = [(kind, self._input(name, arr, handle), self._rank_arg(name, peer, f"ops[{i}] peer"))
+                     for i, (kind, arr, peer) in enumerate(entries)]
+            for i, (kind, b, _) in enumerate(items):
+                if kind == "recv" and any(j != i and _arrays.overlap(b, c) for j, (_, c, _) in enumerate(items)):
+                    raise UbnextError(f"{name}: ops[{i}]'s receive buffer overlaps another entry's array; the "
+                                      f"entries run together, so a receive needs memory of its own")
+            self._issue(name, items, handle, owner, side)
+            _arrays.mark_written([b for kind, b, _ in items if kind == "recv"])
+
+    def _peer(self, name: str, peer) -> int:
+        peer = self._rank_arg(name, peer, "peer")
+        if peer == self.rank:
+            raise UbnextError(f"{name}: peer {peer} is this rank; a lone {name} to itself has no match (put the send "
+                              f"and the receive in one batch_isend_irecv)")
+        return peer
+
+    def _issue(self, name: str, items: list, handle: int, owner, side: bool) -> None:
+        """``items`` (``(kind, Buffer, peer)``) as one NCCL group on ``handle``."""
+        self._rung(name)
+        self._record(handle, owner, side, [b for _, b, _ in items])
+        sends = [(b.ptr, b.nbytes, peer) for kind, b, peer in items if kind == "send" and b.nbytes]
+        recvs = [(b.ptr, b.nbytes, peer) for kind, b, peer in items if kind == "recv" and b.nbytes]
+        if sends or recvs:
+            self._dispatch.nccl_for(handle, owner).exchange(sends, recvs, handle, name)
+
+
+def _entries(name: str, ops) -> list:
+    """``ops`` as ``(kind, array, peer)`` triples, ``kind`` "send" or "recv"; raises on a
+    malformed entry."""
+    if isinstance(ops, (str, bytes)) or not hasattr(ops, "__iter__"):
+        raise UbnextError(f"{name}: ops must be a list of ('send' | 'recv', array, peer) entries, got {ops!r}")
+    entries = []
+    for i, op in enumerate(ops):
+        if isinstance(op, tuple) and len(op) == 3:
+            kind, arr, peer = op
+        else:
+            kind, arr, peer = (getattr(op, a, None) for a in ("op", "tensor", "peer"))
+        kind = _KINDS.get(kind if isinstance(kind, str) else getattr(kind, "__name__", None))
+        if kind is None or arr is None:
+            raise UbnextError(f"{name}: ops[{i}] is not a ('send' | 'recv', array, peer) tuple nor a P2POp with "
+                              f"op isend or irecv: {op!r}")
+        entries.append((kind, arr, peer))
+    if not entries:
+        raise UbnextError(f"{name}: ops is empty; pass at least one send or receive")
+    return entries
