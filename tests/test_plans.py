@@ -64,6 +64,8 @@ class FakePool:
 class FakeNode:
     """A node whose failure records say ``error`` (None: no failure)."""
 
+    holds_memory = False  # no array or graph holds its memory after close
+
     def __init__(self, engine, pool):
         self.engine, self.pool, self.error = engine, pool, None
         self.closed, self.announced = None, []
@@ -77,7 +79,10 @@ class FakeNode:
     def announce_abort(self, rank):
         self.announce("aborted", rank)
 
-    def close(self, local=False):
+    def hold(self, stream):
+        pass
+
+    def close(self, local=False, exchange=None):
         self.closed = local
         return local
 
@@ -1047,7 +1052,7 @@ def test_a_failed_node_close_leaves_the_rest_released_without_waiting_for_any_ra
     comm._owned.local_boot = types.SimpleNamespace(close=lambda: ends.append("close"),
                                                   abort=lambda: ends.append("abort"))
 
-    def failing_close(local=False):
+    def failing_close(local=False, exchange=None):
         raise RuntimeError("cudaErrorIllegalAddress")
 
     comm._node.close = failing_close
