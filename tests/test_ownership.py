@@ -36,6 +36,9 @@ class Records(StubFailureRecords):
     def close(self):
         self.freed = True
 
+    def error(self, op, timeout_s):
+        return None
+
 
 @pytest.fixture
 def make_nodes(monkeypatch):

@@ -101,10 +101,15 @@ class Exchanges:
             self._active += 1
         try:
             result = fn(*args)
-        finally:
+        except BaseException as e:
             with self._lock:
                 self._active -= 1
-        with self._lock:
+                abandoned = self._abandoned
+            if abandoned and isinstance(e, Exception):  # e.g. the dead peer's timeout: the abort is the cause
+                raise self._error(op) from e
+            raise
+        with self._lock:  # one step with the check: abort sees the call either waiting or checked
+            self._active -= 1
             self._check(op)
         return result
 
@@ -120,8 +125,12 @@ class Exchanges:
 
     def _check(self, op: str) -> None:
         if self._abandoned:
-            raise BrokenCommunicatorError(f"{op}: the communicator was aborted (abort()) while this call "
-                                          f"exchanged with its peers; nothing was launched")
+            raise self._error(op)
+
+    @staticmethod
+    def _error(op: str) -> BrokenCommunicatorError:
+        return BrokenCommunicatorError(op, None, "the communicator was aborted (abort()) before or while this "
+                                                 "call exchanged with its peers; nothing was launched")
 
 
 def abort_release(order, exchanges: Exchanges, release: Callable[..., None], poll_s: float = 0.01) -> None:
