@@ -844,6 +844,17 @@ class Communicator(CallSteps):
         lifetime.OPEN.discard(self)
         self._owned.release(local)
 
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        """The communicator itself: a copy of an object holding one (a layer) shares it."""
+        return self
+
+    def __reduce__(self):
+        raise TypeError("Communicator cannot be pickled (it is a group of processes and their device memory); "
+                        "pickle what is state (a model's state_dict()) and create a communicator in the new process")
+
     def __enter__(self):
         return self
 
