@@ -64,8 +64,6 @@ class FakePool:
 class FakeNode:
     """A node whose failure records say ``error`` (None: no failure)."""
 
-    holds_memory = False  # no array or graph holds its memory after close
-
     def __init__(self, engine, pool):
         self.engine, self.pool, self.error = engine, pool, None
         self.closed, self.announced = None, []
@@ -81,6 +79,9 @@ class FakeNode:
 
     def hold(self, stream):
         pass
+
+    def on_release(self, fn):  # no array or graph holds its memory after close
+        fn()
 
     def close(self, local=False, exchange=None):
         self.closed = local

@@ -227,8 +227,10 @@ class Owned:
                 try:
                     close_bootstraps(self.local_boot, self.owned_boot, local)
                 finally:
-                    if node is None or not node.holds_memory:  # else the node's memory gives it back
+                    if node is None:
                         self.order.context.release()
+                    else:  # once the node's memory is released: at once, or by its last holder
+                        node.on_release(self.order.context.release)
 
     def drop(self) -> None:
         """The finalizer of a communicator that became garbage without ``close()``: released

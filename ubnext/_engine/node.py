@@ -125,6 +125,7 @@ class Node:
         # address range stay while the node, an array or a captured graph holds the lease; the
         # peers' segments, the multicast range and the failure words while the node or a graph does
         self._lease, self._released = Lease(self._release_own), False
+        self._release_lock, self._on_release = threading.Lock(), []
         self.graphs = Graphs(lambda stream: _streams.CUDA.capture(stream), driver=driver)
 
     def _drop_side(self) -> None:
@@ -303,13 +304,30 @@ class Node:
                     errors.append(e)
         return errors
 
+    def on_release(self, fn) -> None:
+        """Calls ``fn()`` once this rank's memory is released: now if it is (the communicator
+        gives its context's retain back then, not before)."""
+        with self._release_lock:
+            if not self._released:
+                self._on_release.append(fn)
+                return
+        fn()
+
     def _release_own(self) -> None:
-        """Releases this rank's segment and the address range (``pool.close``: whatever is
-        still mapped), then the context's retain: the lease's release, run once by its last
-        holder, on its thread."""
-        self._released = True
+        """Waits for the device (a kernel may still read an array that was just dropped),
+        releases this rank's segment and the address range (``pool.close``: whatever is
+        still mapped), then runs the ``on_release`` callbacks: the lease's release, run once
+        by its last holder, on its thread."""
+        import cupy
+
         try:
             with self._context.current():
-                self.pool.close()
+                try:
+                    cupy.cuda.Device(self.pool.device).synchronize()
+                finally:  # a device error (another library's kernel) still releases
+                    self.pool.close()
         finally:
-            self._context.release()
+            with self._release_lock:
+                self._released, callbacks, self._on_release = True, self._on_release, []
+            for fn in callbacks:
+                fn()
