@@ -817,7 +817,9 @@ class Communicator(CallSteps):
         node = self._node
         self._closed = True  # a call that enters the section from now on raises ClosedError
         self._exchanges.abandon()  # before anything that may wait: a call in an exchange raises now
-        if not self._owned.released and node is not None:
+        if self._owned.released:
+            return
+        if node is not None:
             # before the section: a call of another thread waiting in it (synchronize) gives up
             node.announce_abort(self._local.rank)
         lifetime.abort_release(self._order, self._exchanges, self._release)

@@ -143,6 +143,9 @@ def abort_release(order, exchanges: Exchanges, release: Callable[..., None], pol
     Raises:
         What the release raised.
     """
+    if getattr(order, "_holder", None) == threading.get_ident():  # called from inside a call of this thread:
+        release(local=True)  # the section says so (it would wait for itself)
+        return
     done, errors = threading.Event(), []
 
     def in_section() -> None:
