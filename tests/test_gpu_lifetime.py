@@ -207,11 +207,12 @@ def test_device_memory_comes_back_once_the_last_holder_is_gone():
         torch.cuda.synchronize()
         del graph
         gc.collect()
+        torch.cuda.empty_cache()  # the graph's private pool
         eventually(lambda: node.graphs.live == 0, "the graph counted gone")
         assert node.holds_memory  # the array
         del a
         gc.collect()
-        assert not node.holds_memory
+        eventually(lambda: not node.holds_memory, "the segment released with the array")  # or by the graphs' thread
 
     cycle()  # compiles the kernels, sets the caching allocators up
     assert_memory_given_back(world(), devices[-1], cycle, 3, "communicators outlived by arrays and graphs")

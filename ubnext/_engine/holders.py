@@ -131,16 +131,14 @@ class Graphs:
     """The captured CUDA graphs that hold a node's memory (see the module docstring).
 
     Args:
-        capture: ``capture(stream)``: 0 where the stream is not being captured, else its
-            capture's id (``_streams.CUDA.capture``).
         driver: the ``cuda.bindings.driver`` module (default) or a fake, for tests.
 
     Attributes:
         live: graphs (captures) holding the node's memory.
     """
 
-    def __init__(self, capture: Callable[[int], int], driver: Any = None):
-        self._capture, self._driver = capture, driver
+    def __init__(self, driver: Any = None):
+        self._driver = driver
         self._lock = threading.Lock()
         self.live = 0
         self._open = True
@@ -151,17 +149,16 @@ class Graphs:
         self._signal: Semaphore | None = None
         self._thread: threading.Thread | None = None
 
-    def hold(self, stream: int, lease: Lease) -> None:
-        """Where ``stream`` is being captured, makes the graph hold ``lease`` and what only
-        graphs need until it is destroyed: once per capture (its later calls cost a
-        lookup). In the launch section, before the call's launches. Costs one capture query
-        (``capture``) where the stream is not captured.
+    def hold(self, capture: int, stream: int, lease: Lease) -> None:
+        """Makes the graph that ``stream`` is being captured into (capture id ``capture``,
+        as ``_streams.CUDA.capture`` gives it) hold ``lease`` and what only graphs need,
+        until it is destroyed: once per capture (its later calls cost a lookup). In the
+        launch section, before the call's launches.
 
         Raises:
             CudaError: a driver call failed (nothing is held then).
         """
-        capture = self._capture(stream)
-        if capture <= 0 or capture in self._recent:
+        if capture in self._recent:
             return
         d = self._driver_module()
         graph = drv("cuStreamGetCaptureInfo", d.CUstream(stream), driver=self._driver)[2]

@@ -126,7 +126,7 @@ class Node:
         # peers' segments, the multicast range and the failure words while the node or a graph does
         self._lease, self._released = Lease(self._release_own), False
         self._release_lock, self._on_release = threading.Lock(), []
-        self.graphs = Graphs(lambda stream: _streams.CUDA.capture(stream), driver=driver)
+        self.graphs = Graphs(driver=driver)
 
     def _drop_side(self) -> None:
         """Destroys the side stream on the closing thread (the garbage collector may free
@@ -171,9 +171,10 @@ class Node:
         Raises:
             CudaError: a driver call failed.
         """
+        capture = _streams.CUDA.capture(stream)  # 0: not captured (the cost of every call)
         lease = self._lease
-        if lease is not None:
-            self.graphs.hold(stream, lease)
+        if capture > 0 and lease is not None:
+            self.graphs.hold(capture, stream, lease)
 
     def announce(self, kind: int, rank: int) -> None:
         """Marks every kernel family of every local rank broken by rank ``rank`` with failure
