@@ -182,6 +182,22 @@ def test_a_captured_graph_holds_the_whole_pool_until_it_is_destroyed(make_nodes)
     eventually(lambda: fake.leaks() == [], f"no leak: {fake.leaks()}")
 
 
+def test_the_last_of_several_graphs_releases_after_close(make_nodes):
+    fake = GraphFakeDriver()
+    nodes = make_nodes(fake, lambda node, rank: [capture(fake, node, rank) for _ in range(3)])
+    for rank, (node, _, graphs) in enumerate(nodes):
+        node.close(local=True)
+        for graph in graphs[:-1]:
+            fake.destroy_graph(graph)
+        eventually(lambda: node.graphs.live == 1, "two graphs counted gone")
+        time.sleep(0.05)
+        assert mapped(fake, node) == [0, 1] and not node.failures.freed and node.holds_memory
+        fake.destroy_graph(graphs[-1])
+        eventually(lambda: not node.holds_memory, "released with the last graph")
+        assert node.failures.freed
+    eventually(lambda: fake.leaks() == [], f"no leak: {fake.leaks()}")
+
+
 def test_a_graph_destroyed_before_the_arrays_go_leaves_them_their_segment(make_nodes):
     fake = GraphFakeDriver()
     nodes = make_nodes(fake, lambda node, rank: (capture(fake, node, rank, 1), node.alloc(4096)))

@@ -231,7 +231,9 @@ class Graphs:
                 if self.live == 0:
                     lease, self._lease = self._lease, None
                 done = not self._open and self.live == 0
-                release, self._release_shared = (self._release_shared, None) if done else (None, None)
+                release = None
+                if done:
+                    release, self._release_shared = self._release_shared, None
             if release is not None:
                 for e in release():
                     log_once(f"graphs-release:{e}", f"ubnext: releasing a closed communicator's memory failed: {e}")
