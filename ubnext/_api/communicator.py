@@ -828,6 +828,8 @@ class Communicator(CallSteps):
         """close (``local``: abort): after any call of another thread, in the section; an
         abort whose section is held by a call waiting in a host exchange releases outside
         it (``in_section=False``: that call raises before it launches anything)."""
+        if self._owned.released:  # an abort released it already (its section may stay taken)
+            return
         if in_section:
             with self._order:
                 self._release_now(local)
