@@ -179,6 +179,7 @@ def test_a_captured_graph_holds_the_whole_pool_until_it_is_destroyed(make_nodes)
         eventually(lambda: not node.holds_memory, "the graph's memory released")
         assert node.failures.freed
         assert node.graphs.live == 0
+        eventually(lambda: node.graphs._signal is None, "the graphs' thread ended, its semaphore freed")
     eventually(lambda: fake.leaks() == [], f"no leak: {fake.leaks()}")
 
 
@@ -225,6 +226,7 @@ def test_graphs_destroyed_while_the_node_is_open_hold_nothing_at_close(make_node
         eventually(lambda: node.graphs.live == 0, "every graph counted")
         node.close(local=True)
         assert not node.holds_memory
+        eventually(lambda: node.graphs._signal is None, "the graphs' thread woken by close, ended")
     assert fake.leaks() == [] and fake.names().count("cuUserObjectCreate") == 6
 
 
