@@ -277,7 +277,7 @@ class Node:
             lease, self._lease = self._lease, None
             if self.graphs.close(self._release_shared):  # no graph holds the memory: shared parts now
                 errors += self._release_shared()
-                if not self.heap.used:  # nor an array: the rest now, its errors raised here
+                if not self.heap.blocks:  # nor an array: the rest now, its errors raised here
                     try:
                         lease.release()
                     except Exception as e:
