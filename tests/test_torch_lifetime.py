@@ -81,3 +81,21 @@ def test_pickling_a_layer_a_plan_or_a_communicator_refuses():
             pickle.dumps(thing)
     assert copy.deepcopy(real) is real and copy.copy(real) is real
     assert copy.deepcopy(layer).comm is real
+
+
+def test_a_functional_call_holds_its_communicator_until_backward():
+    from ubnext.torch import functional
+
+    def forward():
+        comm = ThreadComm(_Group(1), 0)
+        x = torch.arange(8, dtype=torch.float32, requires_grad=True)
+        return x, functional.all_reduce(functional.copy_to_group(x, comm) * 3, "sum", comm), weakref.ref(comm)
+
+    x, y, comm = forward()
+    gc.collect()
+    assert comm() is not None  # held by y's graph
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((8,), 3.0))
+    del y
+    gc.collect()
+    assert comm() is None
