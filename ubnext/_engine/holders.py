@@ -53,10 +53,6 @@ class Lease:
     def __init__(self, release: Callable[[], None]):
         self._release = release
 
-    @property
-    def released(self) -> bool:
-        return self._release is None
-
     def release(self) -> None:
         """Releases now (idempotent).
 
