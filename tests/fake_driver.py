@@ -445,3 +445,97 @@ class MulticastFakeDriver(FakeDriver):
         if mc is not None and (len(mc.devices) != mc.num_devices or not self._mc_aligned(size, offset)):
             return (CUresult.CUDA_ERROR_NOT_PERMITTED,)
         return super()._cuMemMap(ptr, size, offset, handle, flags)
+
+
+class GraphFakeDriver(MulticastFakeDriver):
+    """:class:`MulticastFakeDriver` plus stream capture and CUDA user objects.
+
+    :meth:`begin_capture` makes a stream capture into a new fake graph (its id, as
+    ``cuStreamGetCaptureInfo`` reports it); ``cuUserObjectCreate`` keeps the destructor
+    (a ``CUhostFn``: a C function address) and its argument; ``cuGraphRetainUserObject``
+    gives a graph references (moved from the caller's with ``CU_GRAPH_USER_OBJECT_MOVE``);
+    :meth:`destroy_graph` drops a graph's references, and an object whose last one goes
+    has its destructor called, for real, through ctypes, from a thread of the fake (as
+    CUDA's internal thread would): no Python runs there but what the destructor is.
+    """
+
+    STUBS = {
+        **MulticastFakeDriver.STUBS,
+        "cuStreamGetCaptureInfo": 3,
+        "cuUserObjectCreate": 1,
+        "cuGraphRetainUserObject": 0,
+        "cuUserObjectRelease": 0,
+    }
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.capturing: dict[int, int] = {}  # stream -> graph (its capture id too)
+        self.objects: dict[int, list] = {}  # user object -> [references, destructor address, its argument]
+        self.graph_refs: dict[int, dict[int, int]] = {}  # graph -> {user object: references}
+        self._graphs = itertools.count(101)
+
+    def begin_capture(self, stream: int) -> int:
+        graph = next(self._graphs)
+        self.capturing[stream] = graph
+        self.graph_refs[graph] = {}
+        return graph
+
+    def end_capture(self, stream: int) -> int:
+        return self.capturing.pop(stream)
+
+    def capture_id(self, stream: int) -> int:
+        """``_streams.Cuda.capture``'s answer for ``stream``."""
+        return self.capturing.get(stream, 0)
+
+    def destroy_graph(self, graph: int) -> None:
+        with self._lock:
+            refs = self.graph_refs.pop(graph)
+        for obj, count in refs.items():
+            self._drop(obj, count)
+
+    def live_objects(self) -> int:
+        return len(self.objects)
+
+    def _drop(self, obj: int, count: int) -> None:
+        import ctypes
+
+        with self._lock:
+            entry = self.objects[obj]
+            entry[0] -= count
+            if entry[0] > 0:
+                return
+            del self.objects[obj]
+        fn, arg = entry[1:]
+        destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)
+        thread = threading.Thread(target=destructor, args=(arg,), name="fake-cuda-destructor", daemon=True)
+        thread.start()
+        thread.join(5)
+
+    def _cuStreamGetCaptureInfo(self, stream: Any) -> tuple:
+        graph = self.capturing.get(int(stream))
+        status = _real.CUstreamCaptureStatus
+        if graph is None:
+            return (SUCCESS, status.CU_STREAM_CAPTURE_STATUS_NONE, 0, None)
+        return (SUCCESS, status.CU_STREAM_CAPTURE_STATUS_ACTIVE, graph, graph)
+
+    def _cuUserObjectCreate(self, ptr: Any, destroy: Any, refs: int, flags: Any) -> tuple:
+        if int(flags) != int(_real.CUuserObject_flags.CU_USER_OBJECT_NO_DESTRUCTOR_SYNC) or not int(destroy):
+            return self._error(1)
+        obj = next(self._ids)
+        self.objects[obj] = [refs, int(destroy), int(ptr)]
+        return (SUCCESS, obj)
+
+    def _cuGraphRetainUserObject(self, graph: Any, obj: Any, count: int, flags: Any) -> tuple:
+        if int(graph) not in self.graph_refs or int(obj) not in self.objects:
+            return self._error(0)
+        refs = self.graph_refs[int(graph)]
+        refs[int(obj)] = refs.get(int(obj), 0) + count
+        if int(flags) != int(_real.CUuserObjectRetain_flags.CU_GRAPH_USER_OBJECT_MOVE):
+            self.objects[int(obj)][0] += count
+        return (SUCCESS,)
+
+    def _cuUserObjectRelease(self, obj: Any, count: int) -> tuple:
+        if int(obj) not in self.objects:
+            return self._error(0)
+        self._drop(int(obj), count)
+        return (SUCCESS,)

@@ -173,13 +173,15 @@ def bare_communicator(order, **attrs):
     import weakref
 
     from ubnext._api.communicator import Communicator
-    from ubnext._api.lifetime import Owned
+    from ubnext._api.lifetime import Exchanges, Owned
     from ubnext._api.plans import Plans
 
     comm = Communicator.__new__(Communicator)
     comm.__dict__.update(rank=0, size=1, device=order.context.device, _closed=False, _resolved={}, _plans=Plans(),
-                         _node=None, _local=None, _order=order, _context=order.context, _areas={})
+                         _node=None, _local=None, _order=order, _context=order.context, _areas={},
+                         _exchanges=Exchanges())
     comm.__dict__.update(attrs)
-    comm._owned = Owned(order, comm._node, comm.__dict__.get("_dispatch"), None, comm._local, None, 0)
+    comm._owned = Owned(order, comm._node, comm.__dict__.get("_dispatch"), None, comm._local, None, 0,
+                        comm._exchanges)
     comm._finalizer = weakref.finalize(comm, lambda: None)
     return comm

@@ -66,7 +66,7 @@ class FakeNode:
 
     def __init__(self, engine, pool):
         self.engine, self.pool, self.error = engine, pool, None
-        self.closed, self.announced = None, []
+        self.closed, self.announced, self.held = None, [], []
 
     def failure(self, name, timeout_s):
         return self.error
@@ -77,7 +77,13 @@ class FakeNode:
     def announce_abort(self, rank):
         self.announce("aborted", rank)
 
-    def close(self, local=False):
+    def hold(self, stream):
+        self.held.append(stream)
+
+    def on_release(self, fn):  # no array or graph holds its memory after close
+        fn()
+
+    def close(self, local=False, exchange=None):
         self.closed = local
         return local
 
@@ -476,6 +482,24 @@ def test_a_closed_or_aborted_communicator_drops_its_plans_and_raises_on_a_planne
     with pytest.raises(ClosedError, match="all_reduce: the communicator is closed"):
         comm.all_reduce(x, out=out)
     assert len(fakes.driver.launches) == 1
+
+
+def test_every_call_lets_a_graph_being_captured_hold_the_pool_before_it_launches(make_comm, fakes):
+    """Each collective, planned or not, names its launch stream to the node (``Node.hold``:
+    a CUDA graph being captured on it then holds the pool) before its first launch."""
+    comm = make_comm()
+    launched = fakes.driver.launches
+    order = []
+    node_hold = comm._node.hold
+    comm._node.hold = lambda stream: (order.append(("hold", stream, len(launched))), node_hold(stream))
+    x, out = array(X), array(Y)
+    for stream in (None, A, A):
+        comm.all_reduce(x, out=out, stream=stream)
+    comm.all_reduce_add_rmsnorm(array(X, (4, 256)), None, array(WEIGHT, (256,)), out=array(Y, (4, 256)),
+                                residual_out=array(Z, (4, 256)), stream=B)
+    assert [stream for _, stream, _ in order] == [CURRENT, A, A, B]
+    assert [before for _, _, before in order] == [0, 1, 2, 3]  # each before its call's launch
+    assert len(launched) == 4
 
 
 @pytest.mark.parametrize("end", ["close", "abort"])
@@ -1047,7 +1071,7 @@ def test_a_failed_node_close_leaves_the_rest_released_without_waiting_for_any_ra
     comm._owned.local_boot = types.SimpleNamespace(close=lambda: ends.append("close"),
                                                   abort=lambda: ends.append("abort"))
 
-    def failing_close(local=False):
+    def failing_close(local=False, exchange=None):
         raise RuntimeError("cudaErrorIllegalAddress")
 
     comm._node.close = failing_close

@@ -66,7 +66,7 @@ def make(monkeypatch):
     def make(quantized="int8", table=None, kernels=True, arch=90, machine=None):
         cfg = Config(quantized=quantized)
         local = type("Local", (), {"rank": 1, "size": RANKS})()
-        node = SimpleNamespace(pool=None, failure=lambda name, timeout: None) if kernels else None
+        node = SimpleNamespace(pool=None, failure=lambda name, timeout: None, hold=lambda stream: None) if kernels else None
         usable = [n for n, a in ALGORITHMS.items() if not a.multicast] if kernels else ["nccl"]
         return bare_communicator(fake_order(), config=cfg, _dispatch=Recorder(), rank=1, size=RANKS, _local=local,
                                  _node=node, _arch=arch, _nccl_reason=None if kernels else "test",

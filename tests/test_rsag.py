@@ -364,7 +364,8 @@ def test_debug_mode_compares_where_each_rank_has_its_buffers_in_the_pool(comm):
     segment = (1 << 20, 1 << 24)  # this rank's pool segment: [base, base + size)
     pool = type("Pool", (), {"contains": lambda self, ptr, n: ptr - segment[0]
                              if segment[0] <= ptr and ptr + n <= sum(segment) else None})()
-    comm._node = type("Node", (), {"pool": pool, "failure": lambda self, name, timeout: None})()
+    comm._node = type("Node", (), {"pool": pool, "failure": lambda self, name, timeout: None,
+                                   "hold": lambda self, stream: None})()
     object.__setattr__(comm.config, "debug", True)
     others = []  # what the other ranks' calls look like: plain arrays everywhere
     comm.bootstrap = type("Boot", (), {"allgather": lambda self, b: [b, *others]})()

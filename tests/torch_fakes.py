@@ -67,6 +67,9 @@ class ThreadComm:
         return _quant.choose(name, precision, "auto", dtype, op, x.numel() * x.element_size(), 0,
                              self._group.quantized, self.size > 1, lambda: 90) is not None
 
+    def __deepcopy__(self, memo):  # as a Communicator: copies of a layer share it
+        return self
+
     def _gather(self, x):
         self.calls += 1
         g = self._group

@@ -88,6 +88,8 @@ class CallSteps:
         handle, owner, side = _arrays.launch_stream(stream, x, self.device)
         if stream is not None:
             self._check_stream(name, handle)
+        if self._node is not None:
+            self._node.hold(handle)  # a CUDA graph being captured holds the pool (holders.Graphs)
         return handle, owner, side
 
     def _stream_arg(self, name: str, stream) -> int:
@@ -233,7 +235,7 @@ class CallSteps:
     def _compare_across_ranks(self, name: str, call: tuple) -> None:
         """Debug mode: every rank's (count, dtype, op, algorithm, pool offsets of its
         buffers) must be the same; raises on every rank naming each rank's call."""
-        calls = [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(call))]
+        calls = [pickle.loads(b) for b in self._exchanges.run(name, self.bootstrap.allgather, pickle.dumps(call))]
         if any(c != calls[0] for c in calls):
             rows = "; ".join(f"rank {r}: count={c[0]} dtype={c[1]} op={c[2]} algorithm={c[3]} "
                              f"symmetric offsets={c[4]}" for r, c in enumerate(calls))

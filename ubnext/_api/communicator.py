@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -88,6 +89,7 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
         self._resolved: dict[tuple, str] = {}
         self._plans = Plans()  # eager calls validated and launched before (_plans)
         self._areas: dict[str, tuple] = {}  # symmetric areas of the features above (_symmetric_area)
+        self._exchanges = lifetime.Exchanges()  # its calls' host exchanges, which abort() abandons
         self._local = self._node = self._context = None
         try:
             _agreement.check(config, bootstrap)  # before anything that the configuration shapes
@@ -137,7 +139,7 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
         # every call runs in the launch section: this communicator's context, one thread, issue order
         self._order = LaunchOrder(self._context)
         self._dispatch = Dispatcher(node, self._selector.limits, self._order, bootstrap, self.device,
-                                    self.config.pdl)
+                                    self.config.pdl, self._exchanges.run)
         for name, limit, setting in self._selector.capped():
             log_once(f"select:{name}:{setting}:{limit}",
                      f"Communicator: the selector table gives {name} messages up to {limit} bytes, but "
@@ -155,7 +157,7 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
                                 start=context.enter)  # its announce and anything it frees: this device
         # what close() releases, and a finalizer if the communicator is dropped without it
         self._owned = lifetime.Owned(self._order, node, self._dispatch, watchdog, self._local,
-                             bootstrap if self._owns_bootstrap else None, self._local.rank)
+                                     bootstrap if self._owns_bootstrap else None, self._local.rank, self._exchanges)
         self._finalizer = weakref.finalize(self, self._owned.drop)
         self._finalizer.atexit = False  # at exit: only the warning of _warn_open
         lifetime.OPEN.add(self)
@@ -604,7 +606,10 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
         """A new array in symmetric memory.
 
         All-reduce on it (in place, or with it as ``out``) moves no extra copies.
-        The memory returns to the pool when the array and all its views are gone.
+        The memory returns to the pool when the array and all its views are gone. The
+        array holds this rank's pool segment: it stays valid (and its address is never
+        mapped to anything else) after the communicator is closed or dropped, until the
+        array and its views are gone (docs/reliability.md, "What owns the pool").
         Not available when the communicator runs on NCCL only.
 
         Collective: yes: every rank calls it, with the same shapes, in the same order.
@@ -621,7 +626,9 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
 
         Raises:
             UbnextError: pool exhausted (on every rank alike), no symmetric pool,
-                bad dtype/framework.
+                bad dtype/framework. ClosedError: the communicator is closed.
+                BrokenCommunicatorError: ``abort()`` was called while the ranks exchanged
+                their free lists.
         """
         with self._order:
             name = "empty"
@@ -636,20 +643,21 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
             count = 1
             for d in shape:
                 count *= d
-            block = self._node.alloc(count * DTYPES[dtype][1])
+            block = self._node.alloc(count * DTYPES[dtype][1], functools.partial(self._exchanges.run, name))
             return _arrays.wrap(block.ptr, shape, dtype, self.device, framework, block)
 
     def _symmetric_area(self, key: str, nbytes: int, framework: str = "cupy") -> tuple:
         """The area ``key`` of ``nbytes`` in the pool, for a feature built on the communicator
         (``ubnext.torch``'s overlapped GEMMs): allocated at the first call (collective: every
         rank's first call for ``key`` comes at the same place of its program, with the same
-        ``nbytes``), kept until ``close``, which frees it (an area held by its user would
-        outlive the pool's release check).
+        ``nbytes``), kept until ``close``, which drops it. The array holds this rank's
+        segment as ``empty()``'s arrays do; the peers' addresses stay mapped while the
+        communicator is open or a captured graph that used them lives.
 
         Returns:
-            ``(array, ptrs)``: this rank's bytes as a uint8 array of ``framework`` (valid
-            until ``close``; keep no reference past it), and the area's address in every
-            local rank's segment, in local-rank order.
+            ``(array, ptrs)``: this rank's bytes as a uint8 array of ``framework``, and the
+            area's address in every local rank's segment, in local-rank order (launch into
+            them only inside a call's launch section).
 
         Raises:
             UbnextError: no symmetric pool, pool exhausted, or a closed communicator.
@@ -660,7 +668,7 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
             if area is None:
                 if self._node is None:
                     raise UbnextError(f"{key}: this communicator has no symmetric memory pool (it uses NCCL)")
-                block = self._node.alloc(nbytes)
+                block = self._node.alloc(nbytes, functools.partial(self._exchanges.run, key))
                 pool = self._node.pool
                 offset = pool.contains(block.ptr, nbytes)
                 area = self._areas[key] = (_arrays.wrap(block.ptr, (nbytes,), "uint8", self.device, framework, block),
@@ -766,9 +774,16 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
 
         Collective: yes: it waits for this device's work, then for every rank. On a broken
         communicator (a collective failed, see BrokenCommunicatorError) it is local and
-        bounded: it waits for no other rank, since a failed peer may never come. Arrays
-        from ``empty()`` must not be used afterwards.
+        bounded: it waits for no other rank, since a failed peer may never come.
         Graph-capturable: no.
+
+        Every later call raises ClosedError before launching anything. What still points
+        into the pool keeps what it needs (docs/reliability.md, "What owns the pool"):
+        arrays from ``empty()`` (and buffer plans, layers holding them) keep this rank's
+        segment, whose peers' parts are unmapped now; a captured CUDA graph that launched
+        ubnext's kernels keeps the whole pool and the failure words until it is destroyed
+        (a replay after close runs without host code: its kernels then wait for peers that
+        may not come, and give up after ``UBNEXT_TIMEOUT_S``).
 
         Raises:
             UbnextError: a release failed: a driver call of the pool (CudaError) or the
@@ -779,12 +794,26 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
 
     def abort(self) -> None:
         """Gives the communicator up at once, like ``ncclCommAbort``; idempotent; safe in
-        error handlers and elastic restarts.
+        error handlers and elastic restarts, from any thread.
 
         Marks the communicator broken on every rank of the node (their waiting kernels
-        give up, and their next call raises BrokenCommunicatorError), waits for this
-        device (its kernels give up their waits too), then releases everything without
-        waiting for any other rank. The process can create a new communicator.
+        give up, and their next call raises BrokenCommunicatorError) and closed here (every
+        later call raises ClosedError), abandons a host exchange that a call of another
+        thread is waiting in (the heap's allgather of ``empty()``, the overlapped ops' area,
+        the debug-mode comparison, NCCL's first connect, close's barrier: it raises
+        BrokenCommunicatorError if it ever returns, before launching anything), then
+        releases what is local, without waiting for any other rank, once nothing launches
+        into it. The process can create a new communicator.
+
+        How long it takes: it never waits for a peer. It waits (1) for a call of another
+        thread that is in the launch section but in no host exchange, to leave it: its
+        launches, and on a first call a kernel compile (seconds); ``synchronize()`` waits
+        for the device, as (2) does; (2) for the device: this communicator's kernels give
+        up within a poll round of the mark (and at most ``UBNEXT_TIMEOUT_S`` after they
+        started waiting), but the wait covers all the device's work, other communicators'
+        kernels included (bounded by their own timeouts). A thread left in an MPI exchange
+        stays blocked there (MPI cannot be interrupted): after such an abort the process
+        must leave (``MPI_Abort`` or ``os._exit``), see docs/reliability.md.
 
         Collective: no (local: it waits for no other rank).
         Graph-capturable: no.
@@ -794,25 +823,49 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
                 all the same.
         """
         node = self._node
-        if not self._closed and node is not None:
+        self._closed = True  # a call that enters the section from now on raises ClosedError
+        self._exchanges.abandon()  # before anything that may wait: a call in an exchange raises now
+        if self._owned.released:
+            return
+        if node is not None:
             # before the section: a call of another thread waiting in it (synchronize) gives up
             node.announce_abort(self._local.rank)
-        if self._closed:
-            return  # a close() in progress on another thread releases everything
-        self._release(local=True)
+        lifetime.abort_release(self._order, self._exchanges, self._release)
 
-    def _release(self, local: bool) -> None:
-        """close (``local``: abort): after any call of another thread, in the section."""
-        with self._order:
-            if self._closed:
-                return
-            self._closed = True
-            self._plans.clear()
-            self._areas.clear()  # their blocks go back to the heap before the pool's release
-            self._node = None
-            self._finalizer.detach()
-            lifetime.OPEN.discard(self)
-            self._owned.release(local)
+    def _release(self, local: bool, in_section: bool = True) -> None:
+        """close (``local``: abort): after any call of another thread, in the section; an
+        abort whose section is held by a call waiting in a host exchange releases outside
+        it (``in_section=False``: that call raises before it launches anything)."""
+        if self._owned.released:  # an abort released it already (its section may stay taken)
+            return
+        if in_section:
+            with self._order:
+                self._release_now(local)
+        else:
+            with self._context.current():
+                self._release_now(local)
+
+    def _release_now(self, local: bool) -> None:
+        if self._owned.released:
+            return
+        self._closed = True
+        self._plans.clear()
+        self._areas.clear()  # their blocks go back to the heap before the pool's release
+        self._node = None
+        self._finalizer.detach()
+        lifetime.OPEN.discard(self)
+        self._owned.release(local)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        """The communicator itself: a copy of an object holding one (a layer) shares it."""
+        return self
+
+    def __reduce__(self):
+        raise TypeError("Communicator cannot be pickled (it is a group of processes and their device memory); "
+                        "pickle what is state (a model's state_dict()) and create a communicator in the new process")
 
     def __enter__(self):
         return self

@@ -10,17 +10,23 @@
   records (host memory: no device call, no synchronization); on a failure it lets the
   node mark every rank's kernels broken (so that theirs give up too) and logs the error
   once. It raises nothing: the user's next call or ``synchronize()`` raises.
+* :class:`Exchanges` runs the host exchanges a call makes with its peers (the heap's
+  allgather of ``empty()`` and of the overlapped ops' area, the debug-mode comparison,
+  NCCL's first connect, close's barrier), so that ``abort()`` never waits behind one: it
+  abandons them, and an exchange that returns afterwards raises.
 * At exit, communicators still open (:data:`OPEN`) are only named in a warning.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import weakref
 from collections.abc import Callable
 
 from ubnext._environment.log import log_once
+from ubnext._protocol.errors import BrokenCommunicatorError
 
 #: the communicators not yet closed (for the warning at exit)
 OPEN: weakref.WeakSet = weakref.WeakSet()
@@ -68,6 +74,97 @@ class Watchdog:
             self._thread.join()
 
 
+class Exchanges:
+    """The host exchanges of one communicator's calls, which ``abort()`` abandons.
+
+    An exchange with the peers (a bootstrap's allgather or barrier, NCCL's connect) may wait
+    for ever where a peer died (MPI has no timeout). The call that runs it holds the
+    launch section, so an abort that waited for the section would wait as long: instead
+    it calls :meth:`abandon`, after which an exchange that starts raises at once, and one in
+    progress raises when it returns (if ever), before its caller launches anything.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active = 0
+        self._abandoned = False
+
+    def run(self, op: str, fn: Callable, *args):
+        """``fn(*args)``, an exchange of the call ``op``.
+
+        Raises:
+            BrokenCommunicatorError: the communicator was aborted before or during it.
+            What ``fn`` raises.
+        """
+        with self._lock:
+            self._check(op)
+            self._active += 1
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            with self._lock:
+                self._active -= 1
+                abandoned = self._abandoned
+            if abandoned and isinstance(e, Exception):  # e.g. the dead peer's timeout: the abort is the cause
+                raise self._error(op) from e
+            raise
+        with self._lock:  # one step with the check: abort sees the call either waiting or checked
+            self._active -= 1
+            self._check(op)
+        return result
+
+    def abandon(self) -> None:
+        """From now on every exchange raises (those in progress when they return)."""
+        with self._lock:
+            self._abandoned = True
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a call is in an exchange now (so it launches nothing until it raises)."""
+        return self._active > 0
+
+    def _check(self, op: str) -> None:
+        if self._abandoned:
+            raise self._error(op)
+
+    @staticmethod
+    def _error(op: str) -> BrokenCommunicatorError:
+        return BrokenCommunicatorError(op, None, "the communicator was aborted (abort()) before or while this "
+                                                 "call exchanged with its peers; nothing was launched")
+
+
+def abort_release(order, exchanges: Exchanges, release: Callable[..., None], poll_s: float = 0.01) -> None:
+    """``release(local=True)`` for ``abort()``, in the launch section ``order`` once the
+    call of another thread that holds it leaves, or at once outside it where that call
+    waits in a host exchange (``exchanges.waiting``: abandoned, it raises before it
+    launches anything when the exchange returns, if ever). Waits for the section on a
+    thread of its own (it may never be given back), polling every ``poll_s`` seconds.
+
+    Raises:
+        What the release raised.
+    """
+    if getattr(order, "_holder", None) == threading.get_ident():  # called from inside a call of this thread:
+        release(local=True)  # the section says so (it would wait for itself)
+        return
+    done, errors = threading.Event(), []
+
+    def in_section() -> None:
+        try:
+            release(local=True)
+        except BaseException as e:  # handed to abort's thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=in_section, name="ubnext-abort", daemon=True).start()
+    while not done.wait(poll_s):
+        if exchanges.waiting:
+            release(local=True, in_section=False)
+            return
+    if errors:
+        raise errors[0]
+
+
 def close_bootstraps(local_boot, owned, local: bool = False) -> None:
     """Closes the node's view ``local_boot``, then ``owned`` (the bootstrap ``default()``
     made, or None); ``local``: without waiting for any rank (Bootstrap.abort)."""
@@ -91,31 +188,38 @@ class Owned:
         local_boot: the bootstrap of the node's ranks.
         owned_boot: the bootstrap ``default()`` made for the communicator, or None.
         local_rank: this rank's place on the node.
+        exchanges: the communicator's host exchanges (close's barrier is one), or None.
     """
 
-    def __init__(self, order, node, dispatch, watchdog, local_boot, owned_boot, local_rank: int):
+    def __init__(self, order, node, dispatch, watchdog, local_boot, owned_boot, local_rank: int,
+                 exchanges: Exchanges | None = None):
         self.order, self.node, self.dispatch, self.watchdog = order, node, dispatch, watchdog
+        self.exchanges = exchanges
         self.local_boot, self.owned_boot, self.local_rank = local_boot, owned_boot, local_rank
         self.released = False
+        self._lock = threading.Lock()
 
     def release(self, local: bool) -> None:
         """Stops the watchdog, closes the node (``local``: waiting for no rank; a broken
         communicator closes locally too), the NCCL communicator and the bootstraps, then
-        releases the context's retain; each step runs even where one before it failed.
+        releases the context's retain (where arrays or graphs still hold the node's memory,
+        its release does, after the memory's); each step runs even where one before it failed.
         In the launch section. Idempotent.
 
         Raises:
             The first error of a release step.
         """
-        if self.released:
-            return
-        self.released = True
+        with self._lock:  # abort may release outside the section while a close waits for it
+            if self.released:
+                return
+            self.released = True
         node, self.node = self.node, None
         try:
             if self.watchdog is not None:
                 self.watchdog.stop()
             if node is not None:
-                local = node.close(local=local)
+                exchange = None if self.exchanges is None else functools.partial(self.exchanges.run, "close")
+                local = node.close(local=local, exchange=exchange)
         except BaseException:
             local = True  # what follows waits for no rank after a failed step
             raise
@@ -126,7 +230,10 @@ class Owned:
                 try:
                     close_bootstraps(self.local_boot, self.owned_boot, local)
                 finally:
-                    self.order.context.release()
+                    if node is None:
+                        self.order.context.release()
+                    else:  # once the node's memory is released: at once, or by its last holder
+                        node.on_release(self.order.context.release)
 
     def drop(self) -> None:
         """The finalizer of a communicator that became garbage without ``close()``: released

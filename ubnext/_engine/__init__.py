@@ -6,7 +6,8 @@ launches of a validated call (``dispatch``; reduce-scatter and all-gather: ``sli
 the separate add + RMSNorm kernel: ``epilogue``; staging copies: ``copies``), the
 overlapped reduce-scatter's sum of slots, with or without the add + RMSNorm
 (``slot_sum``), NCCL as an
-engine (``nccl``), the failure records kernels write (``failures``), and the node's
-resources created and released together (``node``).
+engine (``nccl``), the failure records kernels write (``failures``), the node's
+resources created and released together (``node``), and who holds the node's memory
+after close: arrays and captured CUDA graphs (``holders``).
 Imports: ``_protocol``, ``_environment``, ``_interop``, ``_memory``, ``_selection``.
 """

@@ -29,11 +29,15 @@ class Dispatcher:
         order: the communicator's ``LaunchOrder``.
         bootstrap: the communicator's bootstrap (for the NCCL communicator, made on first use).
         device: the CUDA device ordinal.
+        pdl: launch with programmatic dependent launch where the device has it.
+        exchange: ``exchange(op, fn, *args)`` runs NCCL's first connect (``lifetime.Exchanges.run``,
+            which ``abort()`` abandons), or None.
     """
 
-    def __init__(self, node, limits: dict, order, bootstrap, device: int, pdl: bool = True):
+    def __init__(self, node, limits: dict, order, bootstrap, device: int, pdl: bool = True, exchange=None):
         self._node, self._limits, self._order = node, limits, order
         self._bootstrap, self._device, self._pdl = bootstrap, device, pdl
+        self._exchange = exchange  # runs NCCL's first connect, a host exchange (lifetime.Exchanges.run)
         self.nccl = None  # the NCCL communicator, once a call needed it
         self._epilogue = None
 
@@ -229,7 +233,10 @@ class Dispatcher:
         if self.nccl is None:
             from ubnext._engine.nccl import NcclComm
 
-            self.nccl = NcclComm(self._bootstrap, self._device)
+            if self._exchange is None:
+                self.nccl = NcclComm(self._bootstrap, self._device)
+            else:
+                self.nccl = self._exchange("NCCL's setup", NcclComm, self._bootstrap, self._device)
         return self.nccl
 
     def _add_rmsnorm(self):

@@ -11,7 +11,9 @@ import numpy as np
 
 from ubnext._engine.engine import Engine
 from ubnext._engine.failures import FailureRecords, broken_word, state_field
+from ubnext._engine.holders import Graphs, Lease
 from ubnext._environment.cuda import drv
+from ubnext._interop import streams as _streams
 from ubnext._memory.descriptors import FdChannel
 from ubnext._memory.heap import STATES, UserHeap, plan_layout
 from ubnext._memory.multicast import MulticastRange
@@ -22,15 +24,19 @@ from ubnext._protocol.quant import quant_area_bytes
 
 
 class Block:
-    """Owner of one user allocation (``Communicator.empty``); frees it when collected.
+    """Owner of one user allocation (``Communicator.empty``, and the areas of features
+    built on the communicator): every array viewing it, of any framework, holds it, and it
+    holds the node's lease, so this rank's segment stays mapped (and its address range
+    reserved) while the array lives, the communicator closed or dropped included.
 
-    The finalizer only returns the range to the heap (pure Python, no driver call).
+    Collected, it returns its range to the heap (pure Python); the lease it drops may be
+    the last hold of the segment, which is then released on this thread.
     """
 
-    __slots__ = ("ptr", "_heap", "_offset", "__weakref__")
+    __slots__ = ("ptr", "_heap", "_offset", "_lease", "__weakref__")
 
-    def __init__(self, heap: UserHeap, offset: int, ptr: int):
-        self.ptr, self._heap, self._offset = ptr, heap, offset
+    def __init__(self, heap: UserHeap, offset: int, ptr: int, lease: Lease):
+        self.ptr, self._heap, self._offset, self._lease = ptr, heap, offset, lease
 
     def __del__(self):
         self._heap.free(self._offset)
@@ -75,9 +81,9 @@ class Node:
             raise UbnextError(f"Communicator: UBNEXT_POOL_MB={config.pool_mb} leaves no room for user buffers; "
                               f"the library slots alone take {plan.end / 2**20:.1f} MiB (UBNEXT_STAGING_MB, "
                               f"UBNEXT_LAMPORT_MAX_KB and UBNEXT_LAMPORT_TWOSHOT_MAX_KB size them)")
-        # the release steps, run newest first on a failed setup and by close (the
-        # multicast range unbinds the segments before the pool releases them)
-        undo = self._teardown = UndoStack()
+        # the release steps, run newest first on a failed setup (the multicast range
+        # unbinds the segments before the pool releases them); close releases in parts
+        undo = UndoStack()
         try:
             # the descriptor channel serves the setup only: closed (collectively) once the
             # segments and the multicast object are shared, so that closing the node later
@@ -115,6 +121,12 @@ class Node:
             for e in undo.unwind():  # keep the original error
                 warnings.warn(f"Communicator: cleanup after a failed setup: {e}", RuntimeWarning)
             raise
+        # committed: what points into the pool holds it (holders): this rank's segment and the
+        # address range stay while the node, an array or a captured graph holds the lease; the
+        # peers' segments, the multicast range and the failure words while the node or a graph does
+        self._lease, self._released = Lease(self._release_own), False
+        self._release_lock, self._on_release = threading.Lock(), []
+        self.graphs = Graphs(driver=driver)
 
     def _drop_side(self) -> None:
         """Destroys the side stream on the closing thread (the garbage collector may free
@@ -141,10 +153,28 @@ class Node:
                 self._local.allgather_obj(False)
             raise
 
-    def alloc(self, nbytes: int) -> Block:
-        """A user block of at least ``nbytes`` (collective over the node's ranks)."""
-        offset = self.heap.alloc(max(nbytes, 16), self._local.allgather)
-        return Block(self.heap, offset, self.pool.local_ptr(offset))
+    def alloc(self, nbytes: int, exchange=None) -> Block:
+        """A user block of at least ``nbytes`` (collective over the node's ranks: the heap's
+        allgather, through ``exchange(fn, *args)`` where given: ``lifetime.Exchanges.run``)."""
+        agree = self._local.allgather
+        if exchange is not None:
+            local = self._local
+            agree = lambda message: exchange(local.allgather, message)  # noqa: E731
+        offset = self.heap.alloc(max(nbytes, 16), agree)
+        return Block(self.heap, offset, self.pool.local_ptr(offset), self._lease)
+
+    def hold(self, stream: int) -> None:
+        """Where ``stream`` is being captured into a CUDA graph, makes that graph hold the
+        node's memory until it is destroyed (``holders.Graphs.hold``). In the launch section,
+        before a call's launches.
+
+        Raises:
+            CudaError: a driver call failed.
+        """
+        capture = _streams.CUDA.capture(stream)  # 0: not captured (the cost of every call)
+        lease = self._lease
+        if capture > 0 and lease is not None:
+            self.graphs.hold(capture, stream, lease)
 
     def announce(self, kind: int, rank: int) -> None:
         """Marks every kernel family of every local rank broken by rank ``rank`` with failure
@@ -201,25 +231,27 @@ class Node:
             self._side.synchronize()
         return bool(words.any())
 
-    def close(self, local: bool = False) -> bool:
-        """Waits for the device, then for every local rank, then releases everything.
+    def close(self, local: bool = False, exchange=None) -> bool:
+        """Waits for the device, then for every local rank, then releases what is the node's
+        and gives up its hold of the memory: the peers' segments, the multicast range and
+        the failure words go now unless a captured graph still holds them (then when the
+        last such graph is destroyed); this rank's segment and the address range once no
+        array from ``empty()`` and no graph holds them either (see ``holders``).
 
         Collective over the node's ranks, unless ``local`` or the communicator is broken
         (``broken()``): then no rank is waited for, since a failed peer may never come;
         the segments stay valid for the peers that still map them (their memory goes with
-        the last mapping). Every step runs even when one fails.
+        the last mapping). Every step runs even when one fails, the rank's barrier included
+        (``exchange(fn)``: ``lifetime.Exchanges.run``, which an abort makes raise).
 
         Returns:
             Whether it closed locally (waited for no rank).
 
         Raises:
-            The first error of the device wait or of a release step.
+            The first error of the device wait, the barrier or a release step.
         """
         import cupy
 
-        if self.heap.used:
-            warnings.warn("Communicator.close: arrays from empty() are still alive; they must not be used "
-                          "after close", ResourceWarning, stacklevel=3)
         errors = []
         try:
             with self._context.current():
@@ -228,10 +260,75 @@ class Node:
             errors.append(e)
         local = local or bool(errors) or self.broken()
         if not local:
-            self._local.barrier()
+            try:
+                self._local.barrier() if exchange is None else exchange(self._local.barrier)
+            except Exception as e:  # a peer gone, an abort: released locally all the same
+                errors.append(e)
+                local = True
         with self._announce_lock, self._context.current():  # no announce writes into what is released
+            if self._closed:
+                return local
             self._closed = True
-            errors += self._teardown.unwind()
+            for step in (self.fds.close, self.engine.close, self._drop_side):
+                try:
+                    step()
+                except Exception as e:
+                    errors.append(e)
+            lease, self._lease = self._lease, None
+            if self.graphs.close(self._release_shared):  # no graph holds the memory: shared parts now
+                errors += self._release_shared()
+                if not self.heap.blocks:  # nor an array: the rest now, its errors raised here
+                    try:
+                        lease.release()
+                    except Exception as e:
+                        errors.append(e)
+            del lease  # else the last holder releases it
         if errors:
             raise errors[0]
         return local
+
+    @property
+    def holds_memory(self) -> bool:
+        """Whether this rank's segment is still mapped (an array or a graph holds it)."""
+        return self._lease is not None or not self._released
+
+    def _release_shared(self) -> list[Exception]:
+        """Releases what only the node and captured graphs use: the multicast range, the
+        peers' segments, the failure words. Once; returns the errors (every step runs)."""
+        errors = []
+        with self._context.current():
+            for step in ((self.multicast.close,) if self.multicast is not None else ()) + (
+                    self.pool.release_peers, self.failures.close):
+                try:
+                    step()
+                except Exception as e:
+                    errors.append(e)
+        return errors
+
+    def on_release(self, fn) -> None:
+        """Calls ``fn()`` once this rank's memory is released: now if it is (the communicator
+        gives its context's retain back then, not before)."""
+        with self._release_lock:
+            if not self._released:
+                self._on_release.append(fn)
+                return
+        fn()
+
+    def _release_own(self) -> None:
+        """Waits for the device (a kernel may still read an array that was just dropped),
+        releases this rank's segment and the address range (``pool.close``: whatever is
+        still mapped), then runs the ``on_release`` callbacks: the lease's release, run once
+        by its last holder, on its thread."""
+        import cupy
+
+        try:
+            with self._context.current():
+                try:
+                    cupy.cuda.Device(self.pool.device).synchronize()
+                finally:  # a device error (another library's kernel) still releases
+                    self.pool.close()
+        finally:
+            with self._release_lock:
+                self._released, callbacks, self._on_release = True, self._on_release, []
+            for fn in callbacks:
+                fn()

@@ -220,6 +220,11 @@ class UserHeap:
         return sum(self._allocated.values())
 
     @property
+    def blocks(self) -> int:
+        """Live blocks on this rank (one atomic read: safe while finalizers free blocks)."""
+        return len(self._allocated)
+
+    @property
     def capacity(self) -> int:
         """Bytes managed by the heap."""
         return self._end - self._start

@@ -147,6 +147,11 @@ class SymmetricPool(TornDown):
         self.stride = self.size = -(-size // granularity) * granularity
         total = self.local_size * self.stride
 
+        # the peers' imported handles and the mapped segments, which release_peers gives
+        # back before the rest (their undo steps then find nothing left to do)
+        self._peer_handles: dict[int, Any] = {}
+        self._mapped: set[int] = set()
+
         # 1. Reserve the address range of all segments.
         self._base = int(self._call("cuMemAddressReserve", total, granularity, 0, 0))
         undo.push(self._call, "cuMemAddressFree", d.CUdeviceptr(self._base), total)
@@ -170,10 +175,10 @@ class SymmetricPool(TornDown):
                 )
             for peer, peer_fd in enumerate(fds):
                 if peer != self.local_rank:
-                    handles[peer] = self._peer_call(
+                    handles[peer] = self._peer_handles[peer] = self._peer_call(
                         peer, "cuMemImportFromShareableHandle", peer_fd, fd_type
                     )
-                    undo.push(self._call, "cuMemRelease", handles[peer])
+                    undo.push(self._release_peer, peer)
         finally:
             _close_all(fds)
 
@@ -181,7 +186,8 @@ class SymmetricPool(TornDown):
         for rank, handle in enumerate(handles):
             segment = d.CUdeviceptr(self._base + rank * self.stride)
             self._call("cuMemMap", segment, self.stride, 0, handle, 0)
-            undo.push(self._call, "cuMemUnmap", segment, self.stride)
+            self._mapped.add(rank)
+            undo.push(self._unmap, rank)
 
         # 5. Let this device read and write the whole range.
         access = d.CUmemAccessDesc()
@@ -192,6 +198,18 @@ class SymmetricPool(TornDown):
 
     def _call(self, name: str, *args: Any) -> Any:
         return drv(name, *args, driver=self._driver)
+
+    def _unmap(self, rank: int) -> None:
+        """Unmaps local rank ``rank``'s segment, once."""
+        if rank in self._mapped:
+            self._mapped.discard(rank)
+            self._call("cuMemUnmap", self._driver.CUdeviceptr(self._base + rank * self.stride), self.stride)
+
+    def _release_peer(self, peer: int) -> None:
+        """Releases the handle imported from local rank ``peer``, once."""
+        handle = self._peer_handles.pop(peer, None)
+        if handle is not None:
+            self._call("cuMemRelease", handle)
 
     def _peer_call(self, peer: int | None, name: str, *args: Any) -> Any:
         """A call whose failure means peers cannot share memory: PeerAccessError."""
@@ -249,6 +267,27 @@ class SymmetricPool(TornDown):
         if offset >= 0 and nbytes >= 0 and offset + nbytes <= self.stride:
             return offset
         return None
+
+    def release_peers(self) -> None:
+        """Unmaps the peers' segments and releases their imported handles, keeping this
+        rank's segment and the whole address range: what arrays of this rank's segment
+        need once no kernel reaches the peers any more (``close`` releases the rest; no
+        other object is ever mapped into the range while it is reserved). Idempotent; a
+        peer's memory goes when its last mapping and handle are gone, on any rank.
+
+        Raises:
+            CudaError: a driver call failed; the other peers are released all the same.
+        """
+        errors = []
+        for step, ranks in ((self._unmap, [r for r in sorted(self._mapped) if r != self.local_rank]),
+                            (self._release_peer, sorted(self._peer_handles))):
+            for rank in ranks:
+                try:
+                    step(rank)
+                except CudaError as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def close(self) -> None:
         """Unmap every segment, release every handle, free the address range.

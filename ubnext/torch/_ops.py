@@ -422,6 +422,17 @@ def _version_bump(overload, mutated: tuple[str, ...]):
     return bump
 
 
+def _holding(setup_context):
+    """``setup_context``, and the op's communicator (its last argument's handle) kept on the
+    autograd context until backward runs: the graph of a functional call holds its
+    communicator, as a layer does (the registry of handles holds none)."""
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        ctx.comm = lookup(inputs[-1])
+
+    return setup
+
+
 def register() -> None:
     """Defines ``torch.ops.ubnext.<name>`` for every entry of ``OPS`` (once per process).
 
@@ -438,7 +449,7 @@ def register() -> None:
         _LIB.impl(name, _kernel(op), "CompositeExplicitAutograd")
         torch.library.register_fake(qualname, op.fake, lib=_LIB)
         if op.backward is not None:
-            torch.library.register_autograd(qualname, op.backward, setup_context=op.setup_context, lib=_LIB)
+            torch.library.register_autograd(qualname, op.backward, setup_context=_holding(op.setup_context), lib=_LIB)
         if op.mutates:
             overload = getattr(getattr(torch.ops, NAMESPACE), name).default
             _LIB.impl(name, _version_bump(overload, op.mutates), "ADInplaceOrView", with_keyset=True)

@@ -26,6 +26,12 @@ class BufferPlan:
     Collective: yes (``Communicator.empty`` on every rank alike); its views are host-only.
     Graph-capturable: no (it allocates); ``view`` and ``assign`` yes (host only).
 
+    The plan holds its communicator (``comm``) and its buffers hold their pool memory, so a
+    plan (and a layer holding it) stays usable however its creator's references go; a
+    closed communicator's plan keeps its buffers, and calls on them raise ClosedError.
+    ``copy.deepcopy`` returns the plan itself (copies of a layer share it: the buffers are
+    the communicator's memory, not state); pickling raises TypeError.
+
     Args:
         group: the ``ubnext.Communicator`` whose pool holds the buffers.
         max_tokens: the most tokens (rows) a call writes.
@@ -38,12 +44,20 @@ class BufferPlan:
     """
 
     def __init__(self, group, max_tokens: int, widths: dict, dtype=torch.bfloat16, buffers: int = 2):
+        self.comm = group
         self.max_tokens = int(max_tokens)
         self.capacity = self.max_tokens * max(int(w) for w in widths.values())  # elements per buffer
         self.dtype = dtype
         self.buffers = [group.empty(self.capacity, _DTYPE_NAMES[dtype], framework="torch") for _ in range(buffers)]
         self._slots: dict = {}
         self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("BufferPlan cannot be pickled: its buffers are a communicator's symmetric memory; save the "
+                        "model's state_dict() and make the plan again")
 
     def assign(self, key) -> int:
         """The buffer of ``key``: the next one round-robin the first time, the same ever after

@@ -27,6 +27,13 @@ calls, not these.
 
 Shards are rows (column-parallel) or columns (row-parallel) ``[rank * n / size, (rank + 1)
 * n / size)`` of the full weight; ``load_full`` takes them from the unsharded weights.
+
+Every layer holds its communicator (``layer.comm``; ``layer.group`` is the int handle its
+ops take) and, where it has one, its ``BufferPlan``: a model built in a function works
+after the function's own reference to the communicator is gone. ``copy.deepcopy`` of a
+layer copies its parameters and shares the communicator and the buffer plan (resources,
+not state); pickling a layer (``torch.save(model)``) raises TypeError: save its
+``state_dict()`` instead, and build the layers again around a communicator.
 """
 
 from __future__ import annotations
@@ -42,11 +49,18 @@ from . import functional
 from ._registry import handle, lookup
 
 
-def _ranks(group) -> tuple[int, int, int]:
-    """(handle, rank, ranks) of a communicator."""
+def _ranks(layer, group) -> tuple[int, int, int]:
+    """(handle, rank, ranks) of a communicator, which ``layer`` holds (``_hold``)."""
+    h = _hold(layer, group)
+    return h, layer.comm.rank, layer.comm.size
+
+
+def _hold(layer, group) -> int:
+    """The handle of ``group`` (the ops take it); ``layer.comm`` holds the communicator
+    itself, so that a model keeps its communicator alive (the registry of handles is weak)."""
     h = handle(group)
-    comm = lookup(h)
-    return h, comm.rank, comm.size
+    layer.comm = lookup(h)
+    return h
 
 
 def _mark_partial(sequence_parallel: bool, reduce_replicated_grads: bool, *params) -> None:
@@ -90,7 +104,7 @@ class ColumnParallelLinear(nn.Module):
                  *, sequence_parallel: bool = False):
         super().__init__()
         self.sequence_parallel = bool(sequence_parallel)
-        self.group, self.rank, self.size = _ranks(group)
+        self.group, self.rank, self.size = _ranks(self, group)
         local = _shard(out_features, self.size, "out_features")
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(local, dtype=dtype, device=device)) if bias else None
@@ -176,7 +190,7 @@ class RowParallelLinear(nn.Module):
                  reduce_replicated_grads: bool = True, precision: str = EXACT):
         super().__init__()
         self.sequence_parallel = bool(sequence_parallel)
-        self.group, self.rank, self.size = _ranks(group)
+        self.group, self.rank, self.size = _ranks(self, group)
         local = _shard(in_features, self.size, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
@@ -326,7 +340,7 @@ class AddRMSNormEpilogue(nn.Module):
     def __init__(self, hidden: int, group, eps: float = 1e-6, dtype=None, device=None, *,
                  sequence_parallel: bool = False, reduce_replicated_grads: bool = True):
         super().__init__()
-        self.group = handle(group)
+        self.group = _hold(self, group)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         self.reduce_replicated_grads = bool(reduce_replicated_grads)

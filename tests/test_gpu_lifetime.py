@@ -1,0 +1,294 @@
+"""What outlives a communicator on the GPU (issue 48): a model built in a function, a CUDA
+graph replayed after close() and after a drop, arrays of a dropped communicator beside a
+new one of the same pool size, device memory once the last holder is gone, the finalizer
+of a real communicator (also collected on its own watchdog thread), and abort() while
+another thread waits in empty()'s exchange.
+
+Runs at any world size, ranks on their own GPUs or sharing one
+(``mpirun --oversubscribe -n N python -m pytest tests/test_gpu_lifetime.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+from gpu_support import require_gpu_and_torch
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(pool_mb=64, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
+TOKENS, HIDDEN, INTERMEDIATE, HEADS_FEATURES = 8, 256, 512, 256
+#: a release that runs on ubnext's graphs thread (after CUDA destroyed a graph's user object)
+WAIT_S = 20.0
+#: abort()'s bound here: no kernel is running, no peer is waited for
+ABORT_BOUND_S = 10.0
+
+
+def eventually(check, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
+        time.sleep(0.01)
+
+
+def world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def communicator():
+    require_gpu_and_torch()
+    import torch
+
+    import ubnext
+
+    c = ubnext.Communicator(**SMALL)
+    torch.cuda.set_device(c.device)
+    return c
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_a_model_built_in_a_function_works_after_the_function_returns(grad):
+    """The builder scenario: the communicator and the buffer plan made in a function that
+    returns only the model; its forward after the drop (no_grad: the planned GEMM writes
+    into the plan's pool buffer first) gives the bits of its forward inside the function.
+    After close, the forward raises ClosedError."""
+    import torch
+    import tp_support as tp
+
+    import ubnext
+    from ubnext.torch import BufferPlan
+
+    dtype = torch.bfloat16
+
+    def run(model, data):
+        model.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(grad):
+            out = tp.run_block("mlp", model, model.gate_up.rank, model.gate_up.size, data, backward=grad)
+        torch.cuda.synchronize()
+        return {k: v.clone() for k, v in out.items()}
+
+    def build():
+        comm = communicator()
+        w = tp.weights(HIDDEN, INTERMEDIATE, HEADS_FEATURES, dtype, "cuda")
+        plan = BufferPlan(comm, TOKENS, {"mlp": HIDDEN}, dtype)
+        model = tp.mlp(comm, w, dtype, "cuda", plan)
+        data = tp.inputs(TOKENS, HIDDEN, HEADS_FEATURES, dtype, "cuda")
+        run(model, data)  # compiles the kernels
+        return model, data, run(model, data), w, weakref.ref(comm)
+
+    model, data, before, w, comm = build()
+    gc.collect()
+    world().Barrier()
+    assert comm() is model.down.comm is model.norm.comm
+    after = run(model, data)
+    tp.assert_equal_bits(after, before)
+    reference = tp.unsharded("mlp", w, data, comm().rank, comm().size)
+    tp.assert_close_to(after, {k: v for k, v in reference.items() if k in after})
+    model.down.comm.close()
+    with pytest.raises(ubnext.ClosedError):
+        run(model, data)
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_cuda_graph_replayed_after_close_or_a_drop(how):
+    """A captured graph holds the whole pool and the failure words: replayed after close()
+    on every rank it is exact (no host code runs, its kernels meet the peers' replays); after
+    a drop (whose finalizer marks the communicator aborted) its kernels give up: values
+    exact or poison, no illegal address, the context usable. The next eager call on a
+    closed communicator raises ClosedError. Destroying the graph releases the memory."""
+    import torch
+
+    import ubnext
+
+    c = communicator()
+    size, n = c.size, 4096
+    x = torch.full((n,), float(c.rank + 1), device="cuda")
+    y = torch.empty_like(x)
+    c.all_reduce(x, out=y, algorithm="lamport")  # compiles
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        c.all_reduce(x, out=y, algorithm="lamport")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.all_reduce(x, out=y, algorithm="lamport")
+    node = c._node
+    assert node.graphs.live == 1
+    want = float(size * (size + 1) // 2)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((y == want).all())
+    world().Barrier()  # a drop marks every rank's kernels aborted: not while a peer's replay still runs
+    if how == "close":
+        c.close()
+        with pytest.raises(ubnext.ClosedError):
+            c.all_reduce(x, out=y)
+    else:
+        ref = weakref.ref(c)
+        del c
+        gc.collect()
+        assert ref() is None
+    world().Barrier()
+    assert node.holds_memory
+    y.fill_(-1.0)
+    graph.replay()
+    torch.cuda.synchronize()  # raises where a kernel hit an unmapped address
+    if how == "close":
+        assert bool((y == want).all()), "a replay after close on every rank is exact"
+    else:
+        assert bool(((y == want) | y.isnan()).all()), "a replay after a drop: exact or poison"
+    assert float(torch.ones(4, device="cuda").sum()) == 4.0  # the context is usable
+    del graph
+    gc.collect()
+    eventually(lambda: not node.holds_memory, "the pool released once the graph is destroyed")
+    world().Barrier()
+
+
+def test_arrays_of_a_dropped_communicator_beside_a_new_one_of_the_same_size():
+    """A notebook cell run again: an array of a dropped communicator keeps its segment (and
+    its addresses), a new communicator of the same pool size maps elsewhere: both exact."""
+    import torch
+
+    n = 1 << 16
+
+    def make():
+        c = communicator()
+        a = c.empty(n, "float32", framework="torch")
+        a.fill_(7.0)
+        return a, c._node
+
+    old, old_node = make()
+    gc.collect()
+    world().Barrier()
+    c = communicator()
+    b = c.empty(n, "float32", framework="torch")
+    b.fill_(3.0)
+    c.all_reduce(b, out=b)
+    torch.cuda.synchronize()
+    pool = c._node.pool
+    assert not pool.base <= old.data_ptr() < pool.base + pool.local_size * pool.stride
+    assert bool((old == 7.0).all()), "the old array reads the new pool's data"
+    assert bool((b == 3.0 * c.size).all())
+    assert float((old * 2).sum()) == 14.0 * n
+    c.close()
+    assert bool((b == 3.0 * c.size).all())  # an array of a closed communicator is still readable
+    del old, b
+    gc.collect()
+    assert not old_node.holds_memory
+
+
+def test_device_memory_comes_back_once_the_last_holder_is_gone():
+    import torch
+    from test_gpu_api import assert_memory_given_back
+
+    devices = []
+
+    def cycle():
+        c = communicator()
+        devices.append(c.device)
+        node = c._node
+        a = c.empty(1 << 20, "float32", framework="torch")
+        a.fill_(1.0)
+        c.all_reduce(a, out=a)
+        x = torch.ones(2048, device="cuda")
+        c.all_reduce(x, out=x, algorithm="lamport")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c.all_reduce(x, out=x, algorithm="lamport")
+        c.close()
+        graph.replay()
+        torch.cuda.synchronize()
+        del graph
+        gc.collect()
+        torch.cuda.empty_cache()  # the graph's private pool
+        eventually(lambda: node.graphs.live == 0, "the graph counted gone")
+        assert node.holds_memory  # the array
+        del a
+        gc.collect()
+        eventually(lambda: not node.holds_memory, "the segment released with the array")  # or by the graphs' thread
+
+    cycle()  # compiles the kernels, sets the caching allocators up
+    assert_memory_given_back(world(), devices[-1], cycle, 3, "communicators outlived by arrays and graphs")
+
+
+@pytest.mark.parametrize("where", ["caller", "watchdog"])
+def test_a_real_communicator_dropped_is_released_by_its_finalizer(where):
+    """The finalizer of a communicator made by the real constructor (watchdog and closures
+    included): collected on the caller's thread, or on its own watchdog's thread (which
+    cannot stop itself: released on a thread of its own)."""
+    import torch
+
+    c = communicator()
+    x = torch.ones(2048, device="cuda")
+    c.all_reduce(x, out=x)
+    torch.cuda.synchronize()
+    owned, node = c._owned, c._node
+    watchdog = owned.watchdog
+    threads = []
+    release = owned._drop
+
+    def recorded():
+        threads.append(threading.current_thread().name)
+        release()
+
+    owned._drop = recorded
+    world().Barrier()  # nobody drops while a peer still calls
+    if where == "caller":
+        del c
+        gc.collect()
+    else:
+        box, poll = [c], watchdog._poll
+        del c
+
+        def dropping():
+            box.clear()
+            gc.collect()
+            return poll()
+
+        watchdog._poll = dropping
+    eventually(lambda: owned.released and threads, "the communicator released by its finalizer")
+    assert threads == (["MainThread"] if where == "caller" else ["ubnext-dropped"])
+    eventually(lambda: not watchdog._thread.is_alive(), "the watchdog stopped")
+    assert not node.holds_memory
+    world().Barrier()
+
+
+def test_abort_returns_while_another_thread_waits_in_empty_for_a_peer():
+    """A peer that never comes to empty()'s exchange (a stand-in bootstrap holds every rank's
+    exchange back): abort() from another thread returns within its bound, and the call
+    raises BrokenCommunicatorError when its exchange returns, having allocated nothing."""
+    from test_abort import DeadPeer
+
+    import ubnext
+
+    c = communicator()
+    node = c._node
+    local = node._local = DeadPeer(node._local)
+    got = []
+
+    def user():
+        try:
+            got.append(c.empty(1024))
+        except BaseException as e:  # handed to the test
+            got.append(e)
+
+    caller = threading.Thread(target=user, name="user")
+    caller.start()
+    assert local.arrived.wait(30), "empty() never reached its exchange"
+    start = time.monotonic()
+    c.abort()
+    took = time.monotonic() - start
+    assert took < ABORT_BOUND_S, f"abort took {took:.1f} s"
+    local.come()
+    caller.join(30)
+    assert len(got) == 1 and isinstance(got[0], ubnext.BrokenCommunicatorError), got
+    assert not node.holds_memory and node.heap.used == 0
+    world().Barrier()

@@ -1,0 +1,247 @@
+"""What holds a node's memory (CPU only, a recording fake driver; ranks as threads): arrays
+from ``empty()`` keep this rank's segment and the address range, captured CUDA graphs the
+whole pool and the failure words, until the last holder is gone (``_engine.holders``).
+
+The graphs' user objects are the fake's (``GraphFakeDriver``); their destructor is the real
+one, libc's ``sem_post`` on ubnext's semaphore, called through ctypes from a thread of the
+fake as CUDA's internal thread would.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+from fake_driver import GraphFakeDriver
+from stream_fakes import FakeContexts, fake_context
+from test_gate import StubDevice, StubEngine, StubFailureRecords, StubStream
+from thread_ranks import raise_first, run_ranks
+
+from ubnext._environment.config import Config
+from ubnext._environment.nvls_gate import NvlsDecision
+from ubnext._protocol.errors import CudaError
+
+STREAM = 0x5000  # rank r captures on STREAM + r
+WAIT_S = 5.0
+
+
+class Records(StubFailureRecords):
+    """Failure words that say whether they were freed."""
+
+    def __init__(self, names):
+        super().__init__(names)
+        self.freed = False
+
+    def close(self):
+        self.freed = True
+
+    def error(self, op, timeout_s):
+        return None
+
+
+@pytest.fixture
+def make_nodes(monkeypatch):
+    """``make_nodes(fake, body, n=2, nvls=False)``: a Node per thread rank on ``fake``, each
+    rank then running ``body(node, rank)`` (collective parts go there); returns
+    ``[(node, contexts, what body returned)]``."""
+    import cupy
+
+    import ubnext._engine.node as node_module
+    from ubnext._interop import streams as _streams
+
+    monkeypatch.setattr(node_module, "Engine", StubEngine)
+    monkeypatch.setattr(node_module, "FailureRecords", Records)
+    monkeypatch.setattr(cupy.cuda, "Device", StubDevice)
+    monkeypatch.setattr(cupy.cuda, "Stream", StubStream)
+    config = Config(nvls="1", pool_mb=16, staging_mb=1, lamport_max_kb=64, lamport_twoshot_max_kb=512)
+
+    def make(fake, body=lambda node, rank: None, n=2, nvls=False):
+        monkeypatch.setattr(_streams, "CUDA", type("Capture", (), {"capture": staticmethod(fake.capture_id)})())
+
+        def rank(boot):
+            contexts = FakeContexts()
+            node = node_module.Node(boot, fake_context(boot.rank, contexts), config,
+                                    NvlsDecision(nvls, "test"), driver=fake)
+            return node, contexts, body(node, boot.rank)
+
+        return raise_first(run_ranks(n, rank))
+
+    return make
+
+
+def segment(node, rank: int) -> int:
+    return node.pool._base + rank * node.pool.stride
+
+
+def mapped(fake, node) -> list[int]:
+    """The local ranks whose segments ``node``'s range maps."""
+    return [r for r in range(node.pool.local_size) if segment(node, r) in fake.mappings]
+
+
+def reserved(fake, node) -> bool:
+    return node.pool._base in fake.reservations
+
+
+def eventually(check, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
+        time.sleep(0.01)
+
+
+def test_close_without_holders_releases_everything_at_once(make_nodes):
+    fake = GraphFakeDriver()
+    nodes = make_nodes(fake)
+    for node, contexts, _ in nodes:
+        node.close(local=True)
+        assert not node.holds_memory and node.failures.freed
+        released = []
+        node.on_release(lambda: released.append(True))
+        assert released  # at once: the communicator gives its context's retain back now
+    assert fake.leaks() == []
+
+
+def test_close_with_a_live_array_unmaps_the_peers_and_keeps_the_own_segment(make_nodes):
+    """An array of the pool outlives close: this rank's segment stays mapped and the address
+    range reserved (no later reservation can take it), the peers' segments go at once; the
+    rest goes when the array does."""
+    fake = GraphFakeDriver()
+    nodes = make_nodes(fake, lambda node, rank: node.alloc(4096))
+    released = []
+    for rank, (node, contexts, block) in enumerate(nodes):
+        node.close(local=True)
+        assert mapped(fake, node) == [rank] and reserved(fake, node)
+        assert node.holds_memory and node.failures.freed
+        node.on_release(lambda rank=rank: released.append(rank))
+        assert released == []
+    assert len(fake.handles) == 2  # each rank's own; the imported ones released
+    blocks = [block for _, _, block in nodes]
+    nodes = [(node, contexts) for node, contexts, _ in nodes]
+    del block
+    blocks.pop(0)
+    gc.collect()
+    (node0, contexts0), (node1, _) = nodes
+    assert mapped(fake, node0) == [] and not reserved(fake, node0) and not node0.holds_memory
+    assert released == [0]
+    assert mapped(fake, node1) == [1]
+    blocks.clear()
+    gc.collect()
+    assert fake.leaks() == []
+
+
+def test_the_arrays_own_segment_goes_with_the_last_of_them(make_nodes):
+    fake = GraphFakeDriver()
+    nodes = make_nodes(fake, lambda node, rank: [node.alloc(4096), node.alloc(256)], n=1)
+    node, _, blocks = nodes[0]
+    node.close(local=True)
+    blocks.pop()
+    gc.collect()
+    assert mapped(fake, node) == [0]
+    blocks.pop()
+    gc.collect()
+    assert fake.leaks() == []
+
+
+def test_a_failed_release_at_close_is_raised_after_every_step(make_nodes):
+    fake = GraphFakeDriver()
+    node = make_nodes(fake, n=1)[0][0]
+    fake.fail_on("cuMemAddressFree")
+    with pytest.raises(CudaError, match="^cuMemAddressFree"):
+        node.close(local=True)
+    assert [leak.split()[0] for leak in fake.leaks()] == ["reservation"]
+
+
+def capture(fake, node, rank: int, calls: int = 2) -> int:
+    """Rank ``rank`` captures ``calls`` calls of its node into a new graph; returns it."""
+    stream = STREAM + rank
+    graph = fake.begin_capture(stream)
+    for _ in range(calls):
+        node.hold(stream)
+    fake.end_capture(stream)
+    return graph
+
+
+def test_a_captured_graph_holds_the_whole_pool_until_it_is_destroyed(make_nodes):
+    """One user object per capture however many calls it joined; after close the graph
+    keeps every segment, the multicast range and the failure words mapped; destroying it
+    releases all (on the graphs' thread, woken by the destructor's post)."""
+    fake = GraphFakeDriver()
+    nodes = make_nodes(fake, lambda node, rank: capture(fake, node, rank), nvls=True)
+    assert fake.names().count("cuUserObjectCreate") == 2 and fake.live_objects() == 2
+    for node, _, _ in nodes:
+        node.hold(STREAM + 7)  # not being captured: nothing held
+        node.close(local=True)
+        assert mapped(fake, node) == [0, 1] and not node.failures.freed and node.holds_memory
+        assert any(b for mc in fake.multicast.values() for b in mc.bindings)
+    for node, contexts, graph in nodes:
+        fake.destroy_graph(graph)
+        eventually(lambda: not node.holds_memory, "the graph's memory released")
+        assert node.failures.freed
+        assert node.graphs.live == 0
+        eventually(lambda: node.graphs._signal is None, "the graphs' thread ended, its semaphore freed")
+    eventually(lambda: fake.leaks() == [], f"no leak: {fake.leaks()}")
+
+
+def test_the_last_of_several_graphs_releases_after_close(make_nodes):
+    fake = GraphFakeDriver()
+    nodes = make_nodes(fake, lambda node, rank: [capture(fake, node, rank) for _ in range(3)])
+    for rank, (node, _, graphs) in enumerate(nodes):
+        node.close(local=True)
+        for graph in graphs[:-1]:
+            fake.destroy_graph(graph)
+        eventually(lambda: node.graphs.live == 1, "two graphs counted gone")
+        time.sleep(0.05)
+        assert mapped(fake, node) == [0, 1] and not node.failures.freed and node.holds_memory
+        fake.destroy_graph(graphs[-1])
+        eventually(lambda: not node.holds_memory, "released with the last graph")
+        assert node.failures.freed
+    eventually(lambda: fake.leaks() == [], f"no leak: {fake.leaks()}")
+
+
+def test_a_graph_destroyed_before_the_arrays_go_leaves_them_their_segment(make_nodes):
+    fake = GraphFakeDriver()
+    nodes = make_nodes(fake, lambda node, rank: (capture(fake, node, rank, 1), node.alloc(4096)))
+    held = []
+    for rank, (node, _, (graph, block)) in enumerate(nodes):
+        node.close(local=True)
+        fake.destroy_graph(graph)
+        eventually(lambda: node.failures.freed, "the peers' part released")
+        assert mapped(fake, node) == [rank] and reserved(fake, node)
+        held.append(block)
+    del block
+    nodes = [n for n, _, _ in nodes]
+    held.clear()
+    gc.collect()
+    assert fake.leaks() == [] and not any(n.holds_memory for n in nodes)
+
+
+def test_graphs_destroyed_while_the_node_is_open_hold_nothing_at_close(make_nodes):
+    fake = GraphFakeDriver()
+    nodes = make_nodes(fake, lambda node, rank: [capture(fake, node, rank) for _ in range(3)])
+    for node, _, graphs in nodes:
+        assert node.graphs.live == 3
+        for graph in graphs:
+            fake.destroy_graph(graph)
+        eventually(lambda: node.graphs.live == 0, "every graph counted")
+        node.close(local=True)
+        assert not node.holds_memory
+        eventually(lambda: node.graphs._signal is None, "the graphs' thread woken by close, ended")
+    assert fake.leaks() == [] and fake.names().count("cuUserObjectCreate") == 6
+
+
+def test_a_failed_retain_holds_nothing_and_leaves_the_count_right(make_nodes):
+    fake = GraphFakeDriver()
+    fake.fail_on("cuGraphRetainUserObject")
+    node = make_nodes(fake, n=1)[0][0]
+    graph = fake.begin_capture(STREAM)
+    with pytest.raises(CudaError, match="^cuGraphRetainUserObject"):
+        node.hold(STREAM)
+    assert fake.live_objects() == 0  # released again: its destructor posted
+    eventually(lambda: node.graphs.live == 0, "the released object counted")
+    node.hold(STREAM)  # the same capture, tried again
+    fake.end_capture(STREAM)
+    node.close(local=True)
+    assert node.holds_memory
+    fake.destroy_graph(graph)
+    eventually(lambda: fake.leaks() == [], "released with the graph")
