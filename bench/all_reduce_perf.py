@@ -574,7 +574,7 @@ def run(args: argparse.Namespace, world: World, argv: list[str]) -> int:
                 failed += wrong_tests
                 busbws += bws
     avg_busbw = sum(busbws) / len(busbws) if busbws else 0.0
-    if any((r["in_place"] or {}).get("non_finite_data") for r in doc["results"]):
+    if any((r.get("in_place") or {}).get("non_finite_data") for r in doc["results"]):
         say(NON_FINITE_NOTE, flush=True)
     for line in common.footer(failed, avg_busbw, args.program.name):
         say(line, flush=True)

@@ -104,6 +104,8 @@ def rank_bytes(count: int, dtype: str, rank: int, seed: int) -> np.ndarray:
 def on_device(b: np.ndarray, dtype: str, shape=None):
     import torch
 
+    if b.size == 0:  # a rank that sends no rows (uneven splits): torch cannot view an empty array's bytes
+        return torch.empty(shape or (0,), dtype=torch_dtype(dtype), device="cuda")
     t = torch.from_numpy(b).to("cuda").view(torch_dtype(dtype))
     return t if shape is None else t.view(shape)
 

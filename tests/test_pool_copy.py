@@ -189,7 +189,8 @@ def pooled(monkeypatch, nccl_problem=None, rank=1):
     """A 4-rank communicator with a pool stand-in: its area at 0x100000 + r * 0x10000."""
     c = make_comm(monkeypatch, rank=rank, nccl_problem=nccl_problem)
     c._dispatch, c._nccl_reason = Dispatch(), None
-    c._node = SimpleNamespace(pool=SimpleNamespace(stride=0x10000), failure=lambda name, timeout: None)
+    c._node = SimpleNamespace(pool=SimpleNamespace(stride=0x10000), failure=lambda name, timeout: None,
+                              hold=lambda stream: None)
     c._selector.fits = lambda name, nbytes: name == "lamport"
     areas = []
 
