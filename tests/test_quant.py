@@ -191,8 +191,9 @@ def _written_out_reduce_scatter(inputs, r: int, qmax: int) -> np.ndarray:
     """Rank r's output of the integer-format reduce-scatter written out element by element in
     fp32, in the kernel's order, without the emulation's code: slice r of each rank's input
     in groups of 32 from the slice's first element; per group the scale amax / qmax, the
-    codes rint(x * (1 / scale)) clamped to +-qmax, dequantized as code * scale; the ranks'
-    values added in rank order; one rounding to the dtype. (Normal scales only.)"""
+    codes rint(x * (1 / scale)) clamped to +-qmax, integers (a code of -0 is 0), dequantized
+    as code * scale; the ranks' values added in rank order; one rounding to the dtype.
+    (Normal scales only.)"""
     f32 = np.float32
     k = inputs[0].size // len(inputs)
     out = []
@@ -203,7 +204,7 @@ def _written_out_reduce_scatter(inputs, r: int, qmax: int) -> np.ndarray:
             scale = f32(max(abs(v) for v in group) / f32(qmax))
             assert scale >= f32(2.0**-126)
             inv = f32(f32(1) / scale)
-            values = [f32(f32(min(max(float(np.rint(f32(v * inv))), -qmax), qmax)) * scale) for v in group]
+            values = [f32(f32(min(max(int(np.rint(f32(v * inv))), -qmax), qmax)) * scale) for v in group]
             acc = values if acc is None else [f32(a + v) for a, v in zip(acc, values)]
         out += acc
     return np.array(out, np.float32).astype(inputs[0].dtype)
