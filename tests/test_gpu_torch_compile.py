@@ -1,14 +1,15 @@
 """GPU: a communicator's first use compiled (issue 49). Each of the six ways a user reaches
-a communicator from compiled code (a module global, a closure variable, an ``nn.Module``
-attribute, a method of an object that holds it, ``comm.all_reduce(y, out=y)``,
-``ubnext.torch.functional.all_reduce(x, group=comm)``), with torch.compile's default
-backend, by default and with ``fullgraph=True``, on a Communicator that no call has used
-(one made for each case): the compiled function's first call compiles and runs, without a
-graph break, and gives the bits of the same function run eagerly afterwards. (Before
-communicators had their handle from construction, every case failed on torch 2.11 at the
-first call: ``AsPythonConstantNotImplementedError: UserDefinedObjectVariable(Communicator)
-is not a constant``.) tests/test_torch_compile_forms.py checks the same forms and every op
-and layer on CPU.
+a communicator from compiled code (tests/compile_forms.py: a module global, a closure
+variable, an ``nn.Module`` attribute, a method of an object that holds it,
+``comm.all_reduce(y, out=y)``, ``ubnext.torch.functional.all_reduce(x, group=comm)``),
+with torch.compile's default backend, by default and with ``fullgraph=True``, on a
+Communicator that no call has used (one made for each case): the compiled function's
+first call compiles and runs, without a graph break, and gives the bits of the same
+function run eagerly afterwards. (Before communicators had their handle from
+construction, every case failed on torch 2.11 at the first call:
+``AsPythonConstantNotImplementedError: UserDefinedObjectVariable(Communicator) is not a
+constant``.) tests/test_torch_compile_forms.py checks the same forms and every op and
+layer on CPU.
 
 Run at N ranks with ``mpirun -n N python -m pytest -q tests/test_gpu_torch_compile.py``
 (ranks may share a GPU); skipped without a GPU.
@@ -21,74 +22,15 @@ from gpu_support import SMALL, require_gpu_and_torch, skip_where_nccl_cannot_run
 
 torch = pytest.importorskip("torch")
 
-from torch import nn  # noqa: E402
+from compile_forms import FORMS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 TOKENS, HIDDEN = 8, 256
-#: the communicator of the module-global form
-COMM = None
-
-
-class Block(nn.Module):
-    def __init__(self, comm):
-        super().__init__()
-        self.comm = comm
-
-    def forward(self, x):
-        return self.comm.all_reduce(x * 2) + 1
-
-
-class Holder:
-    def __init__(self, comm):
-        self.comm = comm
-
-    def step(self, x):
-        return self.comm.all_reduce(x * 2) + 1
-
-
-def via_global(comm):
-    global COMM
-    COMM = comm
-
-    def fn(x):
-        return COMM.all_reduce(x * 2) + 1
-
-    return fn
-
-
-def via_closure(comm):
-    return lambda x: comm.all_reduce(x * 2) + 1
-
-
-def via_module(comm):
-    return Block(comm)
-
-
-def via_method(comm):
-    return Holder(comm).step
-
-
-def via_out(comm):
-    def fn(x):
-        y = x * 2
-        comm.all_reduce(y, out=y)
-        return y + 1
-
-    return fn
-
-
-def via_functional(comm):
-    import ubnext.torch as ut
-
-    return lambda x: ut.functional.all_reduce(x * 2, group=comm) + 1
-
-
-FORMS = [via_global, via_closure, via_module, via_method, via_out, via_functional]
 
 
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["default", "fullgraph"])
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("form", list(FORMS), ids=lambda f: f.__name__)
 def test_the_first_compiled_call_on_a_new_communicator(form, fullgraph):
     require_gpu_and_torch()
     import ubnext

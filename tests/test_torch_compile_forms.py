@@ -1,7 +1,7 @@
 """The first compiled call on a communicator that nothing has used yet, on CPU: the six
-ways a user reaches a communicator from compiled code (a module global, a closure
-variable, an ``nn.Module`` attribute, a method of an object that holds it, ``out=`` on the
-method, ``group=`` of ``ubnext.torch.functional``), and ``group=`` of every ``ubnext.torch``
+ways a user reaches a communicator from compiled code (tests/compile_forms.py: a module
+global, a closure variable, an ``nn.Module`` attribute, a method of an object that holds
+it, ``out=`` on the method, ``group=`` of ``ubnext.torch.functional``), and ``group=`` of every ``ubnext.torch``
 op and layer, under ``torch.compile`` by default and with ``fullgraph=True``.
 
 Two halves:
@@ -27,76 +27,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from compile_forms import FORMS, via_closure  # noqa: E402
 from torch import nn  # noqa: E402
 from torch_fakes import run_ranks, traced_communicator  # noqa: E402
 
 import ubnext.torch as ut  # noqa: E402
 from ubnext import UbnextError  # noqa: E402
 from ubnext.torch import functional  # noqa: E402
-
-#: the communicator of the module-global form (set by the test that compiles it)
-COMM = None
-
-
-class Block(nn.Module):
-    """The communicator as a module's attribute."""
-
-    def __init__(self, comm):
-        super().__init__()
-        self.comm = comm
-
-    def forward(self, x):
-        return self.comm.all_reduce(x * 2) + 1
-
-
-class Holder:
-    """The communicator held by an object whose method is compiled."""
-
-    def __init__(self, comm):
-        self.comm = comm
-
-    def step(self, x):
-        return self.comm.all_reduce(x * 2) + 1
-
-
-def via_global(comm):
-    global COMM
-    COMM = comm
-
-    def fn(x):
-        return COMM.all_reduce(x * 2) + 1
-
-    return fn
-
-
-def via_closure(comm):
-    return lambda x: comm.all_reduce(x * 2) + 1
-
-
-def via_module(comm):
-    return Block(comm)
-
-
-def via_method(comm):
-    return Holder(comm).step
-
-
-def via_out(comm):
-    def fn(x):
-        y = x * 2
-        comm.all_reduce(y, out=y)
-        return y + 1
-
-    return fn
-
-
-def via_functional(comm):
-    return lambda x: functional.all_reduce(x * 2, group=comm) + 1
-
-
-#: form -> the ubnext ops its graph calls; each computes all_reduce(x * 2) + 1
-FORMS = {via_global: ["all_reduce"], via_closure: ["all_reduce"], via_module: ["all_reduce"],
-         via_method: ["all_reduce"], via_out: ["all_reduce_"], via_functional: ["all_reduce"]}
 
 
 def op_calls(comm, rank: int, size: int) -> dict:
