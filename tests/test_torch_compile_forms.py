@@ -1,8 +1,9 @@
 """The first compiled call on a communicator that nothing has used yet, on CPU: the six
 ways a user reaches a communicator from compiled code (tests/compile_forms.py: a module
 global, a closure variable, an ``nn.Module`` attribute, a method of an object that holds
-it, ``out=`` on the method, ``group=`` of ``ubnext.torch.functional``), and ``group=`` of every ``ubnext.torch``
-op and layer, under ``torch.compile`` by default and with ``fullgraph=True``.
+it, ``out=`` on the method, ``group=`` of ``ubnext.torch.functional``), and ``group=`` of
+every ``ubnext.torch`` op and layer, under ``torch.compile`` by default and with
+``fullgraph=True``.
 
 Two halves:
 
@@ -10,7 +11,7 @@ Two halves:
   its CUDA context by fakes, as tests/test_tables.py does: nothing here has a GPU), never
   called. Every form traces into one graph, without a break, whose ubnext ops carry the
   communicator's handle as a constant. (Before the handle was assigned at construction,
-  torch up to 2.12.0 failed here on every form: ``AsPythonConstantNotImplementedError:
+  torch 2.11 failed here on every form and op: ``AsPythonConstantNotImplementedError:
   UserDefinedObjectVariable(Communicator) is not a constant``.)
 * traced and run: a never-used stand-in ``Communicator`` that carries a thread
   communicator's handle (``torch_fakes.traced_communicator``), in the same forms at 2 ranks:
