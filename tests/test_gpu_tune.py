@@ -38,19 +38,28 @@ def test_describe_matches_select_and_is_the_same_on_every_rank(comm):
 
 
 def test_the_default_table_entry_is_chosen_for_this_gpu_alike_on_every_rank(comm):
-    """The entry of the default table chosen for local rank 0's GPU (this GPU's own where
-    the table has one, else the nearest measured), the same on every rank."""
-    from ubnext._selection.table import Machine, default_table
+    """The entry of the shipped table chosen for local rank 0's GPU, the same on every rank.
+    The expectation is read from ubnext/tables/default.json as plain JSON, not through the
+    selection code: where the file has an entry of this GPU's name for NVLink, plain arrays
+    and the communicator's table mode, that one ("exact match"); else this GPU's entry of
+    another mode where there is one; else one of the file's entries, with a reason that
+    names this GPU as missing."""
+    from importlib import resources
 
     d = comm.describe()
     (chosen,) = d["tables"]
     gpu = comm.bootstrap.allgather_obj(d["device_name"])[0]
-    want = default_table().choose(Machine(gpu))
-    assert chosen == f"{want.where} ({want.why})"
-    if want.gpu == gpu:
-        assert chosen.endswith("(exact match)")
+    raw = json.loads(resources.files("ubnext").joinpath("tables", "default.json").read_text(encoding="utf-8"))
+    keys = [(e["gpu"], e["link"], e["placement"], e["mode"]) for e in raw["entries"]]
+    mine = (gpu, "nvlink", "plain", comm.config.table_mode)
+    if mine in keys:
+        assert chosen == f"default table: {' '.join(mine)} (exact match)"
+    elif any(k[0] == gpu for k in keys):  # this GPU's entry of another mode
+        assert chosen.startswith(f"default table: {gpu} nvlink plain ") and "no entry for" not in chosen, chosen
     else:
-        assert f"no entry for {gpu}" in chosen
+        labels = [" ".join(("any GPU" if k[0] == "*" else k[0], *k[1:])) for k in keys]
+        assert any(chosen.startswith(f"default table: {label} (") for label in labels), (chosen, labels)
+        assert f"no entry for {gpu}: " in chosen
     digests = comm.bootstrap.allgather_obj([t.digest() for t in comm._selector.tables])
     assert all(x == digests[0] for x in digests)
 

@@ -189,20 +189,49 @@ def test_reduce_scatter_bounds_are_the_stated_values():
     assert got["int4"] == pytest.approx(0.076, abs=5e-4)
 
 
-def test_reduce_scatter_groups_each_slice_from_its_start():
+def _written_out_reduce_scatter(inputs, r: int, qmax: int) -> np.ndarray:
+    """Rank r's output of the integer-format reduce-scatter written out element by element in
+    fp32, in the kernel's order, without the emulation's code: slice r of each rank's input
+    in groups of 32 from the slice's first element; per group the scale amax / qmax, the
+    codes rint(x * (1 / scale)) clamped to +-qmax, integers (a code of -0 is 0), dequantized
+    as code * scale; the ranks' values added in rank order; one rounding to the dtype.
+    (Normal scales only.)"""
+    f32 = np.float32
+    k = inputs[0].size // len(inputs)
+    out = []
+    for start in range(0, k, 32):
+        acc = None
+        for x in inputs:
+            group = [f32(v) for v in x[r * k + start:r * k + min(start + 32, k)]]
+            scale = f32(max(abs(v) for v in group) / f32(qmax))
+            assert scale >= f32(2.0**-126)
+            inv = f32(f32(1) / scale)
+            values = [f32(f32(min(max(int(np.rint(f32(v * inv))), -qmax), qmax)) * scale) for v in group]
+            acc = values if acc is None else [f32(a + v) for a, v in zip(acc, values)]
+        out += acc
+    return np.array(out, np.float32).astype(inputs[0].dtype)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("fmt,qmax", [("int8", 127), ("int4", 7)])
+def test_reduce_scatter_groups_each_slice_from_its_start(n, fmt, qmax):
     """A group never spans two slices: rank r's output depends on slice r of the inputs only,
     and a slice's first group starts at its first element (k = 33: the second slice starts
-    one element into the message's second group)."""
-    k, n = 33, 2
+    one element into the message's second group); each rank's output is its written-out
+    reference bit for bit. At 4 ranks, ranks 0 and 1 cancel at 2^30 times the others'
+    magnitude, so the order of the additions shows (any other order loses ranks 2 and 3)."""
+    k = 33
     inputs = [_data("normal", "bfloat16", n * k, r) for r in range(n)]
+    if n == 4:
+        inputs[0] = (inputs[0].astype(np.float32) * 2.0**30).astype(NP["bfloat16"])
+        inputs[1] = -inputs[0]
     changed = [x.copy() for x in inputs]
     changed[0][:k] = (changed[0][:k].astype(np.float32) * 100).astype(NP["bfloat16"])  # slice 0 of rank 0
-    a, b = _quant.reduce_scatter(inputs, "int8"), _quant.reduce_scatter(changed, "int8")
-    assert (a[1].view(np.uint16) == b[1].view(np.uint16)).all() and not (a[0] == b[0]).all()
-    for r in range(n):  # each slice alone, as a message of its own: the same sums, rounded once
-        slices = _slices(inputs, r)
-        exact = _quant._sum([_quant._grouped(x) for x in slices], "int8", "sum").reshape(-1)[:k]
-        assert (a[r].view(np.uint16) == exact.astype(NP["bfloat16"]).view(np.uint16)).all()
+    a, b = _quant.reduce_scatter(inputs, fmt), _quant.reduce_scatter(changed, fmt)
+    assert all((a[r].view(np.uint16) == b[r].view(np.uint16)).all() for r in range(1, n)) and not (a[0] == b[0]).all()
+    for r in range(n):
+        want = _written_out_reduce_scatter(inputs, r, qmax)
+        assert (a[r].view(np.uint16) == want.view(np.uint16)).all(), r
 
 
 @pytest.mark.parametrize("fmt,qmax", [("int8", 127), ("int4", 7)])

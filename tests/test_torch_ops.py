@@ -377,35 +377,6 @@ def test_handles_are_stable():
     assert a != b
 
 
-def test_registry_forgets_collected_communicators():
-    """The registry holds communicators weakly and drops a handle once its communicator is
-    collected (it grew by one entry per communicator before); a live one keeps its handle
-    and a dead handle raises as an unknown one. Plain objects stand in for communicators
-    (``_register`` reads ``size``)."""
-    import gc
-
-    from ubnext.torch import _registry
-
-    class Stand:
-        def __init__(self, size):
-            self.size = size
-
-    comms = [Stand(s) for s in (1, 2, 3, 4)]
-    handles = [ut.handle(c) for c in comms]
-    assert all(h in _registry._by_handle and _registry.lookup(h) is c for h, c in zip(handles, comms))
-    keep = comms[1]
-    del comms
-    gc.collect()
-    assert [h in _registry._by_handle for h in handles] == [False, True, False, False]
-    assert ut.handle(keep) == handles[1] and _registry.size_of(handles[1]) == 2
-    assert _registry.lookup(handles[1]) is keep
-    with pytest.raises(UbnextError, match=f"no open communicator has handle {handles[0]}"):
-        _registry.lookup(handles[0])
-    del keep
-    gc.collect()
-    assert handles[1] not in _registry._by_handle
-
-
 # ---- gradients ---------------------------------------------------------------------------
 @pytest.mark.parametrize("op,scale", [("sum", 1.0), ("avg", 0.5)])
 def test_all_reduce_gradient_passes_through(op, scale):

@@ -155,12 +155,15 @@ def test_traced_first_asked_under_dynamo():
 
 
 def test_ubnext_torch_first_imported_under_tracing():
-    """A program that never imported ubnext.torch: the hook imports it while dynamo traces
-    (the communicator's handle registered then), and the graph holds the op."""
+    """A program that never imported ubnext.torch: the hook imports it while dynamo traces,
+    and the graph holds the op (the communicator's handle is the one its construction
+    assigned)."""
     code = ("import sys, torch, ubnext\n"
             "assert 'ubnext.torch' not in sys.modules\n"
+            "from ubnext._api import handles\n"
             "comm = object.__new__(ubnext.Communicator)\n"
             "comm._closed, comm.rank, comm.size = True, 0, 1\n"
+            "handles.assign(comm)  # as Communicator.__init__ does\n"
             "graphs = []\n"
             "def backend(gm, example_inputs):\n"
             "    graphs.append(gm)\n"
@@ -168,7 +171,7 @@ def test_ubnext_torch_first_imported_under_tracing():
             "torch.compile(lambda x: comm.all_reduce(x * 2) + 1, fullgraph=True, backend=backend)(torch.ones(2))\n"
             "targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == 'call_function']\n"
             "assert any(t.startswith('ubnext.all_reduce') for t in targets), targets\n"
-            "assert 'ubnext.torch' in sys.modules and comm._ubnext_torch_handle\n")
+            "assert 'ubnext.torch' in sys.modules and comm._handle\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

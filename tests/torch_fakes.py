@@ -18,10 +18,18 @@ import threading
 
 import torch
 
+from ubnext._api import handles
 from ubnext._protocol import quant as _quant
 from ubnext.torch import _rmsnorm
 
 TIMEOUT_S = 60.0
+
+# torch's CUDA wheels (2.11) on a machine without a GPU: the first FakeTensorMode entered
+# (every torch.compile) registers a no-op CUDA device guard that dies with the thread that
+# entered it, and a compile on a later thread then crashes the process (SIGSEGV). Registered
+# here, on the importing thread, which outlives the rank threads.
+if not torch.cuda.is_available():
+    torch._C._ensureCUDADeviceGuardSet()
 
 
 def rank_order(parts, op: str = "sum"):
@@ -58,6 +66,7 @@ class ThreadComm:
         self._group, self.rank, self.size = group, rank, len(group.slots)
         self.calls = 0  # collectives this rank made
         self.precisions: list = []  # the precision= of each all_reduce and reduce_scatter, in order
+        handles.assign(self)  # its handle from construction, as a Communicator's
 
     def _lossy(self, name: str, x, op: str, precision: str) -> bool:
         """Whether this call quantizes: ubnext's rule with this group's opt-in, a threshold
@@ -148,11 +157,12 @@ def traced_communicator(comm: ThreadComm):
     traces them into ``torch.ops.ubnext`` ops: it holds no GPU state (an eager call of its
     methods raises ClosedError) and carries ``comm``'s handle, so the ops it is traced
     into run on ``comm``, the thread communicator (keep ``comm`` alive meanwhile: the
-    registry holds it weakly)."""
+    registry holds it weakly). It is never used: its handle is an attribute, as
+    ``Communicator.__init__`` leaves it."""
     from stream_fakes import bare_communicator, fake_order
 
     from ubnext.torch import handle
 
     stand = bare_communicator(fake_order(), _closed=True, rank=comm.rank, size=comm.size)
-    stand._ubnext_torch_handle = handle(comm)
+    stand._handle = handle(comm)
     return stand

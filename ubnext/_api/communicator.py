@@ -8,6 +8,7 @@ import os
 import weakref
 
 from ubnext._api import agreement as _agreement
+from ubnext._api import handles as _handles
 from ubnext._api import lifetime
 from ubnext._api.calls import CallSteps
 from ubnext._api.collectives import AllToAll, Barrier, Broadcast, Gather, Reduce, Scatter, SendRecv
@@ -84,6 +85,7 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
             bootstrap = default()
         self.bootstrap = bootstrap
         self.rank, self.size = bootstrap.rank, bootstrap.size
+        _handles.assign(self)  # self._handle: the int torch ops and compiled code name it by
         self._log = get_logger(config, self.rank)
         self._closed = False
         self._resolved: dict[tuple, str] = {}
