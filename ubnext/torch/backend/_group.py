@@ -1,0 +1,222 @@
+"""``ProcessGroupUbnext``: a ``torch.distributed.ProcessGroup`` whose ops run on ubnext.
+
+torch's C++ ``Backend`` cannot be subclassed from Python; a ``ProcessGroup`` can, and
+then replaces the whole group: torch calls its methods from Python (``dist.*``) and,
+through its trampoline, from C++ (functional collectives, DDP's reducer). So the group
+overrides every c10d op under the names of both supported torch versions (2.11:
+``_allgather_base``, ``_reduce_scatter_base``, ``alltoall_base``,
+``allgather_into_tensor_coalesced``, ``reduce_scatter_tensor_coalesced``; 2.13:
+``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single`` and
+``*_single_coalesced``), and routes each by its tensors' device: the group's device type
+(CUDA) to the ubnext communicator (``_collectives.CommOps``), CPU tensors to a Gloo
+backend of the same ranks (``_cpu.GlooOps``), anything else raises. No inner backend
+serves what the group does not override: the group's name, which torch keeps on a
+group's C++ backends, is kept by the group itself where torch lets Python override
+``getGroupName`` (2.13); where it does not, the CPU route's Gloo backend is registered
+as the group's CPU backend to hold it (CPU ops go there anyway), and CUDA ops reach no
+C++ backend (torch raises for a C++-only op rather than run it elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ubnext._protocol.errors import UbnextError
+
+from ._collectives import CommOps
+from ._cpu import GlooOps
+
+__all__ = ["Options", "ProcessGroupUbnext", "NAME_OVERRIDABLE"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Options of one ubnext group (``init_process_group(..., pg_options=)``, ``new_group(
+    ..., pg_options=)``; groups made without them get these defaults).
+
+    Args:
+        pool_mb: the group communicator's pool size in MiB (``Config.pool_mb``); None: the
+            ``UBNEXT_POOL_MB`` default. Allocated at the group's first op on CUDA tensors.
+        precision: ``precision=`` of the group's all-reduces and reduce-scatters:
+            ``"exact"`` (default: never lossy), or a quantized format the communicator
+            offers (``"int8"``, ``"fp8"``, ``"int4"``; an opted-in communicator, see
+            docs/quantized.md).
+    """
+
+    pool_mb: int | None = None
+    precision: str = "exact"
+
+
+def _probe_name_override() -> bool:
+    """Whether this torch calls a Python subclass's ``getGroupName`` (2.13 does)."""
+
+    class Probe(dist.ProcessGroup):
+        def setGroupName(self, name):
+            self._probe = name
+
+        def getGroupName(self):
+            return "ubnext-probe"
+
+    try:
+        p = Probe(0, 1)
+        p._set_group_name("x")
+        return p.group_name == "ubnext-probe"
+    except RuntimeError:  # "ProcessGroup name not set": the base class answered
+        return False
+
+
+NAME_OVERRIDABLE = _probe_name_override()
+
+
+class _Routes(dict):
+    """device type -> the op set serving it; a device without one raises."""
+
+    def __missing__(self, device_type):
+        raise UbnextError(f"ProcessGroupUbnext: tensors on {device_type} are not served (this group serves "
+                          f"{', '.join(sorted(self))})")
+
+
+def _op(name: str, where):
+    """A group method that hands its arguments to the op set of its tensors' device."""
+
+    def method(self, *args):
+        return getattr(self._routes[where(args).device.type], name)(*args)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"c10d ``{name}``, routed by its tensors' device (see the module docstring)."
+    return method
+
+
+def _first(i):  # the first tensor of argument i (a list)
+    return lambda args: args[i][0]
+
+
+def _arg(i):  # argument i (a tensor)
+    return lambda args: args[i]
+
+
+# c10d op -> where its tensor is: (argument, list or not); then the other version's names
+_OPS = {
+    "allreduce": _first(0), "allreduce_coalesced": _first(0), "reduce": _first(0), "broadcast": _first(0),
+    "allgather": _first(1), "allgather_coalesced": _first(1), "all_gather_single": _arg(1),
+    "all_gather_single_coalesced": _first(1), "reduce_scatter": _first(0), "reduce_scatter_single": _arg(1),
+    "reduce_scatter_single_coalesced": _first(1), "all_to_all_single": _arg(1), "alltoall": _first(1),
+    "gather": _first(1), "scatter": _first(0), "send": _first(0), "recv": _first(0),
+}
+_ALIASES = {  # torch 2.11's names (and 2.13's deprecated ones) -> the 2.13 names above
+    "_allgather_base": "all_gather_single", "_reduce_scatter_base": "reduce_scatter_single",
+    "alltoall_base": "all_to_all_single", "allgather_into_tensor_coalesced": "all_gather_single_coalesced",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_single_coalesced",
+}
+
+
+class ProcessGroupUbnext(dist.ProcessGroup):
+    """A process group whose CUDA ops run on one ubnext communicator (see the module
+    docstring); made by ``init_process_group(backend="ubnext")``, ``new_group`` and
+    ``init_device_mesh``, not by hand.
+
+    Collective: construction is not (the communicator comes at the first op).
+
+    Args:
+        store: the group's c10d store (torch's prefix store of the group).
+        rank, size: this rank in the group, and its size.
+        timeout: the group's timeout (``timedelta``).
+        group_name: torch's name of the group (its unique id).
+        options: ``Options``.
+        make_communicator: ``make_communicator(store, rank, size, options)`` returns
+            ``make(device_index) -> (communicator, on_close)``.
+        device_type: the device type the communicator serves ("cuda").
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout, group_name: str, options: Options,
+                 make_communicator, device_type: str = "cuda"):
+        super().__init__(rank, size)
+        self._group_name, self._group_desc = group_name, "undefined"
+        self._device_type = device_type
+        self._comm_ops = CommOps(make_communicator(store, rank, size, options), rank, options.precision)
+        self._cpu = GlooOps(store, rank, size, timeout) if device_type != "cpu" else None
+        self._routes = _Routes({device_type: self._comm_ops})
+        if self._cpu is not None:
+            self._routes["cpu"] = self._cpu
+            if not NAME_OVERRIDABLE:  # the Gloo backend holds the name (module docstring)
+                self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._cpu.open())
+
+    # -- identity --
+    def getBackendName(self) -> str:
+        return "ubnext"
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def communicator(self):
+        """The group's ubnext communicator, or None before its first CUDA op."""
+        return self._comm_ops._comm
+
+    # -- ops without tensors, or not served --
+    def barrier(self, opts=None):
+        """c10d ``barrier``: stream-ordered on the communicator; its work's ``wait()``
+        synchronizes the host, as NCCL's."""
+        if self._device_type == "cuda" and not torch.cuda.is_available():
+            return self._routes["cpu"].barrier(opts)
+        device = (torch.device("cuda", torch.cuda.current_device()) if self._device_type == "cuda"
+                  else torch.device(self._device_type))
+        return self._comm_ops.barrier(opts, device)
+
+    def recv_anysource(self, tensors, tag):
+        raise UbnextError("ProcessGroupUbnext.recv_anysource: receiving from any source is not served "
+                          "(as with the NCCL backend); name the source rank")
+
+    def monitored_barrier(self, *args):
+        raise UbnextError("ProcessGroupUbnext.monitored_barrier: not served (a Gloo feature); use barrier()")
+
+    # -- coalescing (torch's _coalescing_manager): pending point-to-point ops are issued at its end --
+    def _start_coalescing(self, device):
+        return None
+
+    def _end_coalescing(self, device):
+        from ._work import Work
+
+        if self._comm_ops._p2p:
+            works = [w for *_, w in self._comm_ops._p2p]
+            self._comm_ops._flush()
+            return works[-1]
+        return Work([])
+
+    start_coalescing, end_coalescing = _start_coalescing, _end_coalescing
+
+    # -- lifetime --
+    def shutdown(self) -> None:
+        """Closes the group's communicator and Gloo backend (``destroy_process_group``).
+        Collective, as ``Communicator.close``."""
+        try:
+            self._comm_ops.close()
+        finally:
+            if self._cpu is not None:
+                self._cpu.close()
+
+    def abort(self) -> None:
+        """Gives the group's communicator up at once (local, bounded)."""
+        try:
+            self._comm_ops.abort()
+        finally:
+            if self._cpu is not None:
+                self._cpu.abort()
+
+
+for _name, _where in _OPS.items():
+    setattr(ProcessGroupUbnext, _name, _op(_name, _where))
+for _old, _new in _ALIASES.items():
+    setattr(ProcessGroupUbnext, _old, getattr(ProcessGroupUbnext, _new))

@@ -1,0 +1,119 @@
+"""Work objects of the ubnext process group: what a c10d op returns (``async_op=True``).
+
+ubnext enqueues a collective on the caller's current stream (the NCCL backend on a
+stream of its own), so the work is ordered before anything the caller enqueues next on
+that stream. ``Work`` keeps that stream (and an event recorded right after the op when
+the caller asked for async), and gives the NCCL backend's answers:
+
+* ``wait()`` makes the caller's current stream wait for the op (nothing when it is the
+  op's own stream); it never blocks the host, except for ``barrier``'s work, which
+  synchronizes as NCCL's barrier does.
+* ``is_completed()`` asks the device whether the op has finished (no host wait).
+* ``get_future()`` a CUDA-aware ``torch.futures.Future`` completed with the op's output
+  tensors and the op's stream recorded, so ``then()`` callbacks (DDP communication hooks)
+  and ``wait()`` order their stream after the op, as with NCCL.
+
+CPU work (what ran on the CPU, complete when the op returned) has no stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Work", "PendingWork"]
+
+
+class Work(dist._Work):
+    """The work of one c10d op ubnext enqueued (see the module docstring).
+
+    Not collective; graph-capturable: ``wait()`` yes (a stream wait), ``is_completed()``
+    no (it queries the device), ``get_future()`` no.
+
+    Args:
+        result: the op's output tensors (what the future yields).
+        stream: the ``torch.cuda.Stream`` the op was enqueued on; None for CPU work.
+        event: a ``torch.cuda.Event`` recorded on ``stream`` right after the op, or None
+            (then ``wait()`` on another stream records one when it is called, which also
+            covers what was enqueued on ``stream`` since).
+        blocking: ``wait()`` synchronizes the host with ``stream`` (barrier).
+    """
+
+    def __init__(self, result, stream=None, event=None, blocking: bool = False):
+        super().__init__()
+        self._result, self._stream, self._event, self._blocking = result, stream, event, blocking
+        self._future = None
+
+    def wait(self, timeout=None) -> bool:
+        stream = self._stream
+        if stream is None:
+            return True
+        if self._blocking:
+            stream.synchronize()
+            return True
+        current = torch.cuda.current_stream(stream.device)
+        if current != stream:
+            current.wait_event(self._event if self._event is not None else stream.record_event())
+        return True
+
+    def is_completed(self) -> bool:
+        if self._stream is None:
+            return True
+        return self._event.query() if self._event is not None else self._stream.query()
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._result
+
+    def get_future(self):
+        if self._future is None:
+            if self._stream is None:
+                fut = torch.futures.Future()
+                fut.set_result(self._result)
+            else:
+                fut = torch.futures.Future(devices=[self._stream.device])
+                with torch.cuda.stream(self._stream):  # the future records the op's stream
+                    fut.set_result(self._result)
+            self._future = fut
+        return self._future
+
+
+class PendingWork(Work):
+    """The work of a send or recv not yet issued: ubnext issues the pending
+    point-to-point ops together (one ``batch_isend_irecv``, as NCCL's group calls) at the
+    first ``wait()`` (or future, or completion query) of one of them, or before the
+    group's next other op, whichever comes first.
+
+    Args:
+        result: the op's tensors.
+        flush: issues the pending ops; returns the stream they were enqueued on (or None).
+    """
+
+    def __init__(self, result, flush):
+        super().__init__(result)
+        self._flush, self._issued = flush, False
+
+    def _issue(self) -> None:
+        if not self._issued:
+            self._stream = self._flush()
+            self._issued = True
+
+    def mark_issued(self, stream) -> None:
+        """Called by the flush: the op is enqueued on ``stream``."""
+        self._stream, self._issued = stream, True
+
+    def wait(self, timeout=None) -> bool:
+        self._issue()
+        return super().wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._issued and super().is_completed()
+
+    def get_future(self):
+        self._issue()
+        return super().get_future()
