@@ -101,10 +101,19 @@ def test_the_name_is_the_groups_own_on_this_torch():
 def test_where_python_cannot_keep_the_name_gloo_holds_it(monkeypatch):
     """torch 2.11's way: the CPU route's Gloo backend is registered for CPU only."""
     monkeypatch.setattr(_group, "NAME_OVERRIDABLE", False)
-    (got,) = ranks(1, lambda pg, log: (pg._get_backend(torch.device("cpu")), pg._cpu.backend, log),
+    (got,) = ranks(1, lambda pg, log: (dist.ProcessGroup._get_backend(pg, torch.device("cpu")), pg._cpu.backend, log),
                    device_type="cuda")
     registered, gloo, log = got
     assert gloo is not None and registered.name() == "gloo" and log == []
+
+
+def test_what_torch_asks_of_the_groups_backend():
+    """init_process_group(device_id=...), batch_isend_irecv, device meshes and FSDP2 ask
+    pg._get_backend(device) what it supports: nothing of what a C++ backend may."""
+    (view,) = ranks(1, lambda pg, log: pg._get_backend(torch.device("cuda", 0)), device_type="cuda")
+    assert (view.name(), view.rank(), view.size()) == ("ubnext", 0, 1)
+    assert not (view.supports_splitting or view.supports_coalescing or view.supports_time_estimate)
+    assert not view.supports_tensor_alloc(torch.device("cuda", 0))
 
 
 # -- the communicator: lazy, one per group, closed with it --
@@ -355,7 +364,7 @@ def test_send_recv_pair_issued_at_wait():
             w.wait()
             return calls(log)
         t = torch.zeros(3)
-        pg.recv([t], 0, 0).wait()
+        pg.recv([t], 0, tag=0).wait()  # torch's checkpoint transport names the tag
         return t.tolist(), calls(log)
 
     assert ranks(2, body) == [["send"], ([0.0, 1.0, 2.0], ["recv"])]

@@ -71,6 +71,30 @@ def _probe_name_override() -> bool:
 NAME_OVERRIDABLE = _probe_name_override()
 
 
+class _BackendView:
+    """What ``pg._get_backend(device)`` answers for a ubnext group: torch asks a group's
+    C++ backend what it supports (splitting, coalescing, tensor allocation, time
+    estimates); a ubnext group has none of those, and no C++ backend to ask."""
+
+    supports_splitting = supports_coalescing = supports_time_estimate = supports_shrinking = False
+    options = None
+
+    def __init__(self, pg):
+        self._pg = pg
+
+    def name(self) -> str:
+        return "ubnext"
+
+    def rank(self) -> int:
+        return self._pg.rank()
+
+    def size(self) -> int:
+        return self._pg.size()
+
+    def supports_tensor_alloc(self, device) -> bool:
+        return False
+
+
 class _Routes(dict):
     """device type -> the op set serving it; a device without one raises."""
 
@@ -82,8 +106,8 @@ class _Routes(dict):
 def _op(name: str, where):
     """A group method that hands its arguments to the op set of its tensors' device."""
 
-    def method(self, *args):
-        return getattr(self._routes[where(args).device.type], name)(*args)
+    def method(self, *args, **kwargs):
+        return getattr(self._routes[where(args).device.type], name)(*args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"c10d ``{name}``, routed by its tensors' device (see the module docstring)."
@@ -159,6 +183,10 @@ class ProcessGroupUbnext(dist.ProcessGroup):
 
     def getGroupDesc(self) -> str:
         return self._group_desc
+
+    def _get_backend(self, device):
+        """What torch asks of a group's backend (``_BackendView``): it has no C++ one."""
+        return _BackendView(self)
 
     @property
     def communicator(self):
