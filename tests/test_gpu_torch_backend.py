@@ -283,3 +283,36 @@ def test_new_group_subgroups_have_their_own_communicators(world):
     assert mine.communicator.size == len(members)
     dist.destroy_process_group(mine)
     assert mine.communicator is None
+
+
+@pytest.mark.parametrize("example", ["ddp", "fsdp2", "dtensor_tp", "compiled_functional"])
+def test_example_losses_equal_gloos(world, example):
+    """At 1 rank (plain pytest): the example program on a GPU prints, step for step, the
+    losses of the same program on backend "gloo" on the CPU, within float tolerance (ranks
+    sharing a GPU: run the examples under mpirun with both backends, docs/pytorch.md)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if world[1] != 1:
+        pytest.skip("the examples are launched as programs of their own at 1 rank")
+    if example == "ddp" and not comm_has("broadcast"):
+        pytest.skip("DDP's first step broadcasts rank 0's parameters: needs Communicator.broadcast")
+    if example == "dtensor_tp" and not comm_has("scatter"):
+        pytest.skip("parallelize_module distributes rank 0's weights: needs Communicator.scatter and broadcast")
+    root = Path(__file__).resolve().parents[1]
+
+    def losses(backend, device):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "RANK", "WORLD_"))}
+        env["PYTHONPATH"] = str(root)
+        out = subprocess.run([sys.executable, str(root / "examples" / f"{example}.py"), "--steps", "10",
+                              "--backend", backend, "--device", device], capture_output=True, text=True, env=env,
+                             timeout=600, cwd=root / "examples")
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [float(m) for m in re.findall(r"loss ([-0-9.e]+)", out.stdout)]
+
+    got, want = losses("ubnext", "cuda"), losses("gloo", "cpu")
+    assert len(got) == 10
+    assert got == pytest.approx(want, rel=1e-3)

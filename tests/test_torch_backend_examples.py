@@ -1,0 +1,34 @@
+"""The backend's example programs (examples/ddp.py, fsdp2.py, dtensor_tp.py,
+compiled_functional.py) run on the CPU at 1 rank with backend "ubnext" (CPU tensors: its
+Gloo route), printing a finite loss per step (tests/test_gpu_torch_backend.py compares
+them with backend "gloo" on a GPU)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ["ddp", "fsdp2", "dtensor_tp", "compiled_functional"]
+
+
+def losses(example: str, backend: str) -> list[float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "RANK", "WORLD_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{example}.py"), "--steps", "3", "--dim", "64",
+                          "--device", "cpu", "--backend", backend], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=ROOT / "examples")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"backend {backend}" in out.stdout
+    return [float(m) for m in re.findall(r"loss ([-0-9.e]+)", out.stdout)]
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example_runs(example):
+    got = losses(example, "ubnext")
+    assert len(got) == 3 and all(x == x and 0 < x < 20 for x in got)
