@@ -32,3 +32,20 @@ def losses(example: str, backend: str) -> list[float]:
 def test_example_runs(example):
     got = losses(example, "ubnext")
     assert len(got) == 3 and all(x == x and 0 < x < 20 for x in got)
+
+
+def test_backend_benchmark_arguments_and_table(capsys):
+    sys.path.insert(0, str(ROOT))
+    from bench import torch_backend as tb
+
+    args = tb.parse_args(["--bytes", "2K,1M", "--ops", "all_reduce,broadcast", "--modes", "graph"])
+    assert (args.bytes, args.ops, args.modes) == ([2048, 1 << 20], ["all_reduce", "broadcast"], ["graph"])
+    with pytest.raises(SystemExit):
+        tb.parse_args(["--ops", "all_reduce,gossip"])
+    rows = [{"op": "all_reduce", "bytes": 2048, "mode": "graph", "candidate": c, "time_us": t}
+            for c, t in (("dist ubnext", 6.0), ("comm direct", 4.0), ("dist nccl", 15.0))]
+    tb.report(rows + [{"op": "all_reduce", "bytes": 4096, "mode": "eager", "candidate": c, "time_us": 10.0}
+                      for c in ("dist ubnext", "comm direct")], args, 4)
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].split() == ["all_reduce", "2048", "graph", "6.00", "4.00", "2.00", "15.00", "2.50x"]
+    assert out[3].split() == ["all_reduce", "4096", "eager", "10.00", "10.00", "0.00", "-", "-"]

@@ -28,6 +28,7 @@ from ubnext._protocol.errors import UbnextError
 
 from ._collectives import CommOps
 from ._cpu import GlooOps
+from ._work import Work
 
 __all__ = ["Options", "ProcessGroupUbnext", "NAME_OVERRIDABLE"]
 
@@ -215,8 +216,6 @@ class ProcessGroupUbnext(dist.ProcessGroup):
         return None
 
     def _end_coalescing(self, device):
-        from ._work import Work
-
         if self._comm_ops._p2p:
             works = [w for *_, w in self._comm_ops._p2p]
             self._comm_ops._flush()
