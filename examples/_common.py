@@ -175,3 +175,26 @@ class Report:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def train(name: str, args, rank: int, size: int, device, model, same_batch: bool = False,
+          after_backward=None) -> None:
+    """``args.steps`` AdamW steps of ``model`` on this rank's batches (every rank rank 0's
+    with ``same_batch``), ``after_backward()`` between backward and the optimizer step;
+    reports each step, then destroys the process group."""
+    import torch.distributed as dist
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    report = Report(name, args, rank, size, device)
+    for step in range(args.steps):
+        report.start()
+        tokens, targets = batch(step, 0 if same_batch else rank, device)
+        loss = loss_of(model(tokens), targets)
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        report.step(step, loss)
+    report.done()
+    dist.destroy_process_group()

@@ -10,14 +10,14 @@ backend given; prints each step's loss and time.
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
-from _common import Llama, Report, arguments, batch, loss_of, setup
+from _common import Llama, arguments, setup, train
 
 
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     rank, size, device = setup(args)
     model = Llama(dim=args.dim, layers=args.layers).to(device)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     group = dist.group.WORLD
 
     @torch.compile(fullgraph=True)
@@ -25,20 +25,11 @@ def main() -> None:
         flat = fc.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum", group) / size
         return flat.split([g.numel() for g in grads])
 
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    report = Report("compiled_functional", args, rank, size, device)
-    for step in range(args.steps):
-        report.start()
-        tokens, targets = batch(step, rank, device)
-        loss = loss_of(model(tokens), targets)
-        loss.backward()
+    def all_reduce_gradients():
         for p, g in zip(params, average([p.grad for p in params])):
             p.grad = g.view_as(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        report.step(step, loss)
-    report.done()
-    dist.destroy_process_group()
+
+    train("compiled_functional", args, rank, size, device, model, after_backward=all_reduce_gradients)
 
 
 if __name__ == "__main__":

@@ -8,26 +8,14 @@ loss (averaged over the ranks) and time.
 """
 
 import torch
-import torch.distributed as dist
-from _common import Llama, Report, arguments, batch, loss_of, setup
+from _common import Llama, arguments, setup, train
 
 
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     rank, size, device = setup(args)
     model = torch.nn.parallel.DistributedDataParallel(Llama(dim=args.dim, layers=args.layers).to(device))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    report = Report("ddp", args, rank, size, device)
-    for step in range(args.steps):
-        report.start()
-        tokens, targets = batch(step, rank, device)
-        loss = loss_of(model(tokens), targets)
-        loss.backward()  # DDP all-reduces the gradient buckets (averaged) as they are ready
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        report.step(step, loss)
-    report.done()
-    dist.destroy_process_group()
+    train("ddp", args, rank, size, device, model)  # backward all-reduces the gradient buckets (averaged)
 
 
 if __name__ == "__main__":

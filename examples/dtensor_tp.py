@@ -6,11 +6,10 @@ the backend given: every rank sees the same batch; prints each step's loss and t
     torchrun --nproc-per-node 2 examples/dtensor_tp.py [--backend gloo]
 """
 
-import torch
-import torch.distributed as dist
-from _common import Llama, Report, arguments, batch, loss_of, setup
+from _common import Llama, arguments, setup, train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
 
 PLAN = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
@@ -24,18 +23,7 @@ def main() -> None:
     model = Llama(dim=args.dim, layers=args.layers).to(device)  # 4 heads, split over the ranks
     for block in model.layers:
         parallelize_module(block, mesh, PLAN)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    report = Report("dtensor_tp", args, rank, size, device)
-    for step in range(args.steps):
-        report.start()
-        tokens, targets = batch(step, 0, device)  # the same batch on every rank
-        loss = loss_of(model(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        report.step(step, loss)
-    report.done()
-    dist.destroy_process_group()
+    train("dtensor_tp", args, rank, size, device, model, same_batch=True)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,7 @@ gradients reduce-scattered) on the backend given: prints each step's loss and ti
     torchrun --nproc-per-node 2 examples/fsdp2.py [--backend gloo]
 """
 
-import torch
-import torch.distributed as dist
-from _common import Llama, Report, arguments, batch, loss_of, setup
+from _common import Llama, arguments, setup, train
 from torch.distributed.fsdp import fully_shard
 
 
@@ -19,18 +17,7 @@ def main() -> None:
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    report = Report("fsdp2", args, rank, size, device)
-    for step in range(args.steps):
-        report.start()
-        tokens, targets = batch(step, rank, device)
-        loss = loss_of(model(tokens), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        report.step(step, loss)
-    report.done()
-    dist.destroy_process_group()
+    train("fsdp2", args, rank, size, device, model)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,14 @@ def world2(rank: int, size: int, log: list) -> dict:
     dist.scatter(sc, [torch.full((1,), 20.0), torch.full((1,), 21.0)] if r == 0 else None, src=0)
     got["scatter"] = sc.tolist()
     dist.barrier()
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    coalesced = [torch.full((2,), r + 1.0), torch.full((3,), 10.0 * (r + 1))]
+    with _coalescing_manager(async_ops=True) as cm:  # issued at its end as one allreduce_coalesced
+        for t in coalesced:
+            dist.all_reduce(t)
+    cm.wait()
+    got["coalescing_manager"] = [t.tolist() for t in coalesced]
     # functional collectives: eager, then compiled with fullgraph
     got["fc_all_reduce"] = fc.all_reduce(torch.full((2,), r + 1.0), "sum", dist.group.WORLD).tolist()
     got["fc_all_gather"] = fc.all_gather_tensor(torch.full((1,), r + 1.0), 0, dist.group.WORLD).tolist()

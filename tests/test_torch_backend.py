@@ -416,8 +416,9 @@ def test_ops_the_communicator_lacks_raise_naming_them(op):
     name = {"all_to_all_single": "all_to_all", "send": "send"}.get(op, op)
 
     def body(pg, log):
-        with pytest.raises(UbnextError, match=f"ProcessGroupUbnext.{name}: .* has no {name}"):
+        with pytest.raises(UbnextError, match=f"ProcessGroupUbnext.{name}: .* has no {name}") as info:
             call(pg)
+        assert f"rank 0 of 1, group 'g'" in info.value.__notes__[-1]  # the rank named
         return log[0].calls
 
     assert ranks(1, body, kind=LimitedComm) == [[]]

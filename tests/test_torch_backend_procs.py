@@ -60,6 +60,7 @@ def test_identity(world2):
     ("all_to_all_single", [0.0, 100.0, 101.0, 102.0], [1.0, 2.0, 103.0]),
     ("batch_isend_irecv", [2.0, 2.0], [1.0, 1.0]),
     ("scatter", [20.0], [21.0]),
+    ("coalescing_manager", [[3.0, 3.0], [30.0] * 3], [[3.0, 3.0], [30.0] * 3]),
     ("fc_all_reduce", [3.0, 3.0], [3.0, 3.0]),
     ("fc_all_gather", [1.0, 2.0], [1.0, 2.0]),
     ("fc_reduce_scatter", [1.0], [3.0]),

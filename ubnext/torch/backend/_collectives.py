@@ -69,10 +69,11 @@ class CommOps:
             first op; ``on_close`` (or None) runs after the communicator's close.
         rank: this rank in the group.
         precision: ``precision=`` of every all-reduce and reduce-scatter ("exact").
+        where: ``where(op)`` names the rank and group in a failure of pending send/recv.
     """
 
-    def __init__(self, make_comm, rank: int, precision: str = "exact"):
-        self._make, self._rank, self._precision = make_comm, rank, precision
+    def __init__(self, make_comm, rank: int, precision: str = "exact", where=lambda op: op):
+        self._make, self._rank, self._precision, self._where = make_comm, rank, precision, where
         self._comm = self._on_close = None
         self._p2p: list = []  # pending (kind, tensor, peer, work) of send/recv
 
@@ -240,12 +241,16 @@ class CommOps:
         if not ops:
             return None
         t = ops[0][1]
-        comm = self.comm(t.device.index)
-        if len(ops) == 1:
-            kind, x, peer, _ = ops[0]
-            self._method(comm, kind)(x, peer)
-        else:
-            self._method(comm, "batch_isend_irecv")([(kind, x, peer) for kind, x, peer, _ in ops])
+        try:
+            comm = self.comm(t.device.index)
+            if len(ops) == 1:
+                kind, x, peer, _ = ops[0]
+                self._method(comm, kind)(x, peer)
+            else:
+                self._method(comm, "batch_isend_irecv")([(kind, x, peer) for kind, x, peer, _ in ops])
+        except Exception as exc:
+            exc.add_note(self._where("/".join(dict.fromkeys(kind for kind, *_ in ops))))
+            raise
         stream = torch.cuda.current_stream(t.device) if t.is_cuda else None
         for *_, work in ops:
             work.mark_issued(stream)

@@ -108,7 +108,11 @@ def _op(name: str, where):
     """A group method that hands its arguments to the op set of its tensors' device."""
 
     def method(self, *args, **kwargs):
-        return getattr(self._routes[where(args).device.type], name)(*args, **kwargs)
+        try:
+            return getattr(self._routes[where(args).device.type], name)(*args, **kwargs)
+        except Exception as exc:
+            exc.add_note(self._where(name))
+            raise
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = f"c10d ``{name}``, routed by its tensors' device (see the module docstring)."
@@ -161,7 +165,7 @@ class ProcessGroupUbnext(dist.ProcessGroup):
         super().__init__(rank, size)
         self._group_name, self._group_desc = group_name, "undefined"
         self._device_type = device_type
-        self._comm_ops = CommOps(make_communicator(store, rank, size, options), rank, options.precision)
+        self._comm_ops = CommOps(make_communicator(store, rank, size, options), rank, options.precision, self._where)
         self._cpu = GlooOps(store, rank, size, timeout) if device_type != "cpu" else None
         self._routes = _Routes({device_type: self._comm_ops})
         if self._cpu is not None:
@@ -194,6 +198,9 @@ class ProcessGroupUbnext(dist.ProcessGroup):
         """The group's ubnext communicator, or None before its first CUDA op."""
         return self._comm_ops._comm
 
+    def _where(self, op: str) -> str:
+        return f"ProcessGroupUbnext.{op}: rank {self.rank()} of {self.size()}, group {self._group_name!r}"
+
     # -- ops without tensors, or not served --
     def barrier(self, opts=None):
         """c10d ``barrier``: stream-ordered on the communicator; its work's ``wait()``
@@ -202,7 +209,11 @@ class ProcessGroupUbnext(dist.ProcessGroup):
             return self._routes["cpu"].barrier(opts)
         device = (torch.device("cuda", torch.cuda.current_device()) if self._device_type == "cuda"
                   else torch.device(self._device_type))
-        return self._comm_ops.barrier(opts, device)
+        try:
+            return self._comm_ops.barrier(opts, device)
+        except Exception as exc:
+            exc.add_note(self._where("barrier"))
+            raise
 
     def recv_anysource(self, tensors, tag):
         raise UbnextError("ProcessGroupUbnext.recv_anysource: receiving from any source is not served "
