@@ -434,6 +434,22 @@ def test_cpu_work_and_its_future():
     assert fut.done() and fut.value()[0] is t and w.get_future() is fut and w.result() == [t]
 
 
+def test_a_blocking_op_returns_the_shared_finished_work():
+    """async_op=False: torch waits on the work at once, on the op's stream: nothing to
+    record (the dispatch stays lean); async_op=True: a work of the op's own."""
+    from ubnext.torch.backend._work import DONE
+
+    def body(pg, log):
+        t = torch.ones(2)
+        blocking = pg.allreduce([t], opts(dist.AllreduceOptions, asyncOp=False))
+        asynchronous = pg.allreduce([t], opts(dist.AllreduceOptions, asyncOp=True))
+        return blocking, asynchronous, t
+
+    for blocking, asynchronous, t in ranks(2, body):
+        assert blocking is DONE and blocking.wait() and blocking.is_completed()
+        assert asynchronous is not DONE and asynchronous.result() == [t] and t.tolist() == [4.0, 4.0]
+
+
 def test_future_of_a_c10d_op_chains_like_a_comm_hook():
     def body(pg, log):
         t = torch.full((2,), pg.rank() + 1.0)

@@ -17,7 +17,7 @@ from torch.distributed import ReduceOp
 from ubnext._protocol.algorithms import OPS as _KERNEL_OPS
 from ubnext._protocol.errors import UbnextError
 
-from ._work import PendingWork, Work
+from ._work import DONE, PendingWork, Work
 
 __all__ = ["CommOps", "reduce_name"]
 
@@ -46,7 +46,10 @@ def _prescaled(t, op, inplace: bool):
     """``t`` times PREMUL_SUM's factor (in place when ``inplace``), else ``t`` itself."""
     if op.op != _R.PREMUL_SUM:
         return t
-    return t.mul_(op.factor) if inplace else t * op.factor
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        raise UbnextError("ProcessGroupUbnext: ReduceOp.PREMUL_SUM: this torch does not give its factor to Python")
+    return t.mul_(factor) if inplace else t * factor
 
 
 def _flat(tensors):
@@ -109,12 +112,16 @@ class CommOps:
                 on_close(how)
 
     @staticmethod
-    def _work(result, t, opts=None, blocking=False):
+    def _work(result, t, opts):
+        """The op's work: ``DONE`` for a blocking call (``async_op=False``: torch waits on it
+        at once, on the op's own stream, where nothing is left to order), else a ``Work``
+        with an event recorded after the op."""
+        if not getattr(opts, "asyncOp", True):
+            return DONE
         if not t.is_cuda:
             return Work(result)
         stream = torch.cuda.current_stream(t.device)
-        event = stream.record_event() if opts is not None and getattr(opts, "asyncOp", True) else None
-        return Work(result, stream, event, blocking)
+        return Work(result, stream, stream.record_event())
 
     # -- reductions --
     def allreduce(self, tensors, opts):

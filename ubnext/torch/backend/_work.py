@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Work", "PendingWork"]
+__all__ = ["DONE", "PendingWork", "Work"]
 
 
 class Work(dist._Work):
@@ -117,3 +117,7 @@ class PendingWork(Work):
     def get_future(self):
         self._issue()
         return super().get_future()
+
+
+#: the work of every blocking op (``async_op=False``): finished for whoever waits on it
+DONE = Work([])
