@@ -457,3 +457,53 @@ def test_future_of_a_c10d_op_chains_like_a_comm_hook():
         return fut.wait().tolist()
 
     assert ranks(2, body) == [[1.5, 1.5]] * 2
+
+
+# -- the default communicator maker --
+
+class _RecordingCommunicator:
+    """Stands for ubnext.Communicator: records its arguments, exchanges once over the bootstrap."""
+
+    made: list = []
+    fail = False
+
+    def __init__(self, bootstrap=None, device=None, **overrides):
+        if self.fail:
+            raise UbnextError("Communicator: no GPU")
+        self.bootstrap, self.device, self.overrides = bootstrap, device, overrides
+        self.peers = bootstrap.allgather(str(bootstrap.rank).encode())
+        self.made.append(self)
+
+
+def test_the_default_maker_builds_a_communicator_over_the_groups_store(monkeypatch):
+    import ubnext._api.communicator as api
+
+    monkeypatch.setattr(api, "Communicator", _RecordingCommunicator)
+    _RecordingCommunicator.made = []
+    store = dist.HashStore()
+
+    def body(rank):
+        make = backend.ubnext_communicator(store, rank, 2, backend.Options(pool_mb=48))
+        comm, on_close = make(rank + 3)
+        on_close("close")  # the bootstrap's close: collective over the store
+        assert comm.bootstrap.closed
+
+    run_threads(2, body)
+    by_rank = sorted(_RecordingCommunicator.made, key=lambda c: c.bootstrap.rank)
+    assert [(c.bootstrap.rank, c.bootstrap.size, c.device, c.overrides) for c in by_rank] == [
+        (0, 2, 3, {"pool_mb": 48}), (1, 2, 4, {"pool_mb": 48})]
+    assert by_rank[0].peers == [b"0", b"1"]
+    assert type(by_rank[0].bootstrap).__name__ == "StoreBootstrap"
+
+
+def test_the_default_maker_aborts_its_bootstrap_when_the_communicator_fails(monkeypatch):
+    import ubnext._api.communicator as api
+    from ubnext.bootstrap import StoreBootstrap
+
+    aborted = []
+    monkeypatch.setattr(api, "Communicator", type("Failing", (_RecordingCommunicator,), {"fail": True}))
+    monkeypatch.setattr(StoreBootstrap, "abort", lambda self: aborted.append(self.rank))
+    make = backend.ubnext_communicator(dist.HashStore(), 0, 1, backend.Options())
+    with pytest.raises(UbnextError, match="no GPU"):
+        make(0)
+    assert aborted == [0]

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from ._group import NAME_OVERRIDABLE, Options, ProcessGroupUbnext
 
-__all__ = ["NAME_OVERRIDABLE", "Options", "ProcessGroupUbnext", "register", "ubnext_communicator"]
+# ProcessGroupUbnext is torch's to create and call (init_process_group, new_group): not listed
+__all__ = ["Options", "register", "ubnext_communicator"]
 
 
 def ubnext_communicator(store, rank: int, size: int, options: Options):
@@ -25,8 +26,20 @@ def ubnext_communicator(store, rank: int, size: int, options: Options):
     ``ubnext.Communicator`` over a ``StoreBootstrap`` of the group's store, on the op's
     device, with the group's pool size; closing it closes the bootstrap too.
 
+    Collective: no (``make`` is: every rank of the group, at the group's first CUDA op).
+    Graph-capturable: no (``make`` sets a communicator up).
+
+    Args:
+        store: the group's c10d store.
+        rank, size: this rank in the group, and the group's size.
+        options: the group's ``Options``.
+
     Returns:
-        ``make(device_index) -> (communicator, on_close)``, called collectively.
+        ``make(device_index) -> (communicator, on_close)``; ``on_close("close" | "abort")``
+        releases the bootstrap after the communicator.
+
+    Raises:
+        Nothing itself; ``make`` raises what ``Communicator`` raises (its bootstrap aborted).
     """
 
     def make(device_index):
@@ -49,17 +62,23 @@ def ubnext_communicator(store, rank: int, size: int, options: Options):
     return make
 
 
-def register(name: str = "ubnext", make_communicator=ubnext_communicator, device_type: str = "cuda") -> None:
+def register(name: str = "ubnext", make_communicator=None, device_type: str = "cuda") -> None:
     """Registers a torch.distributed backend ``name`` whose groups are ``ProcessGroupUbnext``s
     (``import ubnext.torch`` registers ``"ubnext"``; registering again replaces it).
 
-    Not collective; not graph-capturable.
+    Collective: no.
+    Graph-capturable: no.
 
     Args:
         name: the backend string of ``init_process_group(backend=...)``.
-        make_communicator: as ``ubnext_communicator`` (tests pass fakes).
+        make_communicator: as ``ubnext_communicator`` (the default; tests pass fakes).
         device_type: the tensors' device type the communicator serves (tests: ``"cpu"``).
+
+    Raises:
+        Nothing itself; a group it makes raises TypeError for ``pg_options`` other than ``Options``.
     """
+
+    make_communicator = make_communicator or ubnext_communicator
 
     def create(backend_opts, options):
         if options is None:

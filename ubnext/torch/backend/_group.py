@@ -45,6 +45,12 @@ class Options:
             ``"exact"`` (default: never lossy), or a quantized format the communicator
             offers (``"int8"``, ``"fp8"``, ``"int4"``; an opted-in communicator, see
             docs/quantized.md).
+
+    Collective: no.
+    Graph-capturable: no (host only; read when a group is made).
+
+    Raises:
+        Nothing (the communicator checks the values at the group's first op).
     """
 
     pool_mb: int | None = None
