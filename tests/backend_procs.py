@@ -127,7 +127,9 @@ def world2(rank: int, size: int, log: list) -> dict:
     dist.all_reduce(t, group=g)
     y = torch.zeros(2)
     dist.all_gather_into_tensor(y, torch.full((1,), r + 5.0), group=g)
-    got["gloo_route"] = (t.tolist(), y.tolist(), len(cuda_log), type(g._cpu.backend).__name__)
+    objects: list = [None, None]
+    dist.all_gather_object(objects, {"rank": r}, group=g)  # object collectives: CPU tensors, so Gloo
+    got["gloo_route"] = (t.tolist(), y.tolist(), objects, len(cuda_log), type(g._cpu.backend).__name__)
     got["calls"] = [[name for name, _ in c.calls] for c in log]
     return got
 

@@ -90,7 +90,7 @@ def test_new_group_has_its_own_communicator(world2):
 
 def test_cpu_tensors_take_the_gloo_route_and_make_no_communicator(world2):
     for g in world2:
-        assert g["gloo_route"] == ([3.0, 3.0], [5.0, 6.0], 0, "ProcessGroupGloo")
+        assert g["gloo_route"] == ([3.0, 3.0], [5.0, 6.0], [{"rank": 0}, {"rank": 1}], 0, "ProcessGroupGloo")
 
 
 def test_every_op_went_to_the_communicator_and_destroy_closed_it(world2):
