@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     port = boot.bcast_obj(tb._free_port() if boot.rank == 0 else None)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("ubnext", rank=boot.rank, world_size=boot.size, device_id=torch.device("cuda", device))
+    # no device_id: a world bound to a device would make torch split the NCCL group below from it
+    dist.init_process_group("ubnext", rank=boot.rank, world_size=boot.size)
     try:
         dist.all_reduce(torch.ones(1, device="cuda"))  # the world's communicator
         comm = dist.group.WORLD.communicator

@@ -168,3 +168,32 @@ def mesh4(rank: int, size: int, log: list) -> dict:
     got["comms"] = len(log)
     got["calls"] = sorted({name for c in log for name, _ in c.calls})
     return got
+
+
+def split2(rank: int, size: int, log: list) -> dict:
+    """torch's split_group, and new_group and init_device_mesh on a world bound to a device
+    (as init_process_group(device_id=...) binds it on a GPU machine; emulated here: the
+    accelerator answers as CUDA's, the tensors stay on the CPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.accelerator.is_available = lambda: True
+    torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cuda")
+    world = dist.group.WORLD
+    world._get_backend(torch.device("cuda", 0)).eager_connect_single_device(torch.device("cuda", 0))
+    got: dict = {"bound": str(world.bound_device_id)}
+    alone = dist.split_group(split_ranks=[[0], [1]], group_desc="alone")
+    pair = dist.split_group(split_ranks=[[0, 1]])
+    t, u = torch.full((2,), rank + 1.0), torch.full((1,), rank + 1.0)
+    dist.all_reduce(t, group=alone)
+    dist.all_reduce(u, group=pair)
+    got["split"] = (t.tolist(), u.tolist(), dist.get_process_group_ranks(alone), alone.group_desc,
+                    pair.group_name != world.group_name)
+    first = dist.new_group([0])  # rank 1 is outside: torch asks the world's backend to split nothing
+    got["new_group"] = first == dist.GroupMember.NON_GROUP_MEMBER if rank else dist.get_process_group_ranks(first)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    v = torch.full((1,), rank + 1.0)
+    dist.all_reduce(v, group=mesh.get_group("dp"))
+    tp = mesh.get_group("tp")
+    got["mesh"] = (v.tolist(), tp.size(), tp.group_name.isdigit())  # new_group's names are serial numbers
+    got["comms"] = len(log)
+    return got

@@ -108,15 +108,41 @@ def test_where_python_cannot_keep_the_name_gloo_holds_it(monkeypatch):
 
 
 def test_what_torch_asks_of_the_groups_backend():
-    """init_process_group(device_id=...), batch_isend_irecv, device meshes and FSDP2 ask
-    pg._get_backend(device) what it supports: nothing of what a C++ backend may."""
-    (view,) = ranks(1, lambda pg, log: pg._get_backend(torch.device("cuda", 0)), device_type="cuda")
-    assert (view.name(), view.rank(), view.size()) == ("ubnext", 0, 1)
-    assert not (view.supports_splitting or view.supports_coalescing or view.supports_time_estimate)
+    """init_process_group(device_id=...), split_group, batch_isend_irecv, device meshes and
+    FSDP2 ask pg._get_backend(device) what it supports: splitting (binding the device it
+    is given), nothing else a C++ backend may offer."""
+    def body(pg, log):
+        view = pg._get_backend(torch.device("cuda", 0))
+        view.eager_connect_single_device(torch.device("cuda", 0))
+        view.perform_nocolor_split(torch.device("cuda", 0))
+        view._set_sequence_number_for_group()
+        return view, pg.bound_device_id, log
+
+    ((view, bound, log),) = ranks(1, body, device_type="cuda")
+    assert (view.name(), view.rank(), view.size(), view.options) == ("ubnext", 0, 1, backend.Options())
+    assert view.supports_splitting and bound == torch.device("cuda", 0) and log == []
+    assert not (view.supports_coalescing or view.supports_time_estimate)
     assert not view.supports_tensor_alloc(torch.device("cuda", 0))
 
 
-# -- the communicator: lazy, one per group, closed with it --
+def test_split_group_makes_groups_of_their_own():
+    def body(pg, log):
+        r = pg.rank()
+        child = pg.split_group([1, 2] if r else [1, 2], group_name="c", group_desc="tp",
+                               opts=backend.Options(pool_mb=8))
+        if child is None:
+            return None
+        t = torch.full((2,), r + 1.0)
+        child.allreduce([t], dist.AllreduceOptions()).wait()
+        return child.rank(), child.size(), child.group_name, child.group_desc, child._options, t.tolist(), len(log)
+
+    got = ranks(3, body)
+    assert got[0] is None
+    assert got[1] == (0, 2, "c", "tp", backend.Options(pool_mb=8), [5.0, 5.0], 1)
+    assert got[2][:2] == (1, 2) and got[2][5] == [5.0, 5.0]
+
+
+# -- the communicator: lazy# -- the communicator: lazy, one per group, closed with it --
 
 def test_the_communicator_comes_at_the_first_op_and_shutdown_closes_it():
     def body(pg, log):

@@ -109,3 +109,13 @@ def test_device_mesh_dtensor_tp_and_fsdp2(tmp_path):
         torch.testing.assert_close(g["fsdp_grad"], g["fsdp_want"])  # FSDP2 averages over dp
         assert g["comms"] >= 2 and "all_gather" in g["calls"] and "reduce_scatter" in g["calls"]
         assert all(c == "close" for c in g["closed"])
+
+
+def test_split_group_new_group_and_meshes_on_a_bound_world(tmp_path):
+    got = spawn(backend_procs.split2, 2, tmp_path)
+    for rank, g in enumerate(got):
+        assert g["bound"] == "cuda:0"
+        assert g["split"] == ([rank + 1.0] * 2, [3.0], [rank], "alone", True)
+        assert g["new_group"] == (True if rank else [0])
+        assert g["mesh"] == ([3.0], 1, False)  # the mesh's tp groups came from split_group
+    assert all(c == "close" for g in got for c in g["closed"])

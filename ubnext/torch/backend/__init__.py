@@ -87,6 +87,6 @@ def register(name: str = "ubnext", make_communicator=None, device_type: str = "c
             raise TypeError(f"{name}: pg_options must be ubnext.torch.backend.Options, not {type(options).__name__}")
         return ProcessGroupUbnext(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
                                   backend_opts.timeout, backend_opts.group_id, options, make_communicator,
-                                  device_type)
+                                  device_type, name)
 
     dist.Backend.register_backend(name, create, extended_api=True, devices=["cuda", "cpu"])

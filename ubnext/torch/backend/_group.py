@@ -1,5 +1,8 @@
 """``ProcessGroupUbnext``: a ``torch.distributed.ProcessGroup`` whose ops run on ubnext.
 
+Groups come from ``init_process_group``, ``new_group``, ``split_group`` (``split_group``
+below) and ``init_device_mesh``; each has a communicator of its own.
+
 torch's C++ ``Backend`` cannot be subclassed from Python; a ``ProcessGroup`` can, and
 then replaces the whole group: torch calls its methods from Python (``dist.*``) and,
 through its trampoline, from C++ (functional collectives, DDP's reducer). So the group
@@ -79,18 +82,24 @@ NAME_OVERRIDABLE = _probe_name_override()
 
 
 class _BackendView:
-    """What ``pg._get_backend(device)`` answers for a ubnext group: torch asks a group's
-    C++ backend what it supports (splitting, coalescing, tensor allocation, time
-    estimates); a ubnext group has none of those, and no C++ backend to ask."""
+    """What ``pg._get_backend(device)`` answers for a ubnext group, which has no C++
+    backend: torch asks a group's backend what it supports. Splitting, yes
+    (``ProcessGroupUbnext.split_group``; ``init_process_group(device_id=...)`` binds the
+    group's device through ``eager_connect_single_device``, the communicator still comes at
+    the first op); coalescing, tensor allocation and time estimates, no."""
 
-    supports_splitting = supports_coalescing = supports_time_estimate = supports_shrinking = False
-    options = None
+    supports_splitting = True
+    supports_coalescing = supports_time_estimate = supports_shrinking = False
 
     def __init__(self, pg):
         self._pg = pg
 
+    @property
+    def options(self):
+        return self._pg._options
+
     def name(self) -> str:
-        return "ubnext"
+        return self._pg.getBackendName()
 
     def rank(self) -> int:
         return self._pg.rank()
@@ -100,6 +109,15 @@ class _BackendView:
 
     def supports_tensor_alloc(self, device) -> bool:
         return False
+
+    def eager_connect_single_device(self, device) -> None:
+        self._pg.bound_device_id = device
+
+    def perform_nocolor_split(self, device) -> None:
+        """A rank outside a new group has nothing to do (no communicator is split)."""
+
+    def _set_sequence_number_for_group(self) -> None:
+        """Sequence numbers are NCCL's and Gloo's (their flight recorder)."""
 
 
 class _Routes(dict):
@@ -164,13 +182,18 @@ class ProcessGroupUbnext(dist.ProcessGroup):
         make_communicator: ``make_communicator(store, rank, size, options)`` returns
             ``make(device_index) -> (communicator, on_close)``.
         device_type: the device type the communicator serves ("cuda").
+        backend_name: the name the backend was registered under.
     """
 
     def __init__(self, store, rank: int, size: int, timeout, group_name: str, options: Options,
-                 make_communicator, device_type: str = "cuda"):
-        super().__init__(rank, size)
+                 make_communicator, device_type: str = "cuda", backend_name: str = "ubnext"):
+        try:
+            super().__init__(store, rank, size)  # torch 2.13: the store is the group's (get_group_store)
+        except TypeError:
+            super().__init__(rank, size)
         self._group_name, self._group_desc = group_name, "undefined"
-        self._device_type = device_type
+        self._store, self._timeout, self._options = store, timeout, options
+        self._make_communicator, self._device_type, self._backend_name = make_communicator, device_type, backend_name
         self._comm_ops = CommOps(make_communicator(store, rank, size, options), rank, options.precision, self._where)
         self._cpu = GlooOps(store, rank, size, timeout) if device_type != "cpu" else None
         self._routes = _Routes({device_type: self._comm_ops})
@@ -181,7 +204,7 @@ class ProcessGroupUbnext(dist.ProcessGroup):
 
     # -- identity --
     def getBackendName(self) -> str:
-        return "ubnext"
+        return self._backend_name
 
     def setGroupName(self, name: str) -> None:
         self._group_name = name
@@ -206,6 +229,35 @@ class ProcessGroupUbnext(dist.ProcessGroup):
 
     def _where(self, op: str) -> str:
         return f"ProcessGroupUbnext.{op}: rank {self.rank()} of {self.size()}, group {self._group_name!r}"
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """torch's ``split_group`` (and ``init_device_mesh`` on a group bound to a device):
+        a new group of the ``ranks`` of this one (sorted, this group's ranks) holding this
+        rank, its communicator created at its first op; None where this rank is not in
+        ``ranks``. Not collective here (no communicator is split); not graph-capturable.
+
+        Args:
+            ranks: the new group's ranks in this group.
+            timeout: its timeout (default: this group's).
+            opts: its ``Options`` (default: this group's).
+            group_name, group_desc: torch's name and description of it.
+            device_types: the device types to keep; the communicator's and the CPU's are kept.
+
+        Returns:
+            The new ``ProcessGroupUbnext``, or None.
+
+        Raises:
+            TypeError: ``opts`` is not an ``Options``.
+        """
+        if self.rank() not in ranks:
+            return None
+        if opts is not None and not isinstance(opts, Options):
+            raise TypeError(f"ProcessGroupUbnext.split_group: opts must be Options, not {type(opts).__name__}")
+        child = ProcessGroupUbnext(dist.PrefixStore(f"{group_name}/", self._store), list(ranks).index(self.rank()),
+                                   len(ranks), timeout or self._timeout, group_name, opts or self._options,
+                                   self._make_communicator, self._device_type, self._backend_name)
+        child._set_group_desc(group_desc or f"{self._group_desc}:split")
+        return child
 
     # -- ops without tensors, or not served --
     def barrier(self, opts=None):
