@@ -316,3 +316,66 @@ def test_example_losses_equal_gloos(world, example):
     got, want = losses("ubnext", "cuda"), losses("gloo", "cpu")
     assert len(got) == 10
     assert got == pytest.approx(want, rel=1e-3)
+
+
+def test_split_group_and_a_two_dimensional_mesh(world):
+    """The world is bound to its device (the fixture's device_id): split_group, and
+    init_device_mesh's groups through it, each a communicator of its own."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, size = world
+    assert dist.group.WORLD.bound_device_id is not None
+    halves = [list(range(0, size, 2)), list(range(1, size, 2))] if size > 1 else [[0]]
+    mine = dist.split_group(split_ranks=halves)
+    members = next(r for r in halves if rank in r)
+    t = torch.full((300,), rank + 1.0, device="cuda")
+    dist.all_reduce(t, group=mine)
+    assert t.tolist() == [float(sum(m + 1 for m in members))] * 300
+    assert mine.communicator is not None and mine.communicator.size == len(members)
+    dp = 2 if size % 2 == 0 else 1
+    mesh = init_device_mesh("cuda", (dp, size // dp), mesh_dim_names=("dp", "tp"))
+    for dim in ("dp", "tp"):
+        group = mesh.get_group(dim)
+        ranks = dist.get_process_group_ranks(group)
+        u = torch.full((8,), rank + 1.0, device="cuda")
+        dist.all_reduce(u, group=group)
+        assert u.tolist() == [float(sum(r + 1 for r in ranks))] * 8
+
+
+def test_dtensor_redistributions(world):
+    """DTensor's redistributions (functional collectives from C++) on a mesh of every rank."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    rank, size = world
+    mesh = init_device_mesh("cuda", (size,))
+    sharded = DTensor.from_local(torch.full((2, 3), rank + 1.0, device="cuda"), mesh, [Shard(0)])
+    want = torch.cat([torch.full((2, 3), r + 1.0) for r in range(size)])
+    assert torch.equal(sharded.full_tensor().cpu(), want)
+    assert torch.equal(sharded.redistribute(mesh, [Replicate()]).to_local().cpu(), want)
+    total = size * (size + 1) / 2
+    partial = DTensor.from_local(torch.full((4 * size,), rank + 1.0, device="cuda"), mesh, [Partial()])
+    assert partial.full_tensor().tolist() == [total] * 4 * size  # an all-reduce
+    assert partial.redistribute(mesh, [Shard(0)]).to_local().tolist() == [total] * 4  # a reduce-scatter
+
+
+def test_fsdp2_gradients_equal_a_single_process_reference(world):
+    import copy
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    rank, size = world
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16)).cuda()
+    ref = copy.deepcopy(model)
+    batch = [make_exact_input(8 * 64, "float32", r, 9).view(8, 64) for r in range(size)]
+    for x in batch:
+        (ref(x).sum() / size).backward()  # FSDP2 averages the ranks' gradients
+    fully_shard(model)
+    model(batch[rank]).sum().backward()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad)
