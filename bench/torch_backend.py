@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                             "results": records}, tags=(args.dtype,))
     finally:
         dist.destroy_process_group()
+        boot.barrier()  # rank 0 hosts the store: it stays until every rank has left the groups
         boot.close()
     return 0
 

@@ -39,7 +39,8 @@ def world():
     rank, size = boot.rank, boot.size
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", 0, size, rank == 0, timeout=timedelta(seconds=120)) if rank == 0 else None
+    store = (dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=120), wait_for_workers=False)
+             if rank == 0 else None)
     port = int(boot.allgather(str(store.port if store else 0).encode())[0])
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=120))
@@ -47,6 +48,7 @@ def world():
     yield rank, size
     if dist.is_initialized():
         dist.destroy_process_group()
+    boot.barrier()  # rank 0 hosts the store: it stays until every rank has left the groups
     boot.close()
 
 
