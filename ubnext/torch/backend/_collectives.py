@@ -19,37 +19,40 @@ from ubnext._protocol.errors import UbnextError
 
 from ._work import DONE, PendingWork, Work
 
-__all__ = ["CommOps", "reduce_name"]
+__all__ = ["CommOps", "reduction"]
 
 _R = ReduceOp.RedOpType
 # c10d reduction -> ubnext op name; PREMUL_SUM is a sum of pre-scaled inputs
 _REDUCE = {_R.SUM: "sum", _R.AVG: "avg", _R.MAX: "max", _R.MIN: "min", _R.PREMUL_SUM: "sum"}
 if "prod" in _KERNEL_OPS:  # PRODUCT: served once the communicator reduces products (its NCCL rung)
     _REDUCE[_R.PRODUCT] = "prod"
+# keyed by the enum's int: hashing and comparing pybind enums costs ~0.5 us each, per call
+_BY_VALUE = {kind.value: name for kind, name in _REDUCE.items()}
+_PREMUL_SUM = _R.PREMUL_SUM.value
 
 
-def reduce_name(op, what: str) -> str:
-    """The communicator's op name for the c10d ``ReduceOp`` ``op``.
+def reduction(opts, what: str) -> tuple[str, object]:
+    """The communicator's op name for ``opts.reduceOp``, and PREMUL_SUM's factor (else None).
 
     Raises:
-        UbnextError: a reduction ubnext does not serve (PRODUCT, BAND, BOR, BXOR), named.
+        UbnextError: a reduction ubnext does not serve (PRODUCT, BAND, BOR, BXOR), named;
+            a PREMUL_SUM whose factor this torch does not give to Python.
     """
-    try:
-        return _REDUCE[op.op]
-    except KeyError:
-        raise UbnextError(f"ProcessGroupUbnext.{what}: ReduceOp.{op.op.name} is not served by ubnext "
+    op = opts.reduceOp
+    kind = op.op
+    value = kind.value
+    name = _BY_VALUE.get(value)
+    if name is None:
+        raise UbnextError(f"ProcessGroupUbnext.{what}: ReduceOp.{kind.name} is not served by ubnext "
                           f"(it reduces {', '.join(sorted(set(_REDUCE.values())))} and PREMUL_SUM); "
-                          f"use a gloo or nccl group for it") from None
-
-
-def _prescaled(t, op, inplace: bool):
-    """``t`` times PREMUL_SUM's factor (in place when ``inplace``), else ``t`` itself."""
-    if op.op != _R.PREMUL_SUM:
-        return t
+                          f"use a gloo or nccl group for it")
+    if value != _PREMUL_SUM:
+        return name, None
     factor = getattr(op, "factor", None)
     if factor is None:
-        raise UbnextError("ProcessGroupUbnext: ReduceOp.PREMUL_SUM: this torch does not give its factor to Python")
-    return t.mul_(factor) if inplace else t * factor
+        raise UbnextError(f"ProcessGroupUbnext.{what}: ReduceOp.PREMUL_SUM: this torch does not give its "
+                          f"factor to Python")
+    return name, factor
 
 
 def _flat(tensors):
@@ -81,12 +84,18 @@ class CommOps:
         self._p2p: list = []  # pending (kind, tensor, peer, work) of send/recv
 
     # -- the communicator, created at the first op; pending p2p ops go first --
-    def comm(self, device_index=None):
-        if self._p2p:
-            self._flush()
-        if self._comm is None:
-            self._comm, self._on_close = self._make(device_index)
-        return self._comm
+    def comm(self, where):
+        """The communicator (created on the device of ``where``, a tensor or a torch.device,
+        at the first op); pending point-to-point ops are issued first."""
+        comm = self._comm
+        if comm is None or self._p2p:
+            if self._p2p:
+                self._flush()
+            if self._comm is None:
+                device = where if isinstance(where, torch.device) else where.device
+                self._comm, self._on_close = self._make(device.index)
+            comm = self._comm
+        return comm
 
     def _method(self, comm, name: str):
         fn = getattr(comm, name, None)
@@ -123,30 +132,30 @@ class CommOps:
         stream = torch.cuda.current_stream(t.device)
         return Work(result, stream, stream.record_event())
 
-    # -- reductions --
+    # -- reductions (PREMUL_SUM: the inputs pre-scaled by its factor, then summed) --
     def allreduce(self, tensors, opts):
-        op = opts.reduceOp
-        name = reduce_name(op, "allreduce")
-        comm = self.comm(tensors[0].device.index)
+        name, factor = reduction(opts, "allreduce")
+        comm = self.comm(tensors[0])
         for t in tensors:
-            comm.all_reduce(_prescaled(t, op, True), out=t, op=name, precision=self._precision)
+            if factor is not None:
+                t.mul_(factor)
+            comm.all_reduce(t, out=t, op=name, precision=self._precision)
         return self._work(tensors, tensors[0], opts)
 
     def allreduce_coalesced(self, tensors, opts):
         return self.allreduce(tensors, opts)
 
     def reduce(self, tensors, opts):
-        op, t = opts.reduceOp, tensors[0]
-        name = reduce_name(op, "reduce")
-        comm = self.comm(t.device.index)
-        self._method(comm, "reduce")(_prescaled(t, op, False), root=opts.rootRank, op=name, out=t)
+        name, factor = reduction(opts, "reduce")
+        t = tensors[0]
+        fn = self._method(self.comm(t), "reduce")
+        fn(t if factor is None else t * factor, root=opts.rootRank, op=name, out=t)
         return self._work(tensors, t, opts)
 
     def reduce_scatter_single(self, output, input, opts):
-        op = opts.reduceOp
-        name = reduce_name(op, "reduce_scatter")
-        self.comm(input.device.index).reduce_scatter(_prescaled(input, op, False), out=output, op=name,
-                                                     precision=self._precision)
+        name, factor = reduction(opts, "reduce_scatter")
+        self.comm(input).reduce_scatter(input if factor is None else input * factor, out=output, op=name,
+                                        precision=self._precision)
         return self._work([output], output, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
@@ -161,7 +170,7 @@ class CommOps:
 
     # -- gathers and copies --
     def all_gather_single(self, output, input, opts):
-        self.comm(input.device.index).all_gather(input, out=output)
+        self.comm(input).all_gather(input, out=output)
         return self._work([output], output, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
@@ -170,7 +179,7 @@ class CommOps:
         return self._work(outputs, outputs[0], opts)
 
     def allgather(self, output_lists, inputs, opts):
-        comm = self.comm(inputs[0].device.index)
+        comm = self.comm(inputs[0])
         for outs, x in zip(output_lists, inputs):
             if any(o.numel() != x.numel() for o in outs):
                 raise UbnextError("ProcessGroupUbnext.allgather: every output must have the input's size "
@@ -183,20 +192,20 @@ class CommOps:
         return self.allgather([[outs[i] for outs in output_lists] for i in range(len(inputs))], inputs, opts)
 
     def broadcast(self, tensors, opts):
-        comm = self.comm(tensors[0].device.index)
+        comm = self.comm(tensors[0])
         fn = self._method(comm, "broadcast")
         for t in tensors:
             fn(t, root=opts.rootRank, out=t)
         return self._work(tensors, tensors[0], opts)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts):
-        comm = self.comm(input.device.index)
+        comm = self.comm(input)
         self._method(comm, "all_to_all")(input, out=output, in_splits=list(input_splits) or None,
                                          out_splits=list(output_splits) or None)
         return self._work([output], output, opts)
 
     def alltoall(self, outputs, inputs, opts):
-        comm = self.comm(inputs[0].device.index)
+        comm = self.comm(inputs[0])
         flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype, device=outputs[0].device)
         self._method(comm, "all_to_all")(_flat(inputs), out=flat_out, in_splits=[i.numel() for i in inputs],
                                          out_splits=[o.numel() for o in outputs])
@@ -205,7 +214,7 @@ class CommOps:
 
     def gather(self, output_lists, inputs, opts):
         x, root = inputs[0], opts.rootRank
-        comm = self.comm(x.device.index)
+        comm = self.comm(x)
         fn = self._method(comm, "gather")
         if self._rank != root:
             fn(x, root=root)
@@ -219,14 +228,14 @@ class CommOps:
 
     def scatter(self, outputs, input_lists, opts):
         out, root = outputs[0], opts.rootRank
-        comm = self.comm(out.device.index)
+        comm = self.comm(out)
         fn = self._method(comm, "scatter")
         # the root's parts stacked (size, *out.shape); elsewhere out stands for the input
         fn(torch.stack(input_lists[0]) if self._rank == root else out, root=root, out=out)
         return self._work(outputs, out, opts)
 
     def barrier(self, opts, device):
-        self._method(self.comm(device.index), "barrier")()
+        self._method(self.comm(device), "barrier")()
         if device.type != "cuda":
             return Work([])
         return Work([], torch.cuda.current_stream(device), None, blocking=True)
@@ -249,7 +258,7 @@ class CommOps:
             return None
         t = ops[0][1]
         try:
-            comm = self.comm(t.device.index)
+            comm = self.comm(t)
             if len(ops) == 1:
                 kind, x, peer, _ = ops[0]
                 self._method(comm, kind)(x, peer)

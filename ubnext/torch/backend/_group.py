@@ -132,8 +132,9 @@ def _op(name: str, where):
     """A group method that hands its arguments to the op set of its tensors' device."""
 
     def method(self, *args, **kwargs):
+        t = where(args)
         try:
-            return getattr(self._routes[where(args).device.type], name)(*args, **kwargs)
+            return getattr(self._routes["cuda" if t.is_cuda else t.device.type], name)(*args, **kwargs)
         except Exception as exc:
             exc.add_note(self._where(name))
             raise
