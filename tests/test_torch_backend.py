@@ -460,6 +460,34 @@ def test_cpu_work_and_its_future():
     assert fut.done() and fut.value()[0] is t and w.get_future() is fut and w.result() == [t]
 
 
+class _Stream:
+    """Stands for a CUDA stream whose work finishes after ``polls`` queries (or never)."""
+
+    device = "cuda:0"
+
+    def __init__(self, polls=None):
+        self.polls, self.synced = polls, 0
+
+    def query(self):
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self):
+        self.synced += 1
+
+
+def test_wait_with_a_timeout_waits_on_the_host_and_raises_past_it():
+    from datetime import timedelta
+
+    slow = _Stream(polls=3)
+    assert Work([], slow, None, blocking=True).wait(timedelta(seconds=5)) and slow.polls < 0 and slow.synced == 1
+    with pytest.raises(UbnextError, match="Work.wait: the op did not finish within 0.05 s"):
+        Work([], _Stream(), None, blocking=True).wait(timedelta(seconds=0.05))
+    assert Work([], _Stream(), None, blocking=True).wait(timedelta(0))  # torch's "no timeout"
+
+
 def test_a_blocking_op_returns_the_shared_finished_work():
     """async_op=False: torch waits on the work at once, on the op's stream: nothing to
     record (the dispatch stays lean); async_op=True: a work of the op's own."""

@@ -18,8 +18,12 @@ CPU work (what ran on the CPU, complete when the op returned) has no stream.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+from ubnext._protocol.errors import UbnextError
 
 __all__ = ["DONE", "PendingWork", "Work"]
 
@@ -45,9 +49,18 @@ class Work(dist._Work):
         self._future = None
 
     def wait(self, timeout=None) -> bool:
+        """Orders the caller's current stream after the op (barrier: the host waits). With a
+        ``timeout`` (a positive ``timedelta``, as NCCL's ``wait(timeout)``), the host waits
+        for the op instead, up to ``timeout``.
+
+        Raises:
+            UbnextError: the op did not finish within ``timeout``.
+        """
         stream = self._stream
         if stream is None:
             return True
+        if timeout is not None and timeout.total_seconds() > 0:
+            self._wait_host(timeout.total_seconds())
         if self._blocking:
             stream.synchronize()
             return True
@@ -55,6 +68,14 @@ class Work(dist._Work):
         if current != stream:
             current.wait_event(self._event if self._event is not None else stream.record_event())
         return True
+
+    def _wait_host(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.is_completed():
+            if time.monotonic() > deadline:
+                raise UbnextError(f"Work.wait: the op did not finish within {seconds:g} s (a rank did not take "
+                                  f"part, or the stream is blocked)")
+            time.sleep(1e-4)
 
     def is_completed(self) -> bool:
         if self._stream is None:
