@@ -7,7 +7,8 @@ the caller asked for async), and gives the NCCL backend's answers:
 
 * ``wait()`` makes the caller's current stream wait for the op (nothing when it is the
   op's own stream); it never blocks the host, except for ``barrier``'s work, which
-  synchronizes as NCCL's barrier does.
+  synchronizes as NCCL's barrier does, and ``wait(timeout)``, which waits on the host up
+  to the timeout and raises past it.
 * ``is_completed()`` asks the device whether the op has finished (no host wait).
 * ``get_future()`` a CUDA-aware ``torch.futures.Future`` completed with the op's output
   tensors and the op's stream recorded, so ``then()`` callbacks (DDP communication hooks)
