@@ -44,7 +44,10 @@ def world():
     port = int(boot.allgather(str(store.port if store else 0).encode())[0])
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=120))
-    dist.init_process_group("ubnext", store=store, rank=rank, world_size=size, device_id=device)
+    from ubnext.torch.backend import Options
+
+    dist.init_process_group("ubnext", store=store, rank=rank, world_size=size, device_id=device,
+                            pg_options=Options(pool_mb=256))  # subgroups: UBNEXT_POOL_MB's default
     yield rank, size
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -105,7 +108,8 @@ def test_all_reduce(world, op, dtype):
         torch.testing.assert_close(t, want)
     else:
         assert_bits(t, want)
-    assert dist.group.WORLD.communicator is not None
+    comm = dist.group.WORLD.communicator
+    assert comm is not None and comm.config.pool_mb == 256 and comm.size == size
 
 
 def test_product_and_bitwise_raise(world):
