@@ -11,8 +11,9 @@ the caller asked for async), and gives the NCCL backend's answers:
   to the timeout and raises past it.
 * ``is_completed()`` asks the device whether the op has finished (no host wait).
 * ``get_future()`` a CUDA-aware ``torch.futures.Future`` completed with the op's output
-  tensors and the op's stream recorded, so ``then()`` callbacks (DDP communication hooks)
-  and ``wait()`` order their stream after the op, as with NCCL.
+  tensors and a stream recorded that is ordered after the op (the caller's current one,
+  made to wait for the op where it is another), so ``then()`` callbacks (DDP
+  communication hooks) and ``wait()`` order their stream after the op, as with NCCL.
 
 CPU work (what ran on the CPU, complete when the op returned) has no stream.
 """
@@ -65,9 +66,7 @@ class Work(dist._Work):
         if self._blocking:
             stream.synchronize()
             return True
-        current = torch.cuda.current_stream(stream.device)
-        if current != stream:
-            current.wait_event(self._event if self._event is not None else stream.record_event())
+        self._order_current(stream)
         return True
 
     def _wait_host(self, seconds: float) -> None:
@@ -94,15 +93,22 @@ class Work(dist._Work):
 
     def get_future(self):
         if self._future is None:
-            if self._stream is None:
+            stream = self._stream
+            if stream is None:
                 fut = torch.futures.Future()
-                fut.set_result(self._result)
             else:
-                fut = torch.futures.Future(devices=[self._stream.device])
-                with torch.cuda.stream(self._stream):  # the future records the op's stream
-                    fut.set_result(self._result)
+                # the future records the caller's current stream, which is the op's or is made
+                # to wait for it here (wait()'s ordering): no stream guard entered
+                fut = torch.futures.Future(devices=[stream.device])
+                self._order_current(stream)
+            fut.set_result(self._result)
             self._future = fut
         return self._future
+
+    def _order_current(self, stream) -> None:
+        current = torch.cuda.current_stream(stream.device)
+        if current != stream:
+            current.wait_event(self._event if self._event is not None else stream.record_event())
 
 
 class PendingWork(Work):
