@@ -54,6 +54,7 @@ from . import functional
 from ._planner import BufferPlan
 from ._reduce_op import op_name
 from ._registry import handle
+from .backend import register as _register_backend
 from .functional import all_gather_matmul, matmul_reduce_scatter, matmul_reduce_scatter_add_rmsnorm
 from .tp import (
     AddRMSNormEpilogue,
@@ -63,6 +64,7 @@ from .tp import (
     TensorParallelMLP,
 )
 
+_register_backend()  # the "ubnext" torch.distributed backend (ubnext.torch.backend)
 _arrays.bind_torch()  # torch is imported: before any compiled collective (_interop.arrays.bind_torch)
 
 # ReduceOp is torch.distributed's, re-exported (documented there)
