@@ -7,6 +7,7 @@ gradients reduce-scattered) on the backend given: prints each step's loss and ti
 """
 
 from _common import Llama, arguments, setup, train
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 
@@ -14,9 +15,10 @@ def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     rank, size, device = setup(args)
     model = Llama(dim=args.dim, layers=args.layers).to(device)
+    mesh = init_device_mesh(device.type, (size,))  # the run's device (fully_shard's default is the GPU's)
     for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     train("fsdp2", args, rank, size, device, model)
 
 

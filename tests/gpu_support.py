@@ -196,12 +196,23 @@ def reduced_by_nccl(comm, algorithm: str, nbytes: int, dtype: str, fused: bool =
     return "nccl" in choices
 
 
+def _clashes(comm) -> dict:
+    """The GPUs that several ranks of ``comm`` share. Collective (an allgather)."""
+    from ubnext._environment import devices as _devices
+
+    return _devices.shared(comm.bootstrap.allgather_obj(_devices.device_uuid(comm.device)))
+
+
+def ranks_share_a_gpu(comm) -> bool:
+    """Whether ranks of ``comm`` share a GPU: they then take turns on it (time slices of
+    milliseconds), so when a kernel starts says nothing about launches. Collective."""
+    return bool(_clashes(comm))
+
+
 def skip_where_nccl_cannot_run(comm) -> None:
     """Skips a test that NCCL must reduce where ranks share a GPU, which NCCL refuses
     (ubnext._engine.nccl raises). Collective (an allgather)."""
-    from ubnext._environment import devices as _devices
-
-    clashes = _devices.shared(comm.bootstrap.allgather_obj(_devices.device_uuid(comm.device)))
+    clashes = _clashes(comm)
     if clashes:
         pytest.skip(f"NCCL cannot serve several ranks on one GPU (ranks {sorted(clashes.values())[0]} share one)")
 

@@ -47,7 +47,7 @@ def world():
     from ubnext.torch.backend import Options
 
     dist.init_process_group("ubnext", store=store, rank=rank, world_size=size, device_id=device,
-                            pg_options=Options(pool_mb=256))  # subgroups: UBNEXT_POOL_MB's default
+                            pg_options=Options(pool_mb=512))  # subgroups: UBNEXT_POOL_MB's default
     yield rank, size
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -117,7 +117,7 @@ def test_all_reduce(world, op, dtype):
     else:
         assert_bits(t, want)
     comm = dist.group.WORLD.communicator
-    assert comm is not None and comm.config.pool_mb == 256 and comm.size == size
+    assert comm is not None and comm.config.pool_mb == 512 and comm.size == size
 
 
 def test_product_and_bitwise_raise(world):

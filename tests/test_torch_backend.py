@@ -209,6 +209,22 @@ def test_premul_sum_prescales_then_sums():
         assert call[1]["op"] == "sum"
 
 
+def test_premul_sums_factor_is_read_where_torch_gives_no_attribute():
+    """torch 2.11's ReduceOp has no ``factor``; its pickled state is (type, factor)."""
+    from ubnext.torch.backend._collectives import reduction
+
+    class Op211:  # torch 2.11's PREMUL_SUM as the backend sees it
+        op = R.PREMUL_SUM
+
+        def __getstate__(self):
+            return (R.PREMUL_SUM, 0.25)
+
+    class Opts:
+        reduceOp = Op211()
+
+    assert reduction(Opts(), "allreduce") == ("sum", 0.25)
+
+
 @pytest.mark.parametrize("op", [R.PRODUCT, R.BAND, R.BOR, R.BXOR])
 def test_reductions_ubnext_does_not_serve_raise_before_anything_runs(op):
     def body(pg, log):

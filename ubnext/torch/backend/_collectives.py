@@ -49,6 +49,9 @@ def reduction(opts, what: str) -> tuple[str, object]:
     if value != _PREMUL_SUM:
         return name, None
     factor = getattr(op, "factor", None)
+    if factor is None:  # torch 2.11 has no attribute; its pickled state is (type, factor)
+        state = op.__getstate__()
+        factor = state[1] if len(state) > 1 else None
     if factor is None:
         raise UbnextError(f"ProcessGroupUbnext.{what}: ReduceOp.PREMUL_SUM: this torch does not give its "
                           f"factor to Python")
