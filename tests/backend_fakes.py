@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import types
 
 import torch
 
@@ -45,6 +46,7 @@ class StoreComm:
     """A fake Communicator of ``size`` ranks over ``store`` (see the module docstring)."""
 
     device_type = "cpu"
+    selector = types.SimpleNamespace(nccl_problem=None)  # NCCL can run: a Communicator's every dtype
 
     def __init__(self, store, rank: int, size: int, device_index=None):
         self.store, self.rank, self.size, self.device_index = store, rank, size, device_index

@@ -577,3 +577,31 @@ def test_the_default_maker_aborts_its_bootstrap_when_the_communicator_fails(monk
     with pytest.raises(UbnextError, match="no GPU"):
         make(0)
     assert aborted == [0]
+
+
+def test_an_all_gather_no_kernel_takes_goes_through_the_copy_forms_all_to_all_where_nccl_cannot_run():
+    """Ranks sharing a GPU (no NCCL): DDP's int64 metadata all-gather is an all-to-all of the
+    input repeated once per rank, which the pool's copy form serves for every dtype."""
+    from types import SimpleNamespace
+
+    from ubnext.torch.backend._collectives import _all_gather
+
+    calls = []
+
+    def all_to_all(x, out):  # what an all-to-all gives rank 1 of 3, whose peers send 10 r + i
+        calls.append(("all_to_all", x.clone()))
+        out.copy_(torch.stack([torch.arange(4, dtype=x.dtype) + 10 * r for r in range(3)]))
+
+    def comm(problem):
+        return SimpleNamespace(size=3, selector=SimpleNamespace(nccl_problem=problem), all_to_all=all_to_all,
+                               all_gather=lambda x, out=None: calls.append(("all_gather", x)) or out)
+
+    x = torch.arange(4, dtype=torch.int64) + 10
+    out = _all_gather(comm("local ranks 0, 1, 2 share one GPU"), x)
+    assert [name for name, _ in calls] == ["all_to_all"]
+    assert torch.equal(calls[0][1], x.repeat(3, 1))  # every rank gets this rank's x
+    assert torch.equal(out, torch.cat([torch.arange(4) + 10 * r for r in range(3)]))
+    calls.clear()
+    _all_gather(comm(None), x)  # NCCL can run: the communicator's all-gather (its NCCL rung)
+    _all_gather(comm("shared"), x.float())  # a kernel dtype: the kernels
+    assert [name for name, _ in calls] == ["all_gather", "all_gather"]
