@@ -253,9 +253,10 @@ def run(comm, args, argv) -> int:
         cells = []
         for kind, nbytes in (("dispatch", rec["dispatch_bytes"]), ("combine", rec["combine_bytes"])):
             ours, theirs = rec["times"][f"ubnext {kind}"]["time_us"], rec["times"][f"nccl {kind}"]["time_us"]
-            floor = nbytes / rate * 1e6
+            floor = nbytes / rate * 1e6 if rate else None  # one rank: no link, nothing crosses it
             rec[f"{kind}_floor_us"] = floor
-            cells.append(f"{nbytes:>10} {ours:9.2f} {floor:7.2f} {floor / ours:5.2f} {theirs:9.2f}")
+            bound = f"{'-':>7} {'-':>5}" if floor is None else f"{floor:7.2f} {floor / ours:5.2f}"
+            cells.append(f"{nbytes:>10} {ours:9.2f} {bound} {theirs:9.2f}")
         wrong = "-" if rec["wrong"] is None else str(rec["wrong"])
         print(f"{rec['tokens']:>7} " + "   ".join(cells) + f" {wrong:>6}")
     tb.save_report(comm, "moe_perf", "moe_perf", args, argv, {
