@@ -152,12 +152,13 @@ def test_tune_times_calls_on_values_not_zeros(comm, dtype):
     import numpy as np
 
     from ubnext import tune
+    from ubnext._tools import tune_measure
     from ubnext._protocol import quant as _quant
 
     host_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
     stream = cupy.cuda.Stream(non_blocking=True)
     args = tune.parse_args(["-b", "4K", "-e", "1M", "--dtype", dtype])
-    send, out = tune.buffers(dtype, args, stream)
+    send, out = tune_measure.buffers(dtype, args, stream)
     stream.synchronize()
     assert send.size == out.size == (1 << 20) // np.dtype(host_dtype).itemsize
     values = cupy.asnumpy(send.view(cupy.uint32 if dtype == "float32" else cupy.uint16)).view(host_dtype)
