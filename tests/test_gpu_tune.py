@@ -67,7 +67,7 @@ def test_the_default_table_entry_is_chosen_for_this_gpu_alike_on_every_rank(comm
 def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
     import ubnext
     from ubnext import tune
-    from ubnext._selection.table import load_table
+    from ubnext._selection.table_format import load_table
 
     path = comm.bootstrap.bcast_obj(str(tmp_path / "tune.json") if comm.rank == 0 else None)
     argv = ["-o", path, "-b", "4K", "-e", "1M", "-f", "16", "-n", "4", "-G", "2", "--repeats", "3",
@@ -109,7 +109,7 @@ def test_tune_in_the_dependent_mode_writes_the_entry_a_communicator_asking_for_i
 
     import ubnext
     from ubnext import tune
-    from ubnext._selection.table import load_table
+    from ubnext._selection.table_format import load_table
 
     path = comm.bootstrap.bcast_obj(str(tmp_path / "tune_dependent.json") if comm.rank == 0 else None)
     argv = ["-o", path, "--mode", "dependent", "--gemm", "16,512,256", "-b", "4K", "-e", "1M", "-f", "16",

@@ -17,8 +17,8 @@ from ubnext import UbnextError, tune
 from ubnext._environment.config import Config
 from ubnext._protocol.algorithms import COLLECTIVES, DTYPES, KERNEL_DTYPES
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import (
-    FORMAT, Machine, agreed_machine, agreed_table, default_table, family, load_table, parse_table)
+from ubnext._selection.table import FORMAT, Machine, agreed_machine, family
+from ubnext._selection.table_format import agreed_table, default_table, load_table, parse_table
 from ubnext._tools import tune_table
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -17,7 +17,8 @@ from stream_fakes import fake_context
 from ubnext import UbnextError, tune
 from ubnext._protocol.algorithms import ALGORITHMS
 from ubnext._selection.select import Selector
-from ubnext._selection.table import Machine, load_table, parse_table
+from ubnext._selection.table import Machine
+from ubnext._selection.table_format import load_table, parse_table
 from ubnext._tools import dependent, tune_measure, tune_table
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -31,7 +31,8 @@ from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, DTYPES
 from ubnext._protocol.constants import MAX_RANKS
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import agreed_machine, agreed_table
+from ubnext._selection.table import agreed_machine
+from ubnext._selection.table_format import agreed_table
 
 _WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
 

@@ -14,8 +14,8 @@ from typing import Any
 from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES
 from ubnext._protocol.errors import UbnextError
-from ubnext._selection.table import (ANY, DEFAULT_LINK, FORMAT, FORMAT_1, NEVER, Machine, human_bytes, load_table,
-                                     parse_table, upgrade)
+from ubnext._selection.table import ANY, DEFAULT_LINK, FORMAT, FORMAT_1, Machine, human_bytes
+from ubnext._selection.table_format import NEVER, load_table, parse_table, upgrade
 
 
 #: times of one size: algorithm (or quantized format) -> µs, or None where the communicator
