@@ -3,7 +3,7 @@
     python bench/host_path.py
 
 One process, one GPU, a communicator of one rank, 2 KiB of bfloat16 torch tensors. Each
-step of ``Communicator.all_reduce`` (``ubnext/_api/communicator.py``, ``_dispatch.py``,
+step of ``Communicator.all_reduce`` (``ubnext/_api/collectives/all_reduce.py``, ``_dispatch.py``,
 ``_engine.py``) is called on its own with the arguments the call gives it, in
 interleaved rounds (``launch_floor.measure``), the GPU drained between samples; the
 whole call (out of place and in place), the planned fused call of one row, and the

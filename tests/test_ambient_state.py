@@ -50,8 +50,8 @@ IN_THE_GUARD = {
     ("_interop/arrays.py", "empty_like"): "a call's new output: made in the call's section",
     ("_engine/node.py", "__init__"): "the node's side stream: made while the Communicator's construction has its "
                                      "device current",
-    ("tune.py", "buffers"): "the tool's arrays: made under run()'s `with comm._context.current()`",
-    ("tune.py", "gemm_into"): "the tool's GEMM operands: made under run()'s `with comm._context.current()`",
+    ("_tools/tune_measure.py", "buffers"): "the tool's arrays: made under run()'s `with comm._context.current()`",
+    ("_tools/tune_measure.py", "gemm_into"): "the tool's GEMM operands: made under run()'s `with comm._context.current()`",
     ("_tools/selftest.py", "_array"): "the selftest's arrays: made under run()'s `with comm._context.current()`",
     ("_api/collectives/barrier.py", "barrier"): "the barrier's flag: made inside `with self._order:` (the section)",
     ("_api/collectives/pool_copy.py", "_copy_flag"): "the copy form's flag: made by its caller's section",

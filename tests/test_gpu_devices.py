@@ -1070,7 +1070,7 @@ def test_tune_under_a_foreign_device(comm, home, second, mode, tmp_path):
     table with a positive time for every algorithm that took the size, and leaves the
     caller's device as it was."""
     from ubnext import tune
-    from ubnext._selection.table import load_table
+    from ubnext._selection.table_format import load_table
 
     f = Foreign(comm, mode, home, second)
     path = comm.bootstrap.bcast_obj(str(tmp_path / "tune.json") if comm.rank == 0 else None)

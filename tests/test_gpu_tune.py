@@ -67,7 +67,7 @@ def test_the_default_table_entry_is_chosen_for_this_gpu_alike_on_every_rank(comm
 def test_tune_writes_a_table_that_a_communicator_loads(comm, tmp_path, capsys):
     import ubnext
     from ubnext import tune
-    from ubnext._selection.table import load_table
+    from ubnext._selection.table_format import load_table
 
     path = comm.bootstrap.bcast_obj(str(tmp_path / "tune.json") if comm.rank == 0 else None)
     argv = ["-o", path, "-b", "4K", "-e", "1M", "-f", "16", "-n", "4", "-G", "2", "--repeats", "3",
@@ -109,7 +109,7 @@ def test_tune_in_the_dependent_mode_writes_the_entry_a_communicator_asking_for_i
 
     import ubnext
     from ubnext import tune
-    from ubnext._selection.table import load_table
+    from ubnext._selection.table_format import load_table
 
     path = comm.bootstrap.bcast_obj(str(tmp_path / "tune_dependent.json") if comm.rank == 0 else None)
     argv = ["-o", path, "--mode", "dependent", "--gemm", "16,512,256", "-b", "4K", "-e", "1M", "-f", "16",
@@ -152,12 +152,13 @@ def test_tune_times_calls_on_values_not_zeros(comm, dtype):
     import numpy as np
 
     from ubnext import tune
+    from ubnext._tools import tune_measure
     from ubnext._protocol import quant as _quant
 
     host_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
     stream = cupy.cuda.Stream(non_blocking=True)
     args = tune.parse_args(["-b", "4K", "-e", "1M", "--dtype", dtype])
-    send, out = tune.buffers(dtype, args, stream)
+    send, out = tune_measure.buffers(dtype, args, stream)
     stream.synchronize()
     assert send.size == out.size == (1 << 20) // np.dtype(host_dtype).itemsize
     values = cupy.asnumpy(send.view(cupy.uint32 if dtype == "float32" else cupy.uint16)).view(host_dtype)

@@ -15,7 +15,7 @@ import pytest
 from ubnext import Config
 from ubnext._api import report as _report
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import load_table
+from ubnext._selection.table_format import load_table
 from ubnext._tools import info as _info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -166,7 +166,7 @@ def test_benchmark_scripts_import_the_installed_ubnext(script, tmp_path):
 def test_the_wheel_ships_the_default_selector_table(tmp_path):
     """The wheel built from pyproject.toml holds ``ubnext/tables/default.json`` (package-data of
     ``ubnext.tables``, which has no ``__init__.py``), and an installed copy finds and loads it
-    through ``importlib.resources`` (``_selection.table.default_table``)."""
+    through ``importlib.resources`` (``_selection.table_format.default_table``)."""
     import zipfile
 
     setuptools = pytest.importorskip("setuptools")
@@ -189,7 +189,7 @@ def test_the_wheel_ships_the_default_selector_table(tmp_path):
         z.extractall(tmp_path / "site")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(tmp_path / "site")
-    code = ("import ubnext; from ubnext._selection.table import default_table; t = default_table(); "
+    code = ("import ubnext; from ubnext._selection.table_format import default_table; t = default_table(); "
             "print(ubnext.__file__); print(t.entries[0].label)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)

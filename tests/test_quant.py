@@ -633,7 +633,8 @@ def test_describe_report_shows_the_opt_in(monkeypatch, setting):
 
     from ubnext._api import report as _report
     from ubnext._selection.select import Selector, buffer_limits
-    from ubnext._selection.table import Machine, parse_table
+    from ubnext._selection.table import Machine
+    from ubnext._selection.table_format import parse_table
 
     H100 = "NVIDIA H100 80GB HBM3"
     monkeypatch.setattr("ubnext._environment.devices.device_name", lambda device: "fake")

@@ -20,7 +20,8 @@ from ubnext._protocol import signature as _signature
 from ubnext._protocol.algorithms import ALGORITHMS
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import Machine, parse_table
+from ubnext._selection.table import Machine
+from ubnext._selection.table_format import parse_table
 
 MIB = 1 << 20
 RANKS = 4

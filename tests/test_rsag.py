@@ -22,7 +22,7 @@ from ubnext._protocol import signature as _signature
 from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import parse_table
+from ubnext._selection.table_format import parse_table
 from ubnext._tools import reference
 
 MIB = 1 << 20

@@ -11,7 +11,8 @@ from ubnext import UbnextError
 from ubnext._protocol.algorithms import ALGORITHMS
 from ubnext._protocol.algorithms import KERNEL_DTYPES as DTYPES
 from ubnext._selection.select import Selector, bound
-from ubnext._selection.table import ANY_WORLD, agreed_table, default_table, load_table, parse_table
+from ubnext._selection.table import ANY_WORLD
+from ubnext._selection.table_format import agreed_table, default_table, load_table, parse_table
 
 ALL = ["lamport", "lamport_twoshot", "twoshot", "nccl"]
 KiB, MiB = 1 << 10, 1 << 20

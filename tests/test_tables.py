@@ -17,8 +17,9 @@ from ubnext import UbnextError, tune
 from ubnext._environment.config import Config
 from ubnext._protocol.algorithms import COLLECTIVES, DTYPES, KERNEL_DTYPES
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import (
-    FORMAT, Machine, agreed_machine, agreed_table, default_table, family, load_table, parse_table)
+from ubnext._selection.table import FORMAT, Machine, agreed_machine, family
+from ubnext._selection.table_format import agreed_table, default_table, load_table, parse_table
+from ubnext._tools import tune_table
 
 KiB, MiB = 1 << 10, 1 << 20
 #: The shipped table as it was in format 1 (ubnext/tables/h200.json before format 2), verbatim.
@@ -732,7 +733,7 @@ def test_the_h200_rows_choose_as_the_format_1_table_did(usable, config):
 
 def test_tune_merges_into_a_format_1_file_as_format_2():
     old = json.loads(OLD_H200.read_text())
-    doc = tune.merged_document(old, "NVIDIA H100 80GB HBM3", 2, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
+    doc = tune_table.merged_document(old, "NVIDIA H100 80GB HBM3", 2, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
     table = parse_table(doc, "t")
     assert doc["format"] == 2 and [t.key for t in table.entries] == [
         ("*",) * 4, ("NVIDIA H100 80GB HBM3", "nvlink", "plain", "graph")]
@@ -750,13 +751,13 @@ def test_tune_merges_into_a_format_1_file_as_format_2():
 
 def test_tune_replaces_only_its_machines_rows():
     base = document(entry(), entry(gpu="NVIDIA H100", rows=[[None, "twoshot"]]))
-    doc = tune.merged_document(copy.deepcopy(base), "NVIDIA H100", 4, {"bfloat16": [[None, "nccl"]]},
+    doc = tune_table.merged_document(copy.deepcopy(base), "NVIDIA H100", 4, {"bfloat16": [[None, "nccl"]]},
                                {"bfloat16": {"winners": ["nccl"]}})
     assert doc["entries"][0] == base["entries"][0]
     h100 = doc["entries"][1]
     assert h100["tables"] == {"*": {"bfloat16": [[None, "twoshot"]]}, "4": {"bfloat16": [[None, "nccl"]]}}
     assert h100["measured"] == {"4": {"bfloat16": {"winners": ["nccl"]}}}
-    pool = tune.merged_document(doc, "NVIDIA H100", 4, {"bfloat16": [[None, "lamport"]]}, {}, placement="pool")
+    pool = tune_table.merged_document(doc, "NVIDIA H100", 4, {"bfloat16": [[None, "lamport"]]}, {}, placement="pool")
     assert [(e["gpu"], e["placement"]) for e in pool["entries"]] == [
         ("NVIDIA H200", "plain"), ("NVIDIA H100", "plain"), ("NVIDIA H100", "pool")]
 
@@ -800,7 +801,7 @@ def test_tune_rerun_over_a_format_1_file_changes_only_what_it_measured(tmp_path)
                                                                     "float32": [[None, "twoshot"]]}},
            "collectives": {"reduce_scatter": {"tables": {"*": {"bfloat16": [[None, "twoshot"]]}}}}}
     path = write(tmp_path, old)
-    doc = tune.merged_document(load_table(path).document, "NVIDIA H200", 4, {"bfloat16": [[None, "nccl"]]},
+    doc = tune_table.merged_document(load_table(path).document, "NVIDIA H200", 4, {"bfloat16": [[None, "nccl"]]},
                                {"bfloat16": {}})
     table = parse_table(doc, "t")
     limits, usable = buffer_limits(Config.from_env({})), ["lamport", "lamport_twoshot", "twoshot", "nccl"]
@@ -951,11 +952,11 @@ def test_an_h200_takes_the_2_rank_reduce_scatter_and_all_gather_rows_measured_on
 
 @pytest.mark.parametrize("mode", ["graph", "dependent"])
 def test_thresholds_tune_writes_serve_exactly_the_machine_world_size_and_mode_it_ran_on(tmp_path, mode):
-    """python -m ubnext.tune --quantized on 2x H200 (tune.merged_document, as run() calls it):
+    """python -m ubnext.tune --quantized on 2x H200 (tune_table.merged_document, as run() calls it):
     a communicator of that GPU, mode and world size takes the thresholds written; another
     world size, mode or GPU (the same family) takes the rows at most, never the thresholds."""
     rows = {"bfloat16": [[1 * MiB, "lamport"], [None, "lamport_twoshot"]]}
-    doc = tune.merged_document(None, "NVIDIA H200", 2, rows, {"bfloat16": {}}, mode=mode,
+    doc = tune_table.merged_document(None, "NVIDIA H200", 2, rows, {"bfloat16": {}}, mode=mode,
                                quantized={"bfloat16": {"int8": 16 * MiB, "fp8": "never", "int4": 8 * MiB}},
                                quantized_rs={"bfloat16": {"int8": 32 * MiB}})
     table = load_table(write(tmp_path, doc))

@@ -17,8 +17,9 @@ from stream_fakes import fake_context
 from ubnext import UbnextError, tune
 from ubnext._protocol.algorithms import ALGORITHMS
 from ubnext._selection.select import Selector
-from ubnext._selection.table import Machine, load_table, parse_table
-from ubnext._tools import dependent
+from ubnext._selection.table import Machine
+from ubnext._selection.table_format import load_table, parse_table
+from ubnext._tools import dependent, tune_measure, tune_table
 
 KiB, MiB = 1 << 10, 1 << 20
 ALL = ["lamport", "twoshot", "nccl"]
@@ -39,41 +40,41 @@ ALL = ["lamport", "twoshot", "nccl"]
     ({"twoshot": 3.0}, 3, "twoshot"),                                     # no NCCL measured
 ])
 def test_winner_prefers_nccl_unless_a_kernel_beats_it_by_the_margin(times, margin, want):
-    assert tune.winner(times, margin) == want
+    assert tune_table.winner(times, margin) == want
 
 
 def test_winner_needs_a_measurement():
     with pytest.raises(ValueError, match="no algorithm was measured"):
-        tune.winner({"lamport": None, "nccl": None}, 3)
+        tune_table.winner({"lamport": None, "nccl": None}, 3)
 
 
 def test_table_rows_merge_adjacent_sizes_and_leave_the_last_open():
     sizes = [1 * KiB, 2 * KiB, 4 * KiB, 8 * KiB, 16 * KiB]
-    assert tune.table_rows(sizes, ["lamport", "lamport", "twoshot", "twoshot", "nccl"]) == [
+    assert tune_table.table_rows(sizes, ["lamport", "lamport", "twoshot", "twoshot", "nccl"]) == [
         [2 * KiB, "lamport"], [8 * KiB, "twoshot"], [None, "nccl"]]
-    assert tune.table_rows(sizes[:1], ["nccl"]) == [[None, "nccl"]]
-    assert tune.table_rows(sizes[:3], ["lamport", "twoshot", "lamport"]) == [
+    assert tune_table.table_rows(sizes[:1], ["nccl"]) == [[None, "nccl"]]
+    assert tune_table.table_rows(sizes[:3], ["lamport", "twoshot", "lamport"]) == [
         [1 * KiB, "lamport"], [2 * KiB, "twoshot"], [None, "lamport"]]
     with pytest.raises(ValueError):
-        tune.table_rows(sizes, ["nccl"])
+        tune_table.table_rows(sizes, ["nccl"])
 
 
 def test_merged_document_keeps_other_world_sizes_and_dtypes():
-    four = tune.merged_document(None, "GPU A", 4, {"bfloat16": [[512 * KiB, "lamport"], [None, "nccl"]]},
+    four = tune_table.merged_document(None, "GPU A", 4, {"bfloat16": [[512 * KiB, "lamport"], [None, "nccl"]]},
                                 {"bfloat16": {"winners": []}})
     assert four["format"] == 2 and len(four["entries"]) == 1
     a = four["entries"][0]
     assert {k: a[k] for k in ("gpu", "link", "placement", "mode")} == {
         "gpu": "GPU A", "link": "nvlink", "placement": "plain", "mode": "graph"}
-    both = tune.merged_document(four, "GPU A", 2, {"bfloat16": [[None, "twoshot"]]}, {"bfloat16": {}})
+    both = tune_table.merged_document(four, "GPU A", 2, {"bfloat16": [[None, "twoshot"]]}, {"bfloat16": {}})
     assert len(both["entries"]) == 1 and set(both["entries"][0]["tables"]) == {"4", "2"}
-    again = tune.merged_document(both, "GPU A", 4, {"float32": [[None, "nccl"]]}, {"float32": {}})
+    again = tune_table.merged_document(both, "GPU A", 4, {"float32": [[None, "nccl"]]}, {"float32": {}})
     tables = again["entries"][0]["tables"]
     assert set(tables["4"]) == {"bfloat16", "float32"}      # dtype granularity
     assert tables["4"]["bfloat16"] == a["tables"]["4"]["bfloat16"]
     assert a["tables"] == {"4": {"bfloat16": [[512 * KiB, "lamport"], [None, "nccl"]]}}  # not mutated
     # another machine: its own entry; the first kept as it was
-    other = tune.merged_document(again, "GPU B", 4, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
+    other = tune_table.merged_document(again, "GPU B", 4, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
     assert [e["gpu"] for e in other["entries"]] == ["GPU A", "GPU B"]
     assert other["entries"][0] == again["entries"][0]
     assert other["entries"][1]["tables"] == {"4": {"bfloat16": [[None, "nccl"]]}}
@@ -99,7 +100,7 @@ def _h100x2(place: str) -> list[dict]:
 ])
 def test_quantized_thresholds_from_the_2xh100_measurements(place, margin, want):
     times = _h100x2(place)
-    assert tune.quantized_thresholds(H100X2_SIZES, times, ["twoshot"] * 3, margin) == want
+    assert tune_table.quantized_thresholds(H100X2_SIZES, times, ["twoshot"] * 3, margin) == want
 
 
 def test_a_quantized_threshold_needs_a_win_at_every_larger_size():
@@ -108,34 +109,34 @@ def test_a_quantized_threshold_needs_a_win_at_every_larger_size():
              for q, w in zip([5.0, 11.0, 5.0, 5.0], [5.0, 5.0, 5.0, 11.0])]
     # int8 wins at 1 MiB, loses at 2 MiB, wins above: from 4 MiB; int4 loses at the largest:
     # never; fp8 refused everywhere: not measured, left out
-    assert tune.quantized_thresholds(sizes, times, ["twoshot"] * 4, 3) == {"int8": 4 * MiB, "int4": "never"}
+    assert tune_table.quantized_thresholds(sizes, times, ["twoshot"] * 4, 3) == {"int8": 4 * MiB, "int4": "never"}
     # against the size's winner, which may be NCCL even where a kernel is a little faster
     times = [{"twoshot": 9.9, "nccl": 10.0, "int8": 9.95}]
-    assert tune.quantized_thresholds([1 * MiB], times, ["nccl"], 0) == {"int8": 1 * MiB}
-    assert tune.quantized_thresholds([1 * MiB], [{"twoshot": 1.0}], ["twoshot"], 0) == {}
+    assert tune_table.quantized_thresholds([1 * MiB], times, ["nccl"], 0) == {"int8": 1 * MiB}
+    assert tune_table.quantized_thresholds([1 * MiB], [{"twoshot": 1.0}], ["twoshot"], 0) == {}
 
 
 def test_merged_document_writes_and_keeps_the_quantized_thresholds():
     rows = {"bfloat16": [[None, "twoshot"]]}
-    two = tune.merged_document(None, "GPU A", 2, rows, {"bfloat16": {}},
+    two = tune_table.merged_document(None, "GPU A", 2, rows, {"bfloat16": {}},
                                quantized={"bfloat16": {"int8": 64 * MiB, "int4": "never"}})
     q = two["entries"][0]["quantized"]
-    assert q["note"] == tune.QUANTIZED_NOTE and q["tables"] == {"2": {"bfloat16": {"int8": 64 * MiB,
+    assert q["note"] == tune_table.QUANTIZED_NOTE and q["tables"] == {"2": {"bfloat16": {"int8": 64 * MiB,
                                                                                    "int4": "never"}}}
     # another world size, then a run that measured no format: both kept
-    four = tune.merged_document(two, "GPU A", 4, rows, {}, quantized={"bfloat16": {"int8": 16 * MiB}})
-    again = tune.merged_document(four, "GPU A", 2, rows, {}, quantized={"bfloat16": {}})
+    four = tune_table.merged_document(two, "GPU A", 4, rows, {}, quantized={"bfloat16": {"int8": 16 * MiB}})
+    again = tune_table.merged_document(four, "GPU A", 2, rows, {}, quantized={"bfloat16": {}})
     assert again["entries"][0]["quantized"]["tables"] == {"2": {"bfloat16": {"int8": 64 * MiB, "int4": "never"}},
                                                           "4": {"bfloat16": {"int8": 16 * MiB}}}
     # a new measurement of a world size and dtype replaces its thresholds
-    new = tune.merged_document(again, "GPU A", 2, rows, {}, quantized={"bfloat16": {"int4": 32 * MiB}})
+    new = tune_table.merged_document(again, "GPU A", 2, rows, {}, quantized={"bfloat16": {"int4": 32 * MiB}})
     assert new["entries"][0]["quantized"]["tables"]["2"] == {"bfloat16": {"int4": 32 * MiB}}
     (entry,) = parse_table(new, "t").entries
     assert entry.quantized["4"] == {"bfloat16": {"int8": 16 * MiB}}
-    assert "quantized" not in tune.merged_document(None, "GPU A", 2, rows, {})["entries"][0]
+    assert "quantized" not in tune_table.merged_document(None, "GPU A", 2, rows, {})["entries"][0]
     # an entry added where an entry for any GPU served this machine starts from its thresholds too
     star = {**new, "entries": [{**new["entries"][0], "gpu": "*"}]}
-    added = tune.merged_document(star, "GPU B", 4, rows, {})["entries"][1]
+    added = tune_table.merged_document(star, "GPU B", 4, rows, {})["entries"][1]
     assert added["gpu"] == "GPU B" and added["quantized"] == new["entries"][0]["quantized"]
 
 
@@ -144,18 +145,18 @@ def test_merged_document_writes_the_reduce_scatters_thresholds_apart():
     world size and dtype as the all-reduce's; a run that measured the reduce-scatter alone
     writes them without all-reduce thresholds."""
     rows = {"bfloat16": [[None, "twoshot"]]}
-    both = tune.merged_document(None, "GPU A", 2, rows, {}, quantized={"bfloat16": {"int8": 64 * MiB}},
+    both = tune_table.merged_document(None, "GPU A", 2, rows, {}, quantized={"bfloat16": {"int8": 64 * MiB}},
                                 quantized_rs={"bfloat16": {"int8": 16 * MiB, "int4": "never"}})
     q = both["entries"][0]["quantized"]
     assert q["tables"] == {"2": {"bfloat16": {"int8": 64 * MiB}}}
     assert q["collectives"] == {"reduce_scatter": {"tables": {"2": {"bfloat16": {"int8": 16 * MiB,
                                                                                  "int4": "never"}}}}}
-    four = tune.merged_document(both, "GPU A", 4, rows, {}, quantized_rs={"bfloat16": {"int4": 8 * MiB}})
+    four = tune_table.merged_document(both, "GPU A", 4, rows, {}, quantized_rs={"bfloat16": {"int4": 8 * MiB}})
     (entry,) = parse_table(four, "t").entries
     assert entry.quantized == {"2": {"bfloat16": {"int8": 64 * MiB}}}
     assert entry.quantized_by_collective["reduce_scatter"] == {"2": {"bfloat16": {"int8": 16 * MiB, "int4": None}},
                                                                "4": {"bfloat16": {"int4": 8 * MiB}}}
-    alone = tune.merged_document(None, "GPU A", 2, rows, {}, quantized_rs={"bfloat16": {"int8": 1 * MiB}})
+    alone = tune_table.merged_document(None, "GPU A", 2, rows, {}, quantized_rs={"bfloat16": {"int8": 1 * MiB}})
     assert set(alone["entries"][0]["quantized"]) == {"note", "collectives"}
     assert parse_table(alone, "t").entries[0].quantized_by_collective["reduce_scatter"]["2"]["bfloat16"] == {
         "int8": 1 * MiB}
@@ -167,17 +168,17 @@ def test_merged_document_writes_each_collectives_rows_by_world_size_and_dtype():
     already there keeps its note; a run without a collective leaves its rows alone."""
     ar = {"bfloat16": [[None, "twoshot"]]}
     rs4, ag4 = [[8 * MiB, "lamport_twoshot"], [None, "nccl"]], [[1 * MiB, "twoshot"], [None, "nccl"]]
-    four = tune.merged_document(None, "GPU A", 4, ar, {}, collective_rows={
+    four = tune_table.merged_document(None, "GPU A", 4, ar, {}, collective_rows={
         "reduce_scatter": {"bfloat16": rs4}, "all_gather": {"bfloat16": ag4}})
     collectives = four["entries"][0]["collectives"]
-    assert collectives == {"reduce_scatter": {"note": tune.COLLECTIVE_NOTE, "tables": {"4": {"bfloat16": rs4}}},
-                           "all_gather": {"note": tune.COLLECTIVE_NOTE, "tables": {"4": {"bfloat16": ag4}}}}
+    assert collectives == {"reduce_scatter": {"note": tune_table.COLLECTIVE_NOTE, "tables": {"4": {"bfloat16": rs4}}},
+                           "all_gather": {"note": tune_table.COLLECTIVE_NOTE, "tables": {"4": {"bfloat16": ag4}}}}
     collectives["all_gather"]["note"] = "mine"
-    two = tune.merged_document(four, "GPU A", 2, ar, {}, collective_rows={
+    two = tune_table.merged_document(four, "GPU A", 2, ar, {}, collective_rows={
         "reduce_scatter": {"float32": [[None, "nccl"]]}, "all_gather": {}})
-    again = tune.merged_document(two, "GPU A", 4, ar, {}, collective_rows={"reduce_scatter": {
+    again = tune_table.merged_document(two, "GPU A", 4, ar, {}, collective_rows={"reduce_scatter": {
         "float32": [[None, "twoshot"]]}})
-    again = tune.merged_document(again, "GPU A", 4, ar, {})  # the all-reduce alone
+    again = tune_table.merged_document(again, "GPU A", 4, ar, {})  # the all-reduce alone
     collectives = again["entries"][0]["collectives"]
     assert collectives["reduce_scatter"]["tables"] == {"4": {"bfloat16": rs4, "float32": [[None, "twoshot"]]},
                                                        "2": {"float32": [[None, "nccl"]]}}
@@ -185,13 +186,13 @@ def test_merged_document_writes_each_collectives_rows_by_world_size_and_dtype():
     (entry,) = parse_table(again, "t").entries
     assert entry.by_collective["reduce_scatter"]["4"]["bfloat16"] == ((8 * MiB, "lamport_twoshot"), (None, "nccl"))
     # another machine's entry: its own collectives, the first entry's kept
-    other = tune.merged_document(again, "GPU B", 4, ar, {}, collective_rows={"all_gather": {"bfloat16": ag4}})
+    other = tune_table.merged_document(again, "GPU B", 4, ar, {}, collective_rows={"all_gather": {"bfloat16": ag4}})
     assert other["entries"][0] == again["entries"][0]
-    assert other["entries"][1]["collectives"] == {"all_gather": {"note": tune.COLLECTIVE_NOTE,
+    assert other["entries"][1]["collectives"] == {"all_gather": {"note": tune_table.COLLECTIVE_NOTE,
                                                                  "tables": {"4": {"bfloat16": ag4}}}}
     # rows a collective cannot run are refused, as the all-reduce's
     with pytest.raises(UbnextError, match="lamport has no reduce_scatter kernel"):
-        tune.merged_document(None, "GPU A", 4, ar, {}, collective_rows={"reduce_scatter": {
+        tune_table.merged_document(None, "GPU A", 4, ar, {}, collective_rows={"reduce_scatter": {
             "bfloat16": [[None, "lamport"]]}})
 
 
@@ -202,11 +203,11 @@ def test_merged_document_keeps_the_records_of_the_collectives_a_run_left_out():
     rows = {"reduce_scatter": {"bfloat16": [[None, "nccl"]]}, "all_gather": {"bfloat16": [[None, "nccl"]]}}
     full = {"bfloat16": {"winners": ["twoshot"], "reduce_scatter": {"winners": ["nccl"]},
                          "all_gather": {"winners": ["nccl"]}}}
-    first = tune.merged_document(None, "GPU A", 4, ar, full, collective_rows=rows)
-    again = tune.merged_document(first, "GPU A", 4, ar, {"bfloat16": {"winners": ["lamport_twoshot"]}})
+    first = tune_table.merged_document(None, "GPU A", 4, ar, full, collective_rows=rows)
+    again = tune_table.merged_document(first, "GPU A", 4, ar, {"bfloat16": {"winners": ["lamport_twoshot"]}})
     assert again["entries"][0]["measured"]["4"]["bfloat16"] == {
         "winners": ["lamport_twoshot"], "reduce_scatter": {"winners": ["nccl"]}, "all_gather": {"winners": ["nccl"]}}
-    redone = tune.merged_document(again, "GPU A", 4, ar, {"bfloat16": {"winners": ["nccl"],
+    redone = tune_table.merged_document(again, "GPU A", 4, ar, {"bfloat16": {"winners": ["nccl"],
                                                                         "all_gather": {"winners": ["twoshot"]}}})
     assert redone["entries"][0]["measured"]["4"]["bfloat16"] == {
         "winners": ["nccl"], "all_gather": {"winners": ["twoshot"]}, "reduce_scatter": {"winners": ["nccl"]}}
@@ -216,23 +217,23 @@ def test_report_prints_each_collectives_table_and_rows_line():
     args = tune.parse_args(["-b", "1K", "-e", "4K"])
     sizes = [1 * KiB, 2 * KiB, 4 * KiB]
     times = [{"twoshot": 5.0, "nccl": 9.0}, {"twoshot": 8.0, "nccl": 9.0}, {"twoshot": None, "nccl": 9.0}]
-    winners = [tune.winner(t, args.margin) for t in times]
-    lines = tune.report(4, "bfloat16", "GPU A", sizes, times, winners, args, "all_gather")
+    winners = [tune_table.winner(t, args.margin) for t in times]
+    lines = tune_table.report(4, "bfloat16", "GPU A", sizes, times, winners, args, "all_gather")
     assert lines[1] == "# µs per all-gather (size: the whole output) (plain arrays, out of place); a kernel " \
                        "beats NCCL only when 3% faster"
     assert lines[2].split() == ["size", "twoshot", "nccl", "winner"]
     assert lines[3].split() == ["1", "KiB", "5.00", "9.00", "twoshot"] and lines[5].split()[2] == "—"
     assert lines[-1] == "# all_gather rows for 4 ranks bfloat16: ≤ 2 KiB twoshot, then nccl"
-    lines = tune.report(4, "bfloat16", "GPU A", sizes, times, winners, args, "reduce_scatter")
+    lines = tune_table.report(4, "bfloat16", "GPU A", sizes, times, winners, args, "reduce_scatter")
     assert "reduce-scatter (size: the whole input)" in lines[1]
     assert lines[-1] == "# reduce_scatter rows for 4 ranks bfloat16: ≤ 2 KiB twoshot, then nccl"
-    assert tune.report(4, "bfloat16", "GPU A", sizes, times, winners, args)[-1] == (
+    assert tune_table.report(4, "bfloat16", "GPU A", sizes, times, winners, args)[-1] == (
         "# rows for 4 ranks bfloat16: ≤ 2 KiB twoshot, then nccl")
 
 
 def test_merged_document_refuses_what_ubnext_cannot_read():
     with pytest.raises(UbnextError, match="unknown algorithm 'ring'"):
-        tune.merged_document(None, "GPU", 4, {"bfloat16": [[None, "ring"]]}, {})
+        tune_table.merged_document(None, "GPU", 4, {"bfloat16": [[None, "ring"]]}, {})
 
 
 # --------------------------------------------------------------------------- arguments
@@ -351,10 +352,10 @@ def test_time_algorithm_captures_launches_and_agrees_on_refusals(cupy):
     comm = FakeComm(lamport_max=4)
     args = tune.parse_args(["-n", "3", "-G", "2", "--repeats", "5", "-w", "2"])
     buf = cupy.zeros((8,), np.float32)
-    timed = tune.time_algorithm(comm, cupy.cuda.Stream(), "twoshot", buf, buf, args)
+    timed = tune_measure.time_algorithm(comm, cupy.cuda.Stream(), "twoshot", buf, buf, args)
     assert timed.us >= 0 and timed.raw_us is None and timed.gemm_us is None  # graph mode: no GEMM
     assert comm.calls == 2 + 3 * (1 + 2 * 5)  # warm-up, graph upload, launches × samples
-    assert tune.time_algorithm(comm, cupy.cuda.Stream(), "lamport", buf, buf, args) is None
+    assert tune_measure.time_algorithm(comm, cupy.cuda.Stream(), "lamport", buf, buf, args) is None
 
 
 def test_time_algorithm_raises_when_ranks_disagree(cupy):
@@ -363,7 +364,7 @@ def test_time_algorithm_raises_when_ranks_disagree(cupy):
     args = tune.parse_args(["-n", "1", "-G", "1", "--repeats", "1"])
     buf = cupy.zeros((8,), np.float32)
     with pytest.raises(UbnextError, match="ranks disagree whether lamport"):
-        tune.time_algorithm(comm, cupy.cuda.Stream(), "lamport", buf, buf, args)
+        tune_measure.time_algorithm(comm, cupy.cuda.Stream(), "lamport", buf, buf, args)
 
 
 def synthetic_times(nbytes: int, usable) -> dict:
@@ -376,7 +377,7 @@ def synthetic_times(nbytes: int, usable) -> dict:
 
 
 def fake_measure(times_of=synthetic_times, calls=None):
-    """A stand-in for tune.measure: ``times_of(size, names)`` at every size, names the usable
+    """A stand-in for tune_measure.measure: ``times_of(size, names)`` at every size, names the usable
     algorithms that serve the collective; the all-gather's at 4x the size (so it leaves the
     two-shot for NCCL at a quarter of the others' size). Each (dtype, collective) measured
     is appended to ``calls``."""
@@ -385,7 +386,7 @@ def fake_measure(times_of=synthetic_times, calls=None):
             calls.append((dtype, collective))
         names = [n for n in comm.algorithms() if ALGORITHMS[n].serves(collective)]
         scale = 4 if collective == "all_gather" else 1
-        return tune.Measured(args.sizes, [times_of(n * scale, names) for n in args.sizes])
+        return tune_measure.Measured(args.sizes, [times_of(n * scale, names) for n in args.sizes])
     return measure
 
 
@@ -409,7 +410,7 @@ def test_run_measures_writes_merges_and_prints_the_export_line(cupy, monkeypatch
     assert entry.by_collective == {"reduce_scatter": {"4": {"bfloat16": ((32 * MiB, "twoshot"), (None, "nccl"))}},
                                    "all_gather": {"4": {"bfloat16": ((8 * MiB, "twoshot"), (None, "nccl"))}}}
     assert {c: entry.entry["collectives"][c]["note"] for c in entry.by_collective} == {
-        "reduce_scatter": tune.COLLECTIVE_NOTE, "all_gather": tune.COLLECTIVE_NOTE}
+        "reduce_scatter": tune_table.COLLECTIVE_NOTE, "all_gather": tune_table.COLLECTIVE_NOTE}
     record = entry.entry["measured"]["4"]["bfloat16"]
     assert record["sizes"] == args.sizes and len(record["us"]["nccl"]) == 19 and record["margin_percent"] == 3
     assert record["us"]["lamport"][0] is not None
@@ -467,7 +468,7 @@ def test_run_on_an_opted_in_communicator_measures_and_writes_the_quantized_thres
     def measure(comm, stream, dtype, collective, args, progress):
         assert comm.config.quantized == "int8"
         calls.append(collective)
-        return tune.Measured(args.sizes, by_collective[collective])
+        return tune_measure.Measured(args.sizes, by_collective[collective])
 
     monkeypatch.setattr(tune, "measure", measure)
     out = tmp_path / "tune.json"
@@ -510,12 +511,12 @@ def test_run_on_an_opted_in_communicator_measures_and_writes_the_quantized_thres
 
 def test_measure_times_the_formats_only_where_opted_in(cupy):
     args = tune.parse_args(["-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
-    rows = tune.measure(FakeComm(quantized="int4"), cupy.cuda.Stream(), "bfloat16", "all_reduce", args,
+    rows = tune_measure.measure(FakeComm(quantized="int4"), cupy.cuda.Stream(), "bfloat16", "all_reduce", args,
                         lambda _: None).times
     assert [sorted(r) for r in rows] == [sorted([*ALL, "int8", "fp8", "int4"])] * 2
     assert all(r["fp8"] is None and r["int8"] is not None for r in rows)  # fp8 refused
     for comm, dtype in ((FakeComm(), "bfloat16"), (FakeComm(quantized="int8"), "float32")):
-        measured = tune.measure(comm, cupy.cuda.Stream(), dtype, "all_reduce", args, lambda _: None)
+        measured = tune_measure.measure(comm, cupy.cuda.Stream(), dtype, "all_reduce", args, lambda _: None)
         assert [sorted(r) for r in measured.times] == [sorted(ALL)] * 2 and measured.raw == measured.gemm == []
         assert measured.sizes == args.sizes
     assert tune.parse_args(["--quantized"]).quantized and not tune.parse_args([]).quantized
@@ -527,13 +528,13 @@ def test_measure_reduce_scatter_times_its_algorithms_and_the_formats_only_where_
     whole slices into k elements; a size below one element per rank is left out."""
     args = tune.parse_args(["-b", "16", "-e", "4K", "-f", "16", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
     comm = FakeComm(size=16, quantized="int4")
-    found = tune.measure(comm, cupy.cuda.Stream(), "bfloat16", "reduce_scatter", args, lambda _: None)
+    found = tune_measure.measure(comm, cupy.cuda.Stream(), "bfloat16", "reduce_scatter", args, lambda _: None)
     assert found.sizes == [256, 4096]  # 16 bytes: 8 elements, not one per rank of 16
     assert [sorted(r) for r in found.times] == [sorted(["twoshot", "nccl", "int8", "fp8", "int4"])] * 2
     assert all(r["fp8"] is None and r["int8"] is not None for r in found.times)
     assert comm.sliced == {("reduce_scatter", 128, 8), ("reduce_scatter", 2048, 128)}
     for comm, dtype in ((FakeComm(), "bfloat16"), (FakeComm(quantized="int8"), "float32")):
-        found = tune.measure(comm, cupy.cuda.Stream(), dtype, "reduce_scatter", args, lambda _: None)
+        found = tune_measure.measure(comm, cupy.cuda.Stream(), dtype, "reduce_scatter", args, lambda _: None)
         assert [sorted(r) for r in found.times] == [["nccl", "twoshot"]] * 3  # 4 ranks: every size
         assert all(None not in r.values() for r in found.times)
 
@@ -544,7 +545,7 @@ def test_measure_all_gather_times_its_algorithms_into_the_whole_output_and_no_fo
     args = tune.parse_args(["-b", "16", "-e", "4K", "-f", "16", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
     comm = FakeComm(size=3, usable=["lamport", "lamport_twoshot", "twoshot", "nccl"], quantized="int8")
     seen = []
-    found = tune.measure(comm, cupy.cuda.Stream(), "float32", "all_gather", args, seen.append)
+    found = tune_measure.measure(comm, cupy.cuda.Stream(), "float32", "all_gather", args, seen.append)
     assert found.sizes == args.sizes == [16, 256, 4096]
     assert [sorted(r) for r in found.times] == [["lamport_twoshot", "nccl", "twoshot"]] * 3
     assert comm.sliced == {("all_gather", 1, 3), ("all_gather", 21, 63), ("all_gather", 341, 1023)}
@@ -552,10 +553,10 @@ def test_measure_all_gather_times_its_algorithms_into_the_whole_output_and_no_fo
 
 
 def test_call_counts_of_each_collective():
-    assert tune.call_counts("all_reduce", 10, 4) == (10, 10)
-    assert tune.call_counts("reduce_scatter", 10, 4) == (8, 2)
-    assert tune.call_counts("all_gather", 10, 4) == (2, 8)
-    assert tune.call_counts("all_gather", 3, 4) == (0, 0)
+    assert tune_measure.call_counts("all_reduce", 10, 4) == (10, 10)
+    assert tune_measure.call_counts("reduce_scatter", 10, 4) == (8, 2)
+    assert tune_measure.call_counts("all_gather", 10, 4) == (2, 8)
+    assert tune_measure.call_counts("all_gather", 3, 4) == (0, 0)
 
 
 def test_run_refuses_an_invalid_existing_file_before_measuring(cupy, monkeypatch, tmp_path, capsys):
@@ -577,7 +578,7 @@ def test_measure_on_fake_gpus_covers_every_size_and_algorithm(cupy):
     args = tune.parse_args(["-b", "1K", "-e", "16K", "-f", "4", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
     seen = []
     start = time.perf_counter()
-    rows = tune.measure(comm, cupy.cuda.Stream(), "float32", "all_reduce", args, seen.append).times
+    rows = tune_measure.measure(comm, cupy.cuda.Stream(), "float32", "all_reduce", args, seen.append).times
     assert time.perf_counter() - start < 10
     assert [sorted(r) for r in rows] == [sorted(ALL)] * 3
     assert [r["lamport"] is None for r in rows] == [False, False, True]
@@ -610,13 +611,13 @@ def test_time_algorithm_in_the_dependent_mode_puts_the_gemm_before_each_call(cup
 
     args = tune.parse_args(["--mode", "dependent", "-n", "3", "-G", "2", "--repeats", "2", "-w", "2"])
     buf = cupy.zeros((8,), np.float32)
-    timed = tune.time_algorithm(comm, stream, "twoshot", buf, buf, args, gemm=gemm)
+    timed = tune_measure.time_algorithm(comm, stream, "twoshot", buf, buf, args, gemm=gemm)
     pairs, alone = ["gemm", "call"] * 3, ["gemm"] * 3
     # warm-up, the two graphs' uploads, then per sample 2 launches of the pairs, 2 of the GEMMs
     assert comm.log == ["gemm", "call"] * 2 + pairs + alone + (pairs * 2 + alone * 2) * 2
     assert None not in timed
     # a refused size is refused with its GEMM before it too
-    assert tune.time_algorithm(FakeComm(lamport_max=4), stream, "lamport", buf, buf, args, gemm=gemm) is None
+    assert tune_measure.time_algorithm(FakeComm(lamport_max=4), stream, "lamport", buf, buf, args, gemm=gemm) is None
 
 
 def test_the_dependent_mode_ranks_each_pair_sample_less_the_gemm_sample_after_it(cupy, monkeypatch):
@@ -633,42 +634,42 @@ def test_the_dependent_mode_ranks_each_pair_sample_less_the_gemm_sample_after_it
     comm.bootstrap.allgather_obj = lambda x: [x, None if x is None else x / 2]  # rank 1 faster: rank 0's max
     args = tune.parse_args(["--mode", "dependent", "--repeats", "3", "-w", "1"])
     buf = cupy.zeros((8,), np.float32)
-    timed = tune.time_algorithm(comm, stream, "twoshot", buf, buf, args, gemm=gemm)
+    timed = tune_measure.time_algorithm(comm, stream, "twoshot", buf, buf, args, gemm=gemm)
     # differences 4, 5.5, 4 µs: their median, not the difference of the medians (11 - 6.5)
-    assert timed == pytest.approx(tune.Timed(4.0, 11.0, 6.5))
+    assert timed == pytest.approx(tune_measure.Timed(4.0, 11.0, 6.5))
 
 
 def test_measured_splits_the_dependent_times_and_the_winners_come_from_the_differences():
-    rows = [{"lamport": tune.Timed(4.0, 14.0, 10.0), "nccl": tune.Timed(7.0, 13.0, 6.0)},
-            {"lamport": None, "nccl": tune.Timed(9.0, 15.5, 6.5)}]
-    m = tune.Measured.of([1 * KiB, 2 * KiB], rows, dependent=True)
+    rows = [{"lamport": tune_measure.Timed(4.0, 14.0, 10.0), "nccl": tune_measure.Timed(7.0, 13.0, 6.0)},
+            {"lamport": None, "nccl": tune_measure.Timed(9.0, 15.5, 6.5)}]
+    m = tune_measure.Measured.of([1 * KiB, 2 * KiB], rows, dependent=True)
     assert m.times == [{"lamport": 4.0, "nccl": 7.0}, {"lamport": None, "nccl": 9.0}]
     assert m.raw == [{"lamport": 14.0, "nccl": 13.0}, {"lamport": None, "nccl": 15.5}]
     assert m.gemm == [{"lamport": 10.0, "nccl": 6.0}, {"lamport": None, "nccl": 6.5}]
-    winners = [tune.winner(t, 3) for t in m.times]
-    assert winners == ["lamport", "nccl"] and tune.winner(m.raw[0], 3) == "nccl"  # the raw pairs would rank otherwise
+    winners = [tune_table.winner(t, 3) for t in m.times]
+    assert winners == ["lamport", "nccl"] and tune_table.winner(m.raw[0], 3) == "nccl"  # the raw pairs would rank otherwise
     assert m.record(winners) == {"sizes": [1 * KiB, 2 * KiB], "winners": ["lamport", "nccl"],
                                  "us": {"lamport": [4.0, None], "nccl": [7.0, 9.0]},
                                  "raw_us": {"lamport": [14.0, None], "nccl": [13.0, 15.5]},
                                  "gemm_us": {"lamport": [10.0, None], "nccl": [6.0, 6.5]}}
-    graph = tune.Measured.of([16], [{"nccl": tune.Timed(3.0)}], dependent=False)
-    assert graph == tune.Measured([16], [{"nccl": 3.0}])
+    graph = tune_measure.Measured.of([16], [{"nccl": tune_measure.Timed(3.0)}], dependent=False)
+    assert graph == tune_measure.Measured([16], [{"nccl": 3.0}])
     assert graph.record(["nccl"]) == {"sizes": [16], "winners": ["nccl"], "us": {"nccl": [3.0]}}
 
 
 def test_merged_document_keeps_each_modes_entry_apart():
     """A dependent entry is added beside the graph entry of the same machine, neither
     starting from nor changing it; a later graph run leaves the dependent entry alone."""
-    graph = tune.merged_document(None, "GPU A", 4, {"bfloat16": [[None, "twoshot"]]}, {"bfloat16": {}})
-    both = tune.merged_document(graph, "GPU A", 4, {"bfloat16": [[None, "lamport"]]},
+    graph = tune_table.merged_document(None, "GPU A", 4, {"bfloat16": [[None, "twoshot"]]}, {"bfloat16": {}})
+    both = tune_table.merged_document(graph, "GPU A", 4, {"bfloat16": [[None, "lamport"]]},
                                 {"bfloat16": {"gemm_mnk": [64, 4096, 4096]}}, mode="dependent")
     assert [(e["gpu"], e["mode"]) for e in both["entries"]] == [("GPU A", "graph"), ("GPU A", "dependent")]
     assert both["entries"][0] == graph["entries"][0]
     dependent = both["entries"][1]
     assert dependent["tables"] == {"4": {"bfloat16": [[None, "lamport"]]}} and "note" not in dependent
-    again = tune.merged_document(both, "GPU A", 2, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
+    again = tune_table.merged_document(both, "GPU A", 2, {"bfloat16": [[None, "nccl"]]}, {"bfloat16": {}})
     assert again["entries"][1] == dependent and set(again["entries"][0]["tables"]) == {"4", "2"}
-    assert tune.entry_of(again, {"gpu": "GPU A", "mode": "dependent"}) is again["entries"][1]
+    assert tune_table.entry_of(again, {"gpu": "GPU A", "mode": "dependent"}) is again["entries"][1]
 
 
 #: µs of the GEMMs alone sampled beside each algorithm: unequal (as samples may be), so the
@@ -693,7 +694,7 @@ def test_run_in_the_dependent_mode_writes_its_entry_beside_the_graph_entry(cupy,
     def measure(comm, stream, dtype, collective, args, progress):
         assert args.mode == "dependent" and args.gemm == (8, 16, 32)
         names = [n for n in comm.algorithms() if ALGORITHMS[n].serves(collective)]
-        return tune.Measured.of(args.sizes, [{k: None if t is None else tune.Timed(t, t + GEMM_ALONE[k], GEMM_ALONE[k])
+        return tune_measure.Measured.of(args.sizes, [{k: None if t is None else tune_measure.Timed(t, t + GEMM_ALONE[k], GEMM_ALONE[k])
                                               for k, t in dependent_times(n, names).items()} for n in args.sizes],
                                 dependent=True)
 
@@ -713,8 +714,8 @@ def test_run_in_the_dependent_mode_writes_its_entry_beside_the_graph_entry(cupy,
     doc = json.loads(out.read_text())
     assert [e["mode"] for e in doc["entries"]] == ["graph", "dependent"]
     assert doc["entries"][0] == graph_entry  # not clobbered
-    winners = [tune.winner(dependent_times(n, ALL), 3) for n in args.sizes]
-    rows = tune.table_rows(args.sizes, winners)
+    winners = [tune_table.winner(dependent_times(n, ALL), 3) for n in args.sizes]
+    rows = tune_table.table_rows(args.sizes, winners)
     assert "twoshot" not in winners and doc["entries"][1]["tables"] == {"4": {"bfloat16": rows}}
     record = doc["entries"][1]["measured"]["4"]["bfloat16"]
     assert record["gemm_mnk"] == [8, 16, 32] and record["winners"] == winners and record["sizes"] == args.sizes
@@ -751,7 +752,7 @@ def test_measure_in_the_dependent_mode_runs_the_gemm_into_each_calls_input(cupy,
         return inputs[-1]
 
     monkeypatch.setattr(cupy, "empty", recorded_empty)
-    m = tune.measure(comm, cupy.cuda.Stream(), "float32", "all_reduce", args, lambda _: None)
+    m = tune_measure.measure(comm, cupy.cuda.Stream(), "float32", "all_reduce", args, lambda _: None)
     (send,) = inputs
     assert send.size == 4 * 512 and (send.host == 1).all()
     assert [sorted(r) for r in m.times] == [sorted(ALL)] * 2 and len(m.raw) == len(m.gemm) == 2
@@ -784,7 +785,7 @@ def test_measure_in_the_dependent_mode_puts_the_gemm_before_each_reduce_scatter_
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype: inputs.append(empty(shape, dtype)) or inputs[-1])
     args = tune.parse_args(["--mode", "dependent", "--gemm", "4,8,512", "-b", "1K", "-e", "4K", "-f", "4",
                             "-n", "2", "-G", "1", "--repeats", "1", "-w", "2"])
-    found = tune.measure(comm, stream, "float32", collective, args, lambda _: None)
+    found = tune_measure.measure(comm, stream, "float32", collective, args, lambda _: None)
     (send,) = inputs
     assert send.size == 4 * 512 and (send.host == 1).all()  # M x N elements, all written by the GEMM
     assert comm.sliced == sliced

@@ -11,12 +11,12 @@ from ubnext._api import agreement as _agreement
 from ubnext._api import handles as _handles
 from ubnext._api import lifetime
 from ubnext._api.calls import CallSteps
-from ubnext._api.collectives import AllToAll, Barrier, Broadcast, Gather, Reduce, Scatter, SendRecv
-from ubnext._api.plans import Plans, add_rmsnorm_key, all_reduce_key
+from ubnext._api.collectives import (AllGather, AllReduce, AllReduceAddRmsnorm, AllToAll, Barrier, Broadcast, Gather,
+                                     Reduce, ReduceScatter, ReduceScatterAddRmsnorm, Scatter, SendRecv)
+from ubnext._api.plans import Plans
 from ubnext._api.report import Description, report
 from ubnext._engine import nccl as _nccl
 from ubnext._engine.dispatch import Dispatcher
-from ubnext._engine.epilogue import check_eps
 from ubnext._engine.node import Node
 from ubnext._environment import nvls_gate as _gate
 from ubnext._environment import preflight as _preflight
@@ -27,20 +27,21 @@ from ubnext._interop import arrays as _arrays
 from ubnext._interop.context import Context, caller_device
 from ubnext._interop.streams import LaunchOrder
 from ubnext._protocol import quant as _quant
-from ubnext._protocol import signature as _signature
-from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, DTYPES, KERNEL_DTYPES, OPS
+from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, DTYPES
 from ubnext._protocol.constants import MAX_RANKS
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.select import Selector, buffer_limits
-from ubnext._selection.table import agreed_machine, agreed_table
+from ubnext._selection.table import agreed_machine
+from ubnext._selection.table_format import agreed_table
 
 _WATCHDOG_S = 0.5  # seconds between the watchdog's reads of the failure records
 
 
-class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Scatter, Barrier):
+class Communicator(CallSteps, AllReduce, AllReduceAddRmsnorm, ReduceScatter, AllGather, ReduceScatterAddRmsnorm,
+                   Broadcast, Reduce, AllToAll, SendRecv, Gather, Scatter, Barrier):
     """A group of ranks that run NCCL's collectives together: all-reduce, reduce-scatter,
     all-gather (ubnext's kernels), broadcast, reduce, all-to-all, send/recv, gather,
-    scatter (NCCL's, ``ubnext._api.collectives``) and barrier.
+    scatter (NCCL's) and barrier, each in its module of ``ubnext._api.collectives``.
 
     Creating one is collective over ``bootstrap``: every rank of it must construct
     its Communicator at the same time. On one node whose GPUs reach each other
@@ -229,380 +230,6 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
             return None
         return {"bytes": node.pool.size, "user_heap_bytes": node.heap.capacity,
                 "user_heap_free_bytes": node.heap.free_bytes}
-
-    def all_reduce(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None,
-                   precision: str = "auto"):
-        """All-reduces ``x`` over the ranks; never blocks the host.
-
-        Collective: yes: every rank calls it, in the same order.
-        Graph-capturable: yes, after a first eager call per dtype, op and algorithm (which
-        compiles the kernel; NCCL's first call sets NCCL up).
-
-        Args:
-            x: CUDA array (torch.Tensor, cupy.ndarray, ``__cuda_array_interface__`` or
-                ``__dlpack__``), contiguous, of a dtype of ``ubnext.DTYPES``, on this
-                communicator's device. Arrays from ``empty()`` are reduced without
-                copies (in place, or into an ``out`` from ``empty()``); a buffer from
-                ``empty()`` must then be used on every rank alike.
-            out: where to write the result (same count and dtype; may be ``x``);
-                default: a new array of x's framework.
-            op: ``"sum"``, ``"avg"`` (floating-point dtypes), ``"max"`` or ``"min"``.
-            algorithm: ``"auto"`` or one of ``algorithms()`` (float64 and the integer
-                dtypes: ``"twoshot"`` or ``"nccl"``).
-            stream: torch/CuPy/cuda.core stream or raw handle; default: the current
-                stream of x's framework (CuPy's for other inputs, whose producers are
-                ordered before it: ``__dlpack__(stream=...)``, or the interface's
-                ``stream``). On a stream other than the current one, torch tensors are
-                recorded on it for the caching allocator, and a new ``out`` is ordered for
-                it (CuPy's allocated on it; torch's on the current stream, which ``stream``
-                then waits for). Calls on different streams run in the order they were issued.
-            precision: ``"auto"``: full precision unless the communicator opted in to the
-                quantized all-reduce (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16
-                sums and averages from the size the selector table measured for this machine
-                and world size (``python -m ubnext.tune``; none measured: never; ``describe()``
-                says which); ``"exact"``: full
-                precision always; ``"int8"``, ``"fp8"`` (e4m3, sm_89+) or ``"int4"``: the
-                quantized two-shot in that format (opt-in communicators only; lossy within the bound
-                the README states, identical bits on every rank).
-
-        Returns:
-            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
-
-        Raises:
-            UbnextError: invalid arguments (before anything is launched), closed
-                communicator. BrokenCommunicatorError (CollectiveTimeoutError,
-                CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
-                communicator failed; its outputs hold NaN where results were not computed.
-
-        May be called from any thread, whatever device is current there: each call runs
-        whole as one section with this communicator's context current, and gives the
-        caller's back. Every rank must issue its collectives in the same order, so calls
-        from several threads need an order of their own.
-        """
-        if _arrays.traced(x):
-            return _traced_call(self, "all_reduce", x, out=out, op=op, algorithm=algorithm, stream=stream,
-                                precision=precision)
-        with self._order:
-            name = "all_reduce"
-            self._check_open(name)
-            handle, owner, side = self._launch_stream(name, stream, x)
-            key = None if self._node is None else all_reduce_key(x, out, op, algorithm, precision, handle, side)
-            planned, key = self._planned(key, handle, owner, side, (x, out))
-            if planned:
-                return out
-            xb = self._input(name, x, handle)
-            if op not in OPS:
-                raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-            fmt = self._quantized_format(name, precision, algorithm, xb, op)
-            algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op)
-            if out is None:
-                ob = self._new(name, xb, handle, owner, side)
-            elif out is x:  # in place: nothing more to check
-                ob = xb
-            else:
-                ob = _arrays.check_out(xb, out, name, handle)
-            if not self._prepare(name, algo, xb, xb.count, op, handle, owner, side, (xb, ob)):
-                return ob.obj
-            sig = _signature.encode(name, xb.dtype, op, xb.count)
-            if fmt:
-                self._dispatch.quantized(fmt, xb, ob, op, handle, owner, _quant.signature(sig, fmt))
-            else:
-                self._keep(key, self._dispatch.all_reduce(algo, xb, ob, op, handle, owner, sig), (xb, ob), (1,))
-            if out is not None:
-                _arrays.mark_written((ob,))
-            return ob.obj
-
-    def all_reduce_add_rmsnorm(self, x, residual, weight, eps: float = 1e-6, bias=None, out=None,
-                               residual_out=None, algorithm: str = "auto", stream=None):
-        """All-reduce, residual add and RMSNorm in one kernel; never blocks the host.
-
-        For ``x`` of shape (tokens, hidden)::
-
-            residual_out = all_reduce(x) + bias + residual
-            normed = residual_out / sqrt(mean(residual_out ** 2, axis=-1) + eps) * weight
-
-        in fp32 arithmetic, with the all-reduced values and ``residual_out`` rounded to
-        x's dtype first (as the unfused sequence would). ``residual``, ``weight`` and
-        ``bias`` must hold the same values on every rank (as in tensor parallelism); every
-        rank then gets the same bits. Hidden sizes that are a multiple of 8 with 16-byte
-        aligned arrays take the fused kernels; anything else runs the all-reduce, then
-        ubnext's separate add + RMSNorm kernel (logged once).
-
-        Collective: yes: every rank calls it, in the same order.
-        Graph-capturable: yes, after a first eager call of the same shape, dtype and
-        algorithm (which compiles its kernels).
-
-        Args:
-            x: 2-D CUDA array (tokens x hidden), bfloat16/float16/float32.
-            residual: same shape and dtype as x, or None (plain all-reduce + RMSNorm).
-            weight: 1-D, hidden elements, x's dtype.
-            eps: finite, >= 0.
-            bias: 1-D, hidden elements, x's dtype, or None.
-            out: where to write ``normed`` (x's shape and dtype, not overlapping x);
-                default: new.
-            residual_out: where to write the residual sum (may be ``residual`` for in
-                place, must not be ``out``); default: new.
-            algorithm: ``"auto"`` or one of ``algorithms()`` (picked by x's bytes).
-            stream: as for ``all_reduce``.
-
-        Returns:
-            ``(normed, residual_out)``, in x's framework.
-
-        Raises:
-            UbnextError: invalid arguments (before anything is launched), closed
-                communicator. BrokenCommunicatorError (CollectiveTimeoutError,
-                CollectiveMismatchError, ConcurrentUseError): an earlier collective of this
-                communicator failed; its outputs hold NaN where results were not computed.
-        """
-        if _arrays.traced(x):
-            return _traced_call(self, "all_reduce_add_rmsnorm", x, residual, weight, eps=eps, bias=bias, out=out,
-                                residual_out=residual_out, algorithm=algorithm, stream=stream)
-        with self._order:
-            name = "all_reduce_add_rmsnorm"
-            self._check_open(name)
-            handle, owner, side = self._launch_stream(name, stream, x)
-            key = None if self._node is None else add_rmsnorm_key(x, residual, weight, bias, out, residual_out, eps,
-                                                                  algorithm, handle, side)
-            planned, key = self._planned(key, handle, owner, side, (x, residual, weight, bias, out, residual_out))
-            if planned:
-                return out, residual_out
-            xb = _arrays.as_buffer(x, name, handle)
-            if len(xb.shape) != 2:
-                raise UbnextError(f"{name}: x must be 2-D (tokens x hidden), got shape {tuple(xb.shape)}")
-            self._on_device(name, xb, "x")
-            rows, hidden = (int(d) for d in xb.shape)
-            eps = check_eps(name, eps)
-
-            def operand(arr, what, shape):
-                return self._operand(name, xb, arr, what, shape, handle)
-
-            shape = (rows, hidden)
-            rb = None if residual is None else operand(residual, "residual", shape)
-            wb = operand(weight, "weight", (hidden,))
-            bb = None if bias is None else operand(bias, "bias", (hidden,))
-            nb = self._new(name, xb, handle, owner, side) if out is None else operand(out, "out", shape)
-            ob = (self._new(name, xb, handle, owner, side) if residual_out is None else
-                  operand(residual_out, "residual_out", shape))
-            if _arrays.overlap(nb, ob):
-                raise UbnextError(f"{name}: out and residual_out overlap; they must be separate arrays")
-            for b, what in ((nb, "out"), (ob, "residual_out")):
-                if _arrays.overlap(b, xb):
-                    raise UbnextError(f"{name}: {what} overlaps x; the outputs must be separate arrays")
-            if rb is not None and _arrays.overlap(ob, rb) and ob.ptr != rb.ptr:
-                raise UbnextError(f"{name}: residual_out partially overlaps residual; pass residual_out=residual "
-                                  f"for in place, or a separate array")
-            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, fused=True)
-            if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
-                return nb.obj, ob.obj
-            norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
-            aligned = (xb.ptr | norm[0] | norm[1] | norm[2] | norm[3] | norm[4]) % 16 == 0
-            chunk = self._dispatch.fused_rows(algo, xb.dtype, hidden, rows, aligned)  # rows per fused launch
-            if chunk:
-                self._keep(key, self._dispatch.add_rmsnorm(algo, xb, rows, chunk, hidden, norm, eps, handle, owner,
-                                                           _signature.encode_fused(xb.dtype, rows, hidden)),
-                           (xb, rb, wb, bb, nb, ob), (4, 5))
-            else:
-                why = ("the NCCL engine" if algo == "nccl" else
-                       f"hidden={hidden} is not a multiple of 8" if hidden % 8 else
-                       "arrays not 16-byte aligned" if not aligned else
-                       f"one launch of {algo} cannot take a row of {hidden} {xb.dtype} elements")
-                plain = self._resolve(name, algorithm, xb.nbytes, xb.dtype)  # the all-reduce alone must fit
-                log_once(f"unfused:{why}", f"{name}: all-reduce then a separate add + RMSNorm kernel ({why})")
-                self._dispatch.unfused(plain, xb, nb, rows, hidden, norm, eps, handle, owner,
-                                       _signature.encode("all_reduce", xb.dtype, "sum", xb.count))
-            _arrays.mark_written((None if out is None else nb, None if residual_out is None else ob))
-            return nb.obj, ob.obj
-
-    def reduce_scatter(self, x, out=None, op: str = "sum", algorithm: str = "auto", stream=None,
-                       precision: str = "auto"):
-        """Reduces ``x`` over the ranks and gives each rank its slice; never blocks the host.
-
-        The layout of ``torch.distributed.reduce_scatter_tensor``: ``x`` holds size x k
-        elements, and rank r gets the reduction of elements ``[r * k, (r + 1) * k)``.
-
-        Collective: yes: every rank calls it, in the same order.
-        Graph-capturable: yes, after a first eager call per dtype, op and algorithm (as
-        ``all_reduce``).
-
-        Args:
-            x: CUDA array as ``all_reduce`` takes it, of size x k elements (any shape). An
-                array from ``empty()`` is read in place by the barrier two-shot; it must then
-                be used on every rank alike (``UBNEXT_DEBUG=1`` checks).
-            out: where to write this rank's k elements (x's dtype; apart from x, or x's
-                slice r for in place); default: a new array of x's framework, of shape
-                (x.shape[0] / size, *x.shape[1:]) where size divides x.shape[0], else (k,).
-            op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"``.
-            algorithm: ``"auto"`` (picked by x's bytes) or one of ``algorithms()`` that has a
-                reduce-scatter (``lamport_twoshot``, ``twoshot``, ``nvls``, ``nccl``).
-            stream: as for ``all_reduce``.
-            precision: as for ``all_reduce``, with the reduce-scatter's own thresholds:
-                ``"auto"``: full precision unless the communicator opted in
-                (``UBNEXT_QUANTIZED``), which then takes bfloat16/float16 sums and averages
-                from the size (of x) the selector table measured for reduce-scatters on this
-                machine and world size (none measured, as in the shipped table: never;
-                ``describe()`` says which); ``"exact"``: full precision always; ``"int8"``,
-                ``"fp8"`` or ``"int4"``: the quantized reduce-scatter in that format
-                (opt-in communicators only): every rank's slices cross the links quantized,
-                and each rank adds them in rank order in fp32 and rounds its slice once,
-                within the bound docs/quantized.md states (one quantization: below the
-                all-reduce's).
-
-        Returns:
-            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
-
-        Raises:
-            UbnextError: invalid arguments, among them a count that the world size does not
-                divide (before anything is launched), a ``precision`` the call cannot take
-                (as for ``all_reduce``); closed communicator.
-                BrokenCommunicatorError (CollectiveTimeoutError, CollectiveMismatchError,
-                ConcurrentUseError): an earlier collective of this communicator failed; its
-                outputs hold NaN where results were not computed.
-        """
-        if _arrays.traced(x):
-            return _traced_call(self, "reduce_scatter", x, out=out, op=op, algorithm=algorithm, stream=stream,
-                                precision=precision)
-        with self._order:
-            name = "reduce_scatter"
-            handle, owner, side, xb = self._open_call(name, x, stream)
-            if op not in OPS:
-                raise UbnextError(f"{name}: unsupported op {op!r}; use one of {', '.join(OPS)}")
-            if xb.count % self.size:
-                raise UbnextError(f"{name}: x has {xb.count} elements, which {self.size} ranks do not divide "
-                                  f"(x holds size x k elements)")
-            k = xb.count // self.size
-            fmt = self._quantized_format(name, precision, algorithm, xb, op)
-            algo = f"quantized:{fmt}" if fmt else self._resolve(name, algorithm, xb.nbytes, xb.dtype, op,
-                                                                 collective=name)
-            shape = ((xb.shape[0] // self.size, *xb.shape[1:]) if xb.shape and xb.shape[0] % self.size == 0
-                     else (k,))
-            ob = self._part_out(name, xb, out, k, shape, handle, owner, side)
-            if self._prepare(name, algo, xb, k, op, handle, owner, side, (xb, ob)):
-                sig = _signature.encode(name, xb.dtype, op, xb.count)
-                if fmt:
-                    self._dispatch.quantized_reduce_scatter(fmt, xb, ob, k, op, handle, owner,
-                                                            _quant.signature(sig, fmt))
-                else:
-                    self._dispatch.reduce_scatter(algo, xb, ob, k, op, handle, owner, sig)
-                if out is not None:
-                    _arrays.mark_written((ob,))
-            return ob.obj
-
-    def all_gather(self, x, out=None, algorithm: str = "auto", stream=None):
-        """Gathers every rank's ``x`` into one array on every rank; never blocks the host.
-
-        The layout of ``torch.distributed.all_gather_into_tensor``: ``out`` holds size x k
-        elements, rank r's ``x`` (k elements) at ``[r * k, (r + 1) * k)``.
-
-        Collective: yes: every rank calls it, in the same order.
-        Graph-capturable: yes, after a first eager call per dtype and algorithm (as
-        ``all_reduce``).
-
-        Args:
-            x: CUDA array as ``all_reduce`` takes it, k elements (any shape), the same k
-                on every rank.
-            out: where to write the size x k elements (x's dtype; apart from x, or with x
-                its slice r for in place). An array from ``empty()`` is written in place by
-                the barrier two-shot; it must then be used on every rank alike
-                (``UBNEXT_DEBUG=1`` checks). Default: a new array of x's framework, of shape
-                (size * x.shape[0], *x.shape[1:]) ((size,) for a 0-d x).
-            algorithm: ``"auto"`` (picked by out's bytes) or one of ``algorithms()`` that
-                has an all-gather (``lamport_twoshot``, ``twoshot``, ``nvls``, ``nccl``).
-            stream: as for ``all_reduce``.
-
-        Returns:
-            ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
-
-        Raises:
-            UbnextError: bad arguments, among them an ``out`` whose count the world size does
-                not divide, raised before any launch; a closed communicator.
-                BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
-        """
-        if _arrays.traced(x):
-            return _traced_call(self, "all_gather", x, out=out, algorithm=algorithm, stream=stream)
-        with self._order:
-            name = "all_gather"
-            handle, owner, side, xb = self._open_call(name, x, stream)
-            k = xb.count
-            if out is not None:
-                total = _arrays.as_buffer(out, name, handle).count
-                if total % self.size:
-                    raise UbnextError(f"{name}: out has {total} elements, which {self.size} ranks do not divide "
-                                      f"(out holds size x k elements)")
-            algo = self._resolve(name, algorithm, xb.nbytes * self.size, xb.dtype, collective=name)
-            shape = (self.size * xb.shape[0], *xb.shape[1:]) if xb.shape else (self.size,)
-            ob = self._part_out(name, xb, out, k * self.size, shape, handle, owner, side)
-            if self._prepare(name, algo, xb, k, "-", handle, owner, side, (xb, ob)):
-                self._dispatch.all_gather(algo, xb, ob, k, handle, owner, _signature.encode(name, xb.dtype, "sum", ob.count))
-                if out is not None:
-                    _arrays.mark_written((ob,))
-            return ob.obj
-
-    def reduce_scatter_add_rmsnorm(self, x, residual_shard, weight, eps: float = 1e-6, bias=None,
-                                   algorithm: str = "auto", stream=None):
-        """The sequence-parallel step: reduce-scatter by tokens, residual add and RMSNorm of
-        this rank's tokens; never blocks the host.
-
-        For ``x`` of shape (rows, hidden), rows a multiple of the world size, rank r's
-        shard is rows ``[r * rows / size, (r + 1) * rows / size)``::
-
-            residual_out = reduce_scatter(x) + bias + residual_shard
-            normed = residual_out / sqrt(mean(residual_out ** 2, axis=-1) + eps) * weight
-
-        with the arithmetic of ``all_reduce_add_rmsnorm``'s separate add + RMSNorm kernel
-        (fp32, the reduced values and ``residual_out`` rounded to x's dtype first). It runs
-        as the reduce-scatter kernel, then that kernel on this rank's rows.
-
-        Collective: yes: every rank calls it, in the same order.
-        Graph-capturable: yes, after a first eager call of the same shape, dtype and
-        algorithm (which compiles its kernels).
-
-        Args:
-            x: 2-D CUDA array (rows x hidden), bfloat16/float16/float32.
-            residual_shard: (rows / size) x hidden, x's dtype, or None.
-            weight: 1-D, hidden elements, x's dtype.
-            eps: finite, >= 0.
-            bias: 1-D, hidden elements, x's dtype, or None.
-            algorithm: ``"auto"`` or one of ``algorithms()`` with a reduce-scatter (picked
-                by x's bytes).
-            stream: as for ``all_reduce``.
-
-        Returns:
-            ``(normed_shard, residual_shard_out)``: new (rows / size) x hidden arrays in x's
-            framework.
-
-        Raises:
-            UbnextError: bad arguments, among them rows that the world size does not divide,
-                raised before any launch; a closed communicator.
-                BrokenCommunicatorError and its kinds, as ``reduce_scatter`` raises them.
-        """
-        if _arrays.traced(x):
-            return _traced_call(self, "reduce_scatter_add_rmsnorm", x, residual_shard, weight, eps=eps, bias=bias,
-                                algorithm=algorithm, stream=stream)
-        with self._order:
-            name = "reduce_scatter_add_rmsnorm"
-            handle, owner, side, xb = self._open_call(name, x, stream)
-            if len(xb.shape) != 2:
-                raise UbnextError(f"{name}: x must be 2-D (rows x hidden), got shape {tuple(xb.shape)}")
-            rows, hidden = (int(d) for d in xb.shape)
-            if rows % self.size:
-                raise UbnextError(f"{name}: x has {rows} rows, which {self.size} ranks do not divide")
-            if xb.dtype not in KERNEL_DTYPES:
-                raise UbnextError(f"{name}: the add + RMSNorm takes {', '.join(KERNEL_DTYPES)}, not {xb.dtype}")
-            eps = check_eps(name, eps)
-            shard = (rows // self.size, hidden)
-            rb = None if residual_shard is None else self._operand(name, xb, residual_shard, "residual_shard", shard,
-                                                                   handle)
-            wb = self._operand(name, xb, weight, "weight", (hidden,), handle)
-            bb = None if bias is None else self._operand(name, xb, bias, "bias", (hidden,), handle)
-            nb = self._new(name, xb, handle, owner, side, shard)
-            ob = self._new(name, xb, handle, owner, side, shard)
-            algo = self._resolve(name, algorithm, xb.nbytes, xb.dtype, collective="reduce_scatter")
-            if not self._prepare(name, algo, xb, xb.count, "add_rmsnorm", handle, owner, side, (xb, rb, wb, bb, nb, ob)):
-                return nb.obj, ob.obj
-            norm = (0 if rb is None else rb.ptr, 0 if bb is None else bb.ptr, wb.ptr, nb.ptr, ob.ptr)
-            self._dispatch.reduce_scatter_add_rmsnorm(algo, xb, nb, shard[0], hidden, norm, eps, handle, owner,
-                                                      _signature.encode_fused(xb.dtype, rows, hidden, name))
-            return nb.obj, ob.obj
 
     def empty(self, shape, dtype: str = "float32", framework: str = "cupy"):
         """A new array in symmetric memory.
@@ -874,13 +501,3 @@ class Communicator(CallSteps, Broadcast, Reduce, AllToAll, SendRecv, Gather, Sca
 
     def __exit__(self, *exc):
         self.close()
-
-    # -- internals --------------------------------------------------------------------
-
-
-def _traced_call(comm, name: str, *args, **kwargs):
-    """``comm.<name>(...)`` as a ``torch.ops.ubnext`` op, for dynamo (``_arrays.traced``):
-    ``ubnext.torch._traced.call``, imported here, not at the top (ubnext does not import torch)."""
-    from ubnext.torch import _traced
-
-    return _traced.call(comm, name, *args, **kwargs)

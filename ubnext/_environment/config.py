@@ -209,7 +209,8 @@ class Config:
         "format 1 still read) written by `python -m ubnext.tune`; a communicator takes the entry for "
         "local rank 0's GPU (or the nearest measured); world sizes it lacks, and an empty value, use the "
         "shipped table (`ubnext/tables/default.json`).",
-        local="the path may differ; the ranks check that the tables they read agree (ubnext._selection.table.agreed_table)",
+        local="the path may differ; the ranks check that the tables they read agree "
+              "(ubnext._selection.table_format.agreed_table)",
     )
     table_mode: str = _field(
         "UBNEXT_TABLE_MODE", "graph", _choice(*TABLE_MODES),

@@ -22,7 +22,8 @@ import dataclasses
 from ubnext._environment.config import Config
 from ubnext._protocol import quant as _quant
 from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, FLOAT_DTYPES, KERNEL_DTYPES, UNICAST_OF
-from ubnext._selection.table import Machine, Row, TableFile, Thresholds, default_table, human_bytes
+from ubnext._selection.table import Machine, Row, TableFile, Thresholds, human_bytes
+from ubnext._selection.table_format import default_table
 
 #: unicast algorithm -> the multicast kernel that replaces it: its own multicast
 #: instantiation, and NVLS two-shot for the Lamport two-shot (the seed's order puts

@@ -19,7 +19,8 @@ from ubnext._environment.devices import device_name
 from ubnext._environment.install import check_driver, version_text
 from ubnext._protocol.algorithms import ALGORITHMS
 from ubnext._protocol.errors import UbnextError
-from ubnext._selection.table import FORMAT, Machine, default_table, load_table
+from ubnext._selection.table import FORMAT, Machine
+from ubnext._selection.table_format import default_table, load_table
 
 #: Distributions whose versions matter (metadata only: nothing is imported): the
 #: CUDA packages of either extra (``cu13``, ``cu12``), then the others.
