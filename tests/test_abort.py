@@ -159,3 +159,60 @@ def test_abort_without_a_call_in_progress_releases_in_the_section(make_nodes):  
     del array
     gc.collect()
     assert fake.leaks() == []
+
+
+class NcclPeerNeverComes:
+    """The world bootstrap of NCCL's first connect: its allgather (``_refuse_shared_gpus``)
+    waits for a peer that never comes; let go (``come``), the peer's loss surfaces as an error."""
+
+    rank, size = 0, 2
+
+    def __init__(self):
+        self.arrived, self._go = threading.Event(), threading.Event()
+
+    def come(self):
+        self._go.set()
+
+    def allgather_obj(self, obj):
+        self.arrived.set()
+        assert self._go.wait(30), "the test never let the exchange go"
+        raise ConnectionError("the peer is gone")
+
+
+def test_abort_returns_while_another_thread_waits_in_nccls_first_connect(make_nodes, monkeypatch):  # noqa: F811
+    from ubnext._engine import nccl as _nccl
+
+    monkeypatch.setattr(_nccl.NcclComm, "_module", lambda self, op: object())  # NCCL "loads"; no GPU asked
+    monkeypatch.setattr(_nccl._devices, "device_uuid", lambda device: "GPU-fake")
+    fake = GraphFakeDriver()
+    node = make_nodes(fake, n=1)[0][0]
+    comm = communicator(node, node._local)
+    world = NcclPeerNeverComes()
+    comm._dispatch = comm._owned.dispatch = Dispatcher(node, {}, comm._order, world, 0, exchange=comm._exchanges.run)
+    got = []
+
+    def user():  # what broadcast(algorithm="nccl") does in its section
+        try:
+            with comm._order:
+                comm._dispatch.nccl_for(0, None).connect("broadcast")
+            got.append("connected")
+        except BaseException as e:
+            got.append(e)
+
+    caller = threading.Thread(target=user, name="user")
+    caller.start()
+    assert world.arrived.wait(10), "the call never reached NCCL's connect"
+    aborter = threading.Thread(target=comm.abort, name="aborter")
+    start = time.monotonic()
+    aborter.start()
+    aborter.join(BOUND_S)
+    took = time.monotonic() - start
+    world.come()  # let everything unwind, pass or fail
+    caller.join(10)
+    aborter.join(10)
+    assert took < BOUND_S, f"abort took {took:.2f} s behind NCCL's first connect"
+    assert len(got) == 1 and isinstance(got[0], BrokenCommunicatorError), got
+    assert str(got[0]).startswith("NCCL's setup: the communicator was aborted")
+    assert comm._dispatch.nccl is None  # the connect never succeeded: no NCCL communicator was published
+    with pytest.raises(ClosedError):
+        comm.empty(16)
