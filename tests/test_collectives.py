@@ -20,7 +20,7 @@ from ubnext._environment.config import Config
 from ubnext._interop import arrays as _arrays
 from ubnext._interop.arrays import Buffer
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES
-from ubnext._protocol.errors import UbnextError
+from ubnext._protocol.errors import BrokenCommunicatorError, UbnextError
 from ubnext._selection.select import Selector, buffer_limits
 
 RANKS = 4
@@ -237,6 +237,17 @@ def test_all_to_all_uneven_host_splits(comm):
     given = buffer(8 * 2, "int8", ptr=1 << 25)
     comm.all_to_all(x, given, [3, 0, 4, 0])  # out_splits None: out's rows evenly
     assert calls(comm)[-1][2] == [(given.ptr + r * 4, 4, r) for r in range(RANKS)]
+
+
+def test_all_to_all_split_exchange_is_abandoned_by_abort(monkeypatch):
+    """The splits' allgather (debug mode's, device splits') is a host exchange: abort()
+    abandons it, and the call raises before it exchanges or moves anything."""
+    comm = make_comm(monkeypatch, debug=True)
+    comm.bootstrap.allgather_obj = lambda obj: pytest.fail("the splits were exchanged after abort")
+    comm._exchanges.abandon()
+    with pytest.raises(BrokenCommunicatorError, match="^all_to_all: the communicator was aborted"):
+        comm.all_to_all(buffer(7 * 2, "int8", shape=(7, 2)), in_splits=[3, 0, 4, 0], out_splits=[1, 2, 0, 5])
+    assert calls(comm) == []
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -178,7 +178,7 @@ class AllToAll(PoolCopy):
         checked alike on every rank: non-negative, within (``exact``: summing to) the rows of
         x and out, rank i's ``in_splits[j]`` equal to rank j's ``out_splits[i]``. Raises the
         same UbnextError on every rank."""
-        views = self.bootstrap.allgather_obj((ins, outs, rows, out_rows))
+        views = self._exchanges.run(name, self.bootstrap.allgather_obj, (ins, outs, rows, out_rows))
         problem = _disagreement(views, exact)
         if problem:
             raise UbnextError(f"{name}: {problem}; nothing was moved")
