@@ -270,6 +270,8 @@ class CommOps:
                 self._method(comm, "batch_isend_irecv")([(kind, x, peer) for kind, x, peer, _ in ops])
         except Exception as exc:
             exc.add_note(self._where("/".join(dict.fromkeys(kind for kind, *_ in ops))))
+            for *_, work in ops:  # each work of the batch fails with it (none says it finished)
+                work.mark_failed(exc)
             raise
         stream = torch.cuda.current_stream(t.device) if t.is_cuda else None
         for *_, work in ops:
