@@ -62,7 +62,7 @@ class Broadcast(PoolCopy):
             else:
                 ob = _arrays.check_out(xb, out, name, handle)
             if self._prepare(name, algo, xb, xb.count, f"root {root}", handle, owner, side, (xb, ob)):
-                sig = _signature.encode(name, xb.dtype, "sum", xb.count)
+                sig = _signature.encode_rooted(name, xb.dtype, xb.count, root)
                 if algo == "nccl":
                     self._dispatch.nccl_for(handle, owner).broadcast(xb.ptr, ob.ptr, xb.count, xb.dtype, root, handle)
                 elif algo == "ll":

@@ -62,7 +62,7 @@ class Gather(PoolCopy):
             if algo == "copy":
                 self._run_copies(gather_plan(self.rank, root, self._copy_area(), xb.ptr, 0 if ob is None else ob.ptr,
                                              xb.nbytes, AREA_BYTES // 2),
-                                 _signature.encode(name, xb.dtype, "sum", xb.count), handle, owner)
+                                 _signature.encode_rooted(name, xb.dtype, xb.count, root), handle, owner)
             else:
                 sends = [(xb.ptr, xb.nbytes, root)]
                 recvs = [(ob.ptr + r * xb.nbytes, xb.nbytes, r) for r in range(self.size)] if mine else []
