@@ -18,6 +18,7 @@ from ubnext._api.collectives import all_to_all as _a2a
 from ubnext._engine.nccl import NcclComm
 from ubnext._environment.config import Config
 from ubnext._interop import arrays as _arrays
+from ubnext._interop import streams as _streams
 from ubnext._interop.arrays import Buffer
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES
 from ubnext._protocol.errors import BrokenCommunicatorError, UbnextError
@@ -415,6 +416,21 @@ def test_barrier_is_an_all_reduce_of_one_element_on_the_stream(comm):
     assert comm.barrier(stream=0x55) is None
     comm.barrier()
     assert seen == [(flag, flag, 0x55), (flag, flag, None)]
+
+
+def test_the_first_barrier_refuses_a_capture_before_anything(comm, monkeypatch):
+    """The first barrier allocates and zeroes its element, and waits on the host: under a
+    CUDA graph capture it raises, queuing nothing; after an eager call it is captured."""
+    monkeypatch.setattr(_streams.CUDA, "capture", lambda stream: 7)
+    seen = []
+    comm.all_reduce = lambda x, out=None, stream=None: seen.append((x, out, stream))
+    with pytest.raises(UbnextError, match="^barrier: the first such call on a communicator cannot be captured in "
+                                          "a CUDA graph .*make one eager call first"):
+        comm.barrier(stream=0x55)
+    assert seen == [] and "_barrier_flag" not in comm.__dict__
+    comm._barrier_flag = flag = buffer(1, "float32")  # what the eager call left
+    comm.barrier(stream=0x55)
+    assert seen == [(flag, flag, 0x55)]
 
 
 def test_closed_communicator_refuses_the_new_calls(comm):

@@ -15,6 +15,7 @@ import pytest
 from test_collectives import buffer, calls, make_comm
 
 from ubnext._api.collectives import pool_copy as pc
+from ubnext._interop import streams
 from ubnext._protocol import signature as _signature
 from ubnext._protocol.errors import UbnextError
 
@@ -220,6 +221,21 @@ def test_auto_takes_nccl_where_it_runs_and_the_copy_form_where_not(monkeypatch):
     flag = shared._copy_flag_buffer
     assert shared._dispatch.barriers == [("lamport", flag, flag, "sum", 0x77, sig)] * 2
     assert shared.steps == [("copy", out.ptr, 0x100000 + 2 * 0x10000, 16, 0x77)]  # rank 1 pulls the root's half
+
+
+def test_the_copy_forms_first_call_refuses_a_capture_before_anything(monkeypatch):
+    """The copy form's first call allocates and zeroes its barrier's flag and waits on the
+    host: under a CUDA graph capture it raises, queuing nothing (the capture stays valid)."""
+    c = pooled(monkeypatch, nccl_problem="local ranks 0, 1 share one GPU")
+    del c._copy_flag_buffer
+    monkeypatch.setattr(streams.CUDA, "capture", lambda stream: 7)
+    with pytest.raises(UbnextError, match="^gather: the first such call on a communicator cannot be captured in "
+                                          "a CUDA graph .*make one eager call first"):
+        c.gather(buffer(8), root=1)
+    assert c.steps == [] and c._dispatch.barriers == [] and "_copy_flag_buffer" not in c.__dict__
+    c._copy_flag_buffer = buffer(4, "float32", ptr=0xF1A6)  # what the eager call left: captured alike
+    c.gather(buffer(8), root=1)
+    assert c.steps and len(c._dispatch.barriers) == 2
 
 
 def test_the_copy_form_is_named_or_refused(monkeypatch):

@@ -85,6 +85,22 @@ class Cuda:
 #: the runtime calls used by default (a module attribute, so that tests can replace it)
 CUDA = Cuda()
 
+
+def refuse_capture(name: str, stream: int, what: str) -> None:
+    """Raises where ``stream`` is being captured into a CUDA graph, for a call whose first
+    use of a communicator sets something up on the host (``what``), which a graph cannot
+    hold (the capture would break, or replay a call that set nothing up). Local; raised
+    before anything is queued, so that the capture stays valid.
+
+    Raises:
+        UbnextError: ``stream`` is capturing.
+    """
+    if CUDA.capture(stream):
+        from ubnext._protocol.errors import UbnextError
+
+        raise UbnextError(f"{name}: the first such call on a communicator cannot be captured in a CUDA graph "
+                          f"({what}); make one eager call first, on every rank, then capture")
+
 _THREAD = threading.local()
 
 

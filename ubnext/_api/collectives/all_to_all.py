@@ -133,8 +133,9 @@ class AllToAll(PoolCopy):
                 elif algo == "ll":
                     self._run_ll(name, xb.ptr, ob.ptr, ins[0] * row_bytes, sig, handle, owner)
                 else:
-                    self._run_copies(all_to_all_plan(self.rank, self._copy_area(), xb.ptr, ob.ptr, ins[0] * row_bytes,
-                                                     AREA_BYTES // 2), sig, handle, owner)
+                    plan = all_to_all_plan(self.rank, self._copy_area(), xb.ptr, ob.ptr, ins[0] * row_bytes,
+                                           AREA_BYTES // 2)
+                    self._run_copies(name, plan, sig, handle, owner)
             else:
                 sends, recvs = _parts(xb.ptr, ins, row_bytes), _parts(ob.ptr, outs, row_bytes)
                 if sends or recvs:

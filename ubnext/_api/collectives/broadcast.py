@@ -68,8 +68,9 @@ class Broadcast(PoolCopy):
                 elif algo == "ll":
                     self._run_ll(name, xb.ptr, ob.ptr, xb.nbytes, sig, handle, owner, root)
                 else:
-                    self._run_copies(broadcast_plan(self.rank, root, self._copy_area(), xb.ptr, ob.ptr, xb.nbytes,
-                                                    AREA_BYTES // 2), sig, handle, owner)
+                    plan = broadcast_plan(self.rank, root, self._copy_area(), xb.ptr, ob.ptr, xb.nbytes,
+                                          AREA_BYTES // 2)
+                    self._run_copies(name, plan, sig, handle, owner)
                 if out is not None:
                     _arrays.mark_written((ob,))
             return ob.obj
