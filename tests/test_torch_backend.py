@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from backend_fakes import LimitedComm, factory
+from backend_fakes import LimitedComm, StoreComm, factory
 from thread_ranks import run_threads
 
 import ubnext.torch  # noqa: F401 (registers "ubnext")
@@ -208,6 +208,26 @@ def test_premul_sum_prescales_then_sums():
     for t, call in ranks(2, body):
         torch.testing.assert_close(t, want, equal_nan=True, rtol=0, atol=0)
         assert call[1]["op"] == "sum"
+
+
+class RefusingComm(StoreComm):
+    """A StoreComm whose all_reduce refuses every call (as bad arguments would), having run nothing."""
+
+    def all_reduce(self, x, **kw):
+        self.calls.append(("all_reduce", kw))
+        raise UbnextError("all_reduce: refused")
+
+
+def test_a_refused_premul_sum_leaves_the_tensor_unscaled():
+    def body(pg, log):
+        t = data(pg.rank())
+        before = t.clone()
+        with pytest.raises(UbnextError, match="^all_reduce: refused"):
+            pg.allreduce([t], opts(dist.AllreduceOptions, reduceOp=dist._make_nccl_premul_sum(0.75)))
+        torch.testing.assert_close(t, before, equal_nan=True, rtol=0, atol=0)
+        return calls(log)
+
+    assert ranks(1, body, kind=RefusingComm) == [["all_reduce"]]
 
 
 def test_premul_sums_factor_is_read_where_torch_gives_no_attribute():

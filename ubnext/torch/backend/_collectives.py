@@ -140,10 +140,8 @@ class CommOps:
     def allreduce(self, tensors, opts):
         name, factor = reduction(opts, "allreduce")
         comm = self.comm(tensors[0])
-        for t in tensors:
-            if factor is not None:
-                t.mul_(factor)
-            comm.all_reduce(t, out=t, op=name, precision=self._precision)
+        for t in tensors:  # PREMUL_SUM scales a temporary: a refused call leaves t as it was
+            comm.all_reduce(t if factor is None else t * factor, out=t, op=name, precision=self._precision)
         return self._work(tensors, tensors[0], opts)
 
     def allreduce_coalesced(self, tensors, opts):
