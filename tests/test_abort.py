@@ -216,3 +216,42 @@ def test_abort_returns_while_another_thread_waits_in_nccls_first_connect(make_no
     assert comm._dispatch.nccl is None  # the connect never succeeded: no NCCL communicator was published
     with pytest.raises(ClosedError):
         comm.empty(16)
+
+
+def test_abort_from_inside_a_call_of_its_thread_releases_when_the_call_leaves(make_nodes):  # noqa: F811
+    """abort() from the thread in the section (a signal handler, a hook inside a call):
+    it closes the communicator at once and leaves the release to the call's exit, which
+    it neither waits for nor raises into."""
+    fake = GraphFakeDriver()
+    node = make_nodes(fake, n=1)[0][0]
+    comm = communicator(node, node._local)
+    with comm._order:  # what a call holds
+        comm.abort()
+        assert comm._closed and not comm._owned.released  # closed at once, nothing released under the call
+    assert comm._owned.released and not node.holds_memory
+    with pytest.raises(ClosedError):
+        comm.empty(16)
+    comm.abort()  # idempotent
+    gc.collect()
+    assert fake.leaks() == []
+
+
+def test_abort_inside_a_composite_operation_releases_at_its_end(make_nodes):  # noqa: F811
+    """Inside a composite section (an overlapped op: its calls, copies and joins), abort()
+    from one of its calls releases nothing until the operation ends: its copies still read
+    the peers' segments, which stay mapped until then."""
+    fake = GraphFakeDriver()
+    node = make_nodes(fake, n=1)[0][0]
+    comm = communicator(node, node._local)
+    array = comm.empty(64)
+    with comm._order.composite():
+        with comm._order:  # one of the op's calls, from which a hook aborts
+            comm.abort()
+        assert not comm._owned.released  # the op's next copies still find the pool mapped
+        with pytest.raises(ClosedError):
+            with comm._order:  # its next call
+                comm._check_open("op")
+    assert comm._owned.released and node.holds_memory  # the array keeps this rank's segment
+    del array
+    gc.collect()
+    assert fake.leaks() == []
