@@ -159,3 +159,99 @@ def test_abort_without_a_call_in_progress_releases_in_the_section(make_nodes):  
     del array
     gc.collect()
     assert fake.leaks() == []
+
+
+class NcclPeerNeverComes:
+    """The world bootstrap of NCCL's first connect: its allgather (``_refuse_shared_gpus``)
+    waits for a peer that never comes; let go (``come``), the peer's loss surfaces as an error."""
+
+    rank, size = 0, 2
+
+    def __init__(self):
+        self.arrived, self._go = threading.Event(), threading.Event()
+
+    def come(self):
+        self._go.set()
+
+    def allgather_obj(self, obj):
+        self.arrived.set()
+        assert self._go.wait(30), "the test never let the exchange go"
+        raise ConnectionError("the peer is gone")
+
+
+def test_abort_returns_while_another_thread_waits_in_nccls_first_connect(make_nodes, monkeypatch):  # noqa: F811
+    from ubnext._engine import nccl as _nccl
+
+    monkeypatch.setattr(_nccl.NcclComm, "_module", lambda self, op: object())  # NCCL "loads"; no GPU asked
+    monkeypatch.setattr(_nccl._devices, "device_uuid", lambda device: "GPU-fake")
+    fake = GraphFakeDriver()
+    node = make_nodes(fake, n=1)[0][0]
+    comm = communicator(node, node._local)
+    world = NcclPeerNeverComes()
+    comm._dispatch = comm._owned.dispatch = Dispatcher(node, {}, comm._order, world, 0, exchange=comm._exchanges.run)
+    got = []
+
+    def user():  # what broadcast(algorithm="nccl") does in its section
+        try:
+            with comm._order:
+                comm._dispatch.nccl_for(0, None).connect("broadcast")
+            got.append("connected")
+        except BaseException as e:
+            got.append(e)
+
+    caller = threading.Thread(target=user, name="user")
+    caller.start()
+    assert world.arrived.wait(10), "the call never reached NCCL's connect"
+    aborter = threading.Thread(target=comm.abort, name="aborter")
+    start = time.monotonic()
+    aborter.start()
+    aborter.join(BOUND_S)
+    took = time.monotonic() - start
+    world.come()  # let everything unwind, pass or fail
+    caller.join(10)
+    aborter.join(10)
+    assert took < BOUND_S, f"abort took {took:.2f} s behind NCCL's first connect"
+    assert len(got) == 1 and isinstance(got[0], BrokenCommunicatorError), got
+    assert str(got[0]).startswith("NCCL's setup: the communicator was aborted")
+    assert comm._dispatch.nccl is None  # the connect never succeeded: no NCCL communicator was published
+    with pytest.raises(ClosedError):
+        comm.empty(16)
+
+
+def test_abort_from_inside_a_call_of_its_thread_releases_when_the_call_leaves(make_nodes):  # noqa: F811
+    """abort() from the thread in the section (a signal handler, a hook inside a call):
+    it closes the communicator at once and leaves the release to the call's exit, which
+    it neither waits for nor raises into."""
+    fake = GraphFakeDriver()
+    node = make_nodes(fake, n=1)[0][0]
+    comm = communicator(node, node._local)
+    with comm._order:  # what a call holds
+        comm.abort()
+        assert comm._closed and not comm._owned.released  # closed at once, nothing released under the call
+    assert comm._owned.released and not node.holds_memory
+    with pytest.raises(ClosedError):
+        comm.empty(16)
+    comm.abort()  # idempotent
+    gc.collect()
+    assert fake.leaks() == []
+
+
+def test_abort_inside_a_composite_operation_releases_at_its_end(make_nodes):  # noqa: F811
+    """Inside a composite section (an overlapped op: its calls, copies and joins), abort()
+    from one of its calls releases nothing until the operation ends: its copies still read
+    the peers' segments, which stay mapped until then."""
+    fake = GraphFakeDriver()
+    node = make_nodes(fake, n=1)[0][0]
+    comm = communicator(node, node._local)
+    array = comm.empty(64)
+    with comm._order.composite():
+        with comm._order:  # one of the op's calls, from which a hook aborts
+            comm.abort()
+        assert not comm._owned.released  # the op's next copies still find the pool mapped
+        with pytest.raises(ClosedError):
+            with comm._order:  # its next call
+                comm._check_open("op")
+    assert comm._owned.released and node.holds_memory  # the array keeps this rank's segment
+    del array
+    gc.collect()
+    assert fake.leaks() == []

@@ -18,9 +18,10 @@ from ubnext._api.collectives import all_to_all as _a2a
 from ubnext._engine.nccl import NcclComm
 from ubnext._environment.config import Config
 from ubnext._interop import arrays as _arrays
+from ubnext._interop import streams as _streams
 from ubnext._interop.arrays import Buffer
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES
-from ubnext._protocol.errors import UbnextError
+from ubnext._protocol.errors import BrokenCommunicatorError, UbnextError
 from ubnext._selection.select import Selector, buffer_limits
 
 RANKS = 4
@@ -239,6 +240,17 @@ def test_all_to_all_uneven_host_splits(comm):
     assert calls(comm)[-1][2] == [(given.ptr + r * 4, 4, r) for r in range(RANKS)]
 
 
+def test_all_to_all_split_exchange_is_abandoned_by_abort(monkeypatch):
+    """The splits' allgather (debug mode's, device splits') is a host exchange: abort()
+    abandons it, and the call raises before it exchanges or moves anything."""
+    comm = make_comm(monkeypatch, debug=True)
+    comm.bootstrap.allgather_obj = lambda obj: pytest.fail("the splits were exchanged after abort")
+    comm._exchanges.abandon()
+    with pytest.raises(BrokenCommunicatorError, match="^all_to_all: the communicator was aborted"):
+        comm.all_to_all(buffer(7 * 2, "int8", shape=(7, 2)), in_splits=[3, 0, 4, 0], out_splits=[1, 2, 0, 5])
+    assert calls(comm) == []
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"in_splits": [1, 2, 3]}, "in_splits must be 4 non-negative ints"),
     ({"in_splits": [1, 2, 3, -1]}, "in_splits must be 4 non-negative ints"),
@@ -404,6 +416,21 @@ def test_barrier_is_an_all_reduce_of_one_element_on_the_stream(comm):
     assert comm.barrier(stream=0x55) is None
     comm.barrier()
     assert seen == [(flag, flag, 0x55), (flag, flag, None)]
+
+
+def test_the_first_barrier_refuses_a_capture_before_anything(comm, monkeypatch):
+    """The first barrier allocates and zeroes its element, and waits on the host: under a
+    CUDA graph capture it raises, queuing nothing; after an eager call it is captured."""
+    monkeypatch.setattr(_streams.CUDA, "capture", lambda stream: 7)
+    seen = []
+    comm.all_reduce = lambda x, out=None, stream=None: seen.append((x, out, stream))
+    with pytest.raises(UbnextError, match="^barrier: the first such call on a communicator cannot be captured in "
+                                          "a CUDA graph .*make one eager call first"):
+        comm.barrier(stream=0x55)
+    assert seen == [] and "_barrier_flag" not in comm.__dict__
+    comm._barrier_flag = flag = buffer(1, "float32")  # what the eager call left
+    comm.barrier(stream=0x55)
+    assert seen == [(flag, flag, 0x55)]
 
 
 def test_closed_communicator_refuses_the_new_calls(comm):

@@ -69,6 +69,20 @@ def test_signatures_differ_in_every_field(collective):
     assert "unknown call" in _signature.text(0)
 
 
+@pytest.mark.parametrize("collective", ["broadcast", "gather", "scatter"])
+def test_rooted_movers_signatures_differ_in_their_root(collective):
+    sigs = [_signature.encode_rooted(collective, "float32", 96, root) for root in range(8)]
+    assert len(set(sigs)) == 8  # ranks naming different roots mismatch in band
+    assert _signature.encode_rooted(collective, "float32", 97, 3) != sigs[3]
+    assert _signature.encode_rooted(collective, "int8", 96, 3) != sigs[3]
+    assert sigs[0] >> 60 == _signature.COLLECTIVES.index(collective) + 1
+    assert _signature.text(sigs[5]) == f"{collective} of 96 float32 (root 5)"
+    with pytest.raises(ValueError):
+        _signature.encode_rooted("all_to_all", "float32", 96, 0)  # no root
+    with pytest.raises(ValueError):
+        _signature.encode_rooted(collective, "float32", 96, 1 << _signature.OP_BITS)
+
+
 def test_signature_fields_are_bounded():
     with pytest.raises(ValueError):
         _signature.encode("all_reduce", "bfloat16", "sum", 1 << _signature.COUNT_BITS)

@@ -536,6 +536,41 @@ def test_graph_replay(comm, algo):
     assert not failures, failures
 
 
+def test_first_copy_and_barrier_calls_refuse_a_capture():
+    """A new communicator's first copy-form call and first barrier allocate and zero a flag
+    and wait on the host: under a CUDA graph capture each raises UbnextError before it
+    queues anything, so the capture ends cleanly; after one eager call both are captured
+    and replayed."""
+    import torch
+    from gpu_support import SMALL, require_gpu_and_torch
+
+    import ubnext
+
+    require_gpu_and_torch()
+    comm = ubnext.Communicator(**SMALL)
+    try:
+        x = torch.arange(4, dtype=torch.float32, device="cuda") + 100 * comm.rank
+        out = torch.zeros_like(x)
+        calls = {"broadcast": lambda: comm.broadcast(x, 0, out=out, algorithm="copy"),
+                 "barrier": lambda: comm.barrier(stream=torch.cuda.current_stream())}
+        for name, call in calls.items():
+            graph = torch.cuda.CUDAGraph()
+            with pytest.raises(UbnextError, match=f"^{name}: the first such call on a communicator cannot be "
+                                                  f"captured in a CUDA graph .*make one eager call first"):
+                with torch.cuda.graph(graph):
+                    call()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.zeros_like(x))  # nothing ran
+        graph = captured(lambda: [call() for call in calls.values()])
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.arange(4, dtype=torch.float32, device="cuda"))
+        comm.synchronize()
+    finally:
+        comm.close()
+
+
 def test_ll_back_to_back_alternates_its_buffers(ll_comm):
     """Sixty calls of the low-latency kernel queued without a wait, broadcasts (every rank
     the root in turn) and all-to-alls of changing sizes, each into an output of its own:

@@ -216,6 +216,30 @@ def test_mismatched_calls_raise_on_every_rank(world, fresh, algo, case):
     torch_still_works()
 
 
+@pytest.mark.parametrize("algo", ["ll", "copy"])
+def test_ranks_naming_different_roots_raise_on_every_rank(world, fresh, algo):
+    """Rank 1 names itself the root of a broadcast, the others rank 0: the root is in the
+    call's signature, so every rank raises (CollectiveMismatchError where it compared the
+    signatures itself) instead of keeping data of the wrong root."""
+    import torch
+
+    import ubnext
+
+    need_peers(world)
+    comm = fresh()
+    x = torch.full((1024,), float(comm.rank + 1), device="cuda", dtype=torch.float32)
+    out = torch.zeros_like(x)
+    comm.broadcast(x, root=0, out=out, algorithm=algo)  # matched first: compiles, makes the copy form's area
+    comm.synchronize()
+    assert torch.equal(out, torch.ones_like(x))
+    with pytest.raises(ubnext.BrokenCommunicatorError) as info:
+        comm.broadcast(x, root=1 if comm.rank == 1 else 0, out=out, algorithm=algo)
+        comm.synchronize()
+    assert isinstance(info.value, ubnext.CollectiveMismatchError) or "failed first" in str(info.value), \
+        str(info.value)
+    torch_still_works()
+
+
 @pytest.mark.parametrize("algo", ["lamport_twoshot", "twoshot"])
 def test_reduce_scatter_against_all_reduce_raises_on_every_rank(world, fresh, algo):
     """Rank 0 reduce-scatters what the others all-reduce (the same bytes, the same kernel

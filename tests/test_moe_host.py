@@ -158,3 +158,23 @@ def test_combine_takes_weights_of_its_own():
     assert ep.launches[-1][1][4] == ones.ctypes.data
     with pytest.raises(UbnextError, match="^ExpertParallel.combine: weights must be float32 of shape \\[4 x 10\\]"):
         ep.combine(y, handle, weights=ones[:3].copy())
+
+
+def test_the_areas_fill_barrier_is_abandoned_by_abort(monkeypatch):
+    """The fill's barrier is a host exchange in the launch section: abort() abandons it (the
+    constructor raises rather than waiting for a peer that may never come)."""
+    from types import SimpleNamespace
+
+    import cupy
+
+    from ubnext._api.lifetime import Exchanges
+    from ubnext._protocol.errors import BrokenCommunicatorError
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device: SimpleNamespace(synchronize=lambda: None))
+    exchanges = Exchanges()
+    exchanges.abandon()
+    comm = SimpleNamespace(device=0, _exchanges=exchanges,
+                           _local=SimpleNamespace(barrier=lambda: pytest.fail("the barrier ran after abort")))
+    ep = ExpertParallel.__new__(ExpertParallel)
+    with pytest.raises(BrokenCommunicatorError, match="^ExpertParallel: the communicator was aborted"):
+        ep._fill("ExpertParallel", comm, area=None)

@@ -15,6 +15,7 @@ import pytest
 from test_collectives import buffer, calls, make_comm
 
 from ubnext._api.collectives import pool_copy as pc
+from ubnext._interop import streams
 from ubnext._protocol import signature as _signature
 from ubnext._protocol.errors import UbnextError
 
@@ -216,10 +217,25 @@ def test_auto_takes_nccl_where_it_runs_and_the_copy_form_where_not(monkeypatch):
     shared = pooled(monkeypatch, nccl_problem="local ranks 0, 1 share one GPU")
     out = shared.broadcast(x, root=2)
     assert shared.areas == [(pc.AREA_KEY, pc.AREA_BYTES)] and calls(shared) == []
-    sig = _signature.encode("broadcast", "bfloat16", "sum", 8)
+    sig = _signature.encode_rooted("broadcast", "bfloat16", 8, 2)
     flag = shared._copy_flag_buffer
     assert shared._dispatch.barriers == [("lamport", flag, flag, "sum", 0x77, sig)] * 2
     assert shared.steps == [("copy", out.ptr, 0x100000 + 2 * 0x10000, 16, 0x77)]  # rank 1 pulls the root's half
+
+
+def test_the_copy_forms_first_call_refuses_a_capture_before_anything(monkeypatch):
+    """The copy form's first call allocates and zeroes its barrier's flag and waits on the
+    host: under a CUDA graph capture it raises, queuing nothing (the capture stays valid)."""
+    c = pooled(monkeypatch, nccl_problem="local ranks 0, 1 share one GPU")
+    del c._copy_flag_buffer
+    monkeypatch.setattr(streams.CUDA, "capture", lambda stream: 7)
+    with pytest.raises(UbnextError, match="^gather: the first such call on a communicator cannot be captured in "
+                                          "a CUDA graph .*make one eager call first"):
+        c.gather(buffer(8), root=1)
+    assert c.steps == [] and c._dispatch.barriers == [] and "_copy_flag_buffer" not in c.__dict__
+    c._copy_flag_buffer = buffer(4, "float32", ptr=0xF1A6)  # what the eager call left: captured alike
+    c.gather(buffer(8), root=1)
+    assert c.steps and len(c._dispatch.barriers) == 2
 
 
 def test_the_copy_form_is_named_or_refused(monkeypatch):
@@ -268,6 +284,26 @@ def test_gather_and_scatter_issue_their_plans(monkeypatch):
     assert sigs == {_signature.COLLECTIVES.index(n) + 1 for n in ("gather", "scatter")}
 
 
+def test_ranks_naming_different_roots_sign_different_calls(monkeypatch):
+    """The root is in the signature of the copy and ll forms: ranks that name different
+    roots mismatch in band (CollectiveMismatchError) instead of moving the wrong data."""
+    c = pooled(monkeypatch, nccl_problem="shared", rank=0)
+    launches = []
+    c._node.engine = SimpleNamespace(ll_move=lambda *a: launches.append(a) or ("launch", a))
+    monkeypatch.setattr(pc, "issue", lambda launch, stream: None)
+    x = buffer(8, "float32", ptr=1 << 20)
+    for root in (1, 2):
+        c.broadcast(x, root=root, algorithm="ll")
+        c.broadcast(x, root=root, algorithm="copy")
+        c.gather(x, root=root, out=None)
+        c.scatter(buffer(32, "float32", ptr=1 << 21), root=root, out=buffer(8, "float32", ptr=1 << 22))
+    assert [a[4] for a in launches] == [_signature.encode_rooted("broadcast", "float32", 8, r) for r in (1, 2)]
+    copies = [b[-1] for b in c._dispatch.barriers]
+    per_root = len(copies) // 2
+    assert per_root == 6 and set(copies[:per_root]).isdisjoint(copies[per_root:])  # 3 calls, 2 barriers each
+    assert {s >> 52 & 0xF for s in copies} == {1, 2}
+
+
 # ---- the low-latency kernel's launch ----------------------------------------------------------------
 def test_ll_is_named_launched_and_bounded(monkeypatch):
     c = pooled(monkeypatch)
@@ -279,7 +315,7 @@ def test_ll_is_named_launched_and_bounded(monkeypatch):
     y = buffer(9, "float64", ptr=1 << 22)
     got = c.broadcast(y, root=3, algorithm="ll")
     assert launches == [("ub_ll_alltoall", x.ptr, out.ptr, 6, _signature.encode("all_to_all", "int8", "sum", 24), None),
-                        ("ub_ll_broadcast", y.ptr, got.ptr, 72, _signature.encode("broadcast", "float64", "sum", 9), 3)]
+                        ("ub_ll_broadcast", y.ptr, got.ptr, 72, _signature.encode_rooted("broadcast", "float64", 9, 3), 3)]
     assert [s for _, s in issued] == [0x77, 0x77] and c.steps == [] and calls(c) == [] and c.areas == []
     with pytest.raises(UbnextError, match=f"^broadcast: algorithm 'll' takes at most {pc.LL_MAX_BYTES} bytes per "
                                           f"message, not {pc.LL_MAX_BYTES + 2}"):

@@ -8,12 +8,13 @@ collectives eager and compiled, the Gloo route)."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from backend_fakes import LimitedComm, factory
+from backend_fakes import LimitedComm, StoreComm, factory
 from thread_ranks import run_threads
 
 import ubnext.torch  # noqa: F401 (registers "ubnext")
@@ -209,6 +210,26 @@ def test_premul_sum_prescales_then_sums():
         assert call[1]["op"] == "sum"
 
 
+class RefusingComm(StoreComm):
+    """A StoreComm whose all_reduce refuses every call (as bad arguments would), having run nothing."""
+
+    def all_reduce(self, x, **kw):
+        self.calls.append(("all_reduce", kw))
+        raise UbnextError("all_reduce: refused")
+
+
+def test_a_refused_premul_sum_leaves_the_tensor_unscaled():
+    def body(pg, log):
+        t = data(pg.rank())
+        before = t.clone()
+        with pytest.raises(UbnextError, match="^all_reduce: refused"):
+            pg.allreduce([t], opts(dist.AllreduceOptions, reduceOp=dist._make_nccl_premul_sum(0.75)))
+        torch.testing.assert_close(t, before, equal_nan=True, rtol=0, atol=0)
+        return calls(log)
+
+    assert ranks(1, body, kind=RefusingComm) == [["all_reduce"]]
+
+
 def test_premul_sums_factor_is_read_where_torch_gives_no_attribute():
     """torch 2.11's ReduceOp has no ``factor``; its pickled state is (type, factor)."""
     from ubnext.torch.backend._collectives import reduction
@@ -402,7 +423,7 @@ def test_send_recv_pair_issued_at_wait():
     def body(pg, log):
         if pg.rank() == 0:
             w = pg.send([torch.arange(3.0)], 1, 0)
-            assert isinstance(w, PendingWork) and not w.is_completed() and log == []
+            assert isinstance(w, PendingWork) and log == []  # pending: nothing ran yet
             w.wait()
             return calls(log)
         t = torch.zeros(3)
@@ -428,6 +449,36 @@ def test_exchange_is_one_batch_and_any_wait_or_next_op_issues_it():
     assert g0 == [2.0, 2.0] and g1 == [1.0, 1.0] and l1 == [7.0]
     assert c0[0] == ("batch_isend_irecv", {"ops": [("send", 1), ("recv", 1)]})
     assert [n for n, _ in c1] == ["batch_isend_irecv", "recv", "all_reduce"]
+
+
+def test_polling_is_completed_issues_the_pending_ops():
+    """``while not req.is_completed()`` after isend/irecv finishes: the query issues them."""
+    def body(pg, log):
+        peer = 1 - pg.rank()
+        t = torch.arange(3.0) if pg.rank() == 0 else torch.zeros(3)
+        w = pg.send([t], peer, 0) if pg.rank() == 0 else pg.recv([t], peer, 0)
+        deadline = time.monotonic() + 10
+        while not w.is_completed():
+            assert time.monotonic() < deadline, "is_completed() never became True"
+            time.sleep(1e-3)
+        return t.tolist(), calls(log)
+
+    assert ranks(2, body) == [([0.0, 1.0, 2.0], ["send"]), ([0.0, 1.0, 2.0], ["recv"])]
+
+
+def test_a_batch_that_fails_to_issue_fails_every_work_of_it():
+    def body(pg, log):
+        got = torch.full((2,), -7.0)
+        works = [pg.send([torch.ones(2)], 0, 0), pg.recv([got], 0, 0)]
+        with pytest.raises(UbnextError, match="has no batch_isend_irecv") as info:
+            works[0].wait()
+        for w in works:  # the other work too: none says it finished well with its buffer unwritten
+            with pytest.raises(UbnextError, match="has no batch_isend_irecv"):
+                w.wait()
+            assert w.is_completed() and not w.is_success() and w.exception() is info.value
+        assert got.tolist() == [-7.0, -7.0]
+
+    ranks(1, body, kind=LimitedComm)
 
 
 def test_recv_anysource_and_monitored_barrier_raise():

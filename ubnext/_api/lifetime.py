@@ -139,12 +139,15 @@ def abort_release(order, exchanges: Exchanges, release: Callable[..., None], pol
     waits in a host exchange (``exchanges.waiting``: abandoned, it raises before it
     launches anything when the exchange returns, if ever). Waits for the section on a
     thread of its own (it may never be given back), polling every ``poll_s`` seconds.
+    Called from inside a call of this thread (a signal handler, a hook; the communicator
+    is closed already, so the call's next part raises), the release waits for that call:
+    it runs when the call leaves its outermost section (``LaunchOrder.at_exit``).
 
     Raises:
         What the release raised.
     """
-    if getattr(order, "_holder", None) == threading.get_ident():  # called from inside a call of this thread:
-        release(local=True)  # the section says so (it would wait for itself)
+    if getattr(order, "_holder", None) == threading.get_ident():  # inside a call of this thread
+        order.at_exit(functools.partial(release, local=True))
         return
     done, errors = threading.Event(), []
 

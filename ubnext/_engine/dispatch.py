@@ -31,7 +31,7 @@ class Dispatcher:
         device: the CUDA device ordinal.
         pdl: launch with programmatic dependent launch where the device has it.
         exchange: ``exchange(op, fn, *args)`` runs NCCL's first connect (``lifetime.Exchanges.run``,
-            which ``abort()`` abandons), or None.
+            which ``abort()`` abandons), or None (the connect runs directly).
     """
 
     def __init__(self, node, limits: dict, order, bootstrap, device: int, pdl: bool = True, exchange=None):
@@ -230,13 +230,21 @@ class Dispatcher:
                 _copy(dst, staging, n * width, stream)
 
     def _nccl(self):
+        """The NCCL communicator, connected (its first connect is a host exchange, run by
+        ``exchange`` where given); published only once the connect succeeded."""
         if self.nccl is None:
             from ubnext._engine.nccl import NcclComm
 
-            if self._exchange is None:
-                self.nccl = NcclComm(self._bootstrap, self._device)
-            else:
-                self.nccl = self._exchange("NCCL's setup", NcclComm, self._bootstrap, self._device)
+            comm = NcclComm(self._bootstrap, self._device)
+            try:
+                if self._exchange is None:
+                    comm.connect()
+                else:
+                    self._exchange("NCCL's setup", comm.connect)
+            except BaseException:
+                comm.abort()  # a connect that returned after abort(): its communicator is not kept
+                raise
+            self.nccl = comm
         return self.nccl
 
     def _add_rmsnorm(self):

@@ -85,6 +85,23 @@ class Cuda:
 #: the runtime calls used by default (a module attribute, so that tests can replace it)
 CUDA = Cuda()
 
+
+def refuse_capture(name: str, stream: int, what: str) -> None:
+    """Raises where ``stream`` is being captured into a CUDA graph, for a call whose first
+    use of a communicator sets something up on the host (``what``), which a graph cannot
+    hold (the capture would break, or replay a call that set nothing up). Local; raised
+    before anything is queued, so that the capture stays valid.
+
+    Raises:
+        UbnextError: ``stream`` is capturing.
+    """
+    if CUDA.capture(stream):
+        from ubnext._protocol.errors import UbnextError
+
+        raise UbnextError(f"{name}: the first such call on a communicator cannot be captured in a CUDA graph "
+                          f"({what}); make one eager call first, on every rank, then capture")
+
+
 _THREAD = threading.local()
 
 
@@ -182,6 +199,7 @@ class LaunchOrder:
         self._owner = None     # its stream object, kept so that it is not destroyed meanwhile
         self._done = None      # event recorded after the previous launch (per-thread default stream)
         self._depth = 0        # in a composite section: 1 + the calls of it under way
+        self._at_exit = []     # what runs once the holder leaves the section (at_exit)
 
     def __enter__(self) -> LaunchOrder:
         """Blocks while another thread is in the section, then makes the communicator's
@@ -231,7 +249,20 @@ class LaunchOrder:
             if self._depth > 1:  # a call inside a composite section: the section goes on
                 self._depth -= 1
             else:
-                self._leave()
+                pending, self._at_exit = self._at_exit, []
+                try:
+                    self._leave()
+                finally:
+                    for fn in pending:
+                        fn()
+
+    def at_exit(self, fn) -> None:
+        """Runs ``fn()`` once the thread in the section leaves its outermost level (a
+        composite section's end), out of the section: for ``abort()`` called from inside a
+        call of this thread (a signal handler, a hook), whose release would wait for the
+        section this thread holds, or unmap what the operation still copies from. Only from
+        the thread in the section."""
+        self._at_exit.append(fn)
 
     def _leave(self) -> None:
         try:

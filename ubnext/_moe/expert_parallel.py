@@ -98,11 +98,11 @@ class ExpertParallel:
         with comm._order:
             offset = node.pool.contains(ptrs[node.pool.local_rank], shape.area_bytes)
             regions = shape.offsets(offset)
-            self._fill(comm, area)
+            self._fill(name, comm, area)
             self._allocate(comm.device, framework)
             cupy.cuda.Device(comm.device).synchronize()
             self._launchers = self._compile(comm, node, regions)
-        comm._local.barrier()  # no rank pushes into an area a peer is still filling
+        comm._exchanges.run(name, comm._local.barrier)  # no rank pushes into an area a peer is still filling
         sms = cupy.cuda.Device(comm.device).attributes["MultiProcessorCount"]
         self._blocks = max(1, min(node.engine._blocks, sms))  # every block resident (docs/moe.md)
         self._sig = {kind: _signature.encode_moe(f"moe_{kind}", dtype, num_experts, top_k, max_tokens, hidden)
@@ -130,14 +130,15 @@ class ExpertParallel:
         self._views = {key: _arrays.wrap(self._ptr[key], dims, dtype, device, framework, self._raw)
                        for key, (dims, dtype) in specs.items()}
 
-    def _fill(self, comm, area) -> None:
+    def _fill(self, name: str, comm, area) -> None:
         """The polled regions to the sentinel, the rest (the rotation, the rows) to zero:
         after every rank's earlier launches (a device wait and a barrier: an area with this
-        key may have served an object before)."""
+        key may have served an object before). The barrier is a host exchange of ``name``,
+        which ``abort()`` abandons."""
         import cupy
 
         cupy.cuda.Device(comm.device).synchronize()
-        comm._local.barrier()
+        comm._exchanges.run(name, comm._local.barrier)
         words = area.view(cupy.uint32)
         words.fill(0)
         at = 0

@@ -8,8 +8,9 @@ the communicator with ``kFailMismatch`` and both signatures, so ranks that call 
 different arguments get ``CollectiveMismatchError`` instead of a result, with no host
 round trip added.
 
-Layout (bits): 63..60 collective, 59..56 dtype, 55..52 op, 51..0 count; the fused call's
-count is ``rows << HIDDEN_BITS | hidden``; the expert-parallel calls' (``encode_moe``) is
+Layout (bits): 63..60 collective, 59..56 dtype, 55..52 op, 51..0 count; the rooted
+movers (broadcast, gather, scatter: ``encode_rooted``) carry their root in the op field, so
+that ranks naming different roots mismatch; the fused call's count is ``rows << HIDDEN_BITS | hidden``; the expert-parallel calls' (``encode_moe``) is
 ``experts << 40 | top_k << 35 | max_tokens << 20 | hidden``.
 """
 
@@ -26,6 +27,10 @@ _MOE = ("moe_dispatch", "moe_combine")
 MOE_BITS = {"experts": 12, "top_k": 5, "max_tokens": 15}
 #: the collectives that reduce nothing (their op field is "sum", and says nothing)
 _MOVERS = ("all_gather", "broadcast", "all_to_all", "gather", "scatter")
+#: the movers that name a root, carried in their op field (encode_rooted)
+_ROOTED = ("broadcast", "gather", "scatter")
+#: bits of the op field (a root must fit them)
+OP_BITS = 4
 #: the fused calls, whose count is rows and hidden size
 _FUSED = ("all_reduce_add_rmsnorm", "reduce_scatter_add_rmsnorm")
 COUNT_BITS = 52
@@ -46,6 +51,18 @@ def encode(collective: str, dtype: str, op: str, count: int) -> int:
     if not 0 <= count < 1 << COUNT_BITS:
         raise ValueError(f"signature: count {count} does not fit {COUNT_BITS} bits")
     return _HEAD[collective, dtype, op] | count
+
+
+def encode_rooted(collective: str, dtype: str, count: int, root: int) -> int:
+    """The signature of a rooted mover ``collective`` (broadcast, gather or scatter) of
+    ``count`` elements of ``dtype`` from or to rank ``root``: the root in the op field.
+
+    Raises:
+        ValueError: not a rooted mover, or a count or root that does not fit its field.
+    """
+    if collective not in _ROOTED or not 0 <= root < 1 << OP_BITS:
+        raise ValueError(f"signature: {collective} with root {root} is not a rooted mover's call")
+    return encode(collective, dtype, "sum", count) & ~(((1 << OP_BITS) - 1) << COUNT_BITS) | root << COUNT_BITS
 
 
 def encode_fused(dtype: str, rows: int, hidden: int, collective: str = "all_reduce_add_rmsnorm") -> int:
@@ -71,11 +88,13 @@ def encode_moe(collective: str, dtype: str, experts: int, top_k: int, max_tokens
 
 def text(signature: int) -> str:
     """Words for a signature, e.g. ``"all_reduce of 4096 bfloat16 (sum)"``."""
-    code, dtype, op = signature >> 60, signature >> 56 & 0xF, signature >> 52 & 0xF
+    code, dtype, op = signature >> 60, signature >> 56 & 0xF, signature >> COUNT_BITS & 0xF
     count = signature & ((1 << COUNT_BITS) - 1)
-    if not 1 <= code <= len(COLLECTIVES) or dtype >= len(_DTYPES) or op >= len(_OPS):
+    collective = COLLECTIVES[code - 1] if 1 <= code <= len(COLLECTIVES) else None
+    if collective is None or dtype >= len(_DTYPES) or (op >= len(_OPS) and collective not in _ROOTED):
         return f"an unknown call (signature {signature:#018x})"
-    collective = COLLECTIVES[code - 1]
+    if collective in _ROOTED:
+        return f"{collective} of {count} {_DTYPES[dtype]} (root {op})"
     if collective in _MOE:
         return (f"{collective} of {count >> 40} experts, top-{count >> 35 & 31}, {count >> HIDDEN_BITS & 0x7FFF} "
                 f"tokens of {count & ((1 << HIDDEN_BITS) - 1)} {_DTYPES[dtype]}")

@@ -133,8 +133,9 @@ class AllToAll(PoolCopy):
                 elif algo == "ll":
                     self._run_ll(name, xb.ptr, ob.ptr, ins[0] * row_bytes, sig, handle, owner)
                 else:
-                    self._run_copies(all_to_all_plan(self.rank, self._copy_area(), xb.ptr, ob.ptr, ins[0] * row_bytes,
-                                                     AREA_BYTES // 2), sig, handle, owner)
+                    plan = all_to_all_plan(self.rank, self._copy_area(), xb.ptr, ob.ptr, ins[0] * row_bytes,
+                                           AREA_BYTES // 2)
+                    self._run_copies(name, plan, sig, handle, owner)
             else:
                 sends, recvs = _parts(xb.ptr, ins, row_bytes), _parts(ob.ptr, outs, row_bytes)
                 if sends or recvs:
@@ -178,7 +179,7 @@ class AllToAll(PoolCopy):
         checked alike on every rank: non-negative, within (``exact``: summing to) the rows of
         x and out, rank i's ``in_splits[j]`` equal to rank j's ``out_splits[i]``. Raises the
         same UbnextError on every rank."""
-        views = self.bootstrap.allgather_obj((ins, outs, rows, out_rows))
+        views = self._exchanges.run(name, self.bootstrap.allgather_obj, (ins, outs, rows, out_rows))
         problem = _disagreement(views, exact)
         if problem:
             raise UbnextError(f"{name}: {problem}; nothing was moved")

@@ -3,6 +3,9 @@ ubnext's own all-reduce, so it runs wherever ``all_reduce`` does)."""
 
 from __future__ import annotations
 
+from ubnext._interop import arrays as _arrays
+from ubnext._interop.streams import refuse_capture
+
 
 class Barrier:
     """The Communicator's ``barrier`` (module docstring)."""
@@ -24,7 +27,9 @@ class Barrier:
                 stream of this communicator's device.
 
         Raises:
-            UbnextError, BrokenCommunicatorError and its kinds: as ``all_reduce`` raises them.
+            UbnextError: the first call captured in a CUDA graph (before anything is
+                queued); as ``all_reduce`` raises it.
+            BrokenCommunicatorError and its kinds: as ``all_reduce`` raises them.
         """
         with self._order:
             self._check_open("barrier")
@@ -32,6 +37,8 @@ class Barrier:
             if flag is None:
                 import cupy
 
+                refuse_capture("barrier", _arrays.launch_stream(stream, None, self.device)[0],
+                               "it allocates its element and waits for its zeroing")
                 flag = cupy.zeros(1, cupy.float32)  # on the communicator's device: the section's
                 cupy.cuda.get_current_stream(self.device).synchronize()  # zero before any stream's all-reduce reads it
                 self._barrier_flag = flag

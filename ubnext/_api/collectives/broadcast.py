@@ -62,14 +62,15 @@ class Broadcast(PoolCopy):
             else:
                 ob = _arrays.check_out(xb, out, name, handle)
             if self._prepare(name, algo, xb, xb.count, f"root {root}", handle, owner, side, (xb, ob)):
-                sig = _signature.encode(name, xb.dtype, "sum", xb.count)
+                sig = _signature.encode_rooted(name, xb.dtype, xb.count, root)
                 if algo == "nccl":
                     self._dispatch.nccl_for(handle, owner).broadcast(xb.ptr, ob.ptr, xb.count, xb.dtype, root, handle)
                 elif algo == "ll":
                     self._run_ll(name, xb.ptr, ob.ptr, xb.nbytes, sig, handle, owner, root)
                 else:
-                    self._run_copies(broadcast_plan(self.rank, root, self._copy_area(), xb.ptr, ob.ptr, xb.nbytes,
-                                                    AREA_BYTES // 2), sig, handle, owner)
+                    plan = broadcast_plan(self.rank, root, self._copy_area(), xb.ptr, ob.ptr, xb.nbytes,
+                                          AREA_BYTES // 2)
+                    self._run_copies(name, plan, sig, handle, owner)
                 if out is not None:
                     _arrays.mark_written((ob,))
             return ob.obj

@@ -60,9 +60,9 @@ class Gather(PoolCopy):
                                  (xb, xb if ob is None else ob)):
                 return ob.obj if mine else None
             if algo == "copy":
-                self._run_copies(gather_plan(self.rank, root, self._copy_area(), xb.ptr, 0 if ob is None else ob.ptr,
-                                             xb.nbytes, AREA_BYTES // 2),
-                                 _signature.encode(name, xb.dtype, "sum", xb.count), handle, owner)
+                plan = gather_plan(self.rank, root, self._copy_area(), xb.ptr, 0 if ob is None else ob.ptr, xb.nbytes,
+                                   AREA_BYTES // 2)
+                self._run_copies(name, plan, _signature.encode_rooted(name, xb.dtype, xb.count, root), handle, owner)
             else:
                 sends = [(xb.ptr, xb.nbytes, root)]
                 recvs = [(ob.ptr + r * xb.nbytes, xb.nbytes, r) for r in range(self.size)] if mine else []

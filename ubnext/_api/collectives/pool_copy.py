@@ -30,6 +30,7 @@ from ubnext._engine.copies import copy_rows as _copy_rows
 from ubnext._engine.launch import issue
 from ubnext._environment.log import log_once
 from ubnext._interop import arrays as _arrays
+from ubnext._interop.streams import refuse_capture
 from ubnext._protocol.algorithms import LL_ENTRIES, MOVERS
 from ubnext._protocol.constants import LL_MAX_BYTES, VEC_BYTES
 from ubnext._protocol.errors import UbnextError
@@ -159,9 +160,10 @@ class PoolCopy(Rung):
         self._order.follow(handle, owner)
         issue(self._node.engine.ll_move(LL_ENTRIES[name], x, out, nbytes, sig, root), handle)
 
-    def _run_copies(self, steps: list, sig: int, handle: int, owner) -> None:
-        """``steps`` issued on ``handle``: copies, and the barrier carrying ``sig``."""
-        flag = self._copy_flag(handle)
+    def _run_copies(self, name: str, steps: list, sig: int, handle: int, owner) -> None:
+        """``steps`` of the call ``name`` issued on ``handle``: copies, and the barrier
+        carrying ``sig``."""
+        flag = self._copy_flag(name, handle)
         for step in steps:
             if step is WAIT:
                 self._dispatch.all_reduce(BARRIER, flag, flag, "sum", handle, owner, sig)
@@ -174,12 +176,15 @@ class PoolCopy(Rung):
         """The area's address in every rank's segment (allocated by ``_mover``)."""
         return self._areas[AREA_KEY][1]
 
-    def _copy_flag(self, handle: int):
+    def _copy_flag(self, name: str, handle: int):
         """The barrier's flag: 4 float32 zeros of this communicator (a Buffer), allocated and
-        zeroed at the first call, inside the section (on the communicator's device)."""
+        zeroed at the first call, inside the section (on the communicator's device); that
+        call refuses a CUDA graph capture of ``handle`` (``refuse_capture``)."""
         flag = self.__dict__.get("_copy_flag_buffer")
         if flag is None:
             import cupy
+
+            refuse_capture(name, handle, "the copy form allocates its barrier's flag and waits for its zeroing")
 
             array = cupy.zeros(4, cupy.float32)
             cupy.cuda.get_current_stream(self.device).synchronize()  # zero before any stream's barrier reads it

@@ -81,9 +81,9 @@ class Scatter(PoolCopy):
                 return ob.obj
             part = ob.nbytes
             if algo == "copy":
-                self._run_copies(scatter_plan(self.rank, root, self._copy_area(), 0 if xb is None else xb.ptr,
-                                              ob.ptr, part, AREA_BYTES // 2),
-                                 _signature.encode(name, ob.dtype, "sum", ob.count), handle, owner)
+                plan = scatter_plan(self.rank, root, self._copy_area(), 0 if xb is None else xb.ptr, ob.ptr, part,
+                                    AREA_BYTES // 2)
+                self._run_copies(name, plan, _signature.encode_rooted(name, ob.dtype, ob.count, root), handle, owner)
             else:
                 sends = [(xb.ptr + r * part, part, r) for r in range(self.size)] if mine else []
                 recvs = [(ob.ptr, part, root)]

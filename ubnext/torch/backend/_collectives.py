@@ -140,10 +140,8 @@ class CommOps:
     def allreduce(self, tensors, opts):
         name, factor = reduction(opts, "allreduce")
         comm = self.comm(tensors[0])
-        for t in tensors:
-            if factor is not None:
-                t.mul_(factor)
-            comm.all_reduce(t, out=t, op=name, precision=self._precision)
+        for t in tensors:  # PREMUL_SUM scales a temporary: a refused call leaves t as it was
+            comm.all_reduce(t if factor is None else t * factor, out=t, op=name, precision=self._precision)
         return self._work(tensors, tensors[0], opts)
 
     def allreduce_coalesced(self, tensors, opts):
@@ -270,6 +268,8 @@ class CommOps:
                 self._method(comm, "batch_isend_irecv")([(kind, x, peer) for kind, x, peer, _ in ops])
         except Exception as exc:
             exc.add_note(self._where("/".join(dict.fromkeys(kind for kind, *_ in ops))))
+            for *_, work in ops:  # each work of the batch fails with it (none says it finished)
+                work.mark_failed(exc)
             raise
         stream = torch.cuda.current_stream(t.device) if t.is_cuda else None
         for *_, work in ops:

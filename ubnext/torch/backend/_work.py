@@ -20,6 +20,7 @@ CPU work (what ran on the CPU, complete when the op returned) has no stream.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -115,7 +116,8 @@ class PendingWork(Work):
     """The work of a send or recv not yet issued: ubnext issues the pending
     point-to-point ops together (one ``batch_isend_irecv``, as NCCL's group calls) at the
     first ``wait()`` (or future, or completion query) of one of them, or before the
-    group's next other op, whichever comes first.
+    group's next other op, whichever comes first. Where issuing the batch raised, every
+    work of it is completed, not successful, and raises that error at ``wait()``.
 
     Args:
         result: the op's tensors.
@@ -124,23 +126,40 @@ class PendingWork(Work):
 
     def __init__(self, result, flush):
         super().__init__(result)
-        self._flush, self._issued = flush, False
+        self._flush, self._issued, self._error = flush, False, None
 
     def _issue(self) -> None:
+        """Issues the pending ops if not yet done; raises what issuing them raised."""
         if not self._issued:
             self._stream = self._flush()
             self._issued = True
+        if self._error is not None:
+            raise self._error
 
     def mark_issued(self, stream) -> None:
         """Called by the flush: the op is enqueued on ``stream``."""
         self._stream, self._issued = stream, True
+
+    def mark_failed(self, error: BaseException) -> None:
+        """Called by the flush: issuing the op's batch raised ``error`` (nothing of it was
+        enqueued); every later wait raises it."""
+        self._error, self._issued = error, True
 
     def wait(self, timeout=None) -> bool:
         self._issue()
         return super().wait(timeout)
 
     def is_completed(self) -> bool:
-        return self._issued and super().is_completed()
+        if not self._issued:
+            with contextlib.suppress(Exception):  # the work holds it: wait() raises it, exception() gives it
+                self._issue()
+        return self._error is not None or super().is_completed()
+
+    def is_success(self) -> bool:
+        return self._error is None and self.is_completed()
+
+    def exception(self):
+        return self._error
 
     def get_future(self):
         self._issue()
