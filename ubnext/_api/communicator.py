@@ -432,7 +432,9 @@ class Communicator(CallSteps, AllReduce, AllReduceAddRmsnorm, ReduceScatter, All
         the debug-mode comparison, NCCL's first connect, close's barrier: it raises
         BrokenCommunicatorError if it ever returns, before launching anything), then
         releases what is local, without waiting for any other rank, once nothing launches
-        into it. The process can create a new communicator.
+        into it (called on the thread that is inside a call of this communicator, a signal
+        handler's or a hook's, the release runs when that call leaves: the pool stays
+        mapped until then). The process can create a new communicator.
 
         How long it takes: it never waits for a peer. It waits (1) for a call of another
         thread that is in the launch section but in no host exchange, to leave it: its
