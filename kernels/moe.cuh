@@ -16,8 +16,8 @@
 #include "lamport.cuh"
 #include "transport.cuh"
 
-// Rotation of one object's kernel: its launches so far and the blocks of the running one
-// that finished (the last one advances `launches`). Set `launches % 3` of the polled
+// Rotation of one object's kernel: its launches so far, modulo 6, and the blocks of the
+// running one that finished (the last one advances `launches`). Set `launches % 3` of the polled
 // headers and records, `launches % 2` of the rows and partials: a peer is at most one
 // launch of the object ahead, since each launch waits for every rank's header of it.
 struct MoeRotation {
@@ -52,7 +52,7 @@ __device__ void moe_finish(WaitCtx& c, const LaunchView& v, MoeRotation* r, cons
   finish_launch(c, v, 0u);  // begins with __syncthreads
   if (threadIdx.x == 0 && atomicAdd(&r->done, 1u) == gridDim.x - 1u) {
     r->done = 0u;
-    r->launches = s.launches + 1u;
+    r->launches = (s.launches + 1u) % 6u;  // 6: the sets' periods' lcm, so no wrap repeats a set early
   }
 }
 

@@ -214,6 +214,9 @@ __device__ void moe_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 h
   // 3. re-poison the previous launch's headers and records in this rank's segment
   moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
   moe_repoison(mine + record_at<N>(rec_off, m, s.old, 0, 0, 0), N * m.tokens * m.record_vecs());
+  // this rank's own count first: it bounds the combine's rows of `out` even where the
+  // headers' vote below fails (a failed launch must leave no stale count behind)
+  if (blockIdx.x == 0 && threadIdx.x == 0) o.tokens[tp.rank] = (u32)count;
   // 4. every rank's header, then receive and scatter
   if (moe_headers<N>(mine, hdr_off, s.cur, sig, tok, m.tokens, c)) {
     if (blockIdx.x == 0 && threadIdx.x < N) o.tokens[threadIdx.x] = tok[threadIdx.x];

@@ -310,10 +310,27 @@ def test_reduction_at_two_ranks_is_the_rank_order_sum():
     assert all(torch.equal(g, rank_order([torch.full((3,), 1.0), torch.full((3,), 2.0)])) for g in got)
 
 
+def test_a_compiled_call_keeps_its_precision():
+    """The all-reduce and reduce-scatter ops take the call's precision as it is: a compiled
+    ``comm.all_reduce(x, precision="exact")`` is exact on an opted-in communicator, and a
+    format asked for reaches the communicator."""
+    torch._dynamo.reset()
+
+    def body(tc):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(tc.rank)).to(torch.bfloat16)
+        fn = torch.compile(lambda c, t: (c.all_reduce(t, precision="exact"), c.reduce_scatter(t, precision="int8")),
+                           fullgraph=True, backend="eager")
+        fn(traced_communicator(tc), x)
+        return tc.precisions
+
+    for precisions in run_ranks(2, body, quantized="int8"):
+        assert precisions == ["exact", "int8"]
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda c, x: c.all_reduce(x, stream=object()), "all_reduce: stream="),
     (lambda c, x: c.all_reduce(x, algorithm="twoshot"), "all_reduce: algorithm='twoshot'"),
-    (lambda c, x: c.all_reduce(x, precision="exact"), "all_reduce: precision='exact'"),
+    (lambda c, x: c.all_reduce(x, precision="bf16"), "all_reduce: precision must be one of"),
     (lambda c, x: c.all_reduce(x, op="prod"), "all_reduce: unsupported op 'prod'"),
     (lambda c, x: c.all_reduce_add_rmsnorm(x, x, x[0], out=torch.empty_like(x)), "all_reduce_add_rmsnorm: out="),
     (lambda c, x: c.all_reduce_add_rmsnorm(x, x, x[0], residual_out=x.clone()),
@@ -321,7 +338,7 @@ def test_reduction_at_two_ranks_is_the_rank_order_sum():
     (lambda c, x: c.all_reduce_add_rmsnorm(x, x, x[0], eps=-1.0), "all_reduce_add_rmsnorm: eps must be"),
     (lambda c, x: c.all_reduce_add_rmsnorm(x, x, x[0], stream=object()), "all_reduce_add_rmsnorm: stream="),
     (lambda c, x: c.reduce_scatter(x, algorithm="nvls"), "reduce_scatter: algorithm='nvls'"),
-    (lambda c, x: c.reduce_scatter(x, precision="int8"), "reduce_scatter: precision='int8'"),
+    (lambda c, x: c.reduce_scatter(x, precision=8), "reduce_scatter: precision must be one of"),
     (lambda c, x: c.all_gather(x, stream=object()), "all_gather: stream="),
     (lambda c, x: c.reduce_scatter_add_rmsnorm(x, None, x[0], algorithm="twoshot"),
      "reduce_scatter_add_rmsnorm: algorithm='twoshot'"),

@@ -29,7 +29,7 @@ import torch
 from ubnext._engine.epilogue import check_eps
 from ubnext._protocol.algorithms import OPS
 from ubnext._protocol.errors import UbnextError
-from ubnext._protocol.quant import AUTO
+from ubnext._protocol.quant import PRECISIONS
 
 from . import _ops  # noqa: F401 (defines torch.ops.ubnext)
 from ._registry import handle
@@ -59,17 +59,22 @@ def call(comm, name: str, *args, **kwargs):
     return form(comm, *args, **kwargs)
 
 
-def _untraceable(name: str, algorithm="auto", stream=None, precision="auto") -> None:
-    """Raises for what the ops cannot take: they run ``algorithm="auto"`` and
-    ``precision="auto"`` on the current stream."""
-    where = (f"; torch.ops.ubnext.{name} runs on the current stream, with algorithm and precision auto: "
+def _untraceable(name: str, algorithm="auto", stream=None) -> None:
+    """Raises for what the ops cannot take: they run ``algorithm="auto"`` on the current
+    stream."""
+    where = (f"; torch.ops.ubnext.{name} runs on the current stream, with algorithm auto: "
              f"leave it out, or call {name} outside the compiled region")
     if stream is not None:
         raise UbnextError(f"{name}: stream= cannot be traced by torch.compile{where}")
     if algorithm != "auto":
         raise UbnextError(f"{name}: algorithm={algorithm!r} cannot be traced by torch.compile{where}")
-    if precision != "auto":
-        raise UbnextError(f"{name}: precision={precision!r} cannot be traced by torch.compile{where}")
+
+
+def _precision(name: str, precision) -> str:
+    """The call's ``precision``, which the all-reduce and reduce-scatter ops take as it is."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise UbnextError(f"{name}: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return precision
 
 
 def _op(name: str, op) -> str:
@@ -89,16 +94,16 @@ def _dtype(t) -> str:
 
 def _all_reduce(comm, x, out=None, op="sum", algorithm="auto", stream=None, precision="auto"):
     name = "all_reduce"
-    _untraceable(name, algorithm, stream, precision)
-    op, group = _op(name, op), handle(comm)
+    _untraceable(name, algorithm, stream)
+    op, group, precision = _op(name, op), handle(comm), _precision(name, precision)
     if out is None:
-        return torch.ops.ubnext.all_reduce(_plain(x), op, AUTO, group)
+        return torch.ops.ubnext.all_reduce(_plain(x), op, precision, group)
     if out is not x:
         if out.numel() != x.numel() or out.dtype != x.dtype:
             raise UbnextError(f"{name}: out has {out.numel()} {_dtype(out)} elements, input has {x.numel()} "
                               f"{_dtype(x)}; they must match")
         _plain(out).copy_(_plain(x).reshape(out.shape))
-    torch.ops.ubnext.all_reduce_(_plain(out), op, AUTO, group)
+    torch.ops.ubnext.all_reduce_(_plain(out), op, precision, group)
     return out
 
 
@@ -118,11 +123,11 @@ def _all_reduce_add_rmsnorm(comm, x, residual, weight, eps=1e-6, bias=None, out=
 
 def _reduce_scatter(comm, x, out=None, op="sum", algorithm="auto", stream=None, precision="auto"):
     name = "reduce_scatter"
-    _untraceable(name, algorithm, stream, precision)
-    op, group = _op(name, op), handle(comm)
+    _untraceable(name, algorithm, stream)
+    op, group, precision = _op(name, op), handle(comm), _precision(name, precision)
     if out is None:
-        return torch.ops.ubnext.reduce_scatter(_plain(x), op, AUTO, group)
-    torch.ops.ubnext.reduce_scatter_(_plain(out), _plain(x), op, AUTO, group)
+        return torch.ops.ubnext.reduce_scatter(_plain(x), op, precision, group)
+    torch.ops.ubnext.reduce_scatter_(_plain(out), _plain(x), op, precision, group)
     return out
 
 
