@@ -1,4 +1,4 @@
-"""ubnext: fast intra-node all-reduce on NVLink GPUs, for CuPy and PyTorch users.
+"""ubnext: fast intra-node collectives on NVLink GPUs, for CuPy and PyTorch users.
 
     import ubnext
     with ubnext.Communicator() as comm:          # collective over every rank the launcher started
