@@ -86,11 +86,14 @@ class Cuda:
 CUDA = Cuda()
 
 
-def refuse_capture(name: str, stream: int, what: str) -> None:
+def refuse_capture(name: str, stream: int, what: str, call: str = "such call") -> None:
     """Raises where ``stream`` is being captured into a CUDA graph, for a call whose first
     use of a communicator sets something up on the host (``what``), which a graph cannot
     hold (the capture would break, or replay a call that set nothing up). Local; raised
     before anything is queued, so that the capture stays valid.
+
+    Args:
+        call: what the message calls the first call ("such call", "overlapped call").
 
     Raises:
         UbnextError: ``stream`` is capturing.
@@ -98,7 +101,7 @@ def refuse_capture(name: str, stream: int, what: str) -> None:
     if CUDA.capture(stream):
         from ubnext._protocol.errors import UbnextError
 
-        raise UbnextError(f"{name}: the first such call on a communicator cannot be captured in a CUDA graph "
+        raise UbnextError(f"{name}: the first {call} on a communicator cannot be captured in a CUDA graph "
                           f"({what}); make one eager call first, on every rank, then capture")
 
 

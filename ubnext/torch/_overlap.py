@@ -79,7 +79,6 @@ from ubnext._engine.copies import copy as _copy
 from ubnext._engine.slot_sum import SlotSum
 from ubnext._interop import streams as _streams
 from ubnext._interop.context import keep_current
-from ubnext._protocol.errors import UbnextError
 
 from . import _overlap_plan as plan
 
@@ -154,16 +153,13 @@ def _current(device: int) -> int:
 
 
 def _refuse_capture(name: str, device: int) -> None:
-    """Raises where the current stream of ``device`` is being captured into a CUDA graph:
-    a communicator's first overlapped call allocates the area (collectively: a host
-    exchange), zeroes the barrier's flag and compiles the barrier's and the slot sum's
-    kernels, none of which a graph can hold (the capture would fail obscurely, or replay a
-    call that set nothing up). Raised before anything is queued, so the capture stays valid."""
-    if _streams.CUDA.capture(_current(device)):
-        raise UbnextError(f"ubnext::{name}: the first overlapped call on a communicator cannot be captured in a "
-                          f"CUDA graph (it allocates the overlap area of the pool, collectively, and compiles the "
-                          f"barrier's and the slot sum's kernels); make one eager call first, on every rank, "
-                          f"then capture")
+    """``_streams.refuse_capture`` for the current stream of ``device``: a communicator's
+    first overlapped call allocates the area (collectively: a host exchange), zeroes the
+    barrier's flag and compiles the barrier's and the slot sum's kernels, none of which a
+    graph can hold."""
+    _streams.refuse_capture(f"ubnext::{name}", _current(device), "it allocates the overlap area of the pool, "
+                            "collectively, and compiles the barrier's and the slot sum's kernels",
+                            call="overlapped call")
 
 
 class _Events:
