@@ -13,6 +13,14 @@ default; the NCCL baseline is always eager, since it reads the counts on the hos
 * ``nccl combine``: each GPU's fp32 partial per token (the same bytes as ubnext's) sent
   back by ``all_to_all_single`` with the dispatch's splits, summed per token by
   ``index_add_`` and rounded.
+* ``vdev dispatch`` / ``vdev combine``: torch's symmetric-memory ``all_to_all_vdev_2d``
+  and ``all_to_all_vdev_2d_offset`` (NVSHMEM; no host sync, timed as ubnext is, eager
+  where its capture fails), a row per expert slot each way (bench/_moe_baselines.py).
+  Not run at one rank, where ranks share a GPU or where torch lacks the op; the table
+  says why.
+
+NCCL's expert-parallel library (``nccl_ep``, served as ``nccl-extensions``) needs NCCL
+2.30.7 or newer beside it; it is not a baseline of this script yet (bench/NOTES.md).
 
 Routing (``--routing``): ``uniform`` (each token's K distinct experts uniformly at
 random) or ``skewed`` (from the first 2K experts only: hot experts on the first GPUs).
@@ -40,9 +48,10 @@ import numpy as np  # noqa: E402
 
 from bench import _common as common  # noqa: E402
 from bench import _torchbench as tb  # noqa: E402
+from bench._moe_baselines import NcclBaseline, VdevBaseline, vdev_problem  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CANDIDATES = ("ubnext dispatch", "nccl dispatch", "ubnext combine", "nccl combine")
+CANDIDATES = ("ubnext dispatch", "nccl dispatch", "vdev dispatch", "ubnext combine", "nccl combine", "vdev combine")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -107,45 +116,6 @@ def busiest_expert(experts: int, idxs: list[np.ndarray]) -> int:
     counts = np.bincount(np.concatenate([i.reshape(-1) for i in idxs] + [np.zeros(0, np.int32)]).clip(-1) + 1,
                          minlength=experts + 1)
     return max(1, int(counts[1:].max(initial=0)))
-
-
-class NcclBaseline:
-    """The all_to_all_single dispatch and combine of one rank's routing (module docstring)."""
-
-    def __init__(self, args, nranks: int, x, idx):
-        import torch
-
-        self.n, self.x, self.hidden = nranks, x, args.hidden
-        local = args.experts // nranks
-        gpu = torch.where(idx >= 0, idx // local, -1)
-        dest = torch.stack([(gpu == g).any(dim=1) for g in range(nranks)])  # [N, T]
-        self.counts = dest.sum(dim=1).to(torch.int64)
-        self.order = torch.cat([torch.nonzero(dest[g]).flatten() for g in range(nranks)])  # tokens by destination
-        self.out_dtype = x.dtype
-
-    def dispatch(self):
-        import torch
-        import torch.distributed as dist
-
-        recv_counts = torch.empty_like(self.counts)
-        dist.all_to_all_single(recv_counts, self.counts)
-        splits_in, splits_out = self.counts.tolist(), recv_counts.tolist()  # the host sync
-        send = self.x.index_select(0, self.order)
-        recv = send.new_empty((sum(splits_out), self.hidden))
-        dist.all_to_all_single(recv, send, splits_out, splits_in)
-        self._splits = (splits_in, splits_out)
-        return recv
-
-    def combine(self, partials):
-        import torch
-        import torch.distributed as dist
-
-        splits_in, splits_out = self._splits
-        back = partials.new_empty((sum(splits_in), self.hidden))
-        dist.all_to_all_single(back, partials, splits_in, splits_out)
-        acc = torch.zeros((self.x.shape[0], self.hidden), device=back.device, dtype=torch.float32)
-        acc.index_add_(0, self.order, back)
-        return acc.to(self.out_dtype)
 
 
 def push_rate(comm, args) -> float:
@@ -214,22 +184,51 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
     recv_x, _, handle = ep.dispatch(x, idx, w)
     y = recv_x.clone()
     out = torch.empty_like(x)
-    nccl = NcclBaseline(args, n, x, idx.long())
-    partials = nccl.dispatch().float()
     fns = {"ubnext dispatch": (lambda: ep.dispatch(x, idx, w), mode),
-           "nccl dispatch": (nccl.dispatch, "eager"),
-           "ubnext combine": (lambda: ep.combine(y, handle, out=out), mode),
-           "nccl combine": (lambda: nccl.combine(partials), "eager")}
+           "ubnext combine": (lambda: ep.combine(y, handle, out=out), mode)}
+    notes = baseline_problems(comm)
+    if "nccl" not in notes:
+        nccl = NcclBaseline(args, n, x, idx.long())
+        partials = nccl.dispatch().float()
+        fns.update({"nccl dispatch": (nccl.dispatch, "eager"), "nccl combine": (lambda: nccl.combine(partials), "eager")})
+    if "vdev" not in notes:
+        vdev = VdevBaseline(args, n, x, idx, w)
+        if args.check:  # identity experts: every token comes back as x times its weights' sum
+            vdev.dispatch()
+            got, want = vdev.combine(vdev.out).float(), x.float() * w.float().sum(dim=1, keepdim=True)
+            notes["vdev wrong"] = int((~torch.isclose(got, want, rtol=1e-2, atol=1e-2)).sum())
+        fns.update({"vdev dispatch": (vdev.dispatch, mode), "vdev combine": (lambda: vdev.combine(vdev.out), mode)})
     times = {}
     for name, (fn, how) in fns.items():
         if name == "ubnext combine":
             handle = ep.dispatch(x, idx, w)[2]  # the latest dispatch's (the timed dispatches ran since)
         fn()
-        samples = tb.time_us(fn, how, comm.bootstrap, args.iters, args.launches, args.repeats)
+        try:
+            samples = tb.time_us(fn, how, comm.bootstrap, args.iters, args.launches, args.repeats)
+        except RuntimeError as err:  # a baseline whose capture fails is timed eager, and says so
+            if how != "graph" or name.startswith("ubnext"):
+                raise
+            how, notes[name] = "eager", f"not capturable ({str(err).splitlines()[0][:80]}): eager"
+            torch.cuda.synchronize()
+            samples = tb.time_us(fn, how, comm.bootstrap, args.iters, args.launches, args.repeats)
         times[name] = {"time_us": tb.median(samples), "samples_us": samples, "mode": how}
     dispatch_bytes, combine_bytes = link_bytes(args, n, idxs)
     return {"tokens": tokens, "capacity": capacity, "dispatch_bytes": dispatch_bytes, "combine_bytes": combine_bytes, "wrong": wrong,
-            "times": times}
+            "times": times, "baseline_notes": notes}
+
+
+def baseline_problems(comm) -> dict:
+    """The baselines that cannot run on this communicator, with the reason: NCCL's where
+    NCCL cannot (ranks sharing a GPU), torch's vdev form where the op or NVSHMEM is missing
+    or ranks share a GPU (NVSHMEM takes one rank per GPU)."""
+    problems = {}
+    shared = comm._selector.nccl_problem
+    if shared:
+        problems["nccl"] = shared
+    vdev = shared or ("one rank (torch's NVSHMEM rendezvous takes two or more)" if comm.size == 1 else vdev_problem())
+    if vdev:
+        problems["vdev"] = vdev
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,21 +243,25 @@ def run(comm, args, argv) -> int:
     if comm.rank != 0:
         return 0
     print(f"# {comm.size} ranks, hidden {args.hidden}, top-{args.top_k}, {args.experts} experts, {args.dtype}, "
-          f"routing {args.routing}; ubnext {'in CUDA graphs' if args.graphs else 'eager'}, NCCL eager (host sync); "
+          f"routing {args.routing}; ubnext and vdev (torch all_to_all_vdev_2d) {'in CUDA graphs' if args.graphs else 'eager'}, NCCL eager (host sync); "
           f"µs (median of {args.repeats}, max over ranks); push rate {rate / 1e9:.1f} GB/s per direction")
-    print(f"{'tokens':>7} {'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9}   "
-          f"{'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9} {'wrong':>6}")
-    print(f"{'':>7} {'dispatch':>44}   {'combine':>44}")
+    print(f"{'tokens':>7} {'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9} {'vdev':>9}   "
+          f"{'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9} {'vdev':>9} {'wrong':>6}")
+    print(f"{'':>7} {'dispatch':>54}   {'combine':>54}")
     for rec in records:
         cells = []
         for kind, nbytes in (("dispatch", rec["dispatch_bytes"]), ("combine", rec["combine_bytes"])):
-            ours, theirs = rec["times"][f"ubnext {kind}"]["time_us"], rec["times"][f"nccl {kind}"]["time_us"]
+            ours = rec["times"][f"ubnext {kind}"]["time_us"]
             floor = nbytes / rate * 1e6 if rate else None  # one rank: no link, nothing crosses it
             rec[f"{kind}_floor_us"] = floor
             bound = f"{'-':>7} {'-':>5}" if floor is None else f"{floor:7.2f} {floor / ours:5.2f}"
-            cells.append(f"{nbytes:>10} {ours:9.2f} {bound} {theirs:9.2f}")
+            theirs = [rec["times"].get(f"{b} {kind}", {}).get("time_us") for b in ("nccl", "vdev")]
+            cells.append(f"{nbytes:>10} {ours:9.2f} {bound} " + " ".join("        -" if t is None else f"{t:9.2f}"
+                                                                         for t in theirs))
         wrong = "-" if rec["wrong"] is None else str(rec["wrong"])
         print(f"{rec['tokens']:>7} " + "   ".join(cells) + f" {wrong:>6}")
+    for why in sorted({f"{k}: {v}" for rec in records for k, v in rec["baseline_notes"].items()}):
+        print(f"# baseline {why}")
     tb.save_report(comm, "moe_perf", "moe_perf", args, argv, {
         "config": {k: getattr(args, k) for k in ("hidden", "top_k", "experts", "dtype", "routing", "graphs", "iters",
                                                   "launches", "repeats", "ceiling_bytes")},

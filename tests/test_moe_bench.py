@@ -37,3 +37,15 @@ def test_the_capacity_is_the_busiest_experts_count():
     idxs = [np.array([[0, 3], [3, -1]], np.int32), np.array([[3, 1]], np.int32), np.zeros((0, 2), np.int32)]
     assert moe_perf.busiest_expert(4, idxs) == 3
     assert moe_perf.busiest_expert(4, [np.full((2, 2), -1, np.int32)]) == 1
+
+
+def test_baselines_that_cannot_run_are_named_with_their_reason():
+    from types import SimpleNamespace
+
+    def comm(size, problem):
+        return SimpleNamespace(size=size, _selector=SimpleNamespace(nccl_problem=problem))
+
+    shared = moe_perf.baseline_problems(comm(4, "ranks share a GPU"))
+    assert shared == {"nccl": "ranks share a GPU", "vdev": "ranks share a GPU"}
+    alone = moe_perf.baseline_problems(comm(1, None))
+    assert "nccl" not in alone and "one rank" in alone["vdev"]
