@@ -252,7 +252,7 @@ __device__ void p2p_alltoallv(const Tp& tp, const P2PArea& a, const char* x, cha
 
 extern "C" __global__ void __launch_bounds__(UB_P2P_THREADS)
 ub_p2p(char* base, u64 stride, int rank, char* mc, u64 area_off, u64 slot_bytes, LaunchState* state, u64 n,
-       u64 head, const P2PWork work) {
+       u64 head, const __grid_constant__ P2PWork work) {
   enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const P2PArea a{tp.seg(rank) + area_off, area_off, slot_bytes};

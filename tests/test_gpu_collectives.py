@@ -8,11 +8,12 @@ unchanged; the reduce on small exact values (NCCL's order of reduction is its ow
 
 broadcast, all_to_all (even splits), gather and scatter run on NCCL and on the pool's
 copy form (``algorithm="copy"``, every test at every world size, ranks sharing a GPU
-included; ``auto`` takes it where NCCL cannot run); the others run on NCCL only, which
+included; ``auto`` takes it where NCCL cannot run); the others run on NCCL here, which
 refuses ranks sharing a GPU: there their tests are skipped and
 ``test_where_nccl_cannot_run_the_calls_raise`` checks that each raises UbnextError on
-every rank before anything is launched, while ``barrier`` (ubnext's all-reduce) and the
-movers' ``auto`` (the copy form) run.
+every rank before anything is launched where NCCL is named, while ``barrier`` (ubnext's
+all-reduce) and the movers' ``auto`` (the copy form) run. The pool's point-to-point
+kernel (send/recv, batches, uneven all-to-all) is tested in test_gpu_p2p.py.
 
 The low-latency kernel (``algorithm="ll"``: broadcast and even all_to_all, parts up to
 LL_MAX_BYTES) runs on a communicator of its own with a 60 s timeout (``ll_comm``), so that
@@ -648,8 +649,9 @@ def test_barrier_orders_the_stream_without_blocking_the_host(comm):
 
 # ---- where NCCL cannot run ------------------------------------------------------------------------
 def test_where_nccl_cannot_run_the_calls_raise(comm):
-    """Ranks sharing a GPU: the calls that only NCCL serves raise on every rank before
-    anything is launched; the movers' ``auto`` takes the copy form, ``barrier`` runs."""
+    """Ranks sharing a GPU: the calls that only NCCL serves (and NCCL named) raise on every
+    rank before anything is launched; the movers' ``auto`` takes the copy form, ``barrier``
+    runs (point-to-point and uneven all-to-alls take the pool's kernel: test_gpu_p2p.py)."""
     import torch
 
     if comm.selector.nccl_problem is None:
@@ -659,9 +661,10 @@ def test_where_nccl_cannot_run_the_calls_raise(comm):
     out = Bordered(n * 2, "float32", 9)
     ones = [1] * n
     calls = {"reduce": lambda: comm.reduce(x, 0, out=out.view),
-             "all_to_all": lambda: comm.all_to_all(x[:n], out.view[:n], ones, ones),
-             "send": lambda: comm.send(x, (comm.rank + 1) % n), "recv": lambda: comm.recv(out.view, (comm.rank + 1) % n),
-             "batch_isend_irecv": lambda: comm.batch_isend_irecv([("send", x, comm.rank)]),
+             "all_to_all": lambda: comm.all_to_all(x[:n], out.view[:n], ones, ones, algorithm="nccl"),
+             "send": lambda: comm.send(x, (comm.rank + 1) % n, algorithm="nccl"),
+             "recv": lambda: comm.recv(out.view, (comm.rank + 1) % n, algorithm="nccl"),
+             "batch_isend_irecv": lambda: comm.batch_isend_irecv([("send", x, comm.rank)], algorithm="nccl"),
              "broadcast": lambda: comm.broadcast(x, 0, out=out.view, algorithm="nccl")}
     for name, call in calls.items():
         with pytest.raises(UbnextError, match=f"^{name}: [^,]+, and NCCL, which runs it, "
