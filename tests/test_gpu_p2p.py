@@ -1,12 +1,13 @@
 """Point-to-point on the pool on GPUs (kernels/p2p.cu, ``algorithm="ll"``): send, recv,
-batch_isend_irecv and the all-to-all with uneven splits (host lists and device arrays),
-byte for byte against the host reference on random bits of every dtype (-0.0, NaNs with
-payloads, every integer pattern), outputs poisoned and bordered by canary bytes, inputs
-unchanged; messages past LL_MAX_BYTES (chunks, credits), several messages of a pair in one
-batch and back to back (the matching rule, the pair's counters), CUDA-graph replay (the
-counters advanced by the kernel), ``auto`` taking the kernel where NCCL cannot run, and the
-failures: a receive with no send times out on the waiting rank, device split counts that do
-not fit or agree raise after the call with nothing written out of bounds.
+batch_isend_irecv (its ring of every dtype is in test_gpu_collectives.py) and the
+all-to-all with uneven splits (host lists and device arrays), byte for byte against the
+host reference on random bits of every dtype (-0.0, NaNs with payloads, every integer
+pattern), outputs poisoned and bordered by canary bytes, inputs unchanged; messages past
+LL_MAX_BYTES (chunks, credits), several messages of a pair in one batch and back to back
+(the matching rule, the pair's counters), CUDA-graph replay (the counters advanced by the
+kernel), ``auto`` taking the kernel where NCCL cannot run, and the failures: a receive
+with no send times out on the waiting rank, device split counts that do not fit or agree
+raise after the call with nothing written out of bounds.
 
 Run at 1 rank (plain pytest: a batch's self-send), at 2 and 4 ranks one per GPU, and with
 ranks sharing one GPU: ``mpirun --oversubscribe -n 4 python -m pytest -q
@@ -16,7 +17,6 @@ tests/test_gpu_p2p.py``; skipped without a GPU.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -83,55 +83,9 @@ def raised(call):
     return None
 
 
-def isend():
-    pass
-
-
-def irecv():
-    pass
-
-
 # ---- send, recv, batches -------------------------------------------------------------------------
 #: past LL_MAX_BYTES: three chunks of a message (two in flight, the third after a credit)
 CHUNKED = 2 * LL_MAX_BYTES + 24
-
-
-def p2p_cases():
-    yield from cases()
-    yield pytest.param("uint8", CHUNKED, id=f"uint8-{CHUNKED}")
-
-
-@pytest.mark.parametrize("form", ["tuples", "p2pops"])
-@pytest.mark.parametrize("dtype,count", list(p2p_cases()))
-def test_batch_ring_bit_for_bit(comm, dtype, count, form):
-    """Each rank sends to the next and receives from the previous in one batch (at one rank:
-    to and from itself), plus a second pair of buffers the other way round."""
-    import torch
-
-    n, me = comm.size, comm.rank
-    seed = seed_of("p2p-ring", dtype, count, form)
-    nxt, prev = (me + 1) % n, (me - 1) % n
-    data = [rank_bytes(count, dtype, r, seed) for r in range(n)]
-    back = [rank_bytes(count, dtype, r, seed + 1) for r in range(n)]
-    x, y = Bordered(count, dtype, seed + 1), Bordered(count, dtype, seed + 2)
-    x.view.copy_(on_device(data[me], dtype))
-    y.view.copy_(on_device(back[me], dtype))
-    got, got_back = Bordered(count, dtype, seed + 3), Bordered(count, dtype, seed + 4)
-    entries = [("recv", got.view, prev), ("send", x.view, nxt), ("send", y.view, prev), ("recv", got_back.view, nxt)]
-    if form == "p2pops":
-        kinds = {"send": isend, "recv": irecv}
-        entries = [SimpleNamespace(op=kinds[k], tensor=t, peer=p) for k, t, p in entries]
-    assert comm.batch_isend_irecv(entries, algorithm="ll") is None
-    torch.cuda.synchronize()
-    failures = []
-    with collected(failures):
-        assert_bytes(host_bytes(got.view), data[prev], "batch: received from the previous rank")
-        assert_bytes(host_bytes(got_back.view), back[nxt], "batch: received from the next rank")
-        for b, what in ((got, "got"), (got_back, "got_back"), (x, "x"), (y, "y")):
-            b.assert_intact(f"batch ({what})")
-        assert_bytes(host_bytes(x.view), data[me], "batch changed a send buffer")
-    assert not failures, failures
-    comm.synchronize()
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
