@@ -1,8 +1,9 @@
 """Point-to-point on the pool on GPUs (kernels/p2p.cu, ``algorithm="ll"``): send, recv,
-batch_isend_irecv (its ring of every dtype is in test_gpu_collectives.py) and the
-all-to-all with uneven splits (host lists and device arrays), byte for byte against the
-host reference on random bits of every dtype (-0.0, NaNs with payloads, every integer
-pattern), outputs poisoned and bordered by canary bytes, inputs unchanged; messages past
+batch_isend_irecv and the all-to-all with uneven splits (host lists and device arrays;
+the batch ring and the all-to-all of every dtype and size are test_gpu_collectives.py's,
+on this kernel too), byte for byte against the host reference on random bits of every
+dtype (-0.0, NaNs with payloads, every integer pattern), outputs poisoned and bordered by
+canary bytes, inputs unchanged; messages past
 LL_MAX_BYTES (chunks, credits), several messages of a pair in one batch and back to back
 (the matching rule, the pair's counters), CUDA-graph replay (the counters advanced by the
 kernel), ``auto`` taking the kernel where NCCL cannot run, and the failures: a receive
@@ -21,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from gpu_support import collected, require_gpu_and_torch, seed_of
-from test_gpu_collectives import POISON, WIDTH, Bordered, assert_bytes, cases, host_bytes, on_device, rank_bytes
+from test_gpu_collectives import POISON, WIDTH, Bordered, assert_bytes, host_bytes, on_device, rank_bytes
 
 from ubnext._protocol.algorithms import DTYPES
 from ubnext._protocol.constants import LL_MAX_BYTES
@@ -203,47 +204,6 @@ def test_auto_takes_the_kernel_where_nccl_cannot_run(comm):
     assert torch.equal(out, torch.arange(n * 2, dtype=torch.float32, device="cuda") + 10 * ((me - 1) % n))
     assert torch.equal(got, torch.cat([torch.arange(2 * me, 2 * me + 2, dtype=torch.float32, device="cuda") + 10 * j
                                        for j in range(n)]))
-    comm.synchronize()
-
-
-# ---- all-to-all with uneven splits --------------------------------------------------------------
-def rows_between(i: int, j: int, seed: int, big: bool) -> int:
-    """Rows rank i sends rank j (0 included), known to every rank; ``big``: some parts past
-    LL_MAX_BYTES."""
-    return (i * 3 + j * 5 + seed) % 4 + (40 if big and (i + j) % 2 else 0)
-
-
-@pytest.mark.parametrize("splits", ["host", "device32", "device64"])
-@pytest.mark.parametrize("dtype,count", list(cases()) + [pytest.param("float32", 1000, id="float32-chunked")])
-def test_uneven_all_to_all_bit_for_bit(comm, dtype, count, splits):
-    import torch
-
-    n, me = comm.size, comm.rank
-    seed = seed_of("p2p-a2a", dtype, count, splits)
-    row = count  # elements per row
-    big = count == 1000  # parts of 40+ rows of 4000 bytes: several chunks
-    send = [[rows_between(i, j, seed, big) for j in range(n)] for i in range(n)]
-    rows_in = [sum(send[i]) for i in range(n)]
-    spare = 0 if splits == "host" else 3  # a caller-sized out: rows past what arrives stay poisoned
-    rows_out = sum(send[j][me] for j in range(n)) + spare
-    data = [rank_bytes(rows_in[i] * row, dtype, i, seed) for i in range(n)]
-    x = Bordered(rows_in[me] * row, dtype, seed + 1, shape=(rows_in[me], row))
-    x.view.copy_(on_device(data[me], dtype, (rows_in[me], row)))
-    out = Bordered(rows_out * row, dtype, seed + 2, shape=(rows_out, row))
-    ins, outs = send[me], [send[j][me] for j in range(n)]
-    if splits != "host":
-        kind = torch.int32 if splits == "device32" else torch.int64
-        ins, outs = torch.tensor(ins, device="cuda", dtype=kind), torch.tensor(outs, device="cuda", dtype=kind)
-    result = comm.all_to_all(x.view, out.view, ins, outs, algorithm="ll")
-    torch.cuda.synchronize()
-    w = WIDTH[dtype] * row
-    want = [data[j][sum(send[j][:me]) * w:(sum(send[j][:me]) + send[j][me]) * w] for j in range(n)]
-    want.append(np.full(spare * w, POISON, np.uint8))
-    assert result is out.view
-    assert_bytes(host_bytes(out.view), np.concatenate(want), f"all_to_all ({splits})")
-    out.assert_intact("all_to_all (out)")
-    x.assert_intact("all_to_all (x)")
-    assert_bytes(host_bytes(x.view), data[me], "all_to_all changed x")
     comm.synchronize()
 
 
