@@ -79,6 +79,8 @@ def test_the_work_is_the_last_parameter_of_the_engines_words():
     params = re.findall(r"\.param (?:\.align 8 )?\.(\w+) ub_p2p_param_(\d+)(\[\d+\])?", head)
     assert [p[1] for p in params] == [str(i) for i in range(10)]
     assert params[-1][2] == f"[{16 * P2P_MAX_ENTRIES}]"
+    width = {_engine.U64: "u64", _engine.I32: "u32"}
+    assert [p[0] for p in params[:9]] == [width[t] for t in _engine._PARAMS["ub_p2p"][:9]]
     assert len(_engine._PARAMS["ub_p2p"]) == 9 + 2 * P2P_MAX_ENTRIES
     alltoallv = re.findall(r"ub_p2p_alltoallv_param_\d+", entry_ptx("ub_p2p_alltoallv")[:2000])
     assert len(set(alltoallv)) == len(_engine._PARAMS["ub_p2p_alltoallv"])
@@ -180,6 +182,16 @@ def test_ll_needs_the_pool(monkeypatch):
         c.send(buffer(4), 0, algorithm="ll")
     with pytest.raises(UbnextError, match=r"^all_to_all: algorithm 'll' needs the symmetric pool"):
         c.all_to_all(buffer(4), in_splits=[1, 1, 1, 1], out_splits=[1, 1, 1, 1], algorithm="ll")
+
+
+def test_a_rank_without_rows_still_receives_whole_rows(monkeypatch):
+    """A rank whose x has no rows sends empty parts and receives rows of x's row length."""
+    c = p2p_comm(monkeypatch)
+    x = buffer(0, "float32", shape=(0, 3))
+    out = c.all_to_all(x, in_splits=[0, 0, 0, 0], out_splits=[1, 0, 2, 0])
+    recvs = c.launches[0][1][4:]
+    assert recvs == [("recv", 0, [(out.ptr, 12)]), ("recv", 1, [(out.ptr + 12, 0)]), ("recv", 2, [(out.ptr + 12, 24)]),
+                     ("recv", 3, [(out.ptr + 36, 0)])]
 
 
 def test_uneven_host_splits_send_one_message_per_pair(monkeypatch):

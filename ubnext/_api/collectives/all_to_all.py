@@ -20,6 +20,7 @@ from ubnext._api.collectives.p2p import P2P
 from ubnext._api.collectives.pool_copy import AREA_BYTES, PoolCopy, all_to_all_plan
 from ubnext._interop import arrays as _arrays
 from ubnext._interop.streams import CUDA
+from ubnext._protocol.algorithms import DTYPES
 from ubnext._protocol import signature as _signature
 from ubnext._protocol.errors import UbnextError
 
@@ -119,7 +120,7 @@ class AllToAll(PoolCopy, P2P):
             row = 1
             for d in xb.shape[1:]:
                 row *= int(d)
-            row_bytes = row * (xb.nbytes // xb.count if xb.count else 0)
+            row_bytes = row * DTYPES[xb.dtype][1]  # from the dtype: a rank with no rows may receive some
             on_device = [s is not None and not _is_host_list(s) for s in (in_splits, out_splits)]
             if any(on_device):
                 if not all(on_device):
