@@ -177,12 +177,18 @@ class UbnextEngine:
         self.comm.broadcast(send, root, out=recv, stream=stream, algorithm=self.algorithm)
 
     def all_to_all(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
+        """``--algo p2p``: the even parts given as host splits, on the point-to-point kernel."""
+        if self.algorithm == "p2p":
+            splits = [send.size // self.comm.size] * self.comm.size
+            self.comm.all_to_all(send, out=recv, in_splits=splits, out_splits=splits, stream=stream, algorithm="ll")
+            return
         self.comm.all_to_all(send, out=recv, stream=stream, algorithm=self.algorithm)
 
     def sendrecv(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
         """To the next rank, from the previous one (nccl-tests' sendrecv), as one batch."""
         n, rank = self.comm.size, self.comm.rank
-        self.comm.batch_isend_irecv([("send", send, (rank + 1) % n), ("recv", recv, (rank - 1) % n)], stream=stream)
+        self.comm.batch_isend_irecv([("send", send, (rank + 1) % n), ("recv", recv, (rank - 1) % n)], stream=stream,
+                                    algorithm=self.algorithm)
 
 
 class NcclEngine:

@@ -2,6 +2,7 @@
 
     mpirun -n 4 python bench/alltoall_perf.py -b 8 -e 256M -f 2
     mpirun -n 4 python bench/alltoall_perf.py -b 8 -e 256M -f 2 --backend nccl
+    mpirun -n 4 python bench/alltoall_perf.py -b 8 -e 1M -f 2 --algo p2p  # parts as splits: the point-to-point kernel
 
 As nccl-tests' alltoall_perf: a size is one rank's whole input (rounded down to a
 multiple of the world size), part j of it to rank j, the parts received in rank order;

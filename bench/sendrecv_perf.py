@@ -2,6 +2,7 @@
 
     mpirun -n 4 python bench/sendrecv_perf.py -b 8 -e 256M -f 2
     mpirun -n 4 python bench/sendrecv_perf.py -b 8 -e 256M -f 2 --backend nccl
+    mpirun -n 4 python bench/sendrecv_perf.py -b 8 -e 1M -f 2 --algo ll   # the pool's point-to-point kernel
 
 As nccl-tests' sendrecv_perf: each rank sends size bytes to the next rank and receives
 the previous rank's, in one group (at one rank: to and from itself); out of place only

@@ -2,12 +2,10 @@
 // messages. Pushed lines, polled by the receiver; no sentinel and no barrier, so every byte
 // arrives as it was sent (-0.0, NaN payloads, every integer pattern).
 //
-// LL lines: 8 data bytes travel in one 16-byte line of two 64-bit words
-// {d0 | f << 32, d1 | f << 32}, f the launch's flag (its epoch + 1: never 0, and the
-// buffers start zeroed). A 64-bit access is single-copy atomic, so a receiver that sees f
-// in a word sees the data stored with it. Every rank stores its call signature in the
-// header line of its slot of every rank's buffer, and polls every rank's header of its own
-// buffer (comparing it with its own signature) before it uses any data.
+// LL lines (ll_lines.cuh): 8 data bytes and the launch's flag (its epoch + 1) per 16-byte
+// line. Every rank stores its call signature in the header line of its slot of every rank's
+// buffer, and polls every rank's header of its own buffer (comparing it with its own
+// signature) before it uses any data.
 //
 // Two buffers, used by epoch parity: a peer can be at most one launch ahead (its launch
 // completes only once this rank's header of that launch has arrived, which this rank
@@ -17,54 +15,8 @@
 // Layout of the set (same offset in every segment): buffer b at set_off + b * N * slot_bytes;
 // slot s (written by rank s) at + s * slot_bytes: its header line, then UB_HEADER_BYTES on,
 // its data lines.
+#include "ll_lines.cuh"
 #include "transport.cuh"
-
-// Stores the two words of an LL line carrying `data` (8 bytes) with flag f, relaxed at
-// system scope, each 64-bit word whole.
-__device__ __forceinline__ void ll_store(char* p, u64 data, u32 f) {
-  const u64 w0 = (data & 0xffffffffull) | (u64)f << 32, w1 = (data >> 32) | (u64)f << 32;
-  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1,%2};" :: "l"(p), "l"(w0), "l"(w1) : "memory");
-}
-
-// Volatile load of the two words of an LL line (re-read from memory on every call).
-__device__ __forceinline__ void ll_load(const char* p, u64& w0, u64& w1) {
-  asm volatile("ld.volatile.global.v2.u64 {%0,%1}, [%2];" : "=l"(w0), "=l"(w1) : "l"(p) : "memory");
-}
-
-// Waits until the LL line at p carries flag f in both words; its 8 data bytes into `data`.
-// False if the wait gave up (sync.cuh: spin), or if the communicator has failed for this
-// thread (data seen then is not used).
-__device__ __forceinline__ bool ll_wait(const char* p, u32 f, u64& data, WaitCtx& c, int peer) {
-  u64 w0, w1;
-  ll_load(p, w0, w1);
-  const auto arrived = [&] { return (u32)(w0 >> 32) == f && (u32)(w1 >> 32) == f; };
-  const bool ok = arrived() ? usable(c) : spin(c, [=] { return peer; }, kSiteLinePoll, [&] {
-    ll_load(p, w0, w1);
-    return arrived();
-  });
-  data = (w0 & 0xffffffffull) | w1 << 32;
-  return ok;
-}
-
-// Bytes [8 * i, 8 * i + 8) of an array of n bytes at a (fewer at its end: the rest zero);
-// one 8-byte load where it is whole and aligned.
-__device__ __forceinline__ u64 load_line(const char* a, u64 i, u64 n) {
-  const char* p = a + 8 * i;
-  if (8 * i + 8 <= n && ((u64)p & 7u) == 0u) return *(const u64*)p;
-  u64 v = 0;
-  for (u64 k = 0; k < 8 && 8 * i + k < n; ++k) v |= (u64)(unsigned char)p[k] << (8 * k);
-  return v;
-}
-
-// Stores the bytes of `v` that fall in [8 * i, 8 * i + 8) of an array of n bytes at a.
-__device__ __forceinline__ void store_line(char* a, u64 i, u64 n, u64 v) {
-  char* p = a + 8 * i;
-  if (8 * i + 8 <= n && ((u64)p & 7u) == 0u) {
-    *(u64*)p = v;
-    return;
-  }
-  for (u64 k = 0; k < 8 && 8 * i + k < n; ++k) p[k] = (char)(v >> (8 * k));
-}
 
 // What a launch reads first: its flag and the buffer of its parity.
 struct LLLaunch {

@@ -117,6 +117,8 @@ def test_flags_are_nccl_tests_and_algo_the_movers(capsys):
         arp.parse_args(["--algo", "lamport"], moves.BROADCAST_PERF)
     with pytest.raises(SystemExit):
         arp.parse_args(["--algo", "copy"], moves.SENDRECV_PERF)
+    assert arp.parse_args(["--algo", "ll"], moves.SENDRECV_PERF).algo == "ll"
+    assert arp.parse_args(["--algo", "p2p"], moves.ALLTOALL_PERF).algo == "p2p"
 
 
 def test_engines_call_the_communicator_and_nccl_alike():
@@ -132,7 +134,11 @@ def test_engines_call_the_communicator_and_nccl_alike():
     ub.sendrecv(x, y, f32, "none", stream)
     assert calls == [("broadcast", (x, 0), {"out": y, "stream": stream, "algorithm": "auto"}),
                      ("all_to_all", (x,), {"out": y, "stream": stream, "algorithm": "auto"}),
-                     ("batch", ([("send", x, 2), ("recv", y, 0)],), {"stream": stream})]
+                     ("batch", ([("send", x, 2), ("recv", y, 0)],), {"stream": stream, "algorithm": "auto"})]
+    calls.clear()
+    arp.UbnextEngine(comm, "p2p").all_to_all(x, y, f32, "none", stream)
+    assert calls == [("all_to_all", (x,), {"out": y, "in_splits": [2] * 4, "out_splits": [2] * 4, "stream": stream,
+                                           "algorithm": "ll"})]
     calls.clear()
     nccl = SimpleNamespace(rank=1, size=4, broadcast=record("broadcast"), exchange=record("exchange"))
     eng = arp.NcclEngine(nccl)

@@ -305,18 +305,19 @@ def test_device_splits_are_read_checked_across_ranks_and_moved(monkeypatch):
 
     c = make_comm(monkeypatch, rank=1, views=views)
     read = {"in_splits": rows[1], "out_splits": [rows[j][1] for j in range(RANKS)]}
-    monkeypatch.setattr(_a2a.AllToAll, "_read", lambda self, name, s, what, handle: read[what])
     x = buffer(10 * 2, "float32", shape=(10, 2))
     out = buffer(10 * 2, "float32", ptr=1 << 25)
-    dev = buffer(4, "int64", ptr=1 << 26)
-    c.all_to_all(x, out, dev, dev)
+    dev, dev_out = buffer(4, "int64", ptr=1 << 26), buffer(4, "int64", ptr=1 << 27)
+    monkeypatch.setattr(_a2a.AllToAll, "_read",
+                        lambda self, name, b, handle: read["in_splits" if b is dev else "out_splits"])
+    c.all_to_all(x, out, dev, dev_out)
     assert calls(c) == [("exchange", [(x.ptr + 0, 32, 2), (x.ptr + 32, 8, 3)],
                          [(out.ptr, 16, 0), (out.ptr + 16, 16, 2)], 0x77, "all_to_all")]
     read["out_splits"] = [2, 0, 2, 0]  # rank 1 expects 2 rows from rank 0, which sends 2... and from 2 again
     read["in_splits"] = [0, 0, 4, 9]  # 13 rows of 10
     with pytest.raises(UbnextError, match=r"^all_to_all: rank 1's in_splits \[0, 0, 4, 9\] sum to 13 rows, past "
                                           r"its 10; nothing was moved"):
-        c.all_to_all(x, out, dev, dev)
+        c.all_to_all(x, out, dev, dev_out)
     assert len(calls(c)) == 1
 
 

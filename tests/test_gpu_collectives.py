@@ -8,11 +8,12 @@ unchanged; the reduce on small exact values (NCCL's order of reduction is its ow
 
 broadcast, all_to_all (even splits), gather and scatter run on NCCL and on the pool's
 copy form (``algorithm="copy"``, every test at every world size, ranks sharing a GPU
-included; ``auto`` takes it where NCCL cannot run); the others run on NCCL only, which
+included; ``auto`` takes it where NCCL cannot run); the others run on NCCL here, which
 refuses ranks sharing a GPU: there their tests are skipped and
 ``test_where_nccl_cannot_run_the_calls_raise`` checks that each raises UbnextError on
-every rank before anything is launched, while ``barrier`` (ubnext's all-reduce) and the
-movers' ``auto`` (the copy form) run.
+every rank before anything is launched where NCCL is named, while ``barrier`` (ubnext's
+all-reduce) and the movers' ``auto`` (the copy form) run. The pool's point-to-point
+kernel (send/recv, batches, uneven all-to-all) is tested in test_gpu_p2p.py.
 
 The low-latency kernel (``algorithm="ll"``: broadcast and even all_to_all, parts up to
 LL_MAX_BYTES) runs on a communicator of its own with a 60 s timeout (``ll_comm``), so that
@@ -249,13 +250,16 @@ def rows_between(i: int, j: int, seed: int) -> int:
     return (i * 3 + j * 5 + seed) % 4
 
 
-@pytest.mark.parametrize("splits", ["even:ll", "even:copy", "even:nccl", "host", "device"])
+@pytest.mark.parametrize("splits", ["even:ll", "even:copy", "even:nccl", "host", "device", "host:ll", "device:ll"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
 def test_all_to_all_bit_for_bit(comm, dtype, count, splits, request):
+    """Even splits on every mover; uneven ones (host lists, device arrays) on NCCL and on
+    the pool's point-to-point kernel (``ll``: any size, the bfloat16 case's parts of up to
+    6 MiB in chunks; device splits read by the kernel, no host sync)."""
     import torch
 
     splits, _, algo = splits.partition(":")
-    comm = mover(comm, algo or "nccl", request, 2 * count * WIDTH[dtype])
+    comm = mover(comm, algo or "nccl", request, 2 * count * WIDTH[dtype] if splits == "even" else 0)
     n, me = comm.size, comm.rank
     seed = seed_of("a2a", dtype, count, splits)
     row = count  # elements per row
@@ -412,14 +416,17 @@ def irecv():
     pass
 
 
+@pytest.mark.parametrize("algo", ["ll", "nccl"])
 @pytest.mark.parametrize("form", ["tuples", "p2pops"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
-def test_batch_ring_bit_for_bit(nccl, dtype, count, form):
+def test_batch_ring_bit_for_bit(comm, dtype, count, form, algo):
     """Each rank sends to the next and receives from the previous in one batch (at one
-    rank: to and from itself), plus a second pair of buffers the other way round."""
+    rank: to and from itself), plus a second pair of buffers the other way round; on NCCL
+    and on the pool's point-to-point kernel (``ll``: the bfloat16 case of 2 MiB in chunks)."""
     import torch
 
-    comm = nccl
+    if algo == "nccl":
+        skip_where_nccl_cannot_run(comm)
     n, me = comm.size, comm.rank
     seed = seed_of("ring", dtype, count, form)
     nxt, prev = (me + 1) % n, (me - 1) % n
@@ -433,7 +440,7 @@ def test_batch_ring_bit_for_bit(nccl, dtype, count, form):
     if form == "p2pops":
         kinds = {"send": isend, "recv": irecv}
         entries = [SimpleNamespace(op=kinds[k], tensor=t, peer=p) for k, t, p in entries]
-    assert comm.batch_isend_irecv(entries) is None
+    assert comm.batch_isend_irecv(entries, algorithm=algo) is None
     torch.cuda.synchronize()
     failures = []
     with collected(failures):
@@ -648,8 +655,9 @@ def test_barrier_orders_the_stream_without_blocking_the_host(comm):
 
 # ---- where NCCL cannot run ------------------------------------------------------------------------
 def test_where_nccl_cannot_run_the_calls_raise(comm):
-    """Ranks sharing a GPU: the calls that only NCCL serves raise on every rank before
-    anything is launched; the movers' ``auto`` takes the copy form, ``barrier`` runs."""
+    """Ranks sharing a GPU: the calls that only NCCL serves (and NCCL named) raise on every
+    rank before anything is launched; the movers' ``auto`` takes the copy form, ``barrier``
+    runs (point-to-point and uneven all-to-alls take the pool's kernel: test_gpu_p2p.py)."""
     import torch
 
     if comm.selector.nccl_problem is None:
@@ -659,9 +667,10 @@ def test_where_nccl_cannot_run_the_calls_raise(comm):
     out = Bordered(n * 2, "float32", 9)
     ones = [1] * n
     calls = {"reduce": lambda: comm.reduce(x, 0, out=out.view),
-             "all_to_all": lambda: comm.all_to_all(x[:n], out.view[:n], ones, ones),
-             "send": lambda: comm.send(x, (comm.rank + 1) % n), "recv": lambda: comm.recv(out.view, (comm.rank + 1) % n),
-             "batch_isend_irecv": lambda: comm.batch_isend_irecv([("send", x, comm.rank)]),
+             "all_to_all": lambda: comm.all_to_all(x[:n], out.view[:n], ones, ones, algorithm="nccl"),
+             "send": lambda: comm.send(x, (comm.rank + 1) % n, algorithm="nccl"),
+             "recv": lambda: comm.recv(out.view, (comm.rank + 1) % n, algorithm="nccl"),
+             "batch_isend_irecv": lambda: comm.batch_isend_irecv([("send", x, comm.rank)], algorithm="nccl"),
              "broadcast": lambda: comm.broadcast(x, 0, out=out.view, algorithm="nccl")}
     for name, call in calls.items():
         with pytest.raises(UbnextError, match=f"^{name}: [^,]+, and NCCL, which runs it, "

@@ -258,11 +258,8 @@ def test_the_copy_form_is_named_or_refused(monkeypatch):
         bare.scatter(x, 1, algorithm="copy")
 
 
-def test_where_nothing_serves_uneven_splits_they_raise(monkeypatch):
+def test_where_nccl_cannot_run_a_named_nccl_raises(monkeypatch):
     c = pooled(monkeypatch, nccl_problem="local ranks 0, 1 share one GPU")
-    with pytest.raises(UbnextError, match="^all_to_all: ubnext's forms of it take even splits only, and NCCL, which "
-                                          r"runs it, cannot run here \(local ranks 0, 1 share one GPU\)"):
-        c.all_to_all(buffer(4), in_splits=[1, 1, 1, 1], out_splits=[1, 1, 1, 1])
     with pytest.raises(UbnextError, match="^gather: algorithm 'nccl' was named, and NCCL, which runs it, cannot"):
         c.gather(buffer(4), algorithm="nccl")
     assert c.areas == []  # refused before the copy form's area
@@ -320,8 +317,6 @@ def test_ll_is_named_launched_and_bounded(monkeypatch):
     with pytest.raises(UbnextError, match=f"^broadcast: algorithm 'll' takes at most {pc.LL_MAX_BYTES} bytes per "
                                           f"message, not {pc.LL_MAX_BYTES + 2}"):
         c.broadcast(buffer(pc.LL_MAX_BYTES // 2 + 1), algorithm="ll")
-    with pytest.raises(UbnextError, match="^all_to_all: algorithm 'll' needs even splits"):
-        c.all_to_all(x, in_splits=[1, 1, 1, 1], out_splits=[1, 1, 1, 1], algorithm="ll")
     with pytest.raises(UbnextError, match=r"^broadcast: algorithm 'll' needs the symmetric pool \(NCCL only"):
         make_comm(monkeypatch).broadcast(y, algorithm="ll")
     assert len(launches) == 2

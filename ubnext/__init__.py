@@ -24,6 +24,7 @@ from ubnext._protocol.errors import (  # noqa: E402
                       ConcurrentUseError,
                       CudaError,
                       RoutingError,
+                      SplitError,
                       UbnextError,
 )
 from ubnext._version import __version__ as __version__  # noqa: E402 (re-exported)
@@ -42,6 +43,7 @@ __all__ = [
     "CudaError",
     "ExpertParallel",
     "RoutingError",
+    "SplitError",
     "UbnextError",
     "bootstrap",
 ]

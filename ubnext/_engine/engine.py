@@ -16,12 +16,14 @@ from ubnext._engine.kernels import compile_module
 from ubnext._engine.launch import F32, I32, U64, Launcher, programmatic
 from ubnext._memory.heap import STATES, SlotPlan, ll_slot_bytes, round_up, set_unit, twoshot_norm_rows
 from ubnext._protocol import quant as _quant
-from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, LL_SOURCE, compile_defines, ll_defines, row_threads
+from ubnext._protocol.algorithms import (ALGORITHMS, DTYPES, LL_SOURCE, P2P_SOURCE, compile_defines, ll_defines,
+                                        row_threads)
 from ubnext._protocol.constants import (
     LAUNCH_STATE,
     LAUNCH_STATE_BYTES,
     MAX_BLOCKS,
     NORM_THREADS,
+    P2P_MAX_ENTRIES,
     THREADS,
     TWOSHOT_ALIGN_VECS,
     VEC_BYTES,
@@ -47,6 +49,8 @@ _PARAMS = {
     "ub_quant_twoshot_rs": (U64, U64, I32) + (U64,) * 9,
     "ub_ll_alltoall": (U64, U64, I32) + (U64,) * 8,
     "ub_ll_broadcast": (U64, U64, I32) + (U64,) * 9,
+    "ub_p2p": (U64, U64, I32) + (U64,) * (6 + 2 * P2P_MAX_ENTRIES),  # the work's words last (p2p)
+    "ub_p2p_alltoallv": (U64, U64, I32) + (U64,) * 13,
 }
 _NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
 
@@ -109,6 +113,8 @@ class Engine:
                        slots + _quant.slots_bytes(self.nranks), plan.nbytes("quant"))
         # the low-latency movers: their set, launch state and slot bytes
         self._ll = (plan.offset("ll"), pool.local_ptr(plan.offset("ll.state")), ll_slot_bytes())
+        # point-to-point: its area, slot bytes and launch state
+        self._p2p = (plan.offset("p2p"), ll_slot_bytes(), pool.local_ptr(plan.offset("p2p.state")))
 
     # -- setup ----------------------------------------------------------------------
     def initialize(self) -> None:
@@ -292,6 +298,44 @@ class Engine:
         lines = self.nranks * -(-nbytes // 8)
         values = (x, out, nbytes, sig) if root is None else (x, out, nbytes, root, sig)
         return launcher, max(1, min(self._blocks, -(-lines // threads))), threads, values
+
+    def p2p(self, groups: list, head: int) -> tuple:
+        """The launch of a batch of sends and receives (kernels/p2p.cu: ``ub_p2p``), as
+        ``lamport`` gives it: ``groups``, a list of ``(kind, peer, [(address, bytes), ...])``
+        ("send" or "recv"; local addresses of any alignment), each group's entries in issue
+        order, at most P2P_MAX_ENTRIES entries in all; one block per group. ``head``: the
+        call's signature without its count (each header carries its message's bytes)."""
+        words = []
+        for kind, peer, entries in groups:
+            for ptr, nbytes in entries:
+                words += [ptr, nbytes | peer << 48 | (kind == "send") << 56]
+        n = len(words) // 2
+        if not groups or n > P2P_MAX_ENTRIES:
+            raise AssertionError(f"engine: a point-to-point launch takes 1 to {P2P_MAX_ENTRIES} entries, not {n}")
+        words += [0] * (2 * P2P_MAX_ENTRIES - len(words))
+        return self._p2p_launcher("ub_p2p"), len(groups), THREADS[P2P_SOURCE], (n, head, *words)
+
+    def p2p_alltoallv(self, x: int, out: int, x_rows: int, out_rows: int, row_bytes: int, in_splits: int,
+                      out_splits: int, width: int, head: int) -> tuple:
+        """The launch of an all-to-all whose split counts (``width``-byte signed ints, one per
+        rank) are in device memory at ``in_splits`` and ``out_splits`` (kernels/p2p.cu:
+        ``ub_p2p_alltoallv``), as ``lamport`` gives it: rows of ``row_bytes`` from the
+        ``x_rows`` at local ``x`` into the ``out_rows`` at local ``out``; a block per send
+        and per receive. ``head``: as for ``p2p``."""
+        values = (x, out, x_rows, out_rows, row_bytes, in_splits, out_splits, width, head)
+        return self._p2p_launcher("ub_p2p_alltoallv"), 2 * self.nranks, THREADS[P2P_SOURCE], values
+
+    def _p2p_launcher(self, entry: str) -> Launcher:
+        key = ("p2p", "-", "-", False, 1, entry)  # shaped as _kernel's keys
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            module = self._modules.get(P2P_SOURCE)
+            if module is None:
+                module = self._modules[P2P_SOURCE] = compile_module(P2P_SOURCE, ll_defines(self.nranks),
+                                                                    self.pool.device)
+            launcher = self._launchers[key] = Launcher(module.get_function(entry), _PARAMS[entry],
+                                                       self._fixed + self._p2p, (), self.dependent)
+        return launcher
 
     def _quant_blocks(self, slice_units: int) -> int:
         """Blocks of a quantized launch whose slices have ``slice_units`` units: one per

@@ -21,6 +21,7 @@ from ubnext._protocol.constants import (
     FAIL_KINDS,
     LAUNCH_STATE,
     MOE_INPUT_ERRORS,
+    SPLIT_INPUT_ERRORS,
     WAIT_SITES,
     field_offset,
     struct_bytes,
@@ -31,6 +32,7 @@ from ubnext._protocol.errors import (
     CollectiveTimeoutError,
     ConcurrentUseError,
     RoutingError,
+    SplitError,
 )
 
 _RECORD_BYTES = 64
@@ -130,8 +132,9 @@ def error_of(op: str, kind: int, rank: int, peer: int, site: int, epoch: int, mi
     if kind == _KIND["kFailConcurrent"]:
         return ConcurrentUseError(op, rank)
     if kind == _KIND["kFailInput"]:
-        what = MOE_INPUT_ERRORS[site][1] if site in MOE_INPUT_ERRORS else f"invalid input {site}"
-        return RoutingError(op, rank, what, mine, theirs - (1 << 64) if theirs >> 63 else theirs)
+        cls, table = (SplitError, SPLIT_INPUT_ERRORS) if site in SPLIT_INPUT_ERRORS else (RoutingError, MOE_INPUT_ERRORS)
+        what = table[site][1] if site in table else f"invalid input {site}"
+        return cls(op, rank, what, mine, theirs - (1 << 64) if theirs >> 63 else theirs)
     what = FAIL_KINDS[site][1] if site in FAIL_KINDS else f"failure {site}"
     return BrokenCommunicatorError(op, peer, f"rank {peer} failed first ({what}); rank {rank} gave up its launch")
 

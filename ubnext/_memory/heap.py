@@ -286,7 +286,7 @@ def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple
 #: quantized two-shot's, and one per expert-parallel kernel (ubnext._moe)
 STATES = tuple([f"{family}{width}.state" for width in (2, 4) for family in ("lamport", "lamport_twoshot")]
                + [f"twoshot.{transport}.state" for transport in ("unicast", "multicast")] + ["quant.state"]
-               + ["moe_dispatch.state", "moe_combine.state", "ll.state"])
+               + ["moe_dispatch.state", "moe_combine.state", "ll.state", "p2p.state"])
 #: bytes of the barrier flags and signatures of one transport (kernels/sync.cuh:
 #: flag_offset, signature_offset)
 FLAG_BYTES = (4 * FLAG_PHASES + 8) * MAX_BLOCKS * MAX_RANKS
@@ -308,7 +308,8 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
     barrier stores epochs per source rank, the multicast one counts arrivals. The
     quantized two-shot (opt-in) has a launch state, barrier flags and ``quant_bytes`` of
     receive areas of its own (``_quant.quant_area_bytes``; 0 where the communicator did not opt in).
-    The low-latency data movers have a launch state and two buffers of LL lines (``ll``).
+    The low-latency data movers have a launch state and two buffers of LL lines (``ll``);
+    point-to-point a launch state and its area (``p2p``: ``p2p_bytes``).
     """
     plan = SlotPlan()
     for name in STATES:
@@ -321,6 +322,7 @@ def plan_layout(nranks: int, lamport_bytes: int, lamport_twoshot_bytes: int, sta
     plan.add("flags.quant", FLAG_BYTES)
     plan.add("quant", quant_bytes)
     plan.add("ll", 2 * nranks * ll_slot_bytes())
+    plan.add("p2p", p2p_bytes(nranks))
     plan.add("staging", staging_bytes)
     return plan
 
@@ -330,6 +332,12 @@ def ll_slot_bytes() -> int:
     (kernels/ll_move.cu): its header line, then a 16-byte line per 8 bytes of up to
     LL_MAX_BYTES; their set holds two buffers of nranks slots."""
     return HEADER_BYTES + 2 * LL_MAX_BYTES
+
+
+def p2p_bytes(nranks: int) -> int:
+    """Bytes of the point-to-point area (kernels/p2p.cu): a line of credits and a line of
+    counters, then two slots of ``ll_slot_bytes`` per source rank (one per buffer)."""
+    return 2 * HEADER_BYTES + 2 * nranks * ll_slot_bytes()
 
 
 def set_bytes(family: str, nranks: int, unit: int) -> int:

@@ -168,6 +168,16 @@ MOVERS = {
 #: the low-latency movers' kernel source and its entry point per collective
 LL_SOURCE = "ll_move.cu"
 LL_ENTRIES = {"all_to_all": "ub_ll_alltoall", "broadcast": "ub_ll_broadcast"}
+#: point-to-point on the pool (send, recv, batch_isend_irecv, and all_to_all with uneven
+#: splits: kernels/p2p.cu, compiled as LL_SOURCE is), its entry points, and the algorithms
+#: of those calls besides "auto"
+P2P_SOURCE = "p2p.cu"
+P2P_ENTRIES = ("ub_p2p", "ub_p2p_alltoallv")
+P2P_ALGORITHMS = {
+    "ll": "low-latency kernel: a pair's messages in LL lines through the pair's own slots, polled, credits, no "
+          "barrier (messages of more than LL_MAX_BYTES in chunks of it)",
+    "nccl": "the NCCL library (grouped ncclSend/ncclRecv)",
+}
 
 
 def ll_defines(nranks: int) -> dict[str, str]:

@@ -31,7 +31,7 @@ NORM_THREADS = 1024
 SLOT_SUM_THREADS = 512
 #: threads per block of each kernel source's plain entry points (their launch bound)
 THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512,
-           "moe_dispatch.cu": 512, "moe_combine.cu": 512, "ll_move.cu": 512}
+           "moe_dispatch.cu": 512, "moe_combine.cu": 512, "ll_move.cu": 512, "p2p.cu": 512}
 #: the largest top-k of the expert-parallel dispatch (a routing record's ids and weights)
 MOE_MAX_TOPK = 16
 #: the largest capacity (rows per local expert) of the expert-parallel dispatch: its
@@ -44,6 +44,12 @@ MOE_ROUTE_ELSEWHERE, MOE_ROUTE_OVERFLOW = -1, -2
 #: peer in one launch (an all-to-all's part, a broadcast's message); each 8 bytes travel
 #: in a 16-byte line with the launch's flag
 LL_MAX_BYTES = 64 << 10
+#: entries (sends and receives) of one point-to-point launch (kernels/p2p.cu: its work is
+#: two 64-bit words per entry, a kernel parameter)
+P2P_MAX_ENTRIES = 32
+#: bits of a call signature's count field (ubnext/_protocol/signature.py), below its
+#: collective, dtype and op fields
+SIGNATURE_COUNT_BITS = 52
 #: elements per group of the quantized two-shot (one fp32 scale each; ubnext/_protocol/quant.py)
 QUANT_GROUP = 32
 #: groups per unit of the quantized two-shot: what one warp quantizes at a time, stored as
@@ -61,6 +67,7 @@ WAIT_SITES = {
     4: ("kSiteClusterMail", "row sum of a thread-block cluster"),
     5: ("kSiteMoePoll", "expert-parallel poll"),
     6: ("kSiteLinePoll", "low-latency line poll"),
+    7: ("kSiteP2PCredit", "point-to-point credit (the receiver freeing a buffer of the pair)"),
 }
 
 #: how a communicator failed: code -> (name in the kernels, words for the host's message)
@@ -79,6 +86,13 @@ MOE_INPUT_ERRORS = {
     1: ("kMoeBadExpert", "an expert id out of range"),
     2: ("kMoeRepeatedExpert", "one expert twice in a token's top-k"),
     3: ("kMoeOverCapacity", "more tokens for one local expert than its capacity"),
+}
+#: what a kFailInput of the all-to-all with device splits found (kernels/p2p.cu; codes
+#: apart from MOE_INPUT_ERRORS'): code -> (name in the kernels, words for the host's message)
+SPLIT_INPUT_ERRORS = {
+    17: ("kSplitBadIn", "in_splits with a negative count or summing past x's rows"),
+    18: ("kSplitBadOut", "out_splits with a negative count or summing past out's rows"),
+    19: ("kSplitDisagree", "a count of rows from a rank other than its out_splits expect"),
 }
 
 #: Per rank and kernel family, in the rank's own segment: (type, field, meaning). Every
@@ -178,12 +192,16 @@ def header() -> str:
         "UB_MOE_MAX_CAPACITY": MOE_MAX_CAPACITY,
         "UB_MOE_ROUTE_ELSEWHERE": f"({MOE_ROUTE_ELSEWHERE})",
         "UB_MOE_ROUTE_OVERFLOW": f"({MOE_ROUTE_OVERFLOW})",
+        "UB_LL_MAX_BYTES": LL_MAX_BYTES,
+        "UB_P2P_MAX_ENTRIES": P2P_MAX_ENTRIES,
+        "UB_SIG_COUNT_BITS": SIGNATURE_COUNT_BITS,
         **{f"UB_{source.removesuffix('.cu').upper()}_THREADS": n for source, n in THREADS.items()},
     }
     lines = ["// Generated from ubnext/_protocol/constants.py: the constants the kernels share with the host.",
              "#pragma once"]
     lines += [f"#define {name} {value}" for name, value in macros.items()]
-    for enum, table in (("WaitSite", WAIT_SITES), ("FailKind", FAIL_KINDS), ("MoeInputError", MOE_INPUT_ERRORS)):
+    for enum, table in (("WaitSite", WAIT_SITES), ("FailKind", FAIL_KINDS), ("MoeInputError", MOE_INPUT_ERRORS),
+                         ("SplitInputError", SPLIT_INPUT_ERRORS)):
         lines += [f"enum {enum} : u32 {{"]
         lines += [f"  {name} = {code},  // {words}" for code, (name, words) in table.items()]
         lines += ["};"]

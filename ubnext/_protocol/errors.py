@@ -103,5 +103,13 @@ class RoutingError(BrokenCommunicatorError):
         self.what, self.where, self.value = what, where, value
 
 
+class SplitError(RoutingError):
+    """An all-to-all's split counts in device memory were invalid where only the device
+    could see them (a negative count, counts summing past the rows of x or out, a count of
+    rows from a rank other than the receiver's out_splits expect); the kernel wrote nothing
+    out of bounds, nor any part whose counts disagree. Attributes as RoutingError's (where,
+    value: the rank sending, and the rows it sent, for a disagreement; 0 otherwise)."""
+
+
 class ClosedError(UbnextError):
     """An operation was attempted on a communicator or pool after ``close()``."""

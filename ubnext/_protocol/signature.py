@@ -17,23 +17,24 @@ that ranks naming different roots mismatch; the fused call's count is ``rows << 
 from __future__ import annotations
 
 from ubnext._protocol.algorithms import DTYPES, OPS
+from ubnext._protocol.constants import SIGNATURE_COUNT_BITS
 
 #: collectives that carry a signature, in code order (code 0 is never used)
 COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm",
-               "moe_dispatch", "moe_combine", "broadcast", "all_to_all", "gather", "scatter")
+               "moe_dispatch", "moe_combine", "broadcast", "all_to_all", "gather", "scatter", "send_recv")
 #: the expert-parallel calls, whose count is their object's sizes (encode_moe)
 _MOE = ("moe_dispatch", "moe_combine")
 #: bits of the expert-parallel sizes in the count: experts, top-k, max tokens (hidden: HIDDEN_BITS)
 MOE_BITS = {"experts": 12, "top_k": 5, "max_tokens": 15}
 #: the collectives that reduce nothing (their op field is "sum", and says nothing)
-_MOVERS = ("all_gather", "broadcast", "all_to_all", "gather", "scatter")
+_MOVERS = ("all_gather", "broadcast", "all_to_all", "gather", "scatter", "send_recv")
 #: the movers that name a root, carried in their op field (encode_rooted)
 _ROOTED = ("broadcast", "gather", "scatter")
 #: bits of the op field (a root must fit them)
 OP_BITS = 4
 #: the fused calls, whose count is rows and hidden size
 _FUSED = ("all_reduce_add_rmsnorm", "reduce_scatter_add_rmsnorm")
-COUNT_BITS = 52
+COUNT_BITS = SIGNATURE_COUNT_BITS
 HIDDEN_BITS = 20
 _DTYPES = tuple(DTYPES)
 _OPS = tuple(OPS)

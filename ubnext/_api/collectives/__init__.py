@@ -5,7 +5,8 @@ launch: ``all_reduce``, ``all_reduce_add_rmsnorm``, ``reduce_scatter``, ``all_ga
 ``send_recv`` (send, recv, batch_isend_irecv), ``gather``, ``scatter``, ``barrier``;
 ``rung``: what they share (the NCCL rung that serves them where no ubnext kernel does,
 the checks of root and peer ranks); ``pool_copy``: the pool's copy form of the data
-movers (broadcast, even all-to-all, gather, scatter).
+movers (broadcast, even all-to-all, gather, scatter); ``p2p``: the pool's point-to-point
+kernel (send/recv, batches, uneven all-to-all).
 
 Each module holds one base class of the Communicator (as ``_api.calls.CallSteps``):
 its public method runs on the state the Communicator's constructor sets, inside the

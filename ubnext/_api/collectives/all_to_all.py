@@ -2,7 +2,9 @@
 parts received stacked in rank order (``torch.distributed.all_to_all_single``'s layout
 along dim 0), with even splits, uneven splits given as host lists, or uneven splits in
 device arrays. Runs on NCCL: grouped sends and receives (CuPy's binding has no
-``ncclAlltoAll``), or, with even splits, on the pool's copy form (``pool_copy``).
+``ncclAlltoAll``), or, with even splits, on the pool's copy form or low-latency kernel
+(``pool_copy``), or, with uneven splits, on the pool's point-to-point kernel (``p2p``:
+one message per pair; device splits read and checked by the kernel, no host sync).
 
 Splits count rows (elements along dim 0): rank i's ``in_splits[j]`` rows go to rank j,
 which takes them as its ``out_splits[i]``; so rank i's ``in_splits[j]`` must equal rank
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import numbers
 
+from ubnext._api.collectives.p2p import P2P
 from ubnext._api.collectives.pool_copy import AREA_BYTES, PoolCopy, all_to_all_plan
 from ubnext._interop import arrays as _arrays
 from ubnext._interop.streams import CUDA
+from ubnext._protocol.algorithms import DTYPES
 from ubnext._protocol import signature as _signature
 from ubnext._protocol.errors import UbnextError
 
@@ -25,12 +29,12 @@ SPLIT_DTYPES = ("int32", "int64")
 _D2H = 2  # cudaMemcpyDeviceToHost
 
 
-class AllToAll(PoolCopy):
+class AllToAll(PoolCopy, P2P):
     """The Communicator's ``all_to_all`` (module docstring)."""
 
     def all_to_all(self, x, out=None, in_splits=None, out_splits=None, stream=None, algorithm: str = "auto"):
         """Sends part j of this rank's rows to rank j and stacks the parts received, in rank
-        order; bit for bit, never blocks the host with host splits.
+        order; bit for bit, never blocks the host but with device splits on NCCL.
 
         The layout of ``torch.distributed.all_to_all_single`` along dim 0 (the module
         docstring): a row is ``x[i]`` (x.shape[1:] elements); with no splits every rank
@@ -40,14 +44,23 @@ class AllToAll(PoolCopy):
         int64, ``size`` elements, torch or CuPy or any CUDA array) that a previous kernel
         wrote, as mixture-of-experts layers hold them. With device splits ``out`` is
         required and sized by the caller (the rows received may not fill it: the rest is
-        left untouched), and the counts are checked against every rank's before anything
-        moves: a count past x's or out's rows, or two ranks that disagree on a pair, raises
-        the same UbnextError on every rank, and nothing is written.
+        left untouched). On NCCL the counts are checked against every rank's before
+        anything moves: a count past x's or out's rows, or two ranks that disagree on a
+        pair, raises the same UbnextError on every rank, and nothing is written. On the
+        pool's kernel (``"ll"``) the kernel checks them as it moves, without a host sync:
+        nothing is written out of bounds nor into a part whose counts disagree, and the
+        rank that found it raises SplitError after the call (at its next call or
+        ``synchronize()``), the others BrokenCommunicatorError (the communicator fails, as
+        on a timeout).
 
         Runs on NCCL: one group of ``ncclSend``/``ncclRecv`` calls (logged once); or, with
         no splits given, on the pool's copy form (each rank copies part j into its slot of
         rank j's area, then its slots out, barriers between), which ``auto`` takes where
-        NCCL cannot run (uneven splits there raise). NCCL needs
+        NCCL cannot run; or, with splits, on the pool's point-to-point kernel (``"ll"``,
+        which ``auto`` takes where NCCL cannot run: each rank pushes its part for rank j
+        through the pair's slots of rank j, in LL lines, a header with the part's bytes
+        first, which rank j checks against its own count; any size, in chunks of
+        ``LL_MAX_BYTES``). NCCL needs
         the counts on the host: with device splits this call synchronizes the host with
         ``stream`` (a device-to-host copy of the splits, then a wait) and exchanges them
         over the bootstrap; that form blocks the host and cannot be captured in a CUDA
@@ -57,7 +70,8 @@ class AllToAll(PoolCopy):
         Collective: yes: every rank calls it, in the same order, with the same dtype and
         row length.
         Graph-capturable: yes with even splits or host lists, after a first eager call
-        (which sets NCCL up, collectively); no with device splits (they are read on the host).
+        (which sets NCCL up, collectively); with device splits on the pool's kernel only
+        (NCCL's form reads them on the host).
 
         Args:
             x: CUDA array as ``all_reduce`` takes it (any dtype of ``ubnext.DTYPES``), at
@@ -73,9 +87,10 @@ class AllToAll(PoolCopy):
                 (summing to out's rows where out is given), or a device array (their sum
                 at most out's rows). Host and device splits are not mixed.
             stream: as for ``all_reduce``.
-            algorithm: ``"auto"``, ``"ll"`` (the low-latency kernel: no splits, parts of at
-                most ``LL_MAX_BYTES``, 64 KiB), ``"copy"`` (the pool's copy form; no splits) or
-                ``"nccl"``.
+            algorithm: ``"auto"``, ``"ll"`` (the low-latency kernels: with no splits
+                ``ll_move``, parts of at most ``LL_MAX_BYTES``, 64 KiB; with splits the
+                point-to-point kernel, any size), ``"copy"`` (the pool's copy form; no
+                splits) or ``"nccl"``.
 
         Returns:
             ``out`` (x's framework type for torch/CuPy, CuPy for other inputs).
@@ -84,14 +99,19 @@ class AllToAll(PoolCopy):
             UbnextError: bad arguments (splits of another length, negative, not summing to
                 the rows, a row count that the world size does not divide where a split is
                 even, an out of another dtype or row length or overlapping x, device splits
-                without out or mixed with host ones or inside a CUDA graph capture), or
-                NCCL cannot run here (ranks sharing a GPU), raised before anything is
-                launched; device split counts that do not fit or agree, raised on every
-                rank before anything moves; an error NCCL reports; a closed communicator.
-                BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
+                without out or mixed with host ones or, on NCCL, inside a CUDA graph
+                capture), or NCCL cannot run here (ranks sharing a GPU) where it is named,
+                raised before anything is launched; on NCCL, device split counts that do
+                not fit or agree, raised on every rank before anything moves; an error NCCL
+                reports; a closed communicator. BrokenCommunicatorError and its kinds, as
+                ``all_reduce`` raises them (SplitError: device split counts the pool's
+                kernel found wrong; CollectiveMismatchError: host lists that disagree
+                there).
         """
         name = "all_to_all"
-        algo = self._mover(name, algorithm, even=in_splits is None and out_splits is None)
+        even = in_splits is None and out_splits is None
+        algo = self._mover(name, algorithm, even=even) if even or algorithm == "copy" else \
+            "p2p" if self._p2p_algorithm(name, algorithm, 2 * self.size) == "ll" else "nccl"
         with self._order:
             handle, owner, side, xb = self._open_call(name, x, stream)
             if not xb.shape:
@@ -100,6 +120,7 @@ class AllToAll(PoolCopy):
             row = 1
             for d in xb.shape[1:]:
                 row *= int(d)
+            row_bytes = row * DTYPES[xb.dtype][1]  # from the dtype: a rank with no rows may receive some
             on_device = [s is not None and not _is_host_list(s) for s in (in_splits, out_splits)]
             if any(on_device):
                 if not all(on_device):
@@ -108,8 +129,14 @@ class AllToAll(PoolCopy):
                     raise UbnextError(f"{name}: device splits need an out sized by the caller (the rows received "
                                       f"are known on the device only)")
                 ob, out_rows = self._rows_out(name, xb, row, out, handle)
-                ins, outs = (self._read(name, s, what, handle)
+                ins, outs = (self._split_buffer(name, s, what, handle)
                              for s, what in ((in_splits, "in_splits"), (out_splits, "out_splits")))
+                if algo == "p2p":  # the kernel reads and checks the counts: no host sync
+                    self._record(handle, owner, side, (xb, ob, ins, outs))
+                    self._run_alltoallv(xb, ob, rows, out_rows, row_bytes, ins, outs, handle, owner)
+                    _arrays.mark_written((ob,))
+                    return ob.obj
+                ins, outs = (self._read(name, b, handle) for b in (ins, outs))
                 self._agree(name, ins, outs, rows, out_rows, exact=False)
             else:
                 ins = _host(name, in_splits, "in_splits", rows, self.size)
@@ -121,7 +148,6 @@ class AllToAll(PoolCopy):
                     self._agree(name, ins, outs, rows, out_rows, exact=True)
                 if ob is None:
                     ob = self._new(name, xb, handle, owner, side, (out_rows, *xb.shape[1:]))
-            row_bytes = row * (xb.nbytes // xb.count if xb.count else 0)
             self._record(handle, owner, side, (xb, ob))
             if algo in ("copy", "ll"):
                 if ob.count != xb.count:
@@ -136,6 +162,10 @@ class AllToAll(PoolCopy):
                     plan = all_to_all_plan(self.rank, self._copy_area(), xb.ptr, ob.ptr, ins[0] * row_bytes,
                                            AREA_BYTES // 2)
                     self._run_copies(name, plan, sig, handle, owner)
+            elif algo == "p2p":  # one message per pair, empty ones included (their headers check the counts)
+                items = [("send", ptr, n, r) for ptr, n, r in _parts(xb.ptr, ins, row_bytes, every=True)]
+                items += [("recv", ptr, n, r) for ptr, n, r in _parts(ob.ptr, outs, row_bytes, every=True)]
+                self._run_p2p(name, items, handle, owner)
             else:
                 sends, recvs = _parts(xb.ptr, ins, row_bytes), _parts(ob.ptr, outs, row_bytes)
                 if sends or recvs:
@@ -156,16 +186,20 @@ class AllToAll(PoolCopy):
             raise UbnextError(f"{name}: out overlaps x; an all-to-all needs separate arrays")
         return ob, ob.count // row if row else (int(ob.shape[0]) if ob.shape else 0)
 
-    def _read(self, name: str, splits, what: str, handle: int) -> list:
-        """Device ``splits`` as a host list of ints, read after the work queued on ``handle``
-        (a device-to-host copy there, then the host waits for it)."""
-        import numpy as np
-        from cupy.cuda import runtime
-
+    def _split_buffer(self, name: str, splits, what: str, handle: int):
+        """Device ``splits`` as a Buffer, checked: on this device, ``size`` int32 or int64."""
         b = self._on_device(name, _arrays.as_buffer(splits, name, handle), what)
         if b.dtype not in SPLIT_DTYPES or b.count != self.size:
             raise UbnextError(f"{name}: {what} must hold {self.size} {' or '.join(SPLIT_DTYPES)} elements (one per "
                               f"rank), got {b.count} {b.dtype}")
+        return b
+
+    def _read(self, name: str, b, handle: int) -> list:
+        """Device splits (a Buffer) as a host list of ints, read after the work queued on
+        ``handle`` (a device-to-host copy there, then the host waits for it)."""
+        import numpy as np
+        from cupy.cuda import runtime
+
         if CUDA.capture(handle):
             raise UbnextError(f"{name}: device splits are read on the host (NCCL needs the counts there), which a "
                               f"CUDA graph capture cannot take; capture with host lists, or call it eagerly")
@@ -205,11 +239,12 @@ def _host(name: str, splits, what: str, rows: int | None, size: int) -> list:
     return [int(s) for s in splits]
 
 
-def _parts(ptr: int, splits: list, row_bytes: int) -> list:
-    """``(address, bytes, rank)`` of each rank's nonempty part of the array at ``ptr``."""
+def _parts(ptr: int, splits: list, row_bytes: int, every: bool = False) -> list:
+    """``(address, bytes, rank)`` of each rank's nonempty part (``every``: each rank's part)
+    of the array at ``ptr``."""
     parts, start = [], 0
     for rank, n in enumerate(splits):
-        if n:
+        if n or every:
             parts.append((ptr + start * row_bytes, n * row_bytes, rank))
         start += n
     return parts

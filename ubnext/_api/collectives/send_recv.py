@@ -1,15 +1,17 @@
 """Point-to-point: ``send``, ``recv`` and ``batch_isend_irecv`` (``torch.distributed``'s
-meanings). Run on NCCL (``ncclSend``/``ncclRecv``, a batch as one group).
+meanings). Run on NCCL (``ncclSend``/``ncclRecv``, a batch as one group), or on the pool's
+point-to-point kernel (``algorithm="ll"``; ``auto`` where NCCL cannot run: ``p2p``).
 
 Matching rule, per ordered pair of ranks (NCCL's): the k-th send of rank a to rank b
 matches the k-th receive of rank b from rank a, counting single calls and the entries
 of batches in issue order; the two move the same number of bytes (dtypes may differ:
 bytes are moved as they are). Only the two ranks of a pair take part; no other rank
-calls anything."""
+calls anything. Both ranks of a pair use one engine for their messages (the same
+``algorithm``): NCCL's messages and the kernel's are counted apart."""
 
 from __future__ import annotations
 
-from ubnext._api.collectives.rung import Rung
+from ubnext._api.collectives.p2p import P2P
 from ubnext._interop import arrays as _arrays
 from ubnext._protocol.errors import UbnextError
 
@@ -18,15 +20,20 @@ from ubnext._protocol.errors import UbnextError
 _KINDS = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
 
-class SendRecv(Rung):
+class SendRecv(P2P):
     """The Communicator's point-to-point calls (module docstring)."""
 
-    def send(self, x, peer: int, stream=None) -> None:
+    def send(self, x, peer: int, stream=None, algorithm: str = "auto") -> None:
         """Sends ``x`` to rank ``peer``, which receives it with ``recv``; never blocks the host.
 
-        Matching rule and engine: the module's (the k-th send to a peer matches the peer's
-        k-th receive from this rank). The first NCCL call of a communicator sets NCCL up,
-        collectively: every rank must have reached its first NCCL call (of any kind).
+        Matching rule: the module's (the k-th send to a peer matches the peer's k-th
+        receive from this rank). Engines: NCCL (``"nccl"``), or the pool's point-to-point
+        kernel (``"ll"``: the pair's messages in LL lines through its own slots, no
+        barrier; a send completes before its receive is posted while fewer than two of the
+        pair's messages are in flight, else it waits, bounded, for the receiver:
+        ``ubnext._api.collectives.p2p``). ``auto`` takes NCCL where it runs and the kernel
+        where it cannot (ranks sharing a GPU). The first NCCL call of a communicator sets
+        NCCL up, collectively: every rank must have reached its first NCCL call (of any kind).
 
         Collective: no: this rank and ``peer`` only (after NCCL is set up).
         Graph-capturable: yes, after a first eager call (which sets NCCL up).
@@ -36,22 +43,28 @@ class SendRecv(Rung):
             peer: the receiving rank, not this one (a send to oneself belongs in a
                 ``batch_isend_irecv`` with its receive).
             stream: as for ``all_reduce``.
+            algorithm: ``"auto"``, ``"ll"`` or ``"nccl"``; the receiver names the same.
 
         Raises:
-            UbnextError: bad arguments (``peer``), or NCCL cannot run here (ranks sharing
-                a GPU), raised before anything is launched; an error NCCL reports; a closed
+            UbnextError: bad arguments (``peer``, an unknown algorithm, ``"ll"`` without
+                a pool), or NCCL cannot run here (ranks sharing a GPU) where it is named,
+                raised before anything is launched; an error NCCL reports; a closed
                 communicator. BrokenCommunicatorError and its kinds, as ``all_reduce``
-                raises them.
+                raises them (``"ll"``: a receiver that waited past the timeout raises
+                CollectiveTimeoutError, the module ``p2p`` says how the others learn of it).
         """
         with self._order:
             name = "send"
             handle, owner, side, xb = self._open_call(name, x, stream)
-            self._issue(name, [("send", xb, self._peer(name, peer))], handle, owner, side)
+            peer = self._peer(name, peer)
+            self._issue(name, [("send", xb, peer)], handle, owner, side, self._p2p_algorithm(name, algorithm, 1))
 
-    def recv(self, out, peer: int, stream=None):
+    def recv(self, out, peer: int, stream=None, algorithm: str = "auto"):
         """Receives into ``out`` what rank ``peer`` sends with ``send``; never blocks the host.
 
-        Matching rule and engine: as for ``send``.
+        Matching rule and engines: as for ``send``. With ``"ll"``, a send of another size
+        (or another call's message) fails the communicator (CollectiveMismatchError) and
+        ``out`` is not written.
 
         Collective: no: this rank and ``peer`` only (after NCCL is set up).
         Graph-capturable: yes, after a first eager call (which sets NCCL up).
@@ -60,6 +73,7 @@ class SendRecv(Rung):
             out: CUDA array as ``all_reduce`` takes it, of the bytes the peer sends.
             peer: the sending rank, not this one.
             stream: as for ``all_reduce``.
+            algorithm: as for ``send``; the sender names the same.
 
         Returns:
             ``out`` (its framework type for torch/CuPy, CuPy for other inputs).
@@ -70,18 +84,21 @@ class SendRecv(Rung):
         with self._order:
             name = "recv"
             handle, owner, side, ob = self._open_call(name, out, stream)
-            self._issue(name, [("recv", ob, self._peer(name, peer))], handle, owner, side)
+            peer = self._peer(name, peer)
+            self._issue(name, [("recv", ob, peer)], handle, owner, side, self._p2p_algorithm(name, algorithm, 1))
             _arrays.mark_written((ob,))
             return ob.obj
 
-    def batch_isend_irecv(self, ops, stream=None) -> None:
+    def batch_isend_irecv(self, ops, stream=None, algorithm: str = "auto") -> None:
         """Issues several sends and receives as one group; never blocks the host.
 
-        The group's entries run together (NCCL's ``ncclGroupStart`` ... ``ncclGroupEnd``):
-        their order within the batch does not matter to progress, so a ring exchange or an
-        all-to-all written as one batch cannot deadlock. Matching rule: the module's, with
-        the batch's entries counted in their order. A rank may send to and receive from
-        itself within one batch.
+        The group's entries run together (NCCL's ``ncclGroupStart`` ... ``ncclGroupEnd``;
+        the kernel: a block per peer and direction, all at once): their order within the
+        batch does not matter to progress, so a ring exchange or an all-to-all written as
+        one batch cannot deadlock. Matching rule: the module's, with the batch's entries
+        counted in their order. A rank may send to and receive from itself within one
+        batch. Engines: as for ``send`` (the kernel takes at most ``P2P_MAX_ENTRIES``, 32,
+        entries).
 
         Collective: no: the ranks the entries name (after NCCL is set up).
         Graph-capturable: yes, after a first eager call (which sets NCCL up).
@@ -92,10 +109,12 @@ class SendRecv(Rung):
                 (``torch.distributed.P2POp``: its ``op`` is ``dist.isend`` or
                 ``dist.irecv``), CUDA arrays as ``all_reduce`` takes them.
             stream: as for ``all_reduce`` (of the first entry's array); every entry runs on it.
+            algorithm: as for ``send``; the peers name the same.
 
         Raises:
             UbnextError: a malformed entry, a peer that is not a rank, a receive buffer
-                that overlaps another entry's array, or NCCL cannot run here, raised before
+                that overlaps another entry's array, an unknown algorithm, more entries than
+                the kernel takes where it runs, or NCCL cannot run here where it is named, raised before
                 anything is launched; an error NCCL reports; a closed communicator.
                 BrokenCommunicatorError and its kinds, as ``all_reduce`` raises them.
         """
@@ -110,7 +129,7 @@ class SendRecv(Rung):
                 if kind == "recv" and any(j != i and _arrays.overlap(b, c) for j, (_, c, _) in enumerate(items)):
                     raise UbnextError(f"{name}: ops[{i}]'s receive buffer overlaps another entry's array; the "
                                       f"entries run together, so a receive needs memory of its own")
-            self._issue(name, items, handle, owner, side)
+            self._issue(name, items, handle, owner, side, self._p2p_algorithm(name, algorithm, len(items)))
             _arrays.mark_written([b for kind, b, _ in items if kind == "recv"])
 
     def _peer(self, name: str, peer) -> int:
@@ -120,10 +139,13 @@ class SendRecv(Rung):
                               f"and the receive in one batch_isend_irecv)")
         return peer
 
-    def _issue(self, name: str, items: list, handle: int, owner, side: bool) -> None:
-        """``items`` (``(kind, Buffer, peer)``) as one NCCL group on ``handle``."""
-        self._rung(name)
+    def _issue(self, name: str, items: list, handle: int, owner, side: bool, algo: str) -> None:
+        """``items`` (``(kind, Buffer, peer)``) as one NCCL group or one launch of the pool's
+        kernel (``algo``) on ``handle``."""
         self._record(handle, owner, side, [b for _, b, _ in items])
+        if algo == "ll":
+            self._run_p2p("send_recv", [(kind, b.ptr, b.nbytes, peer) for kind, b, peer in items], handle, owner)
+            return
         sends = [(b.ptr, b.nbytes, peer) for kind, b, peer in items if kind == "send" and b.nbytes]
         recvs = [(b.ptr, b.nbytes, peer) for kind, b, peer in items if kind == "recv" and b.nbytes]
         if sends or recvs:

@@ -1,0 +1,276 @@
+// Point-to-point on the pool: send/recv and their batches (ub_p2p), and the all-to-all with
+// split counts in device memory (ub_p2p_alltoallv), in LL lines (ll_lines.cuh). Sentinel-free,
+// no barrier: only the two ranks of a pair take part in the pair's messages.
+//
+// Matching rule, per ordered pair (NCCL's): the k-th message rank a sends rank b is the k-th
+// message rank b receives from rank a. Each rank counts, in its own part of the area, the
+// messages it sent to each rank (sent[d]) and received from each rank (recvd[s]); a message
+// of more than UB_LL_MAX_BYTES travels as several, one per chunk, each counted. Message k of
+// a pair travels in buffer k % 2 of the pair's slot in the receiver's area, in lines with
+// flag k + 1 (never 0 before the count wraps; the area starts zeroed), after a header line
+// carrying the call's signature (ubnext._protocol.signature: what is sent and how many bytes
+// in all), which the receiver compares with its own before it writes anything.
+//
+// Credits: before it stores message k into buffer k % 2 of rank b, rank a waits until b has
+// read message k - 2 out of that buffer: b stores k - 1 into credit[b][k % 2] of a's area
+// (release, system scope) after it has read every line of message k - 2. So up to two
+// messages of a pair are in flight before their receive is posted; a third send waits
+// (bounded) for the receiver.
+//
+// Blocks: one per group of a launch, a group being the entries of one kind (send, recv) and
+// one peer, in the order the host issued them; a group's block owns the pair's counter for
+// the launch (reads it first, stores it last), so a launch moves several messages of one
+// pair in order. Every group of a launch runs at once (at most 2 * UB_MAX_RANKS blocks).
+//
+// Area (same offset in every segment): a line of credits, u32 credit[UB_MAX_RANKS][2]
+// (written by the receivers), a line of this rank's counters, u32 sent[UB_MAX_RANKS] then
+// u32 recvd[UB_MAX_RANKS]; then the slots, slot (s, b) (written by rank s, buffer b) at
+// 2 * UB_HEADER_BYTES + (2 * s + b) * slot_bytes: its header line, then UB_HEADER_BYTES on,
+// its data lines.
+#include "ll_lines.cuh"
+#include "transport.cuh"
+
+constexpr u64 kCountMask = (1ull << UB_SIG_COUNT_BITS) - 1ull;
+// the count a sender puts in its header when its own splits were invalid (it sends no data)
+constexpr u64 kInvalidCount = kCountMask;
+
+// One launch's entries (ub_p2p): per entry two words, its local address, and its byte count
+// (bits 0..47) | peer << 48 | kind << 56 (1: send, 0: recv). Entries of one group are
+// adjacent, groups in any order.
+struct P2PWork {
+  u64 w[2 * UB_P2P_MAX_ENTRIES];
+};
+
+struct P2PArea {
+  char* mine;  // this rank's area
+  u64 off;     // the area's offset in every segment
+  u64 slot_bytes;
+};
+
+__device__ __forceinline__ u32* credit_word(char* area, int rank, u32 parity) {
+  return (u32*)(area) + 2 * rank + parity;
+}
+__device__ __forceinline__ u32* sent_word(char* area, int peer) { return (u32*)(area + UB_HEADER_BYTES) + peer; }
+__device__ __forceinline__ u32* recvd_word(char* area, int peer) {
+  return (u32*)(area + UB_HEADER_BYTES) + UB_MAX_RANKS + peer;
+}
+// The slot that rank `src` writes in an area at `area`, for message k.
+__device__ __forceinline__ char* slot_of(char* area, u64 slot_bytes, int src, u32 k) {
+  return area + 2 * UB_HEADER_BYTES + (2ull * src + (k & 1u)) * slot_bytes;
+}
+// Chunks of a message of n bytes (an empty message is one chunk: its header).
+__device__ __forceinline__ u32 chunks_of(u64 n) { return n == 0 ? 1u : (u32)((n + UB_LL_MAX_BYTES - 1) / UB_LL_MAX_BYTES); }
+
+// The block sends message n bytes at x to rank `to` as the pair's messages k, k + 1, ...
+// with header `head | n`; returns the next k. Thread 0 waits for each chunk's credit, the
+// block stores the lines. On a failed wait the block stops sending (the receiver's waits
+// then give up: the mark travels to every rank).
+template <class Tp>
+__device__ u32 send_message(const Tp& tp, const P2PArea& a, int to, const char* x, u64 n, u64 head, u32 k,
+                            WaitCtx& c) {
+  const u32 chunks = chunks_of(n == kInvalidCount ? 0 : n);
+  for (u32 ch = 0; ch < chunks; ++ch, ++k) {
+    bool ok = true;
+    if (threadIdx.x == 0) {
+      ok = wait_flag(credit_word(a.mine, to, k & 1u), k - 1u, c, to, kSiteP2PCredit);
+    }
+    if (!__syncthreads_and(ok)) {
+      c.failed = true;
+      return k;
+    }
+    char* slot = slot_of(tp.seg(to) + a.off, a.slot_bytes, tp.rank, k);
+    const u64 base = (u64)ch * UB_LL_MAX_BYTES;
+    const u64 len = n == kInvalidCount ? 0 : min((u64)UB_LL_MAX_BYTES, n - base);
+    if (threadIdx.x == 0) ll_store(slot, head | n, k + 1u);
+    for (u64 i = threadIdx.x; i < (len + 7) / 8; i += blockDim.x) {
+      ll_store(slot + UB_HEADER_BYTES + 16 * i, load_line(x + base, i, len), k + 1u);
+    }
+  }
+  return k;
+}
+
+// What a receiver checks in a header: `head | want` expected (want: bytes), or with
+// `any_count` any count of head's call (ub_p2p_alltoallv compares counts itself).
+struct Expect {
+  u64 head;
+  u64 want;
+  bool any_count;
+};
+
+// The block receives the pair's messages k, k + 1, ... from rank `from` into the `cap`
+// bytes at out; returns the next k and, in `got`, the count the sender's header carried
+// (kInvalidCount: the sender sent nothing). It follows the sender's chunks whatever its
+// count, so both ends stay matched; it writes data only where the header is as expected
+// and within cap (a header of another call fails the communicator: kFailMismatch), all-ones
+// bytes where a wait gave up. Thread 0 stores each chunk's credit once the block has read it.
+template <class Tp>
+__device__ u32 recv_message(const Tp& tp, const P2PArea& a, int from, char* out, u64 cap, const Expect& e,
+                            bool write, u32 k, u64& got, WaitCtx& c) {
+  __shared__ u64 header;
+  __shared__ bool arrived;
+  u32 chunks = 1;
+  got = 0;
+  for (u32 ch = 0; ch < chunks; ++ch, ++k) {
+    const char* slot = slot_of(a.mine, a.slot_bytes, from, k);
+    if (threadIdx.x == 0) {
+      u64 h = 0;
+      arrived = ll_wait(slot, k + 1u, h, c, from);
+      header = h;
+    }
+    __syncthreads();
+    const u64 h = header;
+    if (!arrived) {  // the header never came: poison what this message would have written
+      c.failed = true;
+      if (write && ch == 0) {
+        for (u64 i = threadIdx.x; i < (cap + 7) / 8; i += blockDim.x) store_line(out, i, cap, ~0ull);
+      }
+      return k;
+    }
+    if (ch == 0) {
+      got = h & kCountMask;
+      chunks = chunks_of(got == kInvalidCount ? 0 : got);
+      const bool same = (h & ~kCountMask) == e.head && (e.any_count || got == e.want);
+      if (!same && threadIdx.x == 0) fail(c, kFailMismatch, from, 0, e.head | e.want, h);
+      write = write && same && got == e.want;
+    }
+    const u64 base = (u64)ch * UB_LL_MAX_BYTES;
+    const u64 len = got == kInvalidCount ? 0 : min((u64)UB_LL_MAX_BYTES, got - base);
+    for (u64 i = threadIdx.x; i < (len + 7) / 8; i += blockDim.x) {
+      u64 v = 0;
+      if (!ll_wait(slot + UB_HEADER_BYTES + 16 * i, k + 1u, v, c, from)) v = ~0ull;
+      if (write) store_line(out + base, i, len, v);
+    }
+    __syncthreads();  // every line of the chunk read: the sender may reuse its buffer
+    if (threadIdx.x == 0) st_release_sys(credit_word(tp.seg(from) + a.off, tp.rank, k & 1u), k + 1u);
+  }
+  return k;
+}
+
+// The first and last entry of group g (entries of one kind and peer are adjacent).
+__device__ void group_range(const P2PWork& w, u32 n, u32 g, u32& first, u32& last) {
+  first = 0;
+  for (u32 e = 1, seen = 0; e < n && seen < g; ++e) {
+    if ((w.w[2 * e + 1] >> 48) != (w.w[2 * e - 1] >> 48)) {
+      ++seen;
+      first = e;
+    }
+  }
+  last = first + 1;
+  while (last < n && (w.w[2 * last + 1] >> 48) == (w.w[2 * first + 1] >> 48)) ++last;
+}
+
+// Batch of sends and receives: block g runs group g's entries in order.
+template <class Tp>
+__device__ void p2p_batch(const Tp& tp, const P2PArea& a, u32 n, u64 head, const P2PWork& w, WaitCtx& c) {
+  u32 first, last;
+  group_range(w, n, blockIdx.x, first, last);
+  const u64 word = w.w[2 * first + 1];
+  const int peer = (int)(word >> 48 & 0xffu);
+  const bool send = (word >> 56) != 0u;
+  u32* counter = send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer);
+  u32 k = ld_volatile_u32(counter);
+  for (u32 e = first; e < last; ++e) {
+    const u64 n_bytes = w.w[2 * e + 1] & ((1ull << 48) - 1ull);
+    char* p = (char*)w.w[2 * e];
+    if (send) {
+      k = send_message(tp, a, peer, p, n_bytes, head, k, c);
+    } else {
+      u64 got;
+      k = recv_message(tp, a, peer, p, n_bytes, Expect{head, n_bytes, false}, true, k, got, c);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *(volatile u32*)counter = k;
+}
+
+// A split count of rank r (int32 or int64, signed) from device memory.
+__device__ __forceinline__ long long split_at(const void* splits, u64 width, int r) {
+  return width == 4 ? (long long)((const int*)splits)[r] : ((const long long*)splits)[r];
+}
+
+// Whether N counts are non-negative and sum to at most `bound`; the rows before rank r in `start`.
+template <int N>
+__device__ bool splits_fit(const void* splits, u64 width, long long bound, int r, long long& start) {
+  long long sum = 0;
+  bool ok = true;
+  start = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const long long v = split_at(splits, width, j);
+    if (j == r) start = sum;
+    ok = ok && v >= 0 && v <= bound;
+    sum += v < 0 ? 0 : v;
+  }
+  return ok && sum <= bound;
+}
+
+// All-to-all with device splits: block b < N sends part peer(b) of x, block N + b receives
+// from peer(b). A sender whose in_splits are invalid sends only a header marking it
+// (kInvalidCount); a receiver whose out_splits are invalid, or whose count differs from the
+// sender's, reads the sender's chunks and writes nothing. Each reports kFailInput
+// (kSplitBadIn, kSplitBadOut: the block of its own pair, once; kSplitDisagree: where rank
+// `peer` sent another count, the count in rows) after its messages, so that every pair's
+// messages still travel.
+template <int N, class Tp>
+__device__ void p2p_alltoallv(const Tp& tp, const P2PArea& a, const char* x, char* out, u64 x_rows, u64 out_rows,
+                              u64 row_bytes, const void* in_splits, const void* out_splits, u64 width, u64 head,
+                              WaitCtx& c) {
+  const bool send = blockIdx.x < N;
+  const int peer = tp.peer((int)(blockIdx.x % N));
+  long long start;
+  if (send) {
+    u32* counter = sent_word(a.mine, peer);
+    const bool fits = splits_fit<N>(in_splits, width, (long long)x_rows, peer, start);
+    const u64 n = fits ? (u64)split_at(in_splits, width, peer) * row_bytes : kInvalidCount;
+    const u32 k = send_message(tp, a, peer, x + (fits ? (u64)start * row_bytes : 0), n, head, ld_volatile_u32(counter), c);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      *(volatile u32*)counter = k;
+      if (!fits && peer == tp.rank) fail(c, kFailInput, peer, kSplitBadIn, 0, 0);
+    }
+  } else {
+    u32* counter = recvd_word(a.mine, peer);
+    const bool fits = splits_fit<N>(out_splits, width, (long long)out_rows, peer, start);
+    const u64 want = fits ? (u64)split_at(out_splits, width, peer) * row_bytes : 0;
+    u64 got;
+    const u32 k = recv_message(tp, a, peer, out + (fits ? (u64)start * row_bytes : 0), want,
+                               Expect{head, want, true}, fits, ld_volatile_u32(counter), got, c);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      *(volatile u32*)counter = k;
+      if (!fits && peer == tp.rank) fail(c, kFailInput, peer, kSplitBadOut, 0, 0);
+      if (fits && got != kInvalidCount && got != want && !c.failed) {
+        fail(c, kFailInput, peer, kSplitDisagree, (u64)peer, row_bytes ? got / row_bytes : got);
+      }
+    }
+  }
+}
+
+// ---- entry points -------------------------------------------------------------------
+// Instantiated per UB_NRANKS (unicast transport): they move bytes, whatever the dtype.
+// ub_p2p's work is its last parameter: the host packs its words after the others.
+
+extern "C" __global__ void __launch_bounds__(UB_P2P_THREADS)
+ub_p2p(char* base, u64 stride, int rank, char* mc, u64 area_off, u64 slot_bytes, LaunchState* state, u64 n,
+       u64 head, const __grid_constant__ P2PWork work) {
+  enter_launch(state);
+  const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
+  const P2PArea a{tp.seg(rank) + area_off, area_off, slot_bytes};
+  const LaunchView l = read_launch_state(state);
+  WaitCtx c = wait_ctx(state, rank);
+  p2p_batch(tp, a, (u32)n, head, work, c);
+  finish_launch(c, l, 0u);
+}
+
+extern "C" __global__ void __launch_bounds__(UB_P2P_THREADS)
+ub_p2p_alltoallv(char* base, u64 stride, int rank, char* mc, u64 area_off, u64 slot_bytes, LaunchState* state,
+                 const char* x, char* out, u64 x_rows, u64 out_rows, u64 row_bytes, const void* in_splits,
+                 const void* out_splits, u64 width, u64 head) {
+  enter_launch(state);
+  const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
+  const P2PArea a{tp.seg(rank) + area_off, area_off, slot_bytes};
+  const LaunchView l = read_launch_state(state);
+  WaitCtx c = wait_ctx(state, rank);
+  p2p_alltoallv<UB_NRANKS>(tp, a, x, out, x_rows, out_rows, row_bytes, in_splits, out_splits, width, head, c);
+  finish_launch(c, l, 0u);
+}

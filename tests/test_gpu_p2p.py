@@ -1,0 +1,311 @@
+"""Point-to-point on the pool on GPUs (kernels/p2p.cu, ``algorithm="ll"``): send, recv,
+batch_isend_irecv and the all-to-all with uneven splits (host lists and device arrays;
+the batch ring and the all-to-all of every dtype and size are test_gpu_collectives.py's,
+on this kernel too), byte for byte against the host reference on random bits of every
+dtype (-0.0, NaNs with payloads, every integer pattern), outputs poisoned and bordered by
+canary bytes, inputs unchanged; messages past
+LL_MAX_BYTES (chunks, credits), several messages of a pair in one batch and back to back
+(the matching rule, the pair's counters), CUDA-graph replay (the counters advanced by the
+kernel), ``auto`` taking the kernel where NCCL cannot run, and the failures: a receive
+with no send times out on the waiting rank, device split counts that do not fit or agree
+raise after the call with nothing written out of bounds.
+
+Run at 1 rank (plain pytest: a batch's self-send), at 2 and 4 ranks one per GPU, and with
+ranks sharing one GPU: ``mpirun --oversubscribe -n 4 python -m pytest -q
+tests/test_gpu_p2p.py``; skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from gpu_support import collected, require_gpu_and_torch, seed_of
+from test_gpu_collectives import POISON, WIDTH, Bordered, assert_bytes, host_bytes, on_device, rank_bytes
+
+from ubnext._protocol.algorithms import DTYPES
+from ubnext._protocol.constants import LL_MAX_BYTES
+
+pytestmark = pytest.mark.gpu
+
+#: a communicator of the module's: a small pool, a timeout that a slow shared GPU never trips
+SETTINGS = dict(pool_mb=128, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048)
+#: the failure tests' communicators: a short timeout
+TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def comm():
+    require_gpu_and_torch()
+    import torch
+
+    import ubnext
+
+    c = ubnext.Communicator(**SETTINGS, timeout_s=60)
+    torch.cuda.set_device(c.device)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def world():
+    """mpi4py's COMM_WORLD, to line the ranks up around failures."""
+    require_gpu_and_torch()
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def fresh(world, comm):
+    """A new communicator with a short timeout on the module's device; closed afterwards."""
+    import ubnext
+
+    made = []
+
+    def make():
+        made.append(ubnext.Communicator(**SETTINGS, timeout_s=TIMEOUT_S, device=comm.device))
+        return made[-1]
+
+    yield make
+    world.Barrier()  # every rank's failure is passed on before any rank closes
+    for c in made:
+        c.close()
+    world.Barrier()
+
+
+def raised(call):
+    """The exception ``call()`` raised, or None (decided after every rank took its part)."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 (returned to the test, which asserts on it)
+        return e
+    return None
+
+
+# ---- send, recv, batches -------------------------------------------------------------------------
+#: past LL_MAX_BYTES: three chunks of a message (two in flight, the third after a credit)
+CHUNKED = 2 * LL_MAX_BYTES + 24
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_send_recv_pairs(comm, dtype):
+    """Even ranks send three arrays (one chunked) to the next odd rank, which receives them
+    in order (the k-th send matches the k-th receive); a last rank without a partner takes
+    no part."""
+    import torch
+
+    if comm.size < 2:
+        pytest.skip("a send needs another rank")
+    me = comm.rank
+    seed = seed_of("p2p-sendrecv", dtype)
+    counts = (4099, 1, CHUNKED // WIDTH[dtype] + 1)
+    peer = me + 1 if me % 2 == 0 else me - 1
+    if peer < comm.size:
+        sent = [rank_bytes(k, dtype, min(me, peer), seed + i) for i, k in enumerate(counts)]
+        if me % 2 == 0:
+            for b in sent:
+                comm.send(on_device(b, dtype), peer, algorithm="ll")
+        else:
+            outs = [Bordered(k, dtype, seed + 10 + i) for i, k in enumerate(counts)]
+            for o in outs:
+                assert comm.recv(o.view, peer, algorithm="ll") is o.view
+            torch.cuda.synchronize()
+            for i, (o, want) in enumerate(zip(outs, sent)):
+                assert_bytes(host_bytes(o.view), want, f"recv {i}")
+                o.assert_intact(f"recv {i}")
+    torch.cuda.synchronize()
+    comm.synchronize()
+
+
+def test_several_messages_of_a_pair_in_one_batch_keep_their_order(comm):
+    """Three sends to the next rank and three receives from the previous one in one batch,
+    of 0 bytes, a chunked size and 5 bytes: matched in order within the launch (the third
+    chunk of the second message and the third message wait for credits the receiving block
+    of the same launch gives)."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    seed = seed_of("p2p-order")
+    sizes = (0, CHUNKED, 5)
+    data = [[rank_bytes(k, "uint8", r, seed + i) for i, k in enumerate(sizes)] for r in range(n)]
+    outs = [Bordered(k, "uint8", seed + 20 + i) for i, k in enumerate(sizes)]
+    entries = []
+    for i in range(3):
+        entries += [("send", on_device(data[me][i], "uint8", (sizes[i],)), nxt), ("recv", outs[i].view, prev)]
+    comm.batch_isend_irecv(entries, algorithm="ll")
+    torch.cuda.synchronize()
+    for i, o in enumerate(outs):
+        assert_bytes(host_bytes(o.view), data[prev][i], f"message {i}")
+        o.assert_intact(f"message {i}")
+    comm.synchronize()
+
+
+def test_back_to_back_rounds_alternate_buffers(comm):
+    """Forty ring rounds of changing sizes queued without a wait, each into an output of its
+    own: every one bit for bit (a pair's buffers alternate by its count; lines of older
+    messages carry older flags; the credits let no sender overwrite an unread buffer)."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    made = []
+    for k in range(40):
+        count = (1, 7, 4099, 8192, 33, CHUNKED // 4)[k % 6]
+        seed = seed_of("p2p-b2b", k)
+        out = torch.empty(count, dtype=torch.float32, device="cuda")
+        comm.batch_isend_irecv([("send", on_device(rank_bytes(count, "float32", me, seed), "float32"), nxt),
+                                ("recv", out, prev)], algorithm="ll")
+        made.append((k, out, rank_bytes(count, "float32", prev, seed)))
+    torch.cuda.synchronize()
+    for k, out, want in made:
+        assert_bytes(host_bytes(out), want, f"round {k}")
+    comm.synchronize()
+
+
+def test_graph_replay(comm):
+    """A ring batch and an all-to-all with device splits captured after an eager call,
+    replayed on new inputs: the kernel advances the pairs' counters itself."""
+    import torch
+
+    from test_gpu_collectives import captured, replayed
+
+    n, me = comm.size, comm.rank
+    x = torch.zeros(n * 4, dtype=torch.float32, device="cuda")
+    r, a = torch.empty_like(x), torch.empty_like(x)
+    splits = torch.full((n,), 4, dtype=torch.int64, device="cuda")
+
+    def calls():
+        comm.batch_isend_irecv([("send", x, (me + 1) % n), ("recv", r, (me - 1) % n)], algorithm="ll")
+        comm.all_to_all(x, a, splits, splits, algorithm="ll")
+
+    failures = []
+    for base in replayed(captured(calls), x, me, 4):
+        with collected(failures):
+            assert torch.equal(r, base + 100 * ((me - 1) % n))
+            assert torch.equal(a, torch.cat([base[4 * me:4 * me + 4] + 100 * j for j in range(n)]))
+    assert not failures, failures
+    comm.synchronize()
+
+
+def test_auto_takes_the_kernel_where_nccl_cannot_run(comm):
+    """Ranks sharing a GPU: send, recv, batches and uneven all-to-alls run on the kernel
+    (``auto``); where NCCL runs, on NCCL."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    x = torch.arange(n * 2, dtype=torch.float32, device="cuda") + 10 * me
+    out = torch.empty_like(x)
+    comm.batch_isend_irecv([("send", x, (me + 1) % n), ("recv", out, (me - 1) % n)])
+    got = comm.all_to_all(x, in_splits=[2] * n, out_splits=[2] * n)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.arange(n * 2, dtype=torch.float32, device="cuda") + 10 * ((me - 1) % n))
+    assert torch.equal(got, torch.cat([torch.arange(2 * me, 2 * me + 2, dtype=torch.float32, device="cuda") + 10 * j
+                                       for j in range(n)]))
+    comm.synchronize()
+
+
+# ---- failures --------------------------------------------------------------------------------------
+def test_a_receive_without_a_send_times_out_and_names_the_peer(world, fresh):
+    """Every rank posts a receive from the next rank, which sends nothing: every rank raises
+    (a timeout naming its peer where its own wait timed out first, the failure passed on
+    elsewhere) after about the timeout, its out is poisoned (all-ones bytes), and the CUDA
+    context goes on."""
+    import torch
+
+    import ubnext
+
+    c = fresh()
+    n, me = c.size, c.rank
+    out = torch.zeros(64, dtype=torch.int32, device="cuda")
+    t0 = time.monotonic()
+    c.batch_isend_irecv([("recv", out, (me + 1) % n)], algorithm="ll")
+    caught = raised(c.synchronize)
+    waited = time.monotonic() - t0
+    timeouts = world.allgather(isinstance(caught, ubnext.CollectiveTimeoutError) and caught.peer == (me + 1) % n)
+    assert isinstance(caught, ubnext.BrokenCommunicatorError), caught
+    assert any(timeouts), timeouts
+    assert waited < TIMEOUT_S + 30, waited
+    assert bool((out == -1).all().item()), "a receive that timed out must leave all-ones bytes"
+    t = torch.arange(1000, device="cuda", dtype=torch.float32)
+    assert float(t.sum().item()) == 499500.0
+
+
+def assert_found_by_the_kernel(found, words: str) -> None:
+    """SplitError naming ``words`` or, where another block of the same launch saw the
+    failure mark and claimed the record in between the kernel's mark and its record
+    (sync.cuh: report), the failure passed on, naming the invalid input."""
+    import ubnext
+
+    assert isinstance(found, ubnext.BrokenCommunicatorError), found
+    if isinstance(found, ubnext.SplitError):
+        assert words in str(found), found
+    else:
+        assert "a call's input was invalid" in str(found), found
+
+
+def test_device_split_errors_raise_after_the_call_and_write_nothing_out_of_bounds(world, fresh):
+    """Rank 0's in_splits sum past its rows: rank 0 sends every rank a header marking it
+    and no data, every wait completes, the parts from rank 0 stay poisoned on every other
+    rank (the others' parts arrive), no canary changes; rank 0 raises SplitError after the
+    call, the others BrokenCommunicatorError at their next call."""
+    import torch
+
+    import ubnext
+
+    c = fresh()
+    n, me = c.size, c.rank
+    x = torch.arange(n * 2, dtype=torch.float32, device="cuda").view(n, 2) + 100 * me
+    out = Bordered(n * 2, "float32", 7, shape=(n, 2))
+    ins = [1] * n
+    if me == 0:
+        ins[-1] = 1 + n  # past rank 0's n rows
+    c.all_to_all(x, out.view, torch.tensor(ins, device="cuda"), torch.ones(n, dtype=torch.int64, device="cuda"),
+                 algorithm="ll")
+    torch.cuda.synchronize()
+    out.assert_intact("a refused all_to_all")
+    got = host_bytes(out.view).reshape(n, 8)
+    if me != 0:
+        assert_bytes(got[0], np.full(8, POISON, np.uint8), "the part of the rank whose splits were wrong")
+        for j in range(1, n):
+            assert_bytes(got[j], host_bytes(x[me] - 100 * me + 100 * j), f"the part of rank {j}")
+    found = raised(c.synchronize) if me == 0 else None
+    world.Barrier()  # rank 0 has passed the failure on
+    if me != 0:
+        def again():
+            c.batch_isend_irecv([("send", x, me), ("recv", torch.empty_like(x), me)], algorithm="ll")
+            c.synchronize()
+        found = raised(again)
+    if me == 0:
+        assert_found_by_the_kernel(found, "in_splits")
+    else:
+        assert isinstance(found, ubnext.BrokenCommunicatorError), found
+
+
+def test_disagreeing_device_splits_raise_where_found(world, fresh):
+    """Rank 0 expects one row more from the last rank than it sends: rank 0 writes nothing
+    of that part and raises SplitError naming the rank and the rows sent; at one rank, its
+    own part."""
+    import torch
+
+    import ubnext
+
+    c = fresh()
+    n, me = c.size, c.rank
+    x = torch.arange(n * 2 * 2, dtype=torch.float32, device="cuda").view(2 * n, 2) + 1000 * me
+    out = Bordered(2 * n * 2 + 2, "float32", 8, shape=(2 * n + 1, 2))
+    outs = [2] * n
+    if me == 0:
+        outs[-1] = 3
+    c.all_to_all(x, out.view, torch.full((n,), 2, device="cuda"), torch.tensor(outs, device="cuda"), algorithm="ll")
+    torch.cuda.synchronize()
+    out.assert_intact("a disagreeing all_to_all")
+    found = raised(c.synchronize) if me == 0 else None
+    world.Barrier()
+    if me == 0:
+        assert_found_by_the_kernel(found, "other than its out_splits expect")
+        assert not isinstance(found, ubnext.SplitError) or (found.where, found.value) == (n - 1, 2), found
+        got = host_bytes(out.view).reshape(2 * n + 1, 8)
+        assert_bytes(got[2 * (n - 1):].reshape(-1), np.full(3 * 8, POISON, np.uint8), "the disagreeing part")

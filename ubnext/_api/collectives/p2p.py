@@ -1,0 +1,103 @@
+"""Point-to-point on the symmetric pool (kernels/p2p.cu): the choice between it and NCCL
+for ``send``, ``recv``, ``batch_isend_irecv`` and the all-to-all with uneven splits
+(``_p2p_algorithm``), and their launches.
+
+The kernel moves each message in LL lines (8 bytes and a flag per pushed 16-byte line,
+polled: no sentinel, so every byte pattern travels) through its pair's own slots in the
+receiver's segment, with the pair's own counters: only the two ranks of a pair take part,
+no barrier, no launch state shared with the other ranks' calls. Matching rule, per ordered
+pair (NCCL's): the k-th message rank a sends rank b is the k-th message b receives from a,
+counting single calls, a batch's entries in issue order and an all-to-all's one message per
+pair. Each message's header carries the call's signature and its bytes, and the receiver
+compares them with its own before it writes (a difference: CollectiveMismatchError). Up to
+two messages of a pair may be in flight before their receive is posted; a third send
+waits, bounded, for the receiver. Messages of more than ``LL_MAX_BYTES`` travel in chunks
+of it, two in flight per pair.
+
+Failures: every wait is bounded (``timeout_s``). A receive whose send never comes times
+out on the receiving rank, which raises CollectiveTimeoutError naming the peer at its next
+call or ``synchronize()``; the failure is passed on to every rank of the communicator as
+for the collectives, whose later calls raise BrokenCommunicatorError ("rank r failed
+first"). The other ranks' queued work is not waited for: a rank that takes no part in the
+pair sees the failure only at its next call.
+
+:class:`P2P` is a base of the Communicator, under ``SendRecv`` and ``AllToAll``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ubnext._api.collectives.rung import Rung
+from ubnext._engine.launch import issue
+from ubnext._environment.log import log_once
+from ubnext._protocol import signature as _signature
+from ubnext._protocol.algorithms import P2P_ALGORITHMS
+from ubnext._protocol.constants import P2P_MAX_ENTRIES
+from ubnext._protocol.errors import UbnextError
+
+
+def groups(items: list) -> list:
+    """``items`` (``(kind, address, bytes, peer)`` in issue order) as the kernel's groups:
+    ``(kind, peer, [(address, bytes), ...])``, one per kind and peer in order of first
+    appearance, each group's entries in issue order (the order of a pair's messages)."""
+    by_key: dict = {}
+    for kind, ptr, nbytes, peer in items:
+        by_key.setdefault((kind, peer), []).append((ptr, nbytes))
+    return [(kind, peer, entries) for (kind, peer), entries in by_key.items()]
+
+
+def head(collective: str) -> int:
+    """The signature a message of ``collective`` carries, without its count (the message's
+    bytes, which the kernel adds)."""
+    return _signature.encode(collective, "uint8", "sum", 0)
+
+
+class P2P(Rung):
+    """The pool's point-to-point form: choice and launches (module docstring)."""
+
+    def _p2p_algorithm(self, name: str, algorithm: str, entries: int = 0, why_nccl: str | None = None) -> str:
+        """``"ll"`` (this module's kernel) or ``"nccl"`` for a call of ``name`` of
+        ``entries`` messages on this rank (``algorithm``: ``"auto"`` or one of
+        ``P2P_ALGORITHMS``). ``auto`` takes NCCL where it runs (the kernel's speed against
+        NCCL is not measured yet) and the kernel where it does not (ranks sharing a GPU).
+        The same on every rank but for ``entries``: it reads only what they agreed at
+        construction. Where NCCL runs, the rung's check (``why_nccl``: its reason)."""
+        if algorithm != "auto" and algorithm not in P2P_ALGORITHMS:
+            raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of "
+                              f"{', '.join(P2P_ALGORITHMS)}")
+        pooled = self._node is not None
+        if algorithm == "ll" and not pooled:
+            raise UbnextError(f"{name}: algorithm 'll' needs the symmetric pool ({self.path})")
+        algo = algorithm
+        if algorithm == "auto":
+            algo = "ll" if pooled and self._selector.nccl_problem else "nccl"
+            if algo == "ll":
+                log_once(f"p2p:{name}:ll", f"{name}: NCCL cannot run here ({self._selector.nccl_problem}); the "
+                         f"pool's point-to-point kernel serves it", logging.INFO)
+        if algo == "ll" and entries > P2P_MAX_ENTRIES:
+            raise UbnextError(f"{name}: the pool's point-to-point kernel takes at most {P2P_MAX_ENTRIES} sends and "
+                              f"receives per call, not {entries}" + ("" if algorithm == "ll" else
+                                                                     f" (and NCCL cannot run here: "
+                                                                     f"{self._selector.nccl_problem})"))
+        if algo == "nccl":
+            self._rung(name, "algorithm 'nccl' was named" if algorithm == "nccl" else why_nccl or
+                       ("the pool's point-to-point kernel is not measured against NCCL yet" if pooled else
+                        f"this communicator has no symmetric pool ({self.path})"))
+        return algo
+
+    def _run_p2p(self, collective: str, items: list, handle: int, owner) -> None:
+        """The kernel's launch on ``handle`` for ``items`` (``(kind, address, bytes, peer)``;
+        a rank is the pool's index of its segment: the pool serves a communicator of one
+        node) as messages of ``collective``."""
+        self._order.follow(handle, owner)
+        issue(self._node.engine.p2p(groups(items), head(collective)), handle)
+
+    def _run_alltoallv(self, xb, ob, rows: int, out_rows: int, row_bytes: int, ins, outs, handle: int,
+                       owner) -> None:
+        """The kernel's all-to-all with split counts in device memory (Buffers ``ins`` and
+        ``outs``, int32 or int64) on ``handle``: rows of ``row_bytes`` of ``xb`` (``rows``)
+        into ``ob`` (``out_rows``)."""
+        self._order.follow(handle, owner)
+        issue(self._node.engine.p2p_alltoallv(xb.ptr, ob.ptr, rows, out_rows, row_bytes, ins.ptr, outs.ptr,
+                                              ins.nbytes // ins.count, head("all_to_all")), handle)
