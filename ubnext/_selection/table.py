@@ -53,7 +53,12 @@ size first). ``collectives`` holds the rows of the other collectives,
 ``{"reduce_scatter": {"note": "...", "tables": {...}}, "all_gather": {...}}`` in the
 same form as ``tables`` (whose rows are the all-reduce's); a table without rows for a
 collective leaves it to the next table (the default one has rows for every
-collective). Optional keys of an entry: ``note`` (text), ``measured`` (what tune
+collective). ``collectives`` may also hold the data movers' rows (``"broadcast"``,
+``"all_to_all"``, ``"send_recv"``: ``MOVER_TABLES``), in the same form, a size being
+the bytes moved (an all-to-all's whole input of one rank) and each algorithm one of
+the mover's (``MOVER_SERVES``); a mover without rows in any table keeps ``auto``'s rule
+of today (NCCL where it runs, the copy form where it cannot: ``pool_copy``), and the
+default table has none until they are measured. Optional keys of an entry: ``note`` (text), ``measured`` (what tune
 measured, kept for the record), ``collectives``; of the document: ``note``. Two entries
 may not have the same key.
 
