@@ -3,7 +3,8 @@
 layouts and bus factors, run by the machinery of bench/all_reduce_perf.py (its flags,
 table, check before timing, JSON). Every result is checked bit for bit (redop "none").
 The ubnext backend runs ``comm.broadcast`` and ``comm.all_to_all`` (``--algo``: ``ll``,
-the low-latency kernel; ``copy``, the pool's copy form; ``nccl``; ``auto``) and
+the low-latency kernel; ``copy``, the pool's copy form; broadcast's ``scatter_allgather``;
+``nccl``; ``auto``) and
 ``comm.batch_isend_irecv``; ``--backend nccl`` runs ``ncclBroadcast`` and grouped
 ``ncclSend``/``ncclRecv`` (``ubnext._engine.nccl.NcclComm``) on the same kind of buffers.
 """
@@ -15,7 +16,7 @@ import numpy as np
 from bench import _common as common
 from bench._sliced_perf import script as script  # noqa: F401 (the scripts' entry)
 from bench.all_reduce_perf import Program
-from ubnext._protocol.algorithms import MOVERS
+from ubnext._protocol.algorithms import MOVER_SERVES
 
 #: root of the broadcast (nccl-tests' default ``-r 0``)
 ROOT = 0
@@ -61,8 +62,7 @@ SENDRECV = common.Collective(
     run=lambda engine, send, recv, dtype, op, stream: engine.sendrecv(send, recv, dtype, op, stream),
     data=sendrecv_data, reduces=False, has_in_place=False)
 
-#: ``--algo``: ubnext's algorithms of the movers (``ubnext._protocol.algorithms.MOVERS``)
-_MOVER_ALGORITHMS = ("auto", *MOVERS)
-BROADCAST_PERF = Program("broadcast_perf", BROADCAST, _MOVER_ALGORITHMS)
-ALLTOALL_PERF = Program("alltoall_perf", ALL_TO_ALL, _MOVER_ALGORITHMS)
+#: ``--algo``: ubnext's algorithms of each mover (``ubnext._protocol.algorithms.MOVER_SERVES``)
+BROADCAST_PERF = Program("broadcast_perf", BROADCAST, ("auto", *MOVER_SERVES["broadcast"]))
+ALLTOALL_PERF = Program("alltoall_perf", ALL_TO_ALL, ("auto", *MOVER_SERVES["all_to_all"]))
 SENDRECV_PERF = Program("sendrecv_perf", SENDRECV, ("auto",))

@@ -113,6 +113,9 @@ def test_flags_are_nccl_tests_and_algo_the_movers(capsys):
                            "--backend", "nccl"], moves.ALLTOALL_PERF)
     assert (args.ops, args.backend, args.cudagraph, args.symmetric) == (["none"], "nccl", 10, 0)
     assert arp.parse_args(["--algo", "copy"], moves.BROADCAST_PERF).algo == "copy"
+    assert arp.parse_args(["--algo", "scatter_allgather"], moves.BROADCAST_PERF).algo == "scatter_allgather"
+    with pytest.raises(SystemExit):
+        arp.parse_args(["--algo", "scatter_allgather"], moves.ALLTOALL_PERF)
     with pytest.raises(SystemExit):
         arp.parse_args(["--algo", "lamport"], moves.BROADCAST_PERF)
     with pytest.raises(SystemExit):
