@@ -70,9 +70,9 @@ if __package__ in (None, ""):  # run as a script (python bench/compare.py): benc
 
 from bench import _common as common  # noqa: E402
 from bench import _compare_moves as moves  # noqa: E402
+from bench import _compare_torch as ct  # noqa: E402
 from bench import plot  # noqa: E402
-from bench import _torchbench as tb  # noqa: E402
-from bench._torchbench import init_distributed, keep_multicast_off  # noqa: E402
+from bench._torchbench import keep_multicast_off  # noqa: E402
 from bench.all_reduce_perf import ALL_REDUCE, NcclEngine, UbnextEngine, nccl_version, pool_mb_for  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -199,109 +199,6 @@ def nccl_candidate(nccl: Any, dtype: common.DType, count: int) -> Candidate:
     return Candidate("nccl", "in-place", buf, buf, NcclEngine(nccl), lambda exc: isinstance(exc, ValueError))
 
 
-def torch_setup(bootstrap: Any, device: int, stream: Any, nccl_symmetric: bool = False) -> str | None:
-    """torch.distributed (NCCL backend) initialized from the bootstrap (RANK, WORLD_SIZE;
-    MASTER_ADDR 127.0.0.1 and a free port of rank 0 unless already set), torch's current
-    stream made ``stream``, and with ``nccl_symmetric`` NCCL made torch's symmetric-memory
-    backend. Collective; call :func:`keep_multicast_off` before torch is first imported.
-
-    Returns:
-        None where torch's symmetric memory runs on NCCL, else why not (the first rank's).
-    """
-    import torch
-
-    init_distributed(bootstrap, device)
-    torch.cuda.set_stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", device)))
-    # the same choice on every rank: the first rank's reason counts
-    reason = tb.select_nccl_symmetric() if nccl_symmetric else "--nccl-symmetric 0"
-    return next((r for r in bootstrap.allgather_obj(reason) if r), None)
-
-
-def torch_candidates(bootstrap: Any, device: int, dtype: common.DType, count: int,
-                     reason: str | None) -> tuple[list[Candidate], dict[str, str], list[str]]:
-    """The all-reduce's PyTorch candidates over torch.distributed, after :func:`torch_setup`
-    (``reason``: what it returned). Collective.
-
-    ``torch-nccl``; where torch's symmetric memory takes the NCCL backend, ``nccl-symmetric``
-    where one profiled all-reduce on it runs an NCCL symmetric kernel; else
-    ``torch-oneshot`` and ``torch-twoshot`` (torch's CUDA backend: one backend per process).
-
-    Returns:
-        The candidates, the names left out with their reasons, and the NCCL symmetric
-        kernels the probe saw.
-    """
-    import torch
-    import torch.distributed as dist
-
-    group = dist.group.WORLD.group_name
-    tdtype = getattr(torch, dtype.ubnext)
-    plain = torch.empty(count, dtype=tdtype, device=f"cuda:{device}")
-    in_place = TorchEngine(lambda send, recv, op: dist.all_reduce(send))
-    candidates = [Candidate("torch-nccl", "in-place", plain, plain, in_place, _torch_refuses, ("sum",))]
-    left_out: dict[str, str] = {}
-    kernels: list[str] = []
-    if reason is None:
-        reason, kernels = tb.probe_nccl_symmetric(bootstrap, device, tdtype)
-        if reason is None:
-            buf = tb.symmetric_tensor(count, tdtype, device)
-            candidates.append(Candidate("nccl-symmetric", "in-place", buf, buf, in_place, _torch_refuses, ("sum",)))
-        why = "torch's symmetric memory runs on its NCCL backend in this run; --nccl-symmetric 0 measures it"
-        left_out.update({"torch-oneshot": why, "torch-twoshot": why})
-    else:
-        candidates += torch_symm_candidates(device, tdtype, count, group)
-    if reason is not None:
-        left_out["nccl-symmetric"] = reason
-    return candidates, left_out, kernels
-
-
-def torch_symm_candidates(device: int, tdtype: Any, count: int, group: str) -> list[Candidate]:
-    """``torch-oneshot`` and ``torch-twoshot`` on torch's symmetric memory (CUDA backend). Collective."""
-    import torch
-    import torch.distributed._symmetric_memory as symm_mem
-
-    one_in = symm_mem.empty(count, dtype=tdtype, device=f"cuda:{device}")
-    one_out = torch.empty(count, dtype=tdtype, device=f"cuda:{device}")
-    two = symm_mem.empty(count, dtype=tdtype, device=f"cuda:{device}")
-    for t in (one_in, two):
-        symm_mem.rendezvous(t, group)
-    ops = torch.ops.symm_mem
-    one_shot = TorchEngine(lambda send, recv, op: ops.one_shot_all_reduce_out(send, op, group, out=recv))
-    two_shot = TorchEngine(lambda send, recv, op: ops.two_shot_all_reduce_(send, op, group))
-    return [
-        Candidate("torch-oneshot", "out-of-place", one_in, one_out, one_shot, _torch_refuses, ("sum",)),
-        Candidate("torch-twoshot", "in-place", two, two, two_shot, _torch_refuses, ("sum",)),
-    ]
-
-
-@dataclass(frozen=True)
-class TorchEngine:
-    """An engine over a ``torch.ops.symm_mem`` call ``fn(send, recv, op)``.
-
-    The ops take no stream argument: they run on torch's current stream,
-    which :func:`torch_candidates` sets to the benchmark's stream.
-    """
-
-    fn: Any
-
-    def all_reduce(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
-        self.fn(send, recv, op)
-
-
-def _torch_refuses(exc: BaseException) -> bool:
-    """torch reports unsupported sizes and dtypes as RuntimeError (NotImplementedError included)."""
-    return isinstance(exc, RuntimeError)
-
-
-def _torch_wanted(choice: str) -> bool:
-    if choice != "auto":
-        return choice == "1"
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # --------------------------------------------------------------------------- measuring
 
 
@@ -357,8 +254,8 @@ def open_sessions(args: argparse.Namespace) -> list[Session]:
     stream = cupy.cuda.Stream(non_blocking=True)
     nccl = NcclComm(comm.bootstrap, comm.device)
     nccl.connect()
-    use_torch = _torch_wanted(args.torch)
-    reason = torch_setup(comm.bootstrap, comm.device, stream, args.nccl_symmetric != "0") if use_torch else None
+    use_torch = ct.wanted(args.torch)
+    reason = ct.torch_setup(comm.bootstrap, comm.device, stream, args.nccl_symmetric != "0") if use_torch else None
     sessions = []
     for label in args.collective_list:
         if label == "all_reduce":
@@ -369,11 +266,12 @@ def open_sessions(args: argparse.Namespace) -> list[Session]:
                           + [moves.nccl_candidate(nccl, label, args.dtype, n, Candidate)])
         left_out, kernels = {}, []
         if use_torch and label == "all_reduce":
-            more, left_out, kernels = torch_candidates(comm.bootstrap, comm.device, args.dtype, count, reason)
+            more, left_out, kernels = ct.all_reduce_candidates(comm.bootstrap, comm.device, args.dtype, count,
+                                                               Candidate, reason)
             candidates += more
         elif use_torch:
-            more, left_out, kernels = moves.torch_candidates(comm.bootstrap, comm.device, label, args.dtype, n,
-                                                             Candidate, _torch_refuses, reason)
+            more, left_out, kernels = ct.mover_candidates(comm.bootstrap, comm.device, label, args.dtype, n,
+                                                          Candidate, reason)
             candidates += more
         else:
             left_out["nccl-symmetric"] = "needs torch (--torch 0, or torch does not import)"

@@ -296,3 +296,27 @@ def test_compare_checks_each_mover_against_nccl_tests_layout(monkeypatch, label)
         cand = compare.Candidate("x", "out-of-place", send, recv, Writes(values), compare.ubnext_refuses)
         assert compare.trial(s, cand, f32, "sum", count, seed) == ("ok", wrong)
     assert (inputs[2] != want).any()
+
+
+def test_compare_torch_movers_call_torch_distributed_as_nccl_tests_lays_them_out(monkeypatch):
+    """torch-nccl's movers: dist.broadcast in place from root 0, all_to_all_single(out, in),
+    and the ring as one batch_isend_irecv (to the next rank, from the previous), each work
+    waited on the stream."""
+    dist = pytest.importorskip("torch.distributed")
+    from bench import _compare_torch as ct
+
+    calls, waited = [], []
+    monkeypatch.setattr(dist, "broadcast", lambda t, src: calls.append(("broadcast", t, src)))
+    monkeypatch.setattr(dist, "all_to_all_single", lambda out, x: calls.append(("all_to_all_single", out, x)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(dist, "P2POp", lambda op, t, peer: (op.__name__, t, peer))
+    monkeypatch.setattr(dist, "batch_isend_irecv",
+                        lambda ops: calls.append(("batch", ops)) or [SimpleNamespace(wait=lambda: waited.append(1))] * 2)
+    engine, f32 = ct.TorchMover(), common.DTYPES["float"]
+    moves.BROADCAST.run(engine, "x", "y", f32, "none", None)
+    moves.ALL_TO_ALL.run(engine, "x", "y", f32, "none", None)
+    moves.SENDRECV.run(engine, "x", "y", f32, "none", None)
+    assert calls == [("broadcast", "y", 0), ("all_to_all_single", "y", "x"),
+                     ("batch", [("isend", "x", 1), ("irecv", "y", 3)])]
+    assert waited == [1, 1]
