@@ -1,7 +1,8 @@
-"""The pool's forms of the data movers: the choice between them and NCCL (``_mover``),
-the launch of the low-latency kernel (``_run_ll``: kernels/ll_move.cu, broadcast and
-all-to-all), and the copy form of ``broadcast``, ``all_to_all`` with even splits,
-``gather`` and ``scatter``: copy engines move the bytes between the ranks' segments of a
+"""The pool's forms of the data movers: the choice between them and NCCL (``_mover``,
+and by the call's size ``_sized``: the selector table's mover rows), the launch of the
+low-latency kernel (``_run_ll``: kernels/ll_move.cu, broadcast and all-to-all), and the
+copy form of ``broadcast`` (and its bandwidth form, scatter + all-gather), ``all_to_all``
+with even splits, ``gather`` and ``scatter``: copy engines move the bytes between the ranks' segments of a
 symmetric area, and ubnext's one-shot all-reduce of one flag vector is the barrier that
 says when a peer's bytes have landed or a peer has read them (the pattern of the
 overlapped GEMMs, ``ubnext.torch._overlap``). No kernel of its own, so every dtype moves
@@ -11,8 +12,8 @@ Plans (:func:`broadcast_plan` ...) are pure lists of steps, so the layouts are t
 without a GPU; a copy stays within one rank's memory and the caller's array (the 2-D
 copies read one segment); :meth:`PoolCopy._run_copies` issues them on the caller's stream. Each
 plan opens with a barrier (every rank's reads of the area by earlier calls are done
-before anyone writes it) and moves the message in rounds of at most a half of the area,
-round j in half j % 2: a rank writes a half at round j + 2 only after the barrier of
+before anyone writes it) and moves the message in rounds of at most a half of the area
+(scatter + all-gather: a half per rank), round j in half j % 2: a rank writes a half at round j + 2 only after the barrier of
 round j + 1, which every rank passes only after its reads of round j. The barrier
 carries the call's signature, so ranks calling different movers or counts raise
 CollectiveMismatchError.
