@@ -373,6 +373,25 @@ def test_where_nothing_serves_uneven_splits_they_raise(monkeypatch):
     assert c.steps and calls(c) == []
 
 
+def test_scatter_allgather_is_named_for_broadcast_only(monkeypatch):
+    """Named, broadcast's bandwidth form issues its plan on the copy form's area (allocated
+    at the first call) between its barriers; other movers and a communicator without a pool
+    refuse it before anything is launched."""
+    c = pooled(monkeypatch, rank=2)
+    x = buffer(40, "float32", ptr=1 << 20)  # 160 bytes: parts of 48 bytes, the last of 16
+    out = c.broadcast(x, root=2, algorithm="scatter_allgather")
+    area = tuple(0x100000 + r * 0x10000 for r in range(4))
+    assert c.areas == [(pc.AREA_KEY, pc.AREA_BYTES)] and calls(c) == []
+    assert c.steps == [*(("copy", area[d], x.ptr + 48 * d, 48 if d < 3 else 16, 0x77) for d in range(4)),
+                       ("copy", out.ptr, x.ptr, 160, 0x77)]
+    assert len(c._dispatch.barriers) == 2
+    with pytest.raises(UbnextError, match="^all_to_all: unknown algorithm 'scatter_allgather'; use auto or one of "
+                                          "ll, copy, nccl"):
+        c.all_to_all(buffer(8), algorithm="scatter_allgather")
+    with pytest.raises(UbnextError, match=r"^broadcast: algorithm 'scatter_allgather' needs the symmetric pool"):
+        make_comm(monkeypatch).broadcast(x, algorithm="scatter_allgather")
+
+
 def test_gather_and_scatter_issue_their_plans(monkeypatch):
     c = pooled(monkeypatch, nccl_problem="shared", rank=0)
     x = buffer(5, "float32", ptr=1 << 20)
