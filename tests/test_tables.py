@@ -1045,3 +1045,27 @@ def test_mover_rows_choose_by_bytes_for_any_dtype_and_only_where_measured(tmp_pa
     shipped = Selector(4, buffer_limits(Config()), ["nccl"], None, machine=Machine("NVIDIA H200"))
     assert all(shipped.mover_algorithms(c) == set() for c in ("broadcast", "all_to_all", "send_recv"))
     assert shipped.mover("broadcast", 1, "bfloat16", every) is None
+
+
+def test_mover_rows_serve_only_the_machine_they_were_measured_on(tmp_path):
+    """An H200 entry's mover rows: an H200 takes them; an H100 (the same family's entry),
+    the dependent mode (graph's entry) and another link do not (auto's rule of today),
+    and the reason says so; the entry's other rows still serve them; an entry for any GPU
+    ("*") serves every GPU."""
+    rows = {"broadcast": MOVER_ROWS["broadcast"], "reduce_scatter": {"tables": {"4": {"bfloat16": [[None, "nccl"]]}}}}
+    path = write(tmp_path, document(entry(collectives=rows, quantized=quantized({"4": {"bfloat16": {"int8": MiB}}}))))
+    table = load_table(path)
+    every = lambda name: True  # noqa: E731
+    for machine, taken in ((Machine("NVIDIA H200"), True), (Machine("NVIDIA H100 80GB HBM3"), False),
+                           (Machine("NVIDIA H200", mode="dependent"), False), (Machine("NVIDIA H200", "pcie"), False)):
+        sel = Selector(4, buffer_limits(Config()), ["nccl"], table, machine=machine)
+        assert (sel.mover("broadcast", KiB, "float32", every) is not None) == taken, machine
+        chosen = table.choose(machine)
+        assert ("data movers' rows" in chosen.why) == (not taken)
+        assert chosen.by_collective["reduce_scatter"] == {"4": {"bfloat16": ((None, "nccl"),)}}
+    why = table.choose(Machine("NVIDIA H100 80GB HBM3")).why
+    assert why.endswith("; its quantized thresholds and data movers' rows not taken (measured on NVIDIA H200 "
+                        "nvlink plain graph only)")
+    star = load_table(write(tmp_path, document(entry(gpu="*", collectives=rows)), "star.json"))
+    sel = Selector(4, buffer_limits(Config()), ["nccl"], star, machine=Machine("NVIDIA B200"))
+    assert sel.mover("broadcast", MiB + 1, "bfloat16", every)[0] == "scatter_allgather"

@@ -904,7 +904,7 @@ def test_run_with_movers_writes_their_rows_and_auto_follows_them(cupy, monkeypat
         "broadcast": tune_table.MOVER_NOTE, "all_to_all": tune_table.MOVER_NOTE}
     record = entry.entry["measured"]["4"]["bfloat16"]["broadcast"]
     assert set(record["us"]) == {"ll", "copy", "nccl", "scatter_allgather"} and record["us"]["ll"][-1] is None
-    sel = Selector(4, {}, ALL, load_table(str(out)))
+    sel = Selector(4, {}, ALL, load_table(str(out)), machine=Machine(entry.gpu))  # the machine it ran on
     every = lambda name: True  # noqa: E731
     assert [sel.mover("broadcast", n, "float32", every)[0] for n in (KiB, 256 * KiB, 64 * MiB)] == [
         "ll", "nccl", "scatter_allgather"]
