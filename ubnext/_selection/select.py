@@ -12,7 +12,9 @@ call's arrays are pool buffers: the ``"plain"`` entries serve every call (choosi
 the ``"pool"`` entries for pool buffers is a follow-up). The size from which
 ``precision="auto"`` quantizes on an opted-in communicator comes from the same entries
 (their ``quantized`` thresholds, the all-reduce's and the reduce-scatter's:
-:meth:`Selector.quantized`).
+:meth:`Selector.quantized`), and so do the data movers' rows (:meth:`Selector.mover`: by
+the bytes a broadcast, all-to-all or send/recv moves; None where no table has them, and
+the mover keeps its rule: ``pool_copy.PoolCopy._auto``).
 """
 
 from __future__ import annotations
