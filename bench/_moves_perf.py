@@ -3,9 +3,10 @@
 layouts and bus factors, run by the machinery of bench/all_reduce_perf.py (its flags,
 table, check before timing, JSON). Every result is checked bit for bit (redop "none").
 The ubnext backend runs ``comm.broadcast`` and ``comm.all_to_all`` (``--algo``: ``ll``,
-the low-latency kernel; ``copy``, the pool's copy form; ``nccl``; ``auto``; the
-all-to-all also ``p2p``, the point-to-point kernel on the even parts given as splits) and
-``comm.batch_isend_irecv`` (``--algo``: ``ll``, the point-to-point kernel; ``nccl``; ``auto``); ``--backend nccl`` runs ``ncclBroadcast`` and grouped
+the low-latency kernel; ``copy``, the pool's copy form; broadcast's ``scatter_allgather``;
+``nccl``; ``auto``; the all-to-all also ``p2p``, the point-to-point kernel on the even
+parts given as splits) and ``comm.batch_isend_irecv`` (``--algo``: ``ll``, the
+point-to-point kernel; ``nccl``; ``auto``); ``--backend nccl`` runs ``ncclBroadcast`` and grouped
 ``ncclSend``/``ncclRecv`` (``ubnext._engine.nccl.NcclComm``) on the same kind of buffers.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 from bench import _common as common
 from bench._sliced_perf import script as script  # noqa: F401 (the scripts' entry)
 from bench.all_reduce_perf import Program
-from ubnext._protocol.algorithms import MOVERS, P2P_ALGORITHMS
+from ubnext._protocol.algorithms import MOVER_SERVES, P2P_ALGORITHMS
 
 #: root of the broadcast (nccl-tests' default ``-r 0``)
 ROOT = 0
@@ -62,10 +63,9 @@ SENDRECV = common.Collective(
     run=lambda engine, send, recv, dtype, op, stream: engine.sendrecv(send, recv, dtype, op, stream),
     data=sendrecv_data, reduces=False, has_in_place=False)
 
-#: ``--algo``: ubnext's algorithms of the movers (``ubnext._protocol.algorithms.MOVERS``);
+#: ``--algo``: ubnext's algorithms of each mover (``ubnext._protocol.algorithms.MOVER_SERVES``);
 #: the all-to-all's also ``p2p`` (its even parts given as splits, which the point-to-point
 #: kernel runs), the send/recv's those of ``P2P_ALGORITHMS``
-_MOVER_ALGORITHMS = ("auto", *MOVERS)
-BROADCAST_PERF = Program("broadcast_perf", BROADCAST, _MOVER_ALGORITHMS)
-ALLTOALL_PERF = Program("alltoall_perf", ALL_TO_ALL, (*_MOVER_ALGORITHMS, "p2p"))
+BROADCAST_PERF = Program("broadcast_perf", BROADCAST, ("auto", *MOVER_SERVES["broadcast"]))
+ALLTOALL_PERF = Program("alltoall_perf", ALL_TO_ALL, ("auto", *MOVER_SERVES["all_to_all"], "p2p"))
 SENDRECV_PERF = Program("sendrecv_perf", SENDRECV, ("auto", *P2P_ALGORITHMS))

@@ -1,6 +1,7 @@
 """Side-by-side all-reduce latency: ubnext's algorithms, NCCL, PyTorch symmetric memory.
 
     mpirun -n 4 python bench/compare.py --minbytes 2K --maxbytes 256M
+    mpirun -n 4 python bench/compare.py --collectives all_reduce,broadcast,all_to_all,sendrecv
 
 For each size (``-b``..``-e``, times ``-f``) and each candidate:
 
@@ -30,6 +31,13 @@ the result is checked once (exact sums, compared bit for bit), then timed per mo
   sample and subtracted. Checked in that mode: the GEMM's output is exact small
   integers, its region is poisoned with NaN before one replay of (GEMM, all-reduce), and
   the result is compared bit for bit.
+
+``--collectives`` adds the data movers to the same run (``broadcast``, ``all_to_all``,
+``sendrecv``; default ``all_reduce`` alone): each with ubnext's algorithms of it, ``nccl``,
+``torch-nccl`` and, where NCCL runs a symmetric kernel for it, ``nccl-symmetric``
+(bench/_compare_moves.py), in the eager and graph modes (the dependent mode's GEMM writes
+an all-reduce's input: all-reduce only), each checked bit for bit, with tables and a JSON
+(``<name>_<collective>.json``) of their own.
 
 A time is combined over ranks per ``-a`` (default: maximum); the table shows
 the median of the repeats. A candidate that refuses a size (raises before
@@ -61,15 +69,18 @@ if __package__ in (None, ""):  # run as a script (python bench/compare.py): benc
     import _standalone  # noqa: F401
 
 from bench import _common as common  # noqa: E402
+from bench import _compare_moves as moves  # noqa: E402
+from bench import _compare_torch as ct  # noqa: E402
 from bench import plot  # noqa: E402
-from bench import _torchbench as tb  # noqa: E402
-from bench._torchbench import init_distributed, keep_multicast_off  # noqa: E402
+from bench._torchbench import keep_multicast_off  # noqa: E402
 from bench.all_reduce_perf import ALL_REDUCE, NcclEngine, UbnextEngine, nccl_version, pool_mb_for  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODES = ("eager", "graph", "dependent")
 #: the NCCL candidates; each ratio is against the fastest of them at that size
 NCCL_NAMES = ("nccl", "torch-nccl", "nccl-symmetric")
+#: what ``--collectives`` takes: the all-reduce, then the data movers
+COLLECTIVES = {"all_reduce": ALL_REDUCE, **moves.COLLECTIVES}
 
 
 # --------------------------------------------------------------------------- arguments
@@ -99,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nccl-symmetric", choices=("auto", "0", "1"), default="auto",
                    help="NCCL's symmetric kernels on torch's symmetric memory: auto (where available; "
                         "torch-oneshot/twoshot then left out), 0 (torch-oneshot/twoshot instead), 1 (required)")
+    p.add_argument("--collectives", default="all_reduce",
+                   help=f"comma-separated, in one run: {', '.join(COLLECTIVES)} (default all_reduce)")
     p.add_argument("--name", default="", help="results file stem (default: compare_<gpu>_<n>gpu_<dtype>_<date>)")
     p.add_argument("--outdir", default=RESULTS_DIR, help="where JSON and PNG go (default bench/results)")
     return p
@@ -116,6 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes = common.size_list(args.minbytes, args.maxbytes, 0, args.stepfactor)
     except ValueError as exc:
         parser.error(str(exc))
+    args.collective_list = [c for c in COLLECTIVES if c in args.collectives.split(",")]
+    unknown = [c for c in args.collectives.split(",") if c and c not in COLLECTIVES]
+    if unknown or not args.collective_list:
+        parser.error(f"--collectives takes a comma-separated subset of {', '.join(COLLECTIVES)}")
     args.mode_list = [m for m in args.modes.split(",") if m]
     if not args.mode_list or any(m not in MODES for m in args.mode_list):
         parser.error(f"--modes takes a comma-separated subset of {', '.join(MODES)}")
@@ -182,99 +199,6 @@ def nccl_candidate(nccl: Any, dtype: common.DType, count: int) -> Candidate:
     return Candidate("nccl", "in-place", buf, buf, NcclEngine(nccl), lambda exc: isinstance(exc, ValueError))
 
 
-def torch_candidates(bootstrap: Any, device: int, dtype: common.DType, count: int, stream: Any,
-                     nccl_symmetric: bool = False) -> tuple[list[Candidate], dict[str, str], list[str]]:
-    """The PyTorch candidates over torch.distributed (NCCL backend). Collective.
-
-    ``torch-nccl``; with ``nccl_symmetric``, ``nccl-symmetric`` where torch's symmetric
-    memory takes the NCCL backend and one profiled all-reduce on it runs an NCCL symmetric
-    kernel; else ``torch-oneshot`` and ``torch-twoshot`` (torch's CUDA backend: one backend
-    per process). torch.distributed is initialized from the bootstrap (RANK, WORLD_SIZE;
-    MASTER_ADDR 127.0.0.1 and a free port of rank 0 unless already set), and torch's
-    current stream becomes ``stream``. Call :func:`keep_multicast_off` before torch is
-    first imported.
-
-    Returns:
-        The candidates, the names left out with their reasons, and the NCCL symmetric
-        kernels the probe saw.
-    """
-    import torch
-    import torch.distributed as dist
-
-    init_distributed(bootstrap, device)
-    group = dist.group.WORLD.group_name
-    torch.cuda.set_stream(torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", device)))
-    tdtype = getattr(torch, dtype.ubnext)
-    plain = torch.empty(count, dtype=tdtype, device=f"cuda:{device}")
-    in_place = TorchEngine(lambda send, recv, op: dist.all_reduce(send))
-    candidates = [Candidate("torch-nccl", "in-place", plain, plain, in_place, _torch_refuses, ("sum",))]
-    left_out: dict[str, str] = {}
-    kernels: list[str] = []
-    # the same choice on every rank: the first rank's reason counts
-    reason = tb.select_nccl_symmetric() if nccl_symmetric else "--nccl-symmetric 0"
-    reason = next((r for r in bootstrap.allgather_obj(reason) if r), None)
-    if reason is None:
-        reason, kernels = tb.probe_nccl_symmetric(bootstrap, device, tdtype)
-        if reason is None:
-            buf = tb.symmetric_tensor(count, tdtype, device)
-            candidates.append(Candidate("nccl-symmetric", "in-place", buf, buf, in_place, _torch_refuses, ("sum",)))
-        why = "torch's symmetric memory runs on its NCCL backend in this run; --nccl-symmetric 0 measures it"
-        left_out.update({"torch-oneshot": why, "torch-twoshot": why})
-    else:
-        candidates += torch_symm_candidates(device, tdtype, count, group)
-    if reason is not None:
-        left_out["nccl-symmetric"] = reason
-    return candidates, left_out, kernels
-
-
-def torch_symm_candidates(device: int, tdtype: Any, count: int, group: str) -> list[Candidate]:
-    """``torch-oneshot`` and ``torch-twoshot`` on torch's symmetric memory (CUDA backend). Collective."""
-    import torch
-    import torch.distributed._symmetric_memory as symm_mem
-
-    one_in = symm_mem.empty(count, dtype=tdtype, device=f"cuda:{device}")
-    one_out = torch.empty(count, dtype=tdtype, device=f"cuda:{device}")
-    two = symm_mem.empty(count, dtype=tdtype, device=f"cuda:{device}")
-    for t in (one_in, two):
-        symm_mem.rendezvous(t, group)
-    ops = torch.ops.symm_mem
-    one_shot = TorchEngine(lambda send, recv, op: ops.one_shot_all_reduce_out(send, op, group, out=recv))
-    two_shot = TorchEngine(lambda send, recv, op: ops.two_shot_all_reduce_(send, op, group))
-    return [
-        Candidate("torch-oneshot", "out-of-place", one_in, one_out, one_shot, _torch_refuses, ("sum",)),
-        Candidate("torch-twoshot", "in-place", two, two, two_shot, _torch_refuses, ("sum",)),
-    ]
-
-
-@dataclass(frozen=True)
-class TorchEngine:
-    """An engine over a ``torch.ops.symm_mem`` call ``fn(send, recv, op)``.
-
-    The ops take no stream argument: they run on torch's current stream,
-    which :func:`torch_candidates` sets to the benchmark's stream.
-    """
-
-    fn: Any
-
-    def all_reduce(self, send: Any, recv: Any, dtype: common.DType, op: str, stream: Any) -> None:
-        self.fn(send, recv, op)
-
-
-def _torch_refuses(exc: BaseException) -> bool:
-    """torch reports unsupported sizes and dtypes as RuntimeError (NotImplementedError included)."""
-    return isinstance(exc, RuntimeError)
-
-
-def _torch_wanted(choice: str) -> bool:
-    if choice != "auto":
-        return choice == "1"
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # --------------------------------------------------------------------------- measuring
 
 
@@ -295,6 +219,9 @@ class Session:
     #: the dependent mode's GEMM operands, and per candidate the launch of its GEMM into its input
     gemm_data: common.GemmData | None = None
     gemms: dict[str, Any] = field(default_factory=dict)
+    #: the collective measured (``--collectives``: a key of COLLECTIVES) and its record
+    label: str = "all_reduce"
+    collective: common.Collective = ALL_REDUCE
 
     @property
     def bootstrap(self) -> Any:
@@ -310,15 +237,16 @@ class Session:
         self.comm.close()
 
 
-def open_session(args: argparse.Namespace) -> Session:
-    """Create communicators, stream and candidates. Collective."""
+def open_sessions(args: argparse.Namespace) -> list[Session]:
+    """Create the communicators, the stream and, per collective of ``--collectives``, a
+    Session with its candidates (all sharing the communicators). Collective."""
     import cupy
 
     import ubnext
     from ubnext._engine.nccl import NcclComm
 
     count = ALL_REDUCE.count(args.maxbytes, args.dtype.itemsize, 1)
-    dependent = "dependent" in args.mode_list
+    dependent = "dependent" in args.mode_list and "all_reduce" in args.collective_list
     if dependent:  # every input buffer holds the GEMM's whole output
         count = max(count, args.gemm[0] * args.gemm[2])
     comm = ubnext.Communicator(**pool_mb_for(count * args.dtype.itemsize))
@@ -326,25 +254,41 @@ def open_session(args: argparse.Namespace) -> Session:
     stream = cupy.cuda.Stream(non_blocking=True)
     nccl = NcclComm(comm.bootstrap, comm.device)
     nccl.connect()
-    candidates = ubnext_candidates(comm, args.dtype, count) + [nccl_candidate(nccl, args.dtype, count)]
-    use_torch = _torch_wanted(args.torch)
-    left_out, kernels = {}, []
-    if use_torch:
-        more, left_out, kernels = torch_candidates(comm.bootstrap, comm.device, args.dtype, count, stream,
-                                                   args.nccl_symmetric != "0")
-        candidates += more
-    else:
-        left_out["nccl-symmetric"] = "needs torch (--torch 0, or torch does not import)"
-    if args.nccl_symmetric == "1" and "nccl-symmetric" in left_out:
-        raise RuntimeError(f"compare: --nccl-symmetric 1, but NCCL symmetric is not to be had: "
-                           f"{left_out['nccl-symmetric']}")
-    candidates = [c for c in candidates if args.op in c.ops]
-    s = Session(comm, nccl, stream, candidates, use_torch, left_out=left_out, symmetric_kernels=kernels)
+    use_torch = ct.wanted(args.torch)
+    reason = ct.torch_setup(comm.bootstrap, comm.device, stream, args.nccl_symmetric != "0") if use_torch else None
+    sessions = []
+    for label in args.collective_list:
+        if label == "all_reduce":
+            candidates = ubnext_candidates(comm, args.dtype, count) + [nccl_candidate(nccl, args.dtype, count)]
+        else:
+            n = COLLECTIVES[label].count(args.maxbytes, args.dtype.itemsize, comm.size)
+            candidates = (moves.ubnext_candidates(comm, label, args.dtype, n, Candidate, ubnext_refuses)
+                          + [moves.nccl_candidate(nccl, label, args.dtype, n, Candidate)])
+        left_out, kernels = {}, []
+        if use_torch and label == "all_reduce":
+            more, left_out, kernels = ct.all_reduce_candidates(comm.bootstrap, comm.device, args.dtype, count,
+                                                               Candidate, reason)
+            candidates += more
+        elif use_torch:
+            more, left_out, kernels = ct.mover_candidates(comm.bootstrap, comm.device, label, args.dtype, n,
+                                                          Candidate, reason)
+            candidates += more
+        else:
+            left_out["nccl-symmetric"] = "needs torch (--torch 0, or torch does not import)"
+        if args.nccl_symmetric == "1" and "nccl-symmetric" in left_out and label == "all_reduce":
+            raise RuntimeError(f"compare: --nccl-symmetric 1, but NCCL symmetric is not to be had: "
+                               f"{left_out['nccl-symmetric']}")
+        if label != "all_reduce" and "dependent" in args.mode_list:
+            left_out["dependent mode"] = "all_reduce only (its GEMM writes an all-reduce's input)"
+        candidates = [c for c in candidates if args.op in c.ops]
+        sessions.append(Session(comm, nccl, stream, candidates, use_torch, left_out=left_out,
+                                symmetric_kernels=kernels, label=label, collective=COLLECTIVES[label]))
     if dependent:
+        s = sessions[0]  # the all-reduce's
         s.gemm_data = common.GemmData(args.gemm, comm.size)
         into = common.gemm_launcher(s.gemm_data, comm.rank, args.dtype, use_torch, stream)
-        s.gemms = {c.name: into(c.send) for c in candidates}
-    return s
+        s.gemms = {c.name: into(c.send) for c in s.candidates}
+    return sessions
 
 
 def trial(s: Session, cand: Candidate, dtype: common.DType, op: str, count: int, seed: int) -> tuple[str, int]:
@@ -357,12 +301,13 @@ def trial(s: Session, cand: Candidate, dtype: common.DType, op: str, count: int,
         RuntimeError: some ranks refused and others did not.
     """
     send, recv = cand.send[:count], cand.recv[:count]
-    common.upload(send, common.make_input(s.bootstrap.rank, s.bootstrap.size, count, seed), dtype, s.stream)
+    mine, expected = s.collective.data(s.bootstrap.size, s.bootstrap.rank, count, seed, op)
+    common.upload(send, mine, dtype, s.stream)
     if cand.placement == "out-of-place":
         common.poison(recv, count, dtype, s.stream)
     reason = ""
     try:
-        ALL_REDUCE.run(cand.engine, send, recv, dtype, op, s.stream)
+        s.collective.run(cand.engine, send, recv, dtype, op, s.stream)
     except Exception as exc:
         if not cand.refuses(exc):
             raise
@@ -373,8 +318,8 @@ def trial(s: Session, cand: Candidate, dtype: common.DType, op: str, count: int,
     if reason:
         return "skipped", reason.splitlines()[0]
     got = common.download(recv, count, dtype, s.stream)
-    want = common.encode(common.expected_output(s.bootstrap.size, count, seed, op), dtype)
-    wrong = common.count_wrong(got, want, dtype, common.tolerance(op, s.bootstrap.size, dtype))
+    tol = common.tolerance(op, s.bootstrap.size, dtype) if s.collective.reduces else 0.0
+    wrong = common.count_wrong(got, common.encode(expected, dtype), dtype, tol)
     return "ok", int(sum(common.allgather_float(s.bootstrap, float(wrong))))
 
 
@@ -383,7 +328,7 @@ def samples(s: Session, cand: Candidate, count: int, op: str, mode: str, args: a
     send, recv = cand.send[:count], cand.recv[:count]
 
     def launch() -> None:
-        ALL_REDUCE.run(cand.engine, send, recv, args.dtype, op, s.stream)
+        s.collective.run(cand.engine, send, recv, args.dtype, op, s.stream)
 
     for _ in range(args.warmup_iters):
         launch()
@@ -445,13 +390,14 @@ def sweep(s: Session, args: argparse.Namespace, progress: Any) -> None:
     dtype, nranks = args.dtype, s.bootstrap.size
     total, done, seed = len(args.sizes) * len(s.candidates), 0, 0
     for nbytes in args.sizes:
-        count = ALL_REDUCE.count(nbytes, dtype.itemsize, nranks)
+        count = s.collective.count(nbytes, dtype.itemsize, nranks)
         for cand in s.candidates:
             done += 1
-            progress(f"[{done}/{total}] {common.human_bytes(nbytes):>8}  {cand.name}")
+            progress(f"[{done}/{total}] {common.human_bytes(nbytes):>8}  {cand.name}"
+                     + ("" if s.label == "all_reduce" else f" ({s.label})"))
             seed += 1
             status, detail = trial(s, cand, dtype, args.op, count, seed)
-            for mode in args.mode_list:
+            for mode in [m for m in args.mode_list if m != "dependent" or s.label == "all_reduce"]:
                 rec = {"candidate": cand.name, "placement": cand.placement, "mode": mode,
                        "bytes": count * dtype.itemsize, "count": count, "status": status,
                        "wrong": detail if status == "ok" else None,
@@ -465,7 +411,7 @@ def sweep(s: Session, args: argparse.Namespace, progress: Any) -> None:
                     rec["times_us"] = samples(s, cand, count, args.op, mode, args)
                 if status == "ok":
                     rec["median_us"] = statistics.median(rec["times_us"])
-                    rec["busbw_GBps"] = ALL_REDUCE.bandwidths(rec["bytes"], rec["median_us"] / 1e6, nranks)[1]
+                    rec["busbw_GBps"] = s.collective.bandwidths(rec["bytes"], rec["median_us"] / 1e6, nranks)[1]
                 s.records.append(rec)
 
 
@@ -513,10 +459,11 @@ def table(records: list[dict[str, Any]], mode: str, names: list[str], key: str =
     return lines
 
 
-def tables(records: list[dict[str, Any]], mode: str, names: list[str]) -> list[str]:
-    """The tables of one mode: the dependent mode's subtracted times, then its raw ones."""
+def tables(records: list[dict[str, Any]], mode: str, names: list[str], per: str = "all-reduce") -> list[str]:
+    """The tables of one mode (``per``: what one call is): the dependent mode's subtracted
+    times, then its raw ones."""
     if mode != "dependent":
-        return table(records, mode, names)
+        return table(records, mode, names, what=f"median us per {per}")
     return (table(records, mode, names, what="median us per all-reduce after a GEMM on its input, "
                   "the GEMMs' own graph time subtracted")
             + table(records, mode, names, "raw_median_us", "raw: median us per GEMM + all-reduce"))
@@ -542,16 +489,21 @@ def default_name(gpu: str, nranks: int, dtype: common.DType) -> str:
 
 
 def report(s: Session, args: argparse.Namespace, argv: list[str]) -> None:
-    """Rank 0: print the tables, write the JSON and the plots."""
+    """Rank 0: print the tables, write the JSON (a data mover's: ``<name>_<collective>``) and
+    the plots."""
     names = [c.name for c in s.candidates]
+    per = "all-reduce" if s.label == "all_reduce" else s.collective.name
+    if s.label != "all_reduce":
+        print(f"# {per} ({s.label}): bit for bit; busbw per nccl-tests", flush=True)
     for name, reason in s.left_out.items():
         print(f"# {name} left out: {reason}", flush=True)
-    for mode in args.mode_list:
-        print("\n".join(tables(s.records, mode, names)), flush=True)
+    for mode in sorted({r["mode"] for r in s.records}, key=args.mode_list.index):
+        print("\n".join(tables(s.records, mode, names, per)), flush=True)
     machine = machine_info(s.comm.device)
     doc = {
         "kind": "ubnext.compare", "version": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine, "world_size": s.bootstrap.size, "dtype": args.dtype.name, "op": args.op,
+        "collective": s.label,
         "command": shlex.join([sys.executable, *sys.argv[:1], *argv]),
         "env": common.environment_subset(),
         "config": {"iters": args.iters, "warmup_iters": args.warmup_iters, "graph_launches": args.cudagraph,
@@ -564,6 +516,8 @@ def report(s: Session, args: argparse.Namespace, argv: list[str]) -> None:
     }
     os.makedirs(args.outdir, exist_ok=True)
     name = args.name or default_name(machine["gpu"], s.bootstrap.size, args.dtype)
+    if s.label != "all_reduce":
+        name += f"_{s.label}"
     path = common.write_json(os.path.join(args.outdir, name + ".json"), doc)
     print(f"# wrote {path}", flush=True)
     try:
@@ -578,23 +532,28 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     keep_multicast_off()
-    s = open_session(args)
+    sessions = open_sessions(args)
     try:
+        s = sessions[0]
         rank0 = s.bootstrap.rank == 0
+        if rank0 and not args.name:  # one stem for every collective's file
+            args.name = default_name(common.device_properties(s.comm.device)["name"], s.bootstrap.size, args.dtype)
 
         def progress(text: str) -> None:
             if rank0:
                 sys.stderr.write(f"\r{text:<60}")
                 sys.stderr.flush()
 
-        sweep(s, args, progress)
+        for s in sessions:
+            sweep(s, args, progress)
         progress("done")
         if rank0:
             sys.stderr.write("\n")
-            report(s, args, argv)
-        wrong = any(r["status"] == "ok" and r["wrong"] for r in s.records)
+            for s in sessions:
+                report(s, args, argv)
+        wrong = any(r["status"] == "ok" and r["wrong"] for s in sessions for r in s.records)
     finally:
-        s.close()
+        sessions[0].close()  # the communicators all sessions share
     return 1 if wrong else 0
 
 

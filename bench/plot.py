@@ -49,9 +49,10 @@ def series(doc: dict[str, Any], mode: str, key: str) -> dict[str, tuple[list[int
 
 
 def title(doc: dict[str, Any]) -> str:
-    """``all-reduce, bfloat16 sum, 4 x NVIDIA H200 (host), 2026-01-01``."""
+    """``all-reduce, bfloat16 sum, 4 x NVIDIA H200 (host), 2026-01-01`` (the document's
+    ``collective``: ``broadcast, ...`` for a data mover's)."""
     m = doc["machine"]
-    return (f"all-reduce, {doc['dtype']} {doc.get('op', 'sum')}, {doc['world_size']} x {m['gpu']} "
+    return (f"{doc.get('collective', 'all_reduce').replace('_', '-')}, {doc['dtype']} {doc.get('op', 'sum')}, {doc['world_size']} x {m['gpu']} "
             f"({m['hostname']}), {doc['date'][:10]}")
 
 

@@ -8,7 +8,9 @@ unchanged; the reduce on small exact values (NCCL's order of reduction is its ow
 
 broadcast, all_to_all (even splits), gather and scatter run on NCCL and on the pool's
 copy form (``algorithm="copy"``, every test at every world size, ranks sharing a GPU
-included; ``auto`` takes it where NCCL cannot run); the others run on NCCL here, which
+included; ``auto`` takes it where NCCL cannot run), broadcast also on the copy form's
+bandwidth form (``algorithm="scatter_allgather"``, its messages over several rounds
+too); the others run on NCCL only, which
 refuses ranks sharing a GPU: there their tests are skipped and
 ``test_where_nccl_cannot_run_the_calls_raise`` checks that each raises UbnextError on
 every rank before anything is launched where NCCL is named, while ``barrier`` (ubnext's
@@ -61,6 +63,8 @@ def nccl(comm):
 MOVERS = ("copy", "nccl")
 #: and of the two that have a low-latency kernel (broadcast, even all_to_all)
 LL_MOVERS = ("ll", "copy", "nccl")
+#: broadcast's: those and its bandwidth form on the copy form's area
+BROADCASTS = ("ll", "copy", "scatter_allgather", "nccl")
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +161,7 @@ def cases():
 
 
 # ---- broadcast -------------------------------------------------------------------------------
-@pytest.mark.parametrize("algo", LL_MOVERS)
+@pytest.mark.parametrize("algo", BROADCASTS)
 @pytest.mark.parametrize("place", ["new", "out", "in"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
 def test_broadcast_bit_for_bit(comm, dtype, count, place, algo, request):
@@ -183,7 +187,7 @@ def test_broadcast_bit_for_bit(comm, dtype, count, place, algo, request):
     assert result.shape == x.view.shape and result.dtype == x.view.dtype
 
 
-@pytest.mark.parametrize("algo", LL_MOVERS)
+@pytest.mark.parametrize("algo", BROADCASTS)
 def test_broadcast_of_cupy_arrays(comm, algo, request):
     import cupy
 
@@ -192,6 +196,48 @@ def test_broadcast_of_cupy_arrays(comm, algo, request):
     out = comm.broadcast(x, root=comm.size - 1, algorithm=algo)
     assert isinstance(out, cupy.ndarray)
     cupy.testing.assert_array_equal(out, cupy.arange(1000, dtype=cupy.float32) + (comm.size - 1) * 1000)
+
+
+@pytest.mark.parametrize("algo", ["scatter_allgather", "copy"])
+def test_broadcast_over_several_rounds_eager_and_replayed(comm, algo):
+    """Messages of more rounds than the area's two halves hold (so the halves are reused
+    within a call and across calls), from every root in turn: eagerly, two calls queued
+    back to back, then captured after an eager call and replayed on new inputs; bit for
+    bit, canaries intact, the root's x unchanged."""
+    import torch
+
+    from ubnext._api.collectives.pool_copy import AREA_BYTES
+
+    n, me = comm.size, comm.rank
+    count = 2 * n * AREA_BYTES + 12345  # uint8: 4 or 5 rounds of scatter_allgather, more of the copy form
+    seed = seed_of("bcast-rounds", algo)
+    xs = [Bordered(count, "uint8", seed + 10 * r) for r in range(n)]
+    outs = [Bordered(count, "uint8", seed + 10 * r + 1) for r in range(n)]
+    data = [rank_bytes(count, "uint8", me, seed + r) for r in range(n)]
+    for r in range(n):
+        xs[r].view.copy_(on_device(data[r], "uint8"))
+    for r in range(n):  # every root in turn, queued without a wait between the calls
+        comm.broadcast(xs[r].view, r, out=outs[r].view, algorithm=algo)
+    torch.cuda.synchronize()
+    failures = []
+    for r in range(n):
+        with collected(failures):
+            assert_bytes(host_bytes(outs[r].view), rank_bytes(count, "uint8", r, seed + r), f"broadcast from {r}")
+            assert_bytes(host_bytes(xs[r].view), data[r], "broadcast changed x")
+            outs[r].assert_intact(f"broadcast from {r} (out)")
+            xs[r].assert_intact(f"broadcast from {r} (x)")
+    root = n - 1
+    x, out = xs[0].view, outs[0].view
+    graph = captured(lambda: comm.broadcast(x, root, out=out, algorithm=algo))
+    for step in range(2):
+        x.copy_(on_device(rank_bytes(count, "uint8", me, seed + 100 + step), "uint8"))
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        with collected(failures):
+            assert_bytes(host_bytes(out), rank_bytes(count, "uint8", root, seed + 100 + step), f"replay {step}")
+            outs[0].assert_intact("replayed broadcast (out)")
+    assert not failures, failures
 
 
 # ---- reduce ----------------------------------------------------------------------------------

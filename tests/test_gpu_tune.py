@@ -1,7 +1,8 @@
 """GPU: comm.describe() agrees with comm.select(), and short python -m ubnext.tune runs
 (back to back, and --mode dependent: each call after a GEMM) measure, write and merge a
 table that a communicator then loads (the dependent entry where UBNEXT_TABLE_MODE asks),
-the all-reduce's rows and the reduce-scatter's and all-gather's alike.
+the all-reduce's rows and the reduce-scatter's and all-gather's alike, and the data
+movers' (--movers), which auto then follows.
 
 Runs at any world size (``mpirun -n N python -m pytest tests/test_gpu_tune.py``).
 """
@@ -166,3 +167,49 @@ def test_tune_times_calls_on_values_not_zeros(comm, dtype):
     assert np.isfinite(values).all() and np.abs(values).max() <= 0.5
     whole = values[: values.size // _quant.GROUP * _quant.GROUP].reshape(-1, _quant.GROUP)
     assert (np.abs(whole).max(axis=1) > 0).all()
+
+
+def test_tune_movers_writes_their_rows_and_auto_follows_them(comm, tmp_path, capsys):
+    """--movers: the broadcast's and the all-to-all's forms and NCCL timed in one run (NCCL
+    refused, a dash, where ranks share a GPU), their rows under the entry's collectives; a
+    communicator loading the file hands each measured size to the row's algorithm, and its
+    auto broadcast and all-to-all move the bytes exactly at each size."""
+    import cupy
+    import numpy as np
+
+    import ubnext
+    from ubnext import tune
+    from ubnext._selection.table_format import load_table
+
+    path = comm.bootstrap.bcast_obj(str(tmp_path / "tune_movers.json") if comm.rank == 0 else None)
+    argv = ["-o", path, "--movers", "--collectives", "all_reduce", "-b", "4K", "-e", "4M", "-f", "32", "-n", "4",
+            "-G", "2", "--repeats", "3"]
+    assert tune.run(comm, tune.parse_args(argv), argv) == 0
+    if comm.rank == 0:
+        out = capsys.readouterr().out
+        assert "# µs per broadcast (size: the message, root 0)" in out and "# broadcast rows for " in out
+        assert "# send_recv: only NCCL serves it" in out or "# send_recv rows for " in out
+    comm.bootstrap.barrier()
+    (table,) = load_table(path).entries
+    world = str(comm.size)
+    for mover in ("broadcast", "all_to_all"):
+        kept = table.entry["measured"][world]["bfloat16"][mover]
+        assert kept["sizes"] == [4 << 10, 128 << 10, 4 << 20]
+        assert "nccl" in kept["us"] and "copy" in kept["us"]
+        assert all(t is None or t > 0 for ts in kept["us"].values() for t in ts)
+        assert set(table.by_collective[mover][world]) == {"bfloat16"}
+    assert set(table.entry["measured"][world]["bfloat16"]["broadcast"]["us"]) >= {"ll", "scatter_allgather"}
+    with ubnext.Communicator(pool_mb=64, staging_mb=8, lamport_twoshot_max_kb=2048, tune_file=path) as tuned:
+        n, me = tuned.size, tuned.rank
+        for mover in ("broadcast", "all_to_all"):
+            kept = table.entry["measured"][world]["bfloat16"][mover]
+            for nbytes, name in zip(kept["sizes"], kept["winners"]):
+                assert tuned._sized(mover, tuned._mover(mover, "auto"), nbytes, "bfloat16") == name, (mover, nbytes)
+                count = nbytes // 4 // n * n
+                x = cupy.arange(count, dtype=cupy.int32) + 1000000 * me
+                got = tuned.broadcast(x, 0) if mover == "broadcast" else tuned.all_to_all(x)
+                k = count // n
+                want = (np.arange(count, dtype=np.int32) if mover == "broadcast" else np.concatenate(
+                    [np.arange(me * k, (me + 1) * k, dtype=np.int32) + 1000000 * j for j in range(n)]))
+                assert (cupy.asnumpy(got) == want).all(), (mover, nbytes, name)
+        tuned.synchronize()

@@ -15,6 +15,9 @@ import pytest
 from test_collectives import buffer, calls, make_comm
 
 from ubnext._api.collectives import pool_copy as pc
+from ubnext._protocol.algorithms import ALGORITHMS
+from ubnext._selection.select import Selector
+from ubnext._selection.table_format import parse_table
 from ubnext._interop import streams
 from ubnext._protocol import signature as _signature
 from ubnext._protocol.errors import UbnextError
@@ -94,6 +97,12 @@ def _accesses(steps):
     return reads, writes
 
 
+def _out_of(rank, plans) -> int:
+    """Bytes that the steps of ``plans`` copy from ``rank``'s memory into another rank's."""
+    return sum(s[3] for p in plans for s in p
+               if s is not pc.WAIT and s[0] == "copy" and s[2] // STRIDE == rank and s[1] // STRIDE != rank)
+
+
 def _overlap(a, b):
     return a[0] < b[1] and b[0] < a[1]
 
@@ -111,6 +120,30 @@ def test_broadcast_plan(n, nbytes):
         assert (node.mem[node.x(r):node.x(r) + nbytes] == mine[r]).all()
     # in place, twice in a row (the second call's writes after every read of the first)
     plans = [pc.broadcast_plan(r, root, node.area, node.x(r), node.x(r), nbytes, HALF) for r in range(n)]
+    node.run([p + p for p in plans])
+    for r in range(n):
+        assert (node.mem[node.x(r):node.x(r) + nbytes] == want).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("nbytes", [1, 16, 17, 95, 96, 97, 191, 300, 4 * HALF + 1, 9 * HALF + 7])
+def test_scatter_allgather_plan(n, nbytes):
+    """Broadcast's bandwidth form: the root's bytes on every rank (out of place, then in
+    place twice in a row), x unchanged out of place; the root sends each byte of a round
+    once to a peer's area, where the copy form's plan has every peer pull the whole message
+    from the root."""
+    node = Node(n, nbytes + 1)
+    root = (nbytes + 1) % n
+    want = node.mem[node.x(root):node.x(root) + nbytes].copy()
+    mine = [node.mem[node.x(r):node.x(r) + nbytes].copy() for r in range(n)]
+    plans = [pc.scatter_allgather_plan(r, root, node.area, node.x(r), node.out(r), nbytes, HALF) for r in range(n)]
+    node.run(plans)
+    for r in range(n):
+        assert (node.mem[node.out(r):node.out(r) + nbytes] == want).all()
+        assert (node.mem[node.x(r):node.x(r) + nbytes] == mine[r]).all()
+    rounds = -(-nbytes // (n * HALF))
+    assert _out_of(root, plans) <= 2 * nbytes + rounds * n * 16  # the copy form's: (n - 1) x nbytes
+    plans = [pc.scatter_allgather_plan(r, root, node.area, node.x(r), node.x(r), nbytes, HALF) for r in range(n)]
     node.run([p + p for p in plans])
     for r in range(n):
         assert (node.mem[node.x(r):node.x(r) + nbytes] == want).all()
@@ -223,6 +256,76 @@ def test_auto_takes_nccl_where_it_runs_and_the_copy_form_where_not(monkeypatch):
     assert shared.steps == [("copy", out.ptr, 0x100000 + 2 * 0x10000, 16, 0x77)]  # rank 1 pulls the root's half
 
 
+def with_rows(monkeypatch, collectives, nccl_problem=None):
+    """``pooled``'s communicator whose selector has a tune file with the movers' rows
+    ``collectives`` (an entry's ``collectives``) for any machine."""
+    c = pooled(monkeypatch, nccl_problem)
+    doc = {"format": 2, "entries": [{"gpu": "*", "link": "*", "placement": "*", "mode": "*",
+                                     "tables": {"*": {"bfloat16": [[None, "nccl"]]}}, "collectives": collectives}]}
+    fits = c._selector.fits
+    c._selector = Selector(4, c._selector.limits, list(ALGORITHMS), parse_table(doc, "tune file t.json"), "",
+                           False, nccl_problem)
+    c._selector.fits = fits
+    launches = []
+    c._node.engine = SimpleNamespace(ll_move=lambda *a: launches.append(a) or ("launch", a))
+    monkeypatch.setattr(pc, "issue", lambda launch, stream: None)
+    c.launches = launches
+    return c
+
+
+BCAST_ROWS = {"broadcast": {"tables": {"4": {"bfloat16": [[64, "ll"], [1024, "nccl"], [None, "scatter_allgather"]]}}},
+              "all_to_all": {"tables": {"4": {"bfloat16": [[None, "ll"]]}}}}
+
+
+def test_auto_hands_each_size_to_the_rows_algorithm(monkeypatch):
+    """With selector rows for a mover, auto takes, at each size, the first row that covers it
+    and whose algorithm runs here; the area is allocated at the first call where a row names
+    a form on it; a row that cannot take the size (ll past its bound) is passed over, and
+    where none takes it, today's rule (NCCL where it runs)."""
+    c = with_rows(monkeypatch, BCAST_ROWS)
+    x = buffer(32)  # 64 bytes
+    got = c.broadcast(x, root=0)
+    assert c.launches == [("ub_ll_broadcast", x.ptr, got.ptr, 64, _signature.encode_rooted("broadcast", "bfloat16",
+                                                                                           32, 0), 0)]
+    assert c.areas == [(pc.AREA_KEY, pc.AREA_BYTES)] and calls(c) == [] and c.steps == []
+    c.broadcast(buffer(33), root=0)
+    assert calls(c)[0][0] == "broadcast" and c.steps == [] and len(c.launches) == 1
+    big = buffer(513, ptr=1 << 22)
+    got = c.broadcast(big, root=2)
+    area = c._copy_area()
+    assert c.steps == [(*s, 0x77) for s in pc.scatter_allgather_plan(1, 2, area, big.ptr, got.ptr, 1026,
+                                                                      pc.AREA_BYTES // 2) if s is not pc.WAIT]
+    assert c.steps == [("copy", got.ptr + 272 * d, area[d], 272 if d < 3 else 210, 0x77) for d in range(4)]
+    assert len(c._dispatch.barriers) == 2 and len(calls(c)) == 1
+    a2a = buffer(4 * 4, shape=(4, 4))  # 8 bytes per part: ll
+    c.all_to_all(a2a)
+    assert c.launches[-1][:1] == ("ub_ll_alltoall",) and c.launches[-1][3] == 8
+    part = pc.LL_MAX_BYTES + 2
+    c.all_to_all(buffer(2 * part, shape=(4, part // 2)))  # past ll's bound: no row takes it, NCCL
+    assert calls(c)[-1][0] == "exchange" and len(c.launches) == 2
+
+
+def test_where_nccl_cannot_run_its_rows_are_passed_over(monkeypatch):
+    """Ranks sharing a GPU: a row giving NCCL is passed over for the next that runs here, and
+    where none does, the copy form serves the call."""
+    c = with_rows(monkeypatch, BCAST_ROWS, nccl_problem="local ranks 0, 1 share one GPU")
+    x = buffer(100, ptr=1 << 22)  # 200 bytes: NCCL's row, then scatter_allgather's
+    got = c.broadcast(x, root=1)
+    assert c.steps[:4] == [("copy", c._copy_area()[d] , x.ptr + 64 * d, 64 if d < 3 else 8, 0x77) for d in range(4)]
+    assert calls(c) == []
+    c.steps.clear()
+    c.all_to_all(buffer(2 * (pc.LL_MAX_BYTES + 2), shape=(4, pc.LL_MAX_BYTES // 2 + 1)))
+    assert c.steps and c.steps[-1][0] == "rows" and calls(c) == [] and got is not None
+
+
+def test_rows_for_other_movers_leave_a_mover_without_rows_to_todays_rule(monkeypatch):
+    """A mover without rows (the shipped table has none) takes today's rule before its
+    section: NCCL where it runs (no area allocated), whatever other movers' rows say."""
+    c = with_rows(monkeypatch, {"all_to_all": BCAST_ROWS["all_to_all"]})
+    c.broadcast(buffer(8))
+    assert calls(c)[0][0] == "broadcast" and c.areas == [] and c.launches == []
+
+
 def test_the_copy_forms_first_call_refuses_a_capture_before_anything(monkeypatch):
     """The copy form's first call allocates and zeroes its barrier's flag and waits on the
     host: under a CUDA graph capture it raises, queuing nothing (the capture stays valid)."""
@@ -265,6 +368,25 @@ def test_where_nccl_cannot_run_a_named_nccl_raises(monkeypatch):
     assert c.areas == []  # refused before the copy form's area
     c.all_to_all(buffer(4))  # even: the copy form
     assert c.steps and calls(c) == []
+
+
+def test_scatter_allgather_is_named_for_broadcast_only(monkeypatch):
+    """Named, broadcast's bandwidth form issues its plan on the copy form's area (allocated
+    at the first call) between its barriers; other movers and a communicator without a pool
+    refuse it before anything is launched."""
+    c = pooled(monkeypatch, rank=2)
+    x = buffer(40, "float32", ptr=1 << 20)  # 160 bytes: parts of 48 bytes, the last of 16
+    out = c.broadcast(x, root=2, algorithm="scatter_allgather")
+    area = tuple(0x100000 + r * 0x10000 for r in range(4))
+    assert c.areas == [(pc.AREA_KEY, pc.AREA_BYTES)] and calls(c) == []
+    assert c.steps == [*(("copy", area[d], x.ptr + 48 * d, 48 if d < 3 else 16, 0x77) for d in range(4)),
+                       ("copy", out.ptr, x.ptr, 160, 0x77)]
+    assert len(c._dispatch.barriers) == 2
+    with pytest.raises(UbnextError, match="^all_to_all: unknown algorithm 'scatter_allgather'; use auto or one of "
+                                          "ll, copy, nccl"):
+        c.all_to_all(buffer(8), algorithm="scatter_allgather")
+    with pytest.raises(UbnextError, match=r"^broadcast: algorithm 'scatter_allgather' needs the symmetric pool"):
+        make_comm(monkeypatch).broadcast(x, algorithm="scatter_allgather")
 
 
 def test_gather_and_scatter_issue_their_plans(monkeypatch):

@@ -144,6 +144,14 @@ def test_default_table_file_is_the_one_packaged():
     (document(entry(collectives={"all_gather": {"tables": {"4": {"bfloat16": [[None, "lamport"]]}}}})),
      "entries[0] (NVIDIA H200 nvlink plain graph): collectives['all_gather'].tables['4']['bfloat16']: "
      "row 1: lamport has no all_gather kernel"),
+    (document(entry(collectives={"broadcast": {"tables": {"4": {"bfloat16": [[None, "lamport"]]}}}})),
+     "collectives['broadcast'].tables['4']['bfloat16']: row 1: 'lamport' is not an algorithm of broadcast; use ll, "
+     "copy, scatter_allgather, nccl"),
+    (document(entry(collectives={"all_to_all": {"tables": {"2": {"float32": [[None, "scatter_allgather"]]}}}})),
+     "row 1: 'scatter_allgather' is not an algorithm of all_to_all; use ll, copy, nccl"),
+    (document(entry(collectives={"gather": {"tables": {"2": {"float32": [[None, "copy"]]}}}})),
+     "collectives must be an object whose keys are among reduce_scatter, all_gather, broadcast, all_to_all, "
+     "send_recv"),
     (document(entry(), note=["x"]), "note must be a string"),
 ])
 def test_format_2_errors_name_the_entry_and_the_key(tmp_path, doc, message):
@@ -1004,3 +1012,60 @@ def test_the_communicator_refuses_an_opt_in_to_a_format_a_gpu_of_the_node_cannot
             assert isinstance(r, UbnextError) and str(r).startswith(
                 f"Communicator: UBNEXT_QUANTIZED=fp8 needs compute capability 8.9 or newer on every GPU of the node "
                 f"(") and str(r).endswith(refused) and "\n" not in str(r), r
+
+
+# --------------------------------------------------------------------------- the data movers' rows
+
+
+MOVER_ROWS = {"broadcast": {"note": "x", "tables": {"4": {"float32": [[4 * KiB, "ll"], [MiB, "nccl"],
+                                                                     [None, "scatter_allgather"]]}}},
+              "all_to_all": {"tables": {"*": {"bfloat16": [[64 * KiB, "ll"], [None, "copy"]]}}},
+              "send_recv": {"tables": {"2": {"bfloat16": [[None, "nccl"]]}}}}
+
+
+def test_mover_rows_choose_by_bytes_for_any_dtype_and_only_where_measured(tmp_path):
+    """A data mover's rows (an entry's collectives, algorithms of MOVER_SERVES) choose by the
+    bytes moved, for every dtype (a dtype without rows takes another's); a world size
+    without rows, or a table without them (the shipped one), gives None: today's rule."""
+    table = load_table(write(tmp_path, document(entry(collectives=MOVER_ROWS))))
+    assert table.entries[0].by_collective["broadcast"]["4"]["float32"][2] == (None, "scatter_allgather")
+    sel = Selector(4, buffer_limits(Config()), ["nccl"], table, machine=Machine("NVIDIA H200"))
+    every = lambda name: True  # noqa: E731
+    for dtype in DTYPES:
+        assert sel.mover("broadcast", 4 * KiB, dtype, every)[0] == "ll"
+        assert sel.mover("broadcast", 4 * KiB + 1, dtype, every)[0] == "nccl"
+        assert sel.mover("broadcast", MiB + 1, dtype, every)[0] == "scatter_allgather"
+    algo, why = sel.mover("broadcast", 100, "int8", lambda name: name != "ll")
+    assert algo == "nccl" and why.startswith("table row ≤ 1 MiB for 4 ranks float32 (no int8 rows) (broadcast, tune file")
+    assert sel.mover("all_to_all", 1 << 30, "float16", every)[0] == "copy"
+    assert sel.mover("all_to_all", 1, "float16", lambda name: name == "nccl") is None
+    assert sel.mover("send_recv", 1, "bfloat16", every) is None  # rows for 2 ranks only
+    assert sel.mover_algorithms("broadcast") == {"ll", "nccl", "scatter_allgather"}
+    assert sel.mover_algorithms("send_recv") == set()
+    shipped = Selector(4, buffer_limits(Config()), ["nccl"], None, machine=Machine("NVIDIA H200"))
+    assert all(shipped.mover_algorithms(c) == set() for c in ("broadcast", "all_to_all", "send_recv"))
+    assert shipped.mover("broadcast", 1, "bfloat16", every) is None
+
+
+def test_mover_rows_serve_only_the_machine_they_were_measured_on(tmp_path):
+    """An H200 entry's mover rows: an H200 takes them; an H100 (the same family's entry),
+    the dependent mode (graph's entry) and another link do not (auto's rule of today),
+    and the reason says so; the entry's other rows still serve them; an entry for any GPU
+    ("*") serves every GPU."""
+    rows = {"broadcast": MOVER_ROWS["broadcast"], "reduce_scatter": {"tables": {"4": {"bfloat16": [[None, "nccl"]]}}}}
+    path = write(tmp_path, document(entry(collectives=rows, quantized=quantized({"4": {"bfloat16": {"int8": MiB}}}))))
+    table = load_table(path)
+    every = lambda name: True  # noqa: E731
+    for machine, taken in ((Machine("NVIDIA H200"), True), (Machine("NVIDIA H100 80GB HBM3"), False),
+                           (Machine("NVIDIA H200", mode="dependent"), False), (Machine("NVIDIA H200", "pcie"), False)):
+        sel = Selector(4, buffer_limits(Config()), ["nccl"], table, machine=machine)
+        assert (sel.mover("broadcast", KiB, "float32", every) is not None) == taken, machine
+        chosen = table.choose(machine)
+        assert ("data movers' rows" in chosen.why) == (not taken)
+        assert chosen.by_collective["reduce_scatter"] == {"4": {"bfloat16": ((None, "nccl"),)}}
+    why = table.choose(Machine("NVIDIA H100 80GB HBM3")).why
+    assert why.endswith("; its quantized thresholds and data movers' rows not taken (measured on NVIDIA H200 "
+                        "nvlink plain graph only)")
+    star = load_table(write(tmp_path, document(entry(gpu="*", collectives=rows)), "star.json"))
+    sel = Selector(4, buffer_limits(Config()), ["nccl"], star, machine=Machine("NVIDIA B200"))
+    assert sel.mover("broadcast", MiB + 1, "bfloat16", every)[0] == "scatter_allgather"

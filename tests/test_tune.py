@@ -15,7 +15,8 @@ import pytest
 from stream_fakes import fake_context
 
 from ubnext import UbnextError, tune
-from ubnext._protocol.algorithms import ALGORITHMS
+from ubnext._protocol.algorithms import ALGORITHMS, MOVER_SERVES
+from ubnext._protocol.constants import LL_MAX_BYTES
 from ubnext._selection.select import Selector
 from ubnext._selection.table import Machine
 from ubnext._selection.table_format import load_table, parse_table
@@ -258,8 +259,14 @@ def test_parse_args_collectives(capsys):
         "all_reduce", "all_gather"]  # in COLLECTIVES' order, once each
     assert tune.parse_args(["--collectives", "all_reduce"]).collectives == ["all_reduce"]
     with pytest.raises(SystemExit):
-        tune.parse_args(["--collectives", "all_reduce,all_to_all"])
-    assert "--collectives: unknown all_to_all; use all_reduce, reduce_scatter, all_gather" in capsys.readouterr().err
+        tune.parse_args(["--collectives", "all_reduce,gather"])
+    assert ("--collectives: unknown gather; use all_reduce, reduce_scatter, all_gather, broadcast, all_to_all, "
+            "send_recv") in capsys.readouterr().err
+    assert tune.parse_args(["--collectives", "broadcast,all_reduce"]).collectives == ["all_reduce", "broadcast"]
+    assert tune.parse_args(["--movers"]).collectives == ["all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                                         "all_to_all", "send_recv"]
+    assert tune.parse_args(["--movers", "--collectives", "all_reduce,all_to_all"]).collectives == [
+        "all_reduce", "broadcast", "all_to_all", "send_recv"]
     for without in ("reduce_scatter", "reduce_scatter,all_gather", ""):
         with pytest.raises(SystemExit):
             tune.parse_args(["--collectives", without])
@@ -326,6 +333,27 @@ class FakeComm:
         assert out.host.size == self.size * x.host.size and ALGORITHMS[algorithm].serves("all_gather")
         self.sliced.add(("all_gather", x.host.size, out.host.size))
         self.all_reduce(x, out, algorithm, stream)
+
+
+    # the data movers: each form's refusals as the communicator's (ll past LL_MAX_BYTES per
+    # part, NCCL where it cannot run: ``nccl_problem``)
+    nccl_problem = None
+
+    def _mover(self, name, algorithm, part_bytes, x, out, stream):
+        if algorithm == "ll" and part_bytes > LL_MAX_BYTES:
+            raise UbnextError(f"{name}: algorithm 'll' takes at most {LL_MAX_BYTES} bytes")
+        if algorithm == "nccl" and self.nccl_problem:
+            raise UbnextError(f"{name}: algorithm 'nccl' was named, and NCCL, which runs it, cannot run here")
+        self.sliced.add((name, x.host.size, out.host.size))
+        self.all_reduce(x, out, "nccl", stream)
+
+    def broadcast(self, x, root, out=None, stream=None, algorithm="auto"):
+        assert root == 0 and algorithm in MOVER_SERVES["broadcast"]
+        self._mover("broadcast", algorithm, x.host.nbytes, x, out, stream)
+
+    def all_to_all(self, x, out=None, stream=None, algorithm="auto"):
+        assert algorithm in MOVER_SERVES["all_to_all"] and x.host.size % self.size == 0
+        self._mover("all_to_all", algorithm, x.host.nbytes // self.size, x, out, stream)
 
 
 @pytest.fixture
@@ -810,3 +838,79 @@ def test_the_dependent_mode_without_torch_stops_at_parsing(monkeypatch, capsys):
         tune.parse_args(["--mode", "dependent"])
     assert "--mode dependent needs torch" in capsys.readouterr().err
     assert tune.parse_args([]).mode == "graph"  # the graph mode needs no torch
+
+
+# --------------------------------------------------------------------------- the data movers
+
+
+def test_measure_a_mover_times_each_of_its_forms_and_nccl_in_one_sweep(cupy):
+    """Every algorithm of the mover (MOVER_SERVES) and NCCL at every size, out of place: the
+    broadcast from root 0 on the whole message, the all-to-all on whole parts; a form that
+    refuses a size (ll past its bound; NCCL where it cannot run) is measured as None."""
+    args = tune.parse_args(["-b", "16K", "-e", "1M", "-f", "16", "-n", "1", "-G", "1", "--repeats", "1", "-w", "1"])
+    comm = FakeComm(size=3)
+    found = tune_measure.measure(comm, cupy.cuda.Stream(), "bfloat16", "broadcast", args, lambda _: None)
+    assert found.sizes == [16 * KiB, 256 * KiB]
+    assert [sorted(r) for r in found.times] == [["copy", "ll", "nccl", "scatter_allgather"]] * 2
+    assert [[n for n, t in r.items() if t is None] for r in found.times] == [[], ["ll"]]
+    assert comm.sliced == {("broadcast", 8 * KiB, 8 * KiB), ("broadcast", 128 * KiB, 128 * KiB)}
+    comm = FakeComm(size=3)
+    comm.nccl_problem = "local ranks 0, 1 share one GPU"
+    found = tune_measure.measure(comm, cupy.cuda.Stream(), "bfloat16", "all_to_all", args, lambda _: None)
+    assert [sorted(r) for r in found.times] == [["copy", "ll", "nccl"]] * 2
+    assert [[n for n, t in r.items() if t is None] for r in found.times] == [["nccl"], ["ll", "nccl"]]  # 85 KiB/part
+    assert comm.sliced == {("all_to_all", 8190, 8190), ("all_to_all", 131070, 131070)}  # whole parts
+    assert tune_measure.call_counts("all_to_all", 10, 4) == (8, 8)
+    assert tune_measure.call_counts("broadcast", 10, 4) == tune_measure.call_counts("send_recv", 10, 4) == (10, 10)
+
+
+def mover_times(nbytes: int, names) -> dict:
+    """ll fast to 64 KiB, NCCL between, scatter_allgather from 1 MiB; the copy form never wins."""
+    times = {"ll": 2.0 if nbytes <= 64 * KiB else None, "copy": 50.0 + nbytes / 1e4, "nccl": 10.0 + nbytes / 5e4,
+             "scatter_allgather": 25.0 + nbytes / 2e5}
+    return {k: v for k, v in times.items() if k in names}
+
+
+def test_run_with_movers_writes_their_rows_and_auto_follows_them(cupy, monkeypatch, tmp_path, capsys):
+    """--movers: the broadcast's and the all-to-all's rows from one sweep each (all their
+    forms and NCCL), under the entry's collectives with MOVER_NOTE and their measured record;
+    send/recv, which only NCCL serves, is not measured; the selector's mover rows then choose
+    by size."""
+    calls = []
+    reductions = fake_measure(calls=calls)
+
+    def measure(comm, stream, dtype, collective, args, progress):
+        if collective not in MOVER_SERVES:
+            return reductions(comm, stream, dtype, collective, args, progress)
+        calls.append((dtype, collective))
+        names = tune_measure.candidates(comm, collective)
+        return tune_measure.Measured(args.sizes, [mover_times(n, names) for n in args.sizes])
+
+    monkeypatch.setattr(tune, "measure", measure)
+    out = tmp_path / "tune.json"
+    argv = ["-o", str(out), "--movers", "--collectives", "all_reduce", "-b", "16K", "-e", "16M", "-f", "4"]
+    assert tune.run(FakeComm(4), tune.parse_args(argv), argv) == 0
+    assert calls == [("bfloat16", c) for c in ("all_reduce", "broadcast", "all_to_all")]
+    text = capsys.readouterr().out
+    assert "# send_recv: only NCCL serves it; nothing to choose, not measured" in text
+    assert "# broadcast rows for 4 ranks bfloat16: ≤ 64 KiB ll, ≤ 1 MiB nccl, then scatter_allgather" in text
+    assert "# µs per broadcast (size: the message, root 0) (plain arrays, out of place)" in text
+    (entry,) = load_table(str(out)).entries
+    rows = ((64 * KiB, "ll"), (1 * MiB, "nccl"), (None, "scatter_allgather"))
+    assert entry.by_collective["broadcast"] == {"4": {"bfloat16": rows}}
+    assert entry.by_collective["all_to_all"] == {"4": {"bfloat16": ((64 * KiB, "ll"), (None, "nccl"))}}
+    assert "send_recv" not in entry.by_collective
+    assert {c: entry.entry["collectives"][c]["note"] for c in ("broadcast", "all_to_all")} == {
+        "broadcast": tune_table.MOVER_NOTE, "all_to_all": tune_table.MOVER_NOTE}
+    record = entry.entry["measured"]["4"]["bfloat16"]["broadcast"]
+    assert set(record["us"]) == {"ll", "copy", "nccl", "scatter_allgather"} and record["us"]["ll"][-1] is None
+    sel = Selector(4, {}, ALL, load_table(str(out)), machine=Machine(entry.gpu))  # the machine it ran on
+    every = lambda name: True  # noqa: E731
+    assert [sel.mover("broadcast", n, "float32", every)[0] for n in (KiB, 256 * KiB, 64 * MiB)] == [
+        "ll", "nccl", "scatter_allgather"]
+    # a later run without --movers keeps the movers' rows and records
+    argv = ["-o", str(out), "--collectives", "all_reduce", "-b", "16K", "-e", "16M", "-f", "4"]
+    assert tune.run(FakeComm(4), tune.parse_args(argv), argv) == 0
+    (entry,) = load_table(str(out)).entries
+    assert entry.by_collective["broadcast"] == {"4": {"bfloat16": rows}}
+    assert set(entry.entry["measured"]["4"]["bfloat16"]) >= {"broadcast", "all_to_all"}

@@ -5,6 +5,7 @@
     export UBNEXT_TUNE_FILE=$PWD/tune.json
     mpirun -n 4 python -m ubnext.tune --mode dependent -o tune.json   # adds the dependent entry
     export UBNEXT_TABLE_MODE=dependent                  # communicators take it
+    mpirun -n 4 python -m ubnext.tune --movers -o tune.json   # the data movers' rows too
 
 For each dtype (``--dtype``), collective (``--collectives``: the all-reduce, the
 reduce-scatter and the all-gather by default) and message size (``-b`` to ``-e``, times
@@ -21,6 +22,16 @@ with the same winner become one table row; the last row has no upper limit. The
 all-reduce's rows are the entry's ``tables``, the others' its ``collectives`` (format 2 of
 ``ubnext._selection.table``); the all-reduce is always measured (an entry's ``tables`` are
 required), the others only where ``--collectives`` names them.
+
+The data movers (``--movers``, or named in ``--collectives``: ``broadcast``, ``all_to_all``,
+``send_recv``) are timed the same way, each of its algorithms (``MOVER_SERVES``: the
+low-latency kernel, the copy form, broadcast's scatter + all-gather, NCCL) and NCCL in one
+run, out of place: the broadcast from root 0, the all-to-all with even splits (a size is
+one rank's whole input, as in nccl-tests), send/recv as a ring in one batch; a form that
+cannot take a size (the low-latency kernel past 64 KiB per part, NCCL where it cannot run)
+is refused there, and a mover that only NCCL serves is not measured. Their rows go under
+the entry's ``collectives`` with the mover's name; ``auto`` then hands each size to its
+winner (``pool_copy.PoolCopy._sized``).
 
 ``--mode`` says how the calls are issued, and keys the entry written. ``graph`` (the
 default): back to back. ``dependent``: as in a model, each call after a GEMM
@@ -74,14 +85,18 @@ from collections.abc import Sequence
 from ubnext._environment.config import TABLE_MODES, Config
 from ubnext._environment.devices import device_name
 from ubnext._protocol import quant as _quant
-from ubnext._protocol.algorithms import COLLECTIVES, DTYPES, KERNEL_DTYPES
+from ubnext._protocol.algorithms import COLLECTIVES, DTYPES, KERNEL_DTYPES, MOVER_TABLES
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.table import Machine, human_bytes
 from ubnext._tools.cli import run_or_abort, size_arg, size_list
 from ubnext._tools.dependent import GEMM_SHAPE, gemm_arg
-from ubnext._tools.tune_measure import call_counts, measure
+from ubnext._tools.tune_measure import call_counts, candidates, measure
 from ubnext._tools.tune_table import (entry_of, existing_document, merged_document, quantized_thresholds, report,
                                       table_rows, winner, write_atomically)
+
+
+#: what a run may tune: the reductions' collectives, then the data movers'
+TUNED = (*COLLECTIVES, *MOVER_TABLES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,8 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated dtypes to tune, or all ({', '.join(KERNEL_DTYPES)}; default bfloat16)")
     p.add_argument("--collectives", default=",".join(COLLECTIVES),
                    help=f"comma-separated collectives to tune, all_reduce among them (its rows are the entry's "
-                        f"tables, which every entry has); sizes are whole messages: the reduce-scatter's input, "
-                        f"the all-gather's output (default {','.join(COLLECTIVES)})")
+                        f"tables, which every entry has), the data movers {', '.join(MOVER_TABLES)} too; sizes "
+                        f"are whole messages: the reduce-scatter's input, the all-gather's output, the "
+                        f"all-to-all's input (default {','.join(COLLECTIVES)})")
+    p.add_argument("--movers", action="store_true",
+                   help=f"also tune the data movers ({', '.join(MOVER_TABLES)}): each of ubnext's forms of them "
+                        f"and NCCL, in the same run")
     p.add_argument("-b", "--minbytes", type=size_arg, default=1 << 10, help="smallest size (default 1K)")
     p.add_argument("-e", "--maxbytes", type=size_arg, default=256 << 20, help="largest size (default 256M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (default 2)")
@@ -118,21 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate; adds ``dtypes`` and ``sizes``, makes ``collectives`` a list (in the
-    order of ``COLLECTIVES``), and sets ``gemm`` in the dependent mode (None in the graph mode)."""
+    order of :data:`TUNED`, the movers added by ``--movers``), and sets ``gemm`` in the dependent mode (None in the graph mode)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     args.dtypes = list(KERNEL_DTYPES) if args.dtype == "all" else [d for d in args.dtype.split(",") if d]
     unknown = [d for d in args.dtypes if d not in KERNEL_DTYPES]
     if unknown or not args.dtypes:
         parser.error(f"--dtype: unknown {', '.join(unknown) or '(none)'}; use {', '.join(KERNEL_DTYPES)} or all")
-    wanted = [c for c in args.collectives.split(",") if c]
-    unknown = [c for c in wanted if c not in COLLECTIVES]
+    wanted = [c for c in args.collectives.split(",") if c] + (list(MOVER_TABLES) if args.movers else [])
+    unknown = [c for c in wanted if c not in TUNED]
     if unknown:
-        parser.error(f"--collectives: unknown {', '.join(unknown)}; use {', '.join(COLLECTIVES)}")
+        parser.error(f"--collectives: unknown {', '.join(unknown)}; use {', '.join(TUNED)}")
     if "all_reduce" not in wanted:  # a new entry could not be written without its rows
         parser.error("--collectives: all_reduce is always measured (its rows are the entry's tables, which every "
                      "entry has); add the others to it, e.g. all_reduce,reduce_scatter")
-    args.collectives = [c for c in COLLECTIVES if c in wanted]
+    args.collectives = [c for c in TUNED if c in wanted]
     if args.stepfactor < 2:
         parser.error("-f must be >= 2")
     if args.minbytes < 16:
@@ -202,6 +221,9 @@ def run(comm, args: argparse.Namespace, argv: Sequence[str]) -> int:
                 "repeats": args.repeats, **({"gemm_mnk": list(args.gemm)} if args.gemm else {}),
             }
             for collective in args.collectives:
+                if len(candidates(comm, collective)) < 2:  # a mover that only NCCL serves
+                    say(f"# {collective}: only NCCL serves it; nothing to choose, not measured", flush=True)
+                    continue
                 found = measure(comm, stream, dtype, collective, args, progress)
                 winners = [winner(t, args.margin) for t in found.times]
                 progress("")

@@ -163,8 +163,16 @@ MOVERS = {
     "ll": "low-latency kernel: 8 bytes and a flag per pushed 16-byte line, polled, no barrier (broadcast and "
           "all_to_all; parts up to LL_MAX_BYTES)",
     "copy": "copy engines between the ranks' segments of a pool area, ubnext's one-shot all-reduce as the barrier",
+    "scatter_allgather": "broadcast's bandwidth form on the copy form's area: the root's message cut in one part "
+                         "per rank, each pushed into its rank's area, then every rank pulls every part",
     "nccl": "the NCCL library (ncclBroadcast; grouped ncclSend/ncclRecv for the others)",
 }
+#: data mover -> the algorithms of MOVERS its calls take (by name, and from selector table rows)
+MOVER_SERVES = {"broadcast": ("ll", "copy", "scatter_allgather", "nccl"), "all_to_all": ("ll", "copy", "nccl"),
+                "gather": ("copy", "nccl"), "scatter": ("copy", "nccl"), "send_recv": ("nccl",)}
+#: the data movers that selector tables have rows for (``collectives`` of an entry; a call of
+#: them resolves ``auto`` by its size: ``pool_copy.PoolCopy._sized``)
+MOVER_TABLES = ("broadcast", "all_to_all", "send_recv")
 #: the low-latency movers' kernel source and its entry point per collective
 LL_SOURCE = "ll_move.cu"
 LL_ENTRIES = {"all_to_all": "ub_ll_alltoall", "broadcast": "ub_ll_broadcast"}

@@ -12,7 +12,9 @@ call's arrays are pool buffers: the ``"plain"`` entries serve every call (choosi
 the ``"pool"`` entries for pool buffers is a follow-up). The size from which
 ``precision="auto"`` quantizes on an opted-in communicator comes from the same entries
 (their ``quantized`` thresholds, the all-reduce's and the reduce-scatter's:
-:meth:`Selector.quantized`).
+:meth:`Selector.quantized`), and so do the data movers' rows (:meth:`Selector.mover`: by
+the bytes a broadcast, all-to-all or send/recv moves; None where no table has them, and
+the mover keeps its rule: ``pool_copy.PoolCopy._auto``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import dataclasses
 
 from ubnext._environment.config import Config
 from ubnext._protocol import quant as _quant
-from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, FLOAT_DTYPES, KERNEL_DTYPES, UNICAST_OF
+from ubnext._protocol.algorithms import (ALGORITHMS, COLLECTIVES, DTYPES, FLOAT_DTYPES, KERNEL_DTYPES, MOVER_TABLES,
+                                         UNICAST_OF)
 from ubnext._selection.table import Machine, Row, TableFile, Thresholds, human_bytes
 from ubnext._selection.table_format import default_table
 
@@ -112,6 +115,10 @@ class Selector:
         #: reduces the others.
         self._rows = {c: {dtype: next(found for t in self.tables if (found := t.lookup(nranks, dtype, c)))
                           for dtype in KERNEL_DTYPES} for c in COLLECTIVES}
+        #: data mover (MOVER_TABLES) -> dtype -> (rows, where they come from), or None where no
+        #: table has rows for it (the default one has none until measured): rows by the bytes moved
+        self._mover_rows = {c: {dtype: next((found for t in self.tables if (found := t.lookup(nranks, dtype, c))),
+                                            None) for dtype in DTYPES} for c in MOVER_TABLES}
         #: (collective, format, dtype) -> (the smallest message auto quantizes, or None: never; why)
         self._quantized = {(c, fmt, dtype): _threshold(fmt, nranks, c, self.machine, next(
             (found for t in self.tables if (found := t.quantized_lookup(nranks, dtype, c))), None))
@@ -127,6 +134,26 @@ class Selector:
         docstring: what is not measured keeps full precision); None at one rank. Any other
         format, dtype or collective: (None, "")."""
         return self._quantized.get((collective, fmt, dtype), (None, ""))
+
+    def mover_algorithms(self, collective: str) -> set[str]:
+        """The algorithms that the table rows of the data mover ``collective`` (one of
+        ``MOVER_TABLES``) name, for any dtype; empty where no table has rows for it."""
+        return {name for found in self._mover_rows[collective].values() if found for _, name in found[0]}
+
+    def mover(self, collective: str, nbytes: int, dtype: str, takes) -> tuple[str, str] | None:
+        """``(algorithm, why)`` for a data mover's call of ``nbytes`` bytes of ``dtype`` (any
+        of DTYPES: a mover's rows are by bytes, a dtype without rows takes another's), from
+        the first table row that covers ``nbytes`` and whose algorithm ``takes(name)`` says
+        the call can run; None where no table has rows for ``collective`` (one of
+        ``MOVER_TABLES``) or no such row takes it. Pure: the same on every rank."""
+        found = self._mover_rows[collective][dtype]
+        if found is None:
+            return None
+        rows, where = found
+        for index, row in enumerate(rows):
+            if _covers(row, nbytes) and takes(row[1]):
+                return row[1], f"table row {_row_label(rows, index)} for {where}"
+        return None
 
     def fits(self, name: str, nbytes: int) -> bool:
         """Whether ``name`` can take a message of ``nbytes`` on this communicator: in one

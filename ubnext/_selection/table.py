@@ -53,7 +53,14 @@ size first). ``collectives`` holds the rows of the other collectives,
 ``{"reduce_scatter": {"note": "...", "tables": {...}}, "all_gather": {...}}`` in the
 same form as ``tables`` (whose rows are the all-reduce's); a table without rows for a
 collective leaves it to the next table (the default one has rows for every
-collective). Optional keys of an entry: ``note`` (text), ``measured`` (what tune
+collective). ``collectives`` may also hold the data movers' rows (``"broadcast"``,
+``"all_to_all"``, ``"send_recv"``: ``MOVER_TABLES``), in the same form, a size being
+the bytes moved (an all-to-all's whole input of one rank) and each algorithm one of
+the mover's (``MOVER_SERVES``); a mover without rows in any table keeps ``auto``'s rule
+of today (NCCL where it runs, the copy form where it cannot: ``pool_copy``), and the
+default table has none until they are measured. Like the quantized thresholds below,
+**the movers' rows serve only the machine they were measured on**: an entry chosen for
+another machine lends its other rows, never those (``auto`` keeps its rule there). Optional keys of an entry: ``note`` (text), ``measured`` (what tune
 measured, kept for the record), ``collectives``; of the document: ``note``. Two entries
 may not have the same key.
 
@@ -123,7 +130,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ubnext._protocol.algorithms import DTYPES, KERNEL_DTYPES
+from ubnext._protocol.algorithms import DTYPES, KERNEL_DTYPES, MOVER_TABLES
 
 FORMAT = 2
 #: The format of earlier tune files, still read (as one entry for any machine).
@@ -291,13 +298,17 @@ class TableFile:
                   for i, t in enumerate(self.entries)]
         (_, gpu, link, placement, mode), _, chosen = min(ranked, key=lambda r: (r[0], r[1]))
         reasons = []
-        # thresholds only for the machine measured (or an entry's "*", which says any)
+        # thresholds and the movers' rows only for the machine measured (or an entry's "*", which says any)
         measured = gpu in (0, 2) and max(link, placement, mode) < 2
+        dropped = []
         if not measured and (chosen.quantized or chosen.quantized_by_collective):
             chosen = replace(chosen, quantized={}, quantized_by_collective={})
-            unmeasured = f"; its quantized thresholds not taken (measured on {chosen.label} only)"
-        else:
-            unmeasured = ""
+            dropped.append("quantized thresholds")
+        if not measured and set(chosen.by_collective) & set(MOVER_TABLES):
+            chosen = replace(chosen, by_collective={c: rows for c, rows in chosen.by_collective.items()
+                                                    if c not in MOVER_TABLES})
+            dropped.append("data movers' rows")
+        unmeasured = f"; its {' and '.join(dropped)} not taken (measured on {chosen.label} only)" if dropped else ""
         if link == 2:
             reasons.append(f"no {machine.link} entry: {chosen.link}'s")
         if gpu and self.format == FORMAT_1:

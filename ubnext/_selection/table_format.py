@@ -15,7 +15,7 @@ from importlib import resources
 from typing import Any
 
 from ubnext._protocol import quant as _quant
-from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES
+from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, KERNEL_DTYPES, MOVER_SERVES, MOVER_TABLES
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.table import ANY, ANY_WORLD, FORMAT, FORMAT_1, Row, Table, TableFile, Thresholds
 
@@ -115,7 +115,7 @@ def _parse_entry(entry: Any, source: str, fail) -> Table:
         raise fail("note must be a string")
     rows = _parse_tables(entry["tables"], "tables", "all_reduce", fail)
     collectives = entry.get("collectives", {})
-    others = [c for c in COLLECTIVES if c != "all_reduce"]
+    others = [c for c in COLLECTIVES if c != "all_reduce"] + list(MOVER_TABLES)
     if not isinstance(collectives, dict) or any(c not in others for c in collectives):
         raise fail(f"collectives must be an object whose keys are among {', '.join(others)}")
     by_collective = {}
@@ -214,9 +214,13 @@ def _parse_rows(raw: Any, fail, collective: str = "all_reduce") -> tuple[Row, ..
         if not (isinstance(row, list) and len(row) == 2):
             raise fail(f"row {i} is {row!r}, not [max_bytes, algorithm]")
         limit, name = row
-        if name not in ALGORITHMS:
+        if collective in MOVER_SERVES:  # a data mover: the algorithms of MOVERS it takes
+            if name not in MOVER_SERVES[collective]:
+                raise fail(f"row {i}: {name!r} is not an algorithm of {collective}; use "
+                           f"{', '.join(MOVER_SERVES[collective])}")
+        elif name not in ALGORITHMS:
             raise fail(f"row {i}: unknown algorithm {name!r}; use {', '.join(ALGORITHMS)}")
-        if not ALGORITHMS[name].serves(collective):
+        elif not ALGORITHMS[name].serves(collective):
             raise fail(f"row {i}: {name} has no {collective} kernel; use "
                        f"{', '.join(n for n, a in ALGORITHMS.items() if a.serves(collective))}")
         if limit is None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from ubnext._protocol import quant as _quant
-from ubnext._protocol.algorithms import ALGORITHMS, DTYPES
+from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, MOVER_SERVES, MOVERS
 from ubnext._protocol.errors import CollectiveTimeoutError, CudaError, UbnextError
 from ubnext._selection.table import human_bytes
 from ubnext._tools.tune_table import Times
@@ -58,14 +58,15 @@ class Measured:
 
 def _us(times: Sequence[Times]) -> dict[str, list[float | None]]:
     """The measured record's µs: algorithm or format -> its time at each size."""
-    return {n: [t.get(n) for t in times] for n in (*ALGORITHMS, *_quant.FORMATS) if any(n in t for t in times)}
+    names = dict.fromkeys((*ALGORITHMS, *MOVERS, *_quant.FORMATS))
+    return {n: [t.get(n) for t in times] for n in names if any(n in t for t in times)}
 
 
 def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace,
                    collective: str = "all_reduce", gemm=None) -> Timed | None:
     """The time of ``comm.all_reduce(send, out=recv, algorithm=name)`` (``precision=name``
-    where ``name`` is a quantized format; ``comm.reduce_scatter`` or ``comm.all_gather`` for
-    that ``collective``), or None when refused. Collective.
+    where ``name`` is a quantized format; the call of another ``collective``, a data mover's
+    included: :func:`caller`), or None when refused. Collective.
 
     Eager warm-up calls come first (compiling the kernel, connecting NCCL,
     outside any capture); a refusal there (the size exceeds the algorithm's
@@ -81,10 +82,10 @@ def time_algorithm(comm, stream, name: str, send, recv, args: argparse.Namespace
 
     call = {"precision": name} if name in _quant.FORMATS else {"algorithm": name}
 
-    run = getattr(comm, collective)
+    run = caller(comm, collective)
 
     def launch() -> None:
-        run(send, out=recv, stream=stream, **call)
+        run(send, recv, stream, call)
 
     def pair() -> None:
         gemm()
@@ -160,18 +161,45 @@ def gemm_into(send, args: argparse.Namespace, stream):
     return matmul_into(a, b, send, stream)
 
 
+def caller(comm, collective: str):
+    """``run(send, recv, stream, kwargs)``: one call of ``collective`` on ``comm``, out of
+    place: the reductions' ``comm.<collective>(send, out=recv, ...)``, the broadcast from
+    root 0, the all-to-all with even splits, send/recv as a ring in one batch (this rank's
+    send to the next rank, its receive from the previous one)."""
+    if collective == "broadcast":
+        return lambda send, recv, stream, kw: comm.broadcast(send, 0, out=recv, stream=stream, **kw)
+    if collective == "send_recv":
+        after, before = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        return lambda send, recv, stream, kw: comm.batch_isend_irecv(
+            [("send", send, after), ("recv", recv, before)], stream=stream, **kw)
+    run = getattr(comm, collective)
+    return lambda send, recv, stream, kw: run(send, out=recv, stream=stream, **kw)
+
+
+def candidates(comm, collective: str) -> list[str]:
+    """The algorithms ``python -m ubnext.tune`` times for ``collective``: those the
+    communicator can run that serve it, or a data mover's (``MOVER_SERVES``: its pool forms
+    and NCCL, each refused where it cannot run)."""
+    if collective in MOVER_SERVES:
+        return list(MOVER_SERVES[collective])
+    return [n for n in comm.algorithms() if ALGORITHMS[n].serves(collective)]
+
+
 def call_counts(collective: str, count: int, world: int) -> tuple[int, int]:
     """Elements of the input and of the output of a ``collective`` call on ``world`` ranks whose
-    whole message is ``count`` elements: the all-reduce's ``count`` both; with k = count // world,
-    the reduce-scatter's world x k in and k out, the all-gather's k in and world x k out
-    (0: below one element per rank). Pure."""
+    whole message is ``count`` elements: the all-reduce's, the broadcast's and a send/recv's
+    ``count`` both; with k = count // world, the reduce-scatter's world x k in and k out, the
+    all-gather's k in and world x k out, the all-to-all's world x k both (0: below one element
+    per rank). Pure."""
     k = count // world
-    return {"all_reduce": (count, count), "reduce_scatter": (k * world, k), "all_gather": (k, k * world)}[collective]
+    return {"all_reduce": (count, count), "reduce_scatter": (k * world, k), "all_gather": (k, k * world),
+            "broadcast": (count, count), "all_to_all": (k * world, k * world),
+            "send_recv": (count, count)}[collective]
 
 
 def measure(comm, stream, dtype: str, collective: str, args: argparse.Namespace, progress) -> Measured:
     """Times of ``collective`` for one dtype at every size of ``args.sizes`` with at least one
-    element per rank (:func:`call_counts`): every usable algorithm that serves it, and every
+    element per rank (:func:`call_counts`): every algorithm of :func:`candidates`, and every
     quantized format where the communicator opted in and the collective and dtype are ones they
     take (``_quant.COLLECTIVES``, ``_quant.DTYPES``). Collective."""
     width = DTYPES[dtype][1]
@@ -179,7 +207,7 @@ def measure(comm, stream, dtype: str, collective: str, args: argparse.Namespace,
     gemm = gemm_into(send, args, stream)
     formats = (list(_quant.FORMATS) if comm.config.quantized != "off" and collective in _quant.COLLECTIVES
                and dtype in _quant.DTYPES else [])
-    names = [n for n in comm.algorithms() if ALGORITHMS[n].serves(collective)] + formats
+    names = candidates(comm, collective) + formats
     of = "" if collective == "all_reduce" else f" {collective}"
     sizes, rows = [], []
     for nbytes in args.sizes:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ubnext._protocol import quant as _quant
-from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES
+from ubnext._protocol.algorithms import ALGORITHMS, COLLECTIVES, MOVER_TABLES, MOVERS
 from ubnext._protocol.errors import UbnextError
 from ubnext._selection.table import ANY, DEFAULT_LINK, FORMAT, FORMAT_1, Machine, human_bytes
 from ubnext._selection.table_format import NEVER, load_table, parse_table, upgrade
@@ -37,18 +37,29 @@ COLLECTIVE_NOTE = ("Measured by python -m ubnext.tune on plain arrays, out of pl
                    "entry's measured record, under the collective's name.")
 
 
+#: The ``note`` tune gives the rows of a data mover (``MOVER_TABLES``) in an entry where it
+#: adds them.
+MOVER_NOTE = ("Measured by python -m ubnext.tune --movers on plain arrays, out of place, in CUDA graphs in the "
+              "entry's mode, as the all-reduce's rows: every algorithm of the mover (ubnext's forms and NCCL) in "
+              "one run, a size being the bytes moved (the broadcast's message from root 0, the all-to-all's "
+              "whole input of one rank, the send/recv ring's message). The measurements: the entry's measured "
+              "record, under the mover's name.")
+#: every algorithm a size may be won by, in the order that breaks ties (the reductions',
+#: then the movers')
+_ORDER = list(dict.fromkeys((*ALGORITHMS, *MOVERS)))
+
+
 def winner(times: Times, margin: float) -> str:
     """The algorithm a size should use.
 
     The fastest measured algorithm, except that a ubnext kernel replaces NCCL
     only when ``t_kernel * (1 + margin / 100) <= t_nccl``. Ties go to the
-    algorithm listed first in ``ALGORITHMS``.
+    algorithm listed first in ``ALGORITHMS`` (then ``MOVERS``, a data mover's).
 
     Raises:
         ValueError: nothing was measured.
     """
-    measured = [(t, list(ALGORITHMS).index(name), name) for name, t in times.items()
-                if t is not None and name in ALGORITHMS]
+    measured = [(t, _ORDER.index(name), name) for name, t in times.items() if t is not None and name in _ORDER]
     if not measured:
         raise ValueError("tune: no algorithm was measured at this size")
     kernels = [m for m in measured if m[2] != "nccl"]
@@ -127,14 +138,16 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
         quantized: dtype -> the quantized thresholds measured (:func:`quantized_thresholds`);
             a dtype without any (none measured) is left as it was.
         quantized_rs: the same, of the reduce-scatter.
-        collective_rows: collective other than the all-reduce -> dtype -> its rows; a
-            collective without any (not measured) is left as it was.
+        collective_rows: collective other than the all-reduce (a data mover of
+            ``MOVER_TABLES`` too) -> dtype -> its rows; a collective without any (not
+            measured) is left as it was.
 
     Returns:
         A new document: the entry of this machine key (added when there is none) with
         ``tables[world][dtype]``, ``measured[world][dtype]`` and, where measured,
         ``collectives[c]["tables"][world][dtype]`` (a collective added with the note
-        :data:`COLLECTIVE_NOTE`; one already there keeps its note),
+        :data:`COLLECTIVE_NOTE`, a mover with :data:`MOVER_NOTE`; one already there keeps
+        its note),
         ``quantized.tables[world][dtype]`` and
         ``quantized.collectives.reduce_scatter.tables[world][dtype]`` replaced; its other world
         sizes, dtypes and collectives, and every other entry, kept. An entry added where an entry for any
@@ -165,11 +178,13 @@ def merged_document(existing: dict[str, Any] | None, machine: str, world: int,
     entry["tables"].setdefault(str(world), {}).update(rows)
     records = entry.setdefault("measured", {}).setdefault(str(world), {})
     for dtype, record in measured.items():  # a collective this run left out keeps its record
-        kept = {c: r for c, r in records.get(dtype, {}).items() if c in COLLECTIVES and c not in record}
+        kept = {c: r for c, r in records.get(dtype, {}).items()
+                if c in (*COLLECTIVES, *MOVER_TABLES) and c not in record}
         records[dtype] = {**record, **kept}
     for collective, by_dtype in (collective_rows or {}).items():
         if by_dtype:
-            place = entry.setdefault("collectives", {}).setdefault(collective, {"note": COLLECTIVE_NOTE})
+            note = MOVER_NOTE if collective in MOVER_TABLES else COLLECTIVE_NOTE
+            place = entry.setdefault("collectives", {}).setdefault(collective, {"note": note})
             place.setdefault("tables", {}).setdefault(str(world), {}).update(by_dtype)
     for measured_by_dtype, path in ((quantized, ()), (quantized_rs, ("collectives", "reduce_scatter"))):
         measured_formats = {dtype: t for dtype, t in (measured_by_dtype or {}).items() if t}
@@ -191,9 +206,11 @@ def report(world: int, dtype: str, machine: str, sizes: Sequence[int], times: Se
            winners: Sequence[str], args: argparse.Namespace, collective: str = "all_reduce") -> list[str]:
     """The lines rank 0 prints for one dtype and collective: µs per size and algorithm (and
     quantized format), the winner, the rows, the quantized thresholds."""
-    names = [n for n in (*ALGORITHMS, *_quant.FORMATS) if any(t.get(n) is not None for t in times)]
+    names = [n for n in (*_ORDER, *_quant.FORMATS) if any(t.get(n) is not None for t in times)]
     what = {"all_reduce": "all-reduce", "reduce_scatter": "reduce-scatter (size: the whole input)",
-            "all_gather": "all-gather (size: the whole output)"}[collective]
+            "all_gather": "all-gather (size: the whole output)", "broadcast": "broadcast (size: the message, root 0)",
+            "all_to_all": "all-to-all (size: one rank's whole input)",
+            "send_recv": "send/recv in a ring (size: one message)"}[collective]
     if args.mode == "dependent":
         gemm = "x".join(map(str, args.gemm))
         how = (f"dependent mode: CUDA graphs of {args.iters} (GEMM {gemm} writing the call's input, call) pairs, "

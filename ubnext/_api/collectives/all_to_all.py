@@ -56,11 +56,13 @@ class AllToAll(PoolCopy, P2P):
         Runs on NCCL: one group of ``ncclSend``/``ncclRecv`` calls (logged once); or, with
         no splits given, on the pool's copy form (each rank copies part j into its slot of
         rank j's area, then its slots out, barriers between), which ``auto`` takes where
-        NCCL cannot run; or, with splits, on the pool's point-to-point kernel (``"ll"``,
-        which ``auto`` takes where NCCL cannot run: each rank pushes its part for rank j
-        through the pair's slots of rank j, in LL lines, a header with the part's bytes
-        first, which rank j checks against its own count; any size, in chunks of
-        ``LL_MAX_BYTES``). NCCL needs
+        NCCL cannot run; with even splits ``auto`` takes, at each size (x's bytes), the
+        algorithm of the selector table's all_to_all rows where the machine has them
+        (``python -m ubnext.tune --movers``); or, with splits, on the pool's point-to-point
+        kernel (``"ll"``, which ``auto`` takes where NCCL cannot run: each rank pushes its
+        part for rank j through the pair's slots of rank j, in LL lines, a header with the
+        part's bytes first, which rank j checks against its own count; any size, in chunks
+        of ``LL_MAX_BYTES``). NCCL needs
         the counts on the host: with device splits this call synchronizes the host with
         ``stream`` (a device-to-host copy of the splits, then a wait) and exchanges them
         over the bootstrap; that form blocks the host and cannot be captured in a CUDA
@@ -116,6 +118,7 @@ class AllToAll(PoolCopy, P2P):
             handle, owner, side, xb = self._open_call(name, x, stream)
             if not xb.shape:
                 raise UbnextError(f"{name}: x is 0-d; its rows (dim 0) are what is split")
+            algo = self._sized(name, algo, xb.nbytes, xb.dtype)
             rows = int(xb.shape[0])
             row = 1
             for d in xb.shape[1:]:

@@ -1,7 +1,8 @@
-"""The pool's forms of the data movers: the choice between them and NCCL (``_mover``),
-the launch of the low-latency kernel (``_run_ll``: kernels/ll_move.cu, broadcast and
-all-to-all), and the copy form of ``broadcast``, ``all_to_all`` with even splits,
-``gather`` and ``scatter``: copy engines move the bytes between the ranks' segments of a
+"""The pool's forms of the data movers: the choice between them and NCCL (``_mover``,
+and by the call's size ``_sized``: the selector table's mover rows), the launch of the
+low-latency kernel (``_run_ll``: kernels/ll_move.cu, broadcast and all-to-all), and the
+copy form of ``broadcast`` (and its bandwidth form, scatter + all-gather), ``all_to_all``
+with even splits, ``gather`` and ``scatter``: copy engines move the bytes between the ranks' segments of a
 symmetric area, and ubnext's one-shot all-reduce of one flag vector is the barrier that
 says when a peer's bytes have landed or a peer has read them (the pattern of the
 overlapped GEMMs, ``ubnext.torch._overlap``). No kernel of its own, so every dtype moves
@@ -11,8 +12,8 @@ Plans (:func:`broadcast_plan` ...) are pure lists of steps, so the layouts are t
 without a GPU; a copy stays within one rank's memory and the caller's array (the 2-D
 copies read one segment); :meth:`PoolCopy._run_copies` issues them on the caller's stream. Each
 plan opens with a barrier (every rank's reads of the area by earlier calls are done
-before anyone writes it) and moves the message in rounds of at most a half of the area,
-round j in half j % 2: a rank writes a half at round j + 2 only after the barrier of
+before anyone writes it) and moves the message in rounds of at most a half of the area
+(scatter + all-gather: a half per rank), round j in half j % 2: a rank writes a half at round j + 2 only after the barrier of
 round j + 1, which every rank passes only after its reads of round j. The barrier
 carries the call's signature, so ranks calling different movers or counts raise
 CollectiveMismatchError.
@@ -31,7 +32,7 @@ from ubnext._engine.launch import issue
 from ubnext._environment.log import log_once
 from ubnext._interop import arrays as _arrays
 from ubnext._interop.streams import refuse_capture
-from ubnext._protocol.algorithms import LL_ENTRIES, MOVERS
+from ubnext._protocol.algorithms import LL_ENTRIES, MOVER_SERVES, MOVER_TABLES
 from ubnext._protocol.constants import LL_MAX_BYTES, VEC_BYTES
 from ubnext._protocol.errors import UbnextError
 
@@ -43,6 +44,8 @@ AREA_KEY = "ubnext.collectives"
 BARRIER = "lamport"
 #: a step that waits for every rank (the barrier)
 WAIT = ("barrier",)
+#: the algorithms that run on the area: the copy form and broadcast's bandwidth form
+COPY_FORMS = {"copy", "scatter_allgather"}
 
 
 def _rounds(nbytes: int, unit: int):
@@ -67,6 +70,28 @@ def broadcast_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: in
         steps.append(WAIT)
         if me != root:
             steps.append(("copy", out + off, area[root] + h, n))
+    if me == root and out != x:
+        steps.append(("copy", out, x, nbytes))
+    return steps
+
+
+def scatter_allgather_plan(me: int, root: int, area: tuple, x: int, out: int, nbytes: int, half: int) -> list:
+    """Broadcast's bandwidth form: a round takes up to ``half`` bytes per rank of the
+    message, cut in one part per rank (whole vectors, the last parts shorter or empty); the
+    root pushes part d into rank d's half (the scatter), then every other rank pulls every
+    part into ``out`` (the all-gather). The root's links carry about twice the message, where
+    the copy form's (:func:`broadcast_plan`) carry it once per peer."""
+    nranks = len(area)
+    steps = [WAIT]
+    for j, off, n in _rounds(nbytes, half * nranks):
+        h = (j % 2) * half
+        part = -(-n // (nranks * VEC_BYTES)) * VEC_BYTES
+        parts = [(d, d * part, min(part, n - d * part)) for d in range(nranks) if d * part < n]
+        if me == root:
+            steps += [("copy", area[d] + h, x + off + start, k) for d, start, k in parts]
+        steps.append(WAIT)
+        if me != root:
+            steps += [("copy", out + off + start, area[d] + h, k) for d, start, k in parts]
     if me == root and out != x:
         steps.append(("copy", out, x, nbytes))
     return steps
@@ -117,37 +142,76 @@ class PoolCopy(Rung):
     """The copy form's choice, area, barrier and issue (module docstring)."""
 
     def _mover(self, name: str, algorithm: str, even: bool = True) -> str:
-        """The algorithm of a data mover's call: ``"ll"`` (broadcast and all_to_all:
-        ``ll_move``), ``"copy"`` or ``"nccl"`` (``algorithm``: one of ``MOVERS`` the call
-        has, or ``"auto"``; ``even``: an all-to-all's splits are even, which the pool's forms
-        need). ``auto`` takes NCCL where it can run and the copy form where it cannot (the
-        other forms' speed against NCCL is not measured yet). The same on every rank: it
-        reads only what they agreed at construction. Where NCCL runs, the rung's check
-        (``_rung``: it raises where NCCL cannot run); where the copy form runs, its area is
-        allocated at the first call (collectively, in the section of its own: call it
-        before the call's section)."""
-        served = [a for a in MOVERS if a != "ll" or name in LL_ENTRIES]
+        """The algorithm of a data mover's call, before its section: ``algorithm`` checked
+        (``"auto"`` or one of ``MOVER_SERVES[name]``; ``even``: an all-to-all's splits are
+        even, which the pool's forms need), or ``"auto"`` where the call resolves it by size
+        (:meth:`_sized`). Where the call runs on NCCL, the rung's check (``_rung``: it raises
+        where NCCL cannot run); where a form on the copy form's area may run (named, or
+        ``auto`` where a selector table row names one or NCCL cannot run), the area is
+        allocated at the first call (collectively, in the section of its own: call it before
+        the call's section). The same on every rank: it reads only what they agreed at
+        construction."""
+        served = MOVER_SERVES[name]
         if algorithm != "auto" and algorithm not in served:
             raise UbnextError(f"{name}: unknown algorithm {algorithm!r}; use auto or one of {', '.join(served)}")
         pooled = self._node is not None and even
-        copy_ok = pooled and self._selector.fits(BARRIER, VEC_BYTES)
-        if algorithm in ("copy", "ll") and not (copy_ok if algorithm == "copy" else pooled):
+        if algorithm not in ("auto", "nccl") and not self._pool_takes(algorithm, pooled):
             why = "even splits" if self._node is not None and not even else "the symmetric pool"
             raise UbnextError(f"{name}: algorithm {algorithm!r} needs {why} ({self.path})")
-        algo = algorithm
-        if algorithm == "auto":
-            algo = "copy" if copy_ok and self._selector.nccl_problem else "nccl"
-            if algo == "copy":
-                log_once(f"mover:{name}:copy", f"{name}: NCCL cannot run here ({self._selector.nccl_problem}); "
-                         f"the pool's copy form serves it", logging.INFO)
-        if algo == "nccl":  # refused here where NCCL cannot run, before anything is launched
+        if algorithm == "nccl" or (algorithm == "auto" and not pooled):  # refused here where NCCL cannot run
             self._rung(name, "algorithm 'nccl' was named" if algorithm == "nccl" else
-                       "ubnext's forms of it take even splits only" if self._node is not None and not even else
-                       "the pool's forms are not measured against NCCL yet" if copy_ok else
+                       "ubnext's forms of it take even splits only" if self._node is not None else
                        f"this communicator has no symmetric pool ({self.path})")
-        if algo == "copy":
+            return "nccl"
+        if algorithm in COPY_FORMS or (algorithm == "auto" and self._pool_takes("copy", pooled) and (
+                self._selector.nccl_problem or COPY_FORMS & self._selector.mover_algorithms(name))):
             self._symmetric_area(AREA_KEY, AREA_BYTES)
-        return algo
+        if algorithm == "auto" and not (name in MOVER_TABLES and self._selector.mover_algorithms(name)):
+            return self._auto(name)  # no rows: a choice that does not depend on the size
+        return algorithm
+
+    def _sized(self, name: str, algorithm: str, nbytes: int, dtype: str) -> str:
+        """``algorithm`` as :meth:`_mover` returned it, ``"auto"`` resolved for a call of
+        ``nbytes`` of ``dtype`` (the message; an all-to-all's whole input), inside the call's
+        section and before anything is launched (:meth:`_auto`)."""
+        return self._auto(name, nbytes, dtype) if algorithm == "auto" else algorithm
+
+    def _auto(self, name: str, nbytes: int | None = None, dtype: str = "") -> str:
+        """``auto``'s algorithm for a pooled call of ``name`` (even splits): with ``nbytes``,
+        the first selector table row of ``name`` (``MOVER_TABLES``, as ``python -m ubnext.tune``
+        measures them, NCCL included) that covers ``nbytes`` and whose algorithm runs here;
+        where no row does, NCCL where it runs, the copy form where it cannot. NCCL's choice
+        makes the rung's check; each choice is logged once. The same on every rank."""
+        found = None
+        if nbytes is not None:
+            found = self._selector.mover(name, nbytes, dtype, lambda a: self._pool_takes(a, True, name, nbytes)
+                                         if a != "nccl" else not self._selector.nccl_problem)
+        if found is not None:
+            algo, why = found
+            if algo == "nccl":
+                self._rung(name, f"the selector's choice: {why}")
+            else:
+                log_once(f"mover:{name}:{algo}:{why}", f"{name}: {algo} ({why})", logging.INFO)
+            return algo
+        if self._pool_takes("copy", True) and self._selector.nccl_problem:
+            log_once(f"mover:{name}:copy", f"{name}: NCCL cannot run here ({self._selector.nccl_problem}); "
+                     f"the pool's copy form serves it", logging.INFO)
+            return "copy"
+        self._rung(name, "the pool's forms are not measured against NCCL on this machine (no selector table rows)"
+                   if self._pool_takes("copy", True) else f"this communicator has no symmetric pool ({self.path})")
+        return "nccl"
+
+    def _pool_takes(self, algorithm: str, pooled: bool, name: str = "", nbytes: int = 0) -> bool:
+        """Whether a pool form runs here: ``pooled`` (a pool and, for an all-to-all, even
+        splits); the copy form's area and barrier for ``COPY_FORMS``; with ``nbytes`` given
+        (``auto``'s choice), the low-latency kernel's bound (per part for an all-to-all)."""
+        if not pooled:
+            return False
+        if algorithm in COPY_FORMS:
+            return self._selector.fits(BARRIER, VEC_BYTES)
+        if algorithm == "ll" and nbytes:
+            return (nbytes // self.size if name == "all_to_all" else nbytes) <= LL_MAX_BYTES
+        return True
 
     def _run_ll(self, name: str, x: int, out: int, nbytes: int, sig: int, handle: int, owner,
                 root: int | None = None) -> None:
