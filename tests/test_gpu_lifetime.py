@@ -1,5 +1,5 @@
 """What outlives a communicator on the GPU (issue 48): a model built in a function, a CUDA
-graph replayed after close() and after a drop, arrays of a dropped communicator beside a
+graph replayed after close() and after a drop (of ubnext's kernels, and of NCCL work), arrays of a dropped communicator beside a
 new one of the same pool size, device memory once the last holder is gone, the finalizer
 of a real communicator (also collected on its own watchdog thread), and abort() while
 another thread waits in empty()'s exchange.
@@ -149,6 +149,59 @@ def test_a_cuda_graph_replayed_after_close_or_a_drop(how):
     del graph
     gc.collect()
     eventually(lambda: not node.holds_memory, "the pool released once the graph is destroyed")
+    world().Barrier()
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_cuda_graph_of_nccl_work_replayed_after_close_or_a_drop(how):
+    """A captured broadcast on NCCL (ncclBroadcast) holds the NCCL communicator: replayed on
+    every rank after close() or a drop, it gives the root's values bit for bit (-0.0, inf
+    and NaN included) into a poisoned output; destroying the graph aborts the NCCL
+    communicator on the graphs' thread. NCCL refuses ranks sharing a GPU: skipped there."""
+    import numpy as np
+    import torch
+    from gpu_support import host, make_input, ranks_share_a_gpu
+
+    c = communicator()
+    if ranks_share_a_gpu(c):
+        c.close()
+        pytest.skip("NCCL cannot serve several ranks on one GPU")
+    n = 4099
+    x = make_input(n, "float32", c.rank, seed=48, specials=True)
+    want = host(make_input(n, "float32", 0, seed=48, specials=True))  # the root's, regenerated
+    out = torch.full_like(x, float("nan"))
+    c.broadcast(x, root=0, out=out, algorithm="nccl")  # connects NCCL (eager, collective)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        c.broadcast(x, root=0, out=out, algorithm="nccl")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.broadcast(x, root=0, out=out, algorithm="nccl")
+    dispatch = c._dispatch
+    nccl = dispatch.nccl
+    assert dispatch.graphs.live == 1
+    world().Barrier()
+    if how == "close":
+        c.close()
+    else:
+        ref = weakref.ref(c)
+        del c
+        gc.collect()
+        assert ref() is None
+    world().Barrier()
+    assert nccl.connected, "the graph's NCCL communicator was released under it"
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert np.array_equal(host(out).view(np.uint32), want.view(np.uint32)), "the replay after close is the root's"
+    world().Barrier()  # every rank's replay done before a rank aborts its NCCL communicator
+    del graph
+    gc.collect()
+    torch.cuda.empty_cache()  # the graph's private pool
+    eventually(lambda: not nccl.connected, "the NCCL communicator aborted once the graph is destroyed")
+    eventually(lambda: dispatch.graphs._signal is None, "the graphs' thread ended")
     world().Barrier()
 
 

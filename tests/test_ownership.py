@@ -10,6 +10,7 @@ fake as CUDA's internal thread would.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
@@ -245,3 +246,100 @@ def test_a_failed_retain_holds_nothing_and_leaves_the_count_right(make_nodes):
     assert node.holds_memory
     fake.destroy_graph(graph)
     eventually(lambda: fake.leaks() == [], "released with the graph")
+
+
+class FakeNccl:
+    """Stands in for ``_engine.nccl.NcclComm``: records its work and how it ended (destroyed
+    by ``close``, aborted), on which thread, with which context current."""
+
+    made: list = []
+    contexts: FakeContexts | None = None  # the fixture's
+
+    def __init__(self, bootstrap, device):
+        self.work, self.ended = [], None
+        FakeNccl.made.append(self)
+
+    def connect(self, op="nccl.connect"):
+        pass
+
+    def broadcast(self, *args):
+        assert self.ended is None, "work on an ended NCCL communicator"
+        self.work.append(args)
+
+    def _end(self, how):
+        self.ended = (how, threading.current_thread().name, FakeNccl.contexts.current())
+
+    def close(self):
+        self._end("destroyed")
+
+    def abort(self):
+        self._end("aborted")
+
+
+@pytest.fixture
+def nccl_comm(monkeypatch):
+    """``(comm, dispatch, fake, contexts)``: a bare communicator without a node (NCCL only)
+    on a fake context of device 0, its Dispatcher's graphs on ``fake`` (a GraphFakeDriver),
+    its NCCL communicator a FakeNccl."""
+    from stream_fakes import bare_communicator, fake_order
+
+    from ubnext._engine import nccl as _nccl
+    from ubnext._engine.dispatch import Dispatcher
+    from ubnext._interop import streams as _streams
+
+    fake = GraphFakeDriver()
+    monkeypatch.setattr(_streams, "CUDA", type("Capture", (), {"capture": staticmethod(fake.capture_id)})())
+    monkeypatch.setattr(_nccl, "NcclComm", FakeNccl)
+    contexts = FakeNccl.contexts = FakeContexts()
+    order = fake_order(0, contexts)
+    dispatch = Dispatcher(None, {}, order, None, 0, driver=fake)
+    return bare_communicator(order, _dispatch=dispatch), dispatch, fake, contexts
+
+
+def broadcast(dispatch, order, stream: int = STREAM) -> None:
+    """What ``broadcast(algorithm="nccl")`` does in its section."""
+    with order:
+        dispatch.nccl_for(stream, None).broadcast(1, 2, 3, "float32", 0, stream)
+
+
+def test_a_graph_of_nccl_work_keeps_the_nccl_communicator_until_it_is_destroyed(nccl_comm):
+    """A graph that captured NCCL work (one user object per capture) replays on the NCCL
+    communicator after close(): close leaves it, and the context's retain, to the graph; the
+    graph destroyed, it is aborted (local) on the graphs' thread with the context current,
+    then the retain goes."""
+    comm, dispatch, fake, contexts = nccl_comm
+    broadcast(dispatch, comm._order)  # eager: connects NCCL, no graph
+    graph = fake.begin_capture(STREAM)
+    broadcast(dispatch, comm._order)
+    broadcast(dispatch, comm._order)
+    fake.end_capture(STREAM)
+    nccl = FakeNccl.made[-1]
+    assert len(nccl.work) == 3 and fake.names().count("cuUserObjectCreate") == 1
+    comm.close()
+    time.sleep(0.05)
+    assert nccl.ended is None, "a graph replaying NCCL work would use a destroyed communicator"
+    assert contexts.retained[0] == 1
+    fake.destroy_graph(graph)
+    eventually(lambda: nccl.ended is not None, "the NCCL communicator released with the graph")
+    assert nccl.ended == ("aborted", "ubnext-graphs", FakeContexts.of(0))
+    eventually(lambda: contexts.retained[0] == 0, "the context's retain given back after NCCL's")
+    eventually(lambda: dispatch.graphs._signal is None, "the graphs' thread ended, its semaphore freed")
+    assert fake.leaks() == []
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+def test_without_a_live_graph_of_nccl_work_the_nccl_communicator_goes_at_once(nccl_comm, how):
+    """No graph captured NCCL work, or the one that did is gone before close: close destroys
+    the NCCL communicator (abort aborts it) at once, on the closing thread (abort's)."""
+    comm, dispatch, fake, contexts = nccl_comm
+    broadcast(dispatch, comm._order)
+    graph = fake.begin_capture(STREAM)
+    broadcast(dispatch, comm._order)
+    fake.end_capture(STREAM)
+    fake.destroy_graph(graph)
+    eventually(lambda: dispatch.graphs.live == 0, "the graph counted gone")
+    nccl = FakeNccl.made[-1]
+    getattr(comm, how)()
+    assert nccl.ended[:2] == {"close": ("destroyed", "MainThread"), "abort": ("aborted", "ubnext-abort")}[how]
+    assert contexts.retained[0] == 0
+    eventually(lambda: dispatch.graphs._signal is None, "the graphs' thread woken by close, ended")
