@@ -239,12 +239,16 @@ def test_arrays_of_a_dropped_communicator_beside_a_new_one_of_the_same_size():
 
 
 def test_device_memory_comes_back_once_the_last_holder_is_gone():
+    """What this rank holds on its device (memory_gauge: NVML's figure for this process, or
+    the device's where this job is alone on it) is back after communicators outlived by an
+    array and a graph are gone. The gauge must see a leak: the same cycles keeping each
+    array (its segment, 64 MiB, held) fail the assertion."""
     import torch
-    from test_gpu_api import assert_memory_given_back
+    from memory_gauge import assert_memory_given_back
 
     devices = []
 
-    def cycle():
+    def cycle(keep=None):
         c = communicator()
         devices.append(c.device)
         node = c._node
@@ -264,12 +268,22 @@ def test_device_memory_comes_back_once_the_last_holder_is_gone():
         torch.cuda.empty_cache()  # the graph's private pool
         eventually(lambda: node.graphs.live == 0, "the graph counted gone")
         assert node.holds_memory  # the array
+        if keep is not None:  # the planted leak: the array outlives the cycle
+            keep.append(a)
+            return
         del a
         gc.collect()
         eventually(lambda: not node.holds_memory, "the segment released with the array")  # or by the graphs' thread
 
     cycle()  # compiles the kernels, sets the caching allocators up
     assert_memory_given_back(world(), devices[-1], cycle, 3, "communicators outlived by arrays and graphs")
+    kept = []
+    with pytest.raises(AssertionError, match="^device memory held grew by"):
+        assert_memory_given_back(world(), devices[-1], lambda: cycle(kept), 3, "cycles keeping their arrays")
+    assert len(kept) == 3
+    kept.clear()
+    gc.collect()
+    world().Barrier()
 
 
 @pytest.mark.parametrize("where", ["caller", "watchdog"])
