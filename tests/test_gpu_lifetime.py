@@ -1,7 +1,8 @@
 """What outlives a communicator on the GPU (issue 48): a model built in a function, a CUDA
-graph replayed after close() and after a drop (of ubnext's kernels, and of NCCL work), arrays of a dropped communicator beside a
-new one of the same pool size, device memory once the last holder is gone, the finalizer
-of a real communicator (also collected on its own watchdog thread), and abort() while
+graph replayed after close() and after a drop (of ubnext's kernels, and of NCCL work), arrays
+of a dropped communicator beside a new one of the same pool size, a release held back while
+a capture is in progress, device memory once the last holder is gone, the finalizer of a
+real communicator (also collected on its own watchdog thread), and abort() while
 another thread waits in empty()'s exchange.
 
 Runs at any world size, ranks on their own GPUs or sharing one
@@ -236,6 +237,70 @@ def test_arrays_of_a_dropped_communicator_beside_a_new_one_of_the_same_size():
     del old, b
     gc.collect()
     assert not old_node.holds_memory
+
+
+@pytest.mark.parametrize("where", ["another thread", "the capturing thread"])
+def test_a_release_waits_for_a_capture_in_progress(where):
+    """The last array of a closed communicator is dropped while a CUDA graph capture (torch's
+    default, global mode) that a call of another communicator joined is in progress: on
+    another thread, or inside the capture. Its release (a device wait and unmaps, which the
+    capture forbids) waits until the capture has ended: the capture completes, its replay
+    is exact, and the memory is released after. (The array goes by reference count, no
+    garbage collection runs during the capture: another library's finalizers could break it.)"""
+    import torch
+
+    old = communicator()
+    a = old.empty(1 << 20, "float32", framework="torch")
+    a.fill_(1.0)
+    old_node = old._node
+    old.close()
+    c = communicator()
+    n = 4096
+    x = torch.full((n,), float(c.rank + 1), device="cuda")
+    y = torch.empty_like(x)
+    c.all_reduce(x, out=y, algorithm="lamport")  # compiles
+    torch.cuda.synchronize()
+    gc.collect()
+    graph = torch.cuda.CUDAGraph()
+    during = []  # (the heap's bytes in use, whether the segment is held) right after the drop
+    if where == "the capturing thread":
+        with torch.cuda.graph(graph):
+            c.all_reduce(x, out=y, algorithm="lamport")
+            del a
+            during.append((old_node.heap.used, old_node.holds_memory))
+    else:
+        errors, captured, go = [], threading.Event(), threading.Event()
+
+        def capture():
+            try:
+                torch.cuda.set_device(c.device)
+                with torch.cuda.graph(graph):
+                    c.all_reduce(x, out=y, algorithm="lamport")
+                    captured.set()
+                    assert go.wait(30), "the test never let the capture end"
+            except BaseException as e:  # handed to the test
+                errors.append(e)
+            finally:
+                captured.set()
+
+        thread = threading.Thread(target=capture, name="capturing")
+        thread.start()
+        assert captured.wait(30)
+        del a
+        time.sleep(0.2)
+        during.append((old_node.heap.used, old_node.holds_memory))
+        go.set()
+        thread.join(30)
+        assert not thread.is_alive() and errors == [], f"the capture failed: {errors}"
+    assert during == [(0, True)], "the array was not dropped, or its release ran during the capture"
+    eventually(lambda: not old_node.holds_memory, "released once the capture ended")
+    want = float(c.size * (c.size + 1) // 2)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((y == want).all())
+    world().Barrier()
+    c.close()  # the graph holds its pool until the test returns
 
 
 def test_device_memory_comes_back_once_the_last_holder_is_gone():

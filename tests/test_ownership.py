@@ -343,3 +343,74 @@ def test_without_a_live_graph_of_nccl_work_the_nccl_communicator_goes_at_once(nc
     assert nccl.ended[:2] == {"close": ("destroyed", "MainThread"), "abort": ("aborted", "ubnext-abort")}[how]
     assert contexts.retained[0] == 0
     eventually(lambda: dispatch.graphs._signal is None, "the graphs' thread woken by close, ended")
+
+
+def released_on(node) -> list:
+    """The name of the thread that releases ``node``'s own segment, once it does."""
+    threads = []
+    node.on_release(lambda: threads.append(threading.current_thread().name))
+    return threads
+
+
+def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(make_nodes):
+    """Rank 0's closed node loses its last array while rank 1's call joins a capture (its
+    stream's handle kept valid: tracked): the release (a device wait and unmaps, which the
+    capture forbids) waits on the ubnext-release thread until the capture ends."""
+    from ubnext._engine.captures import RELEASES
+
+    fake = GraphFakeDriver()
+    (node0, _, block0), (node1, _, block1) = make_nodes(fake, lambda node, rank: node.alloc(4096))
+    graph = fake.begin_capture(STREAM + 1)
+    node1.hold(STREAM + 1, keep=True)
+    node0.close(local=True)
+    threads = released_on(node0)
+    del block0
+    gc.collect()
+    time.sleep(0.05)
+    assert node0.holds_memory and mapped(fake, node0) == [0] and threads == [], "released during a capture"
+    assert RELEASES.pending == 1
+    fake.end_capture(STREAM + 1)
+    eventually(lambda: not node0.holds_memory, "released once the capture ended")
+    assert threads == ["ubnext-release"] and RELEASES.pending == 0
+    fake.destroy_graph(graph)
+    node1.close(local=True)
+    del block1
+    gc.collect()
+    eventually(lambda: fake.leaks() == [], f"no leak: {fake.leaks()}")
+
+
+def test_a_holder_collected_inside_a_capture_of_its_thread_is_released_after_it(make_nodes, monkeypatch):
+    """The garbage collector drops a closed node's last array on a thread whose current
+    stream is being captured, before any ubnext call joined the capture: that capture is
+    tracked then, and the release waits for its end."""
+    from ubnext._engine import captures
+
+    fake = GraphFakeDriver()
+    (node, _, block), = make_nodes(fake, lambda node, rank: node.alloc(4096), n=1)
+    node.close(local=True)
+    threads = released_on(node)
+    monkeypatch.setattr(captures, "_current_streams", lambda device: [(STREAM, True)])
+    fake.begin_capture(STREAM)
+    del block
+    gc.collect()
+    time.sleep(0.05)
+    assert node.holds_memory and threads == [], "released inside the capture"
+    fake.end_capture(STREAM)
+    eventually(lambda: not node.holds_memory, "released once the capture ended")
+    assert threads == ["ubnext-release"]
+    assert fake.leaks() == []
+
+
+def test_without_a_capture_in_progress_the_last_array_is_released_on_the_dropping_thread(make_nodes):
+    fake = GraphFakeDriver()
+    (node, _, block), = make_nodes(fake, lambda node, rank: node.alloc(4096), n=1)
+    graph = fake.begin_capture(STREAM)
+    node.hold(STREAM, keep=True)
+    fake.end_capture(STREAM)  # the capture ended: it no longer holds releases back
+    fake.destroy_graph(graph)
+    eventually(lambda: node.graphs.live == 0, "the graph counted gone")
+    node.close(local=True)
+    threads = released_on(node)
+    del block
+    gc.collect()
+    assert threads == ["MainThread"] and not node.holds_memory and fake.leaks() == []

@@ -25,6 +25,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from ubnext._engine.captures import RELEASES
 from ubnext._environment.log import log_once
 from ubnext._protocol.errors import BrokenCommunicatorError
 
@@ -238,7 +239,7 @@ class Owned:
                     if node is not None:  # once the node's memory is released: at once, or by its last holder
                         release = functools.partial(node.on_release, release)
                     if self.dispatch.graphs.close(release):  # and once no graph uses the NCCL communicator
-                        release()
+                        RELEASES.run(release)  # behind releases queued for a capture in progress
 
     def drop(self) -> None:
         """The finalizer of a communicator that became garbage without ``close()``: released

@@ -49,7 +49,7 @@ class Dispatcher:
         self._bootstrap, self._device, self._pdl = bootstrap, device, pdl
         self._exchange = exchange  # runs NCCL's first connect, a host exchange (lifetime.Exchanges.run)
         self.nccl = None
-        self.graphs = Graphs(driver=driver)
+        self.graphs = Graphs(driver=driver, context=order.context)
         self._epilogue = None
 
     # -- the calls ------------------------------------------------------------------

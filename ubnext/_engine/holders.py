@@ -32,8 +32,8 @@ import sys
 import threading
 from typing import Any, Callable
 
+from ubnext._engine.captures import CAPTURES, RELEASES
 from ubnext._environment.cuda import drv
-from ubnext._environment.log import log_once
 from ubnext._interop import streams as _streams
 
 #: capture ids remembered per node (a capture's later calls find theirs among them)
@@ -44,17 +44,19 @@ _SEM_BYTES = 64
 
 class Lease:
     """Keeps a node's own memory mapped while it is referenced; ``release`` runs once, when
-    :meth:`release` is called or when the last reference goes (then its errors are logged,
-    not raised; nothing runs at interpreter exit).
+    :meth:`release` is called or when the last reference goes (then through
+    ``captures.RELEASES``: not while a capture ubnext knows of is in progress, and its
+    errors are logged, not raised; nothing runs at interpreter exit).
 
     Args:
         release: what gives the memory back (it makes the context current itself).
+        context: the memory's context (``_interop.context.Context``), or None.
     """
 
-    __slots__ = ("_release", "__weakref__")
+    __slots__ = ("_release", "_context", "__weakref__")
 
-    def __init__(self, release: Callable[[], None]):
-        self._release = release
+    def __init__(self, release: Callable[[], None], context=None):
+        self._release, self._context = release, context
 
     def release(self) -> None:
         """Releases now (idempotent).
@@ -70,10 +72,7 @@ class Lease:
         release, self._release = self._release, None
         if release is None or sys.is_finalizing():
             return
-        try:
-            release()
-        except Exception as e:  # a finalizer: nobody to raise to
-            log_once(f"lease:{e}", f"ubnext: releasing a pool segment failed: {e}")
+        RELEASES.run(release, self._context)
 
 
 class Semaphore:
@@ -132,13 +131,15 @@ class Graphs:
 
     Args:
         driver: the ``cuda.bindings.driver`` module (default) or a fake, for tests.
+        context: the owner's context (``_interop.context.Context``), where its captures are
+            queried until they end (``captures.CAPTURES``); None: they are not tracked.
 
     Attributes:
         live: graphs (captures) holding the owner's resources.
     """
 
-    def __init__(self, driver: Any = None):
-        self._driver = driver
+    def __init__(self, driver: Any = None, context=None):
+        self._driver, self._context = driver, context
         self._lock = threading.Lock()
         self.live = 0
         self._open = True
@@ -150,11 +151,14 @@ class Graphs:
         self._signal: Semaphore | None = None
         self._thread: threading.Thread | None = None
 
-    def hold(self, stream: int, lease: Lease | None = None) -> None:
+    def hold(self, stream: int, lease: Lease | None = None, keep: Any = None) -> None:
         """Where ``stream`` is being captured into a CUDA graph, makes that graph hold the
         owner's resources (and ``lease``, if given) until it is destroyed: once per capture
-        (its later calls cost a lookup; a stream not captured, a query). In the launch
-        section, before the call's launches.
+        (its later calls cost a lookup; a stream not captured, a query). ``keep``: what
+        keeps the stream's handle valid (its owner; True for one that lives as long as the
+        process), with which the capture is tracked until it ends (``captures.CAPTURES``:
+        no release runs meanwhile); None: not tracked. In the launch section, before the
+        call's launches.
 
         Raises:
             CudaError: a driver call failed (nothing is held then).
@@ -162,6 +166,8 @@ class Graphs:
         capture = _streams.CUDA.capture(stream)  # 0: not captured (the cost of every call)
         if capture <= 0 or capture in self._recent:
             return
+        if keep is not None and self._context is not None:
+            CAPTURES.add(capture, stream, keep, self._context)
         d = self._driver_module()
         graph = drv("cuStreamGetCaptureInfo", d.CUstream(stream), driver=self._driver)[2]
         with self._lock:
@@ -194,8 +200,9 @@ class Graphs:
         """The owner is closed: no graph holds anything new. Returns whether no graph lives
         (the caller runs ``releases`` now); else they run on the graphs' thread, in the order
         given (after those of an earlier call), once the last graph is destroyed, and the
-        lease goes then. A release returns a list of errors, or None; what it returns or
-        raises is logged there. Idempotent; a later call may defer more.
+        lease goes then (through ``captures.RELEASES``). A release returns a list of errors,
+        or None; what it returns or raises is logged there. Idempotent; a later call may
+        defer more.
         """
         with self._lock:
             first, self._open = self._open, False
@@ -250,17 +257,12 @@ class Graphs:
                         return
 
     def _run_releases(self) -> None:
-        """Runs the deferred releases, those a ``close`` adds meanwhile included, logging
-        their errors."""
+        """Runs the deferred releases, those a ``close`` adds meanwhile included, through
+        ``captures.RELEASES`` (in order; not while a known capture is in progress)."""
         while True:
             with self._lock:
                 if not self._releases:
                     self._releasing = False
                     return
                 release = self._releases.pop(0)
-            try:
-                errors = release() or []
-            except Exception as e:  # nobody to raise to on this thread
-                errors = [e]
-            for e in errors:
-                log_once(f"graphs-release:{e}", f"ubnext: releasing a closed communicator's resources failed: {e}")
+            RELEASES.run(release)

@@ -123,9 +123,9 @@ class Node:
         # committed: what points into the pool holds it (holders): this rank's segment and the
         # address range stay while the node, an array or a captured graph holds the lease; the
         # peers' segments, the multicast range and the failure words while the node or a graph does
-        self._lease, self._released = Lease(self._release_own), False
+        self._lease, self._released = Lease(self._release_own, context), False
         self._release_lock, self._on_release = threading.Lock(), []
-        self.graphs = Graphs(driver=driver)
+        self.graphs = Graphs(driver=driver, context=context)
 
     def _drop_side(self) -> None:
         """Destroys the side stream on the closing thread (the garbage collector may free
@@ -162,17 +162,18 @@ class Node:
         offset = self.heap.alloc(max(nbytes, 16), agree)
         return Block(self.heap, offset, self.pool.local_ptr(offset), self._lease)
 
-    def hold(self, stream: int) -> None:
+    def hold(self, stream: int, keep=None) -> None:
         """Where ``stream`` is being captured into a CUDA graph, makes that graph hold the
-        node's memory until it is destroyed (``holders.Graphs.hold``). In the launch section,
-        before a call's launches.
+        node's memory until it is destroyed, and tracks the capture until it ends where
+        ``keep`` keeps the stream's handle valid (``holders.Graphs.hold``). In the launch
+        section, before a call's launches.
 
         Raises:
             CudaError: a driver call failed.
         """
         lease = self._lease
         if lease is not None:
-            self.graphs.hold(stream, lease)
+            self.graphs.hold(stream, lease, keep)
 
     def announce(self, kind: int, rank: int) -> None:
         """Marks every kernel family of every local rank broken by rank ``rank`` with failure
