@@ -414,3 +414,25 @@ def test_without_a_capture_in_progress_the_last_array_is_released_on_the_droppin
     del block
     gc.collect()
     assert threads == ["MainThread"] and not node.holds_memory and fake.leaks() == []
+
+
+def test_a_holder_dropped_while_the_releases_decide_does_not_wait_for_itself(monkeypatch):
+    """A collection inside the releases' own step (RELEASES and CAPTURES holding their
+    locks: it allocates) drops another holder, whose release asks them again on the same
+    thread: it runs, and so does the first."""
+    from ubnext._engine import captures
+
+    ran, busy = [], captures.CAPTURES.busy
+
+    def collecting():
+        monkeypatch.setattr(captures.CAPTURES, "busy", busy)
+        with captures.CAPTURES._lock:
+            captures.RELEASES.run(lambda: ran.append("dropped meanwhile"))
+        return busy()
+
+    monkeypatch.setattr(captures.CAPTURES, "busy", collecting)
+    done = threading.Event()
+    threading.Thread(target=lambda: (captures.RELEASES.run(lambda: ran.append("first")), done.set()),
+                     daemon=True).start()
+    assert done.wait(WAIT_S), "the release waited for itself"
+    assert ran == ["dropped meanwhile", "first"]

@@ -45,7 +45,8 @@ class Captures:
     """CUDA graph captures in progress that ubnext knows of (see the module docstring)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        # re-entered where a collection inside a step drops a holder (whose release asks here)
+        self._lock = threading.RLock()
         self._entries: dict[int, tuple] = {}  # capture id -> (stream, what keeps it valid, context)
 
     def add(self, capture: int, stream: int, keep: Any, context) -> None:
@@ -72,10 +73,24 @@ class Captures:
         with self._lock:
             entries = list(self._entries.items())
         ended = [capture for capture, (stream, _, context) in entries if _capture_of(stream, context) != capture]
-        with self._lock:
-            for capture in ended:
-                self._entries.pop(capture, None)
+        for capture in ended:
+            self._forget(capture)
         return len(ended) < len(entries)
+
+    def _forget(self, capture: int) -> None:
+        """Drops capture ``capture``'s entry, with its context current: the stream's owner
+        may go with it, and a stream destroyed on a thread without that context current
+        would create a context on another device."""
+        with self._lock:
+            entry = self._entries.pop(capture, None)
+        if entry is None:
+            return
+        context = entry[2]
+        try:
+            with context.current():
+                del entry
+        except Exception:  # the context is gone: so is the stream
+            pass
 
 
 class Releases:
@@ -89,7 +104,7 @@ class Releases:
 
     def __init__(self, captures: Captures, poll_s: float = _POLL_S):
         self._captures, self._poll_s = captures, poll_s
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered as Captures' lock is
         self._queue: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
 
