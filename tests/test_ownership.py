@@ -352,16 +352,30 @@ def released_on(node) -> list:
     return threads
 
 
-def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(make_nodes):
-    """Rank 0's closed node loses its last array while rank 1's call joins a capture (its
-    stream's handle kept valid: tracked): the release (a device wait and unmaps, which the
-    capture forbids) waits on the ubnext-release thread until the capture ends."""
+@pytest.fixture
+def current_streams(monkeypatch):
+    """The list of ``(stream, what keeps it valid)`` that stands for the calling thread's
+    current torch and CuPy streams (``captures._current_streams``)."""
+    from ubnext._engine import captures
+
+    streams = []
+    monkeypatch.setattr(captures, "_current_streams", lambda device: list(streams))
+    return streams
+
+
+def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(make_nodes, current_streams):
+    """Rank 0's closed node loses its last array while a capture that rank 1's call joined
+    on its current stream (whose handle stays valid: tracked) is in progress: the release
+    (a device wait and unmaps, which the capture forbids) waits on the ubnext-release
+    thread until the capture ends."""
     from ubnext._engine.captures import RELEASES
 
     fake = GraphFakeDriver()
     (node0, _, block0), (node1, _, block1) = make_nodes(fake, lambda node, rank: node.alloc(4096))
     graph = fake.begin_capture(STREAM + 1)
-    node1.hold(STREAM + 1, keep=True)
+    current_streams.append((STREAM + 1, True))
+    node1.hold(STREAM + 1)
+    current_streams.clear()  # the array is dropped on a thread that captures nothing
     node0.close(local=True)
     threads = released_on(node0)
     del block0
@@ -379,17 +393,15 @@ def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(
     eventually(lambda: fake.leaks() == [], f"no leak: {fake.leaks()}")
 
 
-def test_a_holder_collected_inside_a_capture_of_its_thread_is_released_after_it(make_nodes, monkeypatch):
+def test_a_holder_collected_inside_a_capture_of_its_thread_is_released_after_it(make_nodes, current_streams):
     """The garbage collector drops a closed node's last array on a thread whose current
     stream is being captured, before any ubnext call joined the capture: that capture is
     tracked then, and the release waits for its end."""
-    from ubnext._engine import captures
-
     fake = GraphFakeDriver()
     (node, _, block), = make_nodes(fake, lambda node, rank: node.alloc(4096), n=1)
     node.close(local=True)
     threads = released_on(node)
-    monkeypatch.setattr(captures, "_current_streams", lambda device: [(STREAM, True)])
+    current_streams.append((STREAM, True))
     fake.begin_capture(STREAM)
     del block
     gc.collect()
@@ -401,11 +413,13 @@ def test_a_holder_collected_inside_a_capture_of_its_thread_is_released_after_it(
     assert fake.leaks() == []
 
 
-def test_without_a_capture_in_progress_the_last_array_is_released_on_the_dropping_thread(make_nodes):
+def test_without_a_capture_in_progress_the_last_array_is_released_on_the_dropping_thread(make_nodes,
+                                                                                       current_streams):
     fake = GraphFakeDriver()
     (node, _, block), = make_nodes(fake, lambda node, rank: node.alloc(4096), n=1)
     graph = fake.begin_capture(STREAM)
-    node.hold(STREAM, keep=True)
+    current_streams.append((STREAM, True))
+    node.hold(STREAM)  # tracked
     fake.end_capture(STREAM)  # the capture ended: it no longer holds releases back
     fake.destroy_graph(graph)
     eventually(lambda: node.graphs.live == 0, "the graph counted gone")

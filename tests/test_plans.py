@@ -77,7 +77,7 @@ class FakeNode:
     def announce_abort(self, rank):
         self.announce("aborted", rank)
 
-    def hold(self, stream, keep=None):
+    def hold(self, stream):
         self.held.append(stream)
 
     def on_release(self, fn):  # no array or graph holds its memory after close
@@ -491,8 +491,7 @@ def test_every_call_lets_a_graph_being_captured_hold_the_pool_before_it_launches
     launched = fakes.driver.launches
     order = []
     node_hold = comm._node.hold
-    comm._node.hold = lambda stream, keep=None: (order.append(("hold", stream, len(launched))),
-                                                 node_hold(stream, keep))
+    comm._node.hold = lambda stream: (order.append(("hold", stream, len(launched))), node_hold(stream))
     x, out = array(X), array(Y)
     for stream in (None, A, A):
         comm.all_reduce(x, out=out, stream=stream)

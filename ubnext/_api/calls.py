@@ -88,9 +88,8 @@ class CallSteps:
         handle, owner, side = _arrays.launch_stream(stream, x, self.device)
         if stream is not None:
             self._check_stream(name, handle)
-        if self._node is not None:  # a CUDA graph being captured holds the pool (holders.Graphs), and its
-            # capture is tracked while its stream's owner (torch: the process) keeps the handle valid
-            self._node.hold(handle, owner if owner is not None else (True if stream is None else None))
+        if self._node is not None:
+            self._node.hold(handle)  # a CUDA graph being captured holds the pool (holders.Graphs)
         return handle, owner, side
 
     def _stream_arg(self, name: str, stream) -> int:

@@ -12,12 +12,12 @@ collected, the last graph destroyed) happen when the garbage collector or CUDA d
 so they wait instead:
 
 * :class:`Captures`: the captures in progress that ubnext knows of, process-wide: each
-  one a call of a communicator joined (``holders.Graphs.hold``), and the one on the
-  current stream (torch's, CuPy's) of the thread that drops a holder. Each is kept with
-  what keeps its stream's handle valid (the stream's owner; torch's streams live as long
-  as the process) and queried on that stream (with its context current) until it ends;
-  a capture on a stream passed as a bare int handle is not tracked (nothing guarantees
-  the handle outlives the capture).
+  one a call of a communicator joined on the current stream (torch's, CuPy's) of its
+  thread (``holders.Graphs.hold``), and the one on the current stream of the thread that
+  drops a holder. Each is kept with what keeps its stream's handle valid (CuPy's stream
+  object; torch keeps its streams for the process) and queried on that stream (with its
+  context current) until it ends. A capture on a stream passed to a call but not current
+  is not tracked: nothing guarantees that its handle outlives the capture.
 * :class:`Releases`: runs a release at once where none is in progress, else queues it (in
   order) for a thread of ubnext (``ubnext-release``) that runs the queue once none is,
   polling. A capture ubnext does not know of (on another thread, with no ubnext call in
@@ -57,6 +57,16 @@ class Captures:
             crowded = len(self._entries) > _PRUNE_AT
         if crowded:
             self.busy()
+
+    def track(self, capture: int, stream: int, context) -> None:
+        """Tracks capture ``capture`` on ``stream`` where that is the calling thread's
+        current stream of ``context``'s device in torch or CuPy, whose handle is known to
+        stay valid (torch keeps its streams for the process; CuPy's current stream object
+        is kept); a stream passed by its handle alone is not tracked."""
+        for current, keep in _current_streams(context.device):
+            if current == stream:
+                self.add(capture, stream, keep, context)
+                return
 
     def note_current(self, context) -> None:
         """Tracks the capture on the calling thread's current stream of ``context``'s

@@ -49,8 +49,15 @@ class Dispatcher:
         self._bootstrap, self._device, self._pdl = bootstrap, device, pdl
         self._exchange = exchange  # runs NCCL's first connect, a host exchange (lifetime.Exchanges.run)
         self.nccl = None
-        self.graphs = Graphs(driver=driver, context=order.context)
+        self._driver, self._graphs = driver, None
         self._epilogue = None
+
+    @property
+    def graphs(self) -> Graphs:
+        """The captured CUDA graphs of NCCL work (see the class docstring), made on first use."""
+        if self._graphs is None:
+            self._graphs = Graphs(driver=self._driver, context=self._order.context)
+        return self._graphs
 
     # -- the calls ------------------------------------------------------------------
     def all_reduce(self, algo: str, xb, ob, op: str, stream: int, owner, sig: int):

@@ -151,14 +151,12 @@ class Graphs:
         self._signal: Semaphore | None = None
         self._thread: threading.Thread | None = None
 
-    def hold(self, stream: int, lease: Lease | None = None, keep: Any = None) -> None:
+    def hold(self, stream: int, lease: Lease | None = None) -> None:
         """Where ``stream`` is being captured into a CUDA graph, makes that graph hold the
-        owner's resources (and ``lease``, if given) until it is destroyed: once per capture
-        (its later calls cost a lookup; a stream not captured, a query). ``keep``: what
-        keeps the stream's handle valid (its owner; True for one that lives as long as the
-        process), with which the capture is tracked until it ends (``captures.CAPTURES``:
-        no release runs meanwhile); None: not tracked. In the launch section, before the
-        call's launches.
+        owner's resources (and ``lease``, if given) until it is destroyed, and tracks the
+        capture until it ends (``captures.CAPTURES.track``: no release runs meanwhile):
+        once per capture (its later calls cost a lookup; a stream not captured, a query).
+        In the launch section, before the call's launches.
 
         Raises:
             CudaError: a driver call failed (nothing is held then).
@@ -166,8 +164,8 @@ class Graphs:
         capture = _streams.CUDA.capture(stream)  # 0: not captured (the cost of every call)
         if capture <= 0 or capture in self._recent:
             return
-        if keep is not None and self._context is not None:
-            CAPTURES.add(capture, stream, keep, self._context)
+        if self._context is not None:
+            CAPTURES.track(capture, stream, self._context)
         d = self._driver_module()
         graph = drv("cuStreamGetCaptureInfo", d.CUstream(stream), driver=self._driver)[2]
         with self._lock:

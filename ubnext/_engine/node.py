@@ -162,18 +162,17 @@ class Node:
         offset = self.heap.alloc(max(nbytes, 16), agree)
         return Block(self.heap, offset, self.pool.local_ptr(offset), self._lease)
 
-    def hold(self, stream: int, keep=None) -> None:
+    def hold(self, stream: int) -> None:
         """Where ``stream`` is being captured into a CUDA graph, makes that graph hold the
-        node's memory until it is destroyed, and tracks the capture until it ends where
-        ``keep`` keeps the stream's handle valid (``holders.Graphs.hold``). In the launch
-        section, before a call's launches.
+        node's memory until it is destroyed (``holders.Graphs.hold``). In the launch section,
+        before a call's launches.
 
         Raises:
             CudaError: a driver call failed.
         """
         lease = self._lease
         if lease is not None:
-            self.graphs.hold(stream, lease, keep)
+            self.graphs.hold(stream, lease)
 
     def announce(self, kind: int, rank: int) -> None:
         """Marks every kernel family of every local rank broken by rank ``rank`` with failure
