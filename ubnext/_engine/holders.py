@@ -8,7 +8,9 @@ the node's host words keeps what it needs mapped (DESIGN: Ownership):
   belong to. Held by the node until ``close``, by every ``Block`` (the owner of an array
   from ``empty()``, whatever framework views it) and by :class:`Graphs` while a captured
   graph lives. Released once, when the last holder is gone, on the thread that drops it,
-  with the context current (not at interpreter exit: the process's end frees it).
+  with the context current, or where a capture that ubnext knows of is in progress, after
+  it on a thread of ubnext (``captures``; not at interpreter exit: the process's end
+  frees it).
 * :class:`Graphs`: captured CUDA graphs that launched work of a communicator. Neither
   torch's ``CUDAGraph`` nor CuPy's ``Graph`` keeps a list of Python objects alive, so each
   capture that a call joins gets a CUDA user object (``cuUserObjectCreate``), retained by
