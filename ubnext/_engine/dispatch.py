@@ -172,8 +172,9 @@ class Dispatcher:
         """Releases the NCCL communicator (``local``: aborts it, waiting for no rank), the
         launch order's stream and event and the add + RMSNorm kernels, on this thread. Where
         a captured graph of NCCL work still lives, the NCCL communicator stays for its
-        replays and is aborted (local: no rank waited for) on the graphs' thread once the
-        last such graph is destroyed."""
+        replays and is aborted (local: no rank waited for) once the last such graph is
+        destroyed, on the graphs' thread (``holders.Graphs``; after a capture in progress,
+        on ubnext's release thread: ``captures.RELEASES``)."""
         self._epilogue = None
         self._order.close()
         nccl, self.nccl = self.nccl, None
