@@ -355,12 +355,16 @@ def released_on(node) -> list:
 @pytest.fixture
 def current_streams(monkeypatch):
     """The list of ``(stream, what keeps it valid)`` that stands for the calling thread's
-    current torch and CuPy streams (``captures._current_streams``)."""
+    current torch and CuPy streams (``captures._current_streams``). The fake streams it
+    gets tracked are forgotten afterwards (a real query of one would be of no stream)."""
     from ubnext._engine import captures
 
     streams = []
     monkeypatch.setattr(captures, "_current_streams", lambda device: list(streams))
-    return streams
+    yield streams
+    eventually(lambda: captures.RELEASES.pending == 0, "the releases queued by the test ran")
+    with captures.CAPTURES._lock:
+        captures.CAPTURES._entries.clear()
 
 
 def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(make_nodes, current_streams):
