@@ -362,9 +362,9 @@ def current_streams(monkeypatch):
     streams = []
     monkeypatch.setattr(captures, "_current_streams", lambda device: list(streams))
     yield streams
-    eventually(lambda: captures.RELEASES.pending == 0, "the releases queued by the test ran")
     with captures.CAPTURES._lock:
         captures.CAPTURES._entries.clear()
+    eventually(lambda: captures.RELEASES.pending == 0, "the releases a failed test left queued ran")
 
 
 def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(make_nodes, current_streams):
