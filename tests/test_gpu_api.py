@@ -18,6 +18,7 @@ from gpu_support import (
     reference,
     require_gpu_and_torch,
 )
+from memory_gauge import assert_memory_given_back
 
 pytestmark = pytest.mark.gpu
 
@@ -182,38 +183,6 @@ def test_empty_returns_symmetric_arrays_and_frees_them(comm):
     assert comm._node.heap.used < used
 
 
-def free_memory(world) -> int:
-    """The device's free memory, read between two barriers of every rank (never inside
-    another rank's create/close or drop), garbage collected first on every rank (a peer's
-    mapping of a dropped communicator's segment goes with the peer's communicator)."""
-    import gc
-
-    import cupy
-
-    gc.collect()
-    world.Barrier()
-    gc.collect()
-    free = cupy.cuda.runtime.memGetInfo()[0]
-    world.Barrier()
-    return free
-
-
-def assert_memory_given_back(world, device: int, cycle, times: int, what: str) -> None:
-    """``cycle()`` ``times`` times on every rank gives the device's memory back: free memory
-    before and after (``free_memory``) within 8 MiB per rank on the device (ranks may share
-    it)."""
-    import socket
-
-    here = (socket.gethostname(), device)
-    sharing = world.allgather(here).count(here)
-    free_before = free_memory(world)
-    for _ in range(times):
-        cycle()
-    lost = free_before - free_memory(world)
-    assert lost < sharing * (8 << 20), (f"device memory shrank by {lost >> 20} MiB after {times} {what} "
-                                        f"({sharing} rank(s) on this GPU)")
-
-
 def test_create_close_cycles_do_not_leak_device_memory():
     require_gpu_and_torch()
 
@@ -233,8 +202,6 @@ def test_create_close_cycles_do_not_leak_device_memory():
             torch.cuda.synchronize()
             assert x[0].item() == comm_size_sq(c.size)
 
-    # Free memory is the device's: every rank reads it between two barriers (never inside
-    # another rank's cycle), and the budget is per rank on the device (ranks may share it).
     world = MPI.COMM_WORLD
 
     for _ in range(3):

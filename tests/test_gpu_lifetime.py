@@ -1,7 +1,8 @@
 """What outlives a communicator on the GPU (issue 48): a model built in a function, a CUDA
-graph replayed after close() and after a drop, arrays of a dropped communicator beside a
-new one of the same pool size, device memory once the last holder is gone, the finalizer
-of a real communicator (also collected on its own watchdog thread), and abort() while
+graph replayed after close() and after a drop (of ubnext's kernels, and of NCCL work), arrays
+of a dropped communicator beside a new one of the same pool size, a release held back while
+a capture is in progress, device memory once the last holder is gone, the finalizer of a
+real communicator (also collected on its own watchdog thread), and abort() while
 another thread waits in empty()'s exchange.
 
 Runs at any world size, ranks on their own GPUs or sharing one
@@ -152,6 +153,59 @@ def test_a_cuda_graph_replayed_after_close_or_a_drop(how):
     world().Barrier()
 
 
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_cuda_graph_of_nccl_work_replayed_after_close_or_a_drop(how):
+    """A captured broadcast on NCCL (ncclBroadcast) holds the NCCL communicator: replayed on
+    every rank after close() or a drop, it gives the root's values bit for bit (-0.0, inf
+    and NaN included) into a poisoned output; destroying the graph aborts the NCCL
+    communicator on the graphs' thread. NCCL refuses ranks sharing a GPU: skipped there."""
+    import numpy as np
+    import torch
+    from gpu_support import host, make_input, ranks_share_a_gpu
+
+    c = communicator()
+    if ranks_share_a_gpu(c):
+        c.close()
+        pytest.skip("NCCL cannot serve several ranks on one GPU")
+    n = 4099
+    x = make_input(n, "float32", c.rank, seed=48, specials=True)
+    want = host(make_input(n, "float32", 0, seed=48, specials=True))  # the root's, regenerated
+    out = torch.full_like(x, float("nan"))
+    c.broadcast(x, root=0, out=out, algorithm="nccl")  # connects NCCL (eager, collective)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        c.broadcast(x, root=0, out=out, algorithm="nccl")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        c.broadcast(x, root=0, out=out, algorithm="nccl")
+    dispatch = c._dispatch
+    nccl = dispatch.nccl
+    assert dispatch.graphs.live == 1
+    world().Barrier()
+    if how == "close":
+        c.close()
+    else:
+        ref = weakref.ref(c)
+        del c
+        gc.collect()
+        assert ref() is None
+    world().Barrier()
+    assert nccl.connected, "the graph's NCCL communicator was released under it"
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert np.array_equal(host(out).view(np.uint32), want.view(np.uint32)), "the replay after close is the root's"
+    world().Barrier()  # every rank's replay done before a rank aborts its NCCL communicator
+    del graph
+    gc.collect()
+    torch.cuda.empty_cache()  # the graph's private pool
+    eventually(lambda: not nccl.connected, "the NCCL communicator aborted once the graph is destroyed")
+    eventually(lambda: dispatch.graphs._signal is None, "the graphs' thread ended")
+    world().Barrier()
+
+
 def test_arrays_of_a_dropped_communicator_beside_a_new_one_of_the_same_size():
     """A notebook cell run again: an array of a dropped communicator keeps its segment (and
     its addresses), a new communicator of the same pool size maps elsewhere: both exact."""
@@ -185,13 +239,81 @@ def test_arrays_of_a_dropped_communicator_beside_a_new_one_of_the_same_size():
     assert not old_node.holds_memory
 
 
-def test_device_memory_comes_back_once_the_last_holder_is_gone():
+@pytest.mark.parametrize("where", ["another thread", "the capturing thread"])
+def test_a_release_waits_for_a_capture_in_progress(where):
+    """The last array of a closed communicator is dropped while a CUDA graph capture (torch's
+    default, global mode) that a call of another communicator joined is in progress: on
+    another thread, or inside the capture. Its release (a device wait and unmaps, which the
+    capture forbids) waits until the capture has ended: the capture completes, its replay
+    is exact, and the memory is released after. (The array goes by reference count, no
+    garbage collection runs during the capture: another library's finalizers could break it.)"""
     import torch
-    from test_gpu_api import assert_memory_given_back
+
+    old = communicator()
+    a = old.empty(1 << 20, "float32")  # CuPy's: its owner goes by reference count with it
+    a.fill(1.0)
+    old_node = old._node
+    old.close()
+    c = communicator()
+    n = 4096
+    x = torch.full((n,), float(c.rank + 1), device="cuda")
+    y = torch.empty_like(x)
+    c.all_reduce(x, out=y, algorithm="lamport")  # compiles
+    torch.cuda.synchronize()
+    gc.collect()
+    graph = torch.cuda.CUDAGraph()
+    during = []  # (the heap's bytes in use, whether the segment is held) right after the drop
+    if where == "the capturing thread":
+        with torch.cuda.graph(graph):
+            c.all_reduce(x, out=y, algorithm="lamport")
+            del a
+            during.append((old_node.heap.used, old_node.holds_memory))
+    else:
+        errors, captured, go = [], threading.Event(), threading.Event()
+
+        def capture():
+            try:
+                torch.cuda.set_device(c.device)
+                with torch.cuda.graph(graph):
+                    c.all_reduce(x, out=y, algorithm="lamport")
+                    captured.set()
+                    assert go.wait(30), "the test never let the capture end"
+            except BaseException as e:  # handed to the test
+                errors.append(e)
+            finally:
+                captured.set()
+
+        thread = threading.Thread(target=capture, name="capturing")
+        thread.start()
+        assert captured.wait(30)
+        del a
+        time.sleep(0.2)
+        during.append((old_node.heap.used, old_node.holds_memory))
+        go.set()
+        thread.join(30)
+        assert not thread.is_alive() and errors == [], f"the capture failed: {errors}"
+    assert during == [(0, True)], "the array was not dropped, or its release ran during the capture"
+    eventually(lambda: not old_node.holds_memory, "released once the capture ended")
+    want = float(c.size * (c.size + 1) // 2)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((y == want).all())
+    world().Barrier()
+    c.close()  # the graph holds its pool until the test returns
+
+
+def test_device_memory_comes_back_once_the_last_holder_is_gone():
+    """What this rank holds on its device (memory_gauge: NVML's figure for this process, or
+    the device's where this job is alone on it) is back after communicators outlived by an
+    array and a graph are gone. The gauge must see a leak: the same cycles keeping each
+    array (its segment, 64 MiB, held) fail the assertion."""
+    import torch
+    from memory_gauge import assert_memory_given_back
 
     devices = []
 
-    def cycle():
+    def cycle(keep=None):
         c = communicator()
         devices.append(c.device)
         node = c._node
@@ -211,12 +333,22 @@ def test_device_memory_comes_back_once_the_last_holder_is_gone():
         torch.cuda.empty_cache()  # the graph's private pool
         eventually(lambda: node.graphs.live == 0, "the graph counted gone")
         assert node.holds_memory  # the array
+        if keep is not None:  # the planted leak: the array outlives the cycle
+            keep.append(a)
+            return
         del a
         gc.collect()
         eventually(lambda: not node.holds_memory, "the segment released with the array")  # or by the graphs' thread
 
     cycle()  # compiles the kernels, sets the caching allocators up
     assert_memory_given_back(world(), devices[-1], cycle, 3, "communicators outlived by arrays and graphs")
+    kept = []
+    with pytest.raises(AssertionError, match="^device memory held grew by"):
+        assert_memory_given_back(world(), devices[-1], lambda: cycle(kept), 3, "cycles keeping their arrays")
+    assert len(kept) == 3
+    kept.clear()
+    gc.collect()
+    world().Barrier()
 
 
 @pytest.mark.parametrize("where", ["caller", "watchdog"])

@@ -10,6 +10,7 @@ fake as CUDA's internal thread would.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import pytest
@@ -245,3 +246,211 @@ def test_a_failed_retain_holds_nothing_and_leaves_the_count_right(make_nodes):
     assert node.holds_memory
     fake.destroy_graph(graph)
     eventually(lambda: fake.leaks() == [], "released with the graph")
+
+
+class FakeNccl:
+    """Stands in for ``_engine.nccl.NcclComm``: records its work and how it ended (destroyed
+    by ``close``, aborted), on which thread, with which context current."""
+
+    made: list = []
+    contexts: FakeContexts | None = None  # the fixture's
+
+    def __init__(self, bootstrap, device):
+        self.work, self.ended = [], None
+        FakeNccl.made.append(self)
+
+    def connect(self, op="nccl.connect"):
+        pass
+
+    def broadcast(self, *args):
+        assert self.ended is None, "work on an ended NCCL communicator"
+        self.work.append(args)
+
+    def _end(self, how):
+        self.ended = (how, threading.current_thread().name, FakeNccl.contexts.current())
+
+    def close(self):
+        self._end("destroyed")
+
+    def abort(self):
+        self._end("aborted")
+
+
+@pytest.fixture
+def nccl_comm(monkeypatch):
+    """``(comm, dispatch, fake, contexts)``: a bare communicator without a node (NCCL only)
+    on a fake context of device 0, its Dispatcher's graphs on ``fake`` (a GraphFakeDriver),
+    its NCCL communicator a FakeNccl."""
+    from stream_fakes import bare_communicator, fake_order
+
+    from ubnext._engine import nccl as _nccl
+    from ubnext._engine.dispatch import Dispatcher
+    from ubnext._interop import streams as _streams
+
+    fake = GraphFakeDriver()
+    monkeypatch.setattr(_streams, "CUDA", type("Capture", (), {"capture": staticmethod(fake.capture_id)})())
+    monkeypatch.setattr(_nccl, "NcclComm", FakeNccl)
+    contexts = FakeNccl.contexts = FakeContexts()
+    order = fake_order(0, contexts)
+    dispatch = Dispatcher(None, {}, order, None, 0, driver=fake)
+    return bare_communicator(order, _dispatch=dispatch), dispatch, fake, contexts
+
+
+def broadcast(dispatch, order, stream: int = STREAM) -> None:
+    """What ``broadcast(algorithm="nccl")`` does in its section."""
+    with order:
+        dispatch.nccl_for(stream, None).broadcast(1, 2, 3, "float32", 0, stream)
+
+
+def test_a_graph_of_nccl_work_keeps_the_nccl_communicator_until_it_is_destroyed(nccl_comm):
+    """A graph that captured NCCL work (one user object per capture) replays on the NCCL
+    communicator after close(): close leaves it, and the context's retain, to the graph; the
+    graph destroyed, it is aborted (local) on the graphs' thread with the context current,
+    then the retain goes."""
+    comm, dispatch, fake, contexts = nccl_comm
+    broadcast(dispatch, comm._order)  # eager: connects NCCL, no graph
+    graph = fake.begin_capture(STREAM)
+    broadcast(dispatch, comm._order)
+    broadcast(dispatch, comm._order)
+    fake.end_capture(STREAM)
+    nccl = FakeNccl.made[-1]
+    assert len(nccl.work) == 3 and fake.names().count("cuUserObjectCreate") == 1
+    comm.close()
+    time.sleep(0.05)
+    assert nccl.ended is None, "a graph replaying NCCL work would use a destroyed communicator"
+    assert contexts.retained[0] == 1
+    fake.destroy_graph(graph)
+    eventually(lambda: nccl.ended is not None, "the NCCL communicator released with the graph")
+    assert nccl.ended == ("aborted", "ubnext-graphs", FakeContexts.of(0))
+    eventually(lambda: contexts.retained[0] == 0, "the context's retain given back after NCCL's")
+    eventually(lambda: dispatch.graphs._signal is None, "the graphs' thread ended, its semaphore freed")
+    assert fake.leaks() == []
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+def test_without_a_live_graph_of_nccl_work_the_nccl_communicator_goes_at_once(nccl_comm, how):
+    """No graph captured NCCL work, or the one that did is gone before close: close destroys
+    the NCCL communicator (abort aborts it) at once, on the closing thread (abort's)."""
+    comm, dispatch, fake, contexts = nccl_comm
+    broadcast(dispatch, comm._order)
+    graph = fake.begin_capture(STREAM)
+    broadcast(dispatch, comm._order)
+    fake.end_capture(STREAM)
+    fake.destroy_graph(graph)
+    eventually(lambda: dispatch.graphs.live == 0, "the graph counted gone")
+    nccl = FakeNccl.made[-1]
+    getattr(comm, how)()
+    assert nccl.ended[:2] == {"close": ("destroyed", "MainThread"), "abort": ("aborted", "ubnext-abort")}[how]
+    assert contexts.retained[0] == 0
+    eventually(lambda: dispatch.graphs._signal is None, "the graphs' thread woken by close, ended")
+
+
+def released_on(node) -> list:
+    """The name of the thread that releases ``node``'s own segment, once it does."""
+    threads = []
+    node.on_release(lambda: threads.append(threading.current_thread().name))
+    return threads
+
+
+@pytest.fixture
+def current_streams(monkeypatch):
+    """The list of ``(stream, what keeps it valid)`` that stands for the calling thread's
+    current torch and CuPy streams (``captures._current_streams``). The fake streams it
+    gets tracked are forgotten afterwards (a real query of one would be of no stream)."""
+    from ubnext._engine import captures
+
+    streams = []
+    monkeypatch.setattr(captures, "_current_streams", lambda device: list(streams))
+    yield streams
+    with captures.CAPTURES._lock:
+        captures.CAPTURES._entries.clear()
+    eventually(lambda: captures.RELEASES.pending == 0, "the releases a failed test left queued ran")
+
+
+def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(make_nodes, current_streams):
+    """Rank 0's closed node loses its last array while a capture that rank 1's call joined
+    on its current stream (whose handle stays valid: tracked) is in progress: the release
+    (a device wait and unmaps, which the capture forbids) waits on the ubnext-release
+    thread until the capture ends."""
+    from ubnext._engine.captures import RELEASES
+
+    fake = GraphFakeDriver()
+    (node0, _, block0), (node1, _, block1) = make_nodes(fake, lambda node, rank: node.alloc(4096))
+    graph = fake.begin_capture(STREAM + 1)
+    current_streams.append((STREAM + 1, True))
+    node1.hold(STREAM + 1)
+    current_streams.clear()  # the array is dropped on a thread that captures nothing
+    node0.close(local=True)
+    threads = released_on(node0)
+    del block0
+    gc.collect()
+    time.sleep(0.05)
+    assert node0.holds_memory and mapped(fake, node0) == [0] and threads == [], "released during a capture"
+    assert RELEASES.pending == 1
+    fake.end_capture(STREAM + 1)
+    eventually(lambda: not node0.holds_memory, "released once the capture ended")
+    assert threads == ["ubnext-release"] and RELEASES.pending == 0
+    fake.destroy_graph(graph)
+    node1.close(local=True)
+    del block1
+    gc.collect()
+    eventually(lambda: fake.leaks() == [], f"no leak: {fake.leaks()}")
+
+
+def test_a_holder_collected_inside_a_capture_of_its_thread_is_released_after_it(make_nodes, current_streams):
+    """The garbage collector drops a closed node's last array on a thread whose current
+    stream is being captured, before any ubnext call joined the capture: that capture is
+    tracked then, and the release waits for its end."""
+    fake = GraphFakeDriver()
+    (node, _, block), = make_nodes(fake, lambda node, rank: node.alloc(4096), n=1)
+    node.close(local=True)
+    threads = released_on(node)
+    current_streams.append((STREAM, True))
+    fake.begin_capture(STREAM)
+    del block
+    gc.collect()
+    time.sleep(0.05)
+    assert node.holds_memory and threads == [], "released inside the capture"
+    fake.end_capture(STREAM)
+    eventually(lambda: not node.holds_memory, "released once the capture ended")
+    assert threads == ["ubnext-release"]
+    assert fake.leaks() == []
+
+
+def test_without_a_capture_in_progress_the_last_array_is_released_on_the_dropping_thread(make_nodes,
+                                                                                       current_streams):
+    fake = GraphFakeDriver()
+    (node, _, block), = make_nodes(fake, lambda node, rank: node.alloc(4096), n=1)
+    graph = fake.begin_capture(STREAM)
+    current_streams.append((STREAM, True))
+    node.hold(STREAM)  # tracked
+    fake.end_capture(STREAM)  # the capture ended: it no longer holds releases back
+    fake.destroy_graph(graph)
+    eventually(lambda: node.graphs.live == 0, "the graph counted gone")
+    node.close(local=True)
+    threads = released_on(node)
+    del block
+    gc.collect()
+    assert threads == ["MainThread"] and not node.holds_memory and fake.leaks() == []
+
+
+def test_a_holder_dropped_while_the_releases_decide_does_not_wait_for_itself(monkeypatch):
+    """A collection inside the releases' own step (RELEASES and CAPTURES holding their
+    locks: it allocates) drops another holder, whose release asks them again on the same
+    thread: it runs, and so does the first."""
+    from ubnext._engine import captures
+
+    ran, busy = [], captures.CAPTURES.busy
+
+    def collecting():
+        monkeypatch.setattr(captures.CAPTURES, "busy", busy)
+        with captures.CAPTURES._lock:
+            captures.RELEASES.run(lambda: ran.append("dropped meanwhile"))
+        return busy()
+
+    monkeypatch.setattr(captures.CAPTURES, "busy", collecting)
+    done = threading.Event()
+    threading.Thread(target=lambda: (captures.RELEASES.run(lambda: ran.append("first")), done.set()),
+                     daemon=True).start()
+    assert done.wait(WAIT_S), "the release waited for itself"
+    assert ran == ["dropped meanwhile", "first"]

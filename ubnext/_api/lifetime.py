@@ -25,6 +25,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from ubnext._engine.captures import RELEASES
 from ubnext._environment.log import log_once
 from ubnext._protocol.errors import BrokenCommunicatorError
 
@@ -206,7 +207,8 @@ class Owned:
         """Stops the watchdog, closes the node (``local``: waiting for no rank; a broken
         communicator closes locally too), the NCCL communicator and the bootstraps, then
         releases the context's retain (where arrays or graphs still hold the node's memory,
-        its release does, after the memory's); each step runs even where one before it failed.
+        or graphs the NCCL communicator, their last release does, after theirs); each step
+        runs even where one before it failed.
         In the launch section. Idempotent.
 
         Raises:
@@ -233,10 +235,11 @@ class Owned:
                 try:
                     close_bootstraps(self.local_boot, self.owned_boot, local)
                 finally:
-                    if node is None:
-                        self.order.context.release()
-                    else:  # once the node's memory is released: at once, or by its last holder
-                        node.on_release(self.order.context.release)
+                    release = self.order.context.release
+                    if node is not None:  # once the node's memory is released: at once, or by its last holder
+                        release = functools.partial(node.on_release, release)
+                    if self.dispatch.graphs.close(release):  # and once no graph uses the NCCL communicator
+                        RELEASES.run(release)  # behind releases queued for a capture in progress
 
     def drop(self) -> None:
         """The finalizer of a communicator that became garbage without ``close()``: released

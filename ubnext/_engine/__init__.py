@@ -7,7 +7,8 @@ the separate add + RMSNorm kernel: ``epilogue``; staging copies: ``copies``), th
 overlapped reduce-scatter's sum of slots, with or without the add + RMSNorm
 (``slot_sum``), NCCL as an
 engine (``nccl``), the failure records kernels write (``failures``), the node's
-resources created and released together (``node``), and who holds the node's memory
-after close: arrays and captured CUDA graphs (``holders``).
+resources created and released together (``node``), who holds the node's memory
+after close: arrays and captured CUDA graphs (``holders``), and when their releases may
+run: not while a capture ubnext knows of is in progress (``captures``).
 Imports: ``_protocol``, ``_environment``, ``_interop``, ``_memory``, ``_selection``.
 """

@@ -12,8 +12,11 @@ streams and threads.
 
 from __future__ import annotations
 
+import functools
+
 from ubnext._engine.copies import aligned as _aligned
 from ubnext._engine.copies import copy as _copy
+from ubnext._engine.holders import Graphs
 from ubnext._engine.launch import issue
 from ubnext._engine.sliced import Sliced
 from ubnext._protocol import quant as _quant
@@ -32,14 +35,29 @@ class Dispatcher:
         pdl: launch with programmatic dependent launch where the device has it.
         exchange: ``exchange(op, fn, *args)`` runs NCCL's first connect (``lifetime.Exchanges.run``,
             which ``abort()`` abandons), or None (the connect runs directly).
+        driver: the ``cuda.bindings.driver`` module (default) or a fake, for :attr:`graphs`.
+
+    Attributes:
+        nccl: the NCCL communicator, once a call needed it.
+        graphs: the captured CUDA graphs of NCCL work (``holders.Graphs``): they hold the
+            NCCL communicator, whose release ``close`` defers until the last one is gone.
     """
 
-    def __init__(self, node, limits: dict, order, bootstrap, device: int, pdl: bool = True, exchange=None):
+    def __init__(self, node, limits: dict, order, bootstrap, device: int, pdl: bool = True, exchange=None,
+                 driver=None):
         self._node, self._limits, self._order = node, limits, order
         self._bootstrap, self._device, self._pdl = bootstrap, device, pdl
         self._exchange = exchange  # runs NCCL's first connect, a host exchange (lifetime.Exchanges.run)
-        self.nccl = None  # the NCCL communicator, once a call needed it
+        self.nccl = None
+        self._driver, self._graphs = driver, None
         self._epilogue = None
+
+    @property
+    def graphs(self) -> Graphs:
+        """The captured CUDA graphs of NCCL work (see the class docstring), made on first use."""
+        if self._graphs is None:
+            self._graphs = Graphs(driver=self._driver, context=self._order.context)
+        return self._graphs
 
     # -- the calls ------------------------------------------------------------------
     def all_reduce(self, algo: str, xb, ob, op: str, stream: int, owner, sig: int):
@@ -127,7 +145,7 @@ class Dispatcher:
         if ALGORITHMS[algo].is_kernel:
             Sliced(self._node, self._limits, algo, xb.dtype, k, stream).all_gather(xb.ptr, ob.ptr, sig)
         else:
-            self._nccl().all_gather(xb.ptr, ob.ptr, k, xb.dtype, stream)
+            self._nccl(stream).all_gather(xb.ptr, ob.ptr, k, xb.dtype, stream)
 
     def reduce_scatter_add_rmsnorm(self, algo: str, xb, nb, rows: int, hidden: int, norm: tuple, eps: float,
                                    stream: int, owner, sig: int) -> None:
@@ -141,22 +159,27 @@ class Dispatcher:
         if ALGORITHMS[algo].is_kernel:
             Sliced(self._node, self._limits, algo, xb.dtype, k, stream).reduce_scatter(xb.ptr, ob.ptr, op, sig)
         else:
-            self._nccl().reduce_scatter(xb.ptr, ob.ptr, k, xb.dtype, op, stream)
+            self._nccl(stream).reduce_scatter(xb.ptr, ob.ptr, k, xb.dtype, op, stream)
 
     def nccl_for(self, stream: int, owner):
         """The NCCL communicator (``_engine.nccl.NcclComm``, made on first use) for a call's
         work on ``stream``, the launch order following that stream: the calls that NCCL
         serves alone (``_api.collectives``) issue their work on it."""
         self._order.follow(stream, owner)
-        return self._nccl()
+        return self._nccl(stream)
 
     def close(self, local: bool) -> None:
         """Releases the NCCL communicator (``local``: aborts it, waiting for no rank), the
-        launch order's stream and event and the add + RMSNorm kernels, on this thread."""
+        launch order's stream and event and the add + RMSNorm kernels, on this thread. Where
+        a captured graph of NCCL work still lives, the NCCL communicator stays for its
+        replays and is aborted (local: no rank waited for) once the last such graph is
+        destroyed, on the graphs' thread (``holders.Graphs``; after a capture in progress,
+        on ubnext's release thread: ``captures.RELEASES``)."""
         self._epilogue = None
         self._order.close()
         nccl, self.nccl = self.nccl, None
-        if nccl is not None:
+        deferred = () if nccl is None else (functools.partial(_abort_in, self._order.context, nccl),)
+        if self.graphs.close(*deferred) and nccl is not None:
             nccl.abort() if local else nccl.close()
 
     # -- how each family runs --------------------------------------------------------
@@ -165,7 +188,7 @@ class Dispatcher:
         launch (``_single``), else None."""
         alg = ALGORITHMS[algo]
         if alg.family == "nccl":
-            self._nccl().all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
+            self._nccl(stream).all_reduce(xb.ptr, ob.ptr, xb.count, xb.dtype, op, stream)
             return None
         launch = self._single(algo, xb, ob, op, sig)
         if launch is not None:
@@ -229,9 +252,10 @@ class Dispatcher:
                 launch(0, 0, n)
                 _copy(dst, staging, n * width, stream)
 
-    def _nccl(self):
-        """The NCCL communicator, connected (its first connect is a host exchange, run by
-        ``exchange`` where given); published only once the connect succeeded."""
+    def _nccl(self, stream: int):
+        """The NCCL communicator for work on ``stream``, connected (its first connect is a
+        host exchange, run by ``exchange`` where given; published only once the connect
+        succeeded), and held by the graph that ``stream`` is being captured into, if any."""
         if self.nccl is None:
             from ubnext._engine.nccl import NcclComm
 
@@ -245,6 +269,7 @@ class Dispatcher:
                 comm.abort()  # a connect that returned after abort(): its communicator is not kept
                 raise
             self.nccl = comm
+        self.graphs.hold(stream)
         return self.nccl
 
     def _add_rmsnorm(self):
@@ -258,3 +283,8 @@ class Dispatcher:
             self._epilogue = AddRmsNorm(self._device, sms, programmatic(self._pdl, self._device))
         return self._epilogue
 
+
+def _abort_in(context, nccl) -> None:
+    """``nccl.abort()`` with ``context`` current (the graphs' thread has none of its own)."""
+    with context.current():
+        nccl.abort()

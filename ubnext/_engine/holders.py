@@ -1,4 +1,4 @@
-"""Who holds a node's memory: arrays, captured CUDA graphs and the node itself.
+"""Who holds a communicator's resources: arrays, captured CUDA graphs and the node itself.
 
 As a torch storage owns its allocator's memory, everything that points into the pool or
 the node's host words keeps what it needs mapped (DESIGN: Ownership):
@@ -8,17 +8,21 @@ the node's host words keeps what it needs mapped (DESIGN: Ownership):
   belong to. Held by the node until ``close``, by every ``Block`` (the owner of an array
   from ``empty()``, whatever framework views it) and by :class:`Graphs` while a captured
   graph lives. Released once, when the last holder is gone, on the thread that drops it,
-  with the context current (not at interpreter exit: the process's end frees it).
-* :class:`Graphs`: captured CUDA graphs that launched the node's kernels. Neither torch's
-  ``CUDAGraph`` nor CuPy's ``Graph`` keeps a list of Python objects alive, so each capture
-  that a call of the communicator joins gets a CUDA user object
-  (``cuUserObjectCreate``), retained by the graph being captured
-  (``cuGraphRetainUserObject``; instantiated graphs and clones retain it too). Its
-  destructor runs on a CUDA-internal thread, where no CUDA call and no Python may run: it
-  is libc's ``sem_post`` on a semaphore of ours, nothing else. A thread of ubnext waits on
-  the semaphore, counts the graphs gone, and once none lives and the node is closed,
-  releases what only graphs still needed (the peers' segments, the multicast range, the
-  failure words) and its hold of the lease.
+  with the context current, or where a capture that ubnext knows of is in progress, after
+  it on a thread of ubnext (``captures``; not at interpreter exit: the process's end
+  frees it).
+* :class:`Graphs`: captured CUDA graphs that launched work of a communicator. Neither
+  torch's ``CUDAGraph`` nor CuPy's ``Graph`` keeps a list of Python objects alive, so each
+  capture that a call joins gets a CUDA user object (``cuUserObjectCreate``), retained by
+  the graph being captured (``cuGraphRetainUserObject``; instantiated graphs and clones
+  retain it too). Its destructor runs on a CUDA-internal thread, where no CUDA call and no
+  Python may run: it is libc's ``sem_post`` on a semaphore of ours, nothing else. A thread
+  of ubnext waits on the semaphore, counts the graphs gone, and once none lives and the
+  owner is closed, runs the releases the owner deferred to then. The node's graphs (its
+  kernels' captures) defer what only graphs still need (the peers' segments, the multicast
+  range, the failure words) and hold the lease; the dispatcher's (captures of NCCL work)
+  defer the NCCL communicator's release, so that a graph replayed after ``close`` never
+  uses a destroyed ``ncclComm``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import sys
 import threading
 from typing import Any, Callable
 
+from ubnext._engine.captures import CAPTURES, RELEASES
 from ubnext._environment.cuda import drv
-from ubnext._environment.log import log_once
+from ubnext._interop import streams as _streams
 
 #: capture ids remembered per node (a capture's later calls find theirs among them)
 _RECENT_CAPTURES = 64
@@ -41,17 +46,19 @@ _SEM_BYTES = 64
 
 class Lease:
     """Keeps a node's own memory mapped while it is referenced; ``release`` runs once, when
-    :meth:`release` is called or when the last reference goes (then its errors are logged,
-    not raised; nothing runs at interpreter exit).
+    :meth:`release` is called or when the last reference goes (then through
+    ``captures.RELEASES``: not while a capture ubnext knows of is in progress, and its
+    errors are logged, not raised; nothing runs at interpreter exit).
 
     Args:
         release: what gives the memory back (it makes the context current itself).
+        context: the memory's context (``_interop.context.Context``), or None.
     """
 
-    __slots__ = ("_release", "__weakref__")
+    __slots__ = ("_release", "_context", "__weakref__")
 
-    def __init__(self, release: Callable[[], None]):
-        self._release = release
+    def __init__(self, release: Callable[[], None], context=None):
+        self._release, self._context = release, context
 
     def release(self) -> None:
         """Releases now (idempotent).
@@ -67,10 +74,7 @@ class Lease:
         release, self._release = self._release, None
         if release is None or sys.is_finalizing():
             return
-        try:
-            release()
-        except Exception as e:  # a finalizer: nobody to raise to
-            log_once(f"lease:{e}", f"ubnext: releasing a pool segment failed: {e}")
+        RELEASES.run(release, self._context)
 
 
 class Semaphore:
@@ -124,45 +128,54 @@ def _libc():
 
 
 class Graphs:
-    """The captured CUDA graphs that hold a node's memory (see the module docstring).
+    """The captured CUDA graphs that hold what an owner (a node, a dispatcher) released at
+    close (see the module docstring).
 
     Args:
         driver: the ``cuda.bindings.driver`` module (default) or a fake, for tests.
+        context: the owner's context (``_interop.context.Context``), where its captures are
+            queried until they end (``captures.CAPTURES``); None: they are not tracked.
 
     Attributes:
-        live: graphs (captures) holding the node's memory.
+        live: graphs (captures) holding the owner's resources.
     """
 
-    def __init__(self, driver: Any = None):
-        self._driver = driver
+    def __init__(self, driver: Any = None, context=None):
+        self._driver, self._context = driver, context
         self._lock = threading.Lock()
         self.live = 0
         self._open = True
         self._wakeups = 0  # posts of ours (not CUDA's) still to be taken
         self._lease: Lease | None = None  # held while a graph lives
-        self._release_shared: Callable[[], list] | None = None  # once no graph lives after close
+        self._releases: list[Callable] = []  # run once no graph lives after close
+        self._releasing = False  # the graphs' thread runs them now (a later close's wait behind)
         self._recent: collections.OrderedDict = collections.OrderedDict()
         self._signal: Semaphore | None = None
         self._thread: threading.Thread | None = None
 
-    def hold(self, capture: int, stream: int, lease: Lease) -> None:
-        """Makes the graph that ``stream`` is being captured into (capture id ``capture``,
-        as ``_streams.CUDA.capture`` gives it) hold ``lease`` and what only graphs need,
-        until it is destroyed: once per capture (its later calls cost a lookup). In the
-        launch section, before the call's launches.
+    def hold(self, stream: int, lease: Lease | None = None) -> None:
+        """Where ``stream`` is being captured into a CUDA graph, makes that graph hold the
+        owner's resources (and ``lease``, if given) until it is destroyed, and tracks the
+        capture until it ends (``captures.CAPTURES.track``: no release runs meanwhile):
+        once per capture (its later calls cost a lookup; a stream not captured, a query).
+        In the launch section, before the call's launches.
 
         Raises:
             CudaError: a driver call failed (nothing is held then).
         """
-        if capture in self._recent:
+        capture = _streams.CUDA.capture(stream)  # 0: not captured (the cost of every call)
+        if capture <= 0 or capture in self._recent:
             return
+        if self._context is not None:
+            CAPTURES.track(capture, stream, self._context)
         d = self._driver_module()
         graph = drv("cuStreamGetCaptureInfo", d.CUstream(stream), driver=self._driver)[2]
         with self._lock:
             if self._signal is None:
                 self._signal = Semaphore()
             self.live += 1  # the reaper counts the destructor's post, also of an object released below
-            self._lease = lease
+            if lease is not None:
+                self._lease = lease
             signal = self._signal
         obj = None
         try:
@@ -183,17 +196,21 @@ class Graphs:
             self._recent.popitem(last=False)
         self._start()
 
-    def close(self, release_shared: Callable[[], list]) -> bool:
-        """The node is closed: no graph holds anything new. Returns whether no graph lives
-        (the caller releases the shared memory now); else ``release_shared`` runs on the
-        graphs' thread once the last one is destroyed, and the lease goes then."""
+    def close(self, *releases: Callable) -> bool:
+        """The owner is closed: no graph holds anything new. Returns whether no graph lives
+        (the caller runs ``releases`` now); else they run on the graphs' thread, in the order
+        given (after those of an earlier call), once the last graph is destroyed, and the
+        lease goes then (through ``captures.RELEASES``). A release returns a list of errors,
+        or None; what it returns or raises is logged there. Idempotent; a later call may
+        defer more.
+        """
         with self._lock:
-            self._open = False
-            if self.live:
-                self._release_shared = release_shared
+            first, self._open = self._open, False
+            if self.live or self._releasing:
+                self._releases += releases
                 return False
             self._lease = None
-            if self._thread is not None:  # waiting for a destructor that will not come: let it end
+            if first and self._thread is not None:  # waiting for a destructor that will not come: let it end
                 self._wakeups += 1
                 self._signal.post()
             return True
@@ -213,8 +230,8 @@ class Graphs:
 
     def _reap(self) -> None:
         """The graphs' thread: takes each post (a graph's user object destroyed, or a wake-up
-        of ``close``), and once no graph lives drops the lease's hold and, after close,
-        releases the shared memory; then ends, freeing the semaphore."""
+        of ``close``), and once no graph lives drops the lease's hold and, after close, runs
+        the deferred releases; then ends, freeing the semaphore."""
         signal = self._signal
         while True:
             signal.wait()
@@ -227,12 +244,9 @@ class Graphs:
                 if self.live == 0:
                     lease, self._lease = self._lease, None
                 done = not self._open and self.live == 0
-                release = None
-                if done:
-                    release, self._release_shared = self._release_shared, None
-            if release is not None:
-                for e in release():
-                    log_once(f"graphs-release:{e}", f"ubnext: releasing a closed communicator's memory failed: {e}")
+                run = self._releasing = done and bool(self._releases)  # a close meanwhile appends to them
+            if run:
+                self._run_releases()
             del lease  # the last hold: the segment is released here, on this thread
             if done:
                 with self._lock:
@@ -241,3 +255,14 @@ class Graphs:
                         self._signal = None
                         signal.destroy()
                         return
+
+    def _run_releases(self) -> None:
+        """Runs the deferred releases, those a ``close`` adds meanwhile included, through
+        ``captures.RELEASES`` (in order; not while a known capture is in progress)."""
+        while True:
+            with self._lock:
+                if not self._releases:
+                    self._releasing = False
+                    return
+                release = self._releases.pop(0)
+            RELEASES.run(release)

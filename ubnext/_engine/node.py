@@ -13,7 +13,6 @@ from ubnext._engine.engine import Engine
 from ubnext._engine.failures import FailureRecords, broken_word, state_field
 from ubnext._engine.holders import Graphs, Lease
 from ubnext._environment.cuda import drv
-from ubnext._interop import streams as _streams
 from ubnext._memory.descriptors import FdChannel
 from ubnext._memory.heap import STATES, UserHeap, plan_layout
 from ubnext._memory.multicast import MulticastRange
@@ -124,9 +123,9 @@ class Node:
         # committed: what points into the pool holds it (holders): this rank's segment and the
         # address range stay while the node, an array or a captured graph holds the lease; the
         # peers' segments, the multicast range and the failure words while the node or a graph does
-        self._lease, self._released = Lease(self._release_own), False
+        self._lease, self._released = Lease(self._release_own, context), False
         self._release_lock, self._on_release = threading.Lock(), []
-        self.graphs = Graphs(driver=driver)
+        self.graphs = Graphs(driver=driver, context=context)
 
     def _drop_side(self) -> None:
         """Destroys the side stream on the closing thread (the garbage collector may free
@@ -171,10 +170,9 @@ class Node:
         Raises:
             CudaError: a driver call failed.
         """
-        capture = _streams.CUDA.capture(stream)  # 0: not captured (the cost of every call)
         lease = self._lease
-        if capture > 0 and lease is not None:
-            self.graphs.hold(capture, stream, lease)
+        if lease is not None:
+            self.graphs.hold(stream, lease)
 
     def announce(self, kind: int, rank: int) -> None:
         """Marks every kernel family of every local rank broken by rank ``rank`` with failure
