@@ -280,6 +280,8 @@ def test_device_split_errors_raise_after_the_call_and_write_nothing_out_of_bound
         found = raised(again)
     if me == 0:
         assert_found_by_the_kernel(found, "in_splits")
+        # the first count past the rows: rank n - 1's (the rows before it leave it 1 of x's n)
+        assert not isinstance(found, ubnext.SplitError) or (found.where, found.value) == (n - 1, n + 1), found
     else:
         assert isinstance(found, ubnext.BrokenCommunicatorError), found
 
