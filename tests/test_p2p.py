@@ -225,6 +225,11 @@ def test_device_splits_go_to_the_kernel_without_a_host_read(monkeypatch):
                            _signature.encode("all_to_all", "uint8", "sum", 0)), ("issue", "L", 0x77)]
     with pytest.raises(UbnextError, match="^all_to_all: out_splits must hold 4 int32 or int64 elements"):
         c.all_to_all(x, out, ins, buffer(4, "float32", ptr=1 << 27))
+    inside = buffer(4, "int32", ptr=out.ptr + out.nbytes - 8)  # its last 8 bytes: out's last row's
+    with pytest.raises(UbnextError, match="^all_to_all: in_splits overlaps out; the counts are read while out is"):
+        c.all_to_all(x, out, inside, outs)
+    with pytest.raises(UbnextError, match="^all_to_all: out_splits overlaps out"):
+        c.all_to_all(x, out, ins, inside)
     assert len(c.launches) == 2
 
 

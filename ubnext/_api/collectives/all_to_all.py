@@ -99,7 +99,7 @@ class AllToAll(PoolCopy, P2P):
             UbnextError: bad arguments (splits of another length, negative, not summing to
                 the rows, a row count that the world size does not divide where a split is
                 even, an out of another dtype or row length or overlapping x, device splits
-                without out or mixed with host ones or, on NCCL, inside a CUDA graph
+                without out, overlapping out or mixed with host ones or, on NCCL, inside a CUDA graph
                 capture), or NCCL cannot run here (ranks sharing a GPU) where it is named,
                 raised before anything is launched; on NCCL, device split counts that do
                 not fit or agree, raised on every rank before anything moves; an error NCCL
@@ -129,7 +129,7 @@ class AllToAll(PoolCopy, P2P):
                     raise UbnextError(f"{name}: device splits need an out sized by the caller (the rows received "
                                       f"are known on the device only)")
                 ob, out_rows = self._rows_out(name, xb, row, out, handle)
-                ins, outs = (self._split_buffer(name, s, what, handle)
+                ins, outs = (self._split_buffer(name, s, what, handle, ob)
                              for s, what in ((in_splits, "in_splits"), (out_splits, "out_splits")))
                 if algo == "p2p":  # the kernel reads and checks the counts: no host sync
                     self._record(handle, owner, side, (xb, ob, ins, outs))
@@ -186,12 +186,16 @@ class AllToAll(PoolCopy, P2P):
             raise UbnextError(f"{name}: out overlaps x; an all-to-all needs separate arrays")
         return ob, ob.count // row if row else (int(ob.shape[0]) if ob.shape else 0)
 
-    def _split_buffer(self, name: str, splits, what: str, handle: int):
-        """Device ``splits`` as a Buffer, checked: on this device, ``size`` int32 or int64."""
+    def _split_buffer(self, name: str, splits, what: str, handle: int, ob):
+        """Device ``splits`` as a Buffer, checked: on this device, ``size`` int32 or int64,
+        apart from ``ob`` (the kernel reads the counts while other blocks write out)."""
         b = self._on_device(name, _arrays.as_buffer(splits, name, handle), what)
         if b.dtype not in SPLIT_DTYPES or b.count != self.size:
             raise UbnextError(f"{name}: {what} must hold {self.size} {' or '.join(SPLIT_DTYPES)} elements (one per "
                               f"rank), got {b.count} {b.dtype}")
+        if _arrays.overlap(b, ob):
+            raise UbnextError(f"{name}: {what} overlaps out; the counts are read while out is written, so they "
+                              f"need memory of their own")
         return b
 
     def _read(self, name: str, b, handle: int) -> list:
