@@ -165,6 +165,24 @@ def test_back_to_back_rounds_alternate_buffers(comm):
     comm.synchronize()
 
 
+def test_a_repeated_batch_takes_its_plan(comm):
+    """The same ring batch (same arrays) five times, new data before each: the calls after
+    the first launch the first call's plan, and each delivers its own round's data (the
+    kernel advances the pairs' counters, the plan's arguments stay)."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    x = torch.empty(1000, dtype=torch.float32, device="cuda")
+    r = torch.empty_like(x)
+    for k in range(5):
+        x.copy_(torch.arange(1000, dtype=torch.float32, device="cuda") + 10000 * k + 100 * me)
+        comm.batch_isend_irecv([("send", x, (me + 1) % n), ("recv", r, (me - 1) % n)], algorithm="ll")
+        comm.synchronize()
+        want = torch.arange(1000, dtype=torch.float32, device="cuda") + 10000 * k + 100 * ((me - 1) % n)
+        assert torch.equal(r, want), f"round {k}"
+    assert len(comm._plans) >= 1  # this call's (or an earlier test's with arrays at the same addresses)
+
+
 def test_graph_replay(comm):
     """A ring batch and an all-to-all with device splits captured after an eager call,
     replayed on new inputs: the kernel advances the pairs' counters itself."""

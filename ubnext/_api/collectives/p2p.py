@@ -86,12 +86,14 @@ class P2P(Rung):
                         f"this communicator has no symmetric pool ({self.path})"))
         return algo
 
-    def _run_p2p(self, collective: str, items: list, handle: int, owner) -> None:
+    def _run_p2p(self, collective: str, items: list, handle: int, owner) -> tuple:
         """The kernel's launch on ``handle`` for ``items`` (``(kind, address, bytes, peer)``;
         a rank is the pool's index of its segment: the pool serves a communicator of one
-        node) as messages of ``collective``."""
+        node) as messages of ``collective``; returns it (``issue``'s form), for a call plan."""
         self._order.follow(handle, owner)
-        issue(self._node.engine.p2p(groups(items), head(collective)), handle)
+        launch = self._node.engine.p2p(groups(items), head(collective))
+        issue(launch, handle)
+        return launch
 
     def _run_alltoallv(self, xb, ob, rows: int, out_rows: int, row_bytes: int, ins, outs, handle: int,
                        owner) -> None:
