@@ -183,6 +183,30 @@ def test_a_repeated_batch_takes_its_plan(comm):
     assert len(comm._plans) >= 1  # this call's (or an earlier test's with arrays at the same addresses)
 
 
+def test_a_repeated_all_to_all_with_device_splits_reads_the_counts_each_call(comm):
+    """The same arrays three times (the calls after the first launch its plan), the device
+    splits rewritten before each (int64 in_splits, int32 out_splits): each call moves its
+    own round's counts and data, the rows past them untouched."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    x = torch.empty(2 * n, 3, dtype=torch.float32, device="cuda")
+    out = torch.empty(2 * n, 3, dtype=torch.float32, device="cuda")
+    ins = torch.empty(n, dtype=torch.int64, device="cuda")
+    outs = torch.empty(n, dtype=torch.int32, device="cuda")
+    for k, rows in enumerate((2, 1, 2)):  # rows every rank sends every rank this round
+        x.copy_(torch.arange(6 * n, dtype=torch.float32, device="cuda").view(2 * n, 3) + 1000 * k + 100 * me)
+        out.fill_(-1)
+        ins.fill_(rows)
+        outs.fill_(rows)
+        comm.all_to_all(x, out, ins, outs, algorithm="ll")
+        comm.synchronize()
+        base = torch.arange(6 * n, dtype=torch.float32, device="cuda").view(2 * n, 3) + 1000 * k
+        want = torch.cat([base[rows * me:rows * me + rows] + 100 * j for j in range(n)])
+        assert torch.equal(out[:rows * n], want), f"round {k}"
+        assert bool((out[rows * n:] == -1).all().item()), f"round {k}: rows past the counts were written"
+
+
 def test_graph_replay(comm):
     """A ring batch and an all-to-all with device splits captured after an eager call,
     replayed on new inputs: the kernel advances the pairs' counters itself."""

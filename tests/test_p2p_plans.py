@@ -100,3 +100,46 @@ def test_keys_name_the_call_the_kinds_and_plain_int_peers():
     assert p2p_key("send", [("send", object(), 1)], "ll", 5, False) is None
     assert p2p_key("batch_isend_irecv", [("send", x, 0), ("recv", y, 0)], "ll", 5, False) != \
         p2p_key("batch_isend_irecv", [("recv", x, 0), ("send", y, 0)], "ll", 5, False)
+
+
+# ---- the all-to-all with splits on the kernel ---------------------------------------------------------
+def test_a_repeated_all_to_all_with_host_splits_launches_its_plan(make_comm, fakes):
+    comm = make_comm()
+    x, out = array(X, (100, 3)), array(Y, (100, 3))
+    for _ in range(3):
+        assert comm.all_to_all(x, out, [100], [100], algorithm="ll") is out
+    assert fakes.as_buffer.calls == 2
+    first, *later = fakes.driver.launches
+    assert comm.kernels[first[0]][1] == "ub_p2p" and all(launch == first for launch in later) and len(later) == 2
+    n, head, *words = first[4][-2 - 64:]
+    assert (n, head) == (2, encode("all_to_all", "uint8", "sum", 0))
+    assert words[:4] == [X, 1200 | 1 << 56, Y, 1200]
+
+
+def test_a_repeated_all_to_all_with_device_splits_launches_its_plan_each_split_at_its_width(make_comm, fakes):
+    """The plan's launch is the full path's: ub_p2p_alltoallv with in_splits' width (int64:
+    8) and out_splits' (int32: 4), each its own."""
+    comm = make_comm()
+    x, out = array(X, (100, 3)), array(Y, (103, 3))
+    ins, outs = array(Z, (1,), "int64"), array(Z + 64, (1,), "int32")
+    for _ in range(2):
+        assert comm.all_to_all(x, out, ins, outs, algorithm="ll") is out
+    assert fakes.as_buffer.calls == 4
+    first, second = fakes.driver.launches
+    assert comm.kernels[first[0]][1] == "ub_p2p_alltoallv" and second == first
+    assert first[4][-10:] == (X, Y, 100, 103, 12, Z, 8, Z + 64, 4, encode("all_to_all", "uint8", "sum", 0))
+
+
+def test_all_to_all_keys():
+    from ubnext._api.collectives.all_to_all import all_to_all_key
+
+    x, out = array(X, (100,)), array(Y, (100,))
+    ins, outs = array(Z, (1,), "int64"), array(Z + 64, (1,), "int32")
+    host = all_to_all_key(x, out, [60, 40], [50, 50], "ll", 5, False)
+    assert host != all_to_all_key(x, out, [50, 50], [50, 50], "ll", 5, False)
+    assert host != all_to_all_key(x, out, [60, 40], [40, 60], "ll", 5, False)
+    assert all_to_all_key(x, None, [60, 40], [50, 50], "ll", 5, False) is None  # out allocated every call
+    assert all_to_all_key(x, out, [60, True], [50, 50], "ll", 5, False) is None
+    assert all_to_all_key(x, out, [60, 40], outs, "ll", 5, False) is None  # mixed: the full path raises
+    device = all_to_all_key(x, out, ins, outs, "ll", 5, False)
+    assert device is not None and device != all_to_all_key(x, out, outs, ins, "ll", 5, False)

@@ -96,11 +96,13 @@ class P2P(Rung):
         return launch
 
     def _run_alltoallv(self, xb, ob, rows: int, out_rows: int, row_bytes: int, ins, outs, handle: int,
-                       owner) -> None:
+                       owner) -> tuple:
         """The kernel's all-to-all with split counts in device memory (Buffers ``ins`` and
         ``outs``, int32 or int64, each its own) on ``handle``: rows of ``row_bytes`` of
-        ``xb`` (``rows``) into ``ob`` (``out_rows``)."""
+        ``xb`` (``rows``) into ``ob`` (``out_rows``); returns the launch, as ``_run_p2p``."""
         self._order.follow(handle, owner)
-        issue(self._node.engine.p2p_alltoallv(xb.ptr, ob.ptr, rows, out_rows, row_bytes, ins.ptr,
-                                              DTYPES[ins.dtype][1], outs.ptr, DTYPES[outs.dtype][1],
-                                              head("all_to_all")), handle)
+        launch = self._node.engine.p2p_alltoallv(xb.ptr, ob.ptr, rows, out_rows, row_bytes, ins.ptr,
+                                                 DTYPES[ins.dtype][1], outs.ptr, DTYPES[outs.dtype][1],
+                                                 head("all_to_all"))
+        issue(launch, handle)
+        return launch
