@@ -76,33 +76,43 @@ def ll_holder():
         holder.comm.close()
 
 
-@pytest.fixture
-def ll_comm(ll_holder, comm):
-    """The low-latency kernels' communicator (a small pool, a 60 s timeout) for one test,
-    made at its first use. After the test every rank waits for its work and the ranks
-    agree (over the module communicator's bootstrap) whether it failed on any of them:
-    then every rank aborts it (local: a rank that saw nothing waits for none) and the next
-    test gets a new one, and the test errors here on each rank where it failed, so one
-    failure stays in the test that caused it instead of failing every later one."""
-    from gpu_support import SMALL
-
+def renewed_after_failure(holder, make, agree):
+    """The body of a per-test fixture of a communicator kept in ``holder.comm`` between
+    tests, made by ``make()`` at its first use. After the test every rank waits for its
+    work and the ranks agree (``agree(flag)``: every rank's flag, collective) whether it
+    failed on any of them: then every rank aborts it (local: a rank that saw nothing waits
+    for none) and the next test gets a new one, and the test errors here on each rank
+    where it failed, so that one failure stays in the test that caused it instead of
+    failing every later one."""
     import ubnext
 
-    if ll_holder.comm is None:
-        ll_holder.comm = ubnext.Communicator(**SMALL, timeout_s=60)
-    c = ll_holder.comm
+    if holder.comm is None:
+        holder.comm = make()
+    c = holder.comm
     yield c
     error = None
     try:
         c.synchronize()
     except ubnext.BrokenCommunicatorError as e:
         error = e
-    if any(comm.bootstrap.allgather_obj(error is not None)):
-        ll_holder.comm = None
+    if any(agree(error is not None)):
+        holder.comm = None
         c.abort()
     if error is not None:
-        pytest.fail(f"the low-latency kernels' communicator failed in this test (the next test gets a new "
-                    f"one): {error!r}")
+        pytest.fail(f"the communicator failed in this test (the next test gets a new one): {error!r}")
+
+
+@pytest.fixture
+def ll_comm(ll_holder, comm):
+    """The low-latency kernels' communicator (a small pool, a 60 s timeout) for one test,
+    renewed after a test that broke it (``renewed_after_failure``; the ranks agree over the
+    module communicator's bootstrap)."""
+    from gpu_support import SMALL
+
+    import ubnext
+
+    yield from renewed_after_failure(ll_holder, lambda: ubnext.Communicator(**SMALL, timeout_s=60),
+                                     comm.bootstrap.allgather_obj)
 
 
 def mover(comm, algo: str, request=None, nbytes: int = 0):

@@ -18,11 +18,13 @@ tests/test_gpu_p2p.py``; skipped without a GPU.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from gpu_support import collected, require_gpu_and_torch, seed_of
-from test_gpu_collectives import POISON, WIDTH, Bordered, assert_bytes, host_bytes, on_device, rank_bytes
+from test_gpu_collectives import (POISON, WIDTH, Bordered, assert_bytes, host_bytes, on_device, rank_bytes,
+                                  renewed_after_failure)
 
 from ubnext._protocol.algorithms import DTYPES
 from ubnext._protocol.constants import LL_MAX_BYTES
@@ -36,25 +38,38 @@ TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def comm():
-    require_gpu_and_torch()
-    import torch
-
-    import ubnext
-
-    c = ubnext.Communicator(**SETTINGS, timeout_s=60)
-    torch.cuda.set_device(c.device)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def world():
     """mpi4py's COMM_WORLD, to line the ranks up around failures."""
     require_gpu_and_torch()
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="module")
+def holder(world):
+    """Where the module's communicator lives between tests (``comm``)."""
+    kept = SimpleNamespace(comm=None)
+    yield kept
+    if kept.comm is not None:
+        kept.comm.close()
+
+
+@pytest.fixture
+def comm(holder, world):
+    """The module's communicator (a small pool, a timeout that a slow shared GPU never
+    trips) with torch's device set to its own, renewed after a test that broke it
+    (test_gpu_collectives.renewed_after_failure; the ranks agree over MPI)."""
+    import torch
+
+    import ubnext
+
+    def make():
+        c = ubnext.Communicator(**SETTINGS, timeout_s=60)
+        torch.cuda.set_device(c.device)
+        return c
+
+    yield from renewed_after_failure(holder, make, world.allgather)
 
 
 @pytest.fixture
