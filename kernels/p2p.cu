@@ -183,62 +183,76 @@ __device__ void p2p_batch(const Tp& tp, const P2PArea& a, u32 n, u64 head, const
   if (threadIdx.x == 0) *(volatile u32*)counter = k;
 }
 
-// A split count of rank r (int32 or int64, signed) from device memory.
-__device__ __forceinline__ long long split_at(const void* splits, u64 width, int r) {
-  return width == 4 ? (long long)((const int*)splits)[r] : ((const long long*)splits)[r];
+// One rank's split counts in device memory: `width`-byte signed ints (4: int32, 8: int64),
+// one per rank. Each array has its own width: a caller may hold in_splits as int64 and
+// out_splits as int32 (torch.tensor's default and an explicit dtype).
+struct Splits {
+  const void* p;
+  u64 width;
+};
+
+// The split count of rank r, sign-extended.
+__device__ __forceinline__ long long split_at(const Splits& s, int r) {
+  return s.width == 4 ? (long long)((const int*)s.p)[r] : ((const long long*)s.p)[r];
 }
 
-// Whether N counts are non-negative and sum to at most `bound`; the rows before rank r in `start`.
+// Whether N counts are non-negative and sum to at most `bound`; the rows before rank r in
+// `start`; where they do not, the first rank whose count is negative or takes the running
+// sum past `bound` in `bad`, its count in `value` (what the host's SplitError names).
 template <int N>
-__device__ bool splits_fit(const void* splits, u64 width, long long bound, int r, long long& start) {
+__device__ bool splits_fit(const Splits& s, long long bound, int r, long long& start, int& bad, long long& value) {
   long long sum = 0;
-  bool ok = true;
   start = 0;
+  bad = -1;
+  value = 0;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    const long long v = split_at(splits, width, j);
+    const long long v = split_at(s, j);
     if (j == r) start = sum;
-    ok = ok && v >= 0 && v <= bound;
-    sum += v < 0 ? 0 : v;
+    if (bad < 0 && (v < 0 || v > bound - sum)) {
+      bad = j;
+      value = v;
+    }
+    if (bad < 0) sum += v;
   }
-  return ok && sum <= bound;
+  return bad < 0;
 }
 
 // All-to-all with device splits: block b < N sends part peer(b) of x, block N + b receives
 // from peer(b). A sender whose in_splits are invalid sends only a header marking it
 // (kInvalidCount); a receiver whose out_splits are invalid, or whose count differs from the
-// sender's, reads the sender's chunks and writes nothing. Each reports kFailInput
-// (kSplitBadIn, kSplitBadOut: the block of its own pair, once; kSplitDisagree: where rank
-// `peer` sent another count, the count in rows) after its messages, so that every pair's
-// messages still travel.
+// sender's, reads the sender's chunks and writes nothing. Each reports kFailInput after its
+// messages, so that every pair's messages still travel: kSplitBadIn, kSplitBadOut (the block
+// of its own pair, once; the first rank whose count is wrong, and that count),
+// kSplitDisagree (where rank `peer` sent another count: the rank, the count in rows).
 template <int N, class Tp>
 __device__ void p2p_alltoallv(const Tp& tp, const P2PArea& a, const char* x, char* out, u64 x_rows, u64 out_rows,
-                              u64 row_bytes, const void* in_splits, const void* out_splits, u64 width, u64 head,
-                              WaitCtx& c) {
+                              u64 row_bytes, const Splits& ins, const Splits& outs, u64 head, WaitCtx& c) {
   const bool send = blockIdx.x < N;
   const int peer = tp.peer((int)(blockIdx.x % N));
-  long long start;
+  long long start, value;
+  int bad;
   if (send) {
     u32* counter = sent_word(a.mine, peer);
-    const bool fits = splits_fit<N>(in_splits, width, (long long)x_rows, peer, start);
-    const u64 n = fits ? (u64)split_at(in_splits, width, peer) * row_bytes : kInvalidCount;
+    const bool fits = splits_fit<N>(ins, (long long)x_rows, peer, start, bad, value);
+    const u64 n = fits ? (u64)split_at(ins, peer) * row_bytes : kInvalidCount;
     const u32 k = send_message(tp, a, peer, x + (fits ? (u64)start * row_bytes : 0), n, head, ld_volatile_u32(counter), c);
     __syncthreads();
     if (threadIdx.x == 0) {
       *(volatile u32*)counter = k;
-      if (!fits && peer == tp.rank) fail(c, kFailInput, peer, kSplitBadIn, 0, 0);
+      if (!fits && peer == tp.rank) fail(c, kFailInput, peer, kSplitBadIn, (u64)bad, (u64)value);
     }
   } else {
     u32* counter = recvd_word(a.mine, peer);
-    const bool fits = splits_fit<N>(out_splits, width, (long long)out_rows, peer, start);
-    const u64 want = fits ? (u64)split_at(out_splits, width, peer) * row_bytes : 0;
+    const bool fits = splits_fit<N>(outs, (long long)out_rows, peer, start, bad, value);
+    const u64 want = fits ? (u64)split_at(outs, peer) * row_bytes : 0;
     u64 got;
     const u32 k = recv_message(tp, a, peer, out + (fits ? (u64)start * row_bytes : 0), want,
                                Expect{head, want, true}, fits, ld_volatile_u32(counter), got, c);
     __syncthreads();
     if (threadIdx.x == 0) {
       *(volatile u32*)counter = k;
-      if (!fits && peer == tp.rank) fail(c, kFailInput, peer, kSplitBadOut, 0, 0);
+      if (!fits && peer == tp.rank) fail(c, kFailInput, peer, kSplitBadOut, (u64)bad, (u64)value);
       if (fits && got != kInvalidCount && got != want && !c.failed) {
         fail(c, kFailInput, peer, kSplitDisagree, (u64)peer, row_bytes ? got / row_bytes : got);
       }
@@ -265,12 +279,13 @@ ub_p2p(char* base, u64 stride, int rank, char* mc, u64 area_off, u64 slot_bytes,
 extern "C" __global__ void __launch_bounds__(UB_P2P_THREADS)
 ub_p2p_alltoallv(char* base, u64 stride, int rank, char* mc, u64 area_off, u64 slot_bytes, LaunchState* state,
                  const char* x, char* out, u64 x_rows, u64 out_rows, u64 row_bytes, const void* in_splits,
-                 const void* out_splits, u64 width, u64 head) {
+                 u64 in_width, const void* out_splits, u64 out_width, u64 head) {
   enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const P2PArea a{tp.seg(rank) + area_off, area_off, slot_bytes};
   const LaunchView l = read_launch_state(state);
   WaitCtx c = wait_ctx(state, rank);
-  p2p_alltoallv<UB_NRANKS>(tp, a, x, out, x_rows, out_rows, row_bytes, in_splits, out_splits, width, head, c);
+  p2p_alltoallv<UB_NRANKS>(tp, a, x, out, x_rows, out_rows, row_bytes, Splits{in_splits, in_width},
+                           Splits{out_splits, out_width}, head, c);
   finish_launch(c, l, 0u);
 }

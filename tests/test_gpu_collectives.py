@@ -18,9 +18,13 @@ all-reduce) and the movers' ``auto`` (the copy form) run. The pool's point-to-po
 kernel (send/recv, batches, uneven all-to-all) is tested in test_gpu_p2p.py.
 
 The low-latency kernel (``algorithm="ll"``: broadcast and even all_to_all, parts up to
-LL_MAX_BYTES) runs on a communicator of its own with a 60 s timeout (``ll_comm``), so that
-a failure of it leaves the other tests' communicator intact; its tests are the same
-bodies, plus back-to-back calls that alternate its buffers and a CUDA-graph replay.
+LL_MAX_BYTES) and the pool's point-to-point kernel (the ``ll`` cases of the uneven
+all_to_all and of the batch ring) run on a communicator of their own with a 60 s timeout
+(``ll_comm``), so that a failure of them leaves the other tests' communicator intact, made
+anew after a test that broke it, so that the failure stays in that test; their tests are
+the same bodies, plus back-to-back calls that alternate the buffers and a CUDA-graph
+replay. The bodies wait with ``comm.synchronize()``, which raises what a kernel recorded
+(a kernel's failure is raised at the next call or ``synchronize()``, not by torch's).
 
 Run at 1 rank (plain pytest), at 2 and 4 ranks one per GPU, and with ranks sharing one
 GPU: ``mpirun --oversubscribe -n 4 python -m pytest -q tests/test_gpu_collectives.py``;
@@ -68,16 +72,51 @@ BROADCASTS = ("ll", "copy", "scatter_allgather", "nccl")
 
 
 @pytest.fixture(scope="module")
-def ll_comm():
-    """The low-latency kernel's communicator (a small pool, a 60 s timeout)."""
-    from gpu_support import SMALL, require_gpu_and_torch
+def ll_holder():
+    """Where the low-latency kernels' communicator lives between tests (``ll_comm``)."""
+    holder = SimpleNamespace(comm=None)
+    yield holder
+    if holder.comm is not None:
+        holder.comm.close()
 
-    require_gpu_and_torch()
+
+def renewed_after_failure(holder, make, agree):
+    """The body of a per-test fixture of a communicator kept in ``holder.comm`` between
+    tests, made by ``make()`` at its first use. After the test every rank waits for its
+    work and the ranks agree (``agree(flag)``: every rank's flag, collective) whether it
+    failed on any of them: then every rank aborts it (local: a rank that saw nothing waits
+    for none) and the next test gets a new one, and the test errors here on each rank
+    where it failed, so that one failure stays in the test that caused it instead of
+    failing every later one."""
     import ubnext
 
-    c = ubnext.Communicator(**SMALL, timeout_s=60)
+    if holder.comm is None:
+        holder.comm = make()
+    c = holder.comm
     yield c
-    c.close()
+    error = None
+    try:
+        c.synchronize()
+    except ubnext.BrokenCommunicatorError as e:
+        error = e
+    if any(agree(error is not None)):
+        holder.comm = None
+        c.abort()
+    if error is not None:
+        pytest.fail(f"the communicator failed in this test (the next test gets a new one): {error!r}")
+
+
+@pytest.fixture
+def ll_comm(ll_holder, comm):
+    """The low-latency kernels' communicator (a small pool, a 60 s timeout) for one test,
+    renewed after a test that broke it (``renewed_after_failure``; the ranks agree over the
+    module communicator's bootstrap)."""
+    from gpu_support import SMALL
+
+    import ubnext
+
+    yield from renewed_after_failure(ll_holder, lambda: ubnext.Communicator(**SMALL, timeout_s=60),
+                                     comm.bootstrap.allgather_obj)
 
 
 def mover(comm, algo: str, request=None, nbytes: int = 0):
@@ -165,8 +204,6 @@ def cases():
 @pytest.mark.parametrize("place", ["new", "out", "in"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
 def test_broadcast_bit_for_bit(comm, dtype, count, place, algo, request):
-    import torch
-
     comm = mover(comm, algo, request, count * WIDTH[dtype])
     seed = seed_of("bcast", dtype, count, place)
     root = seed % comm.size
@@ -176,7 +213,7 @@ def test_broadcast_bit_for_bit(comm, dtype, count, place, algo, request):
     out = Bordered(count, dtype, seed + 2) if place == "out" else None
     result = comm.broadcast(x.view, root, out=x.view if place == "in" else None if out is None else out.view,
                             algorithm=algo)
-    torch.cuda.synchronize()
+    comm.synchronize()
     want = rank_bytes(count, dtype, root, seed)
     assert_bytes(host_bytes(result), want, f"broadcast from {root}")
     x.assert_intact("broadcast (x)")
@@ -323,11 +360,11 @@ def test_all_to_all_bit_for_bit(comm, dtype, count, splits, request):
     kwargs = {}
     if splits == "host":
         kwargs = dict(in_splits=send[me], out_splits=[send[j][me] for j in range(n)])
-    elif splits == "device":
+    elif splits == "device":  # two dtypes: torch.tensor's int64 default and int32, each read at its own width
         kwargs = dict(in_splits=torch.tensor(send[me], device="cuda"),
                       out_splits=torch.tensor([send[j][me] for j in range(n)], device="cuda", dtype=torch.int32))
     result = comm.all_to_all(x.view, out.view, algorithm=algo or "auto", **kwargs)
-    torch.cuda.synchronize()
+    comm.synchronize()  # raises what the kernel found (device splits on "ll": SplitError)
     w = WIDTH[dtype] * row
     want = []
     for j in range(n):
@@ -465,14 +502,11 @@ def irecv():
 @pytest.mark.parametrize("algo", ["ll", "nccl"])
 @pytest.mark.parametrize("form", ["tuples", "p2pops"])
 @pytest.mark.parametrize("dtype,count", list(cases()))
-def test_batch_ring_bit_for_bit(comm, dtype, count, form, algo):
+def test_batch_ring_bit_for_bit(comm, dtype, count, form, algo, request):
     """Each rank sends to the next and receives from the previous in one batch (at one
     rank: to and from itself), plus a second pair of buffers the other way round; on NCCL
     and on the pool's point-to-point kernel (``ll``: the bfloat16 case of 2 MiB in chunks)."""
-    import torch
-
-    if algo == "nccl":
-        skip_where_nccl_cannot_run(comm)
+    comm = mover(comm, algo, request)
     n, me = comm.size, comm.rank
     seed = seed_of("ring", dtype, count, form)
     nxt, prev = (me + 1) % n, (me - 1) % n
@@ -487,7 +521,7 @@ def test_batch_ring_bit_for_bit(comm, dtype, count, form, algo):
         kinds = {"send": isend, "recv": irecv}
         entries = [SimpleNamespace(op=kinds[k], tensor=t, peer=p) for k, t, p in entries]
     assert comm.batch_isend_irecv(entries, algorithm=algo) is None
-    torch.cuda.synchronize()
+    comm.synchronize()
     failures = []
     with collected(failures):
         assert_bytes(host_bytes(got.view), data[prev], "batch: received from the previous rank")
@@ -648,7 +682,7 @@ def test_ll_back_to_back_alternates_its_buffers(ll_comm):
             out = comm.broadcast(on_device(rank_bytes(count, "bfloat16", me, seed), "bfloat16"), root, algorithm="ll")
             want = rank_bytes(count, "bfloat16", root, seed)
         made.append((k, out, want))
-    torch.cuda.synchronize()
+    comm.synchronize()
     for k, out, want in made:
         assert_bytes(host_bytes(out), want, f"call {k}")
 
@@ -670,6 +704,7 @@ def test_ll_graph_replay(ll_comm):
         with collected(failures):
             assert torch.equal(b, base + 100 * (n - 1))
             assert torch.equal(a, torch.cat([base[4 * me:4 * me + 4] + 100 * j for j in range(n)]))
+    comm.synchronize()
     assert not failures, failures
 
 

@@ -18,11 +18,13 @@ tests/test_gpu_p2p.py``; skipped without a GPU.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from gpu_support import collected, require_gpu_and_torch, seed_of
-from test_gpu_collectives import POISON, WIDTH, Bordered, assert_bytes, host_bytes, on_device, rank_bytes
+from test_gpu_collectives import (POISON, WIDTH, Bordered, assert_bytes, host_bytes, on_device, rank_bytes,
+                                  renewed_after_failure)
 
 from ubnext._protocol.algorithms import DTYPES
 from ubnext._protocol.constants import LL_MAX_BYTES
@@ -36,25 +38,38 @@ TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def comm():
-    require_gpu_and_torch()
-    import torch
-
-    import ubnext
-
-    c = ubnext.Communicator(**SETTINGS, timeout_s=60)
-    torch.cuda.set_device(c.device)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
 def world():
     """mpi4py's COMM_WORLD, to line the ranks up around failures."""
     require_gpu_and_torch()
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="module")
+def holder(world):
+    """Where the module's communicator lives between tests (``comm``)."""
+    kept = SimpleNamespace(comm=None)
+    yield kept
+    if kept.comm is not None:
+        kept.comm.close()
+
+
+@pytest.fixture
+def comm(holder, world):
+    """The module's communicator (a small pool, a timeout that a slow shared GPU never
+    trips) with torch's device set to its own, renewed after a test that broke it
+    (test_gpu_collectives.renewed_after_failure; the ranks agree over MPI)."""
+    import torch
+
+    import ubnext
+
+    def make():
+        c = ubnext.Communicator(**SETTINGS, timeout_s=60)
+        torch.cuda.set_device(c.device)
+        return c
+
+    yield from renewed_after_failure(holder, make, world.allgather)
 
 
 @pytest.fixture
@@ -163,6 +178,48 @@ def test_back_to_back_rounds_alternate_buffers(comm):
     for k, out, want in made:
         assert_bytes(host_bytes(out), want, f"round {k}")
     comm.synchronize()
+
+
+def test_a_repeated_batch_takes_its_plan(comm):
+    """The same ring batch (same arrays) five times, new data before each: the calls after
+    the first launch the first call's plan, and each delivers its own round's data (the
+    kernel advances the pairs' counters, the plan's arguments stay)."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    x = torch.empty(1000, dtype=torch.float32, device="cuda")
+    r = torch.empty_like(x)
+    for k in range(5):
+        x.copy_(torch.arange(1000, dtype=torch.float32, device="cuda") + 10000 * k + 100 * me)
+        comm.batch_isend_irecv([("send", x, (me + 1) % n), ("recv", r, (me - 1) % n)], algorithm="ll")
+        comm.synchronize()
+        want = torch.arange(1000, dtype=torch.float32, device="cuda") + 10000 * k + 100 * ((me - 1) % n)
+        assert torch.equal(r, want), f"round {k}"
+    assert len(comm._plans) >= 1  # this call's (or an earlier test's with arrays at the same addresses)
+
+
+def test_a_repeated_all_to_all_with_device_splits_reads_the_counts_each_call(comm):
+    """The same arrays three times (the calls after the first launch its plan), the device
+    splits rewritten before each (int64 in_splits, int32 out_splits): each call moves its
+    own round's counts and data, the rows past them untouched."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    x = torch.empty(2 * n, 3, dtype=torch.float32, device="cuda")
+    out = torch.empty(2 * n, 3, dtype=torch.float32, device="cuda")
+    ins = torch.empty(n, dtype=torch.int64, device="cuda")
+    outs = torch.empty(n, dtype=torch.int32, device="cuda")
+    for k, rows in enumerate((2, 1, 2)):  # rows every rank sends every rank this round
+        x.copy_(torch.arange(6 * n, dtype=torch.float32, device="cuda").view(2 * n, 3) + 1000 * k + 100 * me)
+        out.fill_(-1)
+        ins.fill_(rows)
+        outs.fill_(rows)
+        comm.all_to_all(x, out, ins, outs, algorithm="ll")
+        comm.synchronize()
+        base = torch.arange(6 * n, dtype=torch.float32, device="cuda").view(2 * n, 3) + 1000 * k
+        want = torch.cat([base[rows * me:rows * me + rows] + 100 * j for j in range(n)])
+        assert torch.equal(out[:rows * n], want), f"round {k}"
+        assert bool((out[rows * n:] == -1).all().item()), f"round {k}: rows past the counts were written"
 
 
 def test_graph_replay(comm):
@@ -280,6 +337,8 @@ def test_device_split_errors_raise_after_the_call_and_write_nothing_out_of_bound
         found = raised(again)
     if me == 0:
         assert_found_by_the_kernel(found, "in_splits")
+        # the first count past the rows: rank n - 1's (the rows before it leave it 1 of x's n)
+        assert not isinstance(found, ubnext.SplitError) or (found.where, found.value) == (n - 1, n + 1), found
     else:
         assert isinstance(found, ubnext.BrokenCommunicatorError), found
 

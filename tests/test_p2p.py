@@ -113,8 +113,8 @@ def test_the_engine_packs_groups_in_order_one_block_each():
 
 
 def test_the_engines_alltoallv_runs_a_block_per_send_and_receive():
-    launch = _engine.Engine.p2p_alltoallv(engine_stub(), 1, 2, 3, 4, 5, 6, 7, 8, 9)
-    assert launch == ("ub_p2p_alltoallv", 8, 512, (1, 2, 3, 4, 5, 6, 7, 8, 9))
+    launch = _engine.Engine.p2p_alltoallv(engine_stub(), 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+    assert launch == ("ub_p2p_alltoallv", 8, 512, (1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
 
 
 def test_groups_keep_each_pairs_order():
@@ -221,10 +221,15 @@ def test_device_splits_go_to_the_kernel_without_a_host_read(monkeypatch):
     out = buffer(12 * 3, "float64", ptr=1 << 25, shape=(12, 3))
     ins, outs = buffer(4, "int64", ptr=1 << 26), buffer(4, "int32", ptr=1 << 27)
     assert c.all_to_all(x, out, ins, outs) is out.obj
-    assert c.launches == [("alltoallv", x.ptr, out.ptr, 10, 12, 24, ins.ptr, outs.ptr, 8,
+    assert c.launches == [("alltoallv", x.ptr, out.ptr, 10, 12, 24, ins.ptr, 8, outs.ptr, 4,
                            _signature.encode("all_to_all", "uint8", "sum", 0)), ("issue", "L", 0x77)]
     with pytest.raises(UbnextError, match="^all_to_all: out_splits must hold 4 int32 or int64 elements"):
         c.all_to_all(x, out, ins, buffer(4, "float32", ptr=1 << 27))
+    inside = buffer(4, "int32", ptr=out.ptr + out.nbytes - 8)  # its last 8 bytes: out's last row's
+    with pytest.raises(UbnextError, match="^all_to_all: in_splits overlaps out; the counts are read while out is"):
+        c.all_to_all(x, out, inside, outs)
+    with pytest.raises(UbnextError, match="^all_to_all: out_splits overlaps out"):
+        c.all_to_all(x, out, ins, inside)
     assert len(c.launches) == 2
 
 
@@ -235,3 +240,57 @@ def test_where_nccl_runs_uneven_splits_stay_on_it(monkeypatch):
     assert calls(c)[0][0] == "exchange" and c.launches == []
     c.all_to_all(x, in_splits=[3, 0, 4, 0], out_splits=[1, 2, 0, 5], algorithm="ll")
     assert c.launches[0][0] == "p2p"
+
+
+# ---- the launch's arguments as the kernel reads them ---------------------------------------------
+def kernel_params(entry: str) -> list:
+    """``entry``'s parameter names in kernels/p2p.cu, in order."""
+    text = _kernels.source(P2P_SOURCE)
+    params = re.search(rf"\b{entry}\(([^)]*)\)\s*{{", text).group(1)
+    return [re.sub(r"\W", "", p.split()[-1]) for p in params.split(",")]
+
+
+def launched_args(monkeypatch, c, call) -> list:
+    """The arguments of the ``ub_p2p_alltoallv`` launches that ``call()`` makes on ``c``,
+    through the real Engine and Launcher (an argument pack the driver reads slot by slot),
+    each as ``{kernel parameter name: value}``: the driver is CuPy's binding's fake, the
+    module a stand-in."""
+    from stream_fakes import FakeDriver, fake_kernel
+
+    from ubnext._engine import launch as _launch
+
+    names = kernel_params("ub_p2p_alltoallv")
+    assert len(names) == len(_engine._PARAMS["ub_p2p_alltoallv"]), names
+    launches = []
+    monkeypatch.setattr(_launch, "_cupy_driver",
+                        FakeDriver(len(names), lambda stream, read: launches.append(dict(zip(names, read())))))
+    monkeypatch.setattr(_engine, "compile_module",
+                        lambda source, defines, device: SimpleNamespace(get_function=lambda entry: fake_kernel()))
+    engine = object.__new__(_engine.Engine)
+    engine.nranks, engine.pool, engine.dependent = RANKS, SimpleNamespace(device=0), False
+    engine._launchers, engine._modules = {}, {}
+    engine._fixed, engine._p2p = (0xBA5E, 0x10000, c.rank, 0), (0xA4EA, ll_slot_bytes(), 0x57A7E)
+    c._node.engine = engine
+    call()
+    return launches
+
+
+@pytest.mark.parametrize("in_dtype, out_dtype", [("int64", "int32"), ("int32", "int64"), ("int32", "int32")])
+def test_each_split_array_reaches_the_kernel_with_its_own_width(monkeypatch, in_dtype, out_dtype):
+    """Device splits of two dtypes (torch.tensor's int64 default for one, int32 named for
+    the other): the kernel reads each array at its own width (one width for both read an
+    int32 out_splits as int64: counts of 2**32 and more, a SplitError naming a count the
+    caller never wrote, or a part left unwritten)."""
+    c = pooled(monkeypatch, nccl_problem=SHARED)
+    x = buffer(10 * 3, "float64", shape=(10, 3))
+    out = buffer(12 * 3, "float64", ptr=1 << 25, shape=(12, 3))
+    ins, outs = buffer(RANKS, in_dtype, ptr=1 << 26), buffer(RANKS, out_dtype, ptr=1 << 27)
+    args = launched_args(monkeypatch, c, lambda: c.all_to_all(x, out, ins, outs))
+    width = {"int32": 4, "int64": 8}
+    assert len(args) == 1
+    assert {k: args[0][k] for k in ("x", "out", "x_rows", "out_rows", "row_bytes")} == {
+        "x": x.ptr, "out": out.ptr, "x_rows": 10, "out_rows": 12, "row_bytes": 24}
+    assert (args[0]["in_splits"], args[0]["in_width"]) == (ins.ptr, width[in_dtype])
+    assert (args[0]["out_splits"], args[0]["out_width"]) == (outs.ptr, width[out_dtype])
+    assert args[0]["head"] == _signature.encode("all_to_all", "uint8", "sum", 0)
+    assert (args[0]["base"], args[0]["rank"], args[0]["area_off"], args[0]["state"]) == (0xBA5E, 1, 0xA4EA, 0x57A7E)

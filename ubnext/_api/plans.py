@@ -1,5 +1,6 @@
 """Call plans: the validated launch of an eager all-reduce or fused all-reduce + add +
-RMSNorm, kept for the next call with the same arguments (a call's host time goes mostly
+RMSNorm (and of the point-to-point kernel's calls: ``send_recv.p2p_key``), kept for the
+next call with the same arguments (a call's host time goes mostly
 to validating its arrays and packing its arguments, not to the launch).
 
 The first call with a key runs the full path: it validates, resolves the algorithm and

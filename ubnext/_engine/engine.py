@@ -50,7 +50,7 @@ _PARAMS = {
     "ub_ll_alltoall": (U64, U64, I32) + (U64,) * 8,
     "ub_ll_broadcast": (U64, U64, I32) + (U64,) * 9,
     "ub_p2p": (U64, U64, I32) + (U64,) * (6 + 2 * P2P_MAX_ENTRIES),  # the work's words last (p2p)
-    "ub_p2p_alltoallv": (U64, U64, I32) + (U64,) * 13,
+    "ub_p2p_alltoallv": (U64, U64, I32) + (U64,) * 14,
 }
 _NORM_LAUNCHES_MAX = 4096              # fused launch shapes an engine remembers (cleared when full)
 
@@ -316,13 +316,14 @@ class Engine:
         return self._p2p_launcher("ub_p2p"), len(groups), THREADS[P2P_SOURCE], (n, head, *words)
 
     def p2p_alltoallv(self, x: int, out: int, x_rows: int, out_rows: int, row_bytes: int, in_splits: int,
-                      out_splits: int, width: int, head: int) -> tuple:
-        """The launch of an all-to-all whose split counts (``width``-byte signed ints, one per
-        rank) are in device memory at ``in_splits`` and ``out_splits`` (kernels/p2p.cu:
-        ``ub_p2p_alltoallv``), as ``lamport`` gives it: rows of ``row_bytes`` from the
-        ``x_rows`` at local ``x`` into the ``out_rows`` at local ``out``; a block per send
-        and per receive. ``head``: as for ``p2p``."""
-        values = (x, out, x_rows, out_rows, row_bytes, in_splits, out_splits, width, head)
+                      in_width: int, out_splits: int, out_width: int, head: int) -> tuple:
+        """The launch of an all-to-all whose split counts (signed ints, one per rank, of
+        ``in_width`` and ``out_width`` bytes: each array its own) are in device memory at
+        ``in_splits`` and ``out_splits`` (kernels/p2p.cu: ``ub_p2p_alltoallv``), as
+        ``lamport`` gives it: rows of ``row_bytes`` from the ``x_rows`` at local ``x`` into
+        the ``out_rows`` at local ``out``; a block per send and per receive. ``head``: as
+        for ``p2p``."""
+        values = (x, out, x_rows, out_rows, row_bytes, in_splits, in_width, out_splits, out_width, head)
         return self._p2p_launcher("ub_p2p_alltoallv"), 2 * self.nranks, THREADS[P2P_SOURCE], values
 
     def _p2p_launcher(self, entry: str) -> Launcher:

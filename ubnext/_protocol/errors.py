@@ -108,7 +108,8 @@ class SplitError(RoutingError):
     could see them (a negative count, counts summing past the rows of x or out, a count of
     rows from a rank other than the receiver's out_splits expect); the kernel wrote nothing
     out of bounds, nor any part whose counts disagree. Attributes as RoutingError's (where,
-    value: the rank sending, and the rows it sent, for a disagreement; 0 otherwise)."""
+    value: the rank sending, and the rows it sent, for a disagreement; the first rank whose
+    count is negative or takes the sum past the rows, and that count, otherwise)."""
 
 
 class ClosedError(UbnextError):

@@ -10,6 +10,11 @@ Splits count rows (elements along dim 0): rank i's ``in_splits[j]`` rows go to r
 which takes them as its ``out_splits[i]``; so rank i's ``in_splits[j]`` must equal rank
 j's ``out_splits[i]``. Rank i's part for rank j starts at row ``sum(in_splits[:j])`` of
 x; what it receives from rank j lands at row ``sum(out_splits[:j])`` of out.
+
+On the pool's point-to-point kernel, a call repeated with the same x, out, splits (host
+lists of the same counts, or the same device arrays, whose counts the kernel reads each
+time), algorithm and stream launches the plan its first call made (``ubnext._api.plans``;
+key: ``all_to_all_key``).
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ class AllToAll(PoolCopy, P2P):
             UbnextError: bad arguments (splits of another length, negative, not summing to
                 the rows, a row count that the world size does not divide where a split is
                 even, an out of another dtype or row length or overlapping x, device splits
-                without out or mixed with host ones or, on NCCL, inside a CUDA graph
+                without out, overlapping out or mixed with host ones or, on NCCL, inside a CUDA graph
                 capture), or NCCL cannot run here (ranks sharing a GPU) where it is named,
                 raised before anything is launched; on NCCL, device split counts that do
                 not fit or agree, raised on every rank before anything moves; an error NCCL
@@ -115,7 +120,14 @@ class AllToAll(PoolCopy, P2P):
         algo = self._mover(name, algorithm, even=even) if even or algorithm == "copy" else \
             "p2p" if self._p2p_algorithm(name, algorithm, 2 * self.size) == "ll" else "nccl"
         with self._order:
-            handle, owner, side, xb = self._open_call(name, x, stream)
+            self._check_open(name)
+            handle, owner, side = self._launch_stream(name, stream, x)
+            key = None if algo != "p2p" or self._node is None else \
+                all_to_all_key(x, out, in_splits, out_splits, algorithm, handle, side)
+            planned, key = self._planned(key, handle, owner, side, (x, out, in_splits, out_splits))
+            if planned:
+                return out
+            xb = self._input(name, x, handle)
             if not xb.shape:
                 raise UbnextError(f"{name}: x is 0-d; its rows (dim 0) are what is split")
             algo = self._sized(name, algo, xb.nbytes, xb.dtype)
@@ -132,11 +144,12 @@ class AllToAll(PoolCopy, P2P):
                     raise UbnextError(f"{name}: device splits need an out sized by the caller (the rows received "
                                       f"are known on the device only)")
                 ob, out_rows = self._rows_out(name, xb, row, out, handle)
-                ins, outs = (self._split_buffer(name, s, what, handle)
+                ins, outs = (self._split_buffer(name, s, what, handle, ob)
                              for s, what in ((in_splits, "in_splits"), (out_splits, "out_splits")))
                 if algo == "p2p":  # the kernel reads and checks the counts: no host sync
                     self._record(handle, owner, side, (xb, ob, ins, outs))
-                    self._run_alltoallv(xb, ob, rows, out_rows, row_bytes, ins, outs, handle, owner)
+                    launch = self._run_alltoallv(xb, ob, rows, out_rows, row_bytes, ins, outs, handle, owner)
+                    self._keep(key, launch, (xb, ob, ins, outs), (1,))
                     _arrays.mark_written((ob,))
                     return ob.obj
                 ins, outs = (self._read(name, b, handle) for b in (ins, outs))
@@ -168,7 +181,7 @@ class AllToAll(PoolCopy, P2P):
             elif algo == "p2p":  # one message per pair, empty ones included (their headers check the counts)
                 items = [("send", ptr, n, r) for ptr, n, r in _parts(xb.ptr, ins, row_bytes, every=True)]
                 items += [("recv", ptr, n, r) for ptr, n, r in _parts(ob.ptr, outs, row_bytes, every=True)]
-                self._run_p2p(name, items, handle, owner)
+                self._keep(key, self._run_p2p(name, items, handle, owner), (xb, ob, None, None), (1,))
             else:
                 sends, recvs = _parts(xb.ptr, ins, row_bytes), _parts(ob.ptr, outs, row_bytes)
                 if sends or recvs:
@@ -189,12 +202,16 @@ class AllToAll(PoolCopy, P2P):
             raise UbnextError(f"{name}: out overlaps x; an all-to-all needs separate arrays")
         return ob, ob.count // row if row else (int(ob.shape[0]) if ob.shape else 0)
 
-    def _split_buffer(self, name: str, splits, what: str, handle: int):
-        """Device ``splits`` as a Buffer, checked: on this device, ``size`` int32 or int64."""
+    def _split_buffer(self, name: str, splits, what: str, handle: int, ob):
+        """Device ``splits`` as a Buffer, checked: on this device, ``size`` int32 or int64,
+        apart from ``ob`` (the kernel reads the counts while other blocks write out)."""
         b = self._on_device(name, _arrays.as_buffer(splits, name, handle), what)
         if b.dtype not in SPLIT_DTYPES or b.count != self.size:
             raise UbnextError(f"{name}: {what} must hold {self.size} {' or '.join(SPLIT_DTYPES)} elements (one per "
                               f"rank), got {b.count} {b.dtype}")
+        if _arrays.overlap(b, ob):
+            raise UbnextError(f"{name}: {what} overlaps out; the counts are read while out is written, so they "
+                              f"need memory of their own")
         return b
 
     def _read(self, name: str, b, handle: int) -> list:
@@ -220,6 +237,29 @@ class AllToAll(PoolCopy, P2P):
         problem = _disagreement(views, exact)
         if problem:
             raise UbnextError(f"{name}: {problem}; nothing was moved")
+
+
+def all_to_all_key(x, out, in_splits, out_splits, algorithm: str, stream: int, side: bool) -> tuple | None:
+    """The plan key (``ubnext._api.plans``) of an all-to-all with splits on the pool's
+    point-to-point kernel (one launch) on the launch stream ``stream`` (``side``: another
+    than the current one), or None where it is never planned: no ``out`` (one is
+    allocated), splits other than two host lists of plain ints or two device arrays, arrays
+    that ``_arrays.identity`` does not name. Device splits are named by their arrays: the
+    kernel reads their counts at every launch."""
+    identity = _arrays.identity
+    xi, oi = identity(x), identity(out)
+    if xi is None or oi is None:
+        return None
+    if _is_host_list(in_splits) and _is_host_list(out_splits):
+        if any(type(s) is not int for s in (*in_splits, *out_splits)):
+            return None
+        splits = "host", tuple(in_splits), tuple(out_splits)
+    else:
+        ii, io = identity(in_splits), identity(out_splits)
+        if ii is None or io is None:
+            return None
+        splits = "device", ii, io
+    return "all_to_all", xi, oi, splits, algorithm, stream, side
 
 
 def _is_host_list(splits) -> bool:

@@ -32,7 +32,7 @@ from ubnext._api.collectives.rung import Rung
 from ubnext._engine.launch import issue
 from ubnext._environment.log import log_once
 from ubnext._protocol import signature as _signature
-from ubnext._protocol.algorithms import P2P_ALGORITHMS
+from ubnext._protocol.algorithms import DTYPES, P2P_ALGORITHMS
 from ubnext._protocol.constants import P2P_MAX_ENTRIES
 from ubnext._protocol.errors import UbnextError
 
@@ -86,18 +86,23 @@ class P2P(Rung):
                         f"this communicator has no symmetric pool ({self.path})"))
         return algo
 
-    def _run_p2p(self, collective: str, items: list, handle: int, owner) -> None:
+    def _run_p2p(self, collective: str, items: list, handle: int, owner) -> tuple:
         """The kernel's launch on ``handle`` for ``items`` (``(kind, address, bytes, peer)``;
         a rank is the pool's index of its segment: the pool serves a communicator of one
-        node) as messages of ``collective``."""
+        node) as messages of ``collective``; returns it (``issue``'s form), for a call plan."""
         self._order.follow(handle, owner)
-        issue(self._node.engine.p2p(groups(items), head(collective)), handle)
+        launch = self._node.engine.p2p(groups(items), head(collective))
+        issue(launch, handle)
+        return launch
 
     def _run_alltoallv(self, xb, ob, rows: int, out_rows: int, row_bytes: int, ins, outs, handle: int,
-                       owner) -> None:
+                       owner) -> tuple:
         """The kernel's all-to-all with split counts in device memory (Buffers ``ins`` and
-        ``outs``, int32 or int64) on ``handle``: rows of ``row_bytes`` of ``xb`` (``rows``)
-        into ``ob`` (``out_rows``)."""
+        ``outs``, int32 or int64, each its own) on ``handle``: rows of ``row_bytes`` of
+        ``xb`` (``rows``) into ``ob`` (``out_rows``); returns the launch, as ``_run_p2p``."""
         self._order.follow(handle, owner)
-        issue(self._node.engine.p2p_alltoallv(xb.ptr, ob.ptr, rows, out_rows, row_bytes, ins.ptr, outs.ptr,
-                                              ins.nbytes // ins.count, head("all_to_all")), handle)
+        launch = self._node.engine.p2p_alltoallv(xb.ptr, ob.ptr, rows, out_rows, row_bytes, ins.ptr,
+                                                 DTYPES[ins.dtype][1], outs.ptr, DTYPES[outs.dtype][1],
+                                                 head("all_to_all"))
+        issue(launch, handle)
+        return launch

@@ -7,7 +7,11 @@ matches the k-th receive of rank b from rank a, counting single calls and the en
 of batches in issue order; the two move the same number of bytes (dtypes may differ:
 bytes are moved as they are). Only the two ranks of a pair take part; no other rank
 calls anything. Both ranks of a pair use one engine for their messages (the same
-``algorithm``): NCCL's messages and the kernel's are counted apart."""
+``algorithm``): NCCL's messages and the kernel's are counted apart.
+
+On the kernel, a call repeated with the same arrays, peers, algorithm and stream launches
+the plan its first call made (``ubnext._api.plans``; key: ``p2p_key``): the kernel keeps
+the pairs' counters on the device, so its launch is the same every call."""
 
 from __future__ import annotations
 
@@ -54,10 +58,8 @@ class SendRecv(P2P):
                 CollectiveTimeoutError, the module ``p2p`` says how the others learn of it).
         """
         with self._order:
-            name = "send"
-            handle, owner, side, xb = self._open_call(name, x, stream)
-            peer = self._peer(name, peer)
-            self._issue(name, [("send", xb, peer)], handle, owner, side, self._p2p_algorithm(name, algorithm, 1))
+            self._check_open("send")
+            self._p2p_call("send", [("send", x, peer)], stream, algorithm)
 
     def recv(self, out, peer: int, stream=None, algorithm: str = "auto"):
         """Receives into ``out`` what rank ``peer`` sends with ``send``; never blocks the host.
@@ -82,12 +84,8 @@ class SendRecv(P2P):
             UbnextError: as for ``send``.
         """
         with self._order:
-            name = "recv"
-            handle, owner, side, ob = self._open_call(name, out, stream)
-            peer = self._peer(name, peer)
-            self._issue(name, [("recv", ob, peer)], handle, owner, side, self._p2p_algorithm(name, algorithm, 1))
-            _arrays.mark_written((ob,))
-            return ob.obj
+            self._check_open("recv")
+            return self._p2p_call("recv", [("recv", out, peer)], stream, algorithm)
 
     def batch_isend_irecv(self, ops, stream=None, algorithm: str = "auto") -> None:
         """Issues several sends and receives as one group; never blocks the host.
@@ -121,16 +119,34 @@ class SendRecv(P2P):
         with self._order:
             name = "batch_isend_irecv"
             self._check_open(name)
-            entries = _entries(name, ops)
-            handle, owner, side = self._launch_stream(name, stream, entries[0][1])
-            items = [(kind, self._input(name, arr, handle), self._rank_arg(name, peer, f"ops[{i}] peer"))
-                     for i, (kind, arr, peer) in enumerate(entries)]
-            for i, (kind, b, _) in enumerate(items):
-                if kind == "recv" and any(j != i and _arrays.overlap(b, c) for j, (_, c, _) in enumerate(items)):
-                    raise UbnextError(f"{name}: ops[{i}]'s receive buffer overlaps another entry's array; the "
-                                      f"entries run together, so a receive needs memory of its own")
-            self._issue(name, items, handle, owner, side, self._p2p_algorithm(name, algorithm, len(items)))
-            _arrays.mark_written([b for kind, b, _ in items if kind == "recv"])
+            self._p2p_call(name, _entries(name, ops), stream, algorithm)
+
+    def _p2p_call(self, name: str, entries: list, stream, algorithm: str):
+        """A call of ``entries`` (``(kind, array, peer)``; ``send`` and ``recv``: one, whose
+        peer is not this rank) in the section, the communicator checked open: its plan
+        (``ubnext._api.plans``) where an earlier call with the same key made one, else the
+        full path (the arrays and peers checked, the kernel's launch kept as the plan, or an
+        NCCL group); returns the first array."""
+        handle, owner, side = self._launch_stream(name, stream, entries[0][1])
+        arrays = tuple(arr for _, arr, _ in entries)
+        key = None if self._node is None else p2p_key(name, entries, algorithm, handle, side)
+        planned, key = self._planned(key, handle, owner, side, arrays)
+        if planned:
+            return arrays[0]
+        single = name != "batch_isend_irecv"
+        items = [(kind, self._input(name, arr, handle),
+                  self._peer(name, peer) if single else self._rank_arg(name, peer, f"ops[{i}] peer"))
+                 for i, (kind, arr, peer) in enumerate(entries)]
+        for i, (kind, b, _) in enumerate(items):
+            if kind == "recv" and any(j != i and _arrays.overlap(b, c) for j, (_, c, _) in enumerate(items)):
+                raise UbnextError(f"{name}: ops[{i}]'s receive buffer overlaps another entry's array; the "
+                                  f"entries run together, so a receive needs memory of its own")
+        buffers = tuple(b for _, b, _ in items)
+        written = tuple(i for i, (kind, _, _) in enumerate(items) if kind == "recv")
+        launch = self._issue(name, items, handle, owner, side, self._p2p_algorithm(name, algorithm, len(items)))
+        self._keep(key, launch, buffers, written)
+        _arrays.mark_written([buffers[i] for i in written])
+        return buffers[0].obj
 
     def _peer(self, name: str, peer) -> int:
         peer = self._rank_arg(name, peer, "peer")
@@ -139,17 +155,33 @@ class SendRecv(P2P):
                               f"and the receive in one batch_isend_irecv)")
         return peer
 
-    def _issue(self, name: str, items: list, handle: int, owner, side: bool, algo: str) -> None:
+    def _issue(self, name: str, items: list, handle: int, owner, side: bool, algo: str) -> tuple | None:
         """``items`` (``(kind, Buffer, peer)``) as one NCCL group or one launch of the pool's
-        kernel (``algo``) on ``handle``."""
+        kernel (``algo``) on ``handle``; returns the kernel's launch (None: NCCL's)."""
         self._record(handle, owner, side, [b for _, b, _ in items])
         if algo == "ll":
-            self._run_p2p("send_recv", [(kind, b.ptr, b.nbytes, peer) for kind, b, peer in items], handle, owner)
-            return
+            return self._run_p2p("send_recv", [(kind, b.ptr, b.nbytes, peer) for kind, b, peer in items], handle,
+                                 owner)
         sends = [(b.ptr, b.nbytes, peer) for kind, b, peer in items if kind == "send" and b.nbytes]
         recvs = [(b.ptr, b.nbytes, peer) for kind, b, peer in items if kind == "recv" and b.nbytes]
         if sends or recvs:
             self._dispatch.nccl_for(handle, owner).exchange(sends, recvs, handle, name)
+        return None
+
+
+def p2p_key(name: str, entries: list, algorithm: str, stream: int, side: bool) -> tuple | None:
+    """The plan key (``ubnext._api.plans``) of a call ``name`` of ``entries`` (``(kind,
+    array, peer)``) on the launch stream ``stream`` (``side``: another than the current
+    one), or None where it is never planned: an array that ``_arrays.identity`` does not
+    name, a peer that is not a plain int. Everything else the full path reads is fixed for
+    the communicator's life (its size and rank, the pool, whether NCCL can run)."""
+    parts = []
+    for kind, arr, peer in entries:
+        ident = _arrays.identity(arr)
+        if ident is None or type(peer) is not int:
+            return None
+        parts.append((kind, ident, peer))
+    return name, tuple(parts), algorithm, stream, side
 
 
 def _entries(name: str, ops) -> list:
