@@ -19,52 +19,68 @@ struct CombineIn {
   const u32* dest;       // [M]
 };
 
-// Partials: one warp per received row (s, t) that has a slot on this GPU (a route other
-// than UB_MOE_ROUTE_ELSEWHERE: a slot past the capacity adds no term, but the row's
-// source still waits for this GPU's partial).
+// Partials: one thread per 16-byte vector of y's width of a received row (s, t) that has a
+// slot on this GPU (a route other than UB_MOE_ROUTE_ELSEWHERE: a slot past the capacity
+// adds no term, but the row's source still waits for this GPU's partial), grid-stride over
+// every received row's vectors. The loads of a batch of slots issue together; the sum
+// takes them in top-k order.
 template <class T, int N, class Tp>
 __device__ void push_partials(const Tp& tp, const MoeShape& m, const MoeSets& s, u64 part_off, const CombineIn& in) {
-  constexpr int P = Vec<T>::kPer;
-  const int lane = threadIdx.x & 31, K = (int)m.topk;
-  const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+  constexpr int P = Vec<T>::kPer, kBatch = 8;
+  const int K = (int)m.topk;
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec, M = m.tokens;
   u32 first[N + 1];
   first[0] = 0u;
 #pragma unroll
   for (int r = 0; r < N; ++r) first[r + 1] = first[r] + min(in.tokens[r], (u32)M);
-  for (u64 f = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); f < first[N]; f += warps) {
+  const u64 step = (u64)gridDim.x * blockDim.x;
+  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < first[N] * vpr; q += step) {
+    const u64 f = q / vpr, i = q % vpr;
     int src = 0;
     while (src + 1 < N && f >= first[src + 1]) ++src;
     const u64 t = f - first[src];
     const int* route = in.route + ((u64)src * M + t) * K;
-    if (__ballot_sync(0xffffffffu, lane < K && route[lane] != UB_MOE_ROUTE_ELSEWHERE) == 0u) continue;
-    char* to = tp.seg(src) + row_at<N>(part_off, m, s.par, tp.rank, t, m.hidden * 4);
-    for (u64 i = lane; i < vpr; i += 32) {
-      float acc[P];
+    bool here = false;
+    for (int k = 0; k < K; ++k) here |= route[k] != UB_MOE_ROUTE_ELSEWHERE;
+    if (!here) continue;
+    float acc[P];
 #pragma unroll
-      for (int e = 0; e < P; ++e) acc[e] = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        const int r = route[k];
-        if (r < 0) continue;
-        const float wk = in.weights[r];
-        float y[P];
-        Vec<T>::unpack(ld_weak(in.y + (u64)r * row_bytes + i * kVec), y);
+    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += kBatch) {
+      int r[kBatch];
+      uint4 y[kBatch];
+      float wk[kBatch];
 #pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wk, y[e]));
+      for (int b = 0; b < kBatch; ++b) {
+        r[b] = k0 + b < K ? route[k0 + b] : -1;
+        if (r[b] >= 0) {
+          y[b] = ld_weak(in.y + (u64)r[b] * row_bytes + i * kVec);
+          wk[b] = in.weights[r[b]];
+        }
       }
 #pragma unroll
-      for (int h = 0; h < P / 4; ++h) {
-        const uint4 v = make_uint4(__float_as_uint(acc[4 * h]), __float_as_uint(acc[4 * h + 1]),
-                                   __float_as_uint(acc[4 * h + 2]), __float_as_uint(acc[4 * h + 3]));
-        st_relaxed_sys(to + (i * P + 4 * h) * 4, clear_sentinel<float>(v));
+      for (int b = 0; b < kBatch; ++b) {
+        if (r[b] < 0) continue;
+        float v[P];
+        Vec<T>::unpack(y[b], v);
+#pragma unroll
+        for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wk[b], v[e]));
       }
+    }
+    char* to = tp.seg(src) + row_at<N>(part_off, m, s.par, tp.rank, t, m.hidden * 4) + i * P * 4;
+#pragma unroll
+    for (int h = 0; h < P / 4; ++h) {
+      const uint4 v = make_uint4(__float_as_uint(acc[4 * h]), __float_as_uint(acc[4 * h + 1]),
+                                 __float_as_uint(acc[4 * h + 2]), __float_as_uint(acc[4 * h + 3]));
+      st_relaxed_sys(to + h * kVec, clear_sentinel<float>(v));
     }
   }
 }
 
 // Sum: one thread per 16-byte vector of this rank's output (count tokens): the partials of
 // the token's GPUs in rank order, from +0.0, each re-poisoned once read; poison where a
-// wait gave up or `ok` is false (a header's wait failed).
+// wait gave up or `ok` is false (a header's wait failed). For each fp32 vector of the
+// partials, the loads of every GPU's issue together before the first wait.
 template <class T, int N>
 __device__ void sum_partials(char* mine, const MoeShape& m, const MoeSets& s, u64 part_off, const CombineIn& in,
                              u64 count, char* out, bool ok, WaitCtx& c) {
@@ -79,17 +95,22 @@ __device__ void sum_partials(char* mine, const MoeShape& m, const MoeSets& s, u6
     for (int e = 0; e < P; ++e) acc[e] = 0.0f;
     bool good = ok;
 #pragma unroll
-    for (int g = 0; g < N; ++g) {
-      if (!(mask >> g & 1u) || !good) continue;
-      char* p = mine + row_at<N>(part_off, m, s.par, g, t, m.hidden * 4) + i * P * 4;
+    for (int h = 0; h < P / 4; ++h) {
+      char* p[N];
+      uint4 v[N];
 #pragma unroll
-      for (int h = 0; h < P / 4; ++h) {
-        uint4 v = ld_volatile(p + h * kVec);
-        good = good && moe_wait(p + h * kVec, v, c, g);
+      for (int g = 0; g < N; ++g) {
+        p[g] = mine + row_at<N>(part_off, m, s.par, g, t, m.hidden * 4) + (i * P + 4 * h) * 4;
+        if (good && (mask >> g & 1u)) v[g] = ld_volatile(p[g]);
+      }
+#pragma unroll
+      for (int g = 0; g < N; ++g) {
+        if (!(mask >> g & 1u) || !good) continue;
+        good = moe_wait(p[g], v[g], c, g);
         if (!good) break;
-        st_relaxed_sys(p + h * kVec, sentinel_vec());  // consumed: ready for the set's next use
+        st_relaxed_sys(p[g], sentinel_vec());  // consumed: ready for the set's next use
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[4 * h + e] = __fadd_rn(acc[4 * h + e], __uint_as_float(Vec<float>::word(v, e)));
+        for (int e = 0; e < 4; ++e) acc[4 * h + e] = __fadd_rn(acc[4 * h + e], __uint_as_float(Vec<float>::word(v[g], e)));
       }
     }
     st_weak(out + t * row_bytes + i * kVec, good ? Vec<T>::pack(acc) : Vec<T>::poison());
