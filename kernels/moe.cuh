@@ -72,13 +72,17 @@ template <int N> __device__ __forceinline__ u64 row_at(u64 off, const MoeShape& 
 // later loads of this thread see what the flag's writer stored before its release fence.
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
-// Waits until v, loaded from p (pushed by `peer`), holds no sentinel word, re-reading p; false
-// if the wait gave up (sync.cuh: spin) or the communicator failed for this thread.
+// Waits until v, loaded from p (pushed by `peer`), holds no sentinel element of W (fp32
+// words, or the bf16 halves of the combine's bf16 partials), re-reading p; false if the
+// wait gave up (sync.cuh: spin) or the communicator failed for this thread. The fp32
+// sentinel word (the re-poisoned state) is a bf16 sentinel in its high half: both read it
+// as not yet written.
+template <class W = float>
 __device__ __forceinline__ bool moe_wait(const char* p, uint4& v, WaitCtx& c, int peer) {
-  if (!has_sentinel<float>(v)) return usable(c);
+  if (!has_sentinel<W>(v)) return usable(c);
   return spin(c, [=] { return peer; }, kSiteMoePoll, [&] {
     v = ld_volatile(p);
-    return !has_sentinel<float>(v);
+    return !has_sentinel<W>(v);
   });
 }
 

@@ -2,7 +2,8 @@
 bit for bit against the host reference (ubnext/_moe/reference.py) computed from every
 rank's inputs: random routing, skewed routing (every token to one expert), no expert on
 the last GPU, dropped (-1) slots, T = 0 on rank 1, -0.0 / inf / NaN payloads; several
-calls in a row (the sets rotate), dispatches without a combine, CUDA-graph replay;
+calls in a row (the sets rotate), dispatches without a combine, CUDA-graph replay; bf16
+partials (per call, between fp32 ones; by default, in a graph; ranks that differ raise);
 canaries around every output (the object's buffer gaps, the rows past the counts, a
 bordered ``out``); host-side errors before any launch, routing errors raised after the
 call.
@@ -50,12 +51,12 @@ def comm():
     c.close()
 
 
-def make(comm, size: str, dtype: str, capacity=None):
+def make(comm, size: str, dtype: str, capacity=None, partials="float32"):
     import ubnext
 
     per_gpu, hidden, tokens, k = SIZES[size]
     ep = ubnext.ExpertParallel(comm, per_gpu * comm.size, hidden, tokens, k, dtype, capacity=capacity,
-                               framework="torch")
+                               framework="torch", partials=partials)
     return ep, layout.shape(comm.size, per_gpu * comm.size, hidden, tokens, k, dtype, capacity)
 
 
@@ -111,8 +112,8 @@ def check_dispatch(comm, ep, shape, recv_x, counts, handle, want: ref.Dispatched
     check_gaps(ep, what)
 
 
-def run_round(comm, ep, shape, kind: str, seed: int, graph_inputs=None):
-    """One dispatch and combine checked against the reference; returns nothing."""
+def run_round(comm, ep, shape, kind: str, seed: int, partials: str = "float32"):
+    """One dispatch and combine (with ``partials``) checked against the reference."""
     xs, idxs, ws = inputs(shape, kind, tokens_of(shape), seed)
     r = comm.rank
     poison_outputs(ep)
@@ -121,13 +122,13 @@ def run_round(comm, ep, shape, kind: str, seed: int, graph_inputs=None):
     check_dispatch(comm, ep, shape, recv_x, counts, handle, want[r], f"dispatch {kind} seed {seed}")
     ys = expert_outputs(shape, seed + 1)
     out = Bordered(len(idxs[r]) * shape.hidden, shape.dtype, seed=seed, shape=(len(idxs[r]), shape.hidden))
-    ep.combine(to_device(ys[r]), handle, out=out.view)
+    ep.combine(to_device(ys[r]), handle, out=out.view, partials=partials)
     import torch
 
     torch.cuda.synchronize()
     comm.synchronize()
     got = host(out.view)
-    want_out = ref.combine(shape, want, ys, idxs)[r]
+    want_out = ref.combine(shape, want, ys, idxs, partials=partials)[r]
     bad = ref_mismatches(got, want_out)
     assert bad.size == 0, f"combine {kind} seed {seed}: {bad.size} elements differ (first at {bad[:4]})"
     out.assert_intact(f"combine {kind} seed {seed}")
@@ -161,6 +162,45 @@ def test_dispatch_and_combine_bit_for_bit(comm, size, dtype, kind):
     ep, shape = make(comm, size, dtype)
     for round_ in range(4):
         run_round(comm, ep, shape, kind, seed_of(size, dtype, kind, round_))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("size", list(SIZES))
+def test_bf16_partials_bit_for_bit(comm, size, kind):
+    """Combines whose partials cross as bf16, between combines with fp32 ones on the same
+    object (the two share the partial area and its poison): four rounds, both parities."""
+    if kind == "not_last_gpu" and comm.size == 1:
+        pytest.skip("one GPU holds every expert")
+    ep, shape = make(comm, size, "bfloat16")
+    for round_, partials in enumerate(("bfloat16", "float32", "bfloat16", "bfloat16")):
+        run_round(comm, ep, shape, kind, seed_of(size, "bf16-partials", kind, round_), partials)
+
+
+def test_ranks_whose_partials_differ_raise_on_every_rank(comm):
+    """Rank 0 combines with bf16 partials, the others with fp32: the signatures differ, so
+    every rank raises (CollectiveMismatchError where it compared them itself) and holds
+    poison, not a sum of misread partials."""
+    import torch
+
+    import ubnext
+
+    if comm.size == 1:
+        pytest.skip("needs 2 or more ranks")
+    c = communicator(device=comm.device)  # a communicator of its own: the failure breaks it
+    try:
+        ep, shape = make(c, "small", "bfloat16")
+        r = c.rank
+        xs, idxs, ws = inputs(shape, "random", tokens_of(shape), seed=330)
+        _, _, handle = ep.dispatch(to_device(xs[r]), to_device(idxs[r]), to_device(ws[r]))
+        out = ep.combine(to_device(expert_outputs(shape, 331)[r]), handle,
+                         partials="bfloat16" if r == 0 else "float32")
+        torch.cuda.synchronize()
+        caught = raised(c.synchronize)
+        assert isinstance(caught, ubnext.BrokenCommunicatorError), caught
+        assert isinstance(caught, ubnext.CollectiveMismatchError) or "failed first" in str(caught), str(caught)
+        assert bool(torch.isnan(out.float()).all().item()), f"rank {r} got a result from mismatched combines"
+    finally:
+        c.close()
 
 
 @pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
@@ -207,12 +247,14 @@ def test_combine_with_weights_of_its_own(comm, dtype):
         assert bad.size == 0, f"{what}: {bad.size} elements differ"
 
 
-def test_cuda_graph_replay(comm):
+@pytest.mark.parametrize("partials", list(layout.PARTIALS))
+def test_cuda_graph_replay(comm, partials):
     """dispatch + combine captured once, replayed with new inputs copied into the captured
-    buffers: every replay matches the reference (the kernels advance their own state)."""
+    buffers: every replay matches the reference (the kernels advance their own state); the
+    combine's partials the object's default (``ExpertParallel(..., partials=)``)."""
     import torch
 
-    ep, shape = make(comm, "small", "bfloat16")
+    ep, shape = make(comm, "small", "bfloat16", partials=partials)
     r, tokens = comm.rank, tokens_of(shape)
     xs, idxs, ws = inputs(shape, "random", tokens, seed=90)
     x, idx, w = to_device(xs[r]), to_device(idxs[r]), to_device(ws[r])
@@ -237,7 +279,7 @@ def test_cuda_graph_replay(comm):
         graph.replay()
         want = ref.dispatch(shape, xs, idxs, ws)
         check_dispatch(comm, ep, shape, recv_x, counts, handle, want[r], f"replay {replay}")
-        bad = ref_mismatches(host(out), ref.combine(shape, want, ys, idxs)[r])
+        bad = ref_mismatches(host(out), ref.combine(shape, want, ys, idxs, partials=partials)[r])
         assert bad.size == 0, f"replay {replay}: {bad.size} elements of the combine differ"
 
 

@@ -62,6 +62,8 @@ def fake(dtype="bfloat16"):
     ep._ptr = {key: 0x10000 * (i + 1) for i, key in enumerate(KEYS)}
     ep._views = {key: f"view of {key}" for key in KEYS}
     ep._sig = {kind: signature.encode_moe(f"moe_{kind}", dtype, 8, 2, 5, 64) for kind in ("dispatch", "combine")}
+    ep._sig["combine", "bfloat16"] = signature.encode_moe("moe_combine", dtype, 8, 2, 5, 64, wire=1)
+    ep._partials = "float32"
     ep.launches = []
     ep._launchers = {kind: (lambda kind: lambda *args: ep.launches.append((kind, args)))(kind)
                      for kind in ("dispatch", "combine")}
@@ -96,9 +98,34 @@ def test_combine_launches_with_the_dispatch_state_and_a_new_output():
     assert kind == "combine" and out.shape == (3, 64) and out.dtype == np.float32
     assert args[:3] == (7, THREADS["moe_combine.cu"], STREAM)
     assert args[3:] == (y.ctypes.data, *(ep._ptr[k] for k in ("weights", "route", "tokens", "dest")),
-                        out.ctypes.data, ep._sig["combine"])
+                        out.ctypes.data, 0, ep._sig["combine"])
     given = np.zeros((3, 64), np.float32)
     assert ep.combine(y, handle, out=given) is given
+
+
+def test_bf16_partials_per_call_or_by_default_with_their_own_signature():
+    """partials="bfloat16" (per call, or the object's default): the kernel's flag 1 and a
+    signature of its own (ranks that differ mismatch); a float32 object refuses it."""
+    ep = fake()
+    _, _, handle = ep.dispatch(*operands(3))
+    y = np.zeros((4, 10, 64), NP["bfloat16"])
+    ep.combine(y, handle, partials="bfloat16")
+    assert ep.launches[-1][1][-2:] == (1, ep._sig["combine", "bfloat16"]) != (1, ep._sig["combine"])
+    assert "bfloat16 partials" in signature.text(ep._sig["combine", "bfloat16"])
+    ep.combine(y, handle)
+    assert ep.launches[-1][1][-2:] == (0, ep._sig["combine"])
+    ep._partials = "bfloat16"  # what ExpertParallel(..., partials="bfloat16") keeps
+    ep.combine(y, handle)
+    assert ep.launches[-1][1][-2:] == (1, ep._sig["combine", "bfloat16"])
+    ep.combine(y, handle, partials="float32")
+    assert ep.launches[-1][1][-2:] == (0, ep._sig["combine"])
+    with pytest.raises(UbnextError, match="^ExpertParallel.combine: partials must be"):
+        ep.combine(y, handle, partials="float16")
+    f32 = fake("float32")
+    _, _, handle = f32.dispatch(*operands(3, "float32"))
+    with pytest.raises(UbnextError, match="^ExpertParallel.combine: bfloat16 partials take a bfloat16 payload"):
+        f32.combine(np.zeros((4, 10, 64), np.float32), handle, partials="bfloat16")
+    assert len(f32.launches) == 1
 
 
 def test_t_zero_dispatches():

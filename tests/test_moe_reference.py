@@ -71,8 +71,9 @@ def test_dispatch_matches_a_sort_of_the_routing(sizes, dtype, kind):
             assert (d.route[s, len(idx):] == ref.ROUTE_ELSEWHERE).all()
 
 
-def naive_combine_token(shape, dispatched, ys, idx_row, s, t):
-    """The fixed order, element by element with numpy fp32 scalars."""
+def naive_combine_token(shape, dispatched, ys, idx_row, s, t, bf16_partials=False):
+    """The fixed order, element by element with numpy fp32 scalars; with ``bf16_partials``
+    each GPU's partial rounded to bfloat16 (to nearest even) before it is added."""
     lo = shape.local_experts
     out = np.zeros(shape.hidden, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -87,6 +88,8 @@ def naive_combine_token(shape, dispatched, ys, idx_row, s, t):
                         r = int(dispatched[g].route[s, t, k])
                         w = dispatched[g].weights.reshape(-1)[r]
                         part = np.float32(part + np.float32(w * np.float32(ys[g].reshape(-1, shape.hidden)[r, h])))
+                if bf16_partials:
+                    part = np.float32(NP["bfloat16"].type(part))
                 acc = np.float32(acc + part)
             out[h] = acc
     return out
@@ -106,6 +109,34 @@ def test_combine_is_the_fixed_order_fp32_sum(sizes, dtype, kind):
             np.testing.assert_array_equal(got[s][t].view(np.uint8), want.view(np.uint8))
             if (idx[t] < 0).all():
                 assert not np.signbit(got[s][t].astype(np.float32)).any()  # +0.0
+
+
+@pytest.mark.parametrize("sizes,kind", [pytest.param(sizes, kind, id=f"{name}-{kind}") for name, sizes in SHAPES.items()
+                                        for kind in KINDS if kind != "not_last_gpu" or sizes["nranks"] > 1])
+def test_bf16_partials_round_each_gpus_partial_once_more(sizes, kind):
+    """partials="bfloat16": each GPU's fp32 partial rounded to bf16, then the fixed-order fp32
+    sum, rounded once more; at several GPUs per token that differs from fp32 partials."""
+    shape = layout.shape(dtype="bfloat16", **sizes)
+    xs, idxs, ws = inputs(shape, kind, tokens_of(shape), seed=17 + len(kind))
+    dispatched = ref.dispatch(shape, xs, idxs, ws)
+    ys = expert_outputs(shape, seed=4)
+    got = ref.combine(shape, dispatched, ys, idxs, partials="bfloat16")
+    differs = False
+    for s, idx in enumerate(idxs):
+        assert got[s].shape == (len(idx), shape.hidden) and got[s].dtype == NP["bfloat16"]
+        for t in range(len(idx)):
+            want = naive_combine_token(shape, dispatched, ys, idx[t], s, t, bf16_partials=True).astype(NP["bfloat16"])
+            np.testing.assert_array_equal(got[s][t].view(np.uint16), want.view(np.uint16))
+            fp32 = naive_combine_token(shape, dispatched, ys, idx[t], s, t).astype(NP["bfloat16"])
+            differs |= bool((fp32.view(np.uint16) != want.view(np.uint16)).any())
+    several = any(len({int(e) // shape.local_experts for e in row if e >= 0}) > 1 for idx in idxs for row in idx)
+    assert differs == several  # one partial rounded twice is rounded once
+
+
+def test_bf16_partials_take_a_bfloat16_payload_only():
+    shape = layout.shape(dtype="float32", **SHAPES["n2"])
+    with pytest.raises(ValueError, match="bfloat16"):
+        ref.combine(shape, [], [], [], partials="bfloat16")
 
 
 @pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))

@@ -27,8 +27,8 @@ from ubnext._protocol.errors import UbnextError
 
 #: the kernels, by call: (source in kernels/, entry point), each compiled per dtype and rank count
 SOURCES = {"dispatch": ("moe_dispatch.cu", "ub_moe_dispatch"), "combine": ("moe_combine.cu", "ub_moe_combine")}
-#: base, stride, rank, mc, then the regions and sizes (10 and 9), the call's (12 and 7), the state
-_PARAMS = {"dispatch": (U64, U64, I32) + (U64,) * 24, "combine": (U64, U64, I32) + (U64,) * 18}
+#: base, stride, rank, mc, then the regions and sizes (10 and 9), the call's (12 and 8), the state
+_PARAMS = {"dispatch": (U64, U64, I32) + (U64,) * 24, "combine": (U64, U64, I32) + (U64,) * 19}
 #: bytes between and around the object's arrays in its buffer, and their byte at creation
 GAP_BYTES, CANARY = 256, 0xA5
 
@@ -70,6 +70,9 @@ class ExpertParallel:
         capacity: C, rows per local expert of ``recv_x`` (default N x M: no token is ever
             lost; more tokens for one expert fail the call, see ``dispatch``).
         framework: ``"cupy"`` or ``"torch"``: the type of the outputs.
+        partials: the default of ``combine``'s ``partials``: ``"float32"``, or
+            ``"bfloat16"`` (a bfloat16 payload only: half the bytes on the link, a second
+            rounding; docs/moe.md, "Numerics").
 
     Raises:
         UbnextError: a size out of range, no symmetric pool (NCCL only, several nodes), the
@@ -78,7 +81,7 @@ class ExpertParallel:
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens: int, top_k: int, dtype: str = "bfloat16",
-                 capacity: int | None = None, framework: str = "cupy"):
+                 capacity: int | None = None, framework: str = "cupy", partials: str = "float32"):
         import cupy
 
         name = "ExpertParallel"
@@ -92,6 +95,7 @@ class ExpertParallel:
                                   f"{comm._nccl_reason or 'no pool'})")
         shape = self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype,
                                            capacity)
+        self._partials = self._partials_of(name, partials)
         area, ptrs = comm._symmetric_area(shape.key, shape.area_bytes)  # collective
         self._comm = comm  # its calls need it open; it holds the area
         self._generation = 0
@@ -107,6 +111,8 @@ class ExpertParallel:
         self._blocks = max(1, min(node.engine._blocks, sms))  # every block resident (docs/moe.md)
         self._sig = {kind: _signature.encode_moe(f"moe_{kind}", dtype, num_experts, top_k, max_tokens, hidden)
                      for kind in SOURCES}
+        self._sig["combine", "bfloat16"] = _signature.encode_moe("moe_combine", dtype, num_experts, top_k, max_tokens,
+                                                                 hidden, wire=_layout.PARTIALS["bfloat16"])
 
     def _allocate(self, device: int, framework: str) -> None:
         """The outputs and the combine's inputs, in one device buffer (``_raw``): each array
@@ -214,13 +220,14 @@ class ExpertParallel:
             v = self._views
             return v["recv_x"], v["counts"], Handle(v["src"], v["weights"], count, self, self._generation)
 
-    def combine(self, y, handle: Handle, out=None, weights=None, stream=None):
+    def combine(self, y, handle: Handle, out=None, weights=None, stream=None, partials: str | None = None):
         """Sums each token's experts' outputs with its router weights, in its original order.
 
         ``out[t] = round(sum over GPUs g in rank order (sum over the token's slots k on g,
         in top-k order, of w_k * y_k))``, every product and sum in fp32 from +0.0, rounded
         once to the dtype (docs/moe.md, "Numerics"); ``w_k`` is the dispatch's weight of
-        the row, or the row's entry of ``weights``.
+        the row, or the row's entry of ``weights``. With bfloat16 partials, each GPU's
+        inner sum is rounded to bfloat16 before it crosses the link (a second rounding).
 
         Collective: yes, as ``dispatch``. Never blocks the host.
         Graph-capturable: yes.
@@ -235,18 +242,24 @@ class ExpertParallel:
                 weight per row of y in their place (ones: the plain sum of the rows, the
                 dispatch's transpose).
             stream: as ``dispatch``.
+            partials: None (the object's, ``ExpertParallel(..., partials=)``),
+                ``"float32"`` or ``"bfloat16"`` (a bfloat16 payload only): the format of
+                each GPU's partial on the link. Every rank passes the same (a difference
+                fails the call: ``CollectiveMismatchError``).
 
         Returns:
             ``out``.
 
         Raises:
             UbnextError: before any launch: shapes, dtypes, device, a handle of another
-                object or of an earlier dispatch, a closed or broken communicator.
+                object or of an earlier dispatch, an unknown ``partials`` or bfloat16
+                partials of a float32 payload, a closed or broken communicator.
         """
         name = "ExpertParallel.combine"
         s, comm = self.shape, self._comm
         with comm._order:
             comm._check_open(name)
+            half = self._partials_of(name, self._partials if partials is None else partials) == "bfloat16"
             if not isinstance(handle, Handle) or handle._owner is not self or handle._generation != self._generation:
                 raise UbnextError(f"{name}: the handle is not this object's latest dispatch's (a dispatch "
                                   f"overwrites the buffers of the one before)")
@@ -269,10 +282,19 @@ class ExpertParallel:
             self._launchers["combine"](self._blocks, THREADS["moe_combine.cu"], stream_handle, yb.ptr,
                                        a["weights"] if wb is None else wb.ptr,
                                        *(a[key] for key in ("route", "tokens", "dest")),
-                                       ob.ptr, self._sig["combine"])
+                                       ob.ptr, int(half), self._sig["combine", "bfloat16"] if half
+                                       else self._sig["combine"])
             if out is not None:
                 _arrays.mark_written((ob,))
             return ob.obj
+
+    def _partials_of(self, name: str, partials) -> str:
+        """``partials`` checked: a key of ``layout.PARTIALS``, bfloat16 for a bfloat16 payload only."""
+        if partials not in _layout.PARTIALS:
+            raise UbnextError(f"{name}: partials must be one of {', '.join(_layout.PARTIALS)}, got {partials!r}")
+        if partials == "bfloat16" and self.shape.dtype != "bfloat16":
+            raise UbnextError(f"{name}: bfloat16 partials take a bfloat16 payload, not {self.shape.dtype}")
+        return partials
 
     def _operand(self, name: str, arr, what: str, shape: tuple, dtype: str, handle: int):
         """``arr`` as a Buffer on the communicator's device, of ``dtype`` and ``shape`` (None:

@@ -25,6 +25,9 @@ from ubnext._protocol.signature import HIDDEN_BITS, MOE_BITS
 
 #: the payload dtypes of dispatch and combine, and their element bytes
 MOE_DTYPES = {"bfloat16": 2, "float32": 4}
+#: the combine's partials, as they cross the link: fp32, or rounded to bf16 (half the bytes,
+#: a second rounding; a bfloat16 payload only), by their code in the kernel's argument
+PARTIALS = {"float32": 0, "bfloat16": 1}
 #: the largest top-k a routing record holds (its ids and weights, kernels/moe.cuh)
 MAX_TOPK = MOE_MAX_TOPK
 #: rotating sets of the polled regions (the Lamport rotation) and of the unpolled rows

@@ -13,7 +13,9 @@ rounding (docs/moe.md; kernels/moe_dispatch.cu, kernels/moe_combine.cu):
   in top-k order whose expert is on g and kept: ``acc = acc + w * y`` (the product
   rounded to fp32, then the sum: no fused multiply-add); the token's result is ``acc =
   +0.0``, then ``acc = acc + partial_g`` for every GPU g holding one of its valid slots,
-  in rank order, rounded once to the dtype.
+  in rank order, rounded once to the dtype. With bf16 partials (a bfloat16 payload only),
+  each GPU's partial is rounded to bfloat16 (to nearest even) before it is added: a second
+  rounding.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
-from ubnext._moe.layout import Shape
+from ubnext._moe.layout import PARTIALS, Shape
 from ubnext._protocol.constants import MOE_ROUTE_ELSEWHERE as ROUTE_ELSEWHERE
 from ubnext._protocol.constants import MOE_ROUTE_OVERFLOW as ROUTE_OVERFLOW
 
@@ -135,10 +138,19 @@ def partial(shape: Shape, d: Dispatched, y: np.ndarray, s: int, t: int, w: np.nd
 
 
 def combine(shape: Shape, dispatched: Sequence[Dispatched], ys: Sequence[np.ndarray],
-            idxs: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+            idxs: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None = None,
+            partials: str = "float32") -> list[np.ndarray]:
     """Every rank's combine: ``out [T_s, H]`` of the dtype of ``ys`` (every GPU's ``[L, C,
     H]``), from every GPU's dispatch and every rank's ``idx``; with ``weights`` (every GPU's
-    ``[L, C]``), those in place of the dispatch's."""
+    ``[L, C]``), those in place of the dispatch's; ``partials`` ``"bfloat16"``: each GPU's
+    partial rounded to bfloat16 before the sum.
+
+    Raises:
+        ValueError: bf16 partials of a payload other than bfloat16, or an unknown ``partials``.
+    """
+    if partials not in PARTIALS or (partials == "bfloat16" and shape.dtype != "bfloat16"):
+        raise ValueError(f"combine: partials {partials!r} (bfloat16 partials take a bfloat16 payload)")
+    wire = None if partials == "float32" else np.dtype(ml_dtypes.bfloat16)
     out = []
     for s, idx in enumerate(idxs):
         dest = destinations(shape, idx)
@@ -148,7 +160,10 @@ def combine(shape: Shape, dispatched: Sequence[Dispatched], ys: Sequence[np.ndar
             for g in np.flatnonzero(dest[t]):
                 with np.errstate(invalid="ignore", over="ignore"):
                     w = None if weights is None else weights[g]
-                    acc = (acc + partial(shape, dispatched[g], ys[g], s, t, w)).astype(_F32)
+                    part = partial(shape, dispatched[g], ys[g], s, t, w)
+                    if wire is not None:
+                        part = part.astype(wire).astype(_F32)
+                    acc = (acc + part).astype(_F32)
             res[t] = acc.astype(ys[0].dtype)
         out.append(res)
     return out
