@@ -10,7 +10,7 @@ default; the NCCL baseline is always eager, since it reads the counts on the hos
   exchanged by ``all_to_all_single``, read on the host, the tokens gathered in destination
   order (one copy per destination GPU, as ubnext sends) and exchanged by
   ``all_to_all_single`` with those splits;
-* ``nccl combine``: each GPU's fp32 partial per token (the same bytes as ubnext's) sent
+* ``nccl combine``: each GPU's partial per token (the same bytes as ubnext's) sent
   back by ``all_to_all_single`` with the dispatch's splits, summed per token by
   ``index_add_`` and rounded.
 
@@ -18,7 +18,7 @@ Routing (``--routing``): ``uniform`` (each token's K distinct experts uniformly 
 random) or ``skewed`` (from the first 2K experts only: hot experts on the first GPUs).
 The capacity is the most tokens any expert receives in the run (``recv_x`` no larger than
 the routing fills). Bytes are the most any rank sends to other GPUs (dispatch: rows;
-combine: fp32 partials);
+combine: partials, fp32 or with ``--partials bfloat16`` bf16);
 ``floor`` is those bytes at the NVLink push rate measured in the same run
 (bench/link_ceiling.py's ``push`` kernel at ``--ceiling-bytes``), ``frac`` the floor over
 the time. Times: µs per call, median of ``--repeats``, maximum over ranks. Before timing,
@@ -54,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-e", "--experts", type=int, default=256)
     p.add_argument("-d", "--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    p.add_argument("--partials", choices=("float32", "bfloat16"), default="float32",
+                   help="the combine's partials on the link (bfloat16: a bfloat16 payload only)")
     p.add_argument("-G", "--graphs", type=int, choices=(0, 1), default=1, help="1: CUDA graphs; 0: eager")
     p.add_argument("-n", "--iters", type=int, default=20, help="calls per sample (per captured graph)")
     p.add_argument("--launches", type=int, default=5, help="graph replays per sample")
@@ -87,7 +89,7 @@ def payload(args, rank: int, shape: tuple) -> np.ndarray:
 
 
 def link_bytes(args, nranks: int, idxs: list[np.ndarray]) -> tuple[int, int]:
-    """The most bytes any rank sends to other GPUs: (dispatch rows, combine fp32 partials)."""
+    """The most bytes any rank sends to other GPUs: (dispatch rows, combine partials)."""
     local = args.experts // nranks
     width = 2 if args.dtype == "bfloat16" else 4
     out_rows = [0] * nranks
@@ -98,7 +100,8 @@ def link_bytes(args, nranks: int, idxs: list[np.ndarray]) -> tuple[int, int]:
                 if g != s:
                     out_rows[s] += 1
                     partial_rows[g] += 1
-    return max(out_rows) * args.hidden * width, max(partial_rows) * args.hidden * 4
+    partial_width = 2 if args.partials == "bfloat16" else 4
+    return max(out_rows) * args.hidden * width, max(partial_rows) * args.hidden * partial_width
 
 
 def busiest_expert(experts: int, idxs: list[np.ndarray]) -> int:
@@ -144,7 +147,7 @@ class NcclBaseline:
         back = partials.new_empty((sum(splits_in), self.hidden))
         dist.all_to_all_single(back, partials, splits_in, splits_out)
         acc = torch.zeros((self.x.shape[0], self.hidden), device=back.device, dtype=torch.float32)
-        acc.index_add_(0, self.order, back)
+        acc.index_add_(0, self.order, back.float())
         return acc.to(self.out_dtype)
 
 
@@ -181,7 +184,7 @@ def check(comm, args, ep, shape, xs, idxs, ws, x, idx, w) -> int:
     for e, n in enumerate(want[r].counts):
         wrong += int((got_x[e, :n].reshape(-1) != want[r].recv_x[e, :n].reshape(-1).view(got_x.dtype)).sum())
     got_out = out.cpu().view(torch.int16 if args.dtype == "bfloat16" else torch.int32).numpy()
-    want_out = ref.combine(shape, want, ys, idxs)[r]
+    want_out = ref.combine(shape, want, ys, idxs, partials=args.partials)[r]
     wrong += int(bits.mismatches(got_out.view(want_out.dtype).reshape(-1), want_out.reshape(-1)).size)
     return wrong
 
@@ -206,7 +209,7 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
     capacity = busiest_expert(args.experts, idxs)
     shape = layout.shape(n, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype, capacity)
     ep = ubnext.ExpertParallel(comm, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype,
-                               capacity=capacity, framework="torch")
+                               capacity=capacity, framework="torch", partials=args.partials)
     xs = [payload(args, s, (tokens, args.hidden)) for s in range(n)]
     x = to_device(xs[r], args.dtype)
     idx, w = torch.from_numpy(idxs[r]).cuda(), torch.from_numpy(ws[r]).cuda()
@@ -215,7 +218,7 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
     y = recv_x.clone()
     out = torch.empty_like(x)
     nccl = NcclBaseline(args, n, x, idx.long())
-    partials = nccl.dispatch().float()
+    partials = nccl.dispatch().to(getattr(torch, args.partials))
     fns = {"ubnext dispatch": (lambda: ep.dispatch(x, idx, w), mode),
            "nccl dispatch": (nccl.dispatch, "eager"),
            "ubnext combine": (lambda: ep.combine(y, handle, out=out), mode),
