@@ -10,10 +10,12 @@
 // block per SM (every block resident): a block only waits for what every rank's blocks
 // send before they wait.
 #include "moe.cuh"
+#include "quant.cuh"
 
 // What a dispatch writes in this rank's own memory (ubnext/_moe/expert_parallel.py).
 struct DispatchOut {
-  char* recv_x;    // [L][C][H] of T: row j of local expert e
+  char* recv_x;    // [L][C][H] of T: row j of local expert e (an FP8 dispatch: of e4m3 codes)
+  char* scales;    // [L][C][H / UB_MOE_FP8_GROUP] fp32 of an FP8 dispatch, else null
   int* counts;     // [L] rows of each local expert (at most C)
   int* src;        // [L][C] source * M + token of each row
   float* weights;  // [L][C] the router weight of each row
@@ -22,18 +24,50 @@ struct DispatchOut {
   u32* dest;       // [M] the GPUs (bit g) of each of this rank's tokens (the combine's)
 };
 
+#if __CUDA_ARCH__ >= 890
+// Lanes of one scale's group in an FP8 dispatch: its bf16 input vectors.
+constexpr int kFp8Lanes = UB_MOE_FP8_GROUP / kLaneElems;
+
+// The FP8 form of one bf16 row of H channels (kernels/quant.cuh's arithmetic, one fp32 scale
+// per UB_MOE_FP8_GROUP channels): thread i of the block quantizes input vector i (then
+// i + blockDim, ...) to 8 e4m3 codes at byte 8 i of the row's place `at` in each
+// destination of `to`, and the first lane of each group stores its scale at byte H + 4 g.
+// Every thread takes the same turns: a group's shuffles need the whole warp.
+template <int N, class Tp>
+__device__ void send_fp8_row(const Tp& tp, const char* xr, u64 at, u64 vpr, u64 hidden, u32 to) {
+  for (u64 i0 = 0; i0 < vpr; i0 += blockDim.x) {
+    const u64 i = i0 + threadIdx.x;
+    const bool on = i < vpr;  // whole groups on or off: vpr is whole groups
+    float f[kLaneElems];
+    Vec<bf16>::unpack(on ? ld_weak(xr + i * kVec) : make_uint4(0u, 0u, 0u, 0u), f);
+    u32 w[QFp8::kWords];
+    const float scale = quantize_step<QFp8, kFp8Lanes>(f, w);
+    if (!on) continue;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int d = tp.peer(k);
+      if (!(to >> d & 1u)) continue;
+      char* row = tp.seg(d) + at;
+      *(uint2*)(row + i * 8) = make_uint2(w[0], w[1]);
+      if (i % kFp8Lanes == 0) *(float*)(row + hidden + i / kFp8Lanes * 4) = scale;
+    }
+  }
+}
+#endif
+
 // Send: one block per token t of this rank (a block takes tokens blockIdx.x, + gridDim.x,
 // ...). Its warp 0 checks the K slots (an id out of range, or an expert a previous slot
 // holds, fails the call with kFailInput and is dropped: -1) and forms the mask of
 // destination GPUs; every thread of the block then stores its share of the row's vectors
-// once into each destination GPU's area of this source; after the block's barrier, warp 0
+// (with `fp8`, its e4m3 codes and scales: send_fp8_row) once into each destination GPU's
+// area of this source; after the block's barrier, warp 0
 // pushes the record (the K checked ids, then the K weights, -0.0 written as +0.0; padding
 // 1) to every rank, after a system-scope fence in each lane whose record goes where the
 // row went (the barrier, then the fence: the block's row stores before the record).
 template <class T, int N, class Tp>
 __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u64 rec_off, u64 rows_off,
                             const char* x, const int* idx, const float* w, u64 count, u32* dest, WaitCtx& c,
-                            u32* shared_mask) {
+                            u32* shared_mask, bool fp8) {
   constexpr u32 kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31, K = (int)m.topk;
   const bool checker = threadIdx.x < 32;
@@ -66,13 +100,21 @@ __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u
     const u32 to = *shared_mask;
     const char* xr = x + t * row_bytes;
     const u64 at = row_at<N>(rows_off, m, s.par, tp.rank, t, row_bytes);
-    pipelined(threadIdx.x, vpr, blockDim.x, [&](u64 i) { return ld_weak(xr + i * kVec); }, [&](u64 i, const uint4& v) {
+#if __CUDA_ARCH__ >= 890
+    if constexpr (Elem<T>::kBytes == 2) {
+      if (fp8) send_fp8_row<N>(tp, xr, at, vpr, m.hidden, to);
+    }
+#endif
+    if (!fp8) {
+      pipelined(threadIdx.x, vpr, blockDim.x, [&](u64 i) { return ld_weak(xr + i * kVec); },
+                [&](u64 i, const uint4& v) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const int d = tp.peer(k);
-        if (to >> d & 1u) st_weak(tp.seg(d) + at + i * kVec, v);
-      }
-    });
+                  for (int k = 0; k < N; ++k) {
+                    const int d = tp.peer(k);
+                    if (to >> d & 1u) st_weak(tp.seg(d) + at + i * kVec, v);
+                  }
+                });
+    }
     __syncthreads();  // the row's stores, then its record; the mask is free for the next token
     if (!checker) continue;
     for (u64 base = 0; base < nrec; base += 32) {  // lane j: vector j % R of rank j / R's record
@@ -162,7 +204,10 @@ template <class T, int N>
 __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u64 rec_off, u64 rows_off,
                         const u32* tok, const DispatchOut& o, WaitCtx& c, u32 (*counted)[32], u32* list) {
   const u64 L = m.local, C = m.capacity, K = m.topk, M = m.tokens;
-  const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
+  const u64 row_bytes = m.hidden * Elem<T>::kBytes;
+  // vectors of a recv_x row, and of its place in the area (an FP8 row: its codes, then its scales)
+  const u64 codes = o.scales != nullptr ? m.hidden / kVec : row_bytes / kVec;
+  const u64 wire = o.scales != nullptr ? codes + m.hidden / UB_MOE_FP8_GROUP * 4 / kVec : codes;
   const int rank = c.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   u32 first[N + 1];
   first[0] = 0u;
@@ -220,11 +265,13 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
     }
     __syncthreads();  // the list; the next unit writes it only after its first vote
     const u32 kept = (u32)min((u64)before, C), n = kept > p ? (kept - p + P - 1u) / P : 0u;
-    char* to = o.recv_x + (e * C + p) * row_bytes;
-    pipelined(threadIdx.x, (u64)n * vpr, blockDim.x, [&](u64 q) {
-      const u32 st = list[q / vpr];
-      return ld_relaxed_sys(mine + row_at<N>(rows_off, m, s.par, (int)(st / M), st % M, row_bytes) + q % vpr * kVec);
-    }, [&](u64 q, const uint4& v) { st_weak(to + (q / vpr * P * vpr + q % vpr) * kVec, v); });
+    pipelined(threadIdx.x, (u64)n * wire, blockDim.x, [&](u64 q) {
+      const u32 st = list[q / wire];
+      return ld_relaxed_sys(mine + row_at<N>(rows_off, m, s.par, (int)(st / M), st % M, row_bytes) + q % wire * kVec);
+    }, [&](u64 q, const uint4& v) {
+      const u64 j = e * C + q / wire * P + p, k = q % wire;
+      st_weak(k < codes ? o.recv_x + (j * codes + k) * kVec : o.scales + (j * (wire - codes) + k - codes) * kVec, v);
+    });
   }
 }
 
@@ -240,7 +287,7 @@ __device__ void moe_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 h
   WaitCtx c = wait_ctx(state, tp.rank);
   // 1. header, 2. send
   moe_push_header<N>(tp, hdr_off, s.cur, sig, true, count);
-  send_tokens<T, N>(tp, m, s, rec_off, rows_off, x, idx, w, count, o.dest, c, &mask);
+  send_tokens<T, N>(tp, m, s, rec_off, rows_off, x, idx, w, count, o.dest, c, &mask, o.scales != nullptr);
   // 3. re-poison the previous launch's headers and records in this rank's segment
   moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
   moe_repoison(mine + record_at<N>(rec_off, m, s.old, 0, 0, 0), N * m.tokens * m.record_vecs());
@@ -256,14 +303,16 @@ __device__ void moe_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 h
 }
 
 // ---- entry point, instantiated per (UB_T: bf16 or float, UB_NRANKS) ---------------------
+// scales: null, or (an FP8 dispatch: a bf16 payload, H a multiple of 512, sm_89 and up; the
+// host checks) the e4m3 codes' scales, recv_x then holding the codes.
 extern "C" __global__ void __launch_bounds__(UB_MOE_DISPATCH_THREADS)
 ub_moe_dispatch(char* base, u64 stride, int rank, char* mc, u64 rot_off, u64 hdr_off, u64 rec_off, u64 rows_off,
                 u64 experts, u64 local, u64 topk, u64 hidden, u64 tokens, u64 capacity, const char* x, const int* idx,
-                const float* w, u64 count, char* recv_x, int* counts, int* src, float* weights, int* route,
-                u32* src_tokens, u32* dest, u64 sig, LaunchState* state) {
+                const float* w, u64 count, char* recv_x, char* scales, int* counts, int* src, float* weights,
+                int* route, u32* src_tokens, u32* dest, u64 sig, LaunchState* state) {
   enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const MoeShape m{experts, local, topk, hidden, tokens, capacity};
-  const DispatchOut o{recv_x, counts, src, weights, route, src_tokens, dest};
+  const DispatchOut o{recv_x, scales, counts, src, weights, route, src_tokens, dest};
   moe_dispatch<UB_T, UB_NRANKS>(tp, m, rot_off, hdr_off, rec_off, rows_off, x, idx, w, count, o, sig, state);
 }

@@ -4,6 +4,7 @@ rank's inputs: random routing, skewed routing (every token to one expert), no ex
 the last GPU, dropped (-1) slots, T = 0 on rank 1, -0.0 / inf / NaN payloads; several
 calls in a row (the sets rotate), dispatches without a combine, CUDA-graph replay; bf16
 partials (per call, between fp32 ones; by default, in a graph; ranks that differ raise);
+the FP8 dispatch (e4m3 codes and per-128-channel scales);
 canaries around every output (the object's buffer gaps, the rows past the counts, a
 bordered ``out``); host-side errors before any launch, routing errors raised after the
 call.
@@ -30,6 +31,8 @@ pytestmark = pytest.mark.gpu
 SETTINGS = dict(pool_mb=256, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048, timeout_s=30.0)
 #: (experts per GPU, hidden, max tokens, top-k): small odd sizes, and the issue's hidden
 SIZES = {"small": (3, 136, 9, 3), "wide": (4, 7168, 6, 4), "k1": (2, 64, 5, 1)}
+#: the FP8 dispatch's: hidden a multiple of 512 (four groups of 128 channels)
+FP8_SIZES = {"fp8": (3, 512, 7, 3)}
 KINDS = ("random", "skewed", "not_last_gpu", "dropped")
 
 
@@ -51,13 +54,13 @@ def comm():
     c.close()
 
 
-def make(comm, size: str, dtype: str, capacity=None, partials="float32"):
+def make(comm, size: str, dtype: str, capacity=None, partials="float32", fp8=False):
     import ubnext
 
-    per_gpu, hidden, tokens, k = SIZES[size]
+    per_gpu, hidden, tokens, k = {**SIZES, **FP8_SIZES}[size]
     ep = ubnext.ExpertParallel(comm, per_gpu * comm.size, hidden, tokens, k, dtype, capacity=capacity,
-                               framework="torch", partials=partials)
-    return ep, layout.shape(comm.size, per_gpu * comm.size, hidden, tokens, k, dtype, capacity)
+                               framework="torch", partials=partials, fp8=fp8)
+    return ep, layout.shape(comm.size, per_gpu * comm.size, hidden, tokens, k, dtype, capacity, fp8)
 
 
 def to_device(a: np.ndarray):
@@ -95,12 +98,17 @@ def check_dispatch(comm, ep, shape, recv_x, counts, handle, want: ref.Dispatched
     comm.synchronize()
     got_counts = counts.cpu().numpy()
     np.testing.assert_array_equal(got_counts, want.counts, err_msg=f"{what}: counts")
-    got_x, got_src, got_w = host(recv_x), handle.src.cpu().numpy(), handle.weights.cpu().numpy()
+    if shape.fp8:  # e4m3 codes (as bytes) and their scales
+        codes, scales = recv_x
+        got_x, bits, got_s = codes.view(torch.uint8).cpu().numpy(), np.uint8, scales.cpu().numpy()
+    else:
+        got_x, bits, got_s = host(recv_x), {2: np.uint16, 4: np.uint32}[shape.width], None
+    got_src, got_w = handle.src.cpu().numpy(), handle.weights.cpu().numpy()
     canary32 = np.frombuffer(bytes([CANARY]) * 4, np.uint32)[0]
     for e in range(shape.local_experts):
         n = want.counts[e]
-        ref_bits = want.recv_x[e, :n].reshape(-1).view({2: np.uint16, 4: np.uint32}[shape.width])
-        got_bits = got_x[e, :n].reshape(-1).view(ref_bits.dtype)
+        ref_bits = want.recv_x[e, :n].reshape(-1).view(bits)
+        got_bits = got_x[e, :n].reshape(-1).view(bits)
         bad = np.flatnonzero(got_bits != ref_bits)
         assert bad.size == 0, f"{what}: expert {e}: {bad.size} elements of its rows differ (first at {bad[:4]})"
         np.testing.assert_array_equal(got_src[e, :n], want.src[e, :n], err_msg=f"{what}: src of expert {e}")
@@ -109,6 +117,10 @@ def check_dispatch(comm, ep, shape, recv_x, counts, handle, want: ref.Dispatched
         rest = got_x[e, n:].reshape(-1).view(np.uint8)
         assert (rest == CANARY).all(), f"{what}: rows of expert {e} past its count were written"
         assert (got_src[e, n:].view(np.uint32) == canary32).all(), f"{what}: src past the count written"
+        if got_s is not None:
+            bad = ref_mismatches(got_s[e, :n], want.scales[e, :n])
+            assert bad.size == 0, f"{what}: expert {e}: {bad.size} scales differ (first at {bad[:4]})"
+            assert (got_s[e, n:].view(np.uint32) == canary32).all(), f"{what}: scales past the count written"
     check_gaps(ep, what)
 
 
@@ -201,6 +213,18 @@ def test_ranks_whose_partials_differ_raise_on_every_rank(comm):
         assert bool(torch.isnan(out.float()).all().item()), f"rank {r} got a result from mismatched combines"
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_dispatch_bit_for_bit(comm, kind):
+    """fp8=True: every row arrives as the e4m3 codes and fp32 scales of the host's
+    quantization (inf and NaN rows: a NaN scale, codes 0), canaries past the counts; the
+    combine of bf16 expert outputs after it as ever. Three rounds: both parities."""
+    if kind == "not_last_gpu" and comm.size == 1:
+        pytest.skip("one GPU holds every expert")
+    ep, shape = make(comm, "fp8", "bfloat16", fp8=True)
+    for round_ in range(3):
+        run_round(comm, ep, shape, kind, seed_of("fp8", kind, round_))
 
 
 @pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))

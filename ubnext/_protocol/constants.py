@@ -40,6 +40,9 @@ MOE_MAX_CAPACITY = 8192
 #: a dispatch's route of a token's slot (kernels/moe.cuh), besides a row ``e * C + row`` of
 #: this GPU: its expert is on another GPU (or the slot is dropped); past the capacity
 MOE_ROUTE_ELSEWHERE, MOE_ROUTE_OVERFLOW = -1, -2
+#: channels per fp32 scale of the expert-parallel FP8 dispatch (DeepEP's format; e4m3 codes
+#: quantized as the quantized two-shot's, kernels/quant.cuh)
+MOE_FP8_GROUP = 128
 #: the low-latency data movers (kernels/ll_move.cu): the largest part one rank sends one
 #: peer in one launch (an all-to-all's part, a broadcast's message); each 8 bytes travel
 #: in a 16-byte line with the launch's flag
@@ -178,6 +181,7 @@ def header() -> str:
         "UB_MOE_MAX_CAPACITY": MOE_MAX_CAPACITY,
         "UB_MOE_ROUTE_ELSEWHERE": f"({MOE_ROUTE_ELSEWHERE})",
         "UB_MOE_ROUTE_OVERFLOW": f"({MOE_ROUTE_OVERFLOW})",
+        "UB_MOE_FP8_GROUP": MOE_FP8_GROUP,
         **{f"UB_{source.removesuffix('.cu').upper()}_THREADS": n for source, n in THREADS.items()},
     }
     lines = ["// Generated from ubnext/_protocol/constants.py: the constants the kernels share with the host.",

@@ -25,7 +25,7 @@ COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_ga
 #: the expert-parallel calls, whose count is their object's sizes (encode_moe)
 _MOE = ("moe_dispatch", "moe_combine")
 #: the expert-parallel calls' formats on the link, by their code in the op field (0: the payload's own)
-MOE_WIRES = ("", "bfloat16 partials")
+MOE_WIRES = ("", "bfloat16 partials", "e4m3 rows with fp32 scales")
 #: bits of the expert-parallel sizes in the count: experts, top-k, max tokens (hidden: HIDDEN_BITS)
 MOE_BITS = {"experts": 12, "top_k": 5, "max_tokens": 15}
 #: the collectives that reduce nothing (their op field is "sum", and says nothing)
