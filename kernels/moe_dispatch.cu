@@ -195,8 +195,8 @@ __device__ Polled poll_record(const char* rec, const MoeShape& m, int ge, int sr
 // __popc) into shared memory, the block's vote is the round's only barrier, and each lane
 // then takes its row j of e from the counts of the earlier warps and rounds (by
 // (source, token): a function of the routing alone). Part p lists the rows with
-// j % P == p below the capacity and writes their src, weight and route; after one more
-// barrier the block's threads copy the listed rows from the sources' areas, their vectors
+// j % P == p below the capacity and writes their src, weight and route; where it listed
+// any, after one more barrier the block's threads copy the listed rows from the sources' areas, their vectors
 // spread over the whole block. Rows past the capacity fail the call (kFailInput) and
 // route UB_MOE_ROUTE_OVERFLOW; unit (0, 0) also routes every slot whose expert is
 // elsewhere.
@@ -215,13 +215,14 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
   for (int r = 0; r < N; ++r) first[r + 1] = first[r] + tok[r];
   const u32 rows = first[N], per_round = 32u * warps;
   const u32 P = gridDim.x > L ? gridDim.x / (u32)L : 1u;
+  u32 turn = 0u;  // rounds so far, over the units: `counted` alternates with it
   for (u64 u = blockIdx.x; u < L * P; u += gridDim.x) {
     const u64 e = u % L;
     const u32 p = (u32)(u / L);
     const int ge = (int)((u64)rank * L + e);
     u32 before = 0u;  // rows of e in the earlier rounds
     bool ok = true;
-    for (u32 round = 0; round * per_round < rows; ++round) {
+    for (u32 round = 0; round * per_round < rows; ++round, ++turn) {
       const u32 f = round * per_round + 32u * warp + lane;
       const int src = f < rows ? source_of<N>(first, f) : 0;
       const u64 t = f < rows ? f - first[src] : 0u;
@@ -233,14 +234,14 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
         fence_acq_rel_sys();  // the record seen: the row before it is visible to the block after the vote
       }
       const u32 hits = __ballot_sync(0xffffffffu, got.kk >= 0);
-      if (lane == 0) counted[round & 1u][warp] = __popc(hits);
+      if (lane == 0) counted[turn & 1u][warp] = __popc(hits);
       if (!block_vote(ok && got.ok, c)) {
         ok = false;
         break;
       }
       u32 j = before + __popc(hits & ((1u << lane) - 1u));
       for (int w = 0; w < warps; ++w) {
-        const u32 n = counted[round & 1u][w];  // two buffers: a round's counts are not written before the next vote
+        const u32 n = counted[turn & 1u][w];  // two buffers: a turn's counts are not written before the next vote
         j += w < warp ? n : 0u;
         before += n;
       }
@@ -263,8 +264,9 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
       o.counts[e] = (int)min((u64)before, C);
       if (before > C) fail(c, kFailInput, rank, kMoeOverCapacity, (u64)ge, before);
     }
-    __syncthreads();  // the list; the next unit writes it only after its first vote
     const u32 kept = (u32)min((u64)before, C), n = kept > p ? (kept - p + P - 1u) / P : 0u;
+    if (n == 0u) continue;  // block-uniform: nothing listed, nothing to copy
+    __syncthreads();  // the list; the next unit writes it only after its first vote
     pipelined(threadIdx.x, (u64)n * wire, blockDim.x, [&](u64 q) {
       const u32 st = list[q / wire];
       return ld_relaxed_sys(mine + row_at<N>(rows_off, m, s.par, (int)(st / M), st % M, row_bytes) + q % wire * kVec);
