@@ -50,7 +50,7 @@ class NcclBaseline:
         back = partials.new_empty((sum(splits_in), self.hidden))
         dist.all_to_all_single(back, partials, splits_in, splits_out)
         acc = torch.zeros((self.x.shape[0], self.hidden), device=back.device, dtype=torch.float32)
-        acc.index_add_(0, self.order, back)
+        acc.index_add_(0, self.order, back.float())
         return acc.to(self.out_dtype)
 
 

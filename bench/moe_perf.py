@@ -10,7 +10,7 @@ default; the NCCL baseline is always eager, since it reads the counts on the hos
   exchanged by ``all_to_all_single``, read on the host, the tokens gathered in destination
   order (one copy per destination GPU, as ubnext sends) and exchanged by
   ``all_to_all_single`` with those splits;
-* ``nccl combine``: each GPU's fp32 partial per token (the same bytes as ubnext's) sent
+* ``nccl combine``: each GPU's partial per token (the same bytes as ubnext's) sent
   back by ``all_to_all_single`` with the dispatch's splits, summed per token by
   ``index_add_`` and rounded.
 * ``vdev dispatch`` / ``vdev combine``: torch's symmetric-memory ``all_to_all_vdev_2d``
@@ -26,7 +26,7 @@ Routing (``--routing``): ``uniform`` (each token's K distinct experts uniformly 
 random) or ``skewed`` (from the first 2K experts only: hot experts on the first GPUs).
 The capacity is the most tokens any expert receives in the run (``recv_x`` no larger than
 the routing fills). Bytes are the most any rank sends to other GPUs (dispatch: rows;
-combine: fp32 partials);
+combine: partials, fp32 or with ``--partials bfloat16`` bf16);
 ``floor`` is those bytes at the NVLink push rate measured in the same run
 (bench/link_ceiling.py's ``push`` kernel at ``--ceiling-bytes``), ``frac`` the floor over
 the time. Times: µs per call, median of ``--repeats``, maximum over ranks. Before timing,
@@ -63,6 +63,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("-e", "--experts", type=int, default=256)
     p.add_argument("-d", "--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    p.add_argument("--partials", choices=("float32", "bfloat16"), default="float32",
+                   help="the combine's partials on the link (bfloat16: a bfloat16 payload only)")
+    p.add_argument("--fp8", type=int, choices=(0, 1), default=0,
+                   help="1: the FP8 dispatch (e4m3 codes, a scale per 128 channels; bfloat16, hidden % 512 == 0)")
     p.add_argument("-G", "--graphs", type=int, choices=(0, 1), default=1, help="1: CUDA graphs; 0: eager")
     p.add_argument("-n", "--iters", type=int, default=20, help="calls per sample (per captured graph)")
     p.add_argument("--launches", type=int, default=5, help="graph replays per sample")
@@ -96,9 +100,9 @@ def payload(args, rank: int, shape: tuple) -> np.ndarray:
 
 
 def link_bytes(args, nranks: int, idxs: list[np.ndarray]) -> tuple[int, int]:
-    """The most bytes any rank sends to other GPUs: (dispatch rows, combine fp32 partials)."""
+    """The most bytes any rank sends to other GPUs: (dispatch rows, combine partials)."""
     local = args.experts // nranks
-    width = 2 if args.dtype == "bfloat16" else 4
+    row_bytes = args.hidden + args.hidden // 32 if args.fp8 else args.hidden * (2 if args.dtype == "bfloat16" else 4)
     out_rows = [0] * nranks
     partial_rows = [0] * nranks
     for s, idx in enumerate(idxs):
@@ -107,7 +111,8 @@ def link_bytes(args, nranks: int, idxs: list[np.ndarray]) -> tuple[int, int]:
                 if g != s:
                     out_rows[s] += 1
                     partial_rows[g] += 1
-    return max(out_rows) * args.hidden * width, max(partial_rows) * args.hidden * 4
+    partial_width = 2 if args.partials == "bfloat16" else 4
+    return max(out_rows) * row_bytes, max(partial_rows) * args.hidden * partial_width
 
 
 def busiest_expert(experts: int, idxs: list[np.ndarray]) -> int:
@@ -147,11 +152,17 @@ def check(comm, args, ep, shape, xs, idxs, ws, x, idx, w) -> int:
     out = ep.combine(to_device(ys[r], args.dtype), handle)
     torch.cuda.synchronize()
     wrong = int((counts.cpu().numpy() != want[r].counts).sum())
-    got_x = recv_x.cpu().view(torch.int16 if args.dtype == "bfloat16" else torch.int32).numpy()
+    if args.fp8:  # the codes as bytes, the scales NaN as a class
+        recv_x, scales = recv_x
+        got_s = scales.cpu().numpy()
+        for e, n in enumerate(want[r].counts):
+            wrong += int(bits.mismatches(got_s[e, :n].reshape(-1), want[r].scales[e, :n].reshape(-1)).size)
+    got_x = recv_x.cpu().view(torch.uint8 if args.fp8 else torch.int16 if args.dtype == "bfloat16" else torch.int32)
+    got_x = got_x.numpy()
     for e, n in enumerate(want[r].counts):
         wrong += int((got_x[e, :n].reshape(-1) != want[r].recv_x[e, :n].reshape(-1).view(got_x.dtype)).sum())
     got_out = out.cpu().view(torch.int16 if args.dtype == "bfloat16" else torch.int32).numpy()
-    want_out = ref.combine(shape, want, ys, idxs)[r]
+    want_out = ref.combine(shape, want, ys, idxs, partials=args.partials)[r]
     wrong += int(bits.mismatches(got_out.view(want_out.dtype).reshape(-1), want_out.reshape(-1)).size)
     return wrong
 
@@ -174,22 +185,22 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
     routes = [routing(args, s, tokens) for s in range(n)]
     idxs, ws = [i for i, _ in routes], [w for _, w in routes]
     capacity = busiest_expert(args.experts, idxs)
-    shape = layout.shape(n, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype, capacity)
+    shape = layout.shape(n, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype, capacity, bool(args.fp8))
     ep = ubnext.ExpertParallel(comm, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype,
-                               capacity=capacity, framework="torch")
+                               capacity=capacity, framework="torch", partials=args.partials, fp8=bool(args.fp8))
     xs = [payload(args, s, (tokens, args.hidden)) for s in range(n)]
     x = to_device(xs[r], args.dtype)
     idx, w = torch.from_numpy(idxs[r]).cuda(), torch.from_numpy(ws[r]).cuda()
     wrong = check(comm, args, ep, shape, xs, idxs, ws, x, idx, w) if args.check else None
     recv_x, _, handle = ep.dispatch(x, idx, w)
-    y = recv_x.clone()
+    y = recv_x[0].to(torch.bfloat16) if args.fp8 else recv_x.clone()  # the experts' outputs: bf16 rows
     out = torch.empty_like(x)
     fns = {"ubnext dispatch": (lambda: ep.dispatch(x, idx, w), mode),
            "ubnext combine": (lambda: ep.combine(y, handle, out=out), mode)}
     notes = baseline_problems(comm)
     if "nccl" not in notes:
         nccl = NcclBaseline(args, n, x, idx.long())
-        partials = nccl.dispatch().float()
+        partials = nccl.dispatch().to(getattr(torch, args.partials))
         fns.update({"nccl dispatch": (nccl.dispatch, "eager"), "nccl combine": (lambda: nccl.combine(partials), "eager")})
     if "vdev" not in notes:
         vdev = VdevBaseline(args, n, x, idx, w)
@@ -243,7 +254,9 @@ def run(comm, args, argv) -> int:
     if comm.rank != 0:
         return 0
     print(f"# {comm.size} ranks, hidden {args.hidden}, top-{args.top_k}, {args.experts} experts, {args.dtype}, "
-          f"routing {args.routing}; ubnext and vdev (torch all_to_all_vdev_2d) {'in CUDA graphs' if args.graphs else 'eager'}, NCCL eager (host sync); "
+          f"{'fp8 dispatch, ' if args.fp8 else ''}{args.partials} partials, routing {args.routing}; "
+          f"ubnext and vdev (torch all_to_all_vdev_2d) {'in CUDA graphs' if args.graphs else 'eager'}, "
+          f"NCCL eager (host sync); "
           f"µs (median of {args.repeats}, max over ranks); push rate {rate / 1e9:.1f} GB/s per direction")
     print(f"{'tokens':>7} {'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9} {'vdev':>9}   "
           f"{'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9} {'vdev':>9} {'wrong':>6}")
@@ -263,8 +276,8 @@ def run(comm, args, argv) -> int:
     for why in sorted({f"{k}: {v}" for rec in records for k, v in rec["baseline_notes"].items()}):
         print(f"# baseline {why}")
     tb.save_report(comm, "moe_perf", "moe_perf", args, argv, {
-        "config": {k: getattr(args, k) for k in ("hidden", "top_k", "experts", "dtype", "routing", "graphs", "iters",
-                                                  "launches", "repeats", "ceiling_bytes")},
+        "config": {k: getattr(args, k) for k in ("hidden", "top_k", "experts", "dtype", "routing", "partials", "fp8",
+                                                  "graphs", "iters", "launches", "repeats", "ceiling_bytes")},
         "push_rate_gbs": rate / 1e9, "results": records})
     failed = any(rec["wrong"] for rec in records)
     return 1 if failed else 0

@@ -72,13 +72,17 @@ template <int N> __device__ __forceinline__ u64 row_at(u64 off, const MoeShape& 
 // later loads of this thread see what the flag's writer stored before its release fence.
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
-// Waits until v, loaded from p (pushed by `peer`), holds no sentinel word, re-reading p; false
-// if the wait gave up (sync.cuh: spin) or the communicator failed for this thread.
+// Waits until v, loaded from p (pushed by `peer`), holds no sentinel element of W (fp32
+// words, or the bf16 halves of the combine's bf16 partials), re-reading p; false if the
+// wait gave up (sync.cuh: spin) or the communicator failed for this thread. The fp32
+// sentinel word (the re-poisoned state) is a bf16 sentinel in its high half: both read it
+// as not yet written.
+template <class W = float>
 __device__ __forceinline__ bool moe_wait(const char* p, uint4& v, WaitCtx& c, int peer) {
-  if (!has_sentinel<float>(v)) return usable(c);
+  if (!has_sentinel<W>(v)) return usable(c);
   return spin(c, [=] { return peer; }, kSiteMoePoll, [&] {
     v = ld_volatile(p);
-    return !has_sentinel<float>(v);
+    return !has_sentinel<W>(v);
   });
 }
 
@@ -131,30 +135,22 @@ __device__ void moe_push_header(const Tp& tp, u64 off, u32 set, u64 sig, bool wi
   tp.push_all(at, pack_signature(sig));
 }
 
-// Exclusive prefix sum of v over the block (thread order), and the block's total; every
-// thread of the block calls it. Uses the 33 words of `scratch` (shared).
-__device__ u32 block_exclusive_scan(u32 v, u32& total, u32* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  u32 x = v;
+// Vectors q = begin, begin + step, ... below end, `kIlp` at a time: the loads of a batch
+// all issue before its first store, so a thread's vectors wait for memory once per batch,
+// not once each (a row spread over a block or the grid: kernels/moe_dispatch.cu,
+// moe_combine.cu). load(q) returns vector q, store(q, v) writes it.
+constexpr int kIlp = 4;
+template <class Load, class Store>
+__device__ __forceinline__ void pipelined(u64 begin, u64 end, u64 step, Load load, Store store) {
+  for (u64 q0 = begin; q0 < end; q0 += kIlp * step) {
+    uint4 v[kIlp];
 #pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const u32 y = __shfl_up_sync(0xffffffffu, x, d);
-    if (lane >= d) x += y;
-  }
-  if (lane == 31) scratch[warp] = x;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    u32 run = 0;
-    for (int w = 0; w < warps; ++w) {
-      const u32 t = scratch[w];
-      scratch[w] = run;
-      run += t;
+    for (int u = 0; u < kIlp; ++u) {
+      if (q0 + u * step < end) v[u] = load(q0 + u * step);
     }
-    scratch[32] = run;
+#pragma unroll
+    for (int u = 0; u < kIlp; ++u) {
+      if (q0 + u * step < end) store(q0 + u * step, v[u]);
+    }
   }
-  __syncthreads();
-  const u32 out = scratch[warp] + x - v;
-  total = scratch[32];
-  __syncthreads();  // scratch free again
-  return out;
 }

@@ -3,10 +3,11 @@
 //
 // Every GPU g computes, for each token (s, t) it received, the fp32 partial of the token's
 // slots on g in top-k order (acc = +0.0, then acc + w * y for each, the product and the sum
-// rounded separately), and pushes it into rank s's partial area of g (set `par`). Rank s
-// sums, for each of its tokens, the partials of the GPUs that hold its experts in rank order
-// from +0.0, re-poisons each partial as it reads it (no other thread reads it), and rounds
-// once. Every rank also waits for every rank's header, so no rank is more than one combine
+// rounded separately), and pushes it, as fp32 or rounded to bf16 (Q: the call's partials),
+// into rank s's partial area of g (set `par`; a bf16 partial fills the first half of its
+// row's place). Rank s sums, for each of its tokens, the partials of the GPUs that hold its
+// experts in rank order from +0.0 in fp32, re-poisons each partial as it reads it (no other
+// thread reads it), and rounds once. Every rank also waits for every rank's header, so no rank is more than one combine
 // of the object ahead of another.
 #include "moe.cuh"
 
@@ -19,56 +20,74 @@ struct CombineIn {
   const u32* dest;       // [M]
 };
 
-// Partials: one warp per received row (s, t) that has a slot on this GPU (a route other
-// than UB_MOE_ROUTE_ELSEWHERE: a slot past the capacity adds no term, but the row's
-// source still waits for this GPU's partial).
-template <class T, int N, class Tp>
+// Partials: one thread per 16-byte vector of y's width of a received row (s, t) that has a
+// slot on this GPU (a route other than UB_MOE_ROUTE_ELSEWHERE: a slot past the capacity
+// adds no term, but the row's source still waits for this GPU's partial), grid-stride over
+// every received row's vectors. The loads of a batch of slots issue together; the sum
+// takes them in top-k order.
+template <class T, class Q, int N, class Tp>
 __device__ void push_partials(const Tp& tp, const MoeShape& m, const MoeSets& s, u64 part_off, const CombineIn& in) {
-  constexpr int P = Vec<T>::kPer;
-  const int lane = threadIdx.x & 31, K = (int)m.topk;
-  const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
+  constexpr int P = Vec<T>::kPer, PQ = Vec<Q>::kPer, kBatch = 8;
+  static_assert(P % PQ == 0, "a vector of y makes whole vectors of partials");
+  const int K = (int)m.topk;
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec, M = m.tokens;
   u32 first[N + 1];
   first[0] = 0u;
 #pragma unroll
   for (int r = 0; r < N; ++r) first[r + 1] = first[r] + min(in.tokens[r], (u32)M);
-  for (u64 f = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); f < first[N]; f += warps) {
+  const u64 step = (u64)gridDim.x * blockDim.x;
+  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < first[N] * vpr; q += step) {
+    const u64 f = q / vpr, i = q % vpr;
     int src = 0;
     while (src + 1 < N && f >= first[src + 1]) ++src;
     const u64 t = f - first[src];
     const int* route = in.route + ((u64)src * M + t) * K;
-    if (__ballot_sync(0xffffffffu, lane < K && route[lane] != UB_MOE_ROUTE_ELSEWHERE) == 0u) continue;
-    char* to = tp.seg(src) + row_at<N>(part_off, m, s.par, tp.rank, t, m.hidden * 4);
-    for (u64 i = lane; i < vpr; i += 32) {
-      float acc[P];
+    bool here = false;
+    for (int k = 0; k < K; ++k) here |= route[k] != UB_MOE_ROUTE_ELSEWHERE;
+    if (!here) continue;
+    float acc[P];
 #pragma unroll
-      for (int e = 0; e < P; ++e) acc[e] = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        const int r = route[k];
-        if (r < 0) continue;
-        const float wk = in.weights[r];
-        float y[P];
-        Vec<T>::unpack(ld_weak(in.y + (u64)r * row_bytes + i * kVec), y);
+    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += kBatch) {
+      int r[kBatch];
+      uint4 y[kBatch];
+      float wk[kBatch];
 #pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wk, y[e]));
+      for (int b = 0; b < kBatch; ++b) {
+        r[b] = k0 + b < K ? route[k0 + b] : -1;
+        if (r[b] >= 0) {
+          y[b] = ld_weak(in.y + (u64)r[b] * row_bytes + i * kVec);
+          wk[b] = in.weights[r[b]];
+        }
       }
 #pragma unroll
-      for (int h = 0; h < P / 4; ++h) {
-        const uint4 v = make_uint4(__float_as_uint(acc[4 * h]), __float_as_uint(acc[4 * h + 1]),
-                                   __float_as_uint(acc[4 * h + 2]), __float_as_uint(acc[4 * h + 3]));
-        st_relaxed_sys(to + (i * P + 4 * h) * 4, clear_sentinel<float>(v));
+      for (int b = 0; b < kBatch; ++b) {
+        if (r[b] < 0) continue;
+        float v[P];
+        Vec<T>::unpack(y[b], v);
+#pragma unroll
+        for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wk[b], v[e]));
       }
+    }
+    char* to = tp.seg(src) + row_at<N>(part_off, m, s.par, tp.rank, t, m.hidden * 4) + i * P * Elem<Q>::kBytes;
+#pragma unroll
+    for (int h = 0; h < P / PQ; ++h) {
+      float part[PQ];
+#pragma unroll
+      for (int e = 0; e < PQ; ++e) part[e] = acc[h * PQ + e];
+      st_relaxed_sys(to + h * kVec, clear_sentinel<Q>(Vec<Q>::pack(part)));
     }
   }
 }
 
-// Sum: one thread per 16-byte vector of this rank's output (count tokens): the partials of
-// the token's GPUs in rank order, from +0.0, each re-poisoned once read; poison where a
-// wait gave up or `ok` is false (a header's wait failed).
-template <class T, int N>
+// Sum: one thread per 16-byte vector of this rank's output (count tokens): the partials (of
+// Q) of the token's GPUs in rank order, from +0.0 in fp32, each re-poisoned once read;
+// poison where a wait gave up or `ok` is false (a header's wait failed). For each vector
+// of the partials, the loads of every GPU's issue together before the first wait.
+template <class T, class Q, int N>
 __device__ void sum_partials(char* mine, const MoeShape& m, const MoeSets& s, u64 part_off, const CombineIn& in,
                              u64 count, char* out, bool ok, WaitCtx& c) {
-  constexpr int P = Vec<T>::kPer;
+  constexpr int P = Vec<T>::kPer, PQ = Vec<Q>::kPer;
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
   const u64 step = (u64)gridDim.x * blockDim.x;
   for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < count * vpr; q += step) {
@@ -79,24 +98,31 @@ __device__ void sum_partials(char* mine, const MoeShape& m, const MoeSets& s, u6
     for (int e = 0; e < P; ++e) acc[e] = 0.0f;
     bool good = ok;
 #pragma unroll
-    for (int g = 0; g < N; ++g) {
-      if (!(mask >> g & 1u) || !good) continue;
-      char* p = mine + row_at<N>(part_off, m, s.par, g, t, m.hidden * 4) + i * P * 4;
+    for (int h = 0; h < P / PQ; ++h) {
+      char* p[N];
+      uint4 v[N];
 #pragma unroll
-      for (int h = 0; h < P / 4; ++h) {
-        uint4 v = ld_volatile(p + h * kVec);
-        good = good && moe_wait(p + h * kVec, v, c, g);
+      for (int g = 0; g < N; ++g) {
+        p[g] = mine + row_at<N>(part_off, m, s.par, g, t, m.hidden * 4) + (i * P + h * PQ) * Elem<Q>::kBytes;
+        if (good && (mask >> g & 1u)) v[g] = ld_volatile(p[g]);
+      }
+#pragma unroll
+      for (int g = 0; g < N; ++g) {
+        if (!(mask >> g & 1u) || !good) continue;
+        good = moe_wait<Q>(p[g], v[g], c, g);
         if (!good) break;
-        st_relaxed_sys(p + h * kVec, sentinel_vec());  // consumed: ready for the set's next use
+        st_relaxed_sys(p[g], sentinel_vec());  // consumed: ready for the set's next use
+        float part[PQ];
+        Vec<Q>::unpack(v[g], part);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[4 * h + e] = __fadd_rn(acc[4 * h + e], __uint_as_float(Vec<float>::word(v, e)));
+        for (int e = 0; e < PQ; ++e) acc[h * PQ + e] = __fadd_rn(acc[h * PQ + e], part[e]);
       }
     }
     st_weak(out + t * row_bytes + i * kVec, good ? Vec<T>::pack(acc) : Vec<T>::poison());
   }
 }
 
-template <class T, int N, class Tp>
+template <class T, class Q, int N, class Tp>
 __device__ void moe_combine(const Tp& tp, const MoeShape& m, u64 rot_off, u64 hdr_off, u64 part_off,
                             const CombineIn& in, char* out, u64 sig, LaunchState* state) {
   char* mine = tp.seg(tp.rank);
@@ -106,22 +132,36 @@ __device__ void moe_combine(const Tp& tp, const MoeShape& m, u64 rot_off, u64 hd
   WaitCtx c = wait_ctx(state, tp.rank);
   // 1. header, 2. partials, 3. re-poison the previous launch's headers
   moe_push_header<N>(tp, hdr_off, s.cur, sig, false, 0);
-  push_partials<T, N>(tp, m, s, part_off, in);
+  push_partials<T, Q, N>(tp, m, s, part_off, in);
   moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
   // 4. every rank's header, then the sums
   const bool ok = moe_headers<N>(mine, hdr_off, s.cur, sig, nullptr, 0, c);
-  sum_partials<T, N>(mine, m, s, part_off, in, min((u64)in.tokens[tp.rank], m.tokens), out, ok, c);
+  sum_partials<T, Q, N>(mine, m, s, part_off, in, min((u64)in.tokens[tp.rank], m.tokens), out, ok, c);
   moe_finish(c, v, rot, s);
 }
 
+// The combine with partials of bf16 (`bf16_partials`, the call's: a bf16 payload only, the
+// host refuses it for float32) or of fp32.
+template <class T, int N, class Tp>
+__device__ void moe_combine_as(bool bf16_partials, const Tp& tp, const MoeShape& m, u64 rot_off, u64 hdr_off,
+                               u64 part_off, const CombineIn& in, char* out, u64 sig, LaunchState* state) {
+  if constexpr (Vec<T>::kPer % Vec<bf16>::kPer == 0) {
+    if (bf16_partials) return moe_combine<T, bf16, N>(tp, m, rot_off, hdr_off, part_off, in, out, sig, state);
+  }
+  moe_combine<T, float, N>(tp, m, rot_off, hdr_off, part_off, in, out, sig, state);
+}
+
 // ---- entry point, instantiated per (UB_T: bf16 or float, UB_NRANKS) ---------------------
+// bf16_partials: 0 or 1; the signature says which, so ranks that differ fail with a
+// mismatch before any partial is read.
 extern "C" __global__ void __launch_bounds__(UB_MOE_COMBINE_THREADS)
 ub_moe_combine(char* base, u64 stride, int rank, char* mc, u64 rot_off, u64 hdr_off, u64 part_off, u64 experts,
                u64 local, u64 topk, u64 hidden, u64 tokens, u64 capacity, const char* y, const float* weights,
-               const int* route, const u32* src_tokens, const u32* dest, char* out, u64 sig, LaunchState* state) {
+               const int* route, const u32* src_tokens, const u32* dest, char* out, u64 bf16_partials, u64 sig,
+               LaunchState* state) {
   enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const MoeShape m{experts, local, topk, hidden, tokens, capacity};
   const CombineIn in{y, weights, route, src_tokens, dest};
-  moe_combine<UB_T, UB_NRANKS>(tp, m, rot_off, hdr_off, part_off, in, out, sig, state);
+  moe_combine_as<UB_T, UB_NRANKS>(bf16_partials != 0u, tp, m, rot_off, hdr_off, part_off, in, out, sig, state);
 }

@@ -147,20 +147,23 @@ template <class Q> struct Record {
 };
 
 // Quantizes this lane's step x of a group (every lane of the warp calls it together, the
-// group's lanes being its kGroupLanes aligned neighbours): scale = max|x| / kMax over the
+// group's lanes being its `Lanes` aligned neighbours, kGroupLanes by default): scale = max|x| / kMax over the
 // group (NaN if any element is NaN or infinite); where scale > 0 each code is x * (1 /
 // scale) clamped to +-kMax and rounded, else 0 (x / scale where the scale is below fp32's
 // normal range and its reciprocal could overflow). One product per element instead of an
 // IEEE division, about ten instructions each. Returns the scale, sets the codes w.
 // The largest |x| of the group of this lane's step x as bits (their order is the
 // magnitudes'; every lane of the warp calls it together): past kFltMaxBits where the group
-// holds an infinity or a NaN, so one integer maximum finds both.
+// holds an infinity or a NaN, so one integer maximum finds both. A group is `Lanes`
+// aligned neighbouring lanes (the expert-parallel FP8 dispatch's 128 channels: 16).
+template <int Lanes = kGroupLanes>
 __device__ __forceinline__ u32 group_top(const float (&x)[kLaneElems]) {
+  static_assert(Lanes >= 1 && Lanes <= kWarp && (Lanes & (Lanes - 1)) == 0, "a group is aligned lanes of a warp");
   u32 top = 0u;
 #pragma unroll
   for (int e = 0; e < kLaneElems; ++e) top = max(top, __float_as_uint(x[e]) & 0x7fffffffu);
 #pragma unroll
-  for (int d = 1; d < kGroupLanes; d *= 2) top = max(top, __shfl_xor_sync(~0u, top, d));
+  for (int d = 1; d < Lanes; d *= 2) top = max(top, __shfl_xor_sync(~0u, top, d));
   return top;
 }
 
@@ -174,8 +177,9 @@ __device__ __forceinline__ void poison_non_finite_group(float (&x)[kLaneElems]) 
   }
 }
 
-template <class Q> __device__ float quantize_step(const float (&x)[kLaneElems], u32 (&w)[Q::kWords]) {
-  const u32 top = group_top(x);
+template <class Q, int Lanes = kGroupLanes>
+__device__ float quantize_step(const float (&x)[kLaneElems], u32 (&w)[Q::kWords]) {
+  const u32 top = group_top<Lanes>(x);
   const float scale = top <= kFltMaxBits ? __fdiv_rn(__uint_as_float(top), Q::kMax)
                                          : __uint_as_float(Elem<float>::kNaN);
   float y[kLaneElems] = {};  // the codes of a group of zeros or with a NaN scale: 0

@@ -2,7 +2,9 @@
 bit for bit against the host reference (ubnext/_moe/reference.py) computed from every
 rank's inputs: random routing, skewed routing (every token to one expert), no expert on
 the last GPU, dropped (-1) slots, T = 0 on rank 1, -0.0 / inf / NaN payloads; several
-calls in a row (the sets rotate), dispatches without a combine, CUDA-graph replay;
+calls in a row (the sets rotate), dispatches without a combine, CUDA-graph replay; bf16
+partials (per call, between fp32 ones; by default, in a graph; ranks that differ raise);
+the FP8 dispatch (e4m3 codes and per-128-channel scales);
 canaries around every output (the object's buffer gaps, the rows past the counts, a
 bordered ``out``); host-side errors before any launch, routing errors raised after the
 call.
@@ -29,6 +31,8 @@ pytestmark = pytest.mark.gpu
 SETTINGS = dict(pool_mb=256, staging_mb=8, lamport_max_kb=256, lamport_twoshot_max_kb=2048, timeout_s=30.0)
 #: (experts per GPU, hidden, max tokens, top-k): small odd sizes, and the issue's hidden
 SIZES = {"small": (3, 136, 9, 3), "wide": (4, 7168, 6, 4), "k1": (2, 64, 5, 1)}
+#: the FP8 dispatch's: hidden a multiple of 512 (four groups of 128 channels)
+FP8_SIZES = {"fp8": (3, 512, 7, 3)}
 KINDS = ("random", "skewed", "not_last_gpu", "dropped")
 
 
@@ -50,13 +54,13 @@ def comm():
     c.close()
 
 
-def make(comm, size: str, dtype: str, capacity=None):
+def make(comm, size: str, dtype: str, capacity=None, partials="float32", fp8=False):
     import ubnext
 
-    per_gpu, hidden, tokens, k = SIZES[size]
+    per_gpu, hidden, tokens, k = {**SIZES, **FP8_SIZES}[size]
     ep = ubnext.ExpertParallel(comm, per_gpu * comm.size, hidden, tokens, k, dtype, capacity=capacity,
-                               framework="torch")
-    return ep, layout.shape(comm.size, per_gpu * comm.size, hidden, tokens, k, dtype, capacity)
+                               framework="torch", partials=partials, fp8=fp8)
+    return ep, layout.shape(comm.size, per_gpu * comm.size, hidden, tokens, k, dtype, capacity, fp8)
 
 
 def to_device(a: np.ndarray):
@@ -94,12 +98,17 @@ def check_dispatch(comm, ep, shape, recv_x, counts, handle, want: ref.Dispatched
     comm.synchronize()
     got_counts = counts.cpu().numpy()
     np.testing.assert_array_equal(got_counts, want.counts, err_msg=f"{what}: counts")
-    got_x, got_src, got_w = host(recv_x), handle.src.cpu().numpy(), handle.weights.cpu().numpy()
+    if shape.fp8:  # e4m3 codes (as bytes) and their scales
+        codes, scales = recv_x
+        got_x, bits, got_s = codes.view(torch.uint8).cpu().numpy(), np.uint8, scales.cpu().numpy()
+    else:
+        got_x, bits, got_s = host(recv_x), {2: np.uint16, 4: np.uint32}[shape.width], None
+    got_src, got_w = handle.src.cpu().numpy(), handle.weights.cpu().numpy()
     canary32 = np.frombuffer(bytes([CANARY]) * 4, np.uint32)[0]
     for e in range(shape.local_experts):
         n = want.counts[e]
-        ref_bits = want.recv_x[e, :n].reshape(-1).view({2: np.uint16, 4: np.uint32}[shape.width])
-        got_bits = got_x[e, :n].reshape(-1).view(ref_bits.dtype)
+        ref_bits = want.recv_x[e, :n].reshape(-1).view(bits)
+        got_bits = got_x[e, :n].reshape(-1).view(bits)
         bad = np.flatnonzero(got_bits != ref_bits)
         assert bad.size == 0, f"{what}: expert {e}: {bad.size} elements of its rows differ (first at {bad[:4]})"
         np.testing.assert_array_equal(got_src[e, :n], want.src[e, :n], err_msg=f"{what}: src of expert {e}")
@@ -108,11 +117,15 @@ def check_dispatch(comm, ep, shape, recv_x, counts, handle, want: ref.Dispatched
         rest = got_x[e, n:].reshape(-1).view(np.uint8)
         assert (rest == CANARY).all(), f"{what}: rows of expert {e} past its count were written"
         assert (got_src[e, n:].view(np.uint32) == canary32).all(), f"{what}: src past the count written"
+        if got_s is not None:
+            bad = ref_mismatches(got_s[e, :n], want.scales[e, :n])
+            assert bad.size == 0, f"{what}: expert {e}: {bad.size} scales differ (first at {bad[:4]})"
+            assert (got_s[e, n:].view(np.uint32) == canary32).all(), f"{what}: scales past the count written"
     check_gaps(ep, what)
 
 
-def run_round(comm, ep, shape, kind: str, seed: int, graph_inputs=None):
-    """One dispatch and combine checked against the reference; returns nothing."""
+def run_round(comm, ep, shape, kind: str, seed: int, partials: str = "float32"):
+    """One dispatch and combine (with ``partials``) checked against the reference."""
     xs, idxs, ws = inputs(shape, kind, tokens_of(shape), seed)
     r = comm.rank
     poison_outputs(ep)
@@ -121,13 +134,13 @@ def run_round(comm, ep, shape, kind: str, seed: int, graph_inputs=None):
     check_dispatch(comm, ep, shape, recv_x, counts, handle, want[r], f"dispatch {kind} seed {seed}")
     ys = expert_outputs(shape, seed + 1)
     out = Bordered(len(idxs[r]) * shape.hidden, shape.dtype, seed=seed, shape=(len(idxs[r]), shape.hidden))
-    ep.combine(to_device(ys[r]), handle, out=out.view)
+    ep.combine(to_device(ys[r]), handle, out=out.view, partials=partials)
     import torch
 
     torch.cuda.synchronize()
     comm.synchronize()
     got = host(out.view)
-    want_out = ref.combine(shape, want, ys, idxs)[r]
+    want_out = ref.combine(shape, want, ys, idxs, partials=partials)[r]
     bad = ref_mismatches(got, want_out)
     assert bad.size == 0, f"combine {kind} seed {seed}: {bad.size} elements differ (first at {bad[:4]})"
     out.assert_intact(f"combine {kind} seed {seed}")
@@ -161,6 +174,57 @@ def test_dispatch_and_combine_bit_for_bit(comm, size, dtype, kind):
     ep, shape = make(comm, size, dtype)
     for round_ in range(4):
         run_round(comm, ep, shape, kind, seed_of(size, dtype, kind, round_))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("size", list(SIZES))
+def test_bf16_partials_bit_for_bit(comm, size, kind):
+    """Combines whose partials cross as bf16, between combines with fp32 ones on the same
+    object (the two share the partial area and its poison): four rounds, both parities."""
+    if kind == "not_last_gpu" and comm.size == 1:
+        pytest.skip("one GPU holds every expert")
+    ep, shape = make(comm, size, "bfloat16")
+    for round_, partials in enumerate(("bfloat16", "float32", "bfloat16", "bfloat16")):
+        run_round(comm, ep, shape, kind, seed_of(size, "bf16-partials", kind, round_), partials)
+
+
+def test_ranks_whose_partials_differ_raise_on_every_rank(comm):
+    """Rank 0 combines with bf16 partials, the others with fp32: the signatures differ, so
+    every rank raises (CollectiveMismatchError where it compared them itself) and holds
+    poison, not a sum of misread partials."""
+    import torch
+
+    import ubnext
+
+    if comm.size == 1:
+        pytest.skip("needs 2 or more ranks")
+    c = communicator(device=comm.device)  # a communicator of its own: the failure breaks it
+    try:
+        ep, shape = make(c, "small", "bfloat16")
+        r = c.rank
+        xs, idxs, ws = inputs(shape, "random", tokens_of(shape), seed=330)
+        _, _, handle = ep.dispatch(to_device(xs[r]), to_device(idxs[r]), to_device(ws[r]))
+        out = ep.combine(to_device(expert_outputs(shape, 331)[r]), handle,
+                         partials="bfloat16" if r == 0 else "float32")
+        torch.cuda.synchronize()
+        caught = raised(c.synchronize)
+        assert isinstance(caught, ubnext.BrokenCommunicatorError), caught
+        assert isinstance(caught, ubnext.CollectiveMismatchError) or "failed first" in str(caught), str(caught)
+        assert bool(torch.isnan(out.float()).all().item()), f"rank {r} got a result from mismatched combines"
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_dispatch_bit_for_bit(comm, kind):
+    """fp8=True: every row arrives as the e4m3 codes and fp32 scales of the host's
+    quantization (inf and NaN rows: a NaN scale, codes 0), canaries past the counts; the
+    combine of bf16 expert outputs after it as ever. Three rounds: both parities."""
+    if kind == "not_last_gpu" and comm.size == 1:
+        pytest.skip("one GPU holds every expert")
+    ep, shape = make(comm, "fp8", "bfloat16", fp8=True)
+    for round_ in range(3):
+        run_round(comm, ep, shape, kind, seed_of("fp8", kind, round_))
 
 
 @pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
@@ -207,12 +271,14 @@ def test_combine_with_weights_of_its_own(comm, dtype):
         assert bad.size == 0, f"{what}: {bad.size} elements differ"
 
 
-def test_cuda_graph_replay(comm):
+@pytest.mark.parametrize("partials", list(layout.PARTIALS))
+def test_cuda_graph_replay(comm, partials):
     """dispatch + combine captured once, replayed with new inputs copied into the captured
-    buffers: every replay matches the reference (the kernels advance their own state)."""
+    buffers: every replay matches the reference (the kernels advance their own state); the
+    combine's partials the object's default (``ExpertParallel(..., partials=)``)."""
     import torch
 
-    ep, shape = make(comm, "small", "bfloat16")
+    ep, shape = make(comm, "small", "bfloat16", partials=partials)
     r, tokens = comm.rank, tokens_of(shape)
     xs, idxs, ws = inputs(shape, "random", tokens, seed=90)
     x, idx, w = to_device(xs[r]), to_device(idxs[r]), to_device(ws[r])
@@ -237,7 +303,7 @@ def test_cuda_graph_replay(comm):
         graph.replay()
         want = ref.dispatch(shape, xs, idxs, ws)
         check_dispatch(comm, ep, shape, recv_x, counts, handle, want[r], f"replay {replay}")
-        bad = ref_mismatches(host(out), ref.combine(shape, want, ys, idxs)[r])
+        bad = ref_mismatches(host(out), ref.combine(shape, want, ys, idxs, partials=partials)[r])
         assert bad.size == 0, f"replay {replay}: {bad.size} elements of the combine differ"
 
 

@@ -12,6 +12,8 @@ def test_defaults_are_the_issue_shape():
     a = moe_perf.parse_args([])
     assert (a.hidden, a.top_k, a.experts, a.dtype, a.routing, a.graphs) == (7168, 8, 256, "bfloat16", "uniform", 1)
     assert moe_perf.parse_args(["-t", "1,128", "-G", "0"]).tokens == [1, 128]
+    assert a.partials == "float32" and moe_perf.parse_args(["--partials", "bfloat16"]).partials == "bfloat16"
+    assert not a.fp8 and moe_perf.parse_args(["--fp8", "1"]).fp8
 
 
 def test_routing_is_deterministic_distinct_and_skewed_on_request():
@@ -31,6 +33,10 @@ def test_link_bytes_count_rows_to_other_gpus_once_each():
     rows, partials = moe_perf.link_bytes(a, 2, idxs)
     assert rows == 2 * 8 * 2        # rank 0 sends 2 rows of 8 bf16 (GPU 1 receives token 2 once)
     assert partials == 2 * 8 * 4    # GPU 1 returns 2 fp32 partials to rank 0
+    half = moe_perf.parse_args(["-k", "2", "-e", "4", "--hidden", "8", "--partials", "bfloat16"])
+    assert moe_perf.link_bytes(half, 2, idxs) == (rows, partials // 2)
+    fp8 = moe_perf.parse_args(["-k", "2", "-e", "4", "--hidden", "512", "--fp8", "1"])
+    assert moe_perf.link_bytes(fp8, 2, idxs)[0] == 2 * (512 + 512 // 32)  # e4m3 codes and fp32 scales per row
 
 
 def test_the_capacity_is_the_busiest_experts_count():

@@ -53,23 +53,29 @@ class FakeComm:
         return self._input(name, np.zeros(shape, yb.obj.dtype), handle)
 
 
-def fake(dtype="bfloat16"):
-    """An ExpertParallel of 2 ranks, 8 experts, hidden 64, 5 tokens, top-2, whose launches
-    are recorded instead of made."""
+def fake(dtype="bfloat16", fp8=False):
+    """An ExpertParallel of 2 ranks, 8 experts, hidden 64 (512 with fp8), 5 tokens, top-2,
+    whose launches are recorded instead of made."""
     ep = object.__new__(ExpertParallel)
-    ep.shape = layout.shape(2, 8, 64, 5, 2, dtype)
+    hidden = 512 if fp8 else 64
+    ep.shape = layout.shape(2, 8, hidden, 5, 2, dtype, fp8=fp8)
     ep._comm, ep._generation, ep._blocks = FakeComm(), 0, 7
-    ep._ptr = {key: 0x10000 * (i + 1) for i, key in enumerate(KEYS)}
-    ep._views = {key: f"view of {key}" for key in KEYS}
-    ep._sig = {kind: signature.encode_moe(f"moe_{kind}", dtype, 8, 2, 5, 64) for kind in ("dispatch", "combine")}
+    keys = KEYS + ("scales",) if fp8 else KEYS
+    ep._ptr = {key: 0x10000 * (i + 1) for i, key in enumerate(keys)}
+    ep._views = {key: f"view of {key}" for key in keys}
+    ep._sig = {kind: signature.encode_moe(f"moe_{kind}", dtype, 8, 2, 5, hidden) for kind in ("dispatch", "combine")}
+    if fp8:
+        ep._sig["dispatch"] = signature.encode_moe("moe_dispatch", dtype, 8, 2, 5, hidden, wire=layout.FP8_WIRE)
+    ep._sig["combine", "bfloat16"] = signature.encode_moe("moe_combine", dtype, 8, 2, 5, hidden, wire=1)
+    ep._partials = "float32"
     ep.launches = []
     ep._launchers = {kind: (lambda kind: lambda *args: ep.launches.append((kind, args)))(kind)
                      for kind in ("dispatch", "combine")}
     return ep
 
 
-def operands(t=4, dtype="bfloat16"):
-    x = np.ones((t, 64), NP[dtype])
+def operands(t=4, dtype="bfloat16", hidden=64):
+    x = np.ones((t, hidden), NP[dtype])
     idx = np.tile(np.array([0, 5], np.int32), (t, 1))
     w = np.ones((t, 2), np.float32)
     return x, idx, w
@@ -81,8 +87,8 @@ def test_dispatch_launches_once_with_the_entry_points_arguments():
     recv_x, counts, handle = ep.dispatch(x, idx, w)
     (kind, args), = ep.launches
     assert kind == "dispatch" and args[:3] == (7, THREADS["moe_dispatch.cu"], STREAM)
-    assert args[3:] == (x.ctypes.data, idx.ctypes.data, w.ctypes.data, 4, *(ep._ptr[k] for k in KEYS),
-                        ep._sig["dispatch"])
+    assert args[3:] == (x.ctypes.data, idx.ctypes.data, w.ctypes.data, 4, ep._ptr["recv_x"], 0,
+                        *(ep._ptr[k] for k in KEYS[1:]), ep._sig["dispatch"])
     assert (recv_x, counts) == ("view of recv_x", "view of counts") and ep._comm._order.followed == [STREAM]
     assert isinstance(handle, Handle) and handle.tokens == 4 and handle.src == "view of src"
 
@@ -96,9 +102,47 @@ def test_combine_launches_with_the_dispatch_state_and_a_new_output():
     assert kind == "combine" and out.shape == (3, 64) and out.dtype == np.float32
     assert args[:3] == (7, THREADS["moe_combine.cu"], STREAM)
     assert args[3:] == (y.ctypes.data, *(ep._ptr[k] for k in ("weights", "route", "tokens", "dest")),
-                        out.ctypes.data, ep._sig["combine"])
+                        out.ctypes.data, 0, ep._sig["combine"])
     given = np.zeros((3, 64), np.float32)
     assert ep.combine(y, handle, out=given) is given
+
+
+def test_bf16_partials_per_call_or_by_default_with_their_own_signature():
+    """partials="bfloat16" (per call, or the object's default): the kernel's flag 1 and a
+    signature of its own (ranks that differ mismatch); a float32 object refuses it."""
+    ep = fake()
+    _, _, handle = ep.dispatch(*operands(3))
+    y = np.zeros((4, 10, 64), NP["bfloat16"])
+    ep.combine(y, handle, partials="bfloat16")
+    assert ep.launches[-1][1][-2:] == (1, ep._sig["combine", "bfloat16"]) != (1, ep._sig["combine"])
+    assert "bfloat16 partials" in signature.text(ep._sig["combine", "bfloat16"])
+    ep.combine(y, handle)
+    assert ep.launches[-1][1][-2:] == (0, ep._sig["combine"])
+    ep._partials = "bfloat16"  # what ExpertParallel(..., partials="bfloat16") keeps
+    ep.combine(y, handle)
+    assert ep.launches[-1][1][-2:] == (1, ep._sig["combine", "bfloat16"])
+    ep.combine(y, handle, partials="float32")
+    assert ep.launches[-1][1][-2:] == (0, ep._sig["combine"])
+    with pytest.raises(UbnextError, match="^ExpertParallel.combine: partials must be"):
+        ep.combine(y, handle, partials="float16")
+    f32 = fake("float32")
+    _, _, handle = f32.dispatch(*operands(3, "float32"))
+    with pytest.raises(UbnextError, match="^ExpertParallel.combine: bfloat16 partials take a bfloat16 payload"):
+        f32.combine(np.zeros((4, 10, 64), np.float32), handle, partials="bfloat16")
+    assert len(f32.launches) == 1
+
+
+def test_fp8_dispatch_passes_its_scales_and_returns_codes_with_scales():
+    """fp8: the launch carries the scales' array after recv_x and the e4m3 wire's signature;
+    the dispatch returns (codes, scales) where recv_x was."""
+    ep = fake(fp8=True)
+    x, idx, w = operands(hidden=512)
+    (recv_x, scales), counts, handle = ep.dispatch(x, idx, w)
+    (kind, args), = ep.launches
+    assert args[7:9] == (ep._ptr["recv_x"], ep._ptr["scales"]) and args[-1] == ep._sig["dispatch"]
+    assert (recv_x, scales, counts) == ("view of recv_x", "view of scales", "view of counts")
+    assert "e4m3" in signature.text(ep._sig["dispatch"])
+    assert ep._sig["dispatch"] != signature.encode_moe("moe_dispatch", "bfloat16", 8, 2, 5, 512)
 
 
 def test_t_zero_dispatches():

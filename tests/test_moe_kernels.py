@@ -52,9 +52,9 @@ def test_the_combine_rounds_every_product_and_sum(dtype):
 #: the calls' values: tests/test_moe_host.py), then the launch state
 NAMES = {
     "dispatch": ("base stride rank mc rot_off hdr_off rec_off rows_off experts local topk hidden tokens capacity "
-                 "x idx w count recv_x counts src weights route src_tokens dest sig state"),
+                 "x idx w count recv_x scales counts src weights route src_tokens dest sig state"),
     "combine": ("base stride rank mc rot_off hdr_off part_off experts local topk hidden tokens capacity "
-                "y weights route src_tokens dest out sig state"),
+                "y weights route src_tokens dest out bf16_partials sig state"),
 }
 
 
@@ -78,8 +78,17 @@ def test_moe_signatures_name_the_object():
     assert _signature.text(sig) == "moe_dispatch of 256 experts, top-8, 128 tokens of 7168 bfloat16"
     assert sig != _signature.encode_moe("moe_combine", "bfloat16", 256, 8, 128, 7168)
     assert sig != _signature.encode_moe("moe_dispatch", "float32", 256, 8, 128, 7168)
+    half = _signature.encode_moe("moe_combine", "bfloat16", 256, 8, 128, 7168, wire=1)
+    assert _signature.text(half) == "moe_combine of 256 experts, top-8, 128 tokens of 7168 bfloat16, bfloat16 partials"
+    assert half != _signature.encode_moe("moe_combine", "bfloat16", 256, 8, 128, 7168)
+    fp8 = _signature.encode_moe("moe_dispatch", "bfloat16", 256, 8, 128, 7168, wire=_layout.FP8_WIRE)
+    assert _signature.text(fp8) == ("moe_dispatch of 256 experts, top-8, 128 tokens of 7168 bfloat16, e4m3 rows "
+                                    "with fp32 scales")
+    assert _signature.MOE_WIRES[_layout.PARTIALS["bfloat16"]] == "bfloat16 partials"
     with pytest.raises(ValueError):
         _signature.encode_moe("moe_dispatch", "bfloat16", 4096, 8, 128, 7168)
+    with pytest.raises(ValueError):
+        _signature.encode_moe("moe_combine", "bfloat16", 256, 8, 128, 7168, wire=len(_signature.MOE_WIRES))
 
 
 def test_a_routing_failure_reads_as_a_routing_error():

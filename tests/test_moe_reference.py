@@ -7,6 +7,7 @@ and the checked sizes and the pool area's formula (docs/moe.md)."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from moe_support import NP, expert_outputs, inputs, routing, tokens_of
@@ -71,8 +72,9 @@ def test_dispatch_matches_a_sort_of_the_routing(sizes, dtype, kind):
             assert (d.route[s, len(idx):] == ref.ROUTE_ELSEWHERE).all()
 
 
-def naive_combine_token(shape, dispatched, ys, idx_row, s, t):
-    """The fixed order, element by element with numpy fp32 scalars."""
+def naive_combine_token(shape, dispatched, ys, idx_row, s, t, bf16_partials=False):
+    """The fixed order, element by element with numpy fp32 scalars; with ``bf16_partials``
+    each GPU's partial rounded to bfloat16 (to nearest even) before it is added."""
     lo = shape.local_experts
     out = np.zeros(shape.hidden, np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -87,6 +89,8 @@ def naive_combine_token(shape, dispatched, ys, idx_row, s, t):
                         r = int(dispatched[g].route[s, t, k])
                         w = dispatched[g].weights.reshape(-1)[r]
                         part = np.float32(part + np.float32(w * np.float32(ys[g].reshape(-1, shape.hidden)[r, h])))
+                if bf16_partials:
+                    part = np.float32(NP["bfloat16"].type(part))
                 acc = np.float32(acc + part)
             out[h] = acc
     return out
@@ -106,6 +110,34 @@ def test_combine_is_the_fixed_order_fp32_sum(sizes, dtype, kind):
             np.testing.assert_array_equal(got[s][t].view(np.uint8), want.view(np.uint8))
             if (idx[t] < 0).all():
                 assert not np.signbit(got[s][t].astype(np.float32)).any()  # +0.0
+
+
+@pytest.mark.parametrize("sizes,kind", [pytest.param(sizes, kind, id=f"{name}-{kind}") for name, sizes in SHAPES.items()
+                                        for kind in KINDS if kind != "not_last_gpu" or sizes["nranks"] > 1])
+def test_bf16_partials_round_each_gpus_partial_once_more(sizes, kind):
+    """partials="bfloat16": each GPU's fp32 partial rounded to bf16, then the fixed-order fp32
+    sum, rounded once more; at several GPUs per token that differs from fp32 partials."""
+    shape = layout.shape(dtype="bfloat16", **sizes)
+    xs, idxs, ws = inputs(shape, kind, tokens_of(shape), seed=17 + len(kind))
+    dispatched = ref.dispatch(shape, xs, idxs, ws)
+    ys = expert_outputs(shape, seed=4)
+    got = ref.combine(shape, dispatched, ys, idxs, partials="bfloat16")
+    differs = False
+    for s, idx in enumerate(idxs):
+        assert got[s].shape == (len(idx), shape.hidden) and got[s].dtype == NP["bfloat16"]
+        for t in range(len(idx)):
+            want = naive_combine_token(shape, dispatched, ys, idx[t], s, t, bf16_partials=True).astype(NP["bfloat16"])
+            np.testing.assert_array_equal(got[s][t].view(np.uint16), want.view(np.uint16))
+            fp32 = naive_combine_token(shape, dispatched, ys, idx[t], s, t).astype(NP["bfloat16"])
+            differs |= bool((fp32.view(np.uint16) != want.view(np.uint16)).any())
+    several = any(len({int(e) // shape.local_experts for e in row if e >= 0}) > 1 for idx in idxs for row in idx)
+    assert differs == several  # one partial rounded twice is rounded once
+
+
+def test_bf16_partials_take_a_bfloat16_payload_only():
+    shape = layout.shape(dtype="float32", **SHAPES["n2"])
+    with pytest.raises(ValueError, match="bfloat16"):
+        ref.combine(shape, [], [], [], partials="bfloat16")
 
 
 @pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
@@ -137,6 +169,52 @@ def test_combine_is_within_fp32_bounds_of_fp64(dtype):
             fp32 = 2 * shape.top_k * 2.0 ** -24 * mag
             bound = fp32 + u * (np.abs(exact) + fp32) + 1e-30
             assert (np.abs(got[s][t].astype(np.float64) - exact) <= bound).all()
+
+
+def e4m3_group(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """One group of channels quantized element by element: scale = amax / 448 (NaN where
+    an element is not finite), code = e4m3(clamp(x * (1 / scale), +-448)), 0 where the scale
+    is 0 or NaN; the scales here are all normal."""
+    x = x.astype(np.float32)
+    if not np.isfinite(x).all():
+        return np.zeros(x.size, np.float32).astype(ml_dtypes.float8_e4m3fn), np.float32(np.nan)
+    scale = np.float32(np.float32(np.abs(x).max()) / np.float32(448))
+    if scale == 0:
+        return np.zeros(x.size, np.float32).astype(ml_dtypes.float8_e4m3fn), scale
+    assert scale >= np.finfo(np.float32).tiny
+    inv = np.float32(np.float32(1) / scale)
+    codes = [np.float32(min(max(np.float32(v * inv), np.float32(-448)), np.float32(448))) for v in x]
+    return np.array(codes, np.float32).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("kind", ["random", "dropped"])
+def test_fp8_dispatch_moves_each_rows_e4m3_codes_and_scales(kind):
+    """fp8: every row reaches its experts as the e4m3 codes and fp32 scales of its groups
+    of 128 channels (quantized once, at the source); inf and NaN make their group's scale
+    NaN and its codes 0; the rest of the layout is the bf16 dispatch's."""
+    sizes = dict(nranks=2, num_experts=6, hidden=512, max_tokens=5, top_k=3)
+    shape = layout.shape(dtype="bfloat16", fp8=True, **sizes)
+    plain = layout.shape(dtype="bfloat16", **sizes)
+    xs, idxs, ws = inputs(shape, kind, tokens_of(shape), seed=21)
+    xs[0][1, 256:384] = 0  # a group of zeros: scale 0, codes 0
+    got, want = ref.dispatch(shape, xs, idxs, ws), ref.dispatch(plain, xs, idxs, ws)
+    groups = shape.hidden // 128
+    for g, (d, w) in enumerate(zip(got, want)):
+        assert d.recv_x.dtype == ml_dtypes.float8_e4m3fn and d.scales.shape == (shape.local_experts, shape.capacity, groups)
+        np.testing.assert_array_equal(d.counts, w.counts)
+        np.testing.assert_array_equal(d.src, w.src)
+        np.testing.assert_array_equal(d.route, w.route)
+        for e in range(shape.local_experts):
+            for j in range(d.counts[e]):
+                s, t = divmod(int(d.src[e, j]), shape.max_tokens)
+                for q in range(groups):
+                    codes, scale = e4m3_group(xs[s][t, 128 * q:128 * (q + 1)].astype(np.float32))
+                    np.testing.assert_array_equal(d.recv_x[e, j, 128 * q:128 * (q + 1)].view(np.uint8),
+                                                  codes.view(np.uint8))
+                    assert d.scales[e, j, q].view(np.uint32) == scale.view(np.uint32) or np.isnan(scale)
+                    assert np.isnan(d.scales[e, j, q]) == np.isnan(scale)
+    if kind == "random":  # token 0 (the inf and NaN of inputs()) has experts: its group 0's scale is NaN
+        assert any(np.isnan(d.scales).any() for d in got)
 
 
 def test_slot_errors_mark_out_of_range_and_repeated_ids():
@@ -176,6 +254,7 @@ def test_area_formula_of_the_docs():
     (dict(max_tokens=0), "max_tokens"), (dict(nranks=9), "ranks"),
     (dict(nranks=8, max_tokens=2048), "capacity"), (dict(num_experts=4096), "experts must be below 4096"),
     (dict(max_tokens=1 << 15, capacity=8), "max_tokens must be below"), (dict(hidden=1 << 20), "hidden must be"),
+    (dict(fp8=True, hidden=256), "fp8 .*multiple of 512"), (dict(fp8=True, dtype="float32", hidden=512), "fp8 .*bfloat16"),
 ])
 def test_bad_sizes_raise_before_anything(bad, words):
     sizes = dict(nranks=4, num_experts=8, hidden=16, max_tokens=32, top_k=2, dtype="bfloat16") | bad

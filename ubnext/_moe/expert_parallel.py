@@ -27,8 +27,10 @@ from ubnext._protocol.errors import UbnextError
 
 #: the kernels, by call: (source in kernels/, entry point), each compiled per dtype and rank count
 SOURCES = {"dispatch": ("moe_dispatch.cu", "ub_moe_dispatch"), "combine": ("moe_combine.cu", "ub_moe_combine")}
-#: base, stride, rank, mc, then the regions and sizes (10 and 9), the call's (12 and 7), the state
-_PARAMS = {"dispatch": (U64, U64, I32) + (U64,) * 24, "combine": (U64, U64, I32) + (U64,) * 18}
+#: base, stride, rank, mc, then the regions and sizes (10 and 9), the call's (13 and 8), the state
+_PARAMS = {"dispatch": (U64, U64, I32) + (U64,) * 25, "combine": (U64, U64, I32) + (U64,) * 19}
+#: the dispatch's outputs, in the entry point's order (scales: an FP8 dispatch's, else 0)
+_DISPATCH_OUT = ("recv_x", "scales", "counts", "src", "weights", "route", "tokens", "dest")
 #: bytes between and around the object's arrays in its buffer, and their byte at creation
 GAP_BYTES, CANARY = 256, 0xA5
 
@@ -70,6 +72,12 @@ class ExpertParallel:
         capacity: C, rows per local expert of ``recv_x`` (default N x M: no token is ever
             lost; more tokens for one expert fail the call, see ``dispatch``).
         framework: ``"cupy"`` or ``"torch"``: the type of the outputs.
+        partials: the default of ``combine``'s ``partials``: ``"float32"``, or
+            ``"bfloat16"`` (a bfloat16 payload only: half the bytes on the link, a second
+            rounding; docs/moe.md, "Numerics").
+        fp8: the dispatch quantizes each row to e4m3 codes with one fp32 scale per 128
+            channels (DeepEP's format; a bfloat16 payload whose hidden is a multiple of
+            512; sm_89 and up) and returns ``(codes, scales)`` in place of ``recv_x``.
 
     Raises:
         UbnextError: a size out of range, no symmetric pool (NCCL only, several nodes), the
@@ -78,7 +86,7 @@ class ExpertParallel:
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens: int, top_k: int, dtype: str = "bfloat16",
-                 capacity: int | None = None, framework: str = "cupy"):
+                 capacity: int | None = None, framework: str = "cupy", partials: str = "float32", fp8: bool = False):
         import cupy
 
         name = "ExpertParallel"
@@ -91,7 +99,12 @@ class ExpertParallel:
                 raise UbnextError(f"{name}: this communicator has no symmetric memory pool (it uses NCCL: "
                                   f"{comm._nccl_reason or 'no pool'})")
         shape = self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype,
-                                           capacity)
+                                           capacity, fp8)
+        arch = int(cupy.cuda.Device(comm.device).compute_capability)
+        if fp8 and arch < 89:
+            raise UbnextError(f"{name}: fp8 needs compute capability 8.9 or higher (e4m3 conversions), "
+                              f"this GPU has {arch // 10}.{arch % 10}")
+        self._partials = self._partials_of(name, partials)
         area, ptrs = comm._symmetric_area(shape.key, shape.area_bytes)  # collective
         self._comm = comm  # its calls need it open; it holds the area
         self._generation = 0
@@ -105,8 +118,11 @@ class ExpertParallel:
         comm._exchanges.run(name, comm._local.barrier)  # no rank pushes into an area a peer is still filling
         sms = cupy.cuda.Device(comm.device).attributes["MultiProcessorCount"]
         self._blocks = max(1, min(node.engine._blocks, sms))  # every block resident (docs/moe.md)
-        self._sig = {kind: _signature.encode_moe(f"moe_{kind}", dtype, num_experts, top_k, max_tokens, hidden)
+        self._sig = {kind: _signature.encode_moe(f"moe_{kind}", dtype, num_experts, top_k, max_tokens, hidden,
+                                                 wire=_layout.FP8_WIRE if fp8 and kind == "dispatch" else 0)
                      for kind in SOURCES}
+        self._sig["combine", "bfloat16"] = _signature.encode_moe("moe_combine", dtype, num_experts, top_k, max_tokens,
+                                                                 hidden, wire=_layout.PARTIALS["bfloat16"])
 
     def _allocate(self, device: int, framework: str) -> None:
         """The outputs and the combine's inputs, in one device buffer (``_raw``): each array
@@ -116,9 +132,11 @@ class ExpertParallel:
 
         s = self.shape
         n, lo, c, m, k = s.nranks, s.local_experts, s.capacity, s.max_tokens, s.top_k
-        specs = {"recv_x": ((lo, c, s.hidden), s.dtype), "counts": ((lo,), "int32"), "src": ((lo, c), "int32"),
-                 "weights": ((lo, c), "float32"), "route": ((n, m, k), "int32"), "tokens": ((n,), "uint32"),
-                 "dest": ((m,), "uint32")}
+        specs = {"recv_x": ((lo, c, s.hidden), "uint8" if s.fp8 else s.dtype), "counts": ((lo,), "int32"),
+                 "src": ((lo, c), "int32"), "weights": ((lo, c), "float32"), "route": ((n, m, k), "int32"),
+                 "tokens": ((n,), "uint32"), "dest": ((m,), "uint32")}
+        if s.fp8:
+            specs["scales"] = ((lo, c, s.hidden // _layout.FP8_GROUP), "float32")
         self._slots, at = {}, GAP_BYTES
         for key, (dims, dtype) in specs.items():
             nbytes = math.prod(dims) * DTYPES[dtype][1]
@@ -129,6 +147,10 @@ class ExpertParallel:
         self._ptr = {key: base + offset for key, (offset, _) in self._slots.items()}
         self._views = {key: _arrays.wrap(self._ptr[key], dims, dtype, device, framework, self._raw)
                        for key, (dims, dtype) in specs.items()}
+        if s.fp8 and framework == "torch":  # CuPy has no e4m3 dtype: its codes stay uint8
+            import torch
+
+            self._views["recv_x"] = self._views["recv_x"].view(torch.float8_e4m3fn)
 
     def _fill(self, name: str, comm, area) -> None:
         """The polled regions to the sentinel, the rest (the rotation, the rows) to zero:
@@ -180,9 +202,11 @@ class ExpertParallel:
         Returns:
             ``(recv_x, recv_counts, handle)``: ``recv_x`` ``[L, C, H]``, row j of expert e
             the j-th token routed to local expert e by (source rank, token index); rows
-            from ``recv_counts[e]`` on are not written; ``recv_counts`` ``[L]`` int32 on
-            the device; ``handle`` (``Handle``) for ``combine``. The arrays are the
-            object's own: the next dispatch overwrites them.
+            from ``recv_counts[e]`` on are not written; with ``fp8``, the pair ``(codes
+            [L, C, H] float8_e4m3fn (uint8 for CuPy), scales [L, C, H / 128] float32)``,
+            a row's value ``codes * scale`` per group of 128 channels; ``recv_counts``
+            ``[L]`` int32 on the device; ``handle`` (``Handle``) for ``combine``. The
+            arrays are the object's own: the next dispatch overwrites them.
 
         Raises:
             UbnextError: before any launch: shapes, dtypes, device, T > max_tokens, a
@@ -208,19 +232,20 @@ class ExpertParallel:
             a = self._ptr
             comm._order.follow(handle, owner)
             self._launchers["dispatch"](self._blocks, THREADS["moe_dispatch.cu"], handle, xb.ptr, ib.ptr, wb.ptr,
-                                        count, *(a[key] for key in ("recv_x", "counts", "src", "weights", "route",
-                                                                    "tokens", "dest")), self._sig["dispatch"])
+                                        count, *(a.get(key, 0) for key in _DISPATCH_OUT), self._sig["dispatch"])
             self._generation += 1
             v = self._views
-            return v["recv_x"], v["counts"], Handle(v["src"], v["weights"], count, self, self._generation)
+            recv = (v["recv_x"], v["scales"]) if s.fp8 else v["recv_x"]
+            return recv, v["counts"], Handle(v["src"], v["weights"], count, self, self._generation)
 
-    def combine(self, y, handle: Handle, out=None, weights=None, stream=None):
+    def combine(self, y, handle: Handle, out=None, weights=None, stream=None, partials: str | None = None):
         """Sums each token's experts' outputs with its router weights, in its original order.
 
         ``out[t] = round(sum over GPUs g in rank order (sum over the token's slots k on g,
         in top-k order, of w_k * y_k))``, every product and sum in fp32 from +0.0, rounded
         once to the dtype (docs/moe.md, "Numerics"); ``w_k`` is the dispatch's weight of
-        the row, or the row's entry of ``weights``.
+        the row, or the row's entry of ``weights``. With bfloat16 partials, each GPU's
+        inner sum is rounded to bfloat16 before it crosses the link (a second rounding).
 
         Collective: yes, as ``dispatch``. Never blocks the host.
         Graph-capturable: yes.
@@ -235,18 +260,24 @@ class ExpertParallel:
                 weight per row of y in their place (ones: the plain sum of the rows, the
                 dispatch's transpose).
             stream: as ``dispatch``.
+            partials: None (the object's, ``ExpertParallel(..., partials=)``),
+                ``"float32"`` or ``"bfloat16"`` (a bfloat16 payload only): the format of
+                each GPU's partial on the link. Every rank passes the same (a difference
+                fails the call: ``CollectiveMismatchError``).
 
         Returns:
             ``out``.
 
         Raises:
             UbnextError: before any launch: shapes, dtypes, device, a handle of another
-                object or of an earlier dispatch, a closed or broken communicator.
+                object or of an earlier dispatch, an unknown ``partials`` or bfloat16
+                partials of a float32 payload, a closed or broken communicator.
         """
         name = "ExpertParallel.combine"
         s, comm = self.shape, self._comm
         with comm._order:
             comm._check_open(name)
+            half = self._partials_of(name, self._partials if partials is None else partials) == "bfloat16"
             if not isinstance(handle, Handle) or handle._owner is not self or handle._generation != self._generation:
                 raise UbnextError(f"{name}: the handle is not this object's latest dispatch's (a dispatch "
                                   f"overwrites the buffers of the one before)")
@@ -269,10 +300,19 @@ class ExpertParallel:
             self._launchers["combine"](self._blocks, THREADS["moe_combine.cu"], stream_handle, yb.ptr,
                                        a["weights"] if wb is None else wb.ptr,
                                        *(a[key] for key in ("route", "tokens", "dest")),
-                                       ob.ptr, self._sig["combine"])
+                                       ob.ptr, int(half), self._sig["combine", "bfloat16"] if half
+                                       else self._sig["combine"])
             if out is not None:
                 _arrays.mark_written((ob,))
             return ob.obj
+
+    def _partials_of(self, name: str, partials) -> str:
+        """``partials`` checked: a key of ``layout.PARTIALS``, bfloat16 for a bfloat16 payload only."""
+        if partials not in _layout.PARTIALS:
+            raise UbnextError(f"{name}: partials must be one of {', '.join(_layout.PARTIALS)}, got {partials!r}")
+        if partials == "bfloat16" and self.shape.dtype != "bfloat16":
+            raise UbnextError(f"{name}: bfloat16 partials take a bfloat16 payload, not {self.shape.dtype}")
+        return partials
 
     def _operand(self, name: str, arr, what: str, shape: tuple, dtype: str, handle: int):
         """``arr`` as a Buffer on the communicator's device, of ``dtype`` and ``shape`` (None:

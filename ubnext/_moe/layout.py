@@ -19,12 +19,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ubnext._protocol.constants import HEADER_BYTES, MAX_RANKS, MOE_MAX_CAPACITY, MOE_MAX_TOPK, VEC_BYTES
+from ubnext._protocol.constants import (HEADER_BYTES, MAX_RANKS, MOE_FP8_GROUP, MOE_MAX_CAPACITY, MOE_MAX_TOPK,
+                                        VEC_BYTES)
 from ubnext._protocol.errors import UbnextError
 from ubnext._protocol.signature import HIDDEN_BITS, MOE_BITS
 
 #: the payload dtypes of dispatch and combine, and their element bytes
 MOE_DTYPES = {"bfloat16": 2, "float32": 4}
+#: the combine's partials, as they cross the link: fp32, or rounded to bf16 (half the bytes,
+#: a second rounding; a bfloat16 payload only), by their code in the kernel's argument
+PARTIALS = {"float32": 0, "bfloat16": 1}
+#: channels per scale of an FP8 dispatch, and the multiple of them a row must be (its
+#: scales, 4 bytes per group, are whole 16-byte vectors)
+FP8_GROUP, FP8_HIDDEN_MULTIPLE = MOE_FP8_GROUP, MOE_FP8_GROUP * VEC_BYTES // 4
+#: the FP8 dispatch's format in its signature (signature.MOE_WIRES: e4m3 rows with fp32 scales)
+FP8_WIRE = 2
 #: the largest top-k a routing record holds (its ids and weights, kernels/moe.cuh)
 MAX_TOPK = MOE_MAX_TOPK
 #: rotating sets of the polled regions (the Lamport rotation) and of the unpolled rows
@@ -51,6 +60,8 @@ class Shape:
         top_k: K, 1..MAX_TOPK.
         dtype: a key of MOE_DTYPES.
         capacity: C, rows per local expert of the dispatch's output.
+        fp8: the dispatch moves e4m3 codes and one fp32 scale per FP8_GROUP channels
+            (a bfloat16 payload; a row's codes and scales fit the place of its bf16 row).
     """
 
     nranks: int
@@ -60,6 +71,7 @@ class Shape:
     top_k: int
     dtype: str
     capacity: int
+    fp8: bool = False
 
     @property
     def local_experts(self) -> int:
@@ -112,7 +124,7 @@ class Shape:
 
 
 def shape(nranks: int, num_experts: int, hidden: int, max_tokens: int, top_k: int, dtype: str,
-          capacity: int | None = None) -> Shape:
+          capacity: int | None = None, fp8: bool = False) -> Shape:
     """The checked Shape of an expert-parallel object.
 
     Raises:
@@ -147,4 +159,7 @@ def shape(nranks: int, num_experts: int, hidden: int, max_tokens: int, top_k: in
         raise UbnextError(f"{name}: capacity must be an int in 1..{most} (ranks x max_tokens, at most "
                           f"{MOE_MAX_CAPACITY}), got {capacity!r}; give a capacity where ranks x max_tokens "
                           f"exceeds {MOE_MAX_CAPACITY}")
-    return Shape(nranks, num_experts, hidden, max_tokens, top_k, dtype, capacity)
+    if fp8 and (dtype != "bfloat16" or hidden % FP8_HIDDEN_MULTIPLE):
+        raise UbnextError(f"{name}: fp8 takes a bfloat16 payload whose hidden is a multiple of "
+                          f"{FP8_HIDDEN_MULTIPLE} (its scales whole 16-byte vectors), got {dtype} x {hidden}")
+    return Shape(nranks, num_experts, hidden, max_tokens, top_k, dtype, capacity, bool(fp8))

@@ -9,11 +9,15 @@ rounding (docs/moe.md; kernels/moe_dispatch.cu, kernels/moe_combine.cu):
 * dispatch: the rows of local expert e of rank g are the tokens (s, t) whose row holds
   expert ``g * L + e``, by source rank s, then token index t; rows past the capacity are
   dropped (an error). The payload moves bit for bit; a weight of -0.0 arrives as +0.0.
+  An FP8 dispatch moves each row's e4m3 codes and per-128-channel fp32 scales, quantized
+  once at the source as the quantized two-shot quantizes (``_protocol.quant.quantize``).
 * combine: GPU g's fp32 partial of token (s, t) is ``acc = +0.0``, then for each slot k
   in top-k order whose expert is on g and kept: ``acc = acc + w * y`` (the product
   rounded to fp32, then the sum: no fused multiply-add); the token's result is ``acc =
   +0.0``, then ``acc = acc + partial_g`` for every GPU g holding one of its valid slots,
-  in rank order, rounded once to the dtype.
+  in rank order, rounded once to the dtype. With bf16 partials (a bfloat16 payload only),
+  each GPU's partial is rounded to bfloat16 (to nearest even) before it is added: a second
+  rounding.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
-from ubnext._moe.layout import Shape
+from ubnext._moe.layout import FP8_GROUP, PARTIALS, Shape
+from ubnext._protocol import quant as _quant
 from ubnext._protocol.constants import MOE_ROUTE_ELSEWHERE as ROUTE_ELSEWHERE
 from ubnext._protocol.constants import MOE_ROUTE_OVERFLOW as ROUTE_OVERFLOW
 
@@ -57,7 +63,8 @@ class Dispatched:
     """What one rank's dispatch holds (docs/moe.md, "The calls").
 
     Attributes:
-        recv_x: ``[L, C, H]``, rows past ``counts`` zero here (the kernel leaves them).
+        recv_x: ``[L, C, H]``, rows past ``counts`` zero here (the kernel leaves them);
+            float8_e4m3fn codes for an FP8 dispatch.
         counts: ``[L]`` int32, rows of each local expert (at most C).
         src: ``[L, C]`` int32, ``source_rank * M + token`` of each row (-1 past counts).
         weights: ``[L, C]`` float32 (0 past counts).
@@ -66,6 +73,8 @@ class Dispatched:
             ROUTE_ELSEWHERE (rows t >= T_s too).
         tokens: ``[N]`` T of each source.
         overflow: whether some expert received more than C tokens (an error).
+        scales: an FP8 dispatch's ``[L, C, H / FP8_GROUP]`` float32 scales (0 past
+            counts), else None.
     """
 
     recv_x: np.ndarray
@@ -75,6 +84,7 @@ class Dispatched:
     route: np.ndarray
     tokens: np.ndarray
     overflow: bool
+    scales: np.ndarray | None = None
 
 
 def dispatch(shape: Shape, xs: Sequence[np.ndarray], idxs: Sequence[np.ndarray],
@@ -83,9 +93,13 @@ def dispatch(shape: Shape, xs: Sequence[np.ndarray], idxs: Sequence[np.ndarray],
     ``weights [T_s, K]`` (float32)."""
     n, lo, c, m, k = shape.nranks, shape.local_experts, shape.capacity, shape.max_tokens, shape.top_k
     valid = [valid_slots(i, shape.num_experts) for i in idxs]
+    scales = None
+    if shape.fp8:
+        xs, scales = zip(*(fp8_rows(x, shape.hidden) for x in xs))
     out = []
     for g in range(n):
         recv_x = np.zeros((lo, c, shape.hidden), xs[0].dtype)
+        recv_scales = np.zeros((lo, c, shape.hidden // FP8_GROUP), _F32) if shape.fp8 else None
         counts = np.zeros(lo, np.int64)
         src = np.full((lo, c), -1, np.int32)
         w_out = np.zeros((lo, c), _F32)
@@ -105,12 +119,24 @@ def dispatch(shape: Shape, xs: Sequence[np.ndarray], idxs: Sequence[np.ndarray],
                         route[s, t, slot] = ROUTE_OVERFLOW
                         continue
                     recv_x[e, row] = xs[s][t]
+                    if recv_scales is not None:
+                        recv_scales[e, row] = scales[s][t]
                     src[e, row] = s * m + t
                     w_out[e, row] = w[t, slot]
                     route[s, t, slot] = e * c + row
         tokens = np.array([len(i) for i in idxs], np.int64)
-        out.append(Dispatched(recv_x, np.minimum(counts, c).astype(np.int32), src, w_out, route, tokens, overflow))
+        out.append(Dispatched(recv_x, np.minimum(counts, c).astype(np.int32), src, w_out, route, tokens, overflow,
+                              recv_scales))
     return out
+
+
+def fp8_rows(x: np.ndarray, hidden: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``x [T, H]`` (bfloat16) as an FP8 dispatch sends them: ``(codes [T, H]
+    float8_e4m3fn, scales [T, H / FP8_GROUP] float32)``."""
+    groups = np.asarray(x).astype(_F32).reshape(-1, FP8_GROUP)
+    codes, scales = _quant.quantize(groups, "fp8")
+    t = len(x)
+    return codes.astype(ml_dtypes.float8_e4m3fn).reshape(t, hidden), scales.reshape(t, hidden // FP8_GROUP)
 
 
 def destinations(shape: Shape, idx: np.ndarray) -> np.ndarray:
@@ -135,10 +161,19 @@ def partial(shape: Shape, d: Dispatched, y: np.ndarray, s: int, t: int, w: np.nd
 
 
 def combine(shape: Shape, dispatched: Sequence[Dispatched], ys: Sequence[np.ndarray],
-            idxs: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+            idxs: Sequence[np.ndarray], weights: Sequence[np.ndarray] | None = None,
+            partials: str = "float32") -> list[np.ndarray]:
     """Every rank's combine: ``out [T_s, H]`` of the dtype of ``ys`` (every GPU's ``[L, C,
     H]``), from every GPU's dispatch and every rank's ``idx``; with ``weights`` (every GPU's
-    ``[L, C]``), those in place of the dispatch's."""
+    ``[L, C]``), those in place of the dispatch's; ``partials`` ``"bfloat16"``: each GPU's
+    partial rounded to bfloat16 before the sum.
+
+    Raises:
+        ValueError: bf16 partials of a payload other than bfloat16, or an unknown ``partials``.
+    """
+    if partials not in PARTIALS or (partials == "bfloat16" and shape.dtype != "bfloat16"):
+        raise ValueError(f"combine: partials {partials!r} (bfloat16 partials take a bfloat16 payload)")
+    wire = None if partials == "float32" else np.dtype(ml_dtypes.bfloat16)
     out = []
     for s, idx in enumerate(idxs):
         dest = destinations(shape, idx)
@@ -148,7 +183,10 @@ def combine(shape: Shape, dispatched: Sequence[Dispatched], ys: Sequence[np.ndar
             for g in np.flatnonzero(dest[t]):
                 with np.errstate(invalid="ignore", over="ignore"):
                     w = None if weights is None else weights[g]
-                    acc = (acc + partial(shape, dispatched[g], ys[g], s, t, w)).astype(_F32)
+                    part = partial(shape, dispatched[g], ys[g], s, t, w)
+                    if wire is not None:
+                        part = part.astype(wire).astype(_F32)
+                    acc = (acc + part).astype(_F32)
             res[t] = acc.astype(ys[0].dtype)
         out.append(res)
     return out

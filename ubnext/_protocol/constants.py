@@ -40,6 +40,9 @@ MOE_MAX_CAPACITY = 8192
 #: a dispatch's route of a token's slot (kernels/moe.cuh), besides a row ``e * C + row`` of
 #: this GPU: its expert is on another GPU (or the slot is dropped); past the capacity
 MOE_ROUTE_ELSEWHERE, MOE_ROUTE_OVERFLOW = -1, -2
+#: channels per fp32 scale of the expert-parallel FP8 dispatch (DeepEP's format; e4m3 codes
+#: quantized as the quantized two-shot's, kernels/quant.cuh)
+MOE_FP8_GROUP = 128
 #: the low-latency data movers (kernels/ll_move.cu): the largest part one rank sends one
 #: peer in one launch (an all-to-all's part, a broadcast's message); each 8 bytes travel
 #: in a 16-byte line with the launch's flag
@@ -195,6 +198,7 @@ def header() -> str:
         "UB_LL_MAX_BYTES": LL_MAX_BYTES,
         "UB_P2P_MAX_ENTRIES": P2P_MAX_ENTRIES,
         "UB_SIG_COUNT_BITS": SIGNATURE_COUNT_BITS,
+        "UB_MOE_FP8_GROUP": MOE_FP8_GROUP,
         **{f"UB_{source.removesuffix('.cu').upper()}_THREADS": n for source, n in THREADS.items()},
     }
     lines = ["// Generated from ubnext/_protocol/constants.py: the constants the kernels share with the host.",

@@ -11,7 +11,8 @@ round trip added.
 Layout (bits): 63..60 collective, 59..56 dtype, 55..52 op, 51..0 count; the rooted
 movers (broadcast, gather, scatter: ``encode_rooted``) carry their root in the op field, so
 that ranks naming different roots mismatch; the fused call's count is ``rows << HIDDEN_BITS | hidden``; the expert-parallel calls' (``encode_moe``) is
-``experts << 40 | top_k << 35 | max_tokens << 20 | hidden``.
+``experts << 40 | top_k << 35 | max_tokens << 20 | hidden``, their op field the format that crosses the link
+(``MOE_WIRES``), so that ranks whose formats differ mismatch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_ga
                "moe_dispatch", "moe_combine", "broadcast", "all_to_all", "gather", "scatter", "send_recv")
 #: the expert-parallel calls, whose count is their object's sizes (encode_moe)
 _MOE = ("moe_dispatch", "moe_combine")
+#: the expert-parallel calls' formats on the link, by their code in the op field (0: the payload's own)
+MOE_WIRES = ("", "bfloat16 partials", "e4m3 rows with fp32 scales")
 #: bits of the expert-parallel sizes in the count: experts, top-k, max tokens (hidden: HIDDEN_BITS)
 MOE_BITS = {"experts": 12, "top_k": 5, "max_tokens": 15}
 #: the collectives that reduce nothing (their op field is "sum", and says nothing)
@@ -74,17 +77,22 @@ def encode_fused(dtype: str, rows: int, hidden: int, collective: str = "all_redu
     return encode(collective, dtype, "sum", rows << HIDDEN_BITS | hidden)
 
 
-def encode_moe(collective: str, dtype: str, experts: int, top_k: int, max_tokens: int, hidden: int) -> int:
+def encode_moe(collective: str, dtype: str, experts: int, top_k: int, max_tokens: int, hidden: int,
+               wire: int = 0) -> int:
     """The signature of an expert-parallel ``collective`` (``moe_dispatch`` or
-    ``moe_combine``) of an object of these sizes (``ubnext._moe.layout.Shape``).
+    ``moe_combine``) of an object of these sizes (``ubnext._moe.layout.Shape``), whose data
+    crosses the link as ``MOE_WIRES[wire]`` (in the op field).
 
     Raises:
-        ValueError: a size that does not fit its field (MOE_BITS, HIDDEN_BITS).
+        ValueError: a size that does not fit its field (MOE_BITS, HIDDEN_BITS), an unknown wire.
     """
     sizes = {"experts": experts, "top_k": top_k, "max_tokens": max_tokens}
     if hidden >= 1 << HIDDEN_BITS or any(value >= 1 << MOE_BITS[name] for name, value in sizes.items()):
         raise ValueError(f"signature: {sizes} x hidden {hidden} does not fit")
-    return encode(collective, dtype, "sum", experts << 40 | top_k << 35 | max_tokens << HIDDEN_BITS | hidden)
+    if not 0 <= wire < len(MOE_WIRES):
+        raise ValueError(f"signature: no expert-parallel format {wire}")
+    count = experts << 40 | top_k << 35 | max_tokens << HIDDEN_BITS | hidden
+    return encode(collective, dtype, "sum", count) | wire << COUNT_BITS
 
 
 def text(signature: int) -> str:
@@ -97,8 +105,9 @@ def text(signature: int) -> str:
     if collective in _ROOTED:
         return f"{collective} of {count} {_DTYPES[dtype]} (root {op})"
     if collective in _MOE:
+        wire = f", {MOE_WIRES[op]}" if 0 < op < len(MOE_WIRES) else ""
         return (f"{collective} of {count >> 40} experts, top-{count >> 35 & 31}, {count >> HIDDEN_BITS & 0x7FFF} "
-                f"tokens of {count & ((1 << HIDDEN_BITS) - 1)} {_DTYPES[dtype]}")
+                f"tokens of {count & ((1 << HIDDEN_BITS) - 1)} {_DTYPES[dtype]}{wire}")
     if collective in _FUSED:
         rows, hidden = count >> HIDDEN_BITS, count & ((1 << HIDDEN_BITS) - 1)
         return f"{collective} of {rows} x {hidden} {_DTYPES[dtype]}"
