@@ -20,9 +20,10 @@ from ubnext._protocol.algorithms import DTYPES, OPS
 
 #: collectives that carry a signature, in code order (code 0 is never used)
 COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm",
-               "moe_dispatch", "moe_combine", "broadcast", "all_to_all", "gather", "scatter")
+               "moe_dispatch", "moe_combine", "broadcast", "all_to_all", "gather", "scatter",
+               "moe_packed_dispatch", "moe_packed_combine")
 #: the expert-parallel calls, whose count is their object's sizes (encode_moe)
-_MOE = ("moe_dispatch", "moe_combine")
+_MOE = ("moe_dispatch", "moe_combine", "moe_packed_dispatch", "moe_packed_combine")
 #: bits of the expert-parallel sizes in the count: experts, top-k, max tokens (hidden: HIDDEN_BITS)
 MOE_BITS = {"experts": 12, "top_k": 5, "max_tokens": 15}
 #: the collectives that reduce nothing (their op field is "sum", and says nothing)
