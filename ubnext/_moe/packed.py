@@ -167,8 +167,8 @@ class PackedExpertParallel:
         Collective: yes: every rank calls it (T may differ, and be 0), in the same order
         among this object's calls. ``sync=False`` never blocks the host; ``sync=True``
         waits for the launch stream and reads the row count.
-        Graph-capturable: with ``sync=False`` (fixed shapes and addresses); ``sync=True``
-        raises under capture.
+        Graph-capturable: yes with ``sync=False`` (fixed shapes and addresses); no with
+        ``sync=True`` (it raises under capture).
 
         Args:
             x: ``[T, H]`` of the object's dtype, T <= max_tokens (torch, CuPy, DLPack).
