@@ -113,7 +113,6 @@ __device__ void count_rows(const char* mine, const MoeShape& m, u64 rec_off, con
     }
     if (threadIdx.x == 0) o.counts[e] = total;
   }
-  fence_sys();
 }
 
 // Offsets: every block's exclusive prefix sum of the L counts into offs[0..L] (shared);

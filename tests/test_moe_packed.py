@@ -260,3 +260,14 @@ def test_dispatch_refuses_before_any_launch(case, words):
     with pytest.raises(UbnextError, match=f"^PackedExpertParallel.dispatch: {words}"):
         ep.dispatch(*args)
     assert ep.launches == [] and ep._generation == 0
+
+
+# -- the benchmark's mode flag ------------------------------------------------------------------
+def test_the_benchmark_takes_the_packed_mode_and_sizes_max_rows_from_the_routing():
+    from bench import moe_perf
+
+    assert moe_perf.parse_args([]).mode == "low-latency"
+    assert moe_perf.parse_args(["--mode", "packed", "-t", "4096"]).mode == "packed"
+    idxs = [np.array([[0, 3], [3, 1]], np.int32), np.array([[2, 1]], np.int32)]  # 2 GPUs: experts 0, 1 | 2, 3
+    assert moe_perf.most_rows(4, 2, idxs) == 3  # GPU 0: (0, 1, 1); GPU 1: (3, 3, 2)
+    assert moe_perf.most_rows(4, 2, [np.zeros((0, 2), np.int32)]) == 1
