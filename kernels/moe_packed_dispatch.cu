@@ -89,7 +89,8 @@ __device__ void send_rows(const Tp& tp, const MoeShape& m, u64 rec_off, u64 data
 // Count, by units (one local expert e per block, grid-stride): each thread takes a run of
 // the received rows in (source, token) order and counts those whose record holds e; a
 // block-wide prefix sum gives the first row within e of each thread's run, which it writes
-// into the route of each token's slot of e; thread 0 writes the count of e.
+// into the route of each token's slot of e (reading again only the records of the rows that
+// hold e, where the run is at most 32 rows: N x M <= 16384); thread 0 writes the count of e.
 template <int N>
 __device__ void count_rows(const char* mine, const MoeShape& m, u64 rec_off, const Received<N>& rx,
                            const PackedOut& o, u32* scratch, int rank) {
@@ -98,14 +99,18 @@ __device__ void count_rows(const char* mine, const MoeShape& m, u64 rec_off, con
   const u32 lo = min(rows, threadIdx.x * chunk), hi = min(rows, lo + chunk);
   for (u64 e = blockIdx.x; e < L; e += gridDim.x) {
     const int ge = (int)((u64)rank * L + e);
-    u32 found = 0u;
+    u32 found = 0u, holds = 0u;  // bit i of holds: row lo + i holds e (the run's first 32 rows)
+#pragma unroll 4
     for (u32 f = lo; f < hi; ++f) {
       const int s = rx.source(f);
-      found += slot_holding<N>(mine, m, rec_off, s, f - rx.first[s], ge) >= 0;
+      const bool here = slot_holding<N>(mine, m, rec_off, s, f - rx.first[s], ge) >= 0;
+      found += here;
+      if (f - lo < 32u) holds |= (u32)here << (f - lo);
     }
     u32 total;
     u32 j = block_exclusive_scan(found, total, scratch);
     for (u32 f = lo; f < hi; ++f) {
+      if (f - lo < 32u && !(holds >> (f - lo) & 1u)) continue;  // known not to hold e: no second read
       const int s = rx.source(f);
       const u64 t = f - rx.first[s];
       const int kk = slot_holding<N>(mine, m, rec_off, s, t, ge);

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from gpu_support import Bordered, host, seed_of
 from moe_support import NP, inputs, tokens_of
-from test_gpu_moe import communicator, raised, ref_mismatches, to_device
+from test_gpu_moe import check_gaps, communicator, poison_outputs, raised, ref_mismatches, to_device
 
 from ubnext._moe import layout, packed_layout
 from ubnext._moe import packed_reference as pref
@@ -61,25 +61,6 @@ def expert_outputs(shape, seed: int) -> list[np.ndarray]:
         y.flat[29] = np.nan
         ys.append(y)
     return ys
-
-
-def poison_outputs(ep):
-    """Every byte of the object's outputs the canary byte, so that rows a dispatch must not
-    write are seen to keep it."""
-    import torch
-
-    ep._raw.fill(CANARY)
-    torch.cuda.synchronize()
-
-
-def check_gaps(ep, what: str):
-    """The bytes between and around the object's arrays still hold the canary byte."""
-    raw = ep._raw.get()
-    ends = sorted((offset, offset + nbytes) for offset, nbytes in ep._slots.values())
-    edges = [0] + [b for pair in ends for b in pair] + [raw.size]
-    for lo, hi in zip(edges[::2], edges[1::2]):
-        changed = np.flatnonzero(raw[lo:hi] != CANARY)
-        assert changed.size == 0, f"{what}: {changed.size} canary bytes changed in [{lo}, {hi})"
 
 
 def check_dispatch(comm, ep, shape, recv_x, offsets, handle, want, what: str, sync: bool):
