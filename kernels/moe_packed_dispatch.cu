@@ -58,13 +58,21 @@ __device__ void send_rows(const Tp& tp, const MoeShape& m, u64 rec_off, u64 data
 
     const char* xr = x + t * row_bytes;
     const u64 at = row_at<N>(data_off, m, 0u, tp.rank, t, row_bytes);
-#pragma unroll 4
-    for (u64 i = lane; i < vpr; i += 32) {
-      const uint4 v = ld_weak(xr + i * kVec);
+    constexpr int U = 4;  // vectors a lane loads before it stores them: U x 512 bytes in flight per warp
+    for (u64 base = lane; base < vpr; base += 32 * U) {
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (base + 32 * u < vpr) v[u] = ld_weak(xr + (base + 32 * u) * kVec);
+      }
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         const int d = tp.peer(k);
-        if (mask >> d & 1u) st_weak(tp.seg(d) + at + i * kVec, v);
+        if (!(mask >> d & 1u)) continue;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (base + 32 * u < vpr) st_weak(tp.seg(d) + at + (base + 32 * u) * kVec, v[u]);
+        }
       }
     }
     for (u64 base = 0; base < nrec; base += 32) {  // lane j: vector j % R of rank j / R's record
@@ -176,12 +184,21 @@ __device__ void lay_out(const char* mine, const MoeShape& m, u64 rec_off, u64 da
     const u32 kept = __ballot_sync(kAll, p >= 0);
     if (kept == 0u) continue;
     const char* from = mine + row_at<N>(data_off, m, 0u, s, t, row_bytes);
-    for (u64 base = 0; base < vpr; base += 32) {  // a warp-uniform trip count: the shuffles below
-      const u64 i = base + lane;
-      const uint4 v = i < vpr ? ld_relaxed_sys(from + i * kVec) : make_uint4(0u, 0u, 0u, 0u);
+    constexpr int U = 4;  // vectors a lane loads before it stores them: U x 512 bytes in flight per warp
+    for (u64 base = 0; base < vpr; base += 32 * U) {  // a warp-uniform trip count: the shuffles below
+      uint4 v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const u64 i = base + 32 * u + lane;
+        v[u] = i < vpr ? ld_relaxed_sys(from + i * kVec) : make_uint4(0u, 0u, 0u, 0u);
+      }
       for (u32 b = kept; b != 0u; b &= b - 1u) {
-        const long long row = __shfl_sync(kAll, p, __ffs(b) - 1);
-        if (i < vpr) st_weak(o.recv_x + (u64)row * row_bytes + i * kVec, v);
+        char* to = o.recv_x + (u64)__shfl_sync(kAll, p, __ffs(b) - 1) * row_bytes;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const u64 i = base + 32 * u + lane;
+          if (i < vpr) st_weak(to + i * kVec, v[u]);
+        }
       }
     }
   }
