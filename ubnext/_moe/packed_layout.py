@@ -55,19 +55,12 @@ class PackedShape:
     dtype: str
     max_rows: int
 
-    @property
-    def local_experts(self) -> int:
-        """L = E / N."""
-        return self.num_experts // self.nranks
-
-    @property
-    def width(self) -> int:
-        """Bytes of one element of the payload."""
-        return _layout.MOE_DTYPES[self.dtype]
-
-    @property
-    def row_bytes(self) -> int:
-        return self.hidden * self.width
+    # the low-latency shape's arithmetic, which reads only the fields both have and region_bytes
+    local_experts = _layout.Shape.local_experts
+    width = _layout.Shape.width
+    row_bytes = _layout.Shape.row_bytes
+    offsets = _layout.Shape.offsets
+    area_bytes = _layout.Shape.area_bytes
 
     def region_bytes(self) -> dict[str, int]:
         """Bytes of each region of the pool area, by name (REGIONS)."""
@@ -78,19 +71,6 @@ class PackedShape:
                 "combine_headers": headers,
                 "records": n * m * _layout.record_vectors(self.top_k) * VEC_BYTES,
                 "data": n * m * self.hidden * max(self.width, PARTIAL_BYTES)}
-
-    def offsets(self, base: int = 0) -> dict[str, int]:
-        """Offset of each region, from ``base`` (the area's offset), by name."""
-        out, at = {}, base
-        for name, nbytes in self.region_bytes().items():
-            out[name] = at
-            at += nbytes
-        return out
-
-    @property
-    def area_bytes(self) -> int:
-        """Bytes of the pool area (docs/moe.md's formula)."""
-        return sum(self.region_bytes().values())
 
     @property
     def polled(self) -> tuple[str, ...]:
