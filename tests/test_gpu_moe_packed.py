@@ -298,3 +298,38 @@ def test_max_rows_exceeded_raises_where_it_is_found_and_breaks_the_others(comm):
     finally:
         c.close()
 
+
+
+def test_objects_sharing_an_area_and_a_low_latency_one_interleave(comm):
+    """Two packed objects of one shape (one pool area, one rotation; max_rows apart) and a
+    low-latency object of the same sizes, their calls interleaved: each dispatch and combine
+    matches the reference (a combine reads its own object's outputs, not the shared area)."""
+    import ubnext
+    from ubnext._moe import layout as low_layout
+    from ubnext._moe import reference as ref
+
+    per_gpu, hidden, tokens, k = SIZES["small"]
+    e = per_gpu * comm.size
+    first, shape = make(comm, "small", "bfloat16")
+    second, tight = make(comm, "small", "bfloat16", max_rows=shape.max_rows - 1)
+    low = ubnext.ExpertParallel(comm, e, hidden, tokens, k, "bfloat16", framework="torch")
+    low_shape = low_layout.shape(comm.size, e, hidden, tokens, k, "bfloat16")
+    r = comm.rank
+    rounds = [inputs(shape.padded(), "dropped", tokens_of(shape.padded()), seed=300 + i) for i in range(3)]
+    handles = []
+    for ep, sh, (xs, idxs, ws) in zip((first, second, low), (shape, tight, low_shape), rounds):
+        handles.append(ep.dispatch(to_device(xs[r]), to_device(idxs[r]), to_device(ws[r]))[2])
+    for ep, sh, (xs, idxs, ws), handle in zip((second, low, first), (tight, low_shape, shape), rounds[1:] + rounds[:1],
+                                              handles[1:] + handles[:1]):
+        packed = ep is not low
+        want = (pref if packed else ref).dispatch(sh, xs, idxs, ws)
+        if packed:
+            assert not any(d.overflow for d in want)
+            combine_and_check(comm, ep, sh, handle, want, idxs, expert_outputs(sh, 310), f"object {sh}")
+        else:
+            import torch
+
+            ys = [np.ones((sh.local_experts, sh.capacity, hidden), NP["bfloat16"]) for _ in range(comm.size)]
+            out = ep.combine(to_device(ys[r]), handle)
+            torch.cuda.synchronize()
+            assert ref_mismatches(host(out), ref.combine(sh, want, ys, idxs)[r]).size == 0
