@@ -8,6 +8,8 @@
 //   dispatch headers  [3 sets][N rank][UB_HEADER_BYTES]  vector 0: signature, 1: (T + 1, 1, 1, 1),
 //                                                         2: the bulk flag (the signature again)
 //   combine headers   [3 sets][N rank][UB_HEADER_BYTES]  vector 0: signature, 2: the bulk flag
+//   progress flags    [N source][M] u32                   entry q: the dispatch's epoch + 1 once the
+//                                                         source's token group q is sent (never reset)
 //   routing records   [N source][M token][R vectors]      K int32 ids, K fp32 weights, padding 1
 //   data              [N rank][M token][H x max(b, 4)]   the dispatch's token rows (per source),
 //                                                         then the combine's fp32 partials (per GPU)
@@ -15,8 +17,9 @@
 // Only the headers are polled for the sentinel. The records and the data are one set, not
 // polled: every launch waits for every rank's header before it stores into a peer (a peer
 // pushes its header only once its previous launch of the object, and every read of its
-// area, is over), and then stores its bulk flag after all its stores (a fence, then a grid
-// barrier), which the readers wait for.
+// area, is over); what it stores is published by its bulk flag (after a fence and a grid
+// barrier: the records, the partials) or by a progress flag (after a fence and a block
+// barrier: a group of the dispatch's rows), which the readers wait for.
 #pragma once
 #include "moe.cuh"
 
@@ -32,18 +35,19 @@ struct PackedRotation {
   u32 unused;
 };
 
-// The k-th (1, 2, ...) barrier of the blocks of this launch (every block resident, grid <=
-// SMs): the block's arrival counts once, then thread 0 waits (bounded: sync.cuh spin) until
-// k * gridDim arrivals. Release/acquire at gpu scope (__syncthreads, then a fence around the
-// count, as cooperative groups' grid sync); a block whose communicator failed still arrives,
-// so that the count stays whole. Whether the wait held, in every thread.
-__device__ bool grid_barrier(PackedRotation* r, u32 k, WaitCtx& c) {
+// A barrier of blocks of this launch (every block resident, grid <= SMs): the block's
+// arrival counts once, then thread 0 waits (bounded: sync.cuh spin) until the launch's
+// arrivals so far reach `target` (the grid's first barrier: gridDim; a later one of a part of
+// the grid: what every earlier barrier counted plus that part). Release/acquire at gpu scope
+// (__syncthreads, then a fence around the count, as cooperative groups' grid sync); a block
+// whose communicator failed still arrives, so that the count stays whole. Whether the wait
+// held, in every thread.
+__device__ bool grid_barrier(PackedRotation* r, u32 target, WaitCtx& c) {
   __syncthreads();
   bool ok = true;
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(&r->arrive, 1u);
-    const u32 target = k * gridDim.x;
     ok = spin(c, [] { return (int)UB_ANY_PEER; }, kSiteMoePoll, [&] { return ld_volatile_u32(&r->arrive) >= target; });
     __threadfence();
   }

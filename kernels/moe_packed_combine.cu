@@ -105,7 +105,7 @@ __device__ void moe_packed_combine(const Tp& tp, const MoeShape& m, u64 rot_off,
   moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
   // 2. partials, then the bulk flag after every block's stores
   if (ok) store_partials<T, N>(tp, m, data_off, in);
-  ok = grid_barrier(rot, 1u, c) && ok;
+  ok = grid_barrier(rot, gridDim.x, c) && ok;
   push_bulk_flag<N>(tp, hdr_off, s.cur, sig);
   // 3. every rank's bulk flag, then the sums
   ok = wait_bulk_flags<N>(mine, hdr_off, s.cur, c) && ok;

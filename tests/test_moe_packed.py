@@ -31,13 +31,14 @@ KINDS = ("random", "skewed", "not_last_gpu", "dropped")
 # -- sizes and the pool area --------------------------------------------------------------
 def test_the_issue_shape_fits_the_default_pool_and_the_padded_layout_does_not():
     """N = 4, M = 4096, H = 7168, K = 8, bf16: the packed area is one set of fp32-sized rows
-    (470 MB) and 1 MB of records; the low-latency area at the same sizes is three times
+    (470 MB), 1 MB of records and 64 KiB of progress flags; the low-latency area at the same sizes is three times
     that, and its padded output [L, N x M, H] 15 GB (docs/moe.md)."""
     s = packed_layout.shape(4, 256, 7168, 4096, 8, "bfloat16")
     regions = s.region_bytes()
     assert regions["data"] == 4 * 4096 * 7168 * 4 == 469_762_048
     assert regions["records"] == 4 * 4096 * 4 * 16 == 1_048_576
-    assert s.area_bytes == 128 + 2 * 3 * 4 * 128 + 1_048_576 + 469_762_048 == 470_813_824
+    assert regions["progress"] == 4 * 4096 * 4
+    assert s.area_bytes == 128 + 2 * 3 * 4 * 128 + 65_536 + 1_048_576 + 469_762_048 == 470_879_360
     assert s.area_bytes < 1024 << 20  # UBNEXT_POOL_MB's default
     assert s.max_rows == 4 * 4096 * 8 and s.output_bytes == 131072 * 7168 * 2
     low = layout.shape(4, 256, 7168, 4096, 8, "bfloat16", capacity=8192)
@@ -53,7 +54,9 @@ def test_regions_follow_each_other_and_the_key_ignores_max_rows():
     assert list(offs) == list(packed_layout.REGIONS) and offs["rotation"] == 1000
     for a, b in zip(packed_layout.REGIONS, packed_layout.REGIONS[1:]):
         assert offs[b] == offs[a] + sizes[a]
-    assert sizes["data"] == 2 * 5 * 16 * 4 and sizes["records"] == 2 * 5 * 2 * 16
+    assert sizes["data"] == 2 * 5 * 16 * 4 and sizes["records"] == 2 * 5 * 2 * 16 and sizes["progress"] == 128
+    aligned = s.offsets(0)
+    assert aligned["progress"] % 128 == aligned["records"] % 128 == aligned["data"] % 16 == 0
     assert s.key == packed_layout.shape(2, 6, 16, 5, 4, "float32").key != layout.shape(2, 6, 16, 5, 4, "float32").key
     assert set(s.polled) == {"dispatch_headers", "combine_headers"}
     assert s.padded().capacity == 10 and s.padded().area_bytes > 0

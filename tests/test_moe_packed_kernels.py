@@ -66,8 +66,8 @@ def test_rows_move_in_16_byte_vectors(kind):
 #: the entry points' parameters, in the order PackedExpertParallel packs them (_compile's
 #: prefixes, the calls' values: tests/test_moe_packed.py), then the launch state
 NAMES = {
-    "dispatch": ("base stride rank mc rot_off hdr_off rec_off data_off experts local topk hidden tokens max_rows "
-                 "x idx w count recv_x offsets src weights route src_tokens dest counts sig state"),
+    "dispatch": ("base stride rank mc rot_off hdr_off prog_off rec_off data_off experts local topk hidden tokens "
+                 "max_rows senders x idx w count recv_x offsets src weights route src_tokens dest counts sig state"),
     "combine": ("base stride rank mc rot_off hdr_off data_off experts local topk hidden tokens max_rows "
                 "y weights route src_tokens dest out sig state"),
 }

@@ -34,8 +34,12 @@ from ubnext._protocol.errors import UbnextError
 #: the kernels, by call: (source in kernels/, entry point), each compiled per dtype and rank count
 SOURCES = {"dispatch": ("moe_packed_dispatch.cu", "ub_moe_packed_dispatch"),
            "combine": ("moe_packed_combine.cu", "ub_moe_packed_combine")}
-#: base, stride, rank, then mc, the regions and sizes (11 and 10), the call's (13 and 7), the state
-_PARAMS = {"dispatch": (U64, U64, I32) + (U64,) * 25, "combine": (U64, U64, I32) + (U64,) * 18}
+#: base, stride, rank, then mc, the regions, sizes and senders (13 and 10), the call's (13 and 7), the state
+_PARAMS = {"dispatch": (U64, U64, I32) + (U64,) * 27, "combine": (U64, U64, I32) + (U64,) * 18}
+#: the dispatch's sender blocks: a third of its grid (at least 1) sends the rows while the rest
+#: lays them out as they arrive (kernels/moe_packed_dispatch.cu); the split to tune by
+#: bench/moe_perf.py --mode packed
+SENDER_SHARE = 3
 #: the object's arrays, in its buffer's order: what the dispatch returns, then its scratch
 OUTPUTS = ("recv_x", "offsets", "src", "weights", "route", "tokens", "dest", "counts")
 
@@ -107,6 +111,9 @@ class PackedExpertParallel:
                                   f"{comm._nccl_reason or 'no pool'})")
         shape = self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype,
                                            max_rows)
+        sms = cupy.cuda.Device(comm.device).attributes["MultiProcessorCount"]
+        self._blocks = max(2, min(node.engine._blocks, sms))  # every block resident: the grid barriers
+        self._senders = max(1, self._blocks // SENDER_SHARE)  # and at least one receiver
         area, ptrs = comm._symmetric_area(shape.key, shape.area_bytes)  # collective
         self._comm = comm  # its calls need it open; it holds the area
         self._generation = 0
@@ -118,8 +125,6 @@ class PackedExpertParallel:
             cupy.cuda.Device(comm.device).synchronize()
             self._launchers = self._compile(comm, node, regions)
         comm._exchanges.run(name, comm._local.barrier)  # no rank pushes into an area a peer is still filling
-        sms = cupy.cuda.Device(comm.device).attributes["MultiProcessorCount"]
-        self._blocks = max(1, min(node.engine._blocks, sms))  # every block resident: the grid barriers
         self._sig = {kind: _signature.encode_moe(f"moe_packed_{kind}", dtype, num_experts, top_k, max_tokens, hidden)
                      for kind in SOURCES}
         self._rows_host = cupy.cuda.alloc_pinned_memory(4)  # sync=True's read of offsets[L]
@@ -149,7 +154,8 @@ class PackedExpertParallel:
         s, pool = self.shape, node.pool
         sizes = (s.num_experts, s.local_experts, s.top_k, s.hidden, s.max_tokens, s.max_rows)
         fixed = (pool.base, pool.stride, pool.local_rank, node.engine._mc_base, regions["rotation"])
-        prefixes = {"dispatch": fixed + (regions["dispatch_headers"], regions["records"], regions["data"]) + sizes,
+        dispatch = (regions["dispatch_headers"], regions["progress"], regions["records"], regions["data"])
+        prefixes = {"dispatch": fixed + dispatch + sizes + (self._senders,),
                     "combine": fixed + (regions["combine_headers"], regions["data"]) + sizes}
         launchers = {}
         for kind, (source, entry) in SOURCES.items():

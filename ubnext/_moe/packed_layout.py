@@ -8,6 +8,9 @@ every rank's segment; its regions, in order (kernels/moe_packed.cuh indexes them
   rank's own segment (not polled)
 * dispatch headers: 3 sets of ``[N][HEADER_BYTES]`` (signature, T + 1, the bulk flag)
 * combine headers: 3 sets of ``[N][HEADER_BYTES]`` (signature, the bulk flag)
+* the dispatch's progress flags: ``[N source][M]`` uint32, entry q the launch epoch + 1
+  once the source's token group q (its tokens ``q * W`` to ``q * W + W - 1``, W warps per
+  block) is sent
 * routing records: one set of ``[N source][M token][R vectors]``
 * data: one set of ``[N][M][H x max(b, 4)]``: the dispatch's token rows (per source),
   then the combine's fp32 partials (per expert GPU), in turn
@@ -26,7 +29,7 @@ from ubnext._protocol.errors import UbnextError
 #: the object's name, which its errors start with
 NAME = "PackedExpertParallel"
 #: the regions of the area, in order
-REGIONS = ("rotation", "dispatch_headers", "combine_headers", "records", "data")
+REGIONS = ("rotation", "dispatch_headers", "combine_headers", "progress", "records", "data")
 #: bytes of a combine partial's element (fp32)
 PARTIAL_BYTES = 4
 #: the largest row index a route or offset holds (int32)
@@ -69,6 +72,7 @@ class PackedShape:
         return {"rotation": HEADER_BYTES,
                 "dispatch_headers": headers,
                 "combine_headers": headers,
+                "progress": -(-n * m * 4 // HEADER_BYTES) * HEADER_BYTES,
                 "records": n * m * _layout.record_vectors(self.top_k) * VEC_BYTES,
                 "data": n * m * self.hidden * max(self.width, PARTIAL_BYTES)}
 
