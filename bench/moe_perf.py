@@ -5,7 +5,9 @@
 For each tokens-per-rank T (``-t``), in the same run (CUDA graphs with ``-G 1``, the
 default; the NCCL baseline is always eager, since it reads the counts on the host):
 
-* ``ubnext dispatch`` / ``ubnext combine``: one call of ``ExpertParallel`` (docs/moe.md);
+* ``ubnext dispatch`` / ``ubnext combine``: one call of ``ExpertParallel`` (docs/moe.md),
+  or with ``--mode packed`` of ``PackedExpertParallel`` (the throughput mode: its dispatch
+  with ``sync=False``, ``max_rows`` the most rows any rank receives in the run);
 * ``nccl dispatch``: the common implementation a user writes: the per-destination counts
   exchanged by ``all_to_all_single``, read on the host, the tokens gathered in destination
   order (one copy per destination GPU, as ubnext sends) and exchanged by
@@ -67,6 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the combine's partials on the link (bfloat16: a bfloat16 payload only)")
     p.add_argument("--fp8", type=int, choices=(0, 1), default=0,
                    help="1: the FP8 dispatch (e4m3 codes, a scale per 128 channels; bfloat16, hidden % 512 == 0)")
+    p.add_argument("--mode", choices=("low-latency", "packed"), default="low-latency",
+                   help="ExpertParallel (low-latency) or PackedExpertParallel (throughput)")
     p.add_argument("-G", "--graphs", type=int, choices=(0, 1), default=1, help="1: CUDA graphs; 0: eager")
     p.add_argument("-n", "--iters", type=int, default=20, help="calls per sample (per captured graph)")
     p.add_argument("--launches", type=int, default=5, help="graph replays per sample")
@@ -79,6 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.tokens) < 0 or args.top_k < 1 or args.experts < args.top_k:
         p.error("tokens >= 0, 1 <= top-k <= experts")
+    if args.mode == "packed" and (args.fp8 or args.partials != "float32"):
+        p.error("--mode packed has fp32 partials and no FP8 dispatch (the low-latency mode's options)")
     return args
 
 
@@ -115,6 +121,13 @@ def link_bytes(args, nranks: int, idxs: list[np.ndarray]) -> tuple[int, int]:
     return max(out_rows) * row_bytes, max(partial_rows) * args.hidden * partial_width
 
 
+def most_rows(experts: int, nranks: int, idxs: list[np.ndarray]) -> int:
+    """The most rows any GPU receives (at least 1): the packed mode's max_rows in the run."""
+    local = experts // nranks
+    rows = [sum(int(((i >= g * local) & (i < (g + 1) * local)).sum()) for i in idxs) for g in range(nranks)]
+    return max(1, *rows)
+
+
 def busiest_expert(experts: int, idxs: list[np.ndarray]) -> int:
     """The most tokens any expert receives (at least 1): the capacity the run needs, so that
     recv_x ([local experts, capacity, hidden]) is no larger than the routing fills."""
@@ -142,16 +155,18 @@ def check(comm, args, ep, shape, xs, idxs, ws, x, idx, w) -> int:
     reference (bit for bit, NaN as a class)."""
     import torch
 
+    from ubnext._moe import packed_reference as pref
     from ubnext._moe import reference as ref
     from ubnext._tools import reference as bits
 
-    r = comm.rank
+    r, packed = comm.rank, args.mode == "packed"
     recv_x, counts, handle = ep.dispatch(x, idx, w)
-    want = ref.dispatch(shape, xs, idxs, ws)
-    ys = [payload(args, 100 + g, (shape.local_experts, shape.capacity, shape.hidden)) for g in range(comm.size)]
+    want = (pref if packed else ref).dispatch(shape, xs, idxs, ws)
+    rows = (shape.max_rows,) if packed else (shape.local_experts, shape.capacity)
+    ys = [payload(args, 100 + g, (*rows, shape.hidden)) for g in range(comm.size)]
     out = ep.combine(to_device(ys[r], args.dtype), handle)
     torch.cuda.synchronize()
-    wrong = int((counts.cpu().numpy() != want[r].counts).sum())
+    wrong = int((counts.cpu().numpy() != (pref.offsets(want[r]) if packed else want[r].counts)).sum())
     if args.fp8:  # the codes as bytes, the scales NaN as a class
         recv_x, scales = recv_x
         got_s = scales.cpu().numpy()
@@ -159,10 +174,16 @@ def check(comm, args, ep, shape, xs, idxs, ws, x, idx, w) -> int:
             wrong += int(bits.mismatches(got_s[e, :n].reshape(-1), want[r].scales[e, :n].reshape(-1)).size)
     got_x = recv_x.cpu().view(torch.uint8 if args.fp8 else torch.int16 if args.dtype == "bfloat16" else torch.int32)
     got_x = got_x.numpy()
-    for e, n in enumerate(want[r].counts):
-        wrong += int((got_x[e, :n].reshape(-1) != want[r].recv_x[e, :n].reshape(-1).view(got_x.dtype)).sum())
+    if packed:  # the rows of every expert, one after the other
+        got_x, want_x = got_x[None], want[r].recv_x[None]
+        spans = [(0, pref.offsets(want[r])[-1])]
+    else:
+        want_x, spans = want[r].recv_x, [(0, n) for n in want[r].counts]
+    for e, (lo, hi) in enumerate(spans):
+        wrong += int((got_x[e, lo:hi].reshape(-1) != want_x[e, lo:hi].reshape(-1).view(got_x.dtype)).sum())
     got_out = out.cpu().view(torch.int16 if args.dtype == "bfloat16" else torch.int32).numpy()
-    want_out = ref.combine(shape, want, ys, idxs, partials=args.partials)[r]
+    want_out = (pref.combine(shape, want, ys, idxs) if packed else
+                ref.combine(shape, want, ys, idxs, partials=args.partials))[r]
     wrong += int(bits.mismatches(got_out.view(want_out.dtype).reshape(-1), want_out.reshape(-1)).size)
     return wrong
 
@@ -179,15 +200,21 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
     import torch
 
     import ubnext
-    from ubnext._moe import layout
+    from ubnext._moe import layout, packed_layout
 
     n, r = comm.size, comm.rank
     routes = [routing(args, s, tokens) for s in range(n)]
     idxs, ws = [i for i, _ in routes], [w for _, w in routes]
-    capacity = busiest_expert(args.experts, idxs)
-    shape = layout.shape(n, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype, capacity, bool(args.fp8))
-    ep = ubnext.ExpertParallel(comm, args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype,
-                               capacity=capacity, framework="torch", partials=args.partials, fp8=bool(args.fp8))
+    sizes = (args.experts, args.hidden, max(tokens, 1), args.top_k, args.dtype)
+    if args.mode == "packed":
+        capacity = most_rows(args.experts, n, idxs)
+        shape = packed_layout.shape(n, *sizes, capacity)
+        ep = ubnext.PackedExpertParallel(comm, *sizes, max_rows=capacity, framework="torch")
+    else:
+        capacity = busiest_expert(args.experts, idxs)
+        shape = layout.shape(n, *sizes, capacity, bool(args.fp8))
+        ep = ubnext.ExpertParallel(comm, *sizes, capacity=capacity, framework="torch", partials=args.partials,
+                                   fp8=bool(args.fp8))
     xs = [payload(args, s, (tokens, args.hidden)) for s in range(n)]
     x = to_device(xs[r], args.dtype)
     idx, w = torch.from_numpy(idxs[r]).cuda(), torch.from_numpy(ws[r]).cuda()
@@ -254,7 +281,7 @@ def run(comm, args, argv) -> int:
     if comm.rank != 0:
         return 0
     print(f"# {comm.size} ranks, hidden {args.hidden}, top-{args.top_k}, {args.experts} experts, {args.dtype}, "
-          f"{'fp8 dispatch, ' if args.fp8 else ''}{args.partials} partials, routing {args.routing}; "
+          f"{'fp8 dispatch, ' if args.fp8 else ''}{args.partials} partials, routing {args.routing}, mode {args.mode}; "
           f"ubnext and vdev (torch all_to_all_vdev_2d) {'in CUDA graphs' if args.graphs else 'eager'}, "
           f"NCCL eager (host sync); "
           f"µs (median of {args.repeats}, max over ranks); push rate {rate / 1e9:.1f} GB/s per direction")
@@ -276,8 +303,8 @@ def run(comm, args, argv) -> int:
     for why in sorted({f"{k}: {v}" for rec in records for k, v in rec["baseline_notes"].items()}):
         print(f"# baseline {why}")
     tb.save_report(comm, "moe_perf", "moe_perf", args, argv, {
-        "config": {k: getattr(args, k) for k in ("hidden", "top_k", "experts", "dtype", "routing", "partials", "fp8",
-                                                  "graphs", "iters", "launches", "repeats", "ceiling_bytes")},
+        "config": {k: getattr(args, k) for k in ("hidden", "top_k", "experts", "dtype", "routing", "mode", "partials",
+                                                  "fp8", "graphs", "iters", "launches", "repeats", "ceiling_bytes")},
         "push_rate_gbs": rate / 1e9, "results": records})
     failed = any(rec["wrong"] for rec in records)
     return 1 if failed else 0

@@ -57,6 +57,8 @@ IN_THE_GUARD = {
     ("_api/collectives/pool_copy.py", "_copy_flag"): "the copy form's flag: made by its caller's section",
     ("_moe/expert_parallel.py", "_allocate"): "the dispatch's outputs: made inside the constructor's "
                                               "`with comm._order:` (the section)",
+    ("_moe/packed.py", "_allocate"): "the packed dispatch's outputs: made inside the constructor's "
+                                     "`with comm._order:` (the section)",
 }
 #: (module, function) -> why it may set the device or enter torch's guards
 SETS_ON_PURPOSE = {

@@ -15,6 +15,7 @@ from ubnext import bootstrap  # noqa: E402
 from ubnext._api.communicator import Communicator  # noqa: E402
 from ubnext._environment.config import Config  # noqa: E402
 from ubnext._moe.expert_parallel import ExpertParallel  # noqa: E402
+from ubnext._moe.packed import PackedExpertParallel  # noqa: E402
 from ubnext._protocol.algorithms import ALGORITHMS, DTYPES, OPS  # noqa: E402
 from ubnext._protocol.errors import (  # noqa: E402
                       BrokenCommunicatorError,
@@ -42,6 +43,7 @@ __all__ = [
     "Config",
     "CudaError",
     "ExpertParallel",
+    "PackedExpertParallel",
     "RoutingError",
     "SplitError",
     "UbnextError",

@@ -286,7 +286,8 @@ def _intersect(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple
 #: quantized two-shot's, and one per expert-parallel kernel (ubnext._moe)
 STATES = tuple([f"{family}{width}.state" for width in (2, 4) for family in ("lamport", "lamport_twoshot")]
                + [f"twoshot.{transport}.state" for transport in ("unicast", "multicast")] + ["quant.state"]
-               + ["moe_dispatch.state", "moe_combine.state", "ll.state", "p2p.state"])
+               + ["moe_dispatch.state", "moe_combine.state", "ll.state", "p2p.state", "moe_packed_dispatch.state",
+                  "moe_packed_combine.state"])
 #: bytes of the barrier flags and signatures of one transport (kernels/sync.cuh:
 #: flag_offset, signature_offset)
 FLAG_BYTES = (4 * FLAG_PHASES + 8) * MAX_BLOCKS * MAX_RANKS

@@ -2,7 +2,10 @@
 
 Owns: the checked sizes and the pool area of an expert-parallel object (``layout``), the
 host reference of its kernels' arithmetic (``reference``), and the object itself, which
-launches kernels/moe_dispatch.cu and kernels/moe_combine.cu (``expert_parallel``).
+launches kernels/moe_dispatch.cu and kernels/moe_combine.cu (``expert_parallel``); the
+throughput mode's sizes and area (``packed_layout``), its reference, the low-latency one laid
+out packed (``packed_reference``), and its object, which launches
+kernels/moe_packed_dispatch.cu and kernels/moe_packed_combine.cu (``packed``).
 Imports: ``_protocol``, ``_interop``, ``_engine``; the Communicator it is made from comes
 as an argument (its call steps, launch section and pool area).
 """

@@ -31,7 +31,8 @@ NORM_THREADS = 1024
 SLOT_SUM_THREADS = 512
 #: threads per block of each kernel source's plain entry points (their launch bound)
 THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "quant_twoshot.cu": 512,
-           "moe_dispatch.cu": 512, "moe_combine.cu": 512, "ll_move.cu": 512, "p2p.cu": 512}
+           "moe_dispatch.cu": 512, "moe_combine.cu": 512, "ll_move.cu": 512, "p2p.cu": 512,
+           "moe_packed_dispatch.cu": 512, "moe_packed_combine.cu": 512}
 #: the largest top-k of the expert-parallel dispatch (a routing record's ids and weights)
 MOE_MAX_TOPK = 16
 #: the largest capacity (rows per local expert) of the expert-parallel dispatch: its
@@ -89,6 +90,7 @@ MOE_INPUT_ERRORS = {
     1: ("kMoeBadExpert", "an expert id out of range"),
     2: ("kMoeRepeatedExpert", "one expert twice in a token's top-k"),
     3: ("kMoeOverCapacity", "more tokens for one local expert than its capacity"),
+    4: ("kMoeOverRows", "more rows than the packed layout's max_rows"),
 }
 #: what a kFailInput of the all-to-all with device splits found (kernels/p2p.cu; codes
 #: apart from MOE_INPUT_ERRORS'): code -> (name in the kernels, words for the host's message)

@@ -22,9 +22,10 @@ from ubnext._protocol.constants import SIGNATURE_COUNT_BITS
 
 #: collectives that carry a signature, in code order (code 0 is never used)
 COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm",
-               "moe_dispatch", "moe_combine", "broadcast", "all_to_all", "gather", "scatter", "send_recv")
+               "moe_dispatch", "moe_combine", "broadcast", "all_to_all", "gather", "scatter", "send_recv",
+               "moe_packed_dispatch", "moe_packed_combine")
 #: the expert-parallel calls, whose count is their object's sizes (encode_moe)
-_MOE = ("moe_dispatch", "moe_combine")
+_MOE = ("moe_dispatch", "moe_combine", "moe_packed_dispatch", "moe_packed_combine")
 #: the expert-parallel calls' formats on the link, by their code in the op field (0: the payload's own)
 MOE_WIRES = ("", "bfloat16 partials", "e4m3 rows with fp32 scales")
 #: bits of the expert-parallel sizes in the count: experts, top-k, max tokens (hidden: HIDDEN_BITS)
