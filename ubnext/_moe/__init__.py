@@ -3,6 +3,6 @@
 Owns: the checked sizes and the pool area of an expert-parallel object (``layout``), the
 host reference of its kernels' arithmetic (``reference``), and the object itself, which
 launches kernels/moe_dispatch.cu and kernels/moe_combine.cu (``expert_parallel``).
-Imports: ``_protocol``, ``_interop``, ``_engine``; the Communicator it is made from comes
+Imports: ``_protocol``, ``_interop``, ``_engine``, ``_api.handles`` (its torch ops handle); the Communicator it is made from comes
 as an argument (its call steps, launch section and pool area).
 """

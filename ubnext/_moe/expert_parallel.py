@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ubnext._api import handles as _handles
 from ubnext._engine.kernels import compile_module
 from ubnext._engine.launch import I32, U64, Launcher
 from ubnext._interop import arrays as _arrays
@@ -107,6 +108,17 @@ class ExpertParallel:
         self._blocks = max(1, min(node.engine._blocks, sms))  # every block resident (docs/moe.md)
         self._sig = {kind: _signature.encode_moe(f"moe_{kind}", dtype, num_experts, top_k, max_tokens, hidden)
                      for kind in SOURCES}
+        _handles.assign(self)  # self._handle: the int the torch ops (ubnext.torch.moe) name it by
+
+    @property
+    def size(self) -> int:
+        """N, the ranks of the communicator (as a Communicator's ``size``; its handle carries it)."""
+        return self.shape.nranks
+
+    @property
+    def comm(self):
+        """The Communicator the object was made from."""
+        return self._comm
 
     def _allocate(self, device: int, framework: str) -> None:
         """The outputs and the combine's inputs, in one device buffer (``_raw``): each array
