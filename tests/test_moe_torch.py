@@ -272,3 +272,38 @@ def test_opcheck():
         torch.library.opcheck(ops.moe_combine.default, (recv_x.requires_grad_(), weights.requires_grad_(), idx, h))
 
     run_ranks(1, body)
+
+
+def moe_block_module():
+    """examples/moe_block.py, imported."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        return importlib.import_module("moe_block")
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_example_block_matches_its_single_process_reference(nranks, dtype, tolerance):
+    """examples/moe_block.py's block on the host calls (T = 0 on rank 1): forward and
+    backward against its single-process reference, within the tolerance of the experts'
+    GEMMs' orders (float32: 1e-5, bfloat16: 2e-2 of the largest magnitude)."""
+    mb = moe_block_module()
+
+    def body(comm):
+        ep = HostExpertParallel(comm, "small", dtype)
+        s = ep.shape
+        weights = mb.make_weights(s.num_experts, s.hidden, 12, seed=2)
+        block = mb.MoEBlock(ep, weights, torch.device("cpu"))
+        g = torch.Generator().manual_seed(3)
+        xs = [torch.randn(t, s.hidden, generator=g).to(TORCH[dtype]) for t in tokens_of(s)]
+        grads = [torch.randn(t, s.hidden, generator=g).to(TORCH[dtype]) for t in tokens_of(s)]
+        return mb.check(block, xs, grads, weights, comm.rank)
+
+    for errors in run_ranks(nranks, body):
+        assert max(errors.values()) <= tolerance, errors
