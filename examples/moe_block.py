@@ -97,23 +97,29 @@ def reference(xs: list, router, w1, w2, top_k: int) -> list:
 
 
 def check(block, xs: list, grads: list, weights: dict, rank: int) -> dict:
-    """Forward and backward of ``block`` on this rank's tokens against ``reference`` on
-    every rank's: the largest difference of the output, x's gradient, this rank's experts'
-    weight gradients and the router's (summed over the ranks), each relative to the
-    reference's largest magnitude."""
-    s = block.ep.shape
+    """Forward and backward of ``block`` on this rank's tokens (``xs[rank]``, output
+    gradient ``grads[rank]``), compared by ``compare``."""
     x = xs[rank].clone().requires_grad_()
     block.zero_grad(set_to_none=True)
     out = block(x)
     out.backward(grads[rank])
+    return compare(block, out, x.grad, xs, grads, weights, rank)
+
+
+def compare(block, out, x_grad, xs: list, grads: list, weights: dict, rank: int) -> dict:
+    """``block``'s output ``out``, x's gradient ``x_grad`` and its weights' gradients
+    against ``reference`` on every rank's tokens: the largest difference of each (the
+    router's gradient summed over the ranks), relative to the reference's largest
+    magnitude. Collective (the router's gradient is all-reduced)."""
+    s = block.ep.shape
     router_grad = block.ep.comm.all_reduce(block.router.grad.contiguous())
-    leaves = {k: w.requires_grad_() for k, w in placed(weights, x.dtype, x.device).items()}
+    leaves = {k: w.requires_grad_() for k, w in placed(weights, xs[0].dtype, xs[0].device).items()}
     ref_xs = [t.clone().requires_grad_() for t in xs]
     ref_outs = reference(ref_xs, leaves["router"], leaves["w1"], leaves["w2"], s.top_k)
     live = [(o, g) for o, g in zip(ref_outs, grads) if o.requires_grad]  # a rank without tokens has no graph
     torch.autograd.backward([o for o, _ in live], [g for _, g in live])
     mine = slice(rank * s.local_experts, (rank + 1) * s.local_experts)
-    pairs = {"out": (out, ref_outs[rank]), "x.grad": (x.grad, ref_xs[rank].grad),
+    pairs = {"out": (out, ref_outs[rank]), "x.grad": (x_grad, ref_xs[rank].grad),
              "w1.grad": (block.w1.grad, leaves["w1"].grad[mine]), "w2.grad": (block.w2.grad, leaves["w2"].grad[mine]),
              "router.grad": (router_grad, leaves["router"].grad)}
     return {k: relative_error(got, want) for k, (got, want) in pairs.items()}

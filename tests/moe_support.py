@@ -117,3 +117,16 @@ def dispatch_backward(shape: layout.Shape, dispatched, grads_recv, grads_weights
                 k = int(np.flatnonzero(np.asarray(idxs[s][t]) == g * lo + e)[0])
                 grads_w[s][t, k] = gw[e, r]
     return list(zip(grads_x, grads_w))
+
+
+def moe_block_module():
+    """examples/moe_block.py, imported (its block, reference and check)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        return importlib.import_module("moe_block")
+    finally:
+        sys.path.pop(0)

@@ -13,7 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from moe_support import NP, combine_backward, dispatch_backward, expert_outputs, inputs, tokens_of  # noqa: E402
+from moe_support import (NP, combine_backward, dispatch_backward, expert_outputs, inputs,  # noqa: E402
+                         moe_block_module, tokens_of)
 from torch_fakes import run_ranks  # noqa: E402
 
 import ubnext.torch as ut  # noqa: E402
@@ -272,19 +273,6 @@ def test_opcheck():
         torch.library.opcheck(ops.moe_combine.default, (recv_x.requires_grad_(), weights.requires_grad_(), idx, h))
 
     run_ranks(1, body)
-
-
-def moe_block_module():
-    """examples/moe_block.py, imported."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    try:
-        return importlib.import_module("moe_block")
-    finally:
-        sys.path.pop(0)
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 4])

@@ -3,6 +3,7 @@
 Owns: the checked sizes and the pool area of an expert-parallel object (``layout``), the
 host reference of its kernels' arithmetic (``reference``), and the object itself, which
 launches kernels/moe_dispatch.cu and kernels/moe_combine.cu (``expert_parallel``).
-Imports: ``_protocol``, ``_interop``, ``_engine``, ``_api.handles`` (its torch ops handle); the Communicator it is made from comes
-as an argument (its call steps, launch section and pool area).
+Imports: ``_protocol``, ``_interop``, ``_engine``, and ``_api.handles`` inside the
+constructor (the object's handle for the ubnext.torch.moe ops); the Communicator it is made
+from comes as an argument (its call steps, launch section and pool area).
 """

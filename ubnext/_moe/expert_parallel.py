@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ubnext._api import handles as _handles
 from ubnext._engine.kernels import compile_module
 from ubnext._engine.launch import I32, U64, Launcher
 from ubnext._interop import arrays as _arrays
@@ -108,7 +107,9 @@ class ExpertParallel:
         self._blocks = max(1, min(node.engine._blocks, sms))  # every block resident (docs/moe.md)
         self._sig = {kind: _signature.encode_moe(f"moe_{kind}", dtype, num_experts, top_k, max_tokens, hidden)
                      for kind in SOURCES}
-        _handles.assign(self)  # self._handle: the int the torch ops (ubnext.torch.moe) name it by
+        from ubnext._api import handles  # the registry of the ints torch ops name objects by
+
+        handles.assign(self)  # self._handle, from construction: compiled code reads it as a constant
 
     @property
     def size(self) -> int:

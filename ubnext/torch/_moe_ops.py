@@ -129,8 +129,8 @@ def _dispatch_backward(ctx, grad_recv_x, grad_counts, grad_src, grad_weights):
 
 # ---- moe_combine ---------------------------------------------------------------------------
 def _combine_check(s, y, weights, topk_idx):
-    return _check("moe_combine", s, {"y": (y, (*_rows(s), s.hidden), s.dtype), "weights": (weights, _rows(s), "float32"),
-                             **_routing(s, topk_idx)})
+    return _check("moe_combine", s, {"y": (y, (*_rows(s), s.hidden), s.dtype),
+                                     "weights": (weights, _rows(s), "float32"), **_routing(s, topk_idx)})
 
 
 def _combine_run(ep, y, weights, topk_idx):

@@ -39,6 +39,12 @@ class DispatchHandle(NamedTuple):
         topk_idx: the dispatch's ``[T, K]`` routing (combine's output has T rows, and its
             backward dispatches its gradient with it).
         ep: the object's int handle.
+
+    Collective: no (made by ``dispatch``).
+    Graph-capturable: yes (plain tensors and an int).
+
+    Raises:
+        Nothing: a tuple.
     """
 
     src: torch.Tensor
@@ -88,7 +94,8 @@ def combine(y: torch.Tensor, handle: DispatchHandle, weights: torch.Tensor | Non
     Differentiable in ``y`` (``round(w * g)``, g the dispatched gradient of out) and in the
     weights (``float32(sum float64(g) * float64(y))`` per row); zero past the counts.
 
-    Collective: yes, as ``dispatch``. Graph-capturable: yes; torch.compile traces it.
+    Collective: yes, as ``dispatch``.
+    Graph-capturable: yes; torch.compile(fullgraph=True) traces it.
 
     Args:
         y: ``[L, C, H]`` of the object's dtype: the experts' outputs, row for row as recv_x.
