@@ -50,26 +50,18 @@ class HostExpertParallel:
 
     def __init__(self, comm, size: str, dtype: str):
         per, hidden, tokens, k = SIZES[size]
-        self._comm = comm
+        self.comm, self.size = comm, comm.size  # ExpertParallel's properties
         self.shape = layout.shape(comm.size, per * comm.size, hidden, tokens, k, dtype)
         self._generation = 0
         self.calls: list[str] = []
         handles.assign(self)
 
-    @property
-    def size(self) -> int:
-        return self.shape.nranks
-
-    @property
-    def comm(self):
-        return self._comm
-
     def _all(self, t) -> list[np.ndarray]:
-        return [to_numpy(p) for p in self._comm._gather(t)]
+        return [to_numpy(p) for p in self.comm._gather(t)]
 
     def dispatch(self, x, topk_idx, topk_weights):
         self.calls.append("dispatch")
-        s, r = self.shape, self._comm.rank
+        s, r = self.shape, self.comm.rank
         self._idxs = self._all(topk_idx)
         self._dispatched = ref.dispatch(s, self._all(x), self._idxs, self._all(topk_weights))
         d = self._dispatched[r]
@@ -88,7 +80,7 @@ class HostExpertParallel:
         if handle._owner is not self or handle._generation != self._generation:
             raise UbnextError("ExpertParallel.combine: the handle is not this object's latest dispatch's")
         ws = None if weights is None else self._all(weights)
-        out = ref.combine(self.shape, self._dispatched, self._all(y), self._idxs, ws)[self._comm.rank]
+        out = ref.combine(self.shape, self._dispatched, self._all(y), self._idxs, ws)[self.comm.rank]
         return to_torch(out)
 
 
