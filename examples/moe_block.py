@@ -32,8 +32,8 @@ def make_weights(num_experts: int, hidden: int, ffn: int, seed: int = 0) -> dict
 
 
 def placed(weights: dict, dtype, device) -> dict:
-    """``weights`` on ``device``: the router in float32, the experts' in ``dtype``."""
-    return {k: w.to(device, torch.float32 if k == "router" else dtype) for k, w in weights.items()}
+    """Copies of ``weights`` on ``device``: the router in float32, the experts' in ``dtype``."""
+    return {k: w.to(device, torch.float32 if k == "router" else dtype, copy=True) for k, w in weights.items()}
 
 
 def route(x, router, top_k: int):
