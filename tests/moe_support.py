@@ -94,7 +94,8 @@ def combine_backward(shape: layout.Shape, grads_dispatched, ys, weights) -> list
         g = d.recv_x
         with np.errstate(invalid="ignore", over="ignore"):
             gy = (g.astype(np.float32) * np.asarray(w, np.float32)[..., None]).astype(np.float32).astype(y.dtype)
-            dots = (g.astype(np.float64) * y.astype(np.float64)).sum(-1).astype(np.float32)
+            # from +0.0, as torch's sum: a sum of -0.0 products is +0.0
+            dots = (0.0 + (g.astype(np.float64) * y.astype(np.float64)).sum(-1)).astype(np.float32)
         out.append((np.where(kept[..., None], gy, np.zeros((), y.dtype)), np.where(kept, dots, np.float32(0))))
     return out
 
