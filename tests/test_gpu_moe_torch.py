@@ -138,6 +138,40 @@ def test_block_under_torch_compile(comm, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
+def test_block_forward_in_a_cuda_graph(comm, dtype):
+    """The forward alone (no autograd) captured after eager warm-up calls, replayed with new
+    tokens copied into the captured ones: every replay's output within the tolerance of
+    the reference."""
+    import torch
+
+    mb, moe, weights, s = block(comm, dtype)
+    r = comm.rank
+    xs, _ = block_data(comm, s, dtype, seed=40)
+    x = xs[r].clone()
+    ref_weights = mb.placed(weights, x.dtype, x.device)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                moe(x)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x)
+        for replay in range(3):
+            xs, _ = block_data(comm, s, dtype, seed=41 + replay)
+            x.copy_(xs[r])
+            graph.replay()
+            torch.cuda.synchronize()
+            want = mb.reference(xs, ref_weights["router"], ref_weights["w1"], ref_weights["w2"], s.top_k)[r]
+            error = mb.relative_error(out, want)
+            assert error <= TOLERANCE[dtype], f"replay {replay}: {error}"
+    comm.synchronize()
+
+
+@pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
 def test_block_in_a_cuda_graph(comm, dtype):
     """Forward and backward captured in one CUDA graph (after eager warm-up steps on the
     capture's stream), replayed with new tokens and gradients copied into the captured
