@@ -291,3 +291,29 @@ def test_example_block_matches_its_single_process_reference(nranks, dtype, toler
     for steps in run_ranks(nranks, body):
         for errors in steps:
             assert max(errors.values()) <= tolerance, errors
+
+
+def test_example_block_compiles_without_a_graph_break():
+    """examples/moe_block.py's block under torch.compile(fullgraph=True) (aot_eager, one
+    rank): no graph break, forward and backward the same bits as eager."""
+    torch._dynamo.reset()
+    mb = moe_block_module()
+
+    def body(comm):
+        ep = HostExpertParallel(comm, "small", "float32")
+        s = ep.shape
+        block = mb.MoEBlock(ep, mb.make_weights(s.num_experts, s.hidden, 12, seed=5), torch.device("cpu"))
+        g = torch.Generator().manual_seed(6)
+        x, grad = torch.randn(s.max_tokens, s.hidden, generator=g), torch.randn(s.max_tokens, s.hidden, generator=g)
+        explained = torch._dynamo.explain(block)(x)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        results = []
+        for f in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+            block.zero_grad(set_to_none=True)
+            leaf = x.clone().requires_grad_()
+            out = f(leaf)
+            out.backward(grad)
+            results.append([out, leaf.grad] + [p.grad for p in block.parameters()])
+        return all(torch.equal(a, b) for a, b in zip(*results))
+
+    assert run_ranks(1, body) == [True]
