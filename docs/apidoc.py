@@ -4,7 +4,7 @@ those docstrings keep.
     python docs/apidoc.py > docs/API.md
 
 The public API is every name of ``ubnext.__all__``, ``ubnext.bootstrap.__all__``,
-``ubnext.torch.__all__``, ``ubnext.torch.functional.__all__`` and ``ubnext.torch.backend.__all__`` and every public method
+``ubnext.torch.__all__``, ``ubnext.torch.functional.__all__``, ``ubnext.torch.moe.__all__`` and ``ubnext.torch.backend.__all__`` and every public method
 and property of their classes (:func:`entries`). A callable's
 docstring (a class's: its constructor's) says, checked by :func:`problems`:
 
@@ -90,10 +90,10 @@ _KIND_ORDER = ("class", "function", "constant", "exception")
 
 def modules() -> list:
     """The documented modules: ``ubnext``, ``ubnext.bootstrap``, and, where torch is
-    installed, ``ubnext.torch``, ``ubnext.torch.functional`` and ``ubnext.torch.backend``."""
+    installed, ``ubnext.torch``, ``ubnext.torch.functional``, ``ubnext.torch.moe`` and ``ubnext.torch.backend``."""
     out = [ubnext, ubnext.bootstrap]
     try:
-        return out + [importlib.import_module(m) for m in ("ubnext.torch", "ubnext.torch.functional",
+        return out + [importlib.import_module(m) for m in ("ubnext.torch", "ubnext.torch.functional", "ubnext.torch.moe",
                                                            "ubnext.torch.backend")]
     except ImportError:  # no torch: the reference lacks ubnext.torch (tests/test_apidoc.py skips the comparison)
         return out

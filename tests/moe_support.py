@@ -74,3 +74,60 @@ def expert_outputs(shape: layout.Shape, seed: int) -> list[np.ndarray]:
         y.flat[29] = np.nan
         ys.append(y)
     return ys
+
+
+# ---- the backwards of ubnext.torch.moe (tests/test_moe_torch.py, tests/test_gpu_moe_torch.py) ----
+def _kept(d) -> np.ndarray:
+    """``[L, C]`` bool: the rows of a dispatch below their expert's count."""
+    return np.arange(d.src.shape[1])[None, :] < d.counts[:, None]
+
+
+def combine_backward(shape: layout.Shape, grads_dispatched, ys, weights) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every GPU's ``(y's gradient [L, C, H], the weights' [L, C] float32)`` of a combine,
+    from the dispatch of every rank's ``grad_out`` (``grads_dispatched``: the reference's
+    Dispatched of it, its rows g), every GPU's ``y`` and the combine's ``weights`` w
+    ``[L, C]``: ``dtype(float32(g * w))`` and ``float32(sum float64(g) * float64(y))`` per row,
+    zero past the counts."""
+    out = []
+    for d, y, w in zip(grads_dispatched, ys, weights):
+        kept = _kept(d)
+        g = d.recv_x
+        with np.errstate(invalid="ignore", over="ignore"):
+            gy = (g.astype(np.float32) * np.asarray(w, np.float32)[..., None]).astype(np.float32).astype(y.dtype)
+            # from +0.0, as torch's sum: a sum of -0.0 products is +0.0
+            dots = (0.0 + (g.astype(np.float64) * y.astype(np.float64)).sum(-1)).astype(np.float32)
+        out.append((np.where(kept[..., None], gy, np.zeros((), y.dtype)), np.where(kept, dots, np.float32(0))))
+    return out
+
+
+def dispatch_backward(shape: layout.Shape, dispatched, grads_recv, grads_weights, idxs):
+    """Every rank's ``(x's gradient [T, H], topk_weights' [T, K] float32)`` of a dispatch,
+    from every GPU's gradients of recv_x and of the weights ``[L, C]``: x's is the combine of
+    recv_x's with unit weights (``reference.combine``); each slot of topk_weights gets the
+    weight gradient of the row its token landed in (zero for a slot no row holds)."""
+    from ubnext._moe import reference as ref
+
+    ones = [np.ones((shape.local_experts, shape.capacity), np.float32)] * shape.nranks
+    grads_x = ref.combine(shape, dispatched, grads_recv, idxs, ones)
+    grads_w = [np.zeros(np.shape(i), np.float32) for i in idxs]
+    lo, m = shape.local_experts, shape.max_tokens
+    for g, (d, gw) in enumerate(zip(dispatched, grads_weights)):
+        for e in range(lo):
+            for r in range(d.counts[e]):
+                s, t = divmod(int(d.src[e, r]), m)
+                k = int(np.flatnonzero(np.asarray(idxs[s][t]) == g * lo + e)[0])
+                grads_w[s][t, k] = gw[e, r]
+    return list(zip(grads_x, grads_w))
+
+
+def moe_block_module():
+    """examples/moe_block.py, imported (its block, reference and check)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        return importlib.import_module("moe_block")
+    finally:
+        sys.path.pop(0)

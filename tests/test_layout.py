@@ -33,6 +33,8 @@ LAYERS = (
 ALLOWED_UPWARD = {
     # a collective called while torch.compile traces becomes a torch.ops.ubnext op
     ("_api", "torch"): "torch.compile hands a traced call to ubnext.torch",
+    # an expert-parallel object gets its handle at construction, as a Communicator does
+    ("_moe", "_api"): "ExpertParallel's int handle for the ubnext.torch.moe ops (_api.handles)",
 }
 
 

@@ -124,6 +124,20 @@ class ExpertParallel:
         self._sig["combine", "bfloat16"] = _signature.encode_moe("moe_combine", dtype, num_experts, top_k, max_tokens,
                                                                  hidden, wire=_layout.PARTIALS["bfloat16"])
 
+        from ubnext._api import handles  # the registry of the ints torch ops name objects by
+
+        handles.assign(self)  # self._handle, from construction: compiled code reads it as a constant
+
+    @property
+    def size(self) -> int:
+        """N, the ranks of the communicator (as a Communicator's ``size``; its handle carries it)."""
+        return self.shape.nranks
+
+    @property
+    def comm(self):
+        """The Communicator the object was made from."""
+        return self._comm
+
     def _allocate(self, device: int, framework: str) -> None:
         """The outputs and the combine's inputs, in one device buffer (``_raw``): each array
         at ``_slots[key]`` (offset, bytes), with GAP_BYTES between and around them, every

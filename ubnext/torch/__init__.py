@@ -33,6 +33,10 @@ Which form does what:
   ``matmul_reduce_scatter``; shaped like torch's async-TP ops; ``_overlap``);
   ``matmul_reduce_scatter_add_rmsnorm(a, b, residual, weight, bias, eps, group=comm)``:
   the latter with the bias + residual add and RMSNorm of its rows in its reduction's pass.
+* ``moe.dispatch(x, topk_idx, topk_weights, ep)``, ``moe.combine(y, handle)``: the
+  expert-parallel calls of a ``ubnext.ExpertParallel`` (``torch.ops.ubnext.moe_*``),
+  differentiable (dispatch's backward a combine, combine's a dispatch), traceable and
+  capturable.
 * ``tp``: tensor-parallel layers built on them (``sequence_parallel=True``: the overlapped
   GEMMs); ``BufferPlan``: planned symmetric buffers the row-parallel GEMMs write into.
 
@@ -50,7 +54,7 @@ from torch.distributed import ReduceOp
 from ubnext._interop import arrays as _arrays
 from ubnext._protocol.quant import EXACT
 
-from . import functional
+from . import functional, moe
 from ._planner import BufferPlan
 from ._reduce_op import op_name
 from ._registry import handle
@@ -71,7 +75,7 @@ _arrays.bind_torch()  # torch is imported: before any compiled collective (_inte
 __all__ = ["AddRMSNormEpilogue", "BufferPlan", "ColumnParallelLinear", "RowParallelLinear",
            "TensorParallelAttentionOutput", "TensorParallelMLP", "all_gather_into_tensor", "all_gather_matmul",
            "all_reduce", "functional", "handle", "matmul_reduce_scatter", "matmul_reduce_scatter_add_rmsnorm",
-           "op_name", "reduce_scatter_tensor"]
+           "moe", "op_name", "reduce_scatter_tensor"]
 
 
 class _Done:

@@ -433,8 +433,9 @@ def _holding(setup_context):
     return setup
 
 
-def register() -> None:
-    """Defines ``torch.ops.ubnext.<name>`` for every entry of ``OPS`` (once per process).
+def register(ops: dict[str, Op] = OPS) -> None:
+    """Defines ``torch.ops.ubnext.<name>`` for every entry of ``ops`` (default ``OPS``;
+    ``_moe_ops`` registers its own table), once per process.
 
     Through ``torch.library.Library`` rather than ``torch.library.custom_op``, which
     wraps every eager call in Python autograd and version-bump layers (several times the
@@ -443,7 +444,7 @@ def register() -> None:
     and a mutating op bumps the versions of what it writes (``_version_bump``), as
     custom_op does.
     """
-    for name, op in OPS.items():
+    for name, op in ops.items():
         qualname = f"{NAMESPACE}::{name}"
         _LIB.define(name + op.schema)
         _LIB.impl(name, _kernel(op), "CompositeExplicitAutograd")
