@@ -15,6 +15,7 @@ that quantizes where it should not changes the bits."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import torch
 
@@ -61,6 +62,7 @@ class ThreadComm:
     """One thread's communicator of a ``run_ranks`` group (the methods ubnext.torch calls)."""
 
     device = torch.device("cpu")  # its tensors' (a ubnext Communicator's is a CUDA ordinal)
+    selector = SimpleNamespace(nccl_problem=None)  # as a Communicator's: NCCL could run (a GPU per rank)
 
     def __init__(self, group: _Group, rank: int):
         self._group, self.rank, self.size = group, rank, len(group.slots)

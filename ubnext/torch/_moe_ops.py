@@ -38,6 +38,7 @@ import torch
 
 from ubnext._protocol.errors import UbnextError
 
+from ._gather import all_gather_any
 from ._ops import Op, register
 from ._registry import lookup
 
@@ -205,7 +206,7 @@ def _gather_run(ep, grad_weights, src, topk_idx):
     s = _gather_check(ep.shape, grad_weights, src, topk_idx)
     comm = ep.comm
     pairs = torch.stack([grad_weights.contiguous().view(torch.int32), src.contiguous()], dim=-1)
-    every = comm.all_gather(pairs).view(s.nranks * s.local_experts, s.capacity, 2)
+    every = all_gather_any(comm, pairs).view(s.nranks * s.local_experts, s.capacity, 2)
     tokens, k = topk_idx.shape
     out = torch.zeros(tokens * k + 1, dtype=torch.float32, device=grad_weights.device)
     if tokens:

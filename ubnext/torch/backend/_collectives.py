@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from torch.distributed import ReduceOp
 
-from ubnext._protocol.algorithms import KERNEL_DTYPES
 from ubnext._protocol.algorithms import OPS as _KERNEL_OPS
 from ubnext._protocol.errors import UbnextError
 
+from .._gather import all_gather_any
 from ._work import DONE, PendingWork, Work
 
 __all__ = ["CommOps", "reduction"]
@@ -172,7 +172,7 @@ class CommOps:
 
     # -- gathers and copies --
     def all_gather_single(self, output, input, opts):
-        _all_gather(self.comm(input), input, output)
+        all_gather_any(self.comm(input), input, output)
         return self._work([output], output, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
@@ -186,7 +186,7 @@ class CommOps:
             if any(o.numel() != x.numel() for o in outs):
                 raise UbnextError("ProcessGroupUbnext.allgather: every output must have the input's size "
                                   "(uneven all_gather is not served)")
-            _copy_out(_all_gather(comm, x.reshape(-1)), outs)
+            _copy_out(all_gather_any(comm, x.reshape(-1)), outs)
         return self._work(output_lists, inputs[0], opts)
 
     def allgather_coalesced(self, output_lists, inputs, opts):
@@ -275,16 +275,3 @@ class CommOps:
         for *_, work in ops:
             work.mark_issued(stream)
         return stream
-
-
-def _all_gather(comm, x, out=None):
-    """``comm.all_gather(x, out=out)``; but where no ubnext kernel gathers x's dtype and NCCL
-    cannot run (ranks sharing a GPU: DDP's int64 metadata), an all-to-all of x repeated once
-    per rank, which the pool's copy form serves for every dtype: the same layout."""
-    if str(x.dtype).removeprefix("torch.") in KERNEL_DTYPES or not comm.selector.nccl_problem:
-        return comm.all_gather(x, out=out)
-    n = comm.size
-    if out is None:
-        out = x.new_empty((n * x.shape[0], *x.shape[1:]) if x.dim() else (n,))
-    comm.all_to_all(x.reshape(1, -1).expand(n, -1).contiguous(), out=out.view(n, -1))
-    return out
