@@ -68,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--partials", choices=("float32", "bfloat16"), default="float32",
                    help="the combine's partials on the link (bfloat16: a bfloat16 payload only)")
     p.add_argument("--fp8", type=int, choices=(0, 1), default=0,
-                   help="1: the FP8 dispatch (e4m3 codes, a scale per 128 channels; bfloat16, hidden % 512 == 0)")
+                   help="1: the FP8 dispatch (e4m3 codes, a scale per 128 channels; bfloat16, hidden a multiple of 512)")
     p.add_argument("--mode", choices=("low-latency", "packed"), default="low-latency",
                    help="ExpertParallel (low-latency) or PackedExpertParallel (throughput)")
     p.add_argument("-G", "--graphs", type=int, choices=(0, 1), default=1, help="1: CUDA graphs; 0: eager")

@@ -27,6 +27,34 @@
 // area is done".
 constexpr u64 kBulkFlagVec = 2;
 
+// Exclusive prefix sum of v over the block (thread order), and the block's total; every
+// thread of the block calls it. Uses the 33 words of `scratch` (shared).
+__device__ u32 block_exclusive_scan(u32 v, u32& total, u32* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  u32 x = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const u32 y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u32 run = 0;
+    for (int w = 0; w < warps; ++w) {
+      const u32 t = scratch[w];
+      scratch[w] = run;
+      run += t;
+    }
+    scratch[32] = run;
+  }
+  __syncthreads();
+  const u32 out = scratch[warp] + x - v;
+  total = scratch[32];
+  __syncthreads();  // scratch free again
+  return out;
+}
+
 // Rotation of one packed object's kernel: moe.cuh's, and the arrivals at the launch's grid
 // barriers (reset by the last block to finish, when no block waits on it any more).
 struct PackedRotation {
