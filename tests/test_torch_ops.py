@@ -49,6 +49,25 @@ def test_schemas_and_mutations():
                       "reduce_scatter_add_rmsnorm": []}
 
 
+def test_no_dead_code_elimination_drops_an_op():
+    """Every ubnext op (the MoE ones included) is side-effecting to torch.fx: a compiler
+    keeps a call whose output nothing reads. Inductor dropped the MoE router-weight gather,
+    whose output is zero-size on a rank without tokens, from that rank's backward only: the
+    ranks then made different collectives (CollectiveMismatchError on one H200, 2 ranks)."""
+    import torch.fx
+
+    import ubnext.torch.moe  # noqa: F401 (registers the MoE ops)
+
+    names = [n for n in dir(torch.ops.ubnext) if isinstance(getattr(torch.ops.ubnext, n), torch._ops.OpOverloadPacket)]
+    assert {"all_reduce", "moe_gather_weights", "moe_dispatch"} <= set(names)
+    for name in names:
+        graph = torch.fx.Graph()
+        call = graph.call_function(getattr(torch.ops.ubnext, name).default, ())
+        graph.output(None)
+        graph.eliminate_dead_code()
+        assert call in graph.nodes, f"{name}: its unused call was eliminated"
+
+
 def test_opcheck():
     def body(comm):
         h = ut.handle(comm)

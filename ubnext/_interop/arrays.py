@@ -69,15 +69,19 @@ def bind_torch() -> None:
     imported (nothing otherwise). Called in eager code (``ubnext.torch``'s import, each
     Communicator's creation), so that a compiled function's first collective finds it
     bound already. Not collective; no CUDA call."""
-    global _compiling
+    global _compiling, _TENSOR
     torch = sys.modules.get("torch")
     if torch is not None:
-        _compiling = torch.compiler.is_dynamo_compiling
+        _compiling, _TENSOR = torch.compiler.is_dynamo_compiling, torch.Tensor
 
 
 #: whether dynamo is tracing: ``torch.compiler.is_dynamo_compiling`` (a plain ``return
 #: False`` in eager code, True under dynamo, which folds it) once torch is imported
 _compiling = _compiling_before_torch
+#: torch.Tensor once ``bind_torch`` ran: ``traced`` reads it rather than ``sys.modules``, which
+#: dynamo would walk as a dict while another thread imports (RuntimeError: dictionary
+#: changed size during iteration)
+_TENSOR = None
 
 
 def traced(x) -> bool:
@@ -87,7 +91,7 @@ def traced(x) -> bool:
     path takes it on every collective, so it does no more), and without torch, which it
     never imports. Dynamo
     traces it without a graph break. Not collective; no CUDA call."""
-    return _compiling() and isinstance(x, sys.modules["torch"].Tensor)
+    return _compiling() and isinstance(x, _TENSOR if _TENSOR is not None else sys.modules["torch"].Tensor)
 
 
 def _is_torch(x) -> bool:

@@ -40,6 +40,7 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+import torch.fx.node
 from torch.autograd.graph import increment_version
 
 from ubnext._engine.epilogue import check_eps
@@ -447,6 +448,10 @@ def register(ops: dict[str, Op] = OPS) -> None:
     for name, op in ops.items():
         qualname = f"{NAMESPACE}::{name}"
         _LIB.define(name + op.schema)
+        # every op is (part of) a collective: no compiler may drop it from one rank's graph
+        # and keep it in another's (Inductor drops a call whose output nothing reads, as a
+        # zero-size one on a rank without tokens), so each is registered as side-effecting
+        torch.fx.node.has_side_effect(getattr(getattr(torch.ops, NAMESPACE), name).default)
         _LIB.impl(name, _kernel(op), "CompositeExplicitAutograd")
         torch.library.register_fake(qualname, op.fake, lib=_LIB)
         if op.backward is not None:
