@@ -42,7 +42,7 @@ def communicator(**extra):
 
     import ubnext
 
-    c = ubnext.Communicator(**SETTINGS, **extra)
+    c = ubnext.Communicator(**{**SETTINGS, **extra})
     torch.cuda.set_device(c.device)
     return c
 
