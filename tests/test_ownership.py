@@ -389,7 +389,8 @@ def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(
     assert RELEASES.pending == 1
     fake.end_capture(STREAM + 1)
     eventually(lambda: not node0.holds_memory, "released once the capture ended")
-    assert threads == ["ubnext-release"] and RELEASES.pending == 0
+    assert threads == ["ubnext-release"]
+    eventually(lambda: RELEASES.pending == 0, "the release off the queue once it ran")
     fake.destroy_graph(graph)
     node1.close(local=True)
     del block1
@@ -454,3 +455,37 @@ def test_a_holder_dropped_while_the_releases_decide_does_not_wait_for_itself(mon
                      daemon=True).start()
     assert done.wait(WAIT_S), "the release waited for itself"
     assert ran == ["dropped meanwhile", "first"]
+
+
+def test_a_release_arriving_while_the_thread_runs_a_queued_one_waits_for_it():
+    """The ubnext-release thread runs a release queued behind a capture; another arrives on
+    another thread once the capture ended: it runs after the first (in order), not beside it."""
+    from ubnext._engine.captures import Releases
+
+    class Known:
+        capturing = True
+
+        def note_current(self, context):
+            pass
+
+        def busy(self):
+            return self.capturing
+
+    known, ran = Known(), []
+    releases = Releases(known, poll_s=0.001)
+    started, go = threading.Event(), threading.Event()
+
+    def first():
+        started.set()
+        assert go.wait(WAIT_S)
+        ran.append("first")
+
+    releases.run(first)  # queued: a capture is in progress
+    known.capturing = False
+    assert started.wait(WAIT_S), "the queued release never ran"
+    releases.run(lambda: ran.append("second"))
+    time.sleep(0.05)
+    assert ran == [], "the second release ran while the first was still running"
+    go.set()
+    eventually(lambda: ran == ["first", "second"], f"both, in order: {ran}")
+    eventually(lambda: releases.pending == 0, "the queue drained")

@@ -136,7 +136,7 @@ class Releases:
 
     @property
     def pending(self) -> int:
-        """Releases queued behind a capture in progress."""
+        """Releases queued behind a capture in progress (the one running included)."""
         return len(self._queue)
 
     def _drain(self) -> None:
@@ -149,8 +149,10 @@ class Releases:
                 time.sleep(self._poll_s)
                 continue
             with self._lock:
-                release = self._queue.popleft()
-            _logged(release)
+                release = self._queue[0]
+            _logged(release)  # still queued while it runs: a release arriving meanwhile waits behind it
+            with self._lock:
+                self._queue.popleft()
 
 
 def _logged(release: Callable) -> None:
