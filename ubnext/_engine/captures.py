@@ -114,7 +114,10 @@ class Releases:
 
     def __init__(self, captures: Captures, poll_s: float = _POLL_S):
         self._captures, self._poll_s = captures, poll_s
-        self._lock = threading.RLock()  # re-entered as Captures' lock is
+        # the captures' own lock: a collection inside either's step (it allocates) drops a
+        # holder whose release takes the other's; with two locks, two threads taking them in
+        # opposite orders deadlocked. One re-entrant lock: re-entered on its own thread only.
+        self._lock = captures._lock
         self._queue: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
 
