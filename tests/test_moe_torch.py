@@ -158,6 +158,22 @@ def test_bad_shapes_raise_naming_the_op():
     assert run_ranks(1, body) == [[]]  # nothing reached the object
 
 
+def test_an_fp8_object_is_refused_before_its_dispatch_runs():
+    """An fp8 object's dispatch returns (codes, scales), which the ops do not take: the op
+    raises before the object is called (not a TypeError after its collective ran)."""
+    def body(comm):
+        ep = HostExpertParallel(comm, "small", "bfloat16")
+        ep.shape = s = layout.shape(comm.size, ep.shape.num_experts, layout.FP8_HIDDEN_MULTIPLE, ep.shape.max_tokens,
+                                    ep.shape.top_k, "bfloat16", fp8=True)
+        x, idx, w = (torch.zeros(2, s.hidden, dtype=torch.bfloat16), torch.zeros(2, s.top_k, dtype=torch.int32),
+                     torch.zeros(2, s.top_k))
+        with pytest.raises(UbnextError, match="^ubnext::moe_dispatch: .*fp8"):
+            ut.moe.dispatch(x, idx, w, ep)
+        return ep.calls
+
+    assert run_ranks(1, body) == [[]]  # nothing reached the object
+
+
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("kind", ["random", "dropped", "skewed"])

@@ -85,6 +85,9 @@ def _rows(s) -> tuple[int, int]:
 
 # ---- moe_dispatch ------------------------------------------------------------------------
 def _dispatch_check(s, x, topk_idx, topk_weights):
+    if s.fp8:
+        raise UbnextError("ubnext::moe_dispatch: the object's dispatch is fp8 ((codes, scales) in place of recv_x), "
+                          "which the ops do not take; make it with fp8=False")
     return _check("moe_dispatch", s, {"x": (x, ("T", s.hidden), s.dtype), **_routing(s, topk_idx, topk_weights)})
 
 

@@ -69,8 +69,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         x: ``[T, H]`` of the object's dtype, T <= max_tokens, on its device.
         topk_idx: ``[T, K]`` int32: each token's experts, -1 for a dropped slot.
         topk_weights: ``[T, K]`` float32: the router's weight of each slot.
-        ep: the ``ubnext.ExpertParallel``, made with ``framework="torch"`` (or its handle,
-            ``ubnext.torch.handle(ep)``).
+        ep: the ``ubnext.ExpertParallel``, made with ``framework="torch"`` and without
+            ``fp8`` (or its handle, ``ubnext.torch.handle(ep)``).
 
     Returns:
         ``(recv_x, recv_counts, handle)``: ``recv_x`` ``[L, C, H]`` (row j of local expert
@@ -78,7 +78,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         ``recv_counts[e]`` on), ``recv_counts`` ``[L]`` int32, ``handle`` (DispatchHandle).
 
     Raises:
-        UbnextError: shapes or dtypes (before any launch), and what
+        UbnextError: shapes or dtypes, an fp8 object (before any launch), and what
             ``ExpertParallel.dispatch`` raises.
     """
     h = _handle(ep)
