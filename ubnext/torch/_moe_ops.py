@@ -53,6 +53,7 @@ class LowLatency:
 
     prefix = "moe"
     control = "counts"  # the dispatch's second output, what says which rows were received
+    located = False  # whether a row's expert needs the control (the gather op then takes it)
 
     @staticmethod
     def rows(s) -> tuple[int, ...]:
@@ -69,12 +70,11 @@ class LowLatency:
         return torch.arange(rows[1], device=counts.device, dtype=counts.dtype) < counts[:, None]
 
     @staticmethod
-    def experts(s, counts, rank: int, device):
-        """``[L, C]`` int32: the global expert of each row (its position says it; ``counts``
-        None: unused)."""
-        first = rank * s.local_experts
-        ids = torch.arange(first, first + s.local_experts, device=device, dtype=torch.int32)
-        return ids[:, None].expand(s.local_experts, s.capacity)
+    def experts(s, controls, device):
+        """``[N, L x C]`` int32: the global expert of each row of every rank (its position
+        says it; ``controls``: None)."""
+        ids = torch.arange(s.nranks * s.local_experts, device=device, dtype=torch.int32)
+        return ids.view(s.nranks, s.local_experts, 1).expand(-1, -1, s.capacity).reshape(s.nranks, -1)
 
 
 class Packed:
@@ -83,6 +83,7 @@ class Packed:
 
     prefix = "moe_packed"
     control = "offsets"
+    located = True
 
     @staticmethod
     def rows(s) -> tuple[int, ...]:
@@ -98,12 +99,14 @@ class Packed:
         return torch.arange(rows[0], device=offsets.device, dtype=offsets.dtype) < offsets[-1]
 
     @staticmethod
-    def experts(s, offsets, rank: int, device):
-        """``[R]`` int32: the global expert of each row, the one whose span
-        ``offsets[e]:offsets[e + 1]`` holds it (rows past ``offsets[L]``: the last)."""
-        at = torch.arange(s.max_rows, device=device, dtype=offsets.dtype)
-        local = torch.searchsorted(offsets[1:].contiguous(), at, right=True).clamp(max=s.local_experts - 1)
-        return (local + rank * s.local_experts).to(torch.int32)
+    def experts(s, controls, device):
+        """``[N, R]`` int32: the global expert of each row of every rank, the one whose span
+        ``offsets[e]:offsets[e + 1]`` of that rank's ``controls`` (``[N, L + 1]``) holds it
+        (rows past ``offsets[L]``: the last)."""
+        at = torch.arange(s.max_rows, device=device, dtype=controls.dtype).expand(s.nranks, -1).contiguous()
+        local = torch.searchsorted(controls[:, 1:].contiguous(), at, right=True).clamp(max=s.local_experts - 1)
+        first = torch.arange(s.nranks, device=device, dtype=local.dtype)[:, None] * s.local_experts
+        return (local + first).to(torch.int32)
 
 
 def _op(mode, call: str):
@@ -178,7 +181,7 @@ def _dispatch_backward(mode, ctx, grad_recv_x, grad_control, grad_src, grad_weig
     if ctx.needs_input_grad[0] and grad_recv_x is not None:
         grad_x = _op(mode, "dispatch_backward")(grad_recv_x.contiguous(), topk_idx, ctx.ep)
     if ctx.needs_input_grad[2] and grad_weights is not None:
-        located = (control,) if mode is Packed else ()  # a packed row's expert is read from the offsets
+        located = (control,) if mode.located else ()  # a packed row's expert is read from the offsets
         grad_w = _op(mode, "gather_weights")(grad_weights.contiguous(), src, *located, topk_idx, ctx.ep)
     return grad_x, None, grad_w, None
 
@@ -258,20 +261,22 @@ def _gather_check(mode, s, grad_weights, src, control, topk_idx):
 
 
 def _gather_run(mode, ep, grad_weights, src, *rest):
-    """Every rank's (value, source, expert) triples gathered; this rank's sources (``src //
-    M == rank``) scattered into ``[T, K]`` at (token ``src % M``, the slot of the row's
-    expert in the token's top-k); slots no row holds are zero."""
+    """Every rank's (value, source) pairs gathered, with its control where a row's expert
+    needs it (one all-gather); this rank's sources (``src // M == rank``) scattered into
+    ``[T, K]`` at (token ``src % M``, the slot of the row's expert in the token's top-k);
+    slots no row holds are zero."""
     *located, topk_idx = rest
     control = located[0] if located else None
     s = _gather_check(mode, ep.shape, grad_weights, src, control, topk_idx)
-    comm = ep.comm
-    expert = mode.experts(s, control, comm.rank, src.device)
-    triples = torch.stack([grad_weights.contiguous().view(torch.int32), src.contiguous(), expert], dim=-1)
-    every = all_gather_any(comm, triples.reshape(-1, 3)).view(-1, 3)
+    comm, rows = ep.comm, src.numel()
+    pairs = torch.stack([grad_weights.contiguous().view(torch.int32), src.contiguous()], dim=-1).reshape(-1)
+    every = all_gather_any(comm, pairs if control is None else torch.cat([pairs, control])).view(s.nranks, -1)
     tokens, k = topk_idx.shape
     out = torch.zeros(tokens * k + 1, dtype=torch.float32, device=grad_weights.device)
     if tokens:
-        values, sources, experts = every[:, 0].contiguous().view(torch.float32), every[:, 1], every[:, 2]
+        experts = mode.experts(s, None if control is None else every[:, 2 * rows:], src.device).reshape(-1)
+        every = every[:, :2 * rows].reshape(-1, 2)
+        values, sources = every[:, 0].contiguous().view(torch.float32), every[:, 1]
         mine = (sources >= 0) & (sources // s.max_tokens == comm.rank)
         token = torch.where(mine, sources % s.max_tokens, 0).long()
         match = topk_idx.index_select(0, token) == experts[:, None]
@@ -290,7 +295,7 @@ def _gather_fake(mode, grad_weights, src, *rest):
 def _table(mode) -> dict[str, Op]:
     """The four ops of ``mode`` (``LowLatency`` or ``Packed``), named ``<prefix>_<call>``."""
     p, bound = mode.prefix, (lambda f: functools.partial(f, mode))
-    located = f"Tensor {mode.control}, " if mode is Packed else ""
+    located = f"Tensor {mode.control}, " if mode.located else ""
     return {
         f"{p}_dispatch": Op("(Tensor x, Tensor topk_idx, Tensor topk_weights, int ep) -> (Tensor, Tensor, Tensor, "
                             "Tensor)", (), bound(_dispatch_run), bound(_dispatch_fake), bound(_dispatch_backward),
