@@ -227,7 +227,7 @@ class NcclEpBaseline:
         self.max_tokens = max(1, tokens)
         local = args.experts // n
         uid = bootstrap.bcast_obj(core.get_unique_id().as_bytes if rank == 0 else None)
-        self.comm = core.Communicator.init(n, rank, core.UniqueId.from_bytes(uid))  # on the current device
+        self.comm = core.Communicator.init(n, rank, core.UniqueId.from_bytes(bytearray(uid)))  # the current device
         self.group = ep.Group.create(self.comm, ep.GroupConfig(
             algorithm=ep.Algorithm.LOW_LATENCY, num_experts=args.experts,
             max_dispatch_tokens_per_rank=self.max_tokens, max_token_bytes=hidden * x.element_size()))

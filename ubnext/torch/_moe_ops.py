@@ -22,12 +22,21 @@ from the table ``MOE_OPS``:
   the token's rank: every rank's rows and sources all-gathered (the communicator's
   ``all_gather``: the bits move as they are), then each rank scatters its own tokens' values.
 
+The throughput mode's ops (``moe_packed_*``, of a ``PackedExpertParallel``) are the same
+four, its ``sync=False`` form: a value per row ``[R]`` where these have ``[L, C]``,
+``offsets`` ``[L + 1]`` where these have ``recv_counts``, rows from ``offsets[L]`` on zero,
+and ``moe_packed_gather_weights(grad_weights, src, offsets, topk_idx, ep)`` (a packed row's
+expert is the one whose span holds it; the offsets travel with the pairs). Both tables come
+from ``_table`` of a mode (``LowLatency``, ``Packed``): what the modes differ in is the
+rows' dims, which rows were received and each row's expert; the rest is shared.
+
 Gradients (fp32 arithmetic, orders fixed; docs/moe.md gives the formulas): dispatch's are
 ``moe_dispatch_backward`` (x) and ``moe_gather_weights`` of its weights output's gradient
 (topk_weights); combine's are, from a dispatch of ``grad_out`` (``g``, laid out as
 recv_x), ``y``'s ``round(g * w)`` (one fp32 product per element, then the dtype) and the
 weights' ``float32(sum_h float64(g) * float64(y))`` (every product exact in float64),
-both zero past the counts. ``recv_counts`` and ``src`` have no gradient.
+both zero past the rows received. ``recv_counts`` (``offsets``) and ``src`` have no
+gradient.
 """
 
 from __future__ import annotations
