@@ -129,6 +129,10 @@ class PackedExpertParallel:
                      for kind in SOURCES}
         self._rows_host = cupy.cuda.alloc_pinned_memory(4)  # sync=True's read of offsets[L]
 
+        from ubnext._api import handles  # the registry of the ints torch ops name objects by
+
+        handles.assign(self)  # self._handle, from construction: compiled code reads it as a constant
+
     def _allocate(self, device: int, framework: str) -> None:
         """The outputs and the combine's inputs, in one device buffer (``_raw``): each array
         at ``_slots[key]`` (offset, bytes), with GAP_BYTES between and around them, every
@@ -296,3 +300,5 @@ class PackedExpertParallel:
             return ob.obj
 
     _operand = ExpertParallel._operand  # the same checks of a payload, routing or weights array
+    size = ExpertParallel.size  # N, as a Communicator's (its handle carries it)
+    comm = ExpertParallel.comm  # the Communicator (ubnext.torch's weights' gradient gathers over it)
