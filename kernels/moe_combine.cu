@@ -31,44 +31,21 @@ __device__ void push_partials(const Tp& tp, const MoeShape& m, const MoeSets& s,
   static_assert(P % PQ == 0, "a vector of y makes whole vectors of partials");
   const int K = (int)m.topk;
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec, M = m.tokens;
-  u32 first[N + 1];
-  first[0] = 0u;
+  u32 tok[N];
 #pragma unroll
-  for (int r = 0; r < N; ++r) first[r + 1] = first[r] + min(in.tokens[r], (u32)M);
+  for (int r = 0; r < N; ++r) tok[r] = min(in.tokens[r], (u32)M);
+  const Received<N> rx(tok);
   const u64 step = (u64)gridDim.x * blockDim.x;
-  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < first[N] * vpr; q += step) {
+  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < rx.rows() * vpr; q += step) {
     const u64 f = q / vpr, i = q % vpr;
-    int src = 0;
-    while (src + 1 < N && f >= first[src + 1]) ++src;
-    const u64 t = f - first[src];
+    const int src = rx.source((u32)f);
+    const u64 t = f - rx.first[src];
     const int* route = in.route + ((u64)src * M + t) * K;
     bool here = false;
     for (int k = 0; k < K; ++k) here |= route[k] != UB_MOE_ROUTE_ELSEWHERE;
     if (!here) continue;
     float acc[P];
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += kBatch) {
-      int r[kBatch];
-      uint4 y[kBatch];
-      float wk[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        r[b] = k0 + b < K ? route[k0 + b] : -1;
-        if (r[b] >= 0) {
-          y[b] = ld_weak(in.y + (u64)r[b] * row_bytes + i * kVec);
-          wk[b] = in.weights[r[b]];
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (r[b] < 0) continue;
-        float v[P];
-        Vec<T>::unpack(y[b], v);
-#pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wk[b], v[e]));
-      }
-    }
+    partial_of<T, kBatch>(acc, route, K, in.y, in.weights, row_bytes, i);
     char* to = tp.seg(src) + row_at<N>(part_off, m, s.par, tp.rank, t, m.hidden * 4) + i * P * Elem<Q>::kBytes;
 #pragma unroll
     for (int h = 0; h < P / PQ; ++h) {

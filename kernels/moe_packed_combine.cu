@@ -36,22 +36,12 @@ __device__ void store_partials(const Tp& tp, const MoeShape& m, u64 data_off, co
     const int src = rx.source((u32)f);
     const u64 t = f - rx.first[src];
     const int* route = in.route + ((u64)src * M + t) * K;
-    if (__ballot_sync(0xffffffffu, lane < K && route[lane] != UB_MOE_ROUTE_ELSEWHERE) == 0u) continue;
+    if (__ballot_sync(kWarpAll, lane < K && route[lane] != UB_MOE_ROUTE_ELSEWHERE) == 0u) continue;
     char* to = tp.seg(src) + row_at<N>(data_off, m, 0u, tp.rank, t, m.hidden * 4);
 #pragma unroll 2
     for (u64 i = lane; i < vpr; i += 32) {
       float acc[P];
-#pragma unroll
-      for (int e = 0; e < P; ++e) acc[e] = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        const int r = route[k];
-        if (r < 0) continue;
-        const float wk = in.weights[r];
-        float y[P];
-        Vec<T>::unpack(ld_weak(in.y + (u64)r * row_bytes + i * kVec), y);
-#pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wk, y[e]));
-      }
+      partial_of<T, 1>(acc, route, K, in.y, in.weights, row_bytes, i);
 #pragma unroll
       for (int h = 0; h < P / 4; ++h) {
         st_weak(to + (i * P + 4 * h) * 4, make_uint4(__float_as_uint(acc[4 * h]), __float_as_uint(acc[4 * h + 1]),
@@ -110,7 +100,7 @@ __device__ void moe_packed_combine(const Tp& tp, const MoeShape& m, u64 rot_off,
   // 3. every rank's bulk flag, then the sums
   ok = wait_bulk_flags<N>(mine, hdr_off, s.cur, c) && ok;
   sum_partials<T, N>(mine, m, data_off, in.dest, min((u64)in.tokens[tp.rank], m.tokens), out, ok);
-  packed_finish(c, v, rot, s);
+  moe_finish(c, v, &rot->rot, s, &rot->arrive);
 }
 
 // ---- entry point, instantiated per (UB_T: bf16 or float, UB_NRANKS) ---------------------
