@@ -1,6 +1,7 @@
-// ubnext kernels: expert parallelism (docs/moe.md), what the dispatch (moe_dispatch.cu) and
-// the combine (moe_combine.cu) share: the pool area's regions, the object's rotation, the
-// headers and the polls.
+// ubnext kernels: expert parallelism (docs/moe.md), what the dispatches and combines of both
+// modes (moe_dispatch.cu, moe_combine.cu; moe_packed_*.cu through moe_packed.cuh) share: the
+// pool area's regions, the object's rotation, the headers and the polls, the slot checks and
+// routing records, the received rows and the arithmetic of a partial.
 //
 // One expert-parallel object has an area at the same offset of every rank's segment
 // (ubnext/_moe/layout.py lays it out; the host passes each region's offset):
