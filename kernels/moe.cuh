@@ -214,13 +214,13 @@ __device__ __forceinline__ void store_record(const MoeShape& m, const MoeSlots& 
 }
 
 // The received rows, counted over the sources in rank order: first[s] is the row of source
-// s's token 0, first[N] all of them (tok[s]: T_s, at most M).
+// s's token 0, first[N] all of them (tok[s]: T_s, taken at most `most`).
 template <int N> struct Received {
   u32 first[N + 1];
-  __device__ explicit Received(const u32* tok) {
+  __device__ explicit Received(const u32* tok, u32 most = 0xffffffffu) {
     first[0] = 0u;
 #pragma unroll
-    for (int r = 0; r < N; ++r) first[r + 1] = first[r] + tok[r];
+    for (int r = 0; r < N; ++r) first[r + 1] = first[r] + min(tok[r], most);
   }
   __device__ u32 rows() const { return first[N]; }
   // The source of received row f (its token: f - first[source]).
@@ -229,6 +229,16 @@ template <int N> struct Received {
     while (s + 1 < N && f >= first[s + 1]) ++s;
     return s;
   }
+};
+
+// What a combine reads of the dispatch before it (this rank's own memory: the dispatch's
+// outputs, moe_dispatch.cu's DispatchOut or moe_packed_dispatch.cu's PackedOut).
+struct CombineIn {
+  const char* y;         // the experts' outputs, row for row as recv_x ([L][C][H] or [R][H] of T)
+  const float* weights;  // a weight per row of y
+  const int* route;      // [N][M][K] each received token's slot: a row of y, or a UB_MOE_ROUTE_*
+  const u32* tokens;     // [N] T of each source
+  const u32* dest;       // [M] the GPUs (bit g) of each of this rank's tokens
 };
 
 // The fp32 partial of a received token on this GPU over vector i of y's width (Vec<T>::kPer

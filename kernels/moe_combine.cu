@@ -11,15 +11,6 @@
 // of the object ahead of another.
 #include "moe.cuh"
 
-// What a combine reads of the dispatch before it (this rank's own memory: DispatchOut).
-struct CombineIn {
-  const char* y;         // [L][C][H] of T: the experts' outputs, row for row as recv_x
-  const float* weights;  // [L][C]
-  const int* route;      // [N][M][K]
-  const u32* tokens;     // [N]
-  const u32* dest;       // [M]
-};
-
 // Partials: one thread per 16-byte vector of y's width of a received row (s, t) that has a
 // slot on this GPU (a route other than UB_MOE_ROUTE_ELSEWHERE: a slot past the capacity
 // adds no term, but the row's source still waits for this GPU's partial), grid-stride over
@@ -31,10 +22,7 @@ __device__ void push_partials(const Tp& tp, const MoeShape& m, const MoeSets& s,
   static_assert(P % PQ == 0, "a vector of y makes whole vectors of partials");
   const int K = (int)m.topk;
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec, M = m.tokens;
-  u32 tok[N];
-#pragma unroll
-  for (int r = 0; r < N; ++r) tok[r] = min(in.tokens[r], (u32)M);
-  const Received<N> rx(tok);
+  const Received<N> rx(in.tokens, (u32)M);
   const u64 step = (u64)gridDim.x * blockDim.x;
   for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < rx.rows() * vpr; q += step) {
     const u64 f = q / vpr, i = q % vpr;

@@ -10,28 +10,16 @@
 // experts, in rank order from +0.0, rounded once: the low-latency combine's arithmetic.
 #include "moe_packed.cuh"
 
-// What a packed combine reads of the dispatch before it (this rank's own memory: PackedOut).
-struct PackedIn {
-  const char* y;         // [R][H] of T: the experts' outputs, row for row as recv_x
-  const float* weights;  // [R]
-  const int* route;      // [N][M][K]
-  const u32* tokens;     // [N]
-  const u32* dest;       // [M]
-};
-
 // Partials: one warp per received row (s, t) that has a slot on this GPU (a route other than
 // UB_MOE_ROUTE_ELSEWHERE: a slot past R adds no term, but the row's source still reads this
 // GPU's partial). Weak stores: the bulk flag publishes them.
 template <class T, int N, class Tp>
-__device__ void store_partials(const Tp& tp, const MoeShape& m, u64 data_off, const PackedIn& in) {
+__device__ void store_partials(const Tp& tp, const MoeShape& m, u64 data_off, const CombineIn& in) {
   constexpr int P = Vec<T>::kPer;
   const int lane = threadIdx.x & 31, K = (int)m.topk;
   const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec, M = m.tokens;
-  u32 tok[N];
-#pragma unroll
-  for (int r = 0; r < N; ++r) tok[r] = min(in.tokens[r], (u32)M);
-  const Received<N> rx(tok);
+  const Received<N> rx(in.tokens, (u32)M);
   for (u64 f = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); f < rx.rows(); f += warps) {
     const int src = rx.source((u32)f);
     const u64 t = f - rx.first[src];
@@ -83,7 +71,7 @@ __device__ void sum_partials(const char* mine, const MoeShape& m, u64 data_off, 
 
 template <class T, int N, class Tp>
 __device__ void moe_packed_combine(const Tp& tp, const MoeShape& m, u64 rot_off, u64 hdr_off, u64 data_off,
-                                   const PackedIn& in, char* out, u64 sig, LaunchState* state) {
+                                   const CombineIn& in, char* out, u64 sig, LaunchState* state) {
   char* mine = tp.seg(tp.rank);
   PackedRotation* rot = (PackedRotation*)(mine + rot_off) + 1;  // the dispatch's is the first
   const MoeSets s = moe_sets(&rot->rot);
@@ -112,6 +100,6 @@ ub_moe_packed_combine(char* base, u64 stride, int rank, char* mc, u64 rot_off, u
   enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const MoeShape m{experts, local, topk, hidden, tokens, max_rows};
-  const PackedIn in{y, weights, route, src_tokens, dest};
+  const CombineIn in{y, weights, route, src_tokens, dest};
   moe_packed_combine<UB_T, UB_NRANKS>(tp, m, rot_off, hdr_off, data_off, in, out, sig, state);
 }
