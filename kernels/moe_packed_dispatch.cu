@@ -215,7 +215,7 @@ template <class T, int N, class Tp>
 __device__ void moe_packed_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 hdr_off, u64 prog_off,
                                     u64 rec_off, u64 data_off, u32 senders, const char* x, const int* idx,
                                     const float* w, u64 count, const PackedOut& o, u64 sig, LaunchState* state) {
-  __shared__ u32 tok[N], scratch[33], offs[(1u << 12) + 1];  // L < 2^12: the signature's experts field
+  __shared__ u32 tok[N], scratch[33], offs[(1u << UB_MOE_EXPERT_BITS) + 1];  // L: below the signature's bound
   char* mine = tp.seg(tp.rank);
   PackedRotation* rot = (PackedRotation*)(mine + rot_off);
   const MoeSets s = moe_sets(&rot->rot);
