@@ -274,3 +274,22 @@ __device__ __forceinline__ void partial_of(float (&acc)[Vec<T>::kPer], const int
     }
   }
 }
+
+// The sum of a combine: each 16-byte vector i of each of this rank's `count` output rows t, one
+// per thread over the grid: acc = +0.0 in each of its Vec<T>::kPer channels, add(t, i, acc)
+// adds the token's partials into it (false: a wait failed), then out's vector holds the sum
+// rounded once to T, or poison.
+template <class T, class Add>
+__device__ __forceinline__ void sum_rows(const MoeShape& m, u64 count, char* out, Add add) {
+  constexpr int P = Vec<T>::kPer;
+  const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
+  const u64 step = (u64)gridDim.x * blockDim.x;
+  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < count * vpr; q += step) {
+    const u64 t = q / vpr, i = q % vpr;
+    float acc[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
+    const bool good = add(t, i, acc);
+    st_weak(out + t * row_bytes + i * kVec, good ? Vec<T>::pack(acc) : Vec<T>::poison());
+  }
+}

@@ -53,14 +53,8 @@ template <class T, class Q, int N>
 __device__ void sum_partials(char* mine, const MoeShape& m, const MoeSets& s, u64 part_off, const CombineIn& in,
                              u64 count, char* out, bool ok, WaitCtx& c) {
   constexpr int P = Vec<T>::kPer, PQ = Vec<Q>::kPer;
-  const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
-  const u64 step = (u64)gridDim.x * blockDim.x;
-  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < count * vpr; q += step) {
-    const u64 t = q / vpr, i = q % vpr;
+  sum_rows<T>(m, count, out, [&](u64 t, u64 i, float (&acc)[P]) {
     const u32 mask = in.dest[t];
-    float acc[P];
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
     bool good = ok;
 #pragma unroll
     for (int h = 0; h < P / PQ; ++h) {
@@ -83,8 +77,8 @@ __device__ void sum_partials(char* mine, const MoeShape& m, const MoeSets& s, u6
         for (int e = 0; e < PQ; ++e) acc[h * PQ + e] = __fadd_rn(acc[h * PQ + e], part[e]);
       }
     }
-    st_weak(out + t * row_bytes + i * kVec, good ? Vec<T>::pack(acc) : Vec<T>::poison());
-  }
+    return good;
+  });
 }
 
 template <class T, class Q, int N, class Tp>

@@ -46,14 +46,8 @@ template <class T, int N>
 __device__ void sum_partials(const char* mine, const MoeShape& m, u64 data_off, const u32* dest, u64 count,
                              char* out, bool ok) {
   constexpr int P = Vec<T>::kPer;
-  const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
-  const u64 step = (u64)gridDim.x * blockDim.x;
-  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < count * vpr; q += step) {
-    const u64 t = q / vpr, i = q % vpr;
+  sum_rows<T>(m, count, out, [&](u64 t, u64 i, float (&acc)[P]) {
     const u32 mask = dest[t];
-    float acc[P];
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
 #pragma unroll
     for (int g = 0; g < N; ++g) {
       if (!(mask >> g & 1u)) continue;
@@ -65,8 +59,8 @@ __device__ void sum_partials(const char* mine, const MoeShape& m, u64 data_off, 
         for (int e = 0; e < 4; ++e) acc[4 * h + e] = __fadd_rn(acc[4 * h + e], __uint_as_float(Vec<float>::word(v, e)));
       }
     }
-    st_weak(out + t * row_bytes + i * kVec, ok ? Vec<T>::pack(acc) : Vec<T>::poison());
-  }
+    return ok;
+  });
 }
 
 template <class T, int N, class Tp>

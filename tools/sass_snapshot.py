@@ -17,8 +17,9 @@ A variant that fails to compile writes its error to ``.err``.
 ``--compare A B`` compares two snapshots: per variant, "same" where the normalized streams
 agree, else the lines that differ and the counts, per opcode, of the instructions whose
 semantics a refactor must keep (memory, fences, atomics, barriers, warp votes and
-shuffles, floating-point arithmetic) that differ between A and B (none listed: the streams
-differ only in integer arithmetic, moves, predicates, branches and their order).
+shuffles, floating-point arithmetic) that differ between A and B; where none do, whether
+those instructions come in the same order in both (then the streams differ only in integer
+arithmetic, moves, predicates and branches between them).
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ _KEPT = re.compile(r"^(ld|st|atom|red|fence|membar|bar|barrier|shfl|vote|redux|m
                    r"FMUL|FADD|FFMA|F2F|F2FP|I2F|F2I|MUFU|ACQBULK|CCTL|ERRBAR)$")
 
 
-def kept_counts(norm: str) -> dict[str, int]:
-    """Counts of the kept instructions of a normalized stream, by full opcode (``ld.global.u32``)."""
-    counts: dict[str, int] = {}
+def kept_sequence(norm: str) -> list[str]:
+    """The kept instructions of a normalized stream, in order, by full opcode (``ld.global.b32``)."""
+    out = []
     for line in norm.splitlines():
         words = line.split()
         if words and words[0].startswith("@"):
@@ -90,7 +91,15 @@ def kept_counts(norm: str) -> dict[str, int]:
                 continue  # a parameter read again: no memory the kernel shares
             if op.split(".")[0] in ("ld", "st"):
                 op = re.sub(r"\.[sub](\d+)$", r".b\1", op)  # a load's signedness: the same bits
-            counts[op] = counts.get(op, 0) + 1
+            out.append(op)
+    return out
+
+
+def kept_counts(norm: str) -> dict[str, int]:
+    """Counts of the kept instructions of a normalized stream, by full opcode."""
+    counts: dict[str, int] = {}
+    for op in kept_sequence(norm):
+        counts[op] = counts.get(op, 0) + 1
     return counts
 
 
@@ -111,8 +120,9 @@ def compare(a: Path, b: Path) -> int:
         lines = sum(1 for d in difflib.ndiff(ta.splitlines(), tb.splitlines()) if d[:1] in "+-")
         ca, cb = kept_counts(ta), kept_counts(tb)
         delta = {k: (ca.get(k, 0), cb.get(k, 0)) for k in sorted(set(ca) | set(cb)) if ca.get(k, 0) != cb.get(k, 0)}
+        order = "in the same order" if kept_sequence(ta) == kept_sequence(tb) else "reordered"
         print(f"{fa.stem}: {lines} lines differ; kept opcodes that differ: "
-              + (", ".join(f"{k} {x}->{y}" for k, (x, y) in delta.items()) or "none"))
+              + (", ".join(f"{k} {x}->{y}" for k, (x, y) in delta.items()) or f"none, {order}"))
     return 1 if differ else 0
 
 
