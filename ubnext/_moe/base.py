@@ -40,7 +40,7 @@ class MoeObject:
     PARAMS: dict[str, tuple] = {}
 
     @staticmethod
-    def _node(name: str, comm, framework: str):
+    def _node_of(name: str, comm, framework: str):
         """The communicator's node (its pool and engine), checked: ``framework`` known, the
         communicator open, with a symmetric pool.
 

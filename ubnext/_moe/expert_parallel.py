@@ -87,7 +87,7 @@ class ExpertParallel(MoeObject):
         import cupy
 
         name = "ExpertParallel"
-        node = self._node(name, comm, framework)
+        node = self._node_of(name, comm, framework)
         self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype, capacity,
                                    fp8)
         arch = int(cupy.cuda.Device(comm.device).compute_capability)

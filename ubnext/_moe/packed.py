@@ -99,7 +99,7 @@ class PackedExpertParallel(MoeObject):
         import cupy
 
         name = _layout.NAME
-        node = self._node(name, comm, framework)
+        node = self._node_of(name, comm, framework)
         self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype, max_rows)
         sms = cupy.cuda.Device(comm.device).attributes["MultiProcessorCount"]
         self._blocks = max(2, min(node.engine._blocks, sms))  # every block resident: the grid barriers
