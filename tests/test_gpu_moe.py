@@ -23,7 +23,7 @@ from moe_support import expert_outputs, inputs, tokens_of
 
 from ubnext._moe import layout
 from ubnext._moe import reference as ref
-from ubnext._moe.expert_parallel import CANARY
+from ubnext._moe.base import CANARY
 
 pytestmark = pytest.mark.gpu
 
