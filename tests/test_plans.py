@@ -1042,10 +1042,9 @@ def test_outputs_written_through_their_address_have_their_version_incremented(ma
         loss.backward()
 
 
-def test_a_communicator_dropped_without_close_is_released_locally_by_its_finalizer(fakes, logged):
-    """What a communicator owns (``lifetime.Owned``) holds no reference to it: once garbage,
-    its finalizer announces the abort to the node's ranks and closes the node locally (no
-    rank waited for), in the launch section, and warns."""
+def finalized_communicator(fakes):
+    """A communicator over a FakeNode whose finalizer is its ``Owned.drop``, as the
+    constructor makes it; with the node and the launch order."""
     config = Config.from_env()
     engine, _ = make_engine(fakes.monkeypatch, config)
     node = FakeNode(engine, engine.pool)
@@ -1054,7 +1053,15 @@ def test_a_communicator_dropped_without_close_is_released_locally_by_its_finaliz
     comm = bare_communicator(order, config=config, _node=node, _selector=selector,
                              _dispatch=Dispatcher(node, selector.limits, order, None, 0))
     comm._finalizer.detach()
-    comm._finalizer = weakref.finalize(comm, comm._owned.drop)  # as the constructor makes it
+    comm._finalizer = weakref.finalize(comm, comm._owned.drop)
+    return comm, node, order
+
+
+def test_a_communicator_dropped_without_close_is_released_locally_by_its_finalizer(fakes, logged):
+    """What a communicator owns (``lifetime.Owned``) holds no reference to it: once garbage,
+    its finalizer announces the abort to the node's ranks and closes the node locally (no
+    rank waited for), in the launch section, and warns."""
+    comm, node, order = finalized_communicator(fakes)
     ref = weakref.ref(comm)
     del comm
     gc.collect()
@@ -1071,15 +1078,7 @@ def test_a_communicator_dropped_during_a_capture_in_progress_is_released_after_i
     release thread."""
     from ubnext._engine import captures
 
-    config = Config.from_env()
-    engine, _ = make_engine(fakes.monkeypatch, config)
-    node = FakeNode(engine, engine.pool)
-    selector = Selector(1, buffer_limits(config), [n for n, a in ALGORITHMS.items() if not a.multicast], None, None)
-    order = fake_order()
-    comm = bare_communicator(order, config=config, _node=node, _selector=selector,
-                             _dispatch=Dispatcher(node, selector.limits, order, None, 0))
-    comm._finalizer.detach()
-    comm._finalizer = weakref.finalize(comm, comm._owned.drop)
+    comm, node, order = finalized_communicator(fakes)
     capturing = threading.Event()
     capturing.set()
     monkeypatch.setattr(captures.RELEASES._captures, "busy", capturing.is_set)
