@@ -120,7 +120,10 @@ class MemoryGauge:
 
         processes = nvml_processes(self._device)
         if self.how == "process":
-            return dict(processes)[os.getpid()], ""
+            used = dict(processes).get(os.getpid())
+            if used is None:  # NVML named this process at the gauge's creation, not now
+                return 0, f"NVML stopped reporting this process's memory (pid {os.getpid()}) on GPU {self._device}"
+            return used, ""
         free, total = cupy.cuda.runtime.memGetInfo()
         return total - free, self._alone(processes)
 

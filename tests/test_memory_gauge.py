@@ -50,6 +50,18 @@ def test_where_nvml_names_this_process_its_own_usage_is_read(device):
     assert gauge.read() == 1 << 30
 
 
+def test_where_nvml_stops_naming_this_process_the_gauge_skips_saying_so(device):
+    device["processes"] = [(os.getpid(), 1 << 30)]
+    gauge = mg.MemoryGauge(World(), 0)
+    assert gauge.how == "process"
+    device["processes"] = [(os.getpid(), None)]
+    with pytest.raises(pytest.skip.Exception, match="NVML stopped reporting this process"):
+        gauge.read()
+    device["processes"] = []
+    with pytest.raises(pytest.skip.Exception, match="NVML stopped reporting this process"):
+        gauge.read()
+
+
 def test_where_nvml_hides_the_pid_the_device_is_read_while_only_this_job_is_on_it(device):
     device["processes"] = [(OTHER_PID, None)]  # this process, under another pid
     gauge = mg.MemoryGauge(World(), 0)
