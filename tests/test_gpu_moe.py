@@ -346,12 +346,11 @@ def test_host_visible_errors_raise_before_any_launch(comm):
     assert tuple(out.shape) == (t, h) and r == comm.rank
 
 
-@pytest.mark.parametrize("problem", ["out_of_range", "repeated"])
-def test_bad_routing_raises_on_every_rank_after_the_call(comm, problem):
-    """Every rank passes one bad slot: every rank's kernel finds it, writes nothing out of
-    bounds, every wait completes, and every rank raises at its next call: RoutingError where
-    its own kernel recorded it first (a rank whose kernel saw another rank's failure
-    announced first records that one: BrokenCommunicatorError), on one rank at least."""
+def check_bad_routing(comm, problem: str, make, routed=lambda shape: shape) -> None:
+    """One bad slot on every rank (``problem``: an expert id out of range, or one expert
+    twice), on an object of ``make`` (its inputs drawn for ``routed(shape)``) over a
+    communicator of its own: every rank raises BrokenCommunicatorError at its next call,
+    RoutingError naming the problem on one rank at least, and the gaps keep their canary."""
     import torch
 
     import ubnext
@@ -359,7 +358,7 @@ def test_bad_routing_raises_on_every_rank_after_the_call(comm, problem):
     c = communicator(device=comm.device)  # a communicator of its own: the failure breaks it
     try:
         ep, shape = make(c, "small", "float32")
-        xs, idxs, ws = inputs(shape, "random", [shape.max_tokens] * c.size, seed=5)
+        xs, idxs, ws = inputs(routed(shape), "random", [shape.max_tokens] * c.size, seed=5)
         idx = idxs[c.rank].copy()
         idx[2, 1] = shape.num_experts + 3 if problem == "out_of_range" else idx[2, 0]
         poison_outputs(ep)
@@ -374,6 +373,15 @@ def test_bad_routing_raises_on_every_rank_after_the_call(comm, problem):
         check_gaps(ep, problem)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("problem", ["out_of_range", "repeated"])
+def test_bad_routing_raises_on_every_rank_after_the_call(comm, problem):
+    """Every rank passes one bad slot: every rank's kernel finds it, writes nothing out of
+    bounds, every wait completes, and every rank raises at its next call: RoutingError where
+    its own kernel recorded it first (a rank whose kernel saw another rank's failure
+    announced first records that one: BrokenCommunicatorError), on one rank at least."""
+    check_bad_routing(comm, problem, make)
 
 
 def test_capacity_exceeded_raises_where_it_is_found_and_breaks_the_others(comm):

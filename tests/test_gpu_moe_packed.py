@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from gpu_support import Bordered, host, seed_of
 from moe_support import NP, inputs, tokens_of
-from test_gpu_moe import check_gaps, communicator, poison_outputs, raised, ref_mismatches, to_device
+from test_gpu_moe import check_bad_routing, check_gaps, communicator, poison_outputs, raised, ref_mismatches, \
+    to_device
 
 from ubnext._moe import layout, packed_layout
 from ubnext._moe import packed_reference as pref
@@ -239,28 +240,7 @@ def test_bad_routing_raises_on_every_rank_after_the_call(comm, problem):
     """Every rank passes one bad slot: every rank's kernel finds it, writes nothing out of
     bounds, every wait completes, and every rank raises at its next call: RoutingError where
     its own kernel recorded it first, on one rank at least."""
-    import torch
-
-    import ubnext
-
-    c = communicator(device=comm.device)  # a communicator of its own: the failure breaks it
-    try:
-        ep, shape = make(c, "small", "float32")
-        xs, idxs, ws = inputs(shape.padded(), "random", [shape.max_tokens] * c.size, seed=5)
-        idx = idxs[c.rank].copy()
-        idx[2, 1] = shape.num_experts + 3 if problem == "out_of_range" else idx[2, 0]
-        poison_outputs(ep)
-        ep.dispatch(to_device(xs[c.rank]), to_device(idx), to_device(ws[c.rank]))
-        torch.cuda.synchronize()
-        caught = raised(c.synchronize)
-        routing = c.bootstrap.allgather_obj(isinstance(caught, ubnext.RoutingError))
-        assert isinstance(caught, ubnext.BrokenCommunicatorError), caught
-        words = {"out_of_range": "an expert id out of range", "repeated": "one expert twice"}[problem]
-        assert not isinstance(caught, ubnext.RoutingError) or words in str(caught)
-        assert any(routing)
-        check_gaps(ep, problem)
-    finally:
-        c.close()
+    check_bad_routing(comm, problem, make, routed=lambda shape: shape.padded())
 
 
 def test_max_rows_exceeded_raises_where_it_is_found_and_breaks_the_others(comm):
