@@ -46,11 +46,15 @@ __device__ __forceinline__ MoeSets moe_sets(const MoeRotation* r) {
   return {n, cur, cur == 0u ? 2u : cur - 1u, n & 1u};
 }
 
-// The end of a launch: the family's launch state (sync.cuh: finish_launch), then the
-// object's rotation, advanced by the last block to finish.
+// The end of a launch: the object's rotation, advanced by the last block to count itself
+// done, and the family's launch state (sync.cuh: finish_launch). Thread 0 counts its block
+// after a barrier (every thread of the block read the rotation before it) and before
+// finish_launch's own count, so that the two atomics' round trips overlap.
 __device__ void moe_finish(WaitCtx& c, const LaunchView& v, MoeRotation* r, const MoeSets& s) {
+  __syncthreads();
+  const u32 done = threadIdx.x == 0 ? atomicAdd(&r->done, 1u) : 0u;
   finish_launch(c, v, 0u);  // begins with __syncthreads
-  if (threadIdx.x == 0 && atomicAdd(&r->done, 1u) == gridDim.x - 1u) {
+  if (threadIdx.x == 0 && done == gridDim.x - 1u) {
     r->done = 0u;
     r->launches = (s.launches + 1u) % 6u;  // 6: the sets' periods' lcm, so no wrap repeats a set early
   }
@@ -110,14 +114,13 @@ __device__ bool moe_headers(const char* mine, u64 off, u32 set, u64 sig, u32* to
   const int r = threadIdx.x;
   if (r < N) {
     const char* h = mine + header_at<N>(off, set, r);
-    uint4 v = ld_volatile(h);
+    uint4 v = ld_volatile(h), t = tokens != nullptr ? ld_volatile(h + kVec) : v;  // both loads in flight
     ok = moe_wait(h, v, c, r);
     if (ok && unpack_signature(v) != sig) {
       fail(c, kFailMismatch, r, 0, sig, unpack_signature(v));
       ok = false;
     }
     if (tokens != nullptr) {
-      uint4 t = ld_volatile(h + kVec);
       ok = ok && moe_wait(h + kVec, t, c, r);
       tokens[r] = ok && t.x - 1u <= most ? t.x - 1u : 0u;
     }

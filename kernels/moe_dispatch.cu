@@ -12,6 +12,18 @@
 #include "moe.cuh"
 #include "quant.cuh"
 
+// Timing variants (bench/moe_phases.py; the library defines neither): UB_MOE_PHASES k runs
+// moe_dispatch's phases up to k: 0 entry and exit, 1 the headers, 2 the send, 3 the
+// scatter's polls, votes and lists, 4 its copy (the whole dispatch, the default).
+// UB_MOE_FENCES without bit 0 drops the send's release fence, without bit 1 the scatter's
+// acquire (such a variant may copy rows that have not arrived: for timing only).
+#ifndef UB_MOE_PHASES
+#define UB_MOE_PHASES 4
+#endif
+#ifndef UB_MOE_FENCES
+#define UB_MOE_FENCES 3
+#endif
+
 // What a dispatch writes in this rank's own memory (ubnext/_moe/expert_parallel.py).
 struct DispatchOut {
   char* recv_x;    // [L][C][H] of T: row j of local expert e (an FP8 dispatch: of e4m3 codes)
@@ -62,8 +74,9 @@ __device__ void send_fp8_row(const Tp& tp, const char* xr, u64 at, u64 vpr, u64 
 // (with `fp8`, its e4m3 codes and scales: send_fp8_row) once into each destination GPU's
 // area of this source; after the block's barrier, warp 0
 // pushes the record (the K checked ids, then the K weights, -0.0 written as +0.0; padding
-// 1) to every rank, after a system-scope fence in each lane whose record goes where the
-// row went (the barrier, then the fence: the block's row stores before the record).
+// 1) to every rank, after an acquire-release fence at system scope in each lane whose
+// record goes where the row went (the barrier, then the fence, then the relaxed store: a
+// release of the block's row stores, which the scatter's acquire load of the record pairs).
 template <class T, int N, class Tp>
 __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u64 rec_off, u64 rows_off,
                             const char* x, const int* idx, const float* w, u64 count, u32* dest, WaitCtx& c,
@@ -129,7 +142,7 @@ __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u
         word[h] = wi < K ? (u32)id_v : wi < 2 * K ? w_v : 1u;
       }
       if (j < nrec) {
-        if (mask >> d & 1u) fence_sys();  // the row before its record (release)
+        if ((UB_MOE_FENCES & 1) && (mask >> d & 1u)) fence_acq_rel_sys();  // the row before its record (release)
         st_relaxed_sys(tp.seg(d) + record_at<N>(rec_off, m, s.cur, tp.rank, t, q),
                        make_uint4(word[0], word[1], word[2], word[3]));
       }
@@ -147,9 +160,23 @@ template <int N> __device__ __forceinline__ int source_of(const u32 (&first)[N +
 // The most vectors a routing record has (MoeShape::record_vecs at the largest top-k).
 constexpr int kMaxRecordVecs = (2 * UB_MOE_MAX_TOPK + 3) / 4;
 
+// A record's first vector, loaded with acquire semantics at system scope (with UB_MOE_FENCES
+// bit 1; else relaxed): later accesses of this thread, and of the block after a barrier,
+// see what the sender stored before its release (the row). A load and an L1 invalidation,
+// no fence: no wait for this thread's earlier stores.
+__device__ __forceinline__ uint4 ld_record_acquire(const char* p) {
+  if (!(UB_MOE_FENCES & 2)) return ld_volatile(p);
+  uint4 v;
+  asm volatile("ld.acquire.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
 // One received row's record as a lane polls it: every vector waited for (its loads issued
-// together first), then the slot kk of this GPU's expert `ge` (-1: none), its weight's bits
-// and, with `others`, the route ELSEWHERE of every slot whose expert is not on this GPU.
+// together first, the first vector's last and an acquire; where that one was not there yet,
+// loaded again with an acquire once the wait saw it), then the slot kk of this GPU's expert
+// `ge` (-1: none), its weight's bits and, with `others`, the route ELSEWHERE of every slot
+// whose expert is not on this GPU.
 struct Polled {
   int kk;
   u32 wbits;
@@ -160,15 +187,18 @@ __device__ Polled poll_record(const char* rec, const MoeShape& m, int ge, int sr
   const int K = (int)m.topk, R = (int)m.record_vecs();
   uint4 v[kMaxRecordVecs];
 #pragma unroll
-  for (int q = 0; q < kMaxRecordVecs; ++q) {
+  for (int q = kMaxRecordVecs - 1; q > 0; --q) {
     if (q < R) v[q] = ld_volatile(rec + q * kVec);
   }
+  v[0] = ld_record_acquire(rec);
+  const bool late = has_sentinel<float>(v[0]);
   Polled p{-1, 0u, true};
 #pragma unroll
   for (int q = 0; q < kMaxRecordVecs; ++q) {
     if (q < R) p.ok = p.ok && moe_wait(rec + q * kVec, v[q], c, src);
   }
   if (!p.ok) return p;
+  if (late) v[0] = ld_record_acquire(rec);  // the wait saw it with relaxed loads: the acquire now
 #pragma unroll
   for (int q = 0; q < kMaxRecordVecs; ++q) {
 #pragma unroll
@@ -196,8 +226,9 @@ __device__ Polled poll_record(const char* rec, const MoeShape& m, int ge, int sr
 // then takes its row j of e from the counts of the earlier warps and rounds (by
 // (source, token): a function of the routing alone). Part p lists the rows with
 // j % P == p below the capacity and writes their src, weight and route; where it listed
-// any, after one more barrier the block's threads copy the listed rows from the sources' areas, their vectors
-// spread over the whole block. Rows past the capacity fail the call (kFailInput) and
+// any, after one more barrier the block's threads copy the listed rows from the sources'
+// areas, their vectors spread over the whole block (the lane that polled and listed a row
+// acquired its record: poll_record). Rows past the capacity fail the call (kFailInput) and
 // route UB_MOE_ROUTE_OVERFLOW; unit (0, 0) also routes every slot whose expert is
 // elsewhere.
 template <class T, int N>
@@ -231,7 +262,6 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
       if (f < rows) {
         got = poll_record<N>(mine + record_at<N>(rec_off, m, s.cur, src, t, 0), m, ge, src,
                              e == 0 && p == 0u ? route : nullptr, c);
-        fence_acq_rel_sys();  // the record seen: the row before it is visible to the block after the vote
       }
       const u32 hits = __ballot_sync(0xffffffffu, got.kk >= 0);
       if (lane == 0) counted[turn & 1u][warp] = __popc(hits);
@@ -265,7 +295,7 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
       if (before > C) fail(c, kFailInput, rank, kMoeOverCapacity, (u64)ge, before);
     }
     const u32 kept = (u32)min((u64)before, C), n = kept > p ? (kept - p + P - 1u) / P : 0u;
-    if (n == 0u) continue;  // block-uniform: nothing listed, nothing to copy
+    if (UB_MOE_PHASES < 4 || n == 0u) continue;  // block-uniform: nothing listed, nothing to copy
     __syncthreads();  // the list; the next unit writes it only after its first vote
     pipelined(threadIdx.x, (u64)n * wire, blockDim.x, [&](u64 q) {
       const u32 st = list[q / wire];
@@ -287,19 +317,20 @@ __device__ void moe_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 h
   const MoeSets s = moe_sets(rot);
   const LaunchView v = read_launch_state(state);
   WaitCtx c = wait_ctx(state, tp.rank);
-  // 1. header, 2. send
-  moe_push_header<N>(tp, hdr_off, s.cur, sig, true, count);
-  send_tokens<T, N>(tp, m, s, rec_off, rows_off, x, idx, w, count, o.dest, c, &mask, o.scales != nullptr);
+  // 1. header, 2. send (the phases: UB_MOE_PHASES, at the top)
+  if (UB_MOE_PHASES >= 1) moe_push_header<N>(tp, hdr_off, s.cur, sig, true, count);
+  if (UB_MOE_PHASES >= 2)
+    send_tokens<T, N>(tp, m, s, rec_off, rows_off, x, idx, w, count, o.dest, c, &mask, o.scales != nullptr);
   // 3. re-poison the previous launch's headers and records in this rank's segment
-  moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
-  moe_repoison(mine + record_at<N>(rec_off, m, s.old, 0, 0, 0), N * m.tokens * m.record_vecs());
+  if (UB_MOE_PHASES >= 1) moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
+  if (UB_MOE_PHASES >= 2) moe_repoison(mine + record_at<N>(rec_off, m, s.old, 0, 0, 0), N * m.tokens * m.record_vecs());
   // this rank's own count first: it bounds the combine's rows of `out` even where the
   // headers' vote below fails (a failed launch must leave no stale count behind)
   if (blockIdx.x == 0 && threadIdx.x == 0) o.tokens[tp.rank] = (u32)count;
   // 4. every rank's header, then receive and scatter
-  if (moe_headers<N>(mine, hdr_off, s.cur, sig, tok, m.tokens, c)) {
+  if (UB_MOE_PHASES >= 1 && moe_headers<N>(mine, hdr_off, s.cur, sig, tok, m.tokens, c)) {
     if (blockIdx.x == 0 && threadIdx.x < N) o.tokens[threadIdx.x] = tok[threadIdx.x];
-    scatter<T, N>(mine, m, s, rec_off, rows_off, tok, o, c, counted, list);
+    if (UB_MOE_PHASES >= 3) scatter<T, N>(mine, m, s, rec_off, rows_off, tok, o, c, counted, list);
   }
   moe_finish(c, v, rot, s);
 }

@@ -1,17 +1,23 @@
 """The expert-parallel kernels (kernels/moe_dispatch.cu, kernels/moe_combine.cu) compile for
 sm_90a through NVRTC without a GPU, for every payload dtype at every world size, and keep
 the arithmetic the host reference (ubnext/_moe/reference.py) computes: no fused
-multiply-add in the combine's products and sums. The launches' argument lists agree with
-the entry points; the signatures and the routing errors read as the docs say."""
+multiply-add in the combine's products and sums; the dispatch orders its rows before their
+records with one release fence and acquire loads, and a launch's two closing counts are in
+flight together. The launches' argument lists agree with the entry points; the signatures
+and the routing errors read as the docs say. The dispatch's timing variants
+(bench/moe_phases.py) compile, and the library's kernel is the whole one."""
 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
+from bench import moe_phases
 from ubnext._engine import failures as _failures
 from ubnext._engine import kernels as _kernels
+from ubnext._moe import expert_parallel
 from ubnext._moe import layout as _layout
 from ubnext._moe.expert_parallel import _PARAMS, SOURCES
 from ubnext._protocol import constants as _protocol
@@ -115,3 +121,87 @@ def test_the_entry_point_waits_for_the_kernel_before_it_and_keeps_subnormals(kin
     early = [line.split()[0] for line in body[:wait].splitlines()
              if re.match(r"\s*(ld|st|atom|red|cp|prefetch)\.", line)]
     assert [i for i in early if not i.startswith("ld.param")] == ["st.relaxed.gpu.global.u64"], early
+
+
+def _dispatch_entry(defines=()):
+    """The PTX of the dispatch's entry point (bf16, 4 ranks, full optimization) with ``defines``."""
+    ptx = _kernels.compile_cubin("moe_dispatch.cu", {**compile_defines("bfloat16", "sum", 4), **dict(defines)},
+                                 arch="compute_90a").decode(errors="replace")
+    return ptx[ptx.index(f".entry {SOURCES['dispatch'][1]}("):]
+
+
+def test_the_dispatch_releases_rows_with_one_fence_and_acquires_them_with_loads():
+    """The send's release is one acquire-release fence before the record's relaxed store
+    (no sequentially consistent fence: message passing needs none); the scatter acquires a
+    record by loading its first vector with ld.acquire (no fence waiting for the lane's
+    stores), at the poll and, where the wait spun, once more after it."""
+    body = _dispatch_entry()
+    assert "fence.sc.sys" not in body and body.count("fence.acq_rel.sys") == 1
+    assert body.count("ld.acquire.sys.global.v4.u32") == 2
+
+
+@pytest.mark.parametrize("name,defines", [(name, defines) for name, defines, _ in moe_phases.VARIANTS])
+def test_every_timing_variant_of_bench_moe_phases_compiles(name, defines):
+    cubin = _kernels.compile_cubin("moe_dispatch.cu", {**compile_defines("bfloat16", "sum", 4), **dict(defines)},
+                                   fast=True)
+    assert SOURCES["dispatch"][1].encode() in cubin
+
+
+def test_without_definitions_the_dispatch_is_the_whole_one():
+    """The library compiles no UB_MOE_PHASES or UB_MOE_FENCES: its kernel is every phase with every fence."""
+    assert _dispatch_entry() == _dispatch_entry((("UB_MOE_PHASES", "4"), ("UB_MOE_FENCES", "3")))
+    assert _dispatch_entry() != _dispatch_entry((("UB_MOE_PHASES", "3"),))
+
+
+def test_the_dispatch_definitions_hook_reaches_the_dispatch_only(monkeypatch):
+    """ExpertParallel._compile adds a subclass's _dispatch_defines to the dispatch's
+    compilation, not to the combine's; the library's class adds none."""
+    compiled = {}
+
+    def compile_module(source, defines, device):
+        compiled[source] = defines
+        return SimpleNamespace(get_function=lambda entry: entry)
+
+    monkeypatch.setattr(expert_parallel, "compile_module", compile_module)
+    monkeypatch.setattr(expert_parallel, "Launcher", lambda *args: args)
+    node = SimpleNamespace(pool=SimpleNamespace(base=0, stride=0, local_rank=0, local_ptr=lambda offset: offset),
+                           engine=SimpleNamespace(_mc_base=0, plan=SimpleNamespace(offset=lambda key: 0),
+                                                  dependent=True))
+    shape = _layout.shape(4, 256, 7168, 128, 8, "bfloat16")
+    base = compile_defines("bfloat16", "sum", 4)
+    for cls, extra in ((expert_parallel.ExpertParallel, {}),
+                       (type("Phased", (expert_parallel.ExpertParallel,),
+                             {"_dispatch_defines": (("UB_MOE_PHASES", "2"),)}), {"UB_MOE_PHASES": "2"})):
+        ep = cls.__new__(cls)
+        ep.shape = shape
+        compiled.clear()
+        ep._compile(SimpleNamespace(device=0), node, shape.offsets())
+        assert compiled == {"moe_dispatch.cu": {**base, **extra}, "moe_combine.cu": base}
+
+
+def test_bench_moe_phases_subtracts_each_variant_from_its_reference():
+    names = [name for name, *_ in moe_phases.variants([66])]
+    record = {"shape": {"hidden": 128, "experts": 8, "top_k": 1, "tokens": 1}, "wrong": {"whole": 0},
+              "times_us": {name: float(2 ** i) for i, name in enumerate(names)}}
+    rows = {line[:28].strip(): float(line[28:]) for line in moe_phases.table([record], names)
+            if line[:1] != "#" and line[28:].strip() not in ("", "-") and not line.startswith("variant")}
+    t = record["times_us"]
+    assert rows["send (2 - 1)"] == t["phase 2"] - t["phase 1"] and rows["copy (whole - 3)"] == t["whole"] - t["phase 3"]
+    assert rows["send fence"] == t["whole"] - t["no send fence"] and rows["both"] == t["whole"] - t["no fences"]
+    assert rows["grid 66 - whole"] == t["grid 66"] - t["whole"]
+    assert rows["phase 0, grid 66 - phase 0"] == t["phase 0, grid 66"] - t["phase 0"]
+    assert rows["wrong (checked variants)"] == 0
+
+
+@pytest.mark.parametrize("kind", list(SOURCES))
+def test_the_two_counts_at_a_launchs_end_are_in_flight_together(kind):
+    """moe.cuh's moe_finish: the rotation's count (the second-to-last atomic add) is issued
+    before the launch state's (the last) and its result is read only after it, so that a
+    block's end waits for one atomic round trip, not two."""
+    ptx = _compile(kind, "bfloat16", 4, arch="compute_90a").decode(errors="replace")
+    body = ptx[ptx.index(f".entry {SOURCES[kind][1]}("):]
+    last = body.rindex("atom.global.add.u32")
+    rotation = body.rindex("atom.global.add.u32", 0, last)
+    result = re.match(r"atom\.global\.add\.u32\s+(%r\d+),", body[rotation:]).group(1)
+    assert re.search(rf"{re.escape(result)}\b", body[body.index("\n", rotation):last]) is None
+    assert re.search(rf"{re.escape(result)}\b", body[last:]) is not None

@@ -85,6 +85,11 @@ class ExpertParallel:
             communicator.
     """
 
+    #: extra (name, value) definitions of the dispatch kernel's compilation: none here;
+    #: bench/moe_phases.py's subclasses set its timing variants (kernels/moe_dispatch.cu:
+    #: UB_MOE_PHASES, UB_MOE_FENCES)
+    _dispatch_defines: tuple[tuple[str, str], ...] = ()
+
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens: int, top_k: int, dtype: str = "bfloat16",
                  capacity: int | None = None, framework: str = "cupy", partials: str = "float32", fp8: bool = False):
         import cupy
@@ -192,7 +197,10 @@ class ExpertParallel:
                     "combine": fixed + (regions["combine_headers"], regions["partials"]) + sizes}
         launchers = {}
         for kind, (source, entry) in SOURCES.items():
-            module = compile_module(source, compile_defines(s.dtype, "sum", s.nranks), comm.device)
+            defines = compile_defines(s.dtype, "sum", s.nranks)
+            if kind == "dispatch":
+                defines.update(self._dispatch_defines)
+            module = compile_module(source, defines, comm.device)
             state = pool.local_ptr(node.engine.plan.offset(f"moe_{kind}.state"))
             launchers[kind] = Launcher(module.get_function(entry), _PARAMS[kind], prefixes[kind], (state,),
                                        node.engine.dependent)
