@@ -76,16 +76,29 @@ template <int N> __device__ __forceinline__ u64 row_at(u64 off, const MoeShape& 
 // later loads of this thread see what the flag's writer stored before its release fence.
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// A vector loaded with acquire semantics at system scope: later accesses of this thread
+// (and of its block after a barrier) see what the writer stored before its release. A load
+// and an L1 invalidation (LDG.STRONG.SYS, CCTL.IVALL), no fence: no wait for this
+// thread's earlier stores.
+__device__ __forceinline__ uint4 ld_acquire_sys_vec(const void* p) {
+  uint4 v;
+  asm volatile("ld.acquire.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
 // Waits until v, loaded from p (pushed by `peer`), holds no sentinel element of W (fp32
-// words, or the bf16 halves of the combine's bf16 partials), re-reading p; false if the
+// words, or the bf16 halves of the combine's bf16 partials), re-reading p (with
+// kAcquire, by acquire loads: v's first load must be one too, so that the load that saw
+// it written is an acquire); false if the
 // wait gave up (sync.cuh: spin) or the communicator failed for this thread. The fp32
 // sentinel word (the re-poisoned state) is a bf16 sentinel in its high half: both read it
 // as not yet written.
-template <class W = float>
+template <class W = float, bool kAcquire = false>
 __device__ __forceinline__ bool moe_wait(const char* p, uint4& v, WaitCtx& c, int peer) {
   if (!has_sentinel<W>(v)) return usable(c);
   return spin(c, [=] { return peer; }, kSiteMoePoll, [&] {
-    v = ld_volatile(p);
+    v = kAcquire ? ld_acquire_sys_vec(p) : ld_volatile(p);
     return !has_sentinel<W>(v);
   });
 }

@@ -160,23 +160,15 @@ template <int N> __device__ __forceinline__ int source_of(const u32 (&first)[N +
 // The most vectors a routing record has (MoeShape::record_vecs at the largest top-k).
 constexpr int kMaxRecordVecs = (2 * UB_MOE_MAX_TOPK + 3) / 4;
 
-// A record's first vector, loaded with acquire semantics at system scope (with UB_MOE_FENCES
-// bit 1; else relaxed): later accesses of this thread, and of the block after a barrier,
-// see what the sender stored before its release (the row). A load and an L1 invalidation,
-// no fence: no wait for this thread's earlier stores.
-__device__ __forceinline__ uint4 ld_record_acquire(const char* p) {
-  if (!(UB_MOE_FENCES & 2)) return ld_volatile(p);
-  uint4 v;
-  asm volatile("ld.acquire.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
+// Whether the scatter acquires each record (UB_MOE_FENCES bit 1; else relaxed loads only).
+constexpr bool kAcquireRecords = (UB_MOE_FENCES & 2) != 0;
 
 // One received row's record as a lane polls it: every vector waited for (its loads issued
-// together first, the first vector's last and an acquire; where that one was not there yet,
-// loaded again with an acquire once the wait saw it), then the slot kk of this GPU's expert
-// `ge` (-1: none), its weight's bits and, with `others`, the route ELSEWHERE of every slot
-// whose expert is not on this GPU.
+// together first; the first vector's, last, and its wait's by acquire loads: the load that
+// sees it written pairs with the send's release, and the row is visible to this thread,
+// and to its block after a barrier), then the slot kk of this GPU's expert `ge` (-1: none),
+// its weight's bits and, with `others`, the route ELSEWHERE of every slot whose expert is
+// not on this GPU.
 struct Polled {
   int kk;
   u32 wbits;
@@ -190,15 +182,13 @@ __device__ Polled poll_record(const char* rec, const MoeShape& m, int ge, int sr
   for (int q = kMaxRecordVecs - 1; q > 0; --q) {
     if (q < R) v[q] = ld_volatile(rec + q * kVec);
   }
-  v[0] = ld_record_acquire(rec);
-  const bool late = has_sentinel<float>(v[0]);
-  Polled p{-1, 0u, true};
+  v[0] = kAcquireRecords ? ld_acquire_sys_vec(rec) : ld_volatile(rec);
+  Polled p{-1, 0u, moe_wait<float, kAcquireRecords>(rec, v[0], c, src)};
 #pragma unroll
-  for (int q = 0; q < kMaxRecordVecs; ++q) {
+  for (int q = 1; q < kMaxRecordVecs; ++q) {
     if (q < R) p.ok = p.ok && moe_wait(rec + q * kVec, v[q], c, src);
   }
   if (!p.ok) return p;
-  if (late) v[0] = ld_record_acquire(rec);  // the wait saw it with relaxed loads: the acquire now
 #pragma unroll
   for (int q = 0; q < kMaxRecordVecs; ++q) {
 #pragma unroll

@@ -134,7 +134,7 @@ def test_the_dispatch_releases_rows_with_one_fence_and_acquires_them_with_loads(
     """The send's release is one acquire-release fence before the record's relaxed store
     (no sequentially consistent fence: message passing needs none); the scatter acquires a
     record by loading its first vector with ld.acquire (no fence waiting for the lane's
-    stores), at the poll and, where the wait spun, once more after it."""
+    stores), at the poll and in the poll's wait (the load that sees it written)."""
     body = _dispatch_entry()
     assert "fence.sc.sys" not in body and body.count("fence.acq_rel.sys") == 1
     assert body.count("ld.acquire.sys.global.v4.u32") == 2
