@@ -150,6 +150,26 @@ __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u
   }
 }
 
+// The first token of this block (blockIdx.x, if below `count`) into L1: its row (a 128-byte
+// line per thread), its ids and its weights, requested while the launch reads its state and
+// the object's rotation, which the send's addresses wait for: the send's first loads
+// (ld.global: cached in L1) then find them there instead of waiting for L2 after it. A hint,
+// in bounds, after the launch's wait for the kernel before it (which may write the inputs).
+template <class T>
+__device__ __forceinline__ void prefetch_first_token(const MoeShape& m, const char* x, const int* idx, const float* w,
+                                                     u64 count) {
+  const u64 t = blockIdx.x, row_bytes = m.hidden * Elem<T>::kBytes, K = m.topk;
+  if (t >= count) return;
+  for (u64 b = (u64)threadIdx.x * 128u; b < row_bytes; b += (u64)blockDim.x * 128u) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(x + t * row_bytes + b));
+  }
+  if (threadIdx.x < 4) {  // the first and last id and weight: a token's K of each may span two lines
+    const void* p = threadIdx.x < 2 ? (const void*)(idx + t * K + (threadIdx.x & 1u) * (K - 1))
+                                    : (const void*)(w + t * K + (threadIdx.x & 1u) * (K - 1));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+  }
+}
+
 // Row f of the received rows, counted over the sources in rank order: its source.
 template <int N> __device__ __forceinline__ int source_of(const u32 (&first)[N + 1], u32 f) {
   int s = 0;
@@ -304,6 +324,7 @@ __device__ void moe_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 h
   __shared__ u32 tok[N], mask, counted[2][32], list[UB_MOE_MAX_CAPACITY];
   char* mine = tp.seg(tp.rank);
   MoeRotation* rot = (MoeRotation*)(mine + rot_off);
+  if (UB_MOE_PHASES >= 2) prefetch_first_token<T>(m, x, idx, w, count);
   const MoeSets s = moe_sets(rot);
   const LaunchView v = read_launch_state(state);
   WaitCtx c = wait_ctx(state, tp.rank);

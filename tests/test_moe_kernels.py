@@ -205,3 +205,13 @@ def test_the_two_counts_at_a_launchs_end_are_in_flight_together(kind):
     result = re.match(r"atom\.global\.add\.u32\s+(%r\d+),", body[rotation:]).group(1)
     assert re.search(rf"{re.escape(result)}\b", body[body.index("\n", rotation):last]) is None
     assert re.search(rf"{re.escape(result)}\b", body[last:]) is not None
+
+
+def test_the_dispatch_prefetches_its_first_token_before_it_reads_the_rotation():
+    """The send's first loads (ids, weights, row) are requested into L1 after the wait for the
+    kernel before (which may write them) and before the object's rotation is read (the
+    send's addresses wait for it); the timing variants without the send prefetch nothing."""
+    body = _dispatch_entry()
+    first = body.index("prefetch.global.L1")
+    assert body.index("griddepcontrol.wait;") < first < body.index("ld.volatile.global")
+    assert "prefetch.global.L1" not in _dispatch_entry((("UB_MOE_PHASES", "1"),))
