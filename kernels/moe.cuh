@@ -73,7 +73,9 @@ template <int N> __device__ __forceinline__ u64 row_at(u64 off, const MoeShape& 
 }
 
 // Acquire-release fence at system scope: after a relaxed (volatile) load that saw a flag,
-// later loads of this thread see what the flag's writer stored before its release fence.
+// later loads of this thread see what the flag's writer stored before its release fence;
+// before a relaxed store, that release (what this thread, and its block before a barrier,
+// stored earlier is visible to whoever acquires the store).
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // A vector loaded with acquire semantics at system scope: later accesses of this thread
@@ -88,12 +90,11 @@ __device__ __forceinline__ uint4 ld_acquire_sys_vec(const void* p) {
 }
 
 // Waits until v, loaded from p (pushed by `peer`), holds no sentinel element of W (fp32
-// words, or the bf16 halves of the combine's bf16 partials), re-reading p (with
-// kAcquire, by acquire loads: v's first load must be one too, so that the load that saw
-// it written is an acquire); false if the
-// wait gave up (sync.cuh: spin) or the communicator failed for this thread. The fp32
-// sentinel word (the re-poisoned state) is a bf16 sentinel in its high half: both read it
-// as not yet written.
+// words, or the bf16 halves of the combine's bf16 partials), re-reading p (with kAcquire,
+// by acquire loads: v's first load must be one too, so that the load that sees it written
+// is an acquire); false if the wait gave up (sync.cuh: spin) or the communicator failed
+// for this thread. The fp32 sentinel word (the re-poisoned state) is a bf16 sentinel in
+// its high half: both read it as not yet written.
 template <class W = float, bool kAcquire = false>
 __device__ __forceinline__ bool moe_wait(const char* p, uint4& v, WaitCtx& c, int peer) {
   if (!has_sentinel<W>(v)) return usable(c);

@@ -183,12 +183,12 @@ constexpr int kMaxRecordVecs = (2 * UB_MOE_MAX_TOPK + 3) / 4;
 // Whether the scatter acquires each record (UB_MOE_FENCES bit 1; else relaxed loads only).
 constexpr bool kAcquireRecords = (UB_MOE_FENCES & 2) != 0;
 
-// One received row's record as a lane polls it: every vector waited for (its loads issued
-// together first; the first vector's, last, and its wait's by acquire loads: the load that
-// sees it written pairs with the send's release, and the row is visible to this thread,
-// and to its block after a barrier), then the slot kk of this GPU's expert `ge` (-1: none),
-// its weight's bits and, with `others`, the route ELSEWHERE of every slot whose expert is
-// not on this GPU.
+// One received row's record as a lane polls it: every vector waited for (their loads issued
+// together first, the first vector's last), then the slot kk of this GPU's expert `ge`
+// (-1: none), its weight's bits and, with `others`, the route ELSEWHERE of every slot whose
+// expert is not on this GPU. The first vector is polled by acquire loads: the one that
+// sees it written pairs with the send's release, so the row is visible to this thread,
+// and to its block after a barrier.
 struct Polled {
   int kk;
   u32 wbits;
@@ -334,7 +334,8 @@ __device__ void moe_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 h
     send_tokens<T, N>(tp, m, s, rec_off, rows_off, x, idx, w, count, o.dest, c, &mask, o.scales != nullptr);
   // 3. re-poison the previous launch's headers and records in this rank's segment
   if (UB_MOE_PHASES >= 1) moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
-  if (UB_MOE_PHASES >= 2) moe_repoison(mine + record_at<N>(rec_off, m, s.old, 0, 0, 0), N * m.tokens * m.record_vecs());
+  if (UB_MOE_PHASES >= 2)
+    moe_repoison(mine + record_at<N>(rec_off, m, s.old, 0, 0, 0), N * m.tokens * m.record_vecs());
   // this rank's own count first: it bounds the combine's rows of `out` even where the
   // headers' vote below fails (a failed launch must leave no stale count behind)
   if (blockIdx.x == 0 && threadIdx.x == 0) o.tokens[tp.rank] = (u32)count;
