@@ -17,12 +17,16 @@ object's max_tokens is the tokens, its capacity the busiest expert's rows, as mo
 * ``whole``: the dispatch the library runs (phase 4, every fence);
 * ``no send fence``, ``no acquire``, ``no fences``: the whole dispatch without the send's
   release fence (``UB_MOE_FENCES=2``), the scatter's acquire loads (1), or both (0);
+* ``fences as before``, ``no prefetch``: the whole dispatch with the fences of the kernel
+  before branch moefloor (``UB_MOE_FENCES=7``: fence.sc.sys in the send, a fence after
+  each record's relaxed polls), or without the prefetch of each block's first token
+  (``UB_MOE_PREFETCH=0``): what those changes gained;
 * ``grid g``, ``phase 0, grid g``: the whole dispatch, and phase 0, on g blocks instead of
   one per SM (``--grids``).
 
-The variants below ``whole`` and those without a fence are for timing only (recv_x not
-written, or rows copied before they are known to have arrived); ``whole`` and the grids
-are checked bit for bit against the host reference first (``-c 1``; the ``wrong`` column).
+The phases below the whole and the variants without a fence are for timing only (recv_x
+not written, or rows copied before they are known to have arrived); the others are checked
+bit for bit against the host reference first (``-c 1``; the ``wrong`` column).
 Below the table, what each phase adds (phase k minus phase k - 1), what each fence costs
 (whole minus the variant without it) and what the grid changes. Rank 0 prints and writes
 ``<outdir>/<name>.json``.
@@ -48,12 +52,14 @@ SHAPES = "7168/256/8/1,7168/256/8/16,7168/256/8/128,128/8/1/1,128/8/1/128"
 #: the compiled variants: name, the dispatch's definitions (kernels/moe_dispatch.cu), checked or timing only
 VARIANTS = tuple((f"phase {k}", (("UB_MOE_PHASES", str(k)),), False) for k in range(4)) + (
     ("whole", (), True), ("no send fence", (("UB_MOE_FENCES", "2"),), False),
-    ("no acquire", (("UB_MOE_FENCES", "1"),), False), ("no fences", (("UB_MOE_FENCES", "0"),), False))
+    ("no acquire", (("UB_MOE_FENCES", "1"),), False), ("no fences", (("UB_MOE_FENCES", "0"),), False),
+    ("fences as before", (("UB_MOE_FENCES", "7"),), True), ("no prefetch", (("UB_MOE_PREFETCH", "0"),), True))
 #: what each phase adds and each fence costs: (label, minuend, subtrahend)
 DIFFERENCES = (("headers (1 - 0)", "phase 1", "phase 0"), ("send (2 - 1)", "phase 2", "phase 1"),
                ("polls, votes, lists (3 - 2)", "phase 3", "phase 2"), ("copy (whole - 3)", "whole", "phase 3"),
                ("send fence", "whole", "no send fence"), ("acquire loads", "whole", "no acquire"),
-               ("both", "whole", "no fences"))
+               ("both", "whole", "no fences"), ("fences, this branch's gain", "fences as before", "whole"),
+               ("prefetch's gain", "no prefetch", "whole"))
 
 
 def shape_arg(text: str) -> list[tuple[int, int, int, int]]:

@@ -12,16 +12,21 @@
 #include "moe.cuh"
 #include "quant.cuh"
 
-// Timing variants (bench/moe_phases.py; the library defines neither): UB_MOE_PHASES k runs
+// Timing variants (bench/moe_phases.py; the library defines none): UB_MOE_PHASES k runs
 // moe_dispatch's phases up to k: 0 entry and exit, 1 the headers, 2 the send, 3 the
 // scatter's polls, votes and lists, 4 its copy (the whole dispatch, the default).
 // UB_MOE_FENCES without bit 0 drops the send's release fence, without bit 1 the scatter's
-// acquire (such a variant may copy rows that have not arrived: for timing only).
+// acquire (such a variant may copy rows that have not arrived: for timing only); with bit
+// 2, the fences of the kernel before them (fence.sc.sys in the send, fence.acq_rel.sys
+// after the relaxed polls of each record). UB_MOE_PREFETCH 0: no prefetch of the first token.
 #ifndef UB_MOE_PHASES
 #define UB_MOE_PHASES 4
 #endif
 #ifndef UB_MOE_FENCES
 #define UB_MOE_FENCES 3
+#endif
+#ifndef UB_MOE_PREFETCH
+#define UB_MOE_PREFETCH 1
 #endif
 
 // What a dispatch writes in this rank's own memory (ubnext/_moe/expert_parallel.py).
@@ -142,7 +147,9 @@ __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u
         word[h] = wi < K ? (u32)id_v : wi < 2 * K ? w_v : 1u;
       }
       if (j < nrec) {
-        if ((UB_MOE_FENCES & 1) && (mask >> d & 1u)) fence_acq_rel_sys();  // the row before its record (release)
+        if ((UB_MOE_FENCES & 1) && (mask >> d & 1u)) {  // the row before its record (release)
+          if (UB_MOE_FENCES & 4) fence_sys(); else fence_acq_rel_sys();
+        }
         st_relaxed_sys(tp.seg(d) + record_at<N>(rec_off, m, s.cur, tp.rank, t, q),
                        make_uint4(word[0], word[1], word[2], word[3]));
       }
@@ -180,8 +187,8 @@ template <int N> __device__ __forceinline__ int source_of(const u32 (&first)[N +
 // The most vectors a routing record has (MoeShape::record_vecs at the largest top-k).
 constexpr int kMaxRecordVecs = (2 * UB_MOE_MAX_TOPK + 3) / 4;
 
-// Whether the scatter acquires each record (UB_MOE_FENCES bit 1; else relaxed loads only).
-constexpr bool kAcquireRecords = (UB_MOE_FENCES & 2) != 0;
+// Whether the scatter acquires each record by its loads (UB_MOE_FENCES bit 1, not bit 2).
+constexpr bool kAcquireRecords = (UB_MOE_FENCES & 6) == 2;
 
 // One received row's record as a lane polls it: every vector waited for (their loads issued
 // together first, the first vector's last), then the slot kk of this GPU's expert `ge`
@@ -272,6 +279,7 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
       if (f < rows) {
         got = poll_record<N>(mine + record_at<N>(rec_off, m, s.cur, src, t, 0), m, ge, src,
                              e == 0 && p == 0u ? route : nullptr, c);
+        if (UB_MOE_FENCES & 4) fence_acq_rel_sys();
       }
       const u32 hits = __ballot_sync(0xffffffffu, got.kk >= 0);
       if (lane == 0) counted[turn & 1u][warp] = __popc(hits);
@@ -324,7 +332,7 @@ __device__ void moe_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 h
   __shared__ u32 tok[N], mask, counted[2][32], list[UB_MOE_MAX_CAPACITY];
   char* mine = tp.seg(tp.rank);
   MoeRotation* rot = (MoeRotation*)(mine + rot_off);
-  if (UB_MOE_PHASES >= 2) prefetch_first_token<T>(m, x, idx, w, count);
+  if (UB_MOE_PHASES >= 2 && UB_MOE_PREFETCH) prefetch_first_token<T>(m, x, idx, w, count);
   const MoeSets s = moe_sets(rot);
   const LaunchView v = read_launch_state(state);
   WaitCtx c = wait_ctx(state, tp.rank);

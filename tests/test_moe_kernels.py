@@ -148,8 +148,10 @@ def test_every_timing_variant_of_bench_moe_phases_compiles(name, defines):
 
 
 def test_without_definitions_the_dispatch_is_the_whole_one():
-    """The library compiles no UB_MOE_PHASES or UB_MOE_FENCES: its kernel is every phase with every fence."""
-    assert _dispatch_entry() == _dispatch_entry((("UB_MOE_PHASES", "4"), ("UB_MOE_FENCES", "3")))
+    """The library compiles none of the timing variants' definitions: its kernel is every
+    phase, with this branch's fences and the prefetch."""
+    assert _dispatch_entry() == _dispatch_entry((("UB_MOE_PHASES", "4"), ("UB_MOE_FENCES", "3"),
+                                                 ("UB_MOE_PREFETCH", "1")))
     assert _dispatch_entry() != _dispatch_entry((("UB_MOE_PHASES", "3"),))
 
 
@@ -188,6 +190,7 @@ def test_bench_moe_phases_subtracts_each_variant_from_its_reference():
     t = record["times_us"]
     assert rows["send (2 - 1)"] == t["phase 2"] - t["phase 1"] and rows["copy (whole - 3)"] == t["whole"] - t["phase 3"]
     assert rows["send fence"] == t["whole"] - t["no send fence"] and rows["both"] == t["whole"] - t["no fences"]
+    assert rows["fences, this branch's gain"] == t["fences as before"] - t["whole"]
     assert rows["grid 66 - whole"] == t["grid 66"] - t["whole"]
     assert rows["phase 0, grid 66 - phase 0"] == t["phase 0, grid 66"] - t["phase 0"]
     assert rows["wrong (checked variants)"] == 0
