@@ -4,7 +4,7 @@
     PYTHONPATH=. mpirun -n 4 python bench/moe_phases.py     # one rank per GPU
 
 Each variant is kernels/moe_dispatch.cu compiled with other definitions (an
-``ExpertParallel`` subclass whose ``_dispatch_defines`` carries them) or launched on a
+``ExpertParallel`` subclass whose ``_extra_defines["dispatch"]`` carries them) or launched on a
 smaller grid, timed as bench/moe_perf.py times ubnext's dispatch (a CUDA graph of
 ``--iters`` calls replayed ``--launches`` times a sample; median of ``--repeats``, maximum
 over ranks), at each shape of ``--shapes`` (hidden/experts/top-k/tokens per rank; the
@@ -124,7 +124,7 @@ def measure(comm, args, shape: tuple[int, int, int, int]) -> dict:
     idx, w = torch.from_numpy(idxs[r]).cuda(), torch.from_numpy(ws[r]).cuda()
     times, wrong = {}, {}
     for name, defines, checked, blocks in variants(args.grids):
-        cls = type("PhasedExpertParallel", (ubnext.ExpertParallel,), {"_dispatch_defines": defines})
+        cls = type("PhasedExpertParallel", (ubnext.ExpertParallel,), {"_extra_defines": {"dispatch": defines}})
         ep = cls(comm, *sizes, capacity=capacity, framework="torch", fp8=bool(args.fp8))
         if blocks is not None:
             ep._blocks = min(blocks, ep._blocks)

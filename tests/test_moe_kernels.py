@@ -1,11 +1,13 @@
-"""The expert-parallel kernels (kernels/moe_dispatch.cu, kernels/moe_combine.cu) compile for
-sm_90a through NVRTC without a GPU, for every payload dtype at every world size, and keep
-the arithmetic the host reference (ubnext/_moe/reference.py) computes: no fused
-multiply-add in the combine's products and sums; the dispatch orders its rows before their
-records with one release fence and acquire loads, and a launch's two closing counts are in
-flight together. The launches' argument lists agree with the entry points; the signatures
-and the routing errors read as the docs say. The dispatch's timing variants
-(bench/moe_phases.py) compile, and the library's kernel is the whole one."""
+"""The expert-parallel kernels of both modes (kernels/moe_dispatch.cu, kernels/moe_combine.cu;
+kernels/moe_packed_dispatch.cu, kernels/moe_packed_combine.cu) compile for sm_90a through
+NVRTC without a GPU, for every payload dtype at every world size, and keep the arithmetic
+the host reference (ubnext/_moe/reference.py) computes: no fused multiply-add in the
+combines' products and sums; the low-latency dispatch orders its rows before their records
+with one release fence and acquire loads, and every kernel's two closing counts are in flight
+together. The launches' argument lists agree with the entry points; the entry points wait
+for the kernel before them; the signatures and the routing errors read as the docs say (the
+packed mode's own: tests/test_moe_packed_kernels.py). The low-latency dispatch's timing
+variants (bench/moe_phases.py) compile, and the library's kernel is the whole one."""
 
 from __future__ import annotations
 
@@ -17,62 +19,79 @@ import pytest
 from bench import moe_phases
 from ubnext._engine import failures as _failures
 from ubnext._engine import kernels as _kernels
-from ubnext._moe import expert_parallel
+from ubnext._moe import base
 from ubnext._moe import layout as _layout
-from ubnext._moe.expert_parallel import _PARAMS, SOURCES
+from ubnext._moe import packed_layout
+from ubnext._moe.expert_parallel import ExpertParallel
+from ubnext._moe.packed import PackedExpertParallel
 from ubnext._protocol import constants as _protocol
 from ubnext._protocol import signature as _signature
 from ubnext._protocol.algorithms import compile_defines
 from ubnext._protocol.errors import RoutingError
 
 RANKS = (1, 2, 4, 8)
-CASES = [pytest.param(kind, dtype, n, id=f"{kind}-{dtype}-{n}")
-         for kind in SOURCES for i, dtype in enumerate(_layout.MOE_DTYPES) for n in RANKS]
+#: every MoE kernel source -> (its entry point, the Launcher's parameter types), of both objects
+KERNELS = {source: (entry, cls.PARAMS[kind]) for cls in (ExpertParallel, PackedExpertParallel)
+           for kind, (source, entry) in cls.SOURCES.items()}
+COMBINES = [source for source in KERNELS if "combine" in source]
+CASES = [pytest.param(source, dtype, n, id=f"{source[:-3]}-{dtype}-{n}")
+         for source in KERNELS for dtype in _layout.MOE_DTYPES for n in RANKS]
 
 
-def _compile(kind, dtype, nranks, arch="sm_90a", fast=False):
-    return _kernels.compile_cubin(SOURCES[kind][0], compile_defines(dtype, "sum", nranks), arch=arch, fast=fast)
+def _compile(source, dtype, nranks, arch="sm_90a", fast=False):
+    return _kernels.compile_cubin(source, compile_defines(dtype, "sum", nranks), arch=arch, fast=fast)
 
 
-@pytest.mark.parametrize("kind,dtype,nranks", CASES)
-def test_every_variant_compiles_for_sm90a(kind, dtype, nranks):
-    cubin = _compile(kind, dtype, nranks, fast=True)
-    assert cubin[:4] == b"\x7fELF" and SOURCES[kind][1].encode() in cubin
+def ptx(source, dtype="bfloat16", nranks=4):
+    """The PTX of ``source`` for compute_90a."""
+    return _compile(source, dtype, nranks, arch="compute_90a").decode(errors="replace")
 
 
-@pytest.mark.parametrize("kind", list(SOURCES))
-def test_each_kernel_compiles_with_full_optimization(kind):
-    assert SOURCES[kind][1].encode() in _compile(kind, "bfloat16", 8)
+@pytest.mark.parametrize("source,dtype,nranks", CASES)
+def test_every_variant_compiles_for_sm90a(source, dtype, nranks):
+    cubin = _compile(source, dtype, nranks, fast=True)
+    assert cubin[:4] == b"\x7fELF" and KERNELS[source][0].encode() in cubin
 
 
+@pytest.mark.parametrize("source", list(KERNELS))
+def test_each_kernel_compiles_with_full_optimization(source):
+    assert KERNELS[source][0].encode() in _compile(source, "bfloat16", 8)
+
+
+@pytest.mark.parametrize("source", COMBINES)
 @pytest.mark.parametrize("dtype", list(_layout.MOE_DTYPES))
-def test_the_combine_rounds_every_product_and_sum(dtype):
+def test_the_combine_rounds_every_product_and_sum(source, dtype):
     """The reference rounds w * y and acc + w * y separately: a contracted fma.rn.f32 would
     round once and differ from it."""
-    ptx = _compile("combine", dtype, 4, arch="compute_90a").decode(errors="replace")
-    assert "mul.rn.f32" in ptx and "add.rn.f32" in ptx
-    assert not re.search(r"\bfma\.rn(\.ftz)?\.f32\b", ptx)
+    text = ptx(source, dtype)
+    assert "mul.rn.f32" in text and "add.rn.f32" in text
+    assert not re.search(r"\bfma\.rn(\.ftz)?\.f32\b", text)
 
 
-#: the entry points' parameters, in the order ExpertParallel packs them (_compile's prefixes,
-#: the calls' values: tests/test_moe_host.py), then the launch state
+#: the entry points' parameters, in the order the objects pack them (their _prefixes, the
+#: calls' values: tests/test_moe_host.py, tests/test_moe_packed.py), then the launch state
 NAMES = {
-    "dispatch": ("base stride rank mc rot_off hdr_off rec_off rows_off experts local topk hidden tokens capacity "
-                 "x idx w count recv_x scales counts src weights route src_tokens dest sig state"),
-    "combine": ("base stride rank mc rot_off hdr_off part_off experts local topk hidden tokens capacity "
-                "y weights route src_tokens dest out bf16_partials sig state"),
+    "moe_dispatch.cu": ("base stride rank mc rot_off hdr_off rec_off rows_off experts local topk hidden tokens "
+                        "capacity x idx w count recv_x scales counts src weights route src_tokens dest sig state"),
+    "moe_combine.cu": ("base stride rank mc rot_off hdr_off part_off experts local topk hidden tokens capacity "
+                       "y weights route src_tokens dest out bf16_partials sig state"),
+    "moe_packed_dispatch.cu": ("base stride rank mc rot_off hdr_off prog_off rec_off data_off experts local topk "
+                               "hidden tokens max_rows senders x idx w count recv_x offsets src weights route "
+                               "src_tokens dest counts sig state"),
+    "moe_packed_combine.cu": ("base stride rank mc rot_off hdr_off data_off experts local topk hidden tokens "
+                              "max_rows y weights route src_tokens dest out sig state"),
 }
 
 
-@pytest.mark.parametrize("kind", list(SOURCES))
-def test_entry_points_take_the_launchers_parameters(kind):
+@pytest.mark.parametrize("source", list(KERNELS))
+def test_entry_points_take_the_launchers_parameters(source):
     """Parameters of the extern "C" entry point, by name, against the Launcher's types."""
-    source, entry = SOURCES[kind]
+    entry, types = KERNELS[source]
     text = _kernels.source(source)
     assert "#include" not in text and "#define UB_MOE_MAX_CAPACITY" in text
     params = re.search(rf"{entry}\(([^)]*)\)", text).group(1)
     names = [re.findall(r"\w+", p)[-1] for p in params.split(",")]
-    assert names == NAMES[kind].split() and len(names) == len(_PARAMS[kind])
+    assert names == NAMES[source].split() and len(names) == len(types)
     header = _protocol.header()
     assert f"#define UB_{source[:-3].upper()}_THREADS {_protocol.THREADS[source]}\n" in header
     for code, (name, _) in _protocol.MOE_INPUT_ERRORS.items():
@@ -108,14 +127,14 @@ def test_a_routing_failure_reads_as_a_routing_error():
     assert "rank 2 failed first (a call's input was invalid" in str(other)
 
 
-@pytest.mark.parametrize("kind", list(SOURCES))
-def test_the_entry_point_waits_for_the_kernel_before_it_and_keeps_subnormals(kind):
+@pytest.mark.parametrize("source", list(KERNELS))
+def test_the_entry_point_waits_for_the_kernel_before_it_and_keeps_subnormals(source):
     """Programmatic dependent launch: before griddepcontrol.wait, the PTX loads parameters
     only and stores block 0's entry stamp only (sync.cuh: enter_launch); the trigger for
     dependents follows the wait; no instruction flushes subnormals (.ftz)."""
-    ptx = _compile(kind, "bfloat16", 4, arch="compute_90a").decode(errors="replace")
-    assert ".ftz" not in ptx
-    body = ptx[ptx.index(f".entry {SOURCES[kind][1]}("):]
+    text = ptx(source)
+    assert ".ftz" not in text
+    body = text[text.index(f".entry {KERNELS[source][0]}("):]
     wait = body.index("griddepcontrol.wait;")
     assert body.index("griddepcontrol.launch_dependents;") > wait
     early = [line.split()[0] for line in body[:wait].splitlines()
@@ -127,7 +146,7 @@ def _dispatch_entry(defines=()):
     """The PTX of the dispatch's entry point (bf16, 4 ranks, full optimization) with ``defines``."""
     ptx = _kernels.compile_cubin("moe_dispatch.cu", {**compile_defines("bfloat16", "sum", 4), **dict(defines)},
                                  arch="compute_90a").decode(errors="replace")
-    return ptx[ptx.index(f".entry {SOURCES['dispatch'][1]}("):]
+    return ptx[ptx.index(f".entry {KERNELS['moe_dispatch.cu'][0]}("):]
 
 
 def test_the_dispatch_releases_rows_with_one_fence_and_acquires_them_with_loads():
@@ -144,7 +163,7 @@ def test_the_dispatch_releases_rows_with_one_fence_and_acquires_them_with_loads(
 def test_every_timing_variant_of_bench_moe_phases_compiles(name, defines):
     cubin = _kernels.compile_cubin("moe_dispatch.cu", {**compile_defines("bfloat16", "sum", 4), **dict(defines)},
                                    fast=True)
-    assert SOURCES["dispatch"][1].encode() in cubin
+    assert KERNELS["moe_dispatch.cu"][0].encode() in cubin
 
 
 def test_without_definitions_the_dispatch_is_the_whole_one():
@@ -155,30 +174,33 @@ def test_without_definitions_the_dispatch_is_the_whole_one():
     assert _dispatch_entry() != _dispatch_entry((("UB_MOE_PHASES", "3"),))
 
 
-def test_the_dispatch_definitions_hook_reaches_the_dispatch_only(monkeypatch):
-    """ExpertParallel._compile adds a subclass's _dispatch_defines to the dispatch's
-    compilation, not to the combine's; the library's class adds none."""
+def test_the_definitions_hook_reaches_its_calls_kernel_only(monkeypatch):
+    """MoeObject._compile adds a subclass's _extra_defines of a call to that call's kernel's
+    compilation only (bench/moe_phases.py: the low-latency dispatch's); the library's
+    classes add none."""
     compiled = {}
 
     def compile_module(source, defines, device):
         compiled[source] = defines
         return SimpleNamespace(get_function=lambda entry: entry)
 
-    monkeypatch.setattr(expert_parallel, "compile_module", compile_module)
-    monkeypatch.setattr(expert_parallel, "Launcher", lambda *args: args)
+    monkeypatch.setattr(base, "compile_module", compile_module)
+    monkeypatch.setattr(base, "Launcher", lambda *args: args)
     node = SimpleNamespace(pool=SimpleNamespace(base=0, stride=0, local_rank=0, local_ptr=lambda offset: offset),
                            engine=SimpleNamespace(_mc_base=0, plan=SimpleNamespace(offset=lambda key: 0),
                                                   dependent=True))
-    shape = _layout.shape(4, 256, 7168, 128, 8, "bfloat16")
-    base = compile_defines("bfloat16", "sum", 4)
-    for cls, extra in ((expert_parallel.ExpertParallel, {}),
-                       (type("Phased", (expert_parallel.ExpertParallel,),
-                             {"_dispatch_defines": (("UB_MOE_PHASES", "2"),)}), {"UB_MOE_PHASES": "2"})):
+    sizes = (4, 256, 7168, 128, 8, "bfloat16")
+    plain = compile_defines("bfloat16", "sum", 4)
+    phased = type("Phased", (ExpertParallel,), {"_extra_defines": {"dispatch": (("UB_MOE_PHASES", "2"),)}})
+    for cls, shape, extra in ((ExpertParallel, _layout.shape(*sizes), {}),
+                              (PackedExpertParallel, packed_layout.shape(*sizes), {}),
+                              (phased, _layout.shape(*sizes), {"UB_MOE_PHASES": "2"})):
         ep = cls.__new__(cls)
-        ep.shape = shape
+        ep.shape, ep._senders = shape, 1
         compiled.clear()
         ep._compile(SimpleNamespace(device=0), node, shape.offsets())
-        assert compiled == {"moe_dispatch.cu": {**base, **extra}, "moe_combine.cu": base}
+        (dispatch, _), (combine, _) = cls.SOURCES["dispatch"], cls.SOURCES["combine"]
+        assert compiled == {dispatch: {**plain, **extra}, combine: plain}
 
 
 def test_bench_moe_phases_subtracts_each_variant_from_its_reference():
@@ -196,13 +218,13 @@ def test_bench_moe_phases_subtracts_each_variant_from_its_reference():
     assert rows["wrong (checked variants)"] == 0
 
 
-@pytest.mark.parametrize("kind", list(SOURCES))
-def test_the_two_counts_at_a_launchs_end_are_in_flight_together(kind):
+@pytest.mark.parametrize("source", list(KERNELS))
+def test_the_two_counts_at_a_launchs_end_are_in_flight_together(source):
     """moe.cuh's moe_finish: the rotation's count (the second-to-last atomic add) is issued
     before the launch state's (the last) and its result is read only after it, so that a
     block's end waits for one atomic round trip, not two."""
-    ptx = _compile(kind, "bfloat16", 4, arch="compute_90a").decode(errors="replace")
-    body = ptx[ptx.index(f".entry {SOURCES[kind][1]}("):]
+    text = ptx(source)
+    body = text[text.index(f".entry {KERNELS[source][0]}("):]
     last = body.rindex("atom.global.add.u32")
     rotation = body.rindex("atom.global.add.u32", 0, last)
     result = re.match(r"atom\.global\.add\.u32\s+(%r\d+),", body[rotation:]).group(1)
