@@ -47,13 +47,18 @@ __device__ __forceinline__ MoeSets moe_sets(const MoeRotation* r) {
   return {n, cur, cur == 0u ? 2u : cur - 1u, n & 1u};
 }
 
-// The end of a launch: the family's launch state (sync.cuh: finish_launch), then the
-// object's rotation, advanced by the last block to finish, which also resets `arrivals`
-// (the throughput mode's grid-barrier count, moe_packed.cuh; null: none).
+// The end of a launch: the object's rotation, advanced by the last block to count itself
+// done, which also resets `arrivals` (the throughput mode's grid-barrier count,
+// moe_packed.cuh; null: none), and the family's launch state (sync.cuh: finish_launch).
+// Thread 0 counts its block after a barrier (every thread of the block read the rotation
+// before it) and before finish_launch's own count, so that the two atomics' round trips
+// overlap.
 __device__ void moe_finish(WaitCtx& c, const LaunchView& v, MoeRotation* r, const MoeSets& s,
                            u32* arrivals = nullptr) {
+  __syncthreads();
+  const u32 done = threadIdx.x == 0 ? atomicAdd(&r->done, 1u) : 0u;
   finish_launch(c, v, 0u);  // begins with __syncthreads
-  if (threadIdx.x == 0 && atomicAdd(&r->done, 1u) == gridDim.x - 1u) {
+  if (threadIdx.x == 0 && done == gridDim.x - 1u) {
     if (arrivals != nullptr) *arrivals = 0u;
     r->done = 0u;
     r->launches = (s.launches + 1u) % 6u;  // 6: the sets' periods' lcm, so no wrap repeats a set early
@@ -73,19 +78,33 @@ template <int N> __device__ __forceinline__ u64 row_at(u64 off, const MoeShape& 
 }
 
 // Acquire-release fence at system scope: after a relaxed (volatile) load that saw a flag,
-// later loads of this thread see what the flag's writer stored before its release fence.
+// later loads of this thread see what the flag's writer stored before its release fence;
+// before a relaxed store, that release (what this thread, and its block before a barrier,
+// stored earlier is visible to whoever acquires the store).
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// A vector loaded with acquire semantics at system scope: later accesses of this thread
+// (and of its block after a barrier) see what the writer stored before its release. A load
+// and an L1 invalidation (LDG.STRONG.SYS, CCTL.IVALL), no fence: no wait for this
+// thread's earlier stores.
+__device__ __forceinline__ uint4 ld_acquire_sys_vec(const void* p) {
+  uint4 v;
+  asm volatile("ld.acquire.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
 // Waits until v, loaded from p (pushed by `peer`), holds no sentinel element of W (fp32
-// words, or the bf16 halves of the combine's bf16 partials), re-reading p; false if the
-// wait gave up (sync.cuh: spin) or the communicator failed for this thread. The fp32
-// sentinel word (the re-poisoned state) is a bf16 sentinel in its high half: both read it
-// as not yet written.
-template <class W = float>
+// words, or the bf16 halves of the combine's bf16 partials), re-reading p (with kAcquire,
+// by acquire loads: v's first load must be one too, so that the load that sees it written
+// is an acquire); false if the wait gave up (sync.cuh: spin) or the communicator failed
+// for this thread. The fp32 sentinel word (the re-poisoned state) is a bf16 sentinel in
+// its high half: both read it as not yet written.
+template <class W = float, bool kAcquire = false>
 __device__ __forceinline__ bool moe_wait(const char* p, uint4& v, WaitCtx& c, int peer) {
   if (!has_sentinel<W>(v)) return usable(c);
   return spin(c, [=] { return peer; }, kSiteMoePoll, [&] {
-    v = ld_volatile(p);
+    v = kAcquire ? ld_acquire_sys_vec(p) : ld_volatile(p);
     return !has_sentinel<W>(v);
   });
 }
@@ -114,14 +133,13 @@ __device__ bool moe_headers(const char* mine, u64 off, u32 set, u64 sig, u32* to
   const int r = threadIdx.x;
   if (r < N) {
     const char* h = mine + header_at<N>(off, set, r);
-    uint4 v = ld_volatile(h);
+    uint4 v = ld_volatile(h), t = tokens != nullptr ? ld_volatile(h + kVec) : v;  // both loads in flight
     ok = moe_wait(h, v, c, r);
     if (ok && unpack_signature(v) != sig) {
       fail(c, kFailMismatch, r, 0, sig, unpack_signature(v));
       ok = false;
     }
     if (tokens != nullptr) {
-      uint4 t = ld_volatile(h + kVec);
       ok = ok && moe_wait(h + kVec, t, c, r);
       tokens[r] = ok && t.x - 1u <= most ? t.x - 1u : 0u;
     }

@@ -12,6 +12,23 @@
 #include "moe.cuh"
 #include "quant.cuh"
 
+// Timing variants (bench/moe_phases.py; the library defines none): UB_MOE_PHASES k runs
+// moe_dispatch's phases up to k: 0 entry and exit, 1 the headers, 2 the send, 3 the
+// scatter's polls, votes and lists, 4 its copy (the whole dispatch, the default).
+// UB_MOE_FENCES without bit 0 drops the send's release fence, without bit 1 the scatter's
+// acquire (such a variant may copy rows that have not arrived: for timing only); with bit
+// 2, the fences of the kernel before them (fence.sc.sys in the send, fence.acq_rel.sys
+// after the relaxed polls of each record). UB_MOE_PREFETCH 0: no prefetch of the first token.
+#ifndef UB_MOE_PHASES
+#define UB_MOE_PHASES 4
+#endif
+#ifndef UB_MOE_FENCES
+#define UB_MOE_FENCES 3
+#endif
+#ifndef UB_MOE_PREFETCH
+#define UB_MOE_PREFETCH 1
+#endif
+
 // What a dispatch writes in this rank's own memory (ubnext/_moe/expert_parallel.py).
 struct DispatchOut {
   char* recv_x;    // [L][C][H] of T: row j of local expert e (an FP8 dispatch: of e4m3 codes)
@@ -62,8 +79,9 @@ __device__ void send_fp8_row(const Tp& tp, const char* xr, u64 at, u64 vpr, u64 
 // (with `fp8`, its e4m3 codes and scales: send_fp8_row) once into each destination GPU's
 // area of this source; after the block's barrier, warp 0
 // pushes the record (the K checked ids, then the K weights, -0.0 written as +0.0; padding
-// 1) to every rank, after a system-scope fence in each lane whose record goes where the
-// row went (the barrier, then the fence: the block's row stores before the record).
+// 1) to every rank, after an acquire-release fence at system scope in each lane whose
+// record goes where the row went (the barrier, then the fence, then the relaxed store: a
+// release of the block's row stores, which the scatter's acquire load of the record pairs).
 template <class T, int N, class Tp>
 __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u64 rec_off, u64 rows_off,
                             const char* x, const int* idx, const float* w, u64 count, u32* dest, WaitCtx& c,
@@ -102,18 +120,46 @@ __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u
     __syncthreads();  // the row's stores, then its record; the mask is free for the next token
     if (!checker) continue;
     store_record<N>(m, k, [&](int d, u64 q, const uint4& v) {
-      if (k.mask >> d & 1u) fence_sys();  // the row before its record (release)
+      if ((UB_MOE_FENCES & 1) && (k.mask >> d & 1u)) {  // the row before its record (release)
+        if (UB_MOE_FENCES & 4) fence_sys(); else fence_acq_rel_sys();
+      }
       st_relaxed_sys(tp.seg(d) + record_at<N>(rec_off, m, s.cur, tp.rank, t, q), v);
     });
+  }
+}
+
+// The first token of this block (blockIdx.x, if below `count`) into L1: its row (a 128-byte
+// line per thread), its ids and its weights, requested while the launch reads its state and
+// the object's rotation, which the send's addresses wait for: the send's first loads
+// (ld.global: cached in L1) then find them there instead of waiting for L2 after it. A hint,
+// in bounds, after the launch's wait for the kernel before it (which may write the inputs).
+template <class T>
+__device__ __forceinline__ void prefetch_first_token(const MoeShape& m, const char* x, const int* idx, const float* w,
+                                                     u64 count) {
+  const u64 t = blockIdx.x, row_bytes = m.hidden * Elem<T>::kBytes, K = m.topk;
+  if (t >= count) return;
+  for (u64 b = (u64)threadIdx.x * 128u; b < row_bytes; b += (u64)blockDim.x * 128u) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(x + t * row_bytes + b));
+  }
+  if (threadIdx.x < 4) {  // the first and last id and weight: a token's K of each may span two lines
+    const void* p = threadIdx.x < 2 ? (const void*)(idx + t * K + (threadIdx.x & 1u) * (K - 1))
+                                    : (const void*)(w + t * K + (threadIdx.x & 1u) * (K - 1));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
   }
 }
 
 // The most vectors a routing record has (MoeShape::record_vecs at the largest top-k).
 constexpr int kMaxRecordVecs = (2 * UB_MOE_MAX_TOPK + 3) / 4;
 
-// One received row's record as a lane polls it: every vector waited for (its loads issued
-// together first), then the slot kk of this GPU's expert `ge` (-1: none), its weight's bits
-// and, with `others`, the route ELSEWHERE of every slot whose expert is not on this GPU.
+// Whether the scatter acquires each record by its loads (UB_MOE_FENCES bit 1, not bit 2).
+constexpr bool kAcquireRecords = (UB_MOE_FENCES & 6) == 2;
+
+// One received row's record as a lane polls it: every vector waited for (their loads issued
+// together first, the first vector's last), then the slot kk of this GPU's expert `ge`
+// (-1: none), its weight's bits and, with `others`, the route ELSEWHERE of every slot whose
+// expert is not on this GPU. The first vector is polled by acquire loads: the one that
+// sees it written pairs with the send's release, so the row is visible to this thread,
+// and to its block after a barrier.
 struct Polled {
   int kk;
   u32 wbits;
@@ -124,12 +170,13 @@ __device__ Polled poll_record(const char* rec, const MoeShape& m, int ge, int sr
   const int K = (int)m.topk, R = (int)m.record_vecs();
   uint4 v[kMaxRecordVecs];
 #pragma unroll
-  for (int q = 0; q < kMaxRecordVecs; ++q) {
+  for (int q = kMaxRecordVecs - 1; q > 0; --q) {
     if (q < R) v[q] = ld_volatile(rec + q * kVec);
   }
-  Polled p{-1, 0u, true};
+  v[0] = kAcquireRecords ? ld_acquire_sys_vec(rec) : ld_volatile(rec);
+  Polled p{-1, 0u, moe_wait<float, kAcquireRecords>(rec, v[0], c, src)};
 #pragma unroll
-  for (int q = 0; q < kMaxRecordVecs; ++q) {
+  for (int q = 1; q < kMaxRecordVecs; ++q) {
     if (q < R) p.ok = p.ok && moe_wait(rec + q * kVec, v[q], c, src);
   }
   if (!p.ok) return p;
@@ -160,8 +207,9 @@ __device__ Polled poll_record(const char* rec, const MoeShape& m, int ge, int sr
 // then takes its row j of e from the counts of the earlier warps and rounds (by
 // (source, token): a function of the routing alone). Part p lists the rows with
 // j % P == p below the capacity and writes their src, weight and route; where it listed
-// any, after one more barrier the block's threads copy the listed rows from the sources' areas, their vectors
-// spread over the whole block. Rows past the capacity fail the call (kFailInput) and
+// any, after one more barrier the block's threads copy the listed rows from the sources'
+// areas, their vectors spread over the whole block (the lane that polled and listed a row
+// acquired its record: poll_record). Rows past the capacity fail the call (kFailInput) and
 // route UB_MOE_ROUTE_OVERFLOW; unit (0, 0) also routes every slot whose expert is
 // elsewhere.
 template <class T, int N>
@@ -192,7 +240,7 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
       if (f < rows) {
         got = poll_record<N>(mine + record_at<N>(rec_off, m, s.cur, src, t, 0), m, ge, src,
                              e == 0 && p == 0u ? route : nullptr, c);
-        fence_acq_rel_sys();  // the record seen: the row before it is visible to the block after the vote
+        if (UB_MOE_FENCES & 4) fence_acq_rel_sys();
       }
       const u32 hits = __ballot_sync(kWarpAll, got.kk >= 0);
       if (lane == 0) counted[turn & 1u][warp] = __popc(hits);
@@ -226,7 +274,7 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
       if (before > C) fail(c, kFailInput, rank, kMoeOverCapacity, (u64)ge, before);
     }
     const u32 kept = (u32)min((u64)before, C), n = kept > p ? (kept - p + P - 1u) / P : 0u;
-    if (n == 0u) continue;  // block-uniform: nothing listed, nothing to copy
+    if (UB_MOE_PHASES < 4 || n == 0u) continue;  // block-uniform: nothing listed, nothing to copy
     __syncthreads();  // the list; the next unit writes it only after its first vote
     pipelined(threadIdx.x, (u64)n * wire, blockDim.x, [&](u64 q) {
       const u32 st = list[q / wire];
@@ -245,22 +293,25 @@ __device__ void moe_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 h
   __shared__ u32 tok[N], mask, counted[2][32], list[UB_MOE_MAX_CAPACITY];
   char* mine = tp.seg(tp.rank);
   MoeRotation* rot = (MoeRotation*)(mine + rot_off);
+  if (UB_MOE_PHASES >= 2 && UB_MOE_PREFETCH) prefetch_first_token<T>(m, x, idx, w, count);
   const MoeSets s = moe_sets(rot);
   const LaunchView v = read_launch_state(state);
   WaitCtx c = wait_ctx(state, tp.rank);
-  // 1. header, 2. send
-  moe_push_header<N>(tp, hdr_off, s.cur, sig, true, count);
-  send_tokens<T, N>(tp, m, s, rec_off, rows_off, x, idx, w, count, o.dest, c, &mask, o.scales != nullptr);
+  // 1. header, 2. send (the phases: UB_MOE_PHASES, at the top)
+  if (UB_MOE_PHASES >= 1) moe_push_header<N>(tp, hdr_off, s.cur, sig, true, count);
+  if (UB_MOE_PHASES >= 2)
+    send_tokens<T, N>(tp, m, s, rec_off, rows_off, x, idx, w, count, o.dest, c, &mask, o.scales != nullptr);
   // 3. re-poison the previous launch's headers and records in this rank's segment
-  moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
-  moe_repoison(mine + record_at<N>(rec_off, m, s.old, 0, 0, 0), N * m.tokens * m.record_vecs());
+  if (UB_MOE_PHASES >= 1) moe_repoison(mine + header_at<N>(hdr_off, s.old, 0), N * kHeader / kVec);
+  if (UB_MOE_PHASES >= 2)
+    moe_repoison(mine + record_at<N>(rec_off, m, s.old, 0, 0, 0), N * m.tokens * m.record_vecs());
   // this rank's own count first: it bounds the combine's rows of `out` even where the
   // headers' vote below fails (a failed launch must leave no stale count behind)
   if (blockIdx.x == 0 && threadIdx.x == 0) o.tokens[tp.rank] = (u32)count;
   // 4. every rank's header, then receive and scatter
-  if (moe_headers<N>(mine, hdr_off, s.cur, sig, tok, m.tokens, c)) {
+  if (UB_MOE_PHASES >= 1 && moe_headers<N>(mine, hdr_off, s.cur, sig, tok, m.tokens, c)) {
     if (blockIdx.x == 0 && threadIdx.x < N) o.tokens[threadIdx.x] = tok[threadIdx.x];
-    scatter<T, N>(mine, m, s, rec_off, rows_off, tok, o, c, counted, list);
+    if (UB_MOE_PHASES >= 3) scatter<T, N>(mine, m, s, rec_off, rows_off, tok, o, c, counted, list);
   }
   moe_finish(c, v, rot, s);
 }

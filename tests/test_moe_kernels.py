@@ -2,19 +2,26 @@
 kernels/moe_packed_dispatch.cu, kernels/moe_packed_combine.cu) compile for sm_90a through
 NVRTC without a GPU, for every payload dtype at every world size, and keep the arithmetic
 the host reference (ubnext/_moe/reference.py) computes: no fused multiply-add in the
-combines' products and sums. The launches' argument lists agree with the entry points; the
-entry points wait for the kernel before them; the signatures and the routing errors read as
-the docs say (the packed mode's own: tests/test_moe_packed_kernels.py)."""
+combines' products and sums; the low-latency dispatch orders its rows before their records
+with one release fence and acquire loads, and every kernel's two closing counts are in flight
+together. The launches' argument lists agree with the entry points; the entry points wait
+for the kernel before them; the signatures and the routing errors read as the docs say (the
+packed mode's own: tests/test_moe_packed_kernels.py). The low-latency dispatch's timing
+variants (bench/moe_phases.py) compile, and the library's kernel is the whole one."""
 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
+from bench import moe_phases
 from ubnext._engine import failures as _failures
 from ubnext._engine import kernels as _kernels
+from ubnext._moe import base
 from ubnext._moe import layout as _layout
+from ubnext._moe import packed_layout
 from ubnext._moe.expert_parallel import ExpertParallel
 from ubnext._moe.packed import PackedExpertParallel
 from ubnext._protocol import constants as _protocol
@@ -133,3 +140,103 @@ def test_the_entry_point_waits_for_the_kernel_before_it_and_keeps_subnormals(sou
     early = [line.split()[0] for line in body[:wait].splitlines()
              if re.match(r"\s*(ld|st|atom|red|cp|prefetch)\.", line)]
     assert [i for i in early if not i.startswith("ld.param")] == ["st.relaxed.gpu.global.u64"], early
+
+
+def _dispatch_entry(defines=()):
+    """The PTX of the dispatch's entry point (bf16, 4 ranks, full optimization) with ``defines``."""
+    ptx = _kernels.compile_cubin("moe_dispatch.cu", {**compile_defines("bfloat16", "sum", 4), **dict(defines)},
+                                 arch="compute_90a").decode(errors="replace")
+    return ptx[ptx.index(f".entry {KERNELS['moe_dispatch.cu'][0]}("):]
+
+
+def test_the_dispatch_releases_rows_with_one_fence_and_acquires_them_with_loads():
+    """The send's release is one acquire-release fence before the record's relaxed store
+    (no sequentially consistent fence: message passing needs none); the scatter acquires a
+    record by loading its first vector with ld.acquire (no fence waiting for the lane's
+    stores), at the poll and in the poll's wait (the load that sees it written)."""
+    body = _dispatch_entry()
+    assert "fence.sc.sys" not in body and body.count("fence.acq_rel.sys") == 1
+    assert body.count("ld.acquire.sys.global.v4.u32") == 2
+
+
+@pytest.mark.parametrize("name,defines", [(name, defines) for name, defines, _ in moe_phases.VARIANTS])
+def test_every_timing_variant_of_bench_moe_phases_compiles(name, defines):
+    cubin = _kernels.compile_cubin("moe_dispatch.cu", {**compile_defines("bfloat16", "sum", 4), **dict(defines)},
+                                   fast=True)
+    assert KERNELS["moe_dispatch.cu"][0].encode() in cubin
+
+
+def test_without_definitions_the_dispatch_is_the_whole_one():
+    """The library compiles none of the timing variants' definitions: its kernel is every
+    phase, with this branch's fences and the prefetch."""
+    assert _dispatch_entry() == _dispatch_entry((("UB_MOE_PHASES", "4"), ("UB_MOE_FENCES", "3"),
+                                                 ("UB_MOE_PREFETCH", "1")))
+    assert _dispatch_entry() != _dispatch_entry((("UB_MOE_PHASES", "3"),))
+
+
+def test_the_definitions_hook_reaches_its_calls_kernel_only(monkeypatch):
+    """MoeObject._compile adds a subclass's _extra_defines of a call to that call's kernel's
+    compilation only (bench/moe_phases.py: the low-latency dispatch's); the library's
+    classes add none."""
+    compiled = {}
+
+    def compile_module(source, defines, device):
+        compiled[source] = defines
+        return SimpleNamespace(get_function=lambda entry: entry)
+
+    monkeypatch.setattr(base, "compile_module", compile_module)
+    monkeypatch.setattr(base, "Launcher", lambda *args: args)
+    node = SimpleNamespace(pool=SimpleNamespace(base=0, stride=0, local_rank=0, local_ptr=lambda offset: offset),
+                           engine=SimpleNamespace(_mc_base=0, plan=SimpleNamespace(offset=lambda key: 0),
+                                                  dependent=True))
+    sizes = (4, 256, 7168, 128, 8, "bfloat16")
+    plain = compile_defines("bfloat16", "sum", 4)
+    phased = type("Phased", (ExpertParallel,), {"_extra_defines": {"dispatch": (("UB_MOE_PHASES", "2"),)}})
+    for cls, shape, extra in ((ExpertParallel, _layout.shape(*sizes), {}),
+                              (PackedExpertParallel, packed_layout.shape(*sizes), {}),
+                              (phased, _layout.shape(*sizes), {"UB_MOE_PHASES": "2"})):
+        ep = cls.__new__(cls)
+        ep.shape, ep._senders = shape, 1
+        compiled.clear()
+        ep._compile(SimpleNamespace(device=0), node, shape.offsets())
+        (dispatch, _), (combine, _) = cls.SOURCES["dispatch"], cls.SOURCES["combine"]
+        assert compiled == {dispatch: {**plain, **extra}, combine: plain}
+
+
+def test_bench_moe_phases_subtracts_each_variant_from_its_reference():
+    names = [name for name, *_ in moe_phases.variants([66])]
+    record = {"shape": {"hidden": 128, "experts": 8, "top_k": 1, "tokens": 1}, "wrong": {"whole": 0},
+              "times_us": {name: float(2 ** i) for i, name in enumerate(names)}}
+    rows = {line[:28].strip(): float(line[28:]) for line in moe_phases.table([record], names)
+            if line[:1] != "#" and line[28:].strip() not in ("", "-") and not line.startswith("variant")}
+    t = record["times_us"]
+    assert rows["send (2 - 1)"] == t["phase 2"] - t["phase 1"] and rows["copy (whole - 3)"] == t["whole"] - t["phase 3"]
+    assert rows["send fence"] == t["whole"] - t["no send fence"] and rows["both"] == t["whole"] - t["no fences"]
+    assert rows["fences, this branch's gain"] == t["fences as before"] - t["whole"]
+    assert rows["grid 66 - whole"] == t["grid 66"] - t["whole"]
+    assert rows["phase 0, grid 66 - phase 0"] == t["phase 0, grid 66"] - t["phase 0"]
+    assert rows["wrong (checked variants)"] == 0
+
+
+@pytest.mark.parametrize("source", list(KERNELS))
+def test_the_two_counts_at_a_launchs_end_are_in_flight_together(source):
+    """moe.cuh's moe_finish: the rotation's count (the second-to-last atomic add) is issued
+    before the launch state's (the last) and its result is read only after it, so that a
+    block's end waits for one atomic round trip, not two."""
+    text = ptx(source)
+    body = text[text.index(f".entry {KERNELS[source][0]}("):]
+    last = body.rindex("atom.global.add.u32")
+    rotation = body.rindex("atom.global.add.u32", 0, last)
+    result = re.match(r"atom\.global\.add\.u32\s+(%r\d+),", body[rotation:]).group(1)
+    assert re.search(rf"{re.escape(result)}\b", body[body.index("\n", rotation):last]) is None
+    assert re.search(rf"{re.escape(result)}\b", body[last:]) is not None
+
+
+def test_the_dispatch_prefetches_its_first_token_before_it_reads_the_rotation():
+    """The send's first loads (ids, weights, row) are requested into L1 after the wait for the
+    kernel before (which may write them) and before the object's rotation is read (the
+    send's addresses wait for it); the timing variants without the send prefetch nothing."""
+    body = _dispatch_entry()
+    first = body.index("prefetch.global.L1")
+    assert body.index("griddepcontrol.wait;") < first < body.index("ld.volatile.global")
+    assert "prefetch.global.L1" not in _dispatch_entry((("UB_MOE_PHASES", "1"),))

@@ -38,6 +38,10 @@ class MoeObject:
 
     SOURCES: dict[str, tuple[str, str]] = {}
     PARAMS: dict[str, tuple] = {}
+    #: extra (name, value) definitions of a call's kernel compilation (call -> pairs): none in
+    #: the library; bench/moe_phases.py's subclasses of ExpertParallel give the dispatch its
+    #: timing variants (kernels/moe_dispatch.cu: UB_MOE_PHASES, UB_MOE_FENCES, UB_MOE_PREFETCH)
+    _extra_defines: dict[str, tuple[tuple[str, str], ...]] = {}
 
     @staticmethod
     def _node_of(name: str, comm, framework: str):
@@ -144,7 +148,8 @@ class MoeObject:
         prefixes = self._prefixes(regions)
         launchers = {}
         for kind, (source, entry) in self.SOURCES.items():
-            module = compile_module(source, compile_defines(s.dtype, "sum", s.nranks), comm.device)
+            defines = {**compile_defines(s.dtype, "sum", s.nranks), **dict(self._extra_defines.get(kind, ()))}
+            module = compile_module(source, defines, comm.device)
             state = pool.local_ptr(node.engine.plan.offset(f"{source.removesuffix('.cu')}.state"))
             launchers[kind] = Launcher(module.get_function(entry), self.PARAMS[kind], fixed + prefixes[kind],
                                        (state,), node.engine.dependent)
