@@ -1,0 +1,157 @@
+// The point-to-point kernel's bulk form (kernels/p2p.cu): a message of at least
+// UB_P2P_BULK_MIN_BYTES moves in chunks of UB_P2P_BULK_CHUNK bytes, stored as 16-byte
+// vectors into the receiver's chunk slots of the pair, each chunk followed by one flag
+// line; the blocks of a pair's group share its chunks (block j of B takes chunks j, j + B,
+// ...), so several blocks move one message.
+//
+// Chunk sequence, per ordered pair: the pair's bulk chunks are counted (q) by the sender
+// and by the receiver, in the order of the pair's messages; chunk q travels in slot
+// q % UB_P2P_BULK_DEPTH of the pair (source rank s) in the receiver's area, its flag line
+// (an LL line: the message's header, flag q + 1) stored after its data with a system-scope
+// fence. The receiver's block waits for the flag line, checks the header against its own,
+// copies the chunk out (relaxed system-scope loads) and stores q + 1 into the pair's
+// credit word of that slot in the sender's area (release); the sender waits, before chunk
+// q, for the credit of chunk q - UB_P2P_BULK_DEPTH (acquire). Every chunk's waits depend
+// only on chunks of lower sequence, so any split of the chunks among the blocks of either
+// side makes progress, and the two sides need not run the same number of blocks.
+//
+// Bulk part of the area, after the LL slots (bulk_part): a line of this rank's counters,
+// u32 bulk_sent[UB_MAX_RANKS], bulk_recvd[UB_MAX_RANKS] and the groups' arrival counts
+// arrivals[2][UB_MAX_RANKS] (receive, send); then u32 credit[UB_MAX_RANKS][DEPTH] (written
+// by the receivers), the flag lines [UB_MAX_RANKS][DEPTH] (16 bytes, written by the
+// senders), and the chunk slots [UB_NRANKS][DEPTH][UB_P2P_BULK_CHUNK] (written by the senders).
+#pragma once
+#include "ll_lines.cuh"
+
+constexpr u32 kBulkDepth = UB_P2P_BULK_DEPTH;
+constexpr u64 kBulkChunk = UB_P2P_BULK_CHUNK;
+
+// Block j of the `blocks` that a launch runs for one group (a pair and a direction); block
+// 0 leads: it alone moves the pair's LL lines and keeps the pair's message count.
+struct Lane {
+  u32 j;
+  u32 blocks;
+};
+
+__device__ __forceinline__ u32 bulk_chunks(u64 n) { return (u32)((n + kBulkChunk - 1) / kBulkChunk); }
+
+__device__ __forceinline__ char* bulk_part(char* area, u64 slot_bytes) {
+  return area + 2 * UB_HEADER_BYTES + 2ull * UB_NRANKS * slot_bytes;
+}
+__device__ __forceinline__ u32* bulk_count_word(char* area, u64 slot_bytes, bool send, int peer) {
+  return (u32*)bulk_part(area, slot_bytes) + (send ? 0 : UB_MAX_RANKS) + peer;
+}
+__device__ __forceinline__ u32* arrivals_word(char* area, u64 slot_bytes, bool send, int peer) {
+  return (u32*)bulk_part(area, slot_bytes) + (send ? 3 : 2) * UB_MAX_RANKS + peer;
+}
+__device__ __forceinline__ u32* bulk_credit(char* area, u64 slot_bytes, int rank, u32 slot) {
+  return (u32*)(bulk_part(area, slot_bytes) + UB_HEADER_BYTES) + rank * kBulkDepth + slot;
+}
+__device__ __forceinline__ char* bulk_flag(char* area, u64 slot_bytes, int src, u32 slot) {
+  return bulk_part(area, slot_bytes) + UB_HEADER_BYTES + 4ull * UB_MAX_RANKS * kBulkDepth +
+         16ull * (src * kBulkDepth + slot);
+}
+__device__ __forceinline__ char* bulk_slot(char* area, u64 slot_bytes, int src, u32 slot) {
+  return bulk_part(area, slot_bytes) + UB_HEADER_BYTES + 20ull * UB_MAX_RANKS * kBulkDepth +
+         kBulkChunk * (src * kBulkDepth + slot);
+}
+
+// Bytes [16 * i, 16 * i + 16) of an array of n bytes at a (fewer at its end: the rest
+// zero); one 16-byte load where it is whole and aligned, else as two LL lines' loads.
+__device__ __forceinline__ uint4 load_vec(const char* a, u64 i, u64 n) {
+  const char* p = a + 16 * i;
+  if (16 * i + 16 <= n && ((u64)p & 15u) == 0u) return ld_weak(p);
+  const u64 lo = load_line(a, 2 * i, n), hi = load_line(a, 2 * i + 1, n);
+  return make_uint4((u32)lo, (u32)(lo >> 32), (u32)hi, (u32)(hi >> 32));
+}
+
+// Stores the bytes of v that fall in [16 * i, 16 * i + 16) of an array of n bytes at a.
+__device__ __forceinline__ void store_vec(char* a, u64 i, u64 n, const uint4& v) {
+  char* p = a + 16 * i;
+  if (16 * i + 16 <= n && ((u64)p & 15u) == 0u) {
+    st_weak(p, v);
+    return;
+  }
+  store_line(a, 2 * i, n, (u64)v.x | (u64)v.y << 32);
+  store_line(a, 2 * i + 1, n, (u64)v.z | (u64)v.w << 32);
+}
+
+// Block ln.j's chunks of the n bytes at x (a bulk message, header `header`) to rank `to`,
+// the pair's chunks q, q + 1, ... (peer_area: the pair's area in rank `to`'s segment).
+// False if a credit's wait gave up (the block then stops sending).
+__device__ bool send_bulk(char* mine, char* peer_area, u64 slot_bytes, int rank, int to, const char* x, u64 n,
+                          u64 header, u32 q, Lane ln, WaitCtx& c) {
+  const u32 chunks = bulk_chunks(n);
+  for (u32 i = ln.j; i < chunks; i += ln.blocks) {
+    const u32 s = q + i, slot = s % kBulkDepth;
+    bool ok = true;
+    if (threadIdx.x == 0) ok = wait_flag(bulk_credit(mine, slot_bytes, to, slot), s + 1u - kBulkDepth, c, to,
+                                         kSiteP2PCredit);
+    if (!__syncthreads_and(ok)) {
+      c.failed = true;
+      return false;
+    }
+    char* dst = bulk_slot(peer_area, slot_bytes, rank, slot);
+    const u64 base = (u64)i * kBulkChunk, len = min(kBulkChunk, n - base);
+    for (u64 v = threadIdx.x; v < (len + 15) / 16; v += blockDim.x) st_weak(dst + 16 * v, load_vec(x + base, v, len));
+    __syncthreads();  // the chunk stored: its flag line after a system-scope fence
+    if (threadIdx.x == 0) {
+      fence_sys();
+      ll_store(bulk_flag(peer_area, slot_bytes, rank, slot), header, s + 1u);
+    }
+  }
+  return true;
+}
+
+// Block ln.j's chunks of a bulk message of n bytes from rank `from` (the pair's chunks q,
+// q + 1, ...) into out, written where `write` and each chunk's header is `header`; all-ones
+// bytes into this block's chunks from the one whose wait gave up on (where `write`).
+// from_area: this pair's area in rank `from`'s segment (its credits).
+__device__ bool recv_bulk(char* mine, char* from_area, u64 slot_bytes, int rank, int from, char* out, u64 n,
+                          u64 header, bool write, u32 q, Lane ln, WaitCtx& c) {
+  __shared__ u64 seen;
+  __shared__ bool arrived;
+  const u32 chunks = bulk_chunks(n);
+  for (u32 i = ln.j; i < chunks; i += ln.blocks) {
+    const u32 s = q + i, slot = s % kBulkDepth;
+    if (threadIdx.x == 0) {
+      u64 h = 0;
+      arrived = ll_wait(bulk_flag(mine, slot_bytes, from, slot), s + 1u, h, c, from);
+      if (arrived) fence_sys();  // the flag seen: the chunk's data after it
+      seen = h;
+    }
+    __syncthreads();
+    const bool ok = arrived, same = seen == header;
+    __syncthreads();  // every thread has read the shared words before thread 0's next wait
+    if (!ok) {
+      c.failed = true;
+      for (u32 r = i; write && r < chunks; r += ln.blocks) {
+        const u64 base = (u64)r * kBulkChunk, len = min(kBulkChunk, n - base);
+        for (u64 v = threadIdx.x; v < (len + 15) / 16; v += blockDim.x) store_vec(out + base, v, len, make_uint4(~0u, ~0u, ~0u, ~0u));
+      }
+      return false;
+    }
+    const char* src = bulk_slot(mine, slot_bytes, from, slot);
+    const u64 base = (u64)i * kBulkChunk, len = min(kBulkChunk, n - base);
+    if (write && same) {
+      for (u64 v = threadIdx.x; v < (len + 15) / 16; v += blockDim.x) {
+        store_vec(out + base, v, len, ld_relaxed_sys(src + 16 * v));
+      }
+    }
+    __syncthreads();  // every vector of the chunk read: the sender may reuse its slot
+    if (threadIdx.x == 0) st_release_sys(bulk_credit(from_area, slot_bytes, rank, slot), s + 1u);
+  }
+  return true;
+}
+
+// The end of a group's block: the last of the group's blocks to arrive stores the pair's
+// chunk count `q` (every block read it at its start) and clears the arrivals for the next
+// launch. Thread 0, after the block's last access of the pair's chunks.
+__device__ __forceinline__ void arrive(char* mine, u64 slot_bytes, bool send, int peer, u32 q, Lane ln) {
+  u32* arrivals = arrivals_word(mine, slot_bytes, send, peer);
+  __threadfence();
+  if (atomicAdd(arrivals, 1u) == ln.blocks - 1u) {
+    *(volatile u32*)arrivals = 0u;
+    *(volatile u32*)bulk_count_word(mine, slot_bytes, send, peer) = q;
+  }
+}
