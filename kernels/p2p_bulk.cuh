@@ -25,6 +25,13 @@
 
 constexpr u32 kBulkDepth = UB_P2P_BULK_DEPTH;
 constexpr u64 kBulkChunk = UB_P2P_BULK_CHUNK;
+// vectors of a chunk per thread (the kernels run UB_P2P_THREADS threads per block)
+constexpr u32 kChunkVecsPerThread = (u32)((kBulkChunk / 16 + UB_P2P_THREADS - 1) / UB_P2P_THREADS);
+
+// Acquire-release fence at system scope: after a relaxed store's data (the sender's
+// chunk before its flag line), or after a relaxed load that saw a flag (the receiver's
+// data after it).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Block j of the `blocks` that a launch runs for one group (a pair and a direction); block
 // 0 leads: it alone moves the pair's LL lines and keeps the pair's message count.
@@ -76,6 +83,25 @@ __device__ __forceinline__ void store_vec(char* a, u64 i, u64 n, const uint4& v)
   store_line(a, 2 * i + 1, n, (u64)v.z | (u64)v.w << 32);
 }
 
+// Copies the len bytes (at most a chunk) that load(i) gives as vector i to store(i, v):
+// the thread's vectors threadIdx.x + r * UB_P2P_THREADS, all its loads issued before its
+// first store (their latencies overlap).
+template <class Load, class Store>
+__device__ __forceinline__ void copy_chunk(u64 len, Load load, Store store) {
+  const u64 vecs = (len + 15) / 16;
+  uint4 v[kChunkVecsPerThread];
+#pragma unroll
+  for (u32 r = 0; r < kChunkVecsPerThread; ++r) {
+    const u64 i = threadIdx.x + (u64)r * UB_P2P_THREADS;
+    if (i < vecs) v[r] = load(i);
+  }
+#pragma unroll
+  for (u32 r = 0; r < kChunkVecsPerThread; ++r) {
+    const u64 i = threadIdx.x + (u64)r * UB_P2P_THREADS;
+    if (i < vecs) store(i, v[r]);
+  }
+}
+
 // Block ln.j's chunks of the n bytes at x (a bulk message, header `header`) to rank `to`,
 // the pair's chunks q, q + 1, ... (peer_area: the pair's area in rank `to`'s segment).
 // False if a credit's wait gave up (the block then stops sending).
@@ -93,10 +119,11 @@ __device__ bool send_bulk(char* mine, char* peer_area, u64 slot_bytes, int rank,
     }
     char* dst = bulk_slot(peer_area, slot_bytes, rank, slot);
     const u64 base = (u64)i * kBulkChunk, len = min(kBulkChunk, n - base);
-    for (u64 v = threadIdx.x; v < (len + 15) / 16; v += blockDim.x) st_weak(dst + 16 * v, load_vec(x + base, v, len));
+    copy_chunk(len, [&](u64 v) { return load_vec(x + base, v, len); },
+               [&](u64 v, const uint4& d) { st_weak(dst + 16 * v, d); });
     __syncthreads();  // the chunk stored: its flag line after a system-scope fence
     if (threadIdx.x == 0) {
-      fence_sys();
+      fence_acq_rel_sys();
       ll_store(bulk_flag(peer_area, slot_bytes, rank, slot), header, s + 1u);
     }
   }
@@ -117,7 +144,7 @@ __device__ bool recv_bulk(char* mine, char* from_area, u64 slot_bytes, int rank,
     if (threadIdx.x == 0) {
       u64 h = 0;
       arrived = ll_wait(bulk_flag(mine, slot_bytes, from, slot), s + 1u, h, c, from);
-      if (arrived) fence_sys();  // the flag seen: the chunk's data after it
+      if (arrived) fence_acq_rel_sys();  // the flag seen: the chunk's data after it
       seen = h;
     }
     __syncthreads();
@@ -134,9 +161,8 @@ __device__ bool recv_bulk(char* mine, char* from_area, u64 slot_bytes, int rank,
     const char* src = bulk_slot(mine, slot_bytes, from, slot);
     const u64 base = (u64)i * kBulkChunk, len = min(kBulkChunk, n - base);
     if (write && same) {
-      for (u64 v = threadIdx.x; v < (len + 15) / 16; v += blockDim.x) {
-        store_vec(out + base, v, len, ld_relaxed_sys(src + 16 * v));
-      }
+      copy_chunk(len, [&](u64 v) { return ld_relaxed_sys(src + 16 * v); },
+                 [&](u64 v, const uint4& d) { store_vec(out + base, v, len, d); });
     }
     __syncthreads();  // every vector of the chunk read: the sender may reuse its slot
     if (threadIdx.x == 0) st_release_sys(bulk_credit(from_area, slot_bytes, rank, slot), s + 1u);

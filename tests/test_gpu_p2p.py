@@ -3,8 +3,9 @@ batch_isend_irecv and the all-to-all with uneven splits (host lists and device a
 the batch ring and the all-to-all of every dtype and size are test_gpu_collectives.py's,
 on this kernel too), byte for byte against the host reference on random bits of every
 dtype (-0.0, NaNs with payloads, every integer pattern), outputs poisoned and bordered by
-canary bytes, inputs unchanged; messages past
-LL_MAX_BYTES (chunks, credits), several messages of a pair in one batch and back to back
+canary bytes, inputs unchanged; messages of the bulk form
+(P2P_BULK_MIN_BYTES and more: chunks shared by several blocks, past the chunk slots,
+beside LL ones in one batch, of any alignment, back to back, in uneven all-to-alls), several messages of a pair in one batch and back to back
 (the matching rule, the pair's counters), CUDA-graph replay (the counters advanced by the
 kernel), ``auto`` taking the kernel where NCCL cannot run, and the failures: a receive
 with no send times out on the waiting rank, device split counts that do not fit or agree
@@ -27,7 +28,7 @@ from test_gpu_collectives import (POISON, WIDTH, Bordered, assert_bytes, host_by
                                   renewed_after_failure)
 
 from ubnext._protocol.algorithms import DTYPES
-from ubnext._protocol.constants import LL_MAX_BYTES
+from ubnext._protocol.constants import LL_MAX_BYTES, P2P_BULK_CHUNK, P2P_BULK_DEPTH, P2P_BULK_MIN_BYTES
 
 pytestmark = pytest.mark.gpu
 
@@ -100,8 +101,13 @@ def raised(call):
 
 
 # ---- send, recv, batches -------------------------------------------------------------------------
-#: past LL_MAX_BYTES: three chunks of a message (two in flight, the third after a credit)
+#: past LL_MAX_BYTES: a message of the bulk form, five chunks (the last a partial one)
 CHUNKED = 2 * LL_MAX_BYTES + 24
+#: the bulk form's messages past its chunk slots: each slot used three times (credits), the
+#: last chunk partial and of an odd length
+LONG = 2 * P2P_BULK_DEPTH * P2P_BULK_CHUNK + 12345
+#: the largest LL message and the smallest bulk one: the two forms side by side
+EDGES = (P2P_BULK_MIN_BYTES - 1, P2P_BULK_MIN_BYTES)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -136,9 +142,8 @@ def test_send_recv_pairs(comm, dtype):
 
 def test_several_messages_of_a_pair_in_one_batch_keep_their_order(comm):
     """Three sends to the next rank and three receives from the previous one in one batch,
-    of 0 bytes, a chunked size and 5 bytes: matched in order within the launch (the third
-    chunk of the second message and the third message wait for credits the receiving block
-    of the same launch gives)."""
+    of 0 bytes, a bulk size and 5 bytes: matched in order within the launch (the third
+    message waits for an LL credit the receiving block of the same launch gives)."""
     import torch
 
     n, me = comm.size, comm.rank
@@ -264,19 +269,189 @@ def test_auto_takes_the_kernel_where_nccl_cannot_run(comm):
     comm.synchronize()
 
 
+# ---- the bulk form --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["uint8", "float16", "float32", "float64"])
+def test_bulk_and_ll_messages_of_a_pair_in_one_batch(comm, dtype):
+    """A ring batch (at one rank: a send to itself) of messages of both forms in one
+    launch: the largest LL message, the smallest bulk one, 6 elements, one past the chunk
+    slots three times over, CHUNKED: each bit for bit in its own bordered output, in order
+    (a bulk message is one of the pair's messages; its chunks shared by the group's blocks)."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    w = WIDTH[dtype]
+    counts = [b // w for b in EDGES] + [6, LONG // w, CHUNKED // w + 1]
+    seed = seed_of("p2p-bulk-batch", dtype)
+    data = [[rank_bytes(k, dtype, r, seed + i) for i, k in enumerate(counts)] for r in range(n)]
+    outs = [Bordered(k, dtype, seed + 50 + i) for i, k in enumerate(counts)]
+    entries = []
+    for i in range(len(counts)):
+        entries += [("send", on_device(data[me][i], dtype), nxt), ("recv", outs[i].view, prev)]
+    comm.batch_isend_irecv(entries, algorithm="ll")
+    torch.cuda.synchronize()
+    for i, o in enumerate(outs):
+        assert_bytes(host_bytes(o.view), data[prev][i], f"message {i} ({counts[i]} x {dtype})")
+        o.assert_intact(f"message {i}")
+    comm.synchronize()
+
+
+def test_bulk_messages_of_any_alignment(comm):
+    """Bulk messages from and into addresses off 16-byte alignment (1, 8 and 15 bytes
+    past it): the vectors' byte-wise edges; the bytes before the output stay poisoned."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    nbytes = P2P_BULK_MIN_BYTES + 3 * P2P_BULK_CHUNK + 7
+    seed = seed_of("p2p-bulk-align")
+    for i, skew in enumerate((1, 8, 15)):
+        data = [rank_bytes(nbytes + skew, "uint8", r, seed + i) for r in range(n)]
+        out = Bordered(nbytes + skew, "uint8", seed + 10 + i)
+        comm.batch_isend_irecv([("send", on_device(data[me], "uint8")[skew:], nxt), ("recv", out.view[skew:], prev)],
+                               algorithm="ll")
+        torch.cuda.synchronize()
+        got = host_bytes(out.view)
+        assert_bytes(got[:skew], np.full(skew, POISON, np.uint8), f"skew {skew}: the bytes before the output")
+        assert_bytes(got[skew:], data[prev][skew:], f"skew {skew}")
+        out.assert_intact(f"skew {skew}")
+    comm.synchronize()
+
+
+def test_back_to_back_bulk_rounds(comm):
+    """Twelve ring rounds of both forms queued without a wait, each into an output of its
+    own: bit for bit (the pair's chunk count carried from launch to launch by the kernel,
+    the chunk slots' credits across launches, LL and bulk messages counted as one sequence)."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    made = []
+    for k in range(12):
+        nbytes = (LONG, 40, P2P_BULK_MIN_BYTES, CHUNKED, 4096, P2P_BULK_MIN_BYTES + P2P_BULK_CHUNK + 4)[k % 6]
+        seed = seed_of("p2p-bulk-b2b", k)
+        out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        comm.batch_isend_irecv([("send", on_device(rank_bytes(nbytes, "uint8", me, seed), "uint8"), nxt),
+                                ("recv", out, prev)], algorithm="ll")
+        made.append((k, out, rank_bytes(nbytes, "uint8", prev, seed)))
+    torch.cuda.synchronize()
+    for k, out, want in made:
+        assert_bytes(host_bytes(out), want, f"round {k}")
+    comm.synchronize()
+
+
+def test_bulk_send_and_recv_calls(comm):
+    """Even ranks send two bulk messages and an LL one with ``send``, the next odd rank
+    receives them with ``recv`` (separate launches on both sides: the receiver's blocks
+    need not match the sender's); a last rank without a partner takes no part."""
+    import torch
+
+    if comm.size < 2:
+        pytest.skip("a send needs another rank")
+    me = comm.rank
+    peer = me + 1 if me % 2 == 0 else me - 1
+    seed = seed_of("p2p-bulk-sendrecv")
+    counts = (LONG // 4, 100, P2P_BULK_MIN_BYTES // 4 + 1)
+    if peer < comm.size:
+        sent = [rank_bytes(k, "float32", min(me, peer), seed + i) for i, k in enumerate(counts)]
+        if me % 2 == 0:
+            for b in sent:
+                comm.send(on_device(b, "float32"), peer, algorithm="ll")
+        else:
+            outs = [Bordered(k, "float32", seed + 10 + i) for i, k in enumerate(counts)]
+            for o in outs:
+                comm.recv(o.view, peer, algorithm="ll")
+            torch.cuda.synchronize()
+            for i, (o, want) in enumerate(zip(outs, sent)):
+                assert_bytes(host_bytes(o.view), want, f"recv {i}")
+                o.assert_intact(f"recv {i}")
+    torch.cuda.synchronize()
+    comm.synchronize()
+
+
+@pytest.mark.parametrize("device_splits", [False, True], ids=["host-splits", "device-splits"])
+def test_uneven_all_to_all_with_bulk_parts(comm, device_splits):
+    """An all-to-all of rows of 1 KiB whose parts are of both forms (rank s sends rank d
+    ``rows(s, d)`` rows: 1 to 3 * 64 + 1, the bulk form from 64 rows; at one rank, 64 then
+    193), two rounds: each part bit for bit at its place, the rows past the counts and the
+    canaries untouched."""
+    import torch
+
+    n, me = comm.size, comm.rank
+    row = 256  # float32 elements: 1 KiB
+    assert row * 4 * 64 == P2P_BULK_MIN_BYTES
+    spare = 3
+    for rnd in range(2):
+        def rows(s, d, rnd=rnd):
+            return (64, 3 * 64 + 1, 1, 63)[(s + 3 * d + rnd) % 4]
+
+        ins = [rows(me, d) for d in range(n)]
+        outs_rows = [rows(s, me) for s in range(n)]
+        seed = seed_of("p2p-bulk-a2a", rnd)
+        data = [rank_bytes(sum(rows(r, d) for d in range(n)) * row, "float32", r, seed) for r in range(n)]
+        x = on_device(data[me], "float32", (sum(ins), row))
+        out = Bordered((sum(outs_rows) + spare) * row, "float32", seed + 1, shape=(sum(outs_rows) + spare, row))
+        if device_splits:
+            comm.all_to_all(x, out.view, torch.tensor(ins, device="cuda"),
+                            torch.tensor(outs_rows, dtype=torch.int32, device="cuda"), algorithm="ll")
+        else:
+            comm.all_to_all(x, out.view[:sum(outs_rows)], in_splits=ins, out_splits=outs_rows, algorithm="ll")
+        torch.cuda.synchronize()
+        got = host_bytes(out.view).reshape(-1, row * 4)
+        at = 0
+        for s in range(n):
+            start = sum(rows(s, d) for d in range(me))
+            want = data[s].reshape(-1, row * 4)[start:start + rows(s, me)]
+            assert_bytes(got[at:at + rows(s, me)], want, f"round {rnd}: the part from rank {s}")
+            at += rows(s, me)
+        assert_bytes(got[at:].reshape(-1), np.full(spare * row * 4, POISON, np.uint8), f"round {rnd}: rows past")
+        out.assert_intact(f"round {rnd}")
+    comm.synchronize()
+
+
+def test_bulk_graph_replay(comm):
+    """A ring batch of a bulk message and an LL one and an all-to-all with device splits of
+    bulk parts, captured after an eager call, replayed on new inputs: the kernel advances
+    the pairs' message and chunk counts itself."""
+    import torch
+
+    from test_gpu_collectives import captured, replayed
+
+    n, me = comm.size, comm.rank
+    per = P2P_BULK_MIN_BYTES // 4 + P2P_BULK_CHUNK // 4 + 3  # float32 per part: three chunks
+    x = torch.zeros(n * per, dtype=torch.float32, device="cuda")
+    r, a, small = torch.empty_like(x), torch.empty_like(x), torch.empty(5, dtype=torch.float32, device="cuda")
+    splits = torch.full((n,), per, dtype=torch.int64, device="cuda")
+
+    def calls():
+        comm.batch_isend_irecv([("send", x, (me + 1) % n), ("send", x[:5], (me + 1) % n), ("recv", r, (me - 1) % n),
+                                ("recv", small, (me - 1) % n)], algorithm="ll")
+        comm.all_to_all(x, a, splits, splits, algorithm="ll")
+
+    failures = []
+    for base in replayed(captured(calls), x, me, 4):
+        with collected(failures):
+            assert torch.equal(r, base + 100 * ((me - 1) % n))
+            assert torch.equal(small, base[:5] + 100 * ((me - 1) % n))
+            assert torch.equal(a, torch.cat([base[per * me:per * me + per] + 100 * j for j in range(n)]))
+    assert not failures, failures
+    comm.synchronize()
+
+
 # ---- failures --------------------------------------------------------------------------------------
-def test_a_receive_without_a_send_times_out_and_names_the_peer(world, fresh):
+@pytest.mark.parametrize("count", [64, (P2P_BULK_MIN_BYTES + 3 * P2P_BULK_CHUNK) // 4 + 1], ids=["ll", "bulk"])
+def test_a_receive_without_a_send_times_out_and_names_the_peer(world, fresh, count):
     """Every rank posts a receive from the next rank, which sends nothing: every rank raises
     (a timeout naming its peer where its own wait timed out first, the failure passed on
-    elsewhere) after about the timeout, its out is poisoned (all-ones bytes), and the CUDA
-    context goes on."""
+    elsewhere) after about the timeout, its out is poisoned (all-ones bytes; the bulk form:
+    every block's chunks), and the CUDA context goes on."""
     import torch
 
     import ubnext
 
     c = fresh()
     n, me = c.size, c.rank
-    out = torch.zeros(64, dtype=torch.int32, device="cuda")
+    out = torch.zeros(count, dtype=torch.int32, device="cuda")
     t0 = time.monotonic()
     c.batch_isend_irecv([("recv", out, (me + 1) % n)], algorithm="ll")
     caught = raised(c.synchronize)

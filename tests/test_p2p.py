@@ -90,12 +90,12 @@ def test_the_work_is_the_last_parameter_of_the_engines_words():
 @pytest.mark.parametrize("entry", P2P_ENTRIES)
 def test_the_bulk_form_stores_vectors_then_a_fenced_flag_and_reads_them_past_l1(entry):
     """Bulk chunks (kernels/p2p_bulk.cuh): 16-byte stores into the receiver's slot, a
-    system-scope fence before the chunk's flag line, 16-byte relaxed system-scope loads
+    system-scope fence before the chunk's flag line (and after the receiver sees it), 16-byte relaxed system-scope loads
     (never a stale L1 line of an earlier use of the slot), the group's arrival counted
     with an atomic add."""
     body = entry_ptx(entry)
     assert re.search(r"st\.global\.v4\.u32", body)
-    assert "fence.sc.sys;" in body
+    assert "fence.acq_rel.sys;" in body
     assert re.search(r"ld\.relaxed\.sys\.global\.v4\.u32", body)
     assert re.search(r"atom\.global\.add\.u32", body)
 
