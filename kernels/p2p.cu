@@ -1,6 +1,7 @@
 // Point-to-point on the pool: send/recv and their batches (ub_p2p), and the all-to-all with
-// split counts in device memory (ub_p2p_alltoallv), in LL lines (ll_lines.cuh). Sentinel-free,
-// no barrier: only the two ranks of a pair take part in the pair's messages.
+// split counts in device memory (ub_p2p_alltoallv), in LL lines (ll_lines.cuh) or, from
+// UB_P2P_BULK_MIN_BYTES on, in flagged chunks of 16-byte vectors (p2p_bulk.cuh).
+// Sentinel-free, no barrier: only the two ranks of a pair take part in the pair's messages.
 //
 // Matching rule, per ordered pair (NCCL's): the k-th message rank a sends rank b is the k-th
 // message rank b receives from rank a. Each rank counts, in its own part of the area, the
@@ -20,15 +21,17 @@
 // Bulk form (p2p_bulk.cuh): a message of at least UB_P2P_BULK_MIN_BYTES still counts as one
 // message k of its pair and sends its header line (its count) in buffer k % 2 as above, with
 // no data lines; its bytes travel in the pair's bulk chunks. Both ends choose the form from
-// the count alone (the receiver: the header's, which a difference fails anyway).
+// the count alone: the sender from its own, the receiver from the header's (where it
+// differs from the receiver's, out is not written and the call fails, but every chunk sent
+// is read: the pair stays matched).
 //
 // Blocks: B per group of a launch (the host's choice: gridDim.x / groups), a group being the
 // entries of one kind (send, recv) and one peer, in the order the host issued them. The
-// group's block 0 leads: it owns the pair's message counter for the launch (reads it first,
-// stores it last) and moves the LL lines; every block of the group moves its share of the
-// bulk chunks (Lane), having read the pair's chunk count at its start, and the last of
-// them to finish stores the count (arrive). So a launch moves several messages of one pair
-// in order. Every block of a launch runs at once (the host keeps the grid within the SMs).
+// group's block 0 moves the LL lines; every block of the group moves its share of the bulk
+// chunks (Lane) and counts the pair's messages and chunks from the counts it read at its
+// start; the last of them to finish stores the counts (p2p_bulk.cuh: arrive). So a launch
+// moves several messages of one pair in order. Every block of a launch runs at once (the
+// host keeps the grid within the SMs).
 //
 // Area (same offset in every segment): a line of credits, u32 credit[UB_MAX_RANKS][2]
 // (written by the receivers), a line of this rank's counters, u32 sent[UB_MAX_RANKS] then
@@ -77,13 +80,6 @@ __device__ __forceinline__ bool bulk(u64 n) { return n != kInvalidCount && n >= 
 // bulk form (its header only).
 __device__ __forceinline__ u64 lined(u64 n) { return n == kInvalidCount || bulk(n) ? 0 : n; }
 
-// A pair's counts as a group's block carries them through a launch: k, its messages in LL
-// buffers (block 0's only), q, its bulk chunks.
-struct Count {
-  u32 k;
-  u32 q;
-};
-
 // Block 0 of a group sends the LL part of message n bytes at x to rank `to` as the pair's
 // messages k, k + 1, ... with header `head | n` (a bulk message: the header alone); returns
 // the next k. Thread 0 waits for each chunk's credit, the block stores the lines. On a
@@ -118,7 +114,11 @@ __device__ u32 send_lines(const Tp& tp, const P2PArea& a, int to, const char* x,
 template <class Tp>
 __device__ void send_message(const Tp& tp, const P2PArea& a, int to, const char* x, u64 n, u64 head, Count& ct,
                              Lane ln, WaitCtx& c) {
-  if (ln.j == 0) ct.k = send_lines(tp, a, to, x, n, head, ct.k, c);
+  if (ln.j == 0) {
+    ct.k = send_lines(tp, a, to, x, n, head, ct.k, c);
+  } else {
+    ct.k += chunks_of(lined(n));
+  }
   if (!bulk(n)) return;
   send_bulk(a.mine, tp.seg(to) + a.off, a.slot_bytes, tp.rank, to, x, n, head | n, ct.q, ln, c);
   ct.q += bulk_chunks(n);
@@ -139,10 +139,11 @@ struct Expect {
 // sender's chunks whatever its count, so both ends stay matched; it writes data only where
 // the header is as expected and within cap (a header of another call fails the
 // communicator: kFailMismatch), all-ones bytes where a wait gave up. Thread 0 stores each
-// chunk's credit once the block has read it.
+// chunk's credit once the block has read it, and where the group has other blocks, the
+// header's verdict into `verdict` (tell).
 template <class Tp>
 __device__ u32 recv_lines(const Tp& tp, const P2PArea& a, int from, char* out, u64 cap, const Expect& e,
-                          bool& write, u32 k, u64& got, WaitCtx& c) {
+                          bool& write, u32 k, u64& got, char* verdict, WaitCtx& c) {
   __shared__ u64 header;
   __shared__ bool arrived;
   u32 chunks = 1;
@@ -169,6 +170,7 @@ __device__ u32 recv_lines(const Tp& tp, const P2PArea& a, int from, char* out, u
       const bool same = (h & ~kCountMask) == e.head && (e.any_count || got == e.want);
       if (!same && threadIdx.x == 0) fail(c, kFailMismatch, from, 0, e.head | e.want, h);
       write = write && same && got == e.want;
+      if (verdict != nullptr && threadIdx.x == 0) tell(verdict, got, write, k);
     }
     const u64 base = (u64)ch * UB_LL_MAX_BYTES;
     const u64 len = min((u64)UB_LL_MAX_BYTES, lined(got) - base);
@@ -183,17 +185,21 @@ __device__ u32 recv_lines(const Tp& tp, const P2PArea& a, int from, char* out, u
   return k;
 }
 
-// The block's part of receiving the pair's next message from rank `from` into the `cap`
-// bytes at out (recv_lines' arguments): block 0 its LL lines, then every block its share of
-// a bulk message's chunks: block 0 those of the count the header carried, the others those
-// of `cap` when it takes the bulk form (the same where the header is as expected; where it
-// is not, block 0 has failed the communicator and no block writes). Advances ct; `got`: the
-// header's count (block 0), else cap.
+// The block's part of receiving the pair's next message, its group's entry `entry`, from
+// rank `from` into the `cap` bytes at out (recv_lines' arguments): block 0 its LL lines,
+// the other blocks the header's verdict from block 0 (heard), then every block its share of
+// a bulk message's chunks, of the count the header carried (the sender's: every chunk it
+// sends is read, even where out is not written). Advances ct; `got`: the header's count.
 template <class Tp>
 __device__ void recv_message(const Tp& tp, const P2PArea& a, int from, char* out, u64 cap, const Expect& e,
-                             bool write, Count& ct, u64& got, Lane ln, WaitCtx& c) {
-  got = cap;
-  if (ln.j == 0) ct.k = recv_lines(tp, a, from, out, cap, e, write, ct.k, got, c);
+                             bool write, u32 entry, Count& ct, u64& got, Lane ln, WaitCtx& c) {
+  char* verdict = ln.blocks > 1 ? verdict_line(a.mine, a.slot_bytes, from, entry) : nullptr;
+  if (ln.j == 0) {
+    ct.k = recv_lines(tp, a, from, out, cap, e, write, ct.k, got, verdict, c);
+  } else {
+    if (!heard(verdict, ct.k, from, got, write, c)) return;
+    ct.k += chunks_of(lined(got));
+  }
   if (!bulk(got)) return;
   recv_bulk(a.mine, tp.seg(from) + a.off, a.slot_bytes, tp.rank, from, out, got, e.head | cap, write, ct.q, ln, c);
   ct.q += bulk_chunks(got);
@@ -219,17 +225,17 @@ __device__ u32 group_count(const P2PWork& w, u32 n) {
   return groups;
 }
 
-// The pair's counts at a block's start: the message count (block 0's) and the chunk count.
-__device__ __forceinline__ Count counts_at_start(const P2PArea& a, bool send, int peer, Lane ln) {
+// The pair's counts at a block's start: its message count and its chunk count.
+__device__ __forceinline__ Count counts_at_start(const P2PArea& a, bool send, int peer) {
   u32* counter = send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer);
-  return Count{ln.j == 0 ? ld_volatile_u32(counter) : 0u, ld_volatile_u32(bulk_count_word(a.mine, a.slot_bytes, send, peer))};
+  return Count{ld_volatile_u32(counter), ld_volatile_u32(bulk_count_word(a.mine, a.slot_bytes, send, peer))};
 }
 
-// A block's end (thread 0, after the block's last access): block 0 stores the pair's
-// message count, the group's last block its chunk count (arrive).
+// A block's end (thread 0, after the block's last access): the group's last block stores
+// the pair's counts (arrive).
 __device__ __forceinline__ void counts_at_end(const P2PArea& a, bool send, int peer, const Count& ct, Lane ln) {
-  if (ln.j == 0) *(volatile u32*)(send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer)) = ct.k;
-  arrive(a.mine, a.slot_bytes, send, peer, ct.q, ln);
+  arrive(arrivals_word(a.mine, a.slot_bytes, send, peer), send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer),
+         bulk_count_word(a.mine, a.slot_bytes, send, peer), ct, ln);
 }
 
 // Batch of sends and receives: the blocks of group g (gridDim.x / groups of them) run group
@@ -243,7 +249,7 @@ __device__ void p2p_batch(const Tp& tp, const P2PArea& a, u32 n, u64 head, const
   const u64 word = w.w[2 * first + 1];
   const int peer = (int)(word >> 48 & 0xffu);
   const bool send = (word >> 56) != 0u;
-  Count ct = counts_at_start(a, send, peer, ln);
+  Count ct = counts_at_start(a, send, peer);
   for (u32 e = first; e < last; ++e) {
     const u64 n_bytes = w.w[2 * e + 1] & ((1ull << 48) - 1ull);
     char* p = (char*)w.w[2 * e];
@@ -251,7 +257,7 @@ __device__ void p2p_batch(const Tp& tp, const P2PArea& a, u32 n, u64 head, const
       send_message(tp, a, peer, p, n_bytes, head, ct, ln, c);
     } else {
       u64 got;
-      recv_message(tp, a, peer, p, n_bytes, Expect{head, n_bytes, false}, true, ct, got, ln, c);
+      recv_message(tp, a, peer, p, n_bytes, Expect{head, n_bytes, false}, true, e - first, ct, got, ln, c);
     }
   }
   __syncthreads();
@@ -310,7 +316,7 @@ __device__ void p2p_alltoallv(const Tp& tp, const P2PArea& a, const char* x, cha
   const int peer = tp.peer((int)(g % N));
   long long start, value;
   int bad;
-  Count ct = counts_at_start(a, send, peer, ln);
+  Count ct = counts_at_start(a, send, peer);
   if (send) {
     const bool fits = splits_fit<N>(ins, (long long)x_rows, peer, start, bad, value);
     const u64 n = fits ? (u64)split_at(ins, peer) * row_bytes : kInvalidCount;
@@ -324,8 +330,8 @@ __device__ void p2p_alltoallv(const Tp& tp, const P2PArea& a, const char* x, cha
     const bool fits = splits_fit<N>(outs, (long long)out_rows, peer, start, bad, value);
     const u64 want = fits ? (u64)split_at(outs, peer) * row_bytes : 0;
     u64 got;
-    recv_message(tp, a, peer, out + (fits ? (u64)start * row_bytes : 0), want, Expect{head, want, true}, fits, ct,
-                 got, ln, c);
+    recv_message(tp, a, peer, out + (fits ? (u64)start * row_bytes : 0), want, Expect{head, want, true}, fits, 0u,
+                 ct, got, ln, c);
     __syncthreads();
     if (threadIdx.x == 0) {
       counts_at_end(a, send, peer, ct, ln);

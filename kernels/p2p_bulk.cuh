@@ -15,11 +15,20 @@
 // only on chunks of lower sequence, so any split of the chunks among the blocks of either
 // side makes progress, and the two sides need not run the same number of blocks.
 //
+// A group's blocks follow the pair's messages together: each counts the pair's messages
+// and chunks from the counts it read at its start, the last of them to finish stores them
+// (arrive). A receiving group's block 0 alone reads the headers (the LL lines); where the
+// group has other blocks, it tells them each header's count and whether it may be written
+// (its verdict: tell, heard), so that they follow the sender's count, whatever the
+// receiver expected: every chunk sent is read, and the pair stays matched.
+//
 // Bulk part of the area, after the LL slots (bulk_part): a line of this rank's counters,
 // u32 bulk_sent[UB_MAX_RANKS], bulk_recvd[UB_MAX_RANKS] and the groups' arrival counts
 // arrivals[2][UB_MAX_RANKS] (receive, send); then u32 credit[UB_MAX_RANKS][DEPTH] (written
 // by the receivers), the flag lines [UB_MAX_RANKS][DEPTH] (16 bytes, written by the
-// senders), and the chunk slots [UB_NRANKS][DEPTH][UB_P2P_BULK_CHUNK] (written by the senders).
+// senders), the verdict lines [UB_MAX_RANKS][UB_P2P_MAX_ENTRIES] (16 bytes, per source and
+// entry of a receiving group; written by this rank's block 0 of the group), and the chunk
+// slots [UB_NRANKS][DEPTH][UB_P2P_BULK_CHUNK] (written by the senders).
 #pragma once
 #include "ll_lines.cuh"
 
@@ -34,10 +43,17 @@ constexpr u32 kChunkVecsPerThread = (u32)((kBulkChunk / 16 + UB_P2P_THREADS - 1)
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Block j of the `blocks` that a launch runs for one group (a pair and a direction); block
-// 0 leads: it alone moves the pair's LL lines and keeps the pair's message count.
+// 0 leads: it alone moves the pair's LL lines.
 struct Lane {
   u32 j;
   u32 blocks;
+};
+
+// A pair's counts as a group's block carries them through a launch: k, its messages in LL
+// buffers (a bulk message's header is one), q, its bulk chunks.
+struct Count {
+  u32 k;
+  u32 q;
 };
 
 __device__ __forceinline__ u32 bulk_chunks(u64 n) { return (u32)((n + kBulkChunk - 1) / kBulkChunk); }
@@ -58,9 +74,40 @@ __device__ __forceinline__ char* bulk_flag(char* area, u64 slot_bytes, int src, 
   return bulk_part(area, slot_bytes) + UB_HEADER_BYTES + 4ull * UB_MAX_RANKS * kBulkDepth +
          16ull * (src * kBulkDepth + slot);
 }
+__device__ __forceinline__ char* verdict_line(char* area, u64 slot_bytes, int src, u32 entry) {
+  return bulk_part(area, slot_bytes) + UB_HEADER_BYTES + 20ull * UB_MAX_RANKS * kBulkDepth +
+         16ull * (src * UB_P2P_MAX_ENTRIES + entry);
+}
 __device__ __forceinline__ char* bulk_slot(char* area, u64 slot_bytes, int src, u32 slot) {
   return bulk_part(area, slot_bytes) + UB_HEADER_BYTES + 20ull * UB_MAX_RANKS * kBulkDepth +
-         kBulkChunk * (src * kBulkDepth + slot);
+         16ull * UB_MAX_RANKS * UB_P2P_MAX_ENTRIES + kBulkChunk * (src * kBulkDepth + slot);
+}
+
+// Block 0's verdict on the header of the message that starts at the pair's count k (thread
+// 0): its count, and whether the message may be written (bit 63), as an LL line of flag
+// k + 1 (one line per entry of the group: a later message of the launch never overwrites
+// a verdict another block has yet to hear).
+__device__ __forceinline__ void tell(char* verdict, u64 got, bool write, u32 k) {
+  ll_store(verdict, got | (u64)write << 63, k + 1u);
+}
+
+// The other blocks of the group hear the verdict on the message that starts at count k:
+// `got` and `write` (which it only clears); false if the wait gave up.
+__device__ bool heard(char* verdict, u32 k, int from, u64& got, bool& write, WaitCtx& c) {
+  __shared__ u64 told;
+  __shared__ bool ok;
+  if (threadIdx.x == 0) {
+    u64 v = 0;
+    ok = ll_wait(verdict, k + 1u, v, c, from);
+    told = v;
+  }
+  __syncthreads();
+  const bool arrived = ok;
+  got = told & ~(1ull << 63);
+  write = write && (told >> 63) != 0u;
+  __syncthreads();  // every thread has read the shared words before thread 0's next wait
+  if (!arrived) c.failed = true;
+  return arrived;
 }
 
 // Bytes [16 * i, 16 * i + 16) of an array of n bytes at a (fewer at its end: the rest
@@ -171,13 +218,14 @@ __device__ bool recv_bulk(char* mine, char* from_area, u64 slot_bytes, int rank,
 }
 
 // The end of a group's block: the last of the group's blocks to arrive stores the pair's
-// chunk count `q` (every block read it at its start) and clears the arrivals for the next
-// launch. Thread 0, after the block's last access of the pair's chunks.
-__device__ __forceinline__ void arrive(char* mine, u64 slot_bytes, bool send, int peer, u32 q, Lane ln) {
-  u32* arrivals = arrivals_word(mine, slot_bytes, send, peer);
+// counts (every block read them at its start) into k_word and q_word and clears the
+// arrivals for the next launch. Thread 0, after the block's last access of the pair's
+// buffers.
+__device__ __forceinline__ void arrive(u32* arrivals, u32* k_word, u32* q_word, const Count& ct, Lane ln) {
   __threadfence();
   if (atomicAdd(arrivals, 1u) == ln.blocks - 1u) {
     *(volatile u32*)arrivals = 0u;
-    *(volatile u32*)bulk_count_word(mine, slot_bytes, send, peer) = q;
+    *(volatile u32*)k_word = ct.k;
+    *(volatile u32*)q_word = ct.q;
   }
 }

@@ -104,8 +104,10 @@ def test_the_area_is_planned_with_its_state():
     plan = plan_layout(8, 1 << 20, 1 << 20, 8 << 20)
     assert "p2p.state" in STATES
     lines = 2 * HEADER_BYTES + 2 * 8 * (HEADER_BYTES + 2 * LL_MAX_BYTES)
-    # bulk: a counters line, 4-byte credits and 16-byte flag lines per rank and slot, the chunk slots
-    bulk = HEADER_BYTES + (4 + 16) * MAX_RANKS * P2P_BULK_DEPTH + 8 * P2P_BULK_DEPTH * P2P_BULK_CHUNK
+    # bulk: a counters line, 4-byte credits and 16-byte flag lines per rank and slot, 16-byte
+    # verdict lines per rank and entry, the chunk slots
+    bulk = (HEADER_BYTES + (4 + 16) * MAX_RANKS * P2P_BULK_DEPTH + 16 * MAX_RANKS * P2P_MAX_ENTRIES
+            + 8 * P2P_BULK_DEPTH * P2P_BULK_CHUNK)
     assert plan.nbytes("p2p") == p2p_bytes(8) == lines + bulk
     assert p2p_bytes(8) - p2p_bytes(4) == 4 * (2 * (HEADER_BYTES + 2 * LL_MAX_BYTES) + P2P_BULK_DEPTH * P2P_BULK_CHUNK)
     assert plan.offset("p2p") % HEADER_BYTES == 0 and ll_slot_bytes() % HEADER_BYTES == 0
@@ -118,6 +120,7 @@ def test_the_bulk_constants_keep_lines_aligned_and_the_rotation_whole():
     count wraps (a power of two); a bulk message is past one LL line's chunk of data."""
     assert (4 * MAX_RANKS * P2P_BULK_DEPTH) % HEADER_BYTES == 0
     assert (20 * MAX_RANKS * P2P_BULK_DEPTH) % HEADER_BYTES == 0
+    assert (16 * MAX_RANKS * P2P_MAX_ENTRIES) % HEADER_BYTES == 0
     assert P2P_BULK_CHUNK % HEADER_BYTES == 0
     assert P2P_BULK_DEPTH & (P2P_BULK_DEPTH - 1) == 0 and P2P_BULK_DEPTH >= 2 * P2P_BULK_BLOCKS
     assert P2P_BULK_MIN_BYTES >= P2P_BULK_CHUNK
