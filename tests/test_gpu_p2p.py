@@ -478,19 +478,25 @@ def assert_found_by_the_kernel(found, words: str) -> None:
         assert "a call's input was invalid" in str(found), found
 
 
-def test_device_split_errors_raise_after_the_call_and_write_nothing_out_of_bounds(world, fresh):
+#: float32 per row of the split-error tests: 8-byte rows (LL), 64 KiB rows (every part of the bulk form)
+ROW_WIDTHS = pytest.mark.parametrize("width", [2, P2P_BULK_MIN_BYTES // 4], ids=["ll", "bulk"])
+
+
+@ROW_WIDTHS
+def test_device_split_errors_raise_after_the_call_and_write_nothing_out_of_bounds(world, fresh, width):
     """Rank 0's in_splits sum past its rows: rank 0 sends every rank a header marking it
-    and no data, every wait completes, the parts from rank 0 stay poisoned on every other
-    rank (the others' parts arrive), no canary changes; rank 0 raises SplitError after the
-    call, the others BrokenCommunicatorError at their next call."""
+    and no data, every wait completes (the bulk form: no receiving block waits for chunks
+    never sent), the parts from rank 0 stay poisoned on every other rank (the others' parts
+    arrive), no canary changes; rank 0 raises SplitError after the call, the others
+    BrokenCommunicatorError at their next call."""
     import torch
 
     import ubnext
 
     c = fresh()
     n, me = c.size, c.rank
-    x = torch.arange(n * 2, dtype=torch.float32, device="cuda").view(n, 2) + 100 * me
-    out = Bordered(n * 2, "float32", 7, shape=(n, 2))
+    x = torch.arange(n * width, dtype=torch.float32, device="cuda").view(n, width) + 100 * me
+    out = Bordered(n * width, "float32", 7, shape=(n, width))
     ins = [1] * n
     if me == 0:
         ins[-1] = 1 + n  # past rank 0's n rows
@@ -498,9 +504,9 @@ def test_device_split_errors_raise_after_the_call_and_write_nothing_out_of_bound
                  algorithm="ll")
     torch.cuda.synchronize()
     out.assert_intact("a refused all_to_all")
-    got = host_bytes(out.view).reshape(n, 8)
+    got = host_bytes(out.view).reshape(n, 4 * width)
     if me != 0:
-        assert_bytes(got[0], np.full(8, POISON, np.uint8), "the part of the rank whose splits were wrong")
+        assert_bytes(got[0], np.full(4 * width, POISON, np.uint8), "the part of the rank whose splits were wrong")
         for j in range(1, n):
             assert_bytes(got[j], host_bytes(x[me] - 100 * me + 100 * j), f"the part of rank {j}")
     found = raised(c.synchronize) if me == 0 else None
@@ -518,18 +524,20 @@ def test_device_split_errors_raise_after_the_call_and_write_nothing_out_of_bound
         assert isinstance(found, ubnext.BrokenCommunicatorError), found
 
 
-def test_disagreeing_device_splits_raise_where_found(world, fresh):
+@ROW_WIDTHS
+def test_disagreeing_device_splits_raise_where_found(world, fresh, width):
     """Rank 0 expects one row more from the last rank than it sends: rank 0 writes nothing
-    of that part and raises SplitError naming the rank and the rows sent; at one rank, its
-    own part."""
+    of that part and raises SplitError naming the rank and the rows sent (the bulk form:
+    after reading every chunk sent, of the sender's count, so the sender finishes); at one
+    rank, its own part."""
     import torch
 
     import ubnext
 
     c = fresh()
     n, me = c.size, c.rank
-    x = torch.arange(n * 2 * 2, dtype=torch.float32, device="cuda").view(2 * n, 2) + 1000 * me
-    out = Bordered(2 * n * 2 + 2, "float32", 8, shape=(2 * n + 1, 2))
+    x = torch.arange(n * 2 * width, dtype=torch.float32, device="cuda").view(2 * n, width) + 1000 * me
+    out = Bordered((2 * n + 1) * width, "float32", 8, shape=(2 * n + 1, width))
     outs = [2] * n
     if me == 0:
         outs[-1] = 3
@@ -541,5 +549,5 @@ def test_disagreeing_device_splits_raise_where_found(world, fresh):
     if me == 0:
         assert_found_by_the_kernel(found, "other than its out_splits expect")
         assert not isinstance(found, ubnext.SplitError) or (found.where, found.value) == (n - 1, 2), found
-        got = host_bytes(out.view).reshape(2 * n + 1, 8)
-        assert_bytes(got[2 * (n - 1):].reshape(-1), np.full(3 * 8, POISON, np.uint8), "the disagreeing part")
+        got = host_bytes(out.view).reshape(2 * n + 1, 4 * width)
+        assert_bytes(got[2 * (n - 1):].reshape(-1), np.full(3 * 4 * width, POISON, np.uint8), "the disagreeing part")

@@ -96,6 +96,14 @@ def test_the_bulk_form_stores_vectors_then_a_fenced_flag_and_reads_them_past_l1(
     body = entry_ptx(entry)
     assert re.search(r"st\.global\.v4\.u32", body)
     assert "fence.acq_rel.sys;" in body
+    # no flag line (an LL line's 64-bit words) follows vector stores without a fence between
+    stored = False
+    for op in (line.split()[0] for line in body.splitlines() if line.split()):
+        if op.startswith("st.global.v4"):
+            stored = True
+        elif op == "fence.acq_rel.sys;":
+            stored = False
+        assert not (stored and op.startswith("st.relaxed.sys.global.v2.u64")), "a flag line without a fence"
     assert re.search(r"ld\.relaxed\.sys\.global\.v4\.u32", body)
     assert re.search(r"atom\.global\.add\.u32", body)
 
