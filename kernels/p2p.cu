@@ -144,20 +144,12 @@ struct Expect {
 template <class Tp>
 __device__ u32 recv_lines(const Tp& tp, const P2PArea& a, int from, char* out, u64 cap, const Expect& e,
                           bool& write, u32 k, u64& got, char* verdict, WaitCtx& c) {
-  __shared__ u64 header;
-  __shared__ bool arrived;
   u32 chunks = 1;
   got = 0;
   for (u32 ch = 0; ch < chunks; ++ch, ++k) {
     const char* slot = slot_of(a.mine, a.slot_bytes, from, k);
-    if (threadIdx.x == 0) {
-      u64 h = 0;
-      arrived = ll_wait(slot, k + 1u, h, c, from);
-      header = h;
-    }
-    __syncthreads();
-    const u64 h = header;
-    if (!arrived) {  // the header never came: poison what this message would have written
+    u64 h;
+    if (!block_wait(slot, k + 1u, from, false, h, c)) {  // the header never came: poison what it would have written
       c.failed = true;
       if (write && ch == 0) {
         for (u64 i = threadIdx.x; i < (cap + 7) / 8; i += blockDim.x) store_line(out, i, cap, ~0ull);

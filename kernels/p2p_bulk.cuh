@@ -83,6 +83,25 @@ __device__ __forceinline__ char* bulk_slot(char* area, u64 slot_bytes, int src, 
          16ull * UB_MAX_RANKS * UB_P2P_MAX_ENTRIES + kBulkChunk * (src * kBulkDepth + slot);
 }
 
+// Thread 0 waits for the LL line at p to carry flag f (ll_wait; then, with `acquire`, a
+// fence, so that the block's later loads see what the writer stored before the line);
+// every thread gets its data and whether it came (false: the wait gave up).
+__device__ bool block_wait(const char* p, u32 f, int from, bool acquire, u64& data, WaitCtx& c) {
+  __shared__ u64 seen;
+  __shared__ bool arrived;
+  if (threadIdx.x == 0) {
+    u64 v = 0;
+    arrived = ll_wait(p, f, v, c, from);
+    if (arrived && acquire) fence_acq_rel_sys();
+    seen = v;
+  }
+  __syncthreads();
+  const bool ok = arrived;
+  data = seen;
+  __syncthreads();  // every thread has read the shared words before thread 0's next wait
+  return ok;
+}
+
 // Block 0's verdict on the header of the message that starts at the pair's count k (thread
 // 0): its count, and whether the message may be written (bit 63), as an LL line of flag
 // k + 1 (one line per entry of the group: a later message of the launch never overwrites
@@ -94,20 +113,11 @@ __device__ __forceinline__ void tell(char* verdict, u64 got, bool write, u32 k) 
 // The other blocks of the group hear the verdict on the message that starts at count k:
 // `got` and `write` (which it only clears); false if the wait gave up.
 __device__ bool heard(char* verdict, u32 k, int from, u64& got, bool& write, WaitCtx& c) {
-  __shared__ u64 told;
-  __shared__ bool ok;
-  if (threadIdx.x == 0) {
-    u64 v = 0;
-    ok = ll_wait(verdict, k + 1u, v, c, from);
-    told = v;
-  }
-  __syncthreads();
-  const bool arrived = ok;
+  u64 told;
+  if (!block_wait(verdict, k + 1u, from, false, told, c)) return c.failed = true, false;
   got = told & ~(1ull << 63);
   write = write && (told >> 63) != 0u;
-  __syncthreads();  // every thread has read the shared words before thread 0's next wait
-  if (!arrived) c.failed = true;
-  return arrived;
+  return true;
 }
 
 // Bytes [16 * i, 16 * i + 16) of an array of n bytes at a (fewer at its end: the rest
@@ -183,25 +193,19 @@ __device__ bool send_bulk(char* mine, char* peer_area, u64 slot_bytes, int rank,
 // from_area: this pair's area in rank `from`'s segment (its credits).
 __device__ bool recv_bulk(char* mine, char* from_area, u64 slot_bytes, int rank, int from, char* out, u64 n,
                           u64 header, bool write, u32 q, Lane ln, WaitCtx& c) {
-  __shared__ u64 seen;
-  __shared__ bool arrived;
   const u32 chunks = bulk_chunks(n);
   for (u32 i = ln.j; i < chunks; i += ln.blocks) {
     const u32 s = q + i, slot = s % kBulkDepth;
-    if (threadIdx.x == 0) {
-      u64 h = 0;
-      arrived = ll_wait(bulk_flag(mine, slot_bytes, from, slot), s + 1u, h, c, from);
-      if (arrived) fence_acq_rel_sys();  // the flag seen: the chunk's data after it
-      seen = h;
-    }
-    __syncthreads();
-    const bool ok = arrived, same = seen == header;
-    __syncthreads();  // every thread has read the shared words before thread 0's next wait
+    u64 seen;  // the flag line seen: the chunk's data after it (acquire)
+    const bool ok = block_wait(bulk_flag(mine, slot_bytes, from, slot), s + 1u, from, true, seen, c);
+    const bool same = seen == header;
     if (!ok) {
       c.failed = true;
       for (u32 r = i; write && r < chunks; r += ln.blocks) {
         const u64 base = (u64)r * kBulkChunk, len = min(kBulkChunk, n - base);
-        for (u64 v = threadIdx.x; v < (len + 15) / 16; v += blockDim.x) store_vec(out + base, v, len, make_uint4(~0u, ~0u, ~0u, ~0u));
+        for (u64 v = threadIdx.x; v < (len + 15) / 16; v += blockDim.x) {
+          store_vec(out + base, v, len, make_uint4(~0u, ~0u, ~0u, ~0u));
+        }
       }
       return false;
     }

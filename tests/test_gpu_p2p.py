@@ -112,16 +112,17 @@ EDGES = (P2P_BULK_MIN_BYTES - 1, P2P_BULK_MIN_BYTES)
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_send_recv_pairs(comm, dtype):
-    """Even ranks send three arrays (one chunked) to the next odd rank, which receives them
-    in order (the k-th send matches the k-th receive); a last rank without a partner takes
-    no part."""
+    """Even ranks send four arrays (two of the bulk form, one past its chunk slots) to the
+    next odd rank, which receives them in order (the k-th send matches the k-th receive;
+    each call its own launch on both sides, whose blocks per pair need not match); a last
+    rank without a partner takes no part."""
     import torch
 
     if comm.size < 2:
         pytest.skip("a send needs another rank")
     me = comm.rank
     seed = seed_of("p2p-sendrecv", dtype)
-    counts = (4099, 1, CHUNKED // WIDTH[dtype] + 1)
+    counts = (4099, 1, CHUNKED // WIDTH[dtype] + 1, LONG // WIDTH[dtype])
     peer = me + 1 if me % 2 == 0 else me - 1
     if peer < comm.size:
         sent = [rank_bytes(k, dtype, min(me, peer), seed + i) for i, k in enumerate(counts)]
@@ -140,41 +141,57 @@ def test_send_recv_pairs(comm, dtype):
     comm.synchronize()
 
 
-def test_several_messages_of_a_pair_in_one_batch_keep_their_order(comm):
-    """Three sends to the next rank and three receives from the previous one in one batch,
-    of 0 bytes, a bulk size and 5 bytes: matched in order within the launch (the third
-    message waits for an LL credit the receiving block of the same launch gives)."""
+@pytest.mark.parametrize("dtype", ["uint8", "float16", "float32", "float64"])
+def test_several_messages_of_a_pair_in_one_batch_keep_their_order(comm, dtype):
+    """Sends to the next rank and receives from the previous one in one batch, of both
+    forms: 0 bytes, the largest LL message, the smallest bulk one, 5 elements, one past the
+    bulk chunk slots three times over, CHUNKED: each bit for bit in its own bordered output,
+    matched in order within the launch (the third message waits for an LL credit the
+    receiving block of the same launch gives; a bulk message is one of the pair's messages,
+    its chunks shared by the group's blocks)."""
     import torch
 
     n, me = comm.size, comm.rank
     nxt, prev = (me + 1) % n, (me - 1) % n
-    seed = seed_of("p2p-order")
-    sizes = (0, CHUNKED, 5)
-    data = [[rank_bytes(k, "uint8", r, seed + i) for i, k in enumerate(sizes)] for r in range(n)]
-    outs = [Bordered(k, "uint8", seed + 20 + i) for i, k in enumerate(sizes)]
+    w = WIDTH[dtype]
+    counts = [0] + [b // w for b in EDGES] + [5, LONG // w, CHUNKED // w + 1]
+    seed = seed_of("p2p-order", dtype)
+    data = [[rank_bytes(k, dtype, r, seed + i) for i, k in enumerate(counts)] for r in range(n)]
+    outs = [Bordered(k, dtype, seed + 50 + i) for i, k in enumerate(counts)]
     entries = []
-    for i in range(3):
-        entries += [("send", on_device(data[me][i], "uint8", (sizes[i],)), nxt), ("recv", outs[i].view, prev)]
+    for i, k in enumerate(counts):
+        entries += [("send", on_device(data[me][i], dtype, (k,)), nxt), ("recv", outs[i].view, prev)]
     comm.batch_isend_irecv(entries, algorithm="ll")
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
-        assert_bytes(host_bytes(o.view), data[prev][i], f"message {i}")
+        assert_bytes(host_bytes(o.view), data[prev][i], f"message {i} ({counts[i]} x {dtype})")
         o.assert_intact(f"message {i}")
     comm.synchronize()
 
 
-def test_back_to_back_rounds_alternate_buffers(comm):
-    """Forty ring rounds of changing sizes queued without a wait, each into an output of its
+#: float32 counts of the back-to-back rounds: mostly LL (a bulk one in six), mostly bulk
+#: (past the chunk slots, the smallest, partial chunks; an LL one between)
+ROUNDS = {"ll": (40, (1, 7, 4099, 8192, 33, CHUNKED // 4)),
+          "bulk": (12, (LONG // 4, 10, P2P_BULK_MIN_BYTES // 4, CHUNKED // 4, 1024,
+                        (P2P_BULK_MIN_BYTES + P2P_BULK_CHUNK) // 4 + 1))}
+
+
+@pytest.mark.parametrize("mix", ROUNDS)
+def test_back_to_back_rounds_alternate_buffers(comm, mix):
+    """Ring rounds of changing sizes queued without a wait, each into an output of its
     own: every one bit for bit (a pair's buffers alternate by its count; lines of older
-    messages carry older flags; the credits let no sender overwrite an unread buffer)."""
+    messages carry older flags; the credits let no sender overwrite an unread buffer; the
+    bulk form's chunk count carried from launch to launch by the kernel, its chunk slots'
+    credits across launches, LL and bulk messages counted as one sequence)."""
     import torch
 
     n, me = comm.size, comm.rank
     nxt, prev = (me + 1) % n, (me - 1) % n
     made = []
-    for k in range(40):
-        count = (1, 7, 4099, 8192, 33, CHUNKED // 4)[k % 6]
-        seed = seed_of("p2p-b2b", k)
+    rounds, counts = ROUNDS[mix]
+    for k in range(rounds):
+        count = counts[k % 6]
+        seed = seed_of("p2p-b2b", mix, k)
         out = torch.empty(count, dtype=torch.float32, device="cuda")
         comm.batch_isend_irecv([("send", on_device(rank_bytes(count, "float32", me, seed), "float32"), nxt),
                                 ("recv", out, prev)], algorithm="ll")
@@ -270,32 +287,6 @@ def test_auto_takes_the_kernel_where_nccl_cannot_run(comm):
 
 
 # ---- the bulk form --------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", ["uint8", "float16", "float32", "float64"])
-def test_bulk_and_ll_messages_of_a_pair_in_one_batch(comm, dtype):
-    """A ring batch (at one rank: a send to itself) of messages of both forms in one
-    launch: the largest LL message, the smallest bulk one, 6 elements, one past the chunk
-    slots three times over, CHUNKED: each bit for bit in its own bordered output, in order
-    (a bulk message is one of the pair's messages; its chunks shared by the group's blocks)."""
-    import torch
-
-    n, me = comm.size, comm.rank
-    nxt, prev = (me + 1) % n, (me - 1) % n
-    w = WIDTH[dtype]
-    counts = [b // w for b in EDGES] + [6, LONG // w, CHUNKED // w + 1]
-    seed = seed_of("p2p-bulk-batch", dtype)
-    data = [[rank_bytes(k, dtype, r, seed + i) for i, k in enumerate(counts)] for r in range(n)]
-    outs = [Bordered(k, dtype, seed + 50 + i) for i, k in enumerate(counts)]
-    entries = []
-    for i in range(len(counts)):
-        entries += [("send", on_device(data[me][i], dtype), nxt), ("recv", outs[i].view, prev)]
-    comm.batch_isend_irecv(entries, algorithm="ll")
-    torch.cuda.synchronize()
-    for i, o in enumerate(outs):
-        assert_bytes(host_bytes(o.view), data[prev][i], f"message {i} ({counts[i]} x {dtype})")
-        o.assert_intact(f"message {i}")
-    comm.synchronize()
-
-
 def test_bulk_messages_of_any_alignment(comm):
     """Bulk messages from and into addresses off 16-byte alignment (1, 8 and 15 bytes
     past it): the vectors' byte-wise edges; the bytes before the output stay poisoned."""
@@ -315,57 +306,6 @@ def test_bulk_messages_of_any_alignment(comm):
         assert_bytes(got[:skew], np.full(skew, POISON, np.uint8), f"skew {skew}: the bytes before the output")
         assert_bytes(got[skew:], data[prev][skew:], f"skew {skew}")
         out.assert_intact(f"skew {skew}")
-    comm.synchronize()
-
-
-def test_back_to_back_bulk_rounds(comm):
-    """Twelve ring rounds of both forms queued without a wait, each into an output of its
-    own: bit for bit (the pair's chunk count carried from launch to launch by the kernel,
-    the chunk slots' credits across launches, LL and bulk messages counted as one sequence)."""
-    import torch
-
-    n, me = comm.size, comm.rank
-    nxt, prev = (me + 1) % n, (me - 1) % n
-    made = []
-    for k in range(12):
-        nbytes = (LONG, 40, P2P_BULK_MIN_BYTES, CHUNKED, 4096, P2P_BULK_MIN_BYTES + P2P_BULK_CHUNK + 4)[k % 6]
-        seed = seed_of("p2p-bulk-b2b", k)
-        out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        comm.batch_isend_irecv([("send", on_device(rank_bytes(nbytes, "uint8", me, seed), "uint8"), nxt),
-                                ("recv", out, prev)], algorithm="ll")
-        made.append((k, out, rank_bytes(nbytes, "uint8", prev, seed)))
-    torch.cuda.synchronize()
-    for k, out, want in made:
-        assert_bytes(host_bytes(out), want, f"round {k}")
-    comm.synchronize()
-
-
-def test_bulk_send_and_recv_calls(comm):
-    """Even ranks send two bulk messages and an LL one with ``send``, the next odd rank
-    receives them with ``recv`` (separate launches on both sides: the receiver's blocks
-    need not match the sender's); a last rank without a partner takes no part."""
-    import torch
-
-    if comm.size < 2:
-        pytest.skip("a send needs another rank")
-    me = comm.rank
-    peer = me + 1 if me % 2 == 0 else me - 1
-    seed = seed_of("p2p-bulk-sendrecv")
-    counts = (LONG // 4, 100, P2P_BULK_MIN_BYTES // 4 + 1)
-    if peer < comm.size:
-        sent = [rank_bytes(k, "float32", min(me, peer), seed + i) for i, k in enumerate(counts)]
-        if me % 2 == 0:
-            for b in sent:
-                comm.send(on_device(b, "float32"), peer, algorithm="ll")
-        else:
-            outs = [Bordered(k, "float32", seed + 10 + i) for i, k in enumerate(counts)]
-            for o in outs:
-                comm.recv(o.view, peer, algorithm="ll")
-            torch.cuda.synchronize()
-            for i, (o, want) in enumerate(zip(outs, sent)):
-                assert_bytes(host_bytes(o.view), want, f"recv {i}")
-                o.assert_intact(f"recv {i}")
-    torch.cuda.synchronize()
     comm.synchronize()
 
 
