@@ -292,8 +292,8 @@ __device__ bool splits_fit(const Splits& s, long long bound, int r, long long& s
 }
 
 // All-to-all with device splits: the blocks of group g < N (gridDim.x / 2N of them) send
-// part peer(g) of x, those of group N + g receive from peer(g). A sender whose in_splits are invalid sends only a header marking it
-// (kInvalidCount); a receiver whose out_splits are invalid, or whose count differs from the
+// part peer(g) of x, those of group N + g receive from peer(g). A sender whose in_splits
+// are invalid sends only a header marking it (kInvalidCount); a receiver whose out_splits are invalid, or whose count differs from the
 // sender's, reads the sender's chunks and writes nothing. Each reports kFailInput after its
 // messages, so that every pair's messages still travel: kSplitBadIn, kSplitBadOut (the block
 // of its own pair, once; the first rank whose count is wrong, and that count),

@@ -3,10 +3,10 @@ batch_isend_irecv and the all-to-all with uneven splits (host lists and device a
 the batch ring and the all-to-all of every dtype and size are test_gpu_collectives.py's,
 on this kernel too), byte for byte against the host reference on random bits of every
 dtype (-0.0, NaNs with payloads, every integer pattern), outputs poisoned and bordered by
-canary bytes, inputs unchanged; messages of the bulk form
-(P2P_BULK_MIN_BYTES and more: chunks shared by several blocks, past the chunk slots,
-beside LL ones in one batch, of any alignment, back to back, in uneven all-to-alls), several messages of a pair in one batch and back to back
-(the matching rule, the pair's counters), CUDA-graph replay (the counters advanced by the
+canary bytes, inputs unchanged; messages of the bulk form (P2P_BULK_MIN_BYTES and more:
+chunks shared by several blocks, past the chunk slots, beside LL ones in one batch, of any
+alignment, in uneven all-to-alls, a receive timing out, split errors), several messages of
+a pair in one batch and back to back (the matching rule, the pair's counters), CUDA-graph replay (the counters advanced by the
 kernel), ``auto`` taking the kernel where NCCL cannot run, and the failures: a receive
 with no send times out on the waiting rank, device split counts that do not fit or agree
 raise after the call with nothing written out of bounds.
