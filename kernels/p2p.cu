@@ -224,10 +224,11 @@ __device__ __forceinline__ Count counts_at_start(const P2PArea& a, bool send, in
 }
 
 // A block's end (thread 0, after the block's last access): the group's last block stores
-// the pair's counts (arrive).
-__device__ __forceinline__ void counts_at_end(const P2PArea& a, bool send, int peer, const Count& ct, Lane ln) {
-  arrive(arrivals_word(a.mine, a.slot_bytes, send, peer), send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer),
-         bulk_count_word(a.mine, a.slot_bytes, send, peer), ct, ln);
+// the pair's counts (arrive); returns whether this block was that one.
+__device__ __forceinline__ bool counts_at_end(const P2PArea& a, bool send, int peer, const Count& ct, Lane ln) {
+  return arrive(arrivals_word(a.mine, a.slot_bytes, send, peer),
+                send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer),
+                bulk_count_word(a.mine, a.slot_bytes, send, peer), ct, ln);
 }
 
 // Batch of sends and receives: the blocks of group g (gridDim.x / groups of them) run group
@@ -293,9 +294,10 @@ __device__ bool splits_fit(const Splits& s, long long bound, int r, long long& s
 
 // All-to-all with device splits: the blocks of group g < N (gridDim.x / 2N of them) send
 // part peer(g) of x, those of group N + g receive from peer(g). A sender whose in_splits
-// are invalid sends only a header marking it (kInvalidCount); a receiver whose out_splits are invalid, or whose count differs from the
-// sender's, reads the sender's chunks and writes nothing. Each reports kFailInput after its
-// messages, so that every pair's messages still travel: kSplitBadIn, kSplitBadOut (the block
+// are invalid sends only a header marking it (kInvalidCount); a receiver whose out_splits
+// are invalid, or whose count differs from the sender's, reads the sender's chunks and
+// writes nothing. Each reports kFailInput after its messages (the last of its group's
+// blocks to finish), so that every pair's messages still travel: kSplitBadIn, kSplitBadOut (the block
 // of its own pair, once; the first rank whose count is wrong, and that count),
 // kSplitDisagree (where rank `peer` sent another count: the rank, the count in rows).
 template <int N, class Tp>
@@ -315,8 +317,8 @@ __device__ void p2p_alltoallv(const Tp& tp, const P2PArea& a, const char* x, cha
     send_message(tp, a, peer, x + (fits ? (u64)start * row_bytes : 0), n, head, ct, ln, c);
     __syncthreads();
     if (threadIdx.x == 0) {
-      counts_at_end(a, send, peer, ct, ln);
-      if (!fits && peer == tp.rank && ln.j == 0) fail(c, kFailInput, peer, kSplitBadIn, (u64)bad, (u64)value);
+      const bool last = counts_at_end(a, send, peer, ct, ln);
+      if (!fits && peer == tp.rank && last) fail(c, kFailInput, peer, kSplitBadIn, (u64)bad, (u64)value);
     }
   } else {
     const bool fits = splits_fit<N>(outs, (long long)out_rows, peer, start, bad, value);
@@ -326,9 +328,9 @@ __device__ void p2p_alltoallv(const Tp& tp, const P2PArea& a, const char* x, cha
                  ct, got, ln, c);
     __syncthreads();
     if (threadIdx.x == 0) {
-      counts_at_end(a, send, peer, ct, ln);
-      if (!fits && peer == tp.rank && ln.j == 0) fail(c, kFailInput, peer, kSplitBadOut, (u64)bad, (u64)value);
-      if (ln.j == 0 && fits && got != kInvalidCount && got != want && !c.failed) {
+      const bool last = counts_at_end(a, send, peer, ct, ln);
+      if (!fits && peer == tp.rank && last) fail(c, kFailInput, peer, kSplitBadOut, (u64)bad, (u64)value);
+      if (last && fits && got != kInvalidCount && got != want && !c.failed) {
         fail(c, kFailInput, peer, kSplitDisagree, (u64)peer, row_bytes ? got / row_bytes : got);
       }
     }

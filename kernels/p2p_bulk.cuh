@@ -223,14 +223,15 @@ __device__ bool recv_bulk(char* mine, char* from_area, u64 slot_bytes, int rank,
 
 // The end of a group's block: the last of the group's blocks to arrive (a lone block: at
 // once, no atomic on the LL form's path) stores the pair's counts (every block read them
-// at its start) into k_word and q_word and clears the arrivals for the next launch. Thread
-// 0, after the block's last access of the pair's buffers.
-__device__ __forceinline__ void arrive(u32* arrivals, u32* k_word, u32* q_word, const Count& ct, Lane ln) {
+// at its start) into k_word and q_word, clears the arrivals for the next launch and
+// returns true. Thread 0, after the block's last access of the pair's buffers.
+__device__ __forceinline__ bool arrive(u32* arrivals, u32* k_word, u32* q_word, const Count& ct, Lane ln) {
   if (ln.blocks > 1) {
     __threadfence();
-    if (atomicAdd(arrivals, 1u) != ln.blocks - 1u) return;
+    if (atomicAdd(arrivals, 1u) != ln.blocks - 1u) return false;
     *(volatile u32*)arrivals = 0u;
   }
   *(volatile u32*)k_word = ct.k;
   *(volatile u32*)q_word = ct.q;
+  return true;
 }
