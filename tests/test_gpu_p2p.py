@@ -288,8 +288,9 @@ def test_auto_takes_the_kernel_where_nccl_cannot_run(comm):
 
 # ---- the bulk form --------------------------------------------------------------------------------
 def test_bulk_messages_of_any_alignment(comm):
-    """Bulk messages from and into addresses off 16-byte alignment (1, 8 and 15 bytes
-    past it): the vectors' byte-wise edges; the bytes before the output stay poisoned."""
+    """Bulk messages from addresses 1, 8 and 15 bytes past 16-byte alignment into addresses
+    15, 8 and 1 bytes past it (the vectors' byte-wise edges on both ends, each apart from
+    the other's): bit for bit, the bytes around the output in its buffer still poisoned."""
     import torch
 
     n, me = comm.size, comm.rank
@@ -297,14 +298,16 @@ def test_bulk_messages_of_any_alignment(comm):
     nbytes = P2P_BULK_MIN_BYTES + 3 * P2P_BULK_CHUNK + 7
     seed = seed_of("p2p-bulk-align")
     for i, skew in enumerate((1, 8, 15)):
-        data = [rank_bytes(nbytes + skew, "uint8", r, seed + i) for r in range(n)]
-        out = Bordered(nbytes + skew, "uint8", seed + 10 + i)
-        comm.batch_isend_irecv([("send", on_device(data[me], "uint8")[skew:], nxt), ("recv", out.view[skew:], prev)],
-                               algorithm="ll")
+        into = 16 - skew
+        data = [rank_bytes(nbytes + 16, "uint8", r, seed + i) for r in range(n)]
+        out = Bordered(nbytes + 16, "uint8", seed + 10 + i)
+        comm.batch_isend_irecv([("send", on_device(data[me], "uint8")[skew:skew + nbytes], nxt),
+                                ("recv", out.view[into:into + nbytes], prev)], algorithm="ll")
         torch.cuda.synchronize()
         got = host_bytes(out.view)
-        assert_bytes(got[:skew], np.full(skew, POISON, np.uint8), f"skew {skew}: the bytes before the output")
-        assert_bytes(got[skew:], data[prev][skew:], f"skew {skew}")
+        assert_bytes(got[:into], np.full(into, POISON, np.uint8), f"skew {skew}: the bytes before the output")
+        assert_bytes(got[into:into + nbytes], data[prev][skew:skew + nbytes], f"skew {skew}")
+        assert_bytes(got[into + nbytes:], np.full(16 - into, POISON, np.uint8), f"skew {skew}: the bytes after it")
         out.assert_intact(f"skew {skew}")
     comm.synchronize()
 
