@@ -10,6 +10,12 @@ Both move what their users' layers move: the NCCL form sends a token once per de
 GPU (as ubnext) and brings back one fp32 partial per GPU; the vdev form sends a token once
 per *expert* slot (its splits are per (rank, expert)) and brings every slot's row back,
 summed on the token's rank with the router weights in fp32.
+
+* :class:`NcclEpBaseline`: NCCL's expert-parallel library (``nccl_ep``, the ``nccl.ep``
+  module of the ``nccl-extensions`` wheel) in its low-latency mode, expert-major layout:
+  its own ``[local experts, N x max tokens, H]`` receive buffer, the router weights
+  applied by its combine (bench/install_nccl_ep.sh installs it; ``nccl_ep_problem`` says
+  why it cannot run).
 """
 
 from __future__ import annotations
@@ -123,3 +129,128 @@ class VdevBaseline:
         acc = torch.zeros((self.T, self.H), device=y.device, dtype=torch.float32)
         acc.index_add_(0, self.token, self.back[:n].float() * self.weight)
         return acc.to(self.x.dtype)
+
+
+#: the oldest libnccl that nccl_ep (nccl-extensions 0.1.0) runs on
+NCCL_EP_MIN_NCCL = (2, 30, 7)
+
+
+def _loaded_nccl_version() -> tuple[int, int, int] | None:
+    """The version of the ``libnccl.so.2`` this process already loaded (the one that
+    libnccl_ep.so's ``NEEDED libnccl.so.2`` binds to), or None if none is loaded."""
+    import ctypes
+    import os
+
+    try:
+        lib = ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+    except OSError:
+        return None
+    code = ctypes.c_int()
+    if lib.ncclGetVersion(ctypes.byref(code)) != 0:
+        return None
+    v = code.value
+    return (v // 10000, v % 10000 // 100, v % 100) if v >= 10000 else (v // 1000, v % 1000 // 100, v % 100)
+
+
+def _loaded_nccl_files() -> set[str]:
+    """The distinct files of every libnccl.so* mapped into this process."""
+    import os
+
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "/libnccl.so" in line}
+    return {os.path.realpath(p) for p in paths}
+
+
+def nccl_ep_problem(loaded=_loaded_nccl_version, files=_loaded_nccl_files) -> str | None:
+    """Why NCCL's ``nccl_ep`` cannot run in this process (None: it imports, one libnccl is
+    loaded, torch's and nccl4py's, and it is new enough). ``loaded``, ``files``: the
+    loaded libnccl's version and files (test seams)."""
+    want = ".".join(map(str, NCCL_EP_MIN_NCCL))
+    try:
+        import nccl.core
+        import nccl.ep  # noqa: F401
+
+        nccl.core.get_version()  # nccl4py loads its libnccl now, not at the first call
+    except Exception as err:  # ImportError, or its library's loader's OSError/RuntimeError
+        return f"nccl.ep does not import ({type(err).__name__}: {str(err).splitlines()[0][:100]}; " \
+               f"bench/install_nccl_ep.sh)"
+    copies = files()
+    if len(copies) > 1:
+        return f"two libnccl loaded ({', '.join(sorted(copies))}): nccl4py's communicator and libnccl_ep.so's " \
+               f"calls would use different ones (bench/install_nccl_ep.sh: LD_PRELOAD one)"
+    have = loaded()
+    if have is None:
+        return "no libnccl.so.2 loaded in this process (torch.distributed's NCCL backend loads it)"
+    if have < NCCL_EP_MIN_NCCL:
+        return f"the libnccl.so.2 loaded here is {'.'.join(map(str, have))}; nccl_ep needs {want} or newer " \
+               f"(bench/install_nccl_ep.sh: LD_PRELOAD the newer one)"
+    return None
+
+
+def _stream() -> int:
+    """torch's current stream (the capture stream under a graph), as nccl.ep takes it."""
+    import torch
+
+    return torch.cuda.current_stream().cuda_stream
+
+
+class NcclEpBaseline:
+    """NCCL ``nccl_ep``'s low-latency dispatch and combine of one rank's routing.
+
+    At creation (collective, not capturable): an NCCL communicator of nccl4py over the
+    ranks (the unique id broadcast by ubnext's bootstrap), the EP group (``Group.create``,
+    ``Algorithm.LOW_LATENCY``, ``max_token_bytes`` a bf16 or fp32 row) and the routing's
+    handle (``create_handle`` with ``Layout.EXPERT_MAJOR`` and int64 ``topk_idx``), so that
+    the timed calls allocate nothing. Dispatch: ``tokens`` ``[T, H]`` into ``recv``
+    ``[L, N x M, H]`` (M: the group's max tokens per rank), the per-expert counts into
+    ``counts`` ``[L]`` int32. Combine: ``y`` of recv's shape back into ``out`` ``[T, H]``,
+    the router weights ``[T, K]`` float32 applied on the receive side. Both on torch's
+    current stream (the capture stream under a graph).
+
+    Args:
+        args: moe_perf's arguments (experts, hidden).
+        bootstrap: ubnext's bootstrap (``rank``, ``size``, ``bcast_obj``).
+        x: ``[T, H]`` tokens (CUDA); idx: ``[T, K]`` experts; w: ``[T, K]`` weights.
+        ep: the ``nccl.ep`` module (None: imported; tests pass a fake).
+        core: the ``nccl.core`` module (None: imported; tests pass a fake).
+    """
+
+    def __init__(self, args, bootstrap, x, idx, w, ep=None, core=None):
+        import torch
+
+        if ep is None:
+            import nccl.core as core
+            import nccl.ep as ep
+        self.ep = ep
+        n, rank = bootstrap.size, bootstrap.rank
+        tokens, hidden = x.shape
+        self.max_tokens = max(1, tokens)
+        local = args.experts // n
+        uid = bootstrap.bcast_obj(core.get_unique_id().as_bytes if rank == 0 else None)
+        self.comm = core.Communicator.init(n, rank, core.UniqueId.from_bytes(bytearray(uid)))  # the current device
+        self.group = ep.Group.create(self.comm, ep.GroupConfig(
+            algorithm=ep.Algorithm.LOW_LATENCY, num_experts=args.experts,
+            max_dispatch_tokens_per_rank=self.max_tokens, max_token_bytes=hidden * x.element_size()))
+        self.x, self.idx, self.w = x, idx.to(torch.int64).contiguous(), w.to(torch.float32).contiguous()
+        self.recv = x.new_zeros((local, n * self.max_tokens, hidden))
+        self.counts = torch.zeros((local,), dtype=torch.int32, device=x.device)
+        self.out = torch.empty_like(x)
+        self.handle = self.group.create_handle(ep.Layout.EXPERT_MAJOR, ep.Tensor(self.idx),
+                                               stream=_stream())
+        self._dispatch = (ep.DispatchInputs(tokens=ep.Tensor(x)), ep.DispatchOutputs(tokens=ep.Tensor(self.recv)),
+                          ep.LayoutInfo(expert_counters=ep.Tensor(self.counts)))
+        self._combine_in: dict = {}
+        self._combine_out = ep.CombineOutputs(tokens=ep.Tensor(self.out), topk_weights=ep.Tensor(self.w))
+
+    def dispatch(self):
+        inputs, outputs, info = self._dispatch
+        self.handle.dispatch(inputs, outputs, layout_info=info, stream=_stream())
+        return self.recv
+
+    def combine(self, y):
+        """``y``: the experts' outputs, ``recv``'s shape and dtype; returns ``out``."""
+        key = (y.data_ptr(), tuple(y.shape), y.dtype)
+        if key not in self._combine_in:  # a descriptor per buffer, not per call (eager timing)
+            self._combine_in[key] = self.ep.CombineInputs(tokens=self.ep.Tensor(y))
+        self.handle.combine(self._combine_in[key], self._combine_out, stream=_stream())
+        return self.out

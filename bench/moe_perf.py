@@ -21,8 +21,12 @@ default; the NCCL baseline is always eager, since it reads the counts on the hos
   Not run at one rank, where ranks share a GPU or where torch lacks the op; the table
   says why.
 
-NCCL's expert-parallel library (``nccl_ep``, served as ``nccl-extensions``) needs NCCL
-2.30.7 or newer beside it; it is not a baseline of this script yet (bench/NOTES.md).
+* ``nccl_ep dispatch`` / ``nccl_ep combine``: NCCL's expert-parallel library (``nccl_ep``,
+  the ``nccl-extensions`` wheel) in its low-latency mode, expert-major layout, its own
+  buffers (a row per expert slot each way, the router weights applied by its combine),
+  timed as ubnext is. It needs NCCL 2.30.7 or newer loaded in the process
+  (bench/install_nccl_ep.sh); the table says why where it does not run (not importable,
+  the NCCL too old, ranks sharing a GPU).
 
 Routing (``--routing``): ``uniform`` (each token's K distinct experts uniformly at
 random) or ``skewed`` (from the first 2K experts only: hot experts on the first GPUs).
@@ -50,10 +54,12 @@ import numpy as np  # noqa: E402
 
 from bench import _common as common  # noqa: E402
 from bench import _torchbench as tb  # noqa: E402
-from bench._moe_baselines import NcclBaseline, VdevBaseline, vdev_problem  # noqa: E402
+from bench._moe_baselines import NcclBaseline, NcclEpBaseline, VdevBaseline, nccl_ep_problem, vdev_problem  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-CANDIDATES = ("ubnext dispatch", "nccl dispatch", "vdev dispatch", "ubnext combine", "nccl combine", "vdev combine")
+#: the baselines beside ubnext, in the table's order
+BASELINES = ("nccl", "vdev", "nccl_ep")
+CANDIDATES = tuple(f"{who} {kind}" for kind in ("dispatch", "combine") for who in ("ubnext",) + BASELINES)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -236,6 +242,8 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
             got, want = vdev.combine(vdev.out).float(), x.float() * w.float().sum(dim=1, keepdim=True)
             notes["vdev wrong"] = int((~torch.isclose(got, want, rtol=1e-2, atol=1e-2)).sum())
         fns.update({"vdev dispatch": (vdev.dispatch, mode), "vdev combine": (lambda: vdev.combine(vdev.out), mode)})
+    if "nccl_ep" not in notes:
+        fns.update(nccl_ep_calls(comm, args, x, idx, w, mode, notes))
     times = {}
     for name, (fn, how) in fns.items():
         if name == "ubnext combine":
@@ -255,10 +263,35 @@ def measure(comm, args, tokens: int, mode: str) -> dict:
             "times": times, "baseline_notes": notes}
 
 
+def nccl_ep_calls(comm, args, x, idx, w, mode: str, notes: dict) -> dict:
+    """moe_perf's entries of NCCL's nccl_ep (``NcclEpBaseline``), its check (identity
+    experts: each token back as x times its weights' sum) in ``notes["nccl_ep wrong"]``;
+    none, and the reason in ``notes["nccl_ep"]``, where its creation fails (on every rank:
+    the failure is agreed over the bootstrap, so that no rank waits in a collective the
+    others left)."""
+    import torch
+
+    try:
+        ep, why = NcclEpBaseline(args, comm.bootstrap, x, idx, w), None
+    except Exception as err:  # the library's NcclError/RuntimeError: a baseline that does not run here
+        ep, why = None, f"creation failed ({type(err).__name__}: {str(err).splitlines()[0][:100]})"
+    whys = [v for v in comm.bootstrap.allgather_obj(why) if v]
+    if whys:
+        notes["nccl_ep"] = whys[0]
+        return {}
+    if args.check:
+        ep.dispatch()
+        got, want = ep.combine(ep.recv).float(), x.float() * w.float().sum(dim=1, keepdim=True)
+        torch.cuda.synchronize()
+        notes["nccl_ep wrong"] = int((~torch.isclose(got, want, rtol=1e-2, atol=1e-2)).sum())
+    return {"nccl_ep dispatch": (ep.dispatch, mode), "nccl_ep combine": (lambda: ep.combine(ep.recv), mode)}
+
+
 def baseline_problems(comm) -> dict:
     """The baselines that cannot run on this communicator, with the reason: NCCL's where
     NCCL cannot (ranks sharing a GPU), torch's vdev form where the op or NVSHMEM is missing
-    or ranks share a GPU (NVSHMEM takes one rank per GPU)."""
+    or ranks share a GPU (NVSHMEM takes one rank per GPU), nccl_ep where NCCL cannot or
+    it does not import or the NCCL loaded is older than it needs (``nccl_ep_problem``)."""
     problems = {}
     shared = comm._selector.nccl_problem
     if shared:
@@ -266,6 +299,9 @@ def baseline_problems(comm) -> dict:
     vdev = shared or ("one rank (torch's NVSHMEM rendezvous takes two or more)" if comm.size == 1 else vdev_problem())
     if vdev:
         problems["vdev"] = vdev
+    nccl_ep = shared or nccl_ep_problem()
+    if nccl_ep:
+        problems["nccl_ep"] = nccl_ep
     return problems
 
 
@@ -282,12 +318,12 @@ def run(comm, args, argv) -> int:
         return 0
     print(f"# {comm.size} ranks, hidden {args.hidden}, top-{args.top_k}, {args.experts} experts, {args.dtype}, "
           f"{'fp8 dispatch, ' if args.fp8 else ''}{args.partials} partials, routing {args.routing}, mode {args.mode}; "
-          f"ubnext and vdev (torch all_to_all_vdev_2d) {'in CUDA graphs' if args.graphs else 'eager'}, "
+          f"ubnext, vdev (torch all_to_all_vdev_2d) and nccl_ep {'in CUDA graphs' if args.graphs else 'eager'}, "
           f"NCCL eager (host sync); "
           f"µs (median of {args.repeats}, max over ranks); push rate {rate / 1e9:.1f} GB/s per direction")
-    print(f"{'tokens':>7} {'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9} {'vdev':>9}   "
-          f"{'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} {'nccl':>9} {'vdev':>9} {'wrong':>6}")
-    print(f"{'':>7} {'dispatch':>54}   {'combine':>54}")
+    side = f"{'bytes':>10} {'ubnext':>9} {'floor':>7} {'frac':>5} " + " ".join(f"{b:>9}" for b in BASELINES)
+    print(f"{'tokens':>7} {side}   {side} {'wrong':>6}")
+    print(f"{'':>7} {'dispatch':>{len(side)}}   {'combine':>{len(side)}}")
     for rec in records:
         cells = []
         for kind, nbytes in (("dispatch", rec["dispatch_bytes"]), ("combine", rec["combine_bytes"])):
@@ -295,7 +331,7 @@ def run(comm, args, argv) -> int:
             floor = nbytes / rate * 1e6 if rate else None  # one rank: no link, nothing crosses it
             rec[f"{kind}_floor_us"] = floor
             bound = f"{'-':>7} {'-':>5}" if floor is None else f"{floor:7.2f} {floor / ours:5.2f}"
-            theirs = [rec["times"].get(f"{b} {kind}", {}).get("time_us") for b in ("nccl", "vdev")]
+            theirs = [rec["times"].get(f"{b} {kind}", {}).get("time_us") for b in BASELINES]
             cells.append(f"{nbytes:>10} {ours:9.2f} {bound} " + " ".join("        -" if t is None else f"{t:9.2f}"
                                                                          for t in theirs))
         wrong = "-" if rec["wrong"] is None else str(rec["wrong"])

@@ -11,15 +11,6 @@
 // of the object ahead of another.
 #include "moe.cuh"
 
-// What a combine reads of the dispatch before it (this rank's own memory: DispatchOut).
-struct CombineIn {
-  const char* y;         // [L][C][H] of T: the experts' outputs, row for row as recv_x
-  const float* weights;  // [L][C]
-  const int* route;      // [N][M][K]
-  const u32* tokens;     // [N]
-  const u32* dest;       // [M]
-};
-
 // Partials: one thread per 16-byte vector of y's width of a received row (s, t) that has a
 // slot on this GPU (a route other than UB_MOE_ROUTE_ELSEWHERE: a slot past the capacity
 // adds no term, but the row's source still waits for this GPU's partial), grid-stride over
@@ -31,44 +22,18 @@ __device__ void push_partials(const Tp& tp, const MoeShape& m, const MoeSets& s,
   static_assert(P % PQ == 0, "a vector of y makes whole vectors of partials");
   const int K = (int)m.topk;
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec, M = m.tokens;
-  u32 first[N + 1];
-  first[0] = 0u;
-#pragma unroll
-  for (int r = 0; r < N; ++r) first[r + 1] = first[r] + min(in.tokens[r], (u32)M);
+  const Received<N> rx(in.tokens, (u32)M);
   const u64 step = (u64)gridDim.x * blockDim.x;
-  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < first[N] * vpr; q += step) {
+  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < rx.rows() * vpr; q += step) {
     const u64 f = q / vpr, i = q % vpr;
-    int src = 0;
-    while (src + 1 < N && f >= first[src + 1]) ++src;
-    const u64 t = f - first[src];
+    const int src = rx.source((u32)f);
+    const u64 t = f - rx.first[src];
     const int* route = in.route + ((u64)src * M + t) * K;
     bool here = false;
     for (int k = 0; k < K; ++k) here |= route[k] != UB_MOE_ROUTE_ELSEWHERE;
     if (!here) continue;
     float acc[P];
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += kBatch) {
-      int r[kBatch];
-      uint4 y[kBatch];
-      float wk[kBatch];
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        r[b] = k0 + b < K ? route[k0 + b] : -1;
-        if (r[b] >= 0) {
-          y[b] = ld_weak(in.y + (u64)r[b] * row_bytes + i * kVec);
-          wk[b] = in.weights[r[b]];
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        if (r[b] < 0) continue;
-        float v[P];
-        Vec<T>::unpack(y[b], v);
-#pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wk[b], v[e]));
-      }
-    }
+    partial_of<T, kBatch>(acc, route, K, in.y, in.weights, row_bytes, i);
     char* to = tp.seg(src) + row_at<N>(part_off, m, s.par, tp.rank, t, m.hidden * 4) + i * P * Elem<Q>::kBytes;
 #pragma unroll
     for (int h = 0; h < P / PQ; ++h) {
@@ -88,14 +53,8 @@ template <class T, class Q, int N>
 __device__ void sum_partials(char* mine, const MoeShape& m, const MoeSets& s, u64 part_off, const CombineIn& in,
                              u64 count, char* out, bool ok, WaitCtx& c) {
   constexpr int P = Vec<T>::kPer, PQ = Vec<Q>::kPer;
-  const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
-  const u64 step = (u64)gridDim.x * blockDim.x;
-  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < count * vpr; q += step) {
-    const u64 t = q / vpr, i = q % vpr;
+  sum_rows<T>(m, count, out, [&](u64 t, u64 i, float (&acc)[P]) {
     const u32 mask = in.dest[t];
-    float acc[P];
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
     bool good = ok;
 #pragma unroll
     for (int h = 0; h < P / PQ; ++h) {
@@ -118,8 +77,8 @@ __device__ void sum_partials(char* mine, const MoeShape& m, const MoeSets& s, u6
         for (int e = 0; e < PQ; ++e) acc[h * PQ + e] = __fadd_rn(acc[h * PQ + e], part[e]);
       }
     }
-    st_weak(out + t * row_bytes + i * kVec, good ? Vec<T>::pack(acc) : Vec<T>::poison());
-  }
+    return good;
+  });
 }
 
 template <class T, class Q, int N, class Tp>

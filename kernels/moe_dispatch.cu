@@ -68,32 +68,16 @@ template <class T, int N, class Tp>
 __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u64 rec_off, u64 rows_off,
                             const char* x, const int* idx, const float* w, u64 count, u32* dest, WaitCtx& c,
                             u32* shared_mask, bool fp8) {
-  constexpr u32 kAll = 0xffffffffu;
-  const int lane = threadIdx.x & 31, K = (int)m.topk;
+  const int lane = threadIdx.x & 31;
   const bool checker = threadIdx.x < 32;
-  const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec, R = m.record_vecs(), nrec = N * R;
+  const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
   for (u64 t = blockIdx.x; t < count; t += gridDim.x) {
-    int keep = -1;
-    u32 wbits = 0u, mask = 0u;
+    MoeSlots k{-1, 0u, 0u};
     if (checker) {
-      int id = -1;
-      if (lane < K) {
-        id = idx[t * K + lane];
-        wbits = clear_sentinel_word<float>(__float_as_uint(w[t * K + lane]));
-      }
-      const bool range = lane < K && (id < -1 || (long long)id >= (long long)m.experts);
-      bool repeated = false;
-      for (int j = 0; j < K; ++j) {
-        const int other = __shfl_sync(kAll, id, j);
-        repeated |= j < lane && lane < K && id >= 0 && !range && other == id;
-      }
-      if (range) fail(c, kFailInput, c.rank, kMoeBadExpert, t * K + lane, (u64)(long long)id);
-      if (repeated) fail(c, kFailInput, c.rank, kMoeRepeatedExpert, t * K + lane, (u64)id);
-      keep = range || repeated ? -1 : id;
-      mask = __reduce_or_sync(kAll, keep >= 0 ? 1u << (keep / (int)m.local) : 0u);
+      k = check_slots(m, idx, w, t, c);
       if (lane == 0) {
-        dest[t] = mask;
-        *shared_mask = mask;
+        dest[t] = k.mask;
+        *shared_mask = k.mask;
       }
     }
     __syncthreads();
@@ -117,31 +101,11 @@ __device__ void send_tokens(const Tp& tp, const MoeShape& m, const MoeSets& s, u
     }
     __syncthreads();  // the row's stores, then its record; the mask is free for the next token
     if (!checker) continue;
-    for (u64 base = 0; base < nrec; base += 32) {  // lane j: vector j % R of rank j / R's record
-      const u64 j = base + lane, q = j % R;
-      const int d = (int)(j / R);
-      u32 word[4];
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        const int wi = (int)(4 * q) + h, from = wi < K ? wi : wi < 2 * K ? wi - K : 0;
-        const int id_v = __shfl_sync(kAll, keep, from);
-        const u32 w_v = __shfl_sync(kAll, wbits, from);
-        word[h] = wi < K ? (u32)id_v : wi < 2 * K ? w_v : 1u;
-      }
-      if (j < nrec) {
-        if (mask >> d & 1u) fence_sys();  // the row before its record (release)
-        st_relaxed_sys(tp.seg(d) + record_at<N>(rec_off, m, s.cur, tp.rank, t, q),
-                       make_uint4(word[0], word[1], word[2], word[3]));
-      }
-    }
+    store_record<N>(m, k, [&](int d, u64 q, const uint4& v) {
+      if (k.mask >> d & 1u) fence_sys();  // the row before its record (release)
+      st_relaxed_sys(tp.seg(d) + record_at<N>(rec_off, m, s.cur, tp.rank, t, q), v);
+    });
   }
-}
-
-// Row f of the received rows, counted over the sources in rank order: its source.
-template <int N> __device__ __forceinline__ int source_of(const u32 (&first)[N + 1], u32 f) {
-  int s = 0;
-  while (s + 1 < N && f >= first[s + 1]) ++s;
-  return s;
 }
 
 // The most vectors a routing record has (MoeShape::record_vecs at the largest top-k).
@@ -209,11 +173,8 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
   const u64 codes = o.scales != nullptr ? m.hidden / kVec : row_bytes / kVec;
   const u64 wire = o.scales != nullptr ? codes + m.hidden / UB_MOE_FP8_GROUP * 4 / kVec : codes;
   const int rank = c.rank, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  u32 first[N + 1];
-  first[0] = 0u;
-#pragma unroll
-  for (int r = 0; r < N; ++r) first[r + 1] = first[r] + tok[r];
-  const u32 rows = first[N], per_round = 32u * warps;
+  const Received<N> rx(tok);
+  const u32 rows = rx.rows(), per_round = 32u * warps;
   const u32 P = gridDim.x > L ? gridDim.x / (u32)L : 1u;
   u32 turn = 0u;  // rounds so far, over the units: `counted` alternates with it
   for (u64 u = blockIdx.x; u < L * P; u += gridDim.x) {
@@ -224,8 +185,8 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
     bool ok = true;
     for (u32 round = 0; round * per_round < rows; ++round, ++turn) {
       const u32 f = round * per_round + 32u * warp + lane;
-      const int src = f < rows ? source_of<N>(first, f) : 0;
-      const u64 t = f < rows ? f - first[src] : 0u;
+      const int src = f < rows ? rx.source(f) : 0;
+      const u64 t = f < rows ? f - rx.first[src] : 0u;
       int* route = o.route + ((u64)src * M + t) * K;
       Polled got{-1, 0u, true};
       if (f < rows) {
@@ -233,7 +194,7 @@ __device__ void scatter(const char* mine, const MoeShape& m, const MoeSets& s, u
                              e == 0 && p == 0u ? route : nullptr, c);
         fence_acq_rel_sys();  // the record seen: the row before it is visible to the block after the vote
       }
-      const u32 hits = __ballot_sync(0xffffffffu, got.kk >= 0);
+      const u32 hits = __ballot_sync(kWarpAll, got.kk >= 0);
       if (lane == 0) counted[turn & 1u][warp] = __popc(hits);
       if (!block_vote(ok && got.ok, c)) {
         ok = false;

@@ -1,7 +1,7 @@
 // ubnext kernels: expert parallelism, throughput mode (docs/moe.md, "Throughput mode"), what
 // the packed dispatch (moe_packed_dispatch.cu) and the packed combine (moe_packed_combine.cu)
-// share beyond moe.cuh: the object's rotation with a grid barrier, the bulk flags, and the
-// routing records' reads.
+// share beyond moe.cuh: the object's rotation with a grid barrier, the bulk flags, the
+// block-wide prefix sum and the routing records' reads.
 //
 // One packed object has an area at the same offset of every rank's segment
 // (ubnext/_moe/packed_layout.py lays it out; the host passes each region's offset):
@@ -56,7 +56,8 @@ __device__ u32 block_exclusive_scan(u32 v, u32& total, u32* scratch) {
 }
 
 // Rotation of one packed object's kernel: moe.cuh's, and the arrivals at the launch's grid
-// barriers (reset by the last block to finish, when no block waits on it any more).
+// barriers (reset by the last block to finish, when no block waits on it any more: moe.cuh's
+// moe_finish with `arrivals`).
 struct PackedRotation {
   MoeRotation rot;
   u32 arrive;
@@ -82,17 +83,6 @@ __device__ bool grid_barrier(PackedRotation* r, u32 target, WaitCtx& c) {
   return block_vote(ok, c);
 }
 
-// The end of a launch: the family's launch state, then the last block to finish resets the
-// arrivals and advances the rotation (moe.cuh: moe_finish, with the arrivals).
-__device__ void packed_finish(WaitCtx& c, const LaunchView& v, PackedRotation* r, const MoeSets& s) {
-  finish_launch(c, v, 0u);  // begins with __syncthreads
-  if (threadIdx.x == 0 && atomicAdd(&r->rot.done, 1u) == gridDim.x - 1u) {
-    r->arrive = 0u;
-    r->rot.done = 0u;
-    r->rot.launches = (s.launches + 1u) % 6u;
-  }
-}
-
 // After the launch's bulk stores (each thread's own, fenced at system scope by the caller)
 // and a grid barrier: block 0's last thread stores this rank's bulk flag (the signature) into
 // header set `set` of every rank, after a system-scope fence.
@@ -116,24 +106,6 @@ template <int N> __device__ bool wait_bulk_flags(const char* mine, u64 hdr_off, 
   }
   return block_vote(ok, c);
 }
-
-// The received rows, counted over the sources in rank order: first[s] is the row of source
-// s's token 0, first[N] all of them (T_s from the headers, at most M).
-template <int N> struct Received {
-  u32 first[N + 1];
-  __device__ explicit Received(const u32* tok) {
-    first[0] = 0u;
-#pragma unroll
-    for (int r = 0; r < N; ++r) first[r + 1] = first[r] + tok[r];
-  }
-  __device__ u32 rows() const { return first[N]; }
-  // The source of received row f (its token: f - first[source]).
-  __device__ int source(u32 f) const {
-    int s = 0;
-    while (s + 1 < N && f >= first[s + 1]) ++s;
-    return s;
-  }
-};
 
 // The slot (0..K-1) of record (s, t) that holds expert `ge`, or -1: its ids only (the first
 // ceil(K / 4) vectors), read from this rank's segment after the bulk flags.

@@ -10,48 +10,26 @@
 // experts, in rank order from +0.0, rounded once: the low-latency combine's arithmetic.
 #include "moe_packed.cuh"
 
-// What a packed combine reads of the dispatch before it (this rank's own memory: PackedOut).
-struct PackedIn {
-  const char* y;         // [R][H] of T: the experts' outputs, row for row as recv_x
-  const float* weights;  // [R]
-  const int* route;      // [N][M][K]
-  const u32* tokens;     // [N]
-  const u32* dest;       // [M]
-};
-
 // Partials: one warp per received row (s, t) that has a slot on this GPU (a route other than
 // UB_MOE_ROUTE_ELSEWHERE: a slot past R adds no term, but the row's source still reads this
 // GPU's partial). Weak stores: the bulk flag publishes them.
 template <class T, int N, class Tp>
-__device__ void store_partials(const Tp& tp, const MoeShape& m, u64 data_off, const PackedIn& in) {
+__device__ void store_partials(const Tp& tp, const MoeShape& m, u64 data_off, const CombineIn& in) {
   constexpr int P = Vec<T>::kPer;
   const int lane = threadIdx.x & 31, K = (int)m.topk;
   const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec, M = m.tokens;
-  u32 tok[N];
-#pragma unroll
-  for (int r = 0; r < N; ++r) tok[r] = min(in.tokens[r], (u32)M);
-  const Received<N> rx(tok);
+  const Received<N> rx(in.tokens, (u32)M);
   for (u64 f = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); f < rx.rows(); f += warps) {
     const int src = rx.source((u32)f);
     const u64 t = f - rx.first[src];
     const int* route = in.route + ((u64)src * M + t) * K;
-    if (__ballot_sync(0xffffffffu, lane < K && route[lane] != UB_MOE_ROUTE_ELSEWHERE) == 0u) continue;
+    if (__ballot_sync(kWarpAll, lane < K && route[lane] != UB_MOE_ROUTE_ELSEWHERE) == 0u) continue;
     char* to = tp.seg(src) + row_at<N>(data_off, m, 0u, tp.rank, t, m.hidden * 4);
 #pragma unroll 2
     for (u64 i = lane; i < vpr; i += 32) {
       float acc[P];
-#pragma unroll
-      for (int e = 0; e < P; ++e) acc[e] = 0.0f;
-      for (int k = 0; k < K; ++k) {
-        const int r = route[k];
-        if (r < 0) continue;
-        const float wk = in.weights[r];
-        float y[P];
-        Vec<T>::unpack(ld_weak(in.y + (u64)r * row_bytes + i * kVec), y);
-#pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(wk, y[e]));
-      }
+      partial_of<T, 1>(acc, route, K, in.y, in.weights, row_bytes, i);
 #pragma unroll
       for (int h = 0; h < P / 4; ++h) {
         st_weak(to + (i * P + 4 * h) * 4, make_uint4(__float_as_uint(acc[4 * h]), __float_as_uint(acc[4 * h + 1]),
@@ -68,14 +46,8 @@ template <class T, int N>
 __device__ void sum_partials(const char* mine, const MoeShape& m, u64 data_off, const u32* dest, u64 count,
                              char* out, bool ok) {
   constexpr int P = Vec<T>::kPer;
-  const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
-  const u64 step = (u64)gridDim.x * blockDim.x;
-  for (u64 q = (u64)blockIdx.x * blockDim.x + threadIdx.x; q < count * vpr; q += step) {
-    const u64 t = q / vpr, i = q % vpr;
+  sum_rows<T>(m, count, out, [&](u64 t, u64 i, float (&acc)[P]) {
     const u32 mask = dest[t];
-    float acc[P];
-#pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
 #pragma unroll
     for (int g = 0; g < N; ++g) {
       if (!(mask >> g & 1u)) continue;
@@ -87,13 +59,13 @@ __device__ void sum_partials(const char* mine, const MoeShape& m, u64 data_off, 
         for (int e = 0; e < 4; ++e) acc[4 * h + e] = __fadd_rn(acc[4 * h + e], __uint_as_float(Vec<float>::word(v, e)));
       }
     }
-    st_weak(out + t * row_bytes + i * kVec, ok ? Vec<T>::pack(acc) : Vec<T>::poison());
-  }
+    return ok;
+  });
 }
 
 template <class T, int N, class Tp>
 __device__ void moe_packed_combine(const Tp& tp, const MoeShape& m, u64 rot_off, u64 hdr_off, u64 data_off,
-                                   const PackedIn& in, char* out, u64 sig, LaunchState* state) {
+                                   const CombineIn& in, char* out, u64 sig, LaunchState* state) {
   char* mine = tp.seg(tp.rank);
   PackedRotation* rot = (PackedRotation*)(mine + rot_off) + 1;  // the dispatch's is the first
   const MoeSets s = moe_sets(&rot->rot);
@@ -110,7 +82,7 @@ __device__ void moe_packed_combine(const Tp& tp, const MoeShape& m, u64 rot_off,
   // 3. every rank's bulk flag, then the sums
   ok = wait_bulk_flags<N>(mine, hdr_off, s.cur, c) && ok;
   sum_partials<T, N>(mine, m, data_off, in.dest, min((u64)in.tokens[tp.rank], m.tokens), out, ok);
-  packed_finish(c, v, rot, s);
+  moe_finish(c, v, &rot->rot, s, &rot->arrive);
 }
 
 // ---- entry point, instantiated per (UB_T: bf16 or float, UB_NRANKS) ---------------------
@@ -122,6 +94,6 @@ ub_moe_packed_combine(char* base, u64 stride, int rank, char* mc, u64 rot_off, u
   enter_launch(state);
   const UB_TRANSPORT<UB_NRANKS> tp{base, stride, rank, mc};
   const MoeShape m{experts, local, topk, hidden, tokens, max_rows};
-  const PackedIn in{y, weights, route, src_tokens, dest};
+  const CombineIn in{y, weights, route, src_tokens, dest};
   moe_packed_combine<UB_T, UB_NRANKS>(tp, m, rot_off, hdr_off, data_off, in, out, sig, state);
 }

@@ -38,42 +38,13 @@ struct PackedOut {
 template <int N, class Tp>
 __device__ void send_records(const Tp& tp, const MoeShape& m, u64 rec_off, const int* idx, const float* w, u64 count,
                              u32* dest, WaitCtx& c) {
-  constexpr u32 kAll = 0xffffffffu;
-  const int lane = threadIdx.x & 31, K = (int)m.topk;
-  const u64 warps = (u64)gridDim.x * (blockDim.x >> 5), R = m.record_vecs(), nrec = N * R;
+  const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
   for (u64 t = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); t < count; t += warps) {
-    int id = -1;
-    u32 wbits = 0u;
-    if (lane < K) {
-      id = idx[t * K + lane];
-      wbits = clear_sentinel_word<float>(__float_as_uint(w[t * K + lane]));
-    }
-    const bool range = lane < K && (id < -1 || (long long)id >= (long long)m.experts);
-    bool repeated = false;
-    for (int j = 0; j < K; ++j) {
-      const int other = __shfl_sync(kAll, id, j);
-      repeated |= j < lane && lane < K && id >= 0 && !range && other == id;
-    }
-    if (range) fail(c, kFailInput, c.rank, kMoeBadExpert, t * K + lane, (u64)(long long)id);
-    if (repeated) fail(c, kFailInput, c.rank, kMoeRepeatedExpert, t * K + lane, (u64)id);
-    const int keep = range || repeated ? -1 : id;
-    const u32 mask = __reduce_or_sync(kAll, keep >= 0 ? 1u << (keep / (int)m.local) : 0u);
-    if (lane == 0) dest[t] = mask;
-    for (u64 base = 0; base < nrec; base += 32) {  // lane j: vector j % R of rank j / R's record
-      const u64 j = base + lane, q = j % R;
-      u32 word[4];
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        const int wi = (int)(4 * q) + h, from = wi < K ? wi : wi < 2 * K ? wi - K : 0;
-        const int id_v = __shfl_sync(kAll, keep, from);
-        const u32 w_v = __shfl_sync(kAll, wbits, from);
-        word[h] = wi < K ? (u32)id_v : wi < 2 * K ? w_v : 1u;
-      }
-      if (j < nrec) {
-        st_weak(tp.seg((int)(j / R)) + record_at<N>(rec_off, m, 0u, tp.rank, t, q),
-                make_uint4(word[0], word[1], word[2], word[3]));
-      }
-    }
+    const MoeSlots k = check_slots(m, idx, w, t, c);
+    if ((threadIdx.x & 31) == 0) dest[t] = k.mask;
+    store_record<N>(m, k, [&](int d, u64 q, const uint4& v) {
+      st_weak(tp.seg(d) + record_at<N>(rec_off, m, 0u, tp.rank, t, q), v);
+    });
   }
   fence_sys();  // this thread's stores before the grid barrier and the bulk flag (release)
 }
@@ -95,7 +66,7 @@ __device__ void send_rows(const Tp& tp, const MoeShape& m, u64 data_off, u64 pro
       const u32 mask = ld_volatile_u32(dest + t);  // another block's (send_records), before the grid barrier
       const char* xr = x + t * row_bytes;
       const u64 at = row_at<N>(data_off, m, 0u, tp.rank, t, row_bytes);
-      constexpr int U = 4;  // vectors a lane loads before it stores them: U x 512 bytes in flight per warp
+      constexpr int U = kIlp;  // vectors a lane loads before it stores them: U x 512 bytes in flight per warp
       for (u64 base = lane; base < vpr; base += 32 * U) {
         uint4 v[U];
 #pragma unroll
@@ -187,7 +158,6 @@ __device__ void take_offsets(const MoeShape& m, const PackedOut& o, u32* offs, u
 template <class T, int N>
 __device__ void lay_out(const char* mine, const MoeShape& m, u64 rec_off, u64 data_off, u64 prog_off,
                         const Received<N>& rx, const PackedOut& o, const u32* offs, u32 first, u32 epoch, WaitCtx& c) {
-  constexpr u32 kAll = 0xffffffffu;
   const int lane = threadIdx.x & 31, K = (int)m.topk, rank = c.rank;
   const u64 L = m.local, M = m.tokens, R = m.capacity, W = blockDim.x >> 5;
   const u64 row_bytes = m.hidden * Elem<T>::kBytes, vpr = row_bytes / kVec;
@@ -216,12 +186,12 @@ __device__ void lay_out(const char* mine, const MoeShape& m, u64 rec_off, u64 da
       }
       route[lane] = (int)p;
     }
-    const u32 kept = __ballot_sync(kAll, p >= 0);
+    const u32 kept = __ballot_sync(kWarpAll, p >= 0);
     if (kept == 0u) continue;
     const u32* flag = (const u32*)(mine + prog_off + 4 * ((u64)s * M + t / W));
-    if (!__all_sync(kAll, wait_flag(flag, epoch, c, s, kSiteMoePoll))) continue;  // gave up: nothing read
+    if (!__all_sync(kWarpAll, wait_flag(flag, epoch, c, s, kSiteMoePoll))) continue;  // gave up: nothing read
     const char* from = mine + row_at<N>(data_off, m, 0u, s, t, row_bytes);
-    constexpr int U = 4;  // vectors a lane loads before it stores them: U x 512 bytes in flight per warp
+    constexpr int U = kIlp;  // vectors a lane loads before it stores them: U x 512 bytes in flight per warp
     for (u64 base = 0; base < vpr; base += 32 * U) {  // a warp-uniform trip count: the shuffles below
       uint4 v[U];
 #pragma unroll
@@ -230,7 +200,7 @@ __device__ void lay_out(const char* mine, const MoeShape& m, u64 rec_off, u64 da
         v[u] = i < vpr ? ld_relaxed_sys(from + i * kVec) : make_uint4(0u, 0u, 0u, 0u);
       }
       for (u32 b = kept; b != 0u; b &= b - 1u) {
-        char* to = o.recv_x + (u64)__shfl_sync(kAll, p, __ffs(b) - 1) * row_bytes;
+        char* to = o.recv_x + (u64)__shfl_sync(kWarpAll, p, __ffs(b) - 1) * row_bytes;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const u64 i = base + 32 * u + lane;
@@ -245,7 +215,7 @@ template <class T, int N, class Tp>
 __device__ void moe_packed_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off, u64 hdr_off, u64 prog_off,
                                     u64 rec_off, u64 data_off, u32 senders, const char* x, const int* idx,
                                     const float* w, u64 count, const PackedOut& o, u64 sig, LaunchState* state) {
-  __shared__ u32 tok[N], scratch[33], offs[(1u << 12) + 1];  // L < 2^12: the signature's experts field
+  __shared__ u32 tok[N], scratch[33], offs[(1u << UB_MOE_EXPERT_BITS) + 1];  // L: below the signature's bound
   char* mine = tp.seg(tp.rank);
   PackedRotation* rot = (PackedRotation*)(mine + rot_off);
   const MoeSets s = moe_sets(&rot->rot);
@@ -275,7 +245,7 @@ __device__ void moe_packed_dispatch(const Tp& tp, const MoeShape& m, u64 rot_off
     take_offsets(m, o, offs, scratch, c, senders);
     if (ok) lay_out<T, N>(mine, m, rec_off, data_off, prog_off, rx, o, offs, senders, epoch, c);
   }
-  packed_finish(c, v, rot, s);
+  moe_finish(c, v, &rot->rot, s, &rot->arrive);
 }
 
 // ---- entry point, instantiated per (UB_T: bf16 or float, UB_NRANKS) ---------------------

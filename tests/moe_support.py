@@ -62,13 +62,22 @@ def tokens_of(shape: layout.Shape) -> list[int]:
     return [shape.max_tokens if r % 2 == 0 else 0 if r == 1 else shape.max_tokens - 2 for r in range(shape.nranks)]
 
 
+def row_dims(shape) -> tuple[int, ...]:
+    """The dims of a value per received row: ``(L, C)``, or a packed shape's ``(R,)``."""
+    from ubnext._moe import packed_layout
+
+    if isinstance(shape, packed_layout.PackedShape):
+        return (shape.max_rows,)
+    return (shape.local_experts, shape.capacity)
+
+
 def expert_outputs(shape: layout.Shape, seed: int) -> list[np.ndarray]:
-    """Every GPU's experts' outputs ``[L, C, H]``: normal values, -0.0 at every 17th, +inf at
-    element 9 and NaN at 29 of every GPU's."""
+    """Every GPU's experts' outputs ``[L, C, H]`` (a packed shape's ``[R, H]``): normal
+    values, -0.0 at every 17th, +inf at element 9 and NaN at 29 of every GPU's."""
     rng = np.random.default_rng(seed)
     ys = []
     for _ in range(shape.nranks):
-        y = rng.standard_normal((shape.local_experts, shape.capacity, shape.hidden)).astype(NP[shape.dtype])
+        y = rng.standard_normal((*row_dims(shape), shape.hidden)).astype(NP[shape.dtype])
         y.flat[5::17] = -0.0
         y.flat[9] = np.inf
         y.flat[29] = np.nan
@@ -78,8 +87,20 @@ def expert_outputs(shape: layout.Shape, seed: int) -> list[np.ndarray]:
 
 # ---- the backwards of ubnext.torch.moe (tests/test_moe_torch.py, tests/test_gpu_moe_torch.py) ----
 def _kept(d) -> np.ndarray:
-    """``[L, C]`` bool: the rows of a dispatch below their expert's count."""
+    """``[L, C]`` bool: the rows of a dispatch below their expert's count (a packed one's
+    ``[R]``: the rows below the counts' sum)."""
+    if d.src.ndim == 1:
+        return np.arange(d.src.shape[0]) < d.counts.sum()
     return np.arange(d.src.shape[1])[None, :] < d.counts[:, None]
+
+
+def _rows(d):
+    """``(local expert, index of its row in src)`` of every row a dispatch received, in
+    order (a packed dispatch's rows expert after expert)."""
+    first = np.concatenate([[0], np.cumsum(d.counts)])
+    for e, n in enumerate(d.counts):
+        for r in range(n):
+            yield e, (first[e] + r,) if d.src.ndim == 1 else (e, r)
 
 
 def combine_backward(shape: layout.Shape, grads_dispatched, ys, weights) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -102,21 +123,24 @@ def combine_backward(shape: layout.Shape, grads_dispatched, ys, weights) -> list
 
 def dispatch_backward(shape: layout.Shape, dispatched, grads_recv, grads_weights, idxs):
     """Every rank's ``(x's gradient [T, H], topk_weights' [T, K] float32)`` of a dispatch,
-    from every GPU's gradients of recv_x and of the weights ``[L, C]``: x's is the combine of
-    recv_x's with unit weights (``reference.combine``); each slot of topk_weights gets the
-    weight gradient of the row its token landed in (zero for a slot no row holds)."""
+    from every GPU's gradients of recv_x and of the weights ``[L, C]`` (a packed shape's
+    ``[R]``): x's is the combine of recv_x's with unit weights (``reference.combine``, or
+    ``packed_reference.combine``); each slot of topk_weights gets the weight gradient of
+    the row its token landed in (zero for a slot no row holds)."""
+    from ubnext._moe import packed_layout
+    from ubnext._moe import packed_reference as pref
     from ubnext._moe import reference as ref
 
-    ones = [np.ones((shape.local_experts, shape.capacity), np.float32)] * shape.nranks
-    grads_x = ref.combine(shape, dispatched, grads_recv, idxs, ones)
+    packed = isinstance(shape, packed_layout.PackedShape)
+    ones = [np.ones(row_dims(shape), np.float32)] * shape.nranks
+    grads_x = (pref if packed else ref).combine(shape, dispatched, grads_recv, idxs, ones)
     grads_w = [np.zeros(np.shape(i), np.float32) for i in idxs]
     lo, m = shape.local_experts, shape.max_tokens
     for g, (d, gw) in enumerate(zip(dispatched, grads_weights)):
-        for e in range(lo):
-            for r in range(d.counts[e]):
-                s, t = divmod(int(d.src[e, r]), m)
-                k = int(np.flatnonzero(np.asarray(idxs[s][t]) == g * lo + e)[0])
-                grads_w[s][t, k] = gw[e, r]
+        for e, at in _rows(d):
+            s, t = divmod(int(d.src[at]), m)
+            k = int(np.flatnonzero(np.asarray(idxs[s][t]) == g * lo + e)[0])
+            grads_w[s][t, k] = gw[at]
     return list(zip(grads_x, grads_w))
 
 

@@ -55,10 +55,8 @@ IN_THE_GUARD = {
     ("_tools/selftest.py", "_array"): "the selftest's arrays: made under run()'s `with comm._context.current()`",
     ("_api/collectives/barrier.py", "barrier"): "the barrier's flag: made inside `with self._order:` (the section)",
     ("_api/collectives/pool_copy.py", "_copy_flag"): "the copy form's flag: made by its caller's section",
-    ("_moe/expert_parallel.py", "_allocate"): "the dispatch's outputs: made inside the constructor's "
-                                              "`with comm._order:` (the section)",
-    ("_moe/packed.py", "_allocate"): "the packed dispatch's outputs: made inside the constructor's "
-                                     "`with comm._order:` (the section)",
+    ("_moe/base.py", "_allocate"): "the expert-parallel objects' outputs: made inside the constructor's "
+                                   "`with comm._order:` (the section: MoeObject._create)",
 }
 #: (module, function) -> why it may set the device or enter torch's guards
 SETS_ON_PURPOSE = {

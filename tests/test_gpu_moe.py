@@ -19,11 +19,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu_support import Bordered, device, host, require_gpu_and_torch, seed_of
-from moe_support import NP, expert_outputs, inputs, tokens_of
+from moe_support import expert_outputs, inputs, tokens_of
 
 from ubnext._moe import layout
 from ubnext._moe import reference as ref
-from ubnext._moe.expert_parallel import CANARY
+from ubnext._moe.base import CANARY
 
 pytestmark = pytest.mark.gpu
 

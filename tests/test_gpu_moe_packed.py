@@ -23,7 +23,7 @@ from test_gpu_moe import check_gaps, communicator, poison_outputs, raised, ref_m
 
 from ubnext._moe import layout, packed_layout
 from ubnext._moe import packed_reference as pref
-from ubnext._moe.expert_parallel import CANARY
+from ubnext._moe.base import CANARY
 
 pytestmark = pytest.mark.gpu
 

@@ -53,24 +53,32 @@ class FakeComm:
         return self._input(name, np.zeros(shape, yb.obj.dtype), handle)
 
 
-def fake(dtype="bfloat16", fp8=False):
-    """An ExpertParallel of 2 ranks, 8 experts, hidden 64 (512 with fp8), 5 tokens, top-2,
-    whose launches are recorded instead of made."""
-    ep = object.__new__(ExpertParallel)
-    hidden = 512 if fp8 else 64
-    ep.shape = layout.shape(2, 8, hidden, 5, 2, dtype, fp8=fp8)
+def recording(ep, shape, keys, sig):
+    """``ep`` (made without its constructor) of ``shape`` over a FakeComm, 7 blocks, an address
+    and a view per array of ``keys``, the signatures ``sig``, and launchers that record
+    (kind, args) in ``ep.launches`` instead of launching."""
+    ep.shape = shape
     ep._comm, ep._generation, ep._blocks = FakeComm(), 0, 7
-    keys = KEYS + ("scales",) if fp8 else KEYS
     ep._ptr = {key: 0x10000 * (i + 1) for i, key in enumerate(keys)}
     ep._views = {key: f"view of {key}" for key in keys}
-    ep._sig = {kind: signature.encode_moe(f"moe_{kind}", dtype, 8, 2, 5, hidden) for kind in ("dispatch", "combine")}
-    if fp8:
-        ep._sig["dispatch"] = signature.encode_moe("moe_dispatch", dtype, 8, 2, 5, hidden, wire=layout.FP8_WIRE)
-    ep._sig["combine", "bfloat16"] = signature.encode_moe("moe_combine", dtype, 8, 2, 5, hidden, wire=1)
-    ep._partials = "float32"
+    ep._sig = sig
     ep.launches = []
     ep._launchers = {kind: (lambda kind: lambda *args: ep.launches.append((kind, args)))(kind)
                      for kind in ("dispatch", "combine")}
+    return ep
+
+
+def fake(dtype="bfloat16", fp8=False):
+    """An ExpertParallel of 2 ranks, 8 experts, hidden 64 (512 with fp8), 5 tokens, top-2,
+    whose launches are recorded instead of made."""
+    hidden = 512 if fp8 else 64
+    sig = {kind: signature.encode_moe(f"moe_{kind}", dtype, 8, 2, 5, hidden) for kind in ("dispatch", "combine")}
+    if fp8:
+        sig["dispatch"] = signature.encode_moe("moe_dispatch", dtype, 8, 2, 5, hidden, wire=layout.FP8_WIRE)
+    sig["combine", "bfloat16"] = signature.encode_moe("moe_combine", dtype, 8, 2, 5, hidden, wire=1)
+    ep = recording(object.__new__(ExpertParallel), layout.shape(2, 8, hidden, 5, 2, dtype, fp8=fp8),
+                   KEYS + ("scales",) if fp8 else KEYS, sig)
+    ep._partials = "float32"
     return ep
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from moe_support import NP, inputs, tokens_of
-from test_moe_host import STREAM, FakeComm
+from test_moe_host import STREAM, recording
+from test_moe_reference import SHAPES, cases
 
 from ubnext._moe import layout, packed_layout
 from ubnext._moe import packed_reference as pref
@@ -20,12 +21,6 @@ from ubnext._protocol import signature
 from ubnext._protocol.constants import THREADS
 from ubnext._protocol.errors import UbnextError
 
-SHAPES = {
-    "n4": dict(nranks=4, num_experts=16, hidden=24, max_tokens=9, top_k=3),
-    "n2": dict(nranks=2, num_experts=6, hidden=16, max_tokens=5, top_k=4),
-    "n1": dict(nranks=1, num_experts=4, hidden=8, max_tokens=6, top_k=2),
-}
-KINDS = ("random", "skewed", "not_last_gpu", "dropped")
 
 
 # -- sizes and the pool area --------------------------------------------------------------
@@ -93,15 +88,6 @@ def naive_packed(shape, g, xs, idxs, ws):
                         where[s, t, k] = len(rows)
                         rows.append((s, t, ref.clear_negative_zero32(ws[s])[t, k]))
     return rows, where
-
-
-def cases():
-    for name, sizes in SHAPES.items():
-        for dtype in layout.MOE_DTYPES:
-            for kind in KINDS:
-                if kind == "not_last_gpu" and sizes["nranks"] == 1:
-                    continue
-                yield pytest.param(sizes, dtype, kind, id=f"{name}-{dtype}-{kind}")
 
 
 @pytest.mark.parametrize("sizes,dtype,kind", list(cases()))
@@ -173,16 +159,9 @@ def test_packed_combine_equals_the_low_latency_one_on_the_padded_layout(sizes, d
 def fake(dtype="bfloat16", max_rows=None):
     """A PackedExpertParallel of 2 ranks, 8 experts, hidden 64, 5 tokens, top-2 (R = 20 by
     default), whose launches are recorded instead of made."""
-    ep = object.__new__(PackedExpertParallel)
-    ep.shape = packed_layout.shape(2, 8, 64, 5, 2, dtype, max_rows)
-    ep._comm, ep._generation, ep._blocks = FakeComm(), 0, 7
-    ep._ptr = {key: 0x10000 * (i + 1) for i, key in enumerate(OUTPUTS)}
-    ep._views = {key: f"view of {key}" for key in OUTPUTS}
-    ep._sig = {kind: signature.encode_moe(f"moe_packed_{kind}", dtype, 8, 2, 5, 64) for kind in ("dispatch", "combine")}
-    ep.launches = []
-    ep._launchers = {kind: (lambda kind: lambda *args: ep.launches.append((kind, args)))(kind)
-                     for kind in ("dispatch", "combine")}
-    return ep
+    sig = {kind: signature.encode_moe(f"moe_packed_{kind}", dtype, 8, 2, 5, 64) for kind in ("dispatch", "combine")}
+    return recording(object.__new__(PackedExpertParallel), packed_layout.shape(2, 8, 64, 5, 2, dtype, max_rows),
+                     OUTPUTS, sig)
 
 
 def operands(t=4, dtype="bfloat16"):

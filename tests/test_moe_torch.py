@@ -1,10 +1,13 @@
 """ubnext.torch.moe on CPU: the ops' schemas and fakes (static shapes under FakeTensorMode,
 torch.compile(fullgraph) with no graph break, equal to eager), and their autograd wiring at
 1, 2 and 4 thread ranks, against the host references (tests/moe_support.py,
-ubnext/_moe/reference.py) bit for bit: a host ExpertParallel (``HostExpertParallel``) does
-the two calls with the reference over the thread ranks of tests/torch_fakes.py, so what is
-tested is the torch layer: its copies and masks, its pairing of combine with dispatch, its
-backward formulas and the gradient of the weights travelling back to the tokens."""
+ubnext/_moe/reference.py) bit for bit: a host ExpertParallel (tests/moe_torch_support.py)
+does the two calls with the reference over the thread ranks of tests/torch_fakes.py, so
+what is tested is the torch layer: its copies and masks, its pairing of combine with
+dispatch, its backward formulas and the gradient of the weights travelling back to the
+tokens. The fakes, forward, gradient, compile and opcheck tests run in both modes
+(``MODES``: the throughput mode's ops over a host PackedExpertParallel too); the
+throughput mode's schemas and errors are tests/test_moe_packed_torch.py's."""
 
 from __future__ import annotations
 
@@ -13,88 +16,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from moe_support import (NP, combine_backward, dispatch_backward, expert_outputs, inputs,  # noqa: E402
-                         moe_block_module, tokens_of)
+from moe_support import NP, combine_backward, dispatch_backward, expert_outputs, moe_block_module, row_dims, \
+    tokens_of  # noqa: E402
+from moe_torch_support import TORCH, MODES, HostExpertParallel, rank_inputs, same_bits, to_numpy, to_torch  # noqa: E402
 from torch_fakes import run_ranks  # noqa: E402
 
 import ubnext.torch as ut  # noqa: E402
-from ubnext import UbnextError  # noqa: E402
-from ubnext._api import handles  # noqa: E402
 from ubnext._moe import layout  # noqa: E402
-from ubnext._moe import reference as ref  # noqa: E402
-from ubnext._moe.expert_parallel import Handle  # noqa: E402
-
-#: (experts per rank, hidden, max tokens, top-k)
-SIZES = {"small": (3, 8, 5, 3), "k1": (2, 4, 4, 1)}
-TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-POISON = {"bfloat16": float("nan"), "float32": float("nan")}
-
-
-def to_numpy(t) -> np.ndarray:
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(NP["bfloat16"])
-    return t.numpy().copy()
-
-
-def to_torch(a: np.ndarray):
-    if a.dtype == NP["bfloat16"]:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
-
-
-class HostExpertParallel:
-    """ExpertParallel's calls on the thread ranks of a ``run_ranks`` group, by the host
-    reference: the same outputs (its own buffers, rows past the counts left poisoned as the
-    kernel leaves them unwritten), the same pairing of a combine with the latest dispatch."""
-
-    def __init__(self, comm, size: str, dtype: str):
-        per, hidden, tokens, k = SIZES[size]
-        self.comm, self.size = comm, comm.size  # ExpertParallel's properties
-        self.shape = layout.shape(comm.size, per * comm.size, hidden, tokens, k, dtype)
-        self._generation = 0
-        self.calls: list[str] = []
-        handles.assign(self)
-
-    def _all(self, t) -> list[np.ndarray]:
-        return [to_numpy(p) for p in self.comm._gather(t)]
-
-    def dispatch(self, x, topk_idx, topk_weights):
-        self.calls.append("dispatch")
-        s, r = self.shape, self.comm.rank
-        self._idxs = self._all(topk_idx)
-        self._dispatched = ref.dispatch(s, self._all(x), self._idxs, self._all(topk_weights))
-        d = self._dispatched[r]
-        recv_x = torch.full((s.local_experts, s.capacity, s.hidden), POISON[s.dtype], dtype=TORCH[s.dtype])
-        src = torch.full((s.local_experts, s.capacity), 0x5A5A5A5A, dtype=torch.int32)
-        weights = torch.full((s.local_experts, s.capacity), float("nan"))
-        kept = torch.from_numpy(np.arange(s.capacity)[None, :] < d.counts[:, None])
-        recv_x[kept] = to_torch(d.recv_x)[kept]
-        src[kept], weights[kept] = torch.from_numpy(d.src)[kept], torch.from_numpy(d.weights)[kept]
-        self._generation += 1
-        return recv_x, torch.from_numpy(d.counts), Handle(src, weights, x.shape[0], self,
-                                                          self._generation)
-
-    def combine(self, y, handle, weights=None):
-        self.calls.append("combine")
-        if handle._owner is not self or handle._generation != self._generation:
-            raise UbnextError("ExpertParallel.combine: the handle is not this object's latest dispatch's")
-        ws = None if weights is None else self._all(weights)
-        out = ref.combine(self.shape, self._dispatched, self._all(y), self._idxs, ws)[self.comm.rank]
-        return to_torch(out)
-
-
-def rank_inputs(ep, kind: str, seed: int):
-    """This rank's (x, topk_idx, topk_weights) and every rank's numpy ones."""
-    xs, idxs, ws = inputs(ep.shape, kind, tokens_of(ep.shape), seed)
-    r = ep.comm.rank
-    return (to_torch(xs[r]), torch.from_numpy(idxs[r]), torch.from_numpy(ws[r])), (xs, idxs, ws)
-
-
-def same_bits(got, want: np.ndarray) -> bool:
-    from ubnext._tools import reference
-
-    return reference.mismatches(to_numpy(got).reshape(-1), np.asarray(want).reshape(-1)).size == 0
+from ubnext import UbnextError  # noqa: E402
 
 
 def test_schemas():
@@ -110,25 +39,32 @@ def test_schemas():
         "ubnext::moe_gather_weights(Tensor grad_weights, Tensor src, Tensor topk_idx, int ep) -> Tensor")
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("nranks", [1, 2])
-def test_fakes_give_the_static_shapes_and_run_nothing(nranks):
+def test_fakes_give_the_static_shapes_and_run_nothing(nranks, mode):
+    """recv_x [L, C, H] (packed: [R, H]), counts [L] (packed: offsets [L + 1]), src and
+    weights a value per row; out and x's gradient [T, H], the weights' [T, K]."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    m = MODES[mode]
+
     def body(comm):
-        ep = HostExpertParallel(comm, "small", "bfloat16")
+        ep = m.host(comm, "small", "bfloat16")
         s, h = ep.shape, ut.handle(ep)
-        lo, c = s.local_experts, s.capacity
+        rows, lo = row_dims(s), s.local_experts
+        op = {call: getattr(torch.ops.ubnext, f"{m.prefix}_{call}")
+              for call in ("dispatch", "combine", "dispatch_backward", "gather_weights")}
         with FakeTensorMode():
             x = torch.empty(4, s.hidden, dtype=torch.bfloat16)
             idx, w = torch.empty(4, s.top_k, dtype=torch.int32), torch.empty(4, s.top_k)
-            recv_x, counts, src, weights = torch.ops.ubnext.moe_dispatch(x, idx, w, h)
-            out = torch.ops.ubnext.moe_combine(recv_x, weights, idx, h)
-            gx = torch.ops.ubnext.moe_dispatch_backward(recv_x, idx, h)
-            gw = torch.ops.ubnext.moe_gather_weights(weights, src, idx, h)
-        got = [(tuple(t.shape), t.dtype) for t in (recv_x, counts, src, weights, out, gx, gw)]
-        assert got == [((lo, c, s.hidden), torch.bfloat16), ((lo,), torch.int32), ((lo, c), torch.int32),
-                       ((lo, c), torch.float32), ((4, s.hidden), torch.bfloat16), ((4, s.hidden), torch.bfloat16),
-                       ((4, s.top_k), torch.float32)]
+            recv_x, control, src, weights = op["dispatch"](x, idx, w, h)
+            out = op["combine"](recv_x, weights, idx, h)
+            gx = op["dispatch_backward"](recv_x, idx, h)
+            gw = op["gather_weights"](weights, src, *((control,) if mode == "packed" else ()), idx, h)
+        got = [(tuple(t.shape), t.dtype) for t in (recv_x, control, src, weights, out, gx, gw)]
+        assert got == [((*rows, s.hidden), torch.bfloat16), ((lo + (mode == "packed"),), torch.int32),
+                       (rows, torch.int32), (rows, torch.float32), ((4, s.hidden), torch.bfloat16),
+                       ((4, s.hidden), torch.bfloat16), ((4, s.top_k), torch.float32)]
         return ep.calls + [comm.calls]
 
     assert run_ranks(nranks, body) == [[0]] * nranks  # fake tensors call nothing
@@ -158,84 +94,107 @@ def test_bad_shapes_raise_naming_the_op():
     assert run_ranks(1, body) == [[]]  # nothing reached the object
 
 
+def test_an_fp8_object_is_refused_before_its_dispatch_runs():
+    """An fp8 object's dispatch returns (codes, scales), which the ops do not take: the op
+    raises before the object is called (not a TypeError after its collective ran)."""
+    def body(comm):
+        ep = HostExpertParallel(comm, "small", "bfloat16")
+        ep.shape = s = layout.shape(comm.size, ep.shape.num_experts, layout.FP8_HIDDEN_MULTIPLE, ep.shape.max_tokens,
+                                    ep.shape.top_k, "bfloat16", fp8=True)
+        x, idx, w = (torch.zeros(2, s.hidden, dtype=torch.bfloat16), torch.zeros(2, s.top_k, dtype=torch.int32),
+                     torch.zeros(2, s.top_k))
+        with pytest.raises(UbnextError, match="^ubnext::moe_dispatch: .*fp8"):
+            ut.moe.dispatch(x, idx, w, ep)
+        return ep.calls
+
+    assert run_ranks(1, body) == [[]]  # nothing reached the object
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("kind", ["random", "dropped", "skewed"])
-def test_forward_copies_masks_and_combines(nranks, dtype, kind):
-    """The op's outputs: the dispatch's rows (bit for bit), zero past the counts (src -1,
-    weight 0) where the object's buffers hold poison; new tensors that a later dispatch
-    leaves alone; the combine the reference's."""
+def test_forward_copies_masks_and_combines(nranks, dtype, kind, mode):
+    """The op's outputs: the dispatch's rows (bit for bit), zero past the rows received (src
+    -1, weight 0) where the object's buffers hold poison, its counts (packed: offsets); new
+    tensors that a later dispatch leaves alone; the combine the reference's."""
+    m = MODES[mode]
+
     def body(comm):
-        ep = HostExpertParallel(comm, "small", dtype)
+        ep = m.host(comm, "small", dtype)
         s, r = ep.shape, comm.rank
         (x, idx, w), (xs, idxs, ws) = rank_inputs(ep, kind, seed=nranks * 10 + len(kind))
-        recv_x, counts, handle = ut.moe.dispatch(x, idx, w, ep)
-        want = ref.dispatch(s, xs, idxs, ws)[r]
-        assert np.array_equal(counts.numpy(), want.counts)
+        recv_x, control, handle = m.dispatch(x, idx, w, ep)
+        want = m.ref.dispatch(s, xs, idxs, ws)[r]
+        assert handle.packed == (mode == "packed") and np.array_equal(control.numpy(), m.control(want))
         assert same_bits(recv_x, want.recv_x) and same_bits(handle.weights, want.weights)
         assert np.array_equal(handle.src.numpy(), want.src)
         ys = expert_outputs(s, seed=7)
         out = ut.moe.combine(to_torch(ys[r]), handle)
-        assert same_bits(out, ref.combine(s, ref.dispatch(s, xs, idxs, ws), ys, idxs)[r])
+        assert same_bits(out, m.ref.combine(s, m.ref.dispatch(s, xs, idxs, ws), ys, idxs)[r])
         kept = recv_x.clone()
-        ut.moe.dispatch(torch.zeros_like(x), idx, w, ep)
+        m.dispatch(torch.zeros_like(x), idx, w, ep)
         assert torch.equal(kept.view(torch.uint8), recv_x.view(torch.uint8))  # not the object's buffer
         return ep.calls
 
     assert run_ranks(nranks, body) == [["dispatch", "combine", "dispatch"]] * nranks
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("kind", ["random", "dropped"])
-def test_gradients_bit_for_bit(nranks, dtype, kind):
+def test_gradients_bit_for_bit(nranks, dtype, kind, mode):
     """out = combine(Y, dispatch(x, idx, w)) backward with G: Y's and w's gradients (w's
-    through combine's weight gradient, then back to the tokens); recv_x's backward with
-    R: x's; every one against the host references of the backwards, bit for bit; and the
-    calls each backward makes on the object."""
+    through combine's weight gradient, then back to the tokens: packed, by the offsets);
+    recv_x's backward with R: x's; every one against the host references of the
+    backwards, bit for bit; and the calls each backward makes on the object."""
+    m = MODES[mode]
+
     def body(comm):
-        ep = HostExpertParallel(comm, "small", dtype)
+        ep = m.host(comm, "small", dtype)
         s, r = ep.shape, comm.rank
         (x, idx, w), (xs, idxs, ws) = rank_inputs(ep, kind, seed=100 + nranks)
         rng = np.random.default_rng(5)
         gs = [rng.standard_normal((t, s.hidden)).astype(NP[dtype]) for t in tokens_of(s)]
-        rs = [rng.standard_normal((s.local_experts, s.capacity, s.hidden)).astype(NP[dtype]) for _ in range(nranks)]
+        rs = [rng.standard_normal((*row_dims(s), s.hidden)).astype(NP[dtype]) for _ in range(nranks)]
         ys = expert_outputs(s, seed=8)
         x.requires_grad_()
         w.requires_grad_()
         y = to_torch(ys[r]).requires_grad_()
-        recv_x, _, handle = ut.moe.dispatch(x, idx, w, ep)
+        recv_x, _, handle = m.dispatch(x, idx, w, ep)
         ut.moe.combine(y, handle).backward(to_torch(gs[r]), retain_graph=True)
         assert ep.calls == ["dispatch", "combine", "dispatch"] and x.grad is None
         (gx,) = torch.autograd.grad(recv_x, x, to_torch(rs[r]))
         assert ep.calls[3:] == ["dispatch", "combine"]  # the routing again, then the transpose
 
-        dispatched = ref.dispatch(s, xs, idxs, ws)
-        grads = combine_backward(s, ref.dispatch(s, gs, idxs, ws), ys, [d.weights for d in dispatched])
+        dispatched = m.ref.dispatch(s, xs, idxs, ws)
+        grads = combine_backward(s, m.ref.dispatch(s, gs, idxs, ws), ys, [d.weights for d in dispatched])
         back = dispatch_backward(s, dispatched, rs, [gw for _, gw in grads], idxs)
         assert same_bits(y.grad, grads[r][0]), "y"
         assert same_bits(w.grad, back[r][1]), "topk_weights"
-        want_x = dispatch_backward(s, dispatched, rs, [np.zeros((s.local_experts, s.capacity), np.float32)] * nranks,
-                                   idxs)[r][0]
+        want_x = dispatch_backward(s, dispatched, rs, [np.zeros(row_dims(s), np.float32)] * nranks, idxs)[r][0]
         assert same_bits(gx, want_x), "x"
         return True
 
     assert all(run_ranks(nranks, body))
 
 
-def test_compiled_equals_eager_forward_and_backward():
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compiled_equals_eager_forward_and_backward(mode):
     """torch.compile(fullgraph=True) of dispatch, an elementwise expert and combine, with
     its backward: no graph break, the same bits as eager (one rank: dynamo is not
     thread-safe)."""
     torch._dynamo.reset()
+    m = MODES[mode]
 
     def body(comm):
-        ep = HostExpertParallel(comm, "small", "float32")
+        ep = m.host(comm, "small", "float32")
         (x, idx, w), _ = rank_inputs(ep, "random", seed=3)
         scale = torch.linspace(0.5, 1.5, ep.shape.hidden)
 
         def fn(x, idx, w, scale):
-            recv_x, counts, handle = ut.moe.dispatch(x, idx, w, ep)
+            recv_x, _, handle = m.dispatch(x, idx, w, ep)
             return ut.moe.combine(torch.tanh(recv_x) * scale, handle)
 
         explained = torch._dynamo.explain(fn)(x, idx, w, scale)
@@ -251,18 +210,21 @@ def test_compiled_equals_eager_forward_and_backward():
     assert run_ranks(1, body) == [True]
 
 
-def test_opcheck():
+@pytest.mark.parametrize("mode", list(MODES))
+def test_opcheck(mode):
     """torch.library.opcheck of the forward ops: schema, autograd registration, fake
     tensors and the AOT dispatch (one rank)."""
+    m = MODES[mode]
+
     def body(comm):
-        ep = HostExpertParallel(comm, "small", "float32")
+        ep = m.host(comm, "small", "float32")
         h = ut.handle(ep)
         (x, idx, w), _ = rank_inputs(ep, "random", seed=4)
         x = torch.nan_to_num(x, nan=0.5, posinf=2.0)  # opcheck compares with NaN unequal to itself
-        ops = torch.ops.ubnext
-        torch.library.opcheck(ops.moe_dispatch.default, (x.requires_grad_(), idx, w.requires_grad_(), h))
-        recv_x, _, _, weights = ops.moe_dispatch(x.detach(), idx, w.detach(), h)
-        torch.library.opcheck(ops.moe_combine.default, (recv_x.requires_grad_(), weights.requires_grad_(), idx, h))
+        dispatch, combine = (getattr(torch.ops.ubnext, f"{m.prefix}_{call}") for call in ("dispatch", "combine"))
+        torch.library.opcheck(dispatch.default, (x.requires_grad_(), idx, w.requires_grad_(), h))
+        recv_x, _, _, weights = dispatch(x.detach(), idx, w.detach(), h)
+        torch.library.opcheck(combine.default, (recv_x.requires_grad_(), weights.requires_grad_(), idx, h))
 
     run_ranks(1, body)
 

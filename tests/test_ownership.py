@@ -389,7 +389,8 @@ def test_the_last_array_dropped_during_a_known_capture_is_released_once_it_ends(
     assert RELEASES.pending == 1
     fake.end_capture(STREAM + 1)
     eventually(lambda: not node0.holds_memory, "released once the capture ended")
-    assert threads == ["ubnext-release"] and RELEASES.pending == 0
+    assert threads == ["ubnext-release"]
+    eventually(lambda: RELEASES.pending == 0, "the release off the queue once it ran")
     fake.destroy_graph(graph)
     node1.close(local=True)
     del block1
@@ -454,3 +455,95 @@ def test_a_holder_dropped_while_the_releases_decide_does_not_wait_for_itself(mon
                      daemon=True).start()
     assert done.wait(WAIT_S), "the release waited for itself"
     assert ran == ["dropped meanwhile", "first"]
+
+
+def test_a_release_arriving_while_the_thread_runs_a_queued_one_waits_for_it():
+    """The ubnext-release thread runs a release queued behind a capture; another arrives on
+    another thread once the capture ended: it runs after the first (in order), not beside it."""
+    from ubnext._engine.captures import Releases
+
+    class Known:
+        capturing = True
+        _lock = threading.RLock()
+
+        def note_current(self, context):
+            pass
+
+        def busy(self):
+            return self.capturing
+
+    known, ran = Known(), []
+    releases = Releases(known, poll_s=0.001)
+    started, go = threading.Event(), threading.Event()
+
+    def first():
+        started.set()
+        assert go.wait(WAIT_S)
+        ran.append("first")
+
+    releases.run(first)  # queued: a capture is in progress
+    known.capturing = False
+    assert started.wait(WAIT_S), "the queued release never ran"
+    releases.run(lambda: ran.append("second"))
+    time.sleep(0.05)
+    assert ran == [], "the second release ran while the first was still running"
+    go.set()
+    eventually(lambda: ran == ["first", "second"], f"both, in order: {ran}")
+    eventually(lambda: releases.pending == 0, "the queue drained")
+
+
+def test_a_holder_dropped_under_the_captures_lock_while_another_thread_releases_does_not_deadlock():
+    """Thread B holds the captures' lock (a collection inside their step drops a holder: its
+    release asks the releases) while thread A's release asks the captures whether one is in
+    progress: neither waits for the other's lock."""
+    from ubnext._engine.captures import Captures, Releases
+
+    captures, ran = Captures(), []
+    releases = Releases(captures, poll_s=0.001)
+    asking, done = threading.Event(), threading.Event()
+
+    def a():
+        asking.set()
+        releases.run(lambda: ran.append("A"))
+
+    def b():
+        with captures._lock:
+            threading.Thread(target=a, name="A", daemon=True).start()
+            assert asking.wait(WAIT_S)
+            time.sleep(0.05)  # A now waits for a lock B holds
+            releases.run(lambda: ran.append("B"))
+        done.set()
+
+    threading.Thread(target=b, name="B", daemon=True).start()
+    assert done.wait(WAIT_S), "the two releases deadlocked on the captures' and the releases' locks"
+    eventually(lambda: sorted(ran) == ["A", "B"], f"both ran: {ran}")
+
+
+def test_a_holder_dropped_under_the_releases_lock_while_another_thread_holds_the_captures_lock_does_not_deadlock():
+    """Thread A holds the releases' lock (queueing a release: it allocates) when a collection
+    there drops a holder, whose release asks the captures; thread B holds the captures' lock
+    (a collection inside their step) and its release asks for the releases' lock: the two
+    locks are one, so one thread waits for the other's step to end instead of both waiting."""
+    from ubnext._engine.captures import Captures, Releases
+
+    captures, ran = Captures(), []
+    releases = Releases(captures, poll_s=0.001)
+    holding, a_done, b_done = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with releases._lock:
+            holding.set()
+            time.sleep(0.05)  # B takes the captures' lock meanwhile, where it is another
+            captures.busy()  # the dropped holder's release asking
+        a_done.set()
+
+    def b():
+        assert holding.wait(WAIT_S)
+        with captures._lock:
+            releases.run(lambda: ran.append("B"))
+        b_done.set()
+
+    threading.Thread(target=a, name="A", daemon=True).start()
+    threading.Thread(target=b, name="B", daemon=True).start()
+    assert a_done.wait(WAIT_S) and b_done.wait(WAIT_S), "the releases' and the captures' locks deadlocked"
+    assert ran == ["B"]

@@ -14,6 +14,7 @@ import gc
 import itertools
 import sys
 import threading
+import time
 import types
 import weakref
 
@@ -1061,6 +1062,46 @@ def test_a_communicator_dropped_without_close_is_released_locally_by_its_finaliz
     assert node.announced == [("aborted", 0)] and node.closed is True
     assert order.context._driver.retained[0] == 0  # the context's retain given back
     assert [r.levelname for r in logged() if "dropped without close()" in r.getMessage()] == ["WARNING"]
+
+
+def test_a_communicator_dropped_during_a_capture_in_progress_is_released_after_it(fakes, monkeypatch):
+    """The node's close and NCCL's abort wait on the device, which a capture in progress
+    forbids (a collection inside one, or a capture on another thread that ubnext knows of):
+    a communicator collected meanwhile is released once the capture ends, on ubnext's
+    release thread."""
+    from ubnext._engine import captures
+
+    config = Config.from_env()
+    engine, _ = make_engine(fakes.monkeypatch, config)
+    node = FakeNode(engine, engine.pool)
+    selector = Selector(1, buffer_limits(config), [n for n, a in ALGORITHMS.items() if not a.multicast], None, None)
+    order = fake_order()
+    comm = bare_communicator(order, config=config, _node=node, _selector=selector,
+                             _dispatch=Dispatcher(node, selector.limits, order, None, 0))
+    comm._finalizer.detach()
+    comm._finalizer = weakref.finalize(comm, comm._owned.drop)
+    capturing = threading.Event()
+    capturing.set()
+    monkeypatch.setattr(captures.RELEASES._captures, "busy", capturing.is_set)
+    monkeypatch.setattr(captures.RELEASES._captures, "note_current", lambda context: None)
+    threads = []
+    close = node.close
+
+    def noted_close(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return close(*args, **kwargs)
+
+    node.close = noted_close
+    del comm
+    gc.collect()
+    time.sleep(0.05)
+    assert node.closed is not True and node.announced == [], "released during a capture"
+    capturing.clear()
+    deadline = time.monotonic() + 5
+    while node.closed is not True and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node.closed is True and node.announced == [("aborted", 0)]
+    assert threads == ["ubnext-release"]
 
 
 def test_a_failed_node_close_leaves_the_rest_released_without_waiting_for_any_rank(make_comm, fakes):

@@ -245,15 +245,17 @@ class Owned:
         """The finalizer of a communicator that became garbage without ``close()``: released
         as ``abort()`` releases (its peers cannot be met from here: no collective, no rank
         waited for), with the communicator's context current whatever thread collects it,
-        and a warning (once per process)."""
+        and a warning (once per process); while a capture that ubnext knows of is in
+        progress (a collection inside one, or on another thread), after its end, on
+        ubnext's release thread (``captures.RELEASES``): the release waits on the device."""
         log_once("dropped", "ubnext.Communicator was dropped without close(): released locally, as abort() "
                             "does (peers are not waited for); call close() on every rank, or use `with`")
         if self.watchdog is not None and self.watchdog.on_its_thread():
             # collected on its own watchdog's thread, which may be inside the node's announce
             # and which cannot wait for itself: released on a thread of its own
             threading.Thread(target=self._drop, name="ubnext-dropped", daemon=True).start()
-        else:
-            self._drop()
+        else:  # the node's close and NCCL's abort wait on the device: not inside a capture in progress
+            RELEASES.run(self._drop, self.order.context)
 
     def _drop(self) -> None:
         if self.node is not None:

@@ -114,7 +114,10 @@ class Releases:
 
     def __init__(self, captures: Captures, poll_s: float = _POLL_S):
         self._captures, self._poll_s = captures, poll_s
-        self._lock = threading.RLock()  # re-entered as Captures' lock is
+        # the captures' own lock: a collection inside either's step (it allocates) drops a
+        # holder whose release takes the other's; with two locks, two threads taking them in
+        # opposite orders deadlocked. One re-entrant lock: re-entered on its own thread only.
+        self._lock = captures._lock
         self._queue: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
 
@@ -136,7 +139,7 @@ class Releases:
 
     @property
     def pending(self) -> int:
-        """Releases queued behind a capture in progress."""
+        """Releases queued behind a capture in progress (the one running included)."""
         return len(self._queue)
 
     def _drain(self) -> None:
@@ -149,8 +152,10 @@ class Releases:
                 time.sleep(self._poll_s)
                 continue
             with self._lock:
-                release = self._queue.popleft()
-            _logged(release)
+                release = self._queue[0]
+            _logged(release)  # still queued while it runs: a release arriving meanwhile waits behind it
+            with self._lock:
+                self._queue.popleft()
 
 
 def _logged(release: Callable) -> None:

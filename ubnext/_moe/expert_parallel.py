@@ -12,17 +12,14 @@ the two kernels are the communicator's (``heap.STATES``: ``moe_dispatch.state``,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from ubnext._engine.kernels import compile_module
-from ubnext._engine.launch import I32, U64, Launcher
+from ubnext._engine.launch import I32, U64
 from ubnext._interop import arrays as _arrays
-from ubnext._memory.heap import round_up
 from ubnext._moe import layout as _layout
+from ubnext._moe.base import MoeObject
 from ubnext._protocol import signature as _signature
-from ubnext._protocol.algorithms import DTYPES, compile_defines
-from ubnext._protocol.constants import THREADS, VEC_BYTES, sentinel_word
+from ubnext._protocol.constants import THREADS
 from ubnext._protocol.errors import UbnextError
 
 #: the kernels, by call: (source in kernels/, entry point), each compiled per dtype and rank count
@@ -31,8 +28,6 @@ SOURCES = {"dispatch": ("moe_dispatch.cu", "ub_moe_dispatch"), "combine": ("moe_
 _PARAMS = {"dispatch": (U64, U64, I32) + (U64,) * 25, "combine": (U64, U64, I32) + (U64,) * 19}
 #: the dispatch's outputs, in the entry point's order (scales: an FP8 dispatch's, else 0)
 _DISPATCH_OUT = ("recv_x", "scales", "counts", "src", "weights", "route", "tokens", "dest")
-#: bytes between and around the object's arrays in its buffer, and their byte at creation
-GAP_BYTES, CANARY = 256, 0xA5
 
 
 @dataclass(frozen=True)
@@ -52,7 +47,7 @@ class Handle:
     _generation: int
 
 
-class ExpertParallel:
+class ExpertParallel(MoeObject):
     """Expert-parallel dispatch and combine of a mixture-of-experts layer over the GPUs of
     one node, low-latency mode (docs/moe.md): fixed buffers sized by ``max_tokens``, no
     host synchronization, static shapes.
@@ -85,37 +80,22 @@ class ExpertParallel:
             communicator.
     """
 
+    SOURCES, PARAMS = SOURCES, _PARAMS
+
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens: int, top_k: int, dtype: str = "bfloat16",
                  capacity: int | None = None, framework: str = "cupy", partials: str = "float32", fp8: bool = False):
         import cupy
 
         name = "ExpertParallel"
-        if framework not in ("cupy", "torch"):
-            raise UbnextError(f"{name}: framework must be 'cupy' or 'torch', got {framework!r}")
-        with comm._order:
-            comm._check_open(name)
-            node = comm._node
-            if node is None:
-                raise UbnextError(f"{name}: this communicator has no symmetric memory pool (it uses NCCL: "
-                                  f"{comm._nccl_reason or 'no pool'})")
-        shape = self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype,
-                                           capacity, fp8)
+        node = self._node_of(name, comm, framework)
+        self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype, capacity,
+                                   fp8)
         arch = int(cupy.cuda.Device(comm.device).compute_capability)
         if fp8 and arch < 89:
             raise UbnextError(f"{name}: fp8 needs compute capability 8.9 or higher (e4m3 conversions), "
                               f"this GPU has {arch // 10}.{arch % 10}")
         self._partials = self._partials_of(name, partials)
-        area, ptrs = comm._symmetric_area(shape.key, shape.area_bytes)  # collective
-        self._comm = comm  # its calls need it open; it holds the area
-        self._generation = 0
-        with comm._order:
-            offset = node.pool.contains(ptrs[node.pool.local_rank], shape.area_bytes)
-            regions = shape.offsets(offset)
-            self._fill(name, comm, area)
-            self._allocate(comm.device, framework)
-            cupy.cuda.Device(comm.device).synchronize()
-            self._launchers = self._compile(comm, node, regions)
-        comm._exchanges.run(name, comm._local.barrier)  # no rank pushes into an area a peer is still filling
+        self._create(name, comm, node, framework)
         sms = cupy.cuda.Device(comm.device).attributes["MultiProcessorCount"]
         self._blocks = max(1, min(node.engine._blocks, sms))  # every block resident (docs/moe.md)
         self._sig = {kind: _signature.encode_moe(f"moe_{kind}", dtype, num_experts, top_k, max_tokens, hidden,
@@ -123,27 +103,9 @@ class ExpertParallel:
                      for kind in SOURCES}
         self._sig["combine", "bfloat16"] = _signature.encode_moe("moe_combine", dtype, num_experts, top_k, max_tokens,
                                                                  hidden, wire=_layout.PARTIALS["bfloat16"])
+        self._publish()
 
-        from ubnext._api import handles  # the registry of the ints torch ops name objects by
-
-        handles.assign(self)  # self._handle, from construction: compiled code reads it as a constant
-
-    @property
-    def size(self) -> int:
-        """N, the ranks of the communicator (as a Communicator's ``size``; its handle carries it)."""
-        return self.shape.nranks
-
-    @property
-    def comm(self):
-        """The Communicator the object was made from."""
-        return self._comm
-
-    def _allocate(self, device: int, framework: str) -> None:
-        """The outputs and the combine's inputs, in one device buffer (``_raw``): each array
-        at ``_slots[key]`` (offset, bytes), with GAP_BYTES between and around them, every
-        byte CANARY at creation (the GPU tests check that the gaps keep it)."""
-        import cupy
-
+    def _specs(self) -> dict[str, tuple[tuple, str]]:
         s = self.shape
         n, lo, c, m, k = s.nranks, s.local_experts, s.capacity, s.max_tokens, s.top_k
         specs = {"recv_x": ((lo, c, s.hidden), "uint8" if s.fp8 else s.dtype), "counts": ((lo,), "int32"),
@@ -151,52 +113,21 @@ class ExpertParallel:
                  "tokens": ((n,), "uint32"), "dest": ((m,), "uint32")}
         if s.fp8:
             specs["scales"] = ((lo, c, s.hidden // _layout.FP8_GROUP), "float32")
-        self._slots, at = {}, GAP_BYTES
-        for key, (dims, dtype) in specs.items():
-            nbytes = math.prod(dims) * DTYPES[dtype][1]
-            self._slots[key] = (at, nbytes)
-            at = round_up(at + nbytes, GAP_BYTES) + GAP_BYTES
-        self._raw = cupy.full(at, CANARY, cupy.uint8)
-        base = self._raw.data.ptr
-        self._ptr = {key: base + offset for key, (offset, _) in self._slots.items()}
-        self._views = {key: _arrays.wrap(self._ptr[key], dims, dtype, device, framework, self._raw)
-                       for key, (dims, dtype) in specs.items()}
-        if s.fp8 and framework == "torch":  # CuPy has no e4m3 dtype: its codes stay uint8
+        return specs
+
+    def _allocate(self, device: int, framework: str) -> None:
+        """``MoeObject._allocate``; with fp8 and torch, recv_x viewed as float8_e4m3fn."""
+        super()._allocate(device, framework)
+        if self.shape.fp8 and framework == "torch":  # CuPy has no e4m3 dtype: its codes stay uint8
             import torch
 
             self._views["recv_x"] = self._views["recv_x"].view(torch.float8_e4m3fn)
 
-    def _fill(self, name: str, comm, area) -> None:
-        """The polled regions to the sentinel, the rest (the rotation, the rows) to zero:
-        after every rank's earlier launches (a device wait and a barrier: an area with this
-        key may have served an object before). The barrier is a host exchange of ``name``,
-        which ``abort()`` abandons."""
-        import cupy
-
-        cupy.cuda.Device(comm.device).synchronize()
-        comm._exchanges.run(name, comm._local.barrier)
-        words = area.view(cupy.uint32)
-        words.fill(0)
-        at = 0
-        for region, nbytes in self.shape.region_bytes().items():
-            if region in self.shape.polled:
-                words[at // 4:(at + nbytes) // 4].fill(cupy.uint32(sentinel_word(4)))
-            at += nbytes
-
-    def _compile(self, comm, node, regions: dict) -> dict[str, Launcher]:
-        """The launchers of both kernels, their constant arguments packed once."""
-        s, pool = self.shape, node.pool
+    def _prefixes(self, regions: dict) -> dict[str, tuple]:
+        s = self.shape
         sizes = (s.num_experts, s.local_experts, s.top_k, s.hidden, s.max_tokens, s.capacity)
-        fixed = (pool.base, pool.stride, pool.local_rank, node.engine._mc_base, regions["rotation"])
-        prefixes = {"dispatch": fixed + (regions["dispatch_headers"], regions["records"], regions["rows"]) + sizes,
-                    "combine": fixed + (regions["combine_headers"], regions["partials"]) + sizes}
-        launchers = {}
-        for kind, (source, entry) in SOURCES.items():
-            module = compile_module(source, compile_defines(s.dtype, "sum", s.nranks), comm.device)
-            state = pool.local_ptr(node.engine.plan.offset(f"moe_{kind}.state"))
-            launchers[kind] = Launcher(module.get_function(entry), _PARAMS[kind], prefixes[kind], (state,),
-                                       node.engine.dependent)
-        return launchers
+        return {"dispatch": (regions["rotation"], regions["dispatch_headers"], regions["records"], regions["rows"])
+                + sizes, "combine": (regions["rotation"], regions["combine_headers"], regions["partials"]) + sizes}
 
     # -- calls ------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, stream=None):
@@ -235,16 +166,8 @@ class ExpertParallel:
         with comm._order:
             comm._check_open(name)
             handle, owner, side = comm._launch_stream(name, stream, x)
-            xb = self._operand(name, x, "x", (None, s.hidden), s.dtype, handle)
-            count = xb.shape[0]
-            if count > s.max_tokens:
-                raise UbnextError(f"{name}: {count} tokens; the object takes at most max_tokens={s.max_tokens}")
-            ib = self._operand(name, topk_idx, "topk_idx", (count, s.top_k), "int32", handle)
-            wb = self._operand(name, topk_weights, "topk_weights", (count, s.top_k), "float32", handle)
-            if side:
-                _arrays.record_stream(handle, owner, (xb, ib, wb))
-            a = self._ptr
-            comm._order.follow(handle, owner)
+            xb, ib, wb = self._dispatch_operands(name, x, topk_idx, topk_weights, handle, owner, side)
+            count, a = xb.shape[0], self._ptr
             self._launchers["dispatch"](self._blocks, THREADS["moe_dispatch.cu"], handle, xb.ptr, ib.ptr, wb.ptr,
                                         count, *(a.get(key, 0) for key in _DISPATCH_OUT), self._sig["dispatch"])
             self._generation += 1
@@ -292,25 +215,10 @@ class ExpertParallel:
         with comm._order:
             comm._check_open(name)
             half = self._partials_of(name, self._partials if partials is None else partials) == "bfloat16"
-            if not isinstance(handle, Handle) or handle._owner is not self or handle._generation != self._generation:
-                raise UbnextError(f"{name}: the handle is not this object's latest dispatch's (a dispatch "
-                                  f"overwrites the buffers of the one before)")
-            stream_handle, owner, side = comm._launch_stream(name, stream, y)
-            yb = self._operand(name, y, "y", (s.local_experts, s.capacity, s.hidden), s.dtype, stream_handle)
-            shape = (handle.tokens, s.hidden)
-            if out is None:
-                ob = comm._new(name, yb, stream_handle, owner, side, shape)
-            else:
-                ob = self._operand(name, out, "out", shape, s.dtype, stream_handle)
-                if _arrays.overlap(ob, yb):
-                    raise UbnextError(f"{name}: out overlaps y")
+            self._check_handle(name, handle, Handle)
+            stream_handle, yb, ob, wb = self._combine_operands(name, y, (s.local_experts, s.capacity), handle.tokens,
+                                                               out, weights, stream)
             a = self._ptr
-            wb = None
-            if weights is not None:
-                wb = self._operand(name, weights, "weights", (s.local_experts, s.capacity), "float32", stream_handle)
-            if side:
-                _arrays.record_stream(stream_handle, owner, (yb, ob, wb))
-            comm._order.follow(stream_handle, owner)
             self._launchers["combine"](self._blocks, THREADS["moe_combine.cu"], stream_handle, yb.ptr,
                                        a["weights"] if wb is None else wb.ptr,
                                        *(a[key] for key in ("route", "tokens", "dest")),
@@ -327,17 +235,3 @@ class ExpertParallel:
         if partials == "bfloat16" and self.shape.dtype != "bfloat16":
             raise UbnextError(f"{name}: bfloat16 partials take a bfloat16 payload, not {self.shape.dtype}")
         return partials
-
-    def _operand(self, name: str, arr, what: str, shape: tuple, dtype: str, handle: int):
-        """``arr`` as a Buffer on the communicator's device, of ``dtype`` and ``shape`` (None:
-        any size there); a payload (x, y, out) 16-byte aligned."""
-        b = self._comm._input(name, arr, handle)
-        dims = tuple(b.shape)
-        if b.dtype != dtype or len(dims) != len(shape) or any(w is not None and d != w for d, w in zip(dims, shape)):
-            want = " x ".join("T" if w is None else str(w) for w in shape)
-            raise UbnextError(f"{name}: {what} must be {dtype} of shape [{want}], got {b.dtype} of shape "
-                              f"{list(dims)}")
-        if dtype in _layout.MOE_DTYPES and b.ptr % VEC_BYTES:  # the rows move in 16-byte vectors
-            raise UbnextError(f"{name}: {what} must be {VEC_BYTES}-byte aligned (its address is {b.ptr:#x}); "
-                              f"pass a copy")
-        return b

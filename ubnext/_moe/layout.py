@@ -19,21 +19,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ubnext._protocol.algorithms import DTYPES
 from ubnext._protocol.constants import (HEADER_BYTES, MAX_RANKS, MOE_FP8_GROUP, MOE_MAX_CAPACITY, MOE_MAX_TOPK,
                                         VEC_BYTES)
 from ubnext._protocol.errors import UbnextError
-from ubnext._protocol.signature import HIDDEN_BITS, MOE_BITS
+from ubnext._protocol.signature import HIDDEN_BITS, MOE_BITS, MOE_WIRES
 
 #: the payload dtypes of dispatch and combine, and their element bytes
-MOE_DTYPES = {"bfloat16": 2, "float32": 4}
+MOE_DTYPES = {dtype: DTYPES[dtype][1] for dtype in ("bfloat16", "float32")}
 #: the combine's partials, as they cross the link: fp32, or rounded to bf16 (half the bytes,
-#: a second rounding; a bfloat16 payload only), by their code in the kernel's argument
-PARTIALS = {"float32": 0, "bfloat16": 1}
+#: a second rounding; a bfloat16 payload only), by their code in the kernel's argument and
+#: the signature's format (signature.MOE_WIRES)
+PARTIALS = {"float32": 0, "bfloat16": MOE_WIRES.index("bfloat16 partials")}
+#: bytes of an element of a combine's partial as the area holds it (fp32)
+PARTIAL_BYTES = 4
 #: channels per scale of an FP8 dispatch, and the multiple of them a row must be (its
 #: scales, 4 bytes per group, are whole 16-byte vectors)
 FP8_GROUP, FP8_HIDDEN_MULTIPLE = MOE_FP8_GROUP, MOE_FP8_GROUP * VEC_BYTES // 4
-#: the FP8 dispatch's format in its signature (signature.MOE_WIRES: e4m3 rows with fp32 scales)
-FP8_WIRE = 2
+#: the FP8 dispatch's format in its signature (signature.MOE_WIRES)
+FP8_WIRE = MOE_WIRES.index("e4m3 rows with fp32 scales")
 #: the largest top-k a routing record holds (its ids and weights, kernels/moe.cuh)
 MAX_TOPK = MOE_MAX_TOPK
 #: rotating sets of the polled regions (the Lamport rotation) and of the unpolled rows
@@ -96,7 +100,7 @@ class Shape:
                 "records": POLLED_SETS * n * m * record_vectors(self.top_k) * VEC_BYTES,
                 "rows": ROW_SETS * n * m * self.row_bytes,
                 "combine_headers": headers,
-                "partials": ROW_SETS * n * m * self.hidden * 4}
+                "partials": ROW_SETS * n * m * self.hidden * PARTIAL_BYTES}
 
     def offsets(self, base: int = 0) -> dict[str, int]:
         """Offset of each region, from ``base`` (the area's offset), by name."""

@@ -9,25 +9,21 @@ its arguments on the host, then issues one launch on the caller's stream; only
 ``dispatch(..., sync=True)`` then reads the row count on the host. It is a sibling of the
 low-latency ``ExpertParallel``, not a mode of it: its area (one set, headers first, bulk
 flags), its outputs (``[R, H]`` and offsets, not ``[L, C, H]`` and counts) and the shapes
-its combine takes differ, and it shares that object's host checks (``_fill``,
-``_operand``) and its kernels' headers (kernels/moe.cuh). Its launch states are the
+its combine takes differ, and it shares that object's host steps (``base.MoeObject``: creation,
+the checks of a call) and its kernels' headers (kernels/moe.cuh). Its launch states are the
 communicator's (``heap.STATES``: ``moe_packed_dispatch.state``, ``moe_packed_combine.state``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from ubnext._engine.kernels import compile_module
-from ubnext._engine.launch import I32, U64, Launcher
+from ubnext._engine.launch import I32, U64
 from ubnext._interop import arrays as _arrays
 from ubnext._interop.streams import CUDA
-from ubnext._memory.heap import round_up
 from ubnext._moe import packed_layout as _layout
-from ubnext._moe.expert_parallel import CANARY, GAP_BYTES, ExpertParallel
+from ubnext._moe.base import MoeObject
 from ubnext._protocol import signature as _signature
-from ubnext._protocol.algorithms import DTYPES, compile_defines
 from ubnext._protocol.constants import THREADS
 from ubnext._protocol.errors import UbnextError
 
@@ -66,7 +62,7 @@ class PackedHandle:
     _generation: int
 
 
-class PackedExpertParallel:
+class PackedExpertParallel(MoeObject):
     """Expert-parallel dispatch and combine of a mixture-of-experts layer over the GPUs of one
     node, throughput mode (docs/moe.md, "Throughput mode"): thousands of tokens per rank,
     bandwidth-bound kernels, a packed layout with per-expert offsets.
@@ -96,74 +92,37 @@ class PackedExpertParallel:
             communicator.
     """
 
+    SOURCES, PARAMS = SOURCES, _PARAMS
+
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens: int, top_k: int, dtype: str = "bfloat16",
                  max_rows: int | None = None, framework: str = "cupy"):
         import cupy
 
         name = _layout.NAME
-        if framework not in ("cupy", "torch"):
-            raise UbnextError(f"{name}: framework must be 'cupy' or 'torch', got {framework!r}")
-        with comm._order:
-            comm._check_open(name)
-            node = comm._node
-            if node is None:
-                raise UbnextError(f"{name}: this communicator has no symmetric memory pool (it uses NCCL: "
-                                  f"{comm._nccl_reason or 'no pool'})")
-        shape = self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype,
-                                           max_rows)
+        node = self._node_of(name, comm, framework)
+        self.shape = _layout.shape(node.pool.local_size, num_experts, hidden, max_tokens, top_k, dtype, max_rows)
         sms = cupy.cuda.Device(comm.device).attributes["MultiProcessorCount"]
         self._blocks = max(2, min(node.engine._blocks, sms))  # every block resident: the grid barriers
         self._senders = max(1, self._blocks // SENDER_SHARE)  # and at least one receiver
-        area, ptrs = comm._symmetric_area(shape.key, shape.area_bytes)  # collective
-        self._comm = comm  # its calls need it open; it holds the area
-        self._generation = 0
-        with comm._order:
-            offset = node.pool.contains(ptrs[node.pool.local_rank], shape.area_bytes)
-            regions = shape.offsets(offset)
-            ExpertParallel._fill(self, name, comm, area)  # by self.shape's regions and polled ones
-            self._allocate(comm.device, framework)
-            cupy.cuda.Device(comm.device).synchronize()
-            self._launchers = self._compile(comm, node, regions)
-        comm._exchanges.run(name, comm._local.barrier)  # no rank pushes into an area a peer is still filling
+        self._create(name, comm, node, framework)
         self._sig = {kind: _signature.encode_moe(f"moe_packed_{kind}", dtype, num_experts, top_k, max_tokens, hidden)
                      for kind in SOURCES}
         self._rows_host = cupy.cuda.alloc_pinned_memory(4)  # sync=True's read of offsets[L]
 
-    def _allocate(self, device: int, framework: str) -> None:
-        """The outputs and the combine's inputs, in one device buffer (``_raw``): each array
-        at ``_slots[key]`` (offset, bytes), with GAP_BYTES between and around them, every
-        byte CANARY at creation (the GPU tests check that the gaps keep it)."""
-        import cupy
+        self._publish()
 
+    def _specs(self) -> dict[str, tuple[tuple, str]]:
         s = self.shape
         n, lo, r, m, k = s.nranks, s.local_experts, s.max_rows, s.max_tokens, s.top_k
-        specs = dict(zip(OUTPUTS, (((r, s.hidden), s.dtype), ((lo + 1,), "int32"), ((r,), "int32"),
-                                   ((r,), "float32"), ((n, m, k), "int32"), ((n,), "uint32"), ((m,), "uint32"),
-                                   ((lo,), "uint32"))))
-        self._slots, at = {}, GAP_BYTES
-        for key, (dims, dtype) in specs.items():
-            self._slots[key] = (at, math.prod(dims) * DTYPES[dtype][1])
-            at = round_up(at + self._slots[key][1], GAP_BYTES) + GAP_BYTES
-        self._raw = cupy.full(at, CANARY, cupy.uint8)
-        self._ptr = {key: self._raw.data.ptr + offset for key, (offset, _) in self._slots.items()}
-        self._views = {key: _arrays.wrap(self._ptr[key], dims, dtype, device, framework, self._raw)
-                       for key, (dims, dtype) in specs.items()}
+        return dict(zip(OUTPUTS, (((r, s.hidden), s.dtype), ((lo + 1,), "int32"), ((r,), "int32"), ((r,), "float32"),
+                                  ((n, m, k), "int32"), ((n,), "uint32"), ((m,), "uint32"), ((lo,), "uint32"))))
 
-    def _compile(self, comm, node, regions: dict) -> dict[str, Launcher]:
-        """The launchers of both kernels, their constant arguments packed once."""
-        s, pool = self.shape, node.pool
+    def _prefixes(self, regions: dict) -> dict[str, tuple]:
+        s = self.shape
         sizes = (s.num_experts, s.local_experts, s.top_k, s.hidden, s.max_tokens, s.max_rows)
-        fixed = (pool.base, pool.stride, pool.local_rank, node.engine._mc_base, regions["rotation"])
         dispatch = (regions["dispatch_headers"], regions["progress"], regions["records"], regions["data"])
-        prefixes = {"dispatch": fixed + dispatch + sizes + (self._senders,),
-                    "combine": fixed + (regions["combine_headers"], regions["data"]) + sizes}
-        launchers = {}
-        for kind, (source, entry) in SOURCES.items():
-            module = compile_module(source, compile_defines(s.dtype, "sum", s.nranks), comm.device)
-            state = pool.local_ptr(node.engine.plan.offset(f"moe_packed_{kind}.state"))
-            launchers[kind] = Launcher(module.get_function(entry), _PARAMS[kind], prefixes[kind], (state,),
-                                       node.engine.dependent)
-        return launchers
+        return {"dispatch": (regions["rotation"],) + dispatch + sizes + (self._senders,),
+                "combine": (regions["rotation"], regions["combine_headers"], regions["data"]) + sizes}
 
     # -- calls ------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, stream=None, sync: bool = False):
@@ -200,22 +159,15 @@ class PackedExpertParallel:
                 rows received; nothing was written out of bounds.
         """
         name = "PackedExpertParallel.dispatch"
-        s, comm = self.shape, self._comm
+        comm = self._comm
         with comm._order:
             comm._check_open(name)
             handle, owner, side = comm._launch_stream(name, stream, x)
             if sync and CUDA.capture(handle):
                 raise UbnextError(f"{name}: sync=True reads the row count on the host, which a CUDA graph cannot "
                                   f"capture; use sync=False (recv_x of max_rows rows)")
-            xb = self._operand(name, x, "x", (None, s.hidden), s.dtype, handle)
+            xb, ib, wb = self._dispatch_operands(name, x, topk_idx, topk_weights, handle, owner, side)
             count = xb.shape[0]
-            if count > s.max_tokens:
-                raise UbnextError(f"{name}: {count} tokens; the object takes at most max_tokens={s.max_tokens}")
-            ib = self._operand(name, topk_idx, "topk_idx", (count, s.top_k), "int32", handle)
-            wb = self._operand(name, topk_weights, "topk_weights", (count, s.top_k), "float32", handle)
-            if side:
-                _arrays.record_stream(handle, owner, (xb, ib, wb))
-            comm._order.follow(handle, owner)
             self._launchers["dispatch"](self._blocks, THREADS["moe_packed_dispatch.cu"], handle, xb.ptr, ib.ptr,
                                         wb.ptr, count, *(self._ptr[key] for key in OUTPUTS), self._sig["dispatch"])
             self._generation += 1
@@ -268,25 +220,9 @@ class PackedExpertParallel:
         s, comm = self.shape, self._comm
         with comm._order:
             comm._check_open(name)
-            if not isinstance(handle, PackedHandle) or handle._owner is not self or \
-                    handle._generation != self._generation:
-                raise UbnextError(f"{name}: the handle is not this object's latest dispatch's (a dispatch "
-                                  f"overwrites the buffers of the one before)")
-            stream_handle, owner, side = comm._launch_stream(name, stream, y)
+            self._check_handle(name, handle, PackedHandle)
             rows = s.max_rows if handle.rows is None else handle.rows
-            yb = self._operand(name, y, "y", (rows, s.hidden), s.dtype, stream_handle)
-            shape = (handle.tokens, s.hidden)
-            if out is None:
-                ob = comm._new(name, yb, stream_handle, owner, side, shape)
-            else:
-                ob = self._operand(name, out, "out", shape, s.dtype, stream_handle)
-                if _arrays.overlap(ob, yb):
-                    raise UbnextError(f"{name}: out overlaps y")
-            wb = None if weights is None else self._operand(name, weights, "weights", (rows,), "float32",
-                                                            stream_handle)
-            if side:
-                _arrays.record_stream(stream_handle, owner, (yb, ob, wb))
-            comm._order.follow(stream_handle, owner)
+            stream_handle, yb, ob, wb = self._combine_operands(name, y, (rows,), handle.tokens, out, weights, stream)
             a = self._ptr
             self._launchers["combine"](self._blocks, THREADS["moe_packed_combine.cu"], stream_handle, yb.ptr,
                                        a["weights"] if wb is None else wb.ptr,
@@ -295,4 +231,3 @@ class PackedExpertParallel:
                 _arrays.mark_written((ob,))
             return ob.obj
 
-    _operand = ExpertParallel._operand  # the same checks of a payload, routing or weights array

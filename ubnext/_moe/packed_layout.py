@@ -30,8 +30,6 @@ from ubnext._protocol.errors import UbnextError
 NAME = "PackedExpertParallel"
 #: the regions of the area, in order
 REGIONS = ("rotation", "dispatch_headers", "combine_headers", "progress", "records", "data")
-#: bytes of a combine partial's element (fp32)
-PARTIAL_BYTES = 4
 #: the largest row index a route or offset holds (int32)
 MAX_ROWS = (1 << 31) - 1
 
@@ -74,7 +72,7 @@ class PackedShape:
                 "combine_headers": headers,
                 "progress": -(-n * m * 4 // HEADER_BYTES) * HEADER_BYTES,
                 "records": n * m * _layout.record_vectors(self.top_k) * VEC_BYTES,
-                "data": n * m * self.hidden * max(self.width, PARTIAL_BYTES)}
+                "data": n * m * self.hidden * max(self.width, _layout.PARTIAL_BYTES)}
 
     @property
     def polled(self) -> tuple[str, ...]:

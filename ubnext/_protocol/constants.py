@@ -35,6 +35,9 @@ THREADS = {"lamport.cu": 256, "lamport_twoshot.cu": 512, "twoshot.cu": 512, "qua
            "moe_packed_dispatch.cu": 512, "moe_packed_combine.cu": 512}
 #: the largest top-k of the expert-parallel dispatch (a routing record's ids and weights)
 MOE_MAX_TOPK = 16
+#: bits of the expert count in an expert-parallel call's signature (signature.MOE_BITS): the
+#: experts, and so the local ones (the packed dispatch's offsets in shared memory), below 2 ** 12
+MOE_EXPERT_BITS = 12
 #: the largest capacity (rows per local expert) of the expert-parallel dispatch: its
 #: scatter lists a part's rows in shared memory (kernels/moe_dispatch.cu), 4 bytes each
 MOE_MAX_CAPACITY = 8192
@@ -202,6 +205,7 @@ def header() -> str:
         "UB_QUANT_GROUP": QUANT_GROUP,
         "UB_QUANT_UNIT_GROUPS": QUANT_UNIT_GROUPS,
         "UB_MOE_MAX_TOPK": MOE_MAX_TOPK,
+        "UB_MOE_EXPERT_BITS": MOE_EXPERT_BITS,
         "UB_MOE_MAX_CAPACITY": MOE_MAX_CAPACITY,
         "UB_MOE_ROUTE_ELSEWHERE": f"({MOE_ROUTE_ELSEWHERE})",
         "UB_MOE_ROUTE_OVERFLOW": f"({MOE_ROUTE_OVERFLOW})",

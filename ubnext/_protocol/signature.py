@@ -18,7 +18,7 @@ that ranks naming different roots mismatch; the fused call's count is ``rows << 
 from __future__ import annotations
 
 from ubnext._protocol.algorithms import DTYPES, OPS
-from ubnext._protocol.constants import SIGNATURE_COUNT_BITS
+from ubnext._protocol.constants import MOE_EXPERT_BITS, SIGNATURE_COUNT_BITS
 
 #: collectives that carry a signature, in code order (code 0 is never used)
 COLLECTIVES = ("all_reduce", "all_reduce_add_rmsnorm", "reduce_scatter", "all_gather", "reduce_scatter_add_rmsnorm",
@@ -29,7 +29,7 @@ _MOE = ("moe_dispatch", "moe_combine", "moe_packed_dispatch", "moe_packed_combin
 #: the expert-parallel calls' formats on the link, by their code in the op field (0: the payload's own)
 MOE_WIRES = ("", "bfloat16 partials", "e4m3 rows with fp32 scales")
 #: bits of the expert-parallel sizes in the count: experts, top-k, max tokens (hidden: HIDDEN_BITS)
-MOE_BITS = {"experts": 12, "top_k": 5, "max_tokens": 15}
+MOE_BITS = {"experts": MOE_EXPERT_BITS, "top_k": 5, "max_tokens": 15}
 #: the collectives that reduce nothing (their op field is "sum", and says nothing)
 _MOVERS = ("all_gather", "broadcast", "all_to_all", "gather", "scatter", "send_recv")
 #: the movers that name a root, carried in their op field (encode_rooted)

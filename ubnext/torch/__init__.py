@@ -36,7 +36,8 @@ Which form does what:
 * ``moe.dispatch(x, topk_idx, topk_weights, ep)``, ``moe.combine(y, handle)``: the
   expert-parallel calls of a ``ubnext.ExpertParallel`` (``torch.ops.ubnext.moe_*``),
   differentiable (dispatch's backward a combine, combine's a dispatch), traceable and
-  capturable.
+  capturable; ``moe.packed_dispatch`` the same of a ``ubnext.PackedExpertParallel``
+  (``torch.ops.ubnext.moe_packed_*``: its packed ``[R, H]`` layout and offsets).
 * ``tp``: tensor-parallel layers built on them (``sequence_parallel=True``: the overlapped
   GEMMs); ``BufferPlan``: planned symmetric buffers the row-parallel GEMMs write into.
 
