@@ -1,6 +1,7 @@
 // Point-to-point on the pool: send/recv and their batches (ub_p2p), and the all-to-all with
-// split counts in device memory (ub_p2p_alltoallv), in LL lines (ll_lines.cuh). Sentinel-free,
-// no barrier: only the two ranks of a pair take part in the pair's messages.
+// split counts in device memory (ub_p2p_alltoallv), in LL lines (ll_lines.cuh) or, from
+// UB_P2P_BULK_MIN_BYTES on, in flagged chunks of 16-byte vectors (p2p_bulk.cuh).
+// Sentinel-free, no barrier: only the two ranks of a pair take part in the pair's messages.
 //
 // Matching rule, per ordered pair (NCCL's): the k-th message rank a sends rank b is the k-th
 // message rank b receives from rank a. Each rank counts, in its own part of the area, the
@@ -17,17 +18,28 @@
 // messages of a pair are in flight before their receive is posted; a third send waits
 // (bounded) for the receiver.
 //
-// Blocks: one per group of a launch, a group being the entries of one kind (send, recv) and
-// one peer, in the order the host issued them; a group's block owns the pair's counter for
-// the launch (reads it first, stores it last), so a launch moves several messages of one
-// pair in order. Every group of a launch runs at once (at most 2 * UB_MAX_RANKS blocks).
+// Bulk form (p2p_bulk.cuh): a message of at least UB_P2P_BULK_MIN_BYTES still counts as one
+// message k of its pair and sends its header line (its count) in buffer k % 2 as above, with
+// no data lines; its bytes travel in the pair's bulk chunks. Both ends choose the form from
+// the count alone: the sender from its own, the receiver from the header's (where it
+// differs from the receiver's, out is not written and the call fails, but every chunk sent
+// is read: the pair stays matched).
+//
+// Blocks: B per group of a launch (the host's choice: gridDim.x / groups), a group being the
+// entries of one kind (send, recv) and one peer, in the order the host issued them. The
+// group's block 0 moves the LL lines; every block of the group moves its share of the bulk
+// chunks (Lane) and counts the pair's messages and chunks from the counts it read at its
+// start; the last of them to finish stores the counts (p2p_bulk.cuh: arrive). So a launch
+// moves several messages of one pair in order. Every block of a launch runs at once (the
+// host keeps the grid within the SMs).
 //
 // Area (same offset in every segment): a line of credits, u32 credit[UB_MAX_RANKS][2]
 // (written by the receivers), a line of this rank's counters, u32 sent[UB_MAX_RANKS] then
 // u32 recvd[UB_MAX_RANKS]; then the slots, slot (s, b) (written by rank s, buffer b) at
 // 2 * UB_HEADER_BYTES + (2 * s + b) * slot_bytes: its header line, then UB_HEADER_BYTES on,
-// its data lines.
+// its data lines; then the bulk part (p2p_bulk.cuh).
 #include "ll_lines.cuh"
+#include "p2p_bulk.cuh"
 #include "transport.cuh"
 
 constexpr u64 kCountMask = (1ull << UB_SIG_COUNT_BITS) - 1ull;
@@ -61,14 +73,22 @@ __device__ __forceinline__ char* slot_of(char* area, u64 slot_bytes, int src, u3
 // Chunks of a message of n bytes (an empty message is one chunk: its header).
 __device__ __forceinline__ u32 chunks_of(u64 n) { return n == 0 ? 1u : (u32)((n + UB_LL_MAX_BYTES - 1) / UB_LL_MAX_BYTES); }
 
-// The block sends message n bytes at x to rank `to` as the pair's messages k, k + 1, ...
-// with header `head | n`; returns the next k. Thread 0 waits for each chunk's credit, the
-// block stores the lines. On a failed wait the block stops sending (the receiver's waits
-// then give up: the mark travels to every rank).
+// Whether a message of n bytes takes the bulk form (an invalid count never does).
+__device__ __forceinline__ bool bulk(u64 n) { return n != kInvalidCount && n >= UB_P2P_BULK_MIN_BYTES; }
+
+// Bytes of a message of n bytes that travel in LL lines: none for an invalid count or the
+// bulk form (its header only).
+__device__ __forceinline__ u64 lined(u64 n) { return n == kInvalidCount || bulk(n) ? 0 : n; }
+
+// Block 0 of a group sends the LL part of message n bytes at x to rank `to` as the pair's
+// messages k, k + 1, ... with header `head | n` (a bulk message: the header alone); returns
+// the next k. Thread 0 waits for each chunk's credit, the block stores the lines. On a
+// failed wait the block stops sending (the receiver's waits then give up: the mark travels
+// to every rank).
 template <class Tp>
-__device__ u32 send_message(const Tp& tp, const P2PArea& a, int to, const char* x, u64 n, u64 head, u32 k,
-                            WaitCtx& c) {
-  const u32 chunks = chunks_of(n == kInvalidCount ? 0 : n);
+__device__ u32 send_lines(const Tp& tp, const P2PArea& a, int to, const char* x, u64 n, u64 head, u32 k,
+                          WaitCtx& c) {
+  const u32 chunks = chunks_of(lined(n));
   for (u32 ch = 0; ch < chunks; ++ch, ++k) {
     bool ok = true;
     if (threadIdx.x == 0) {
@@ -80,13 +100,28 @@ __device__ u32 send_message(const Tp& tp, const P2PArea& a, int to, const char* 
     }
     char* slot = slot_of(tp.seg(to) + a.off, a.slot_bytes, tp.rank, k);
     const u64 base = (u64)ch * UB_LL_MAX_BYTES;
-    const u64 len = n == kInvalidCount ? 0 : min((u64)UB_LL_MAX_BYTES, n - base);
+    const u64 len = min((u64)UB_LL_MAX_BYTES, lined(n) - base);
     if (threadIdx.x == 0) ll_store(slot, head | n, k + 1u);
     for (u64 i = threadIdx.x; i < (len + 7) / 8; i += blockDim.x) {
       ll_store(slot + UB_HEADER_BYTES + 16 * i, load_line(x + base, i, len), k + 1u);
     }
   }
   return k;
+}
+
+// The block's part of sending message n bytes at x to rank `to`: block 0 its LL lines
+// (send_lines), every block its share of a bulk message's chunks; advances ct.
+template <class Tp>
+__device__ void send_message(const Tp& tp, const P2PArea& a, int to, const char* x, u64 n, u64 head, Count& ct,
+                             Lane ln, WaitCtx& c) {
+  if (ln.j == 0) {
+    ct.k = send_lines(tp, a, to, x, n, head, ct.k, c);
+  } else {
+    ct.k += chunks_of(lined(n));
+  }
+  if (!bulk(n)) return;
+  send_bulk(a.mine, tp.seg(to) + a.off, a.slot_bytes, tp.rank, to, x, n, head | n, ct.q, ln, c);
+  ct.q += bulk_chunks(n);
 }
 
 // What a receiver checks in a header: `head | want` expected (want: bytes), or with
@@ -97,29 +132,24 @@ struct Expect {
   bool any_count;
 };
 
-// The block receives the pair's messages k, k + 1, ... from rank `from` into the `cap`
-// bytes at out; returns the next k and, in `got`, the count the sender's header carried
-// (kInvalidCount: the sender sent nothing). It follows the sender's chunks whatever its
-// count, so both ends stay matched; it writes data only where the header is as expected
-// and within cap (a header of another call fails the communicator: kFailMismatch), all-ones
-// bytes where a wait gave up. Thread 0 stores each chunk's credit once the block has read it.
+// Block 0 of a group receives the LL part of the pair's messages k, k + 1, ... from rank
+// `from` into the `cap` bytes at out; returns the next k and, in `got`, the count the
+// sender's header carried (kInvalidCount: the sender sent nothing), and in `write` whether
+// the message's bytes may be written (its bulk chunks: recv_message). It follows the
+// sender's chunks whatever its count, so both ends stay matched; it writes data only where
+// the header is as expected and within cap (a header of another call fails the
+// communicator: kFailMismatch), all-ones bytes where a wait gave up. Thread 0 stores each
+// chunk's credit once the block has read it, and where the group has other blocks, the
+// header's verdict into `verdict` (tell).
 template <class Tp>
-__device__ u32 recv_message(const Tp& tp, const P2PArea& a, int from, char* out, u64 cap, const Expect& e,
-                            bool write, u32 k, u64& got, WaitCtx& c) {
-  __shared__ u64 header;
-  __shared__ bool arrived;
+__device__ u32 recv_lines(const Tp& tp, const P2PArea& a, int from, char* out, u64 cap, const Expect& e,
+                          bool& write, u32 k, u64& got, char* verdict, WaitCtx& c) {
   u32 chunks = 1;
   got = 0;
   for (u32 ch = 0; ch < chunks; ++ch, ++k) {
     const char* slot = slot_of(a.mine, a.slot_bytes, from, k);
-    if (threadIdx.x == 0) {
-      u64 h = 0;
-      arrived = ll_wait(slot, k + 1u, h, c, from);
-      header = h;
-    }
-    __syncthreads();
-    const u64 h = header;
-    if (!arrived) {  // the header never came: poison what this message would have written
+    u64 h;
+    if (!block_wait(slot, k + 1u, from, false, h, c)) {  // the header never came: poison what it would have written
       c.failed = true;
       if (write && ch == 0) {
         for (u64 i = threadIdx.x; i < (cap + 7) / 8; i += blockDim.x) store_line(out, i, cap, ~0ull);
@@ -128,13 +158,14 @@ __device__ u32 recv_message(const Tp& tp, const P2PArea& a, int from, char* out,
     }
     if (ch == 0) {
       got = h & kCountMask;
-      chunks = chunks_of(got == kInvalidCount ? 0 : got);
+      chunks = chunks_of(lined(got));
       const bool same = (h & ~kCountMask) == e.head && (e.any_count || got == e.want);
       if (!same && threadIdx.x == 0) fail(c, kFailMismatch, from, 0, e.head | e.want, h);
       write = write && same && got == e.want;
+      if (verdict != nullptr && threadIdx.x == 0) tell(verdict, got, write, k);
     }
     const u64 base = (u64)ch * UB_LL_MAX_BYTES;
-    const u64 len = got == kInvalidCount ? 0 : min((u64)UB_LL_MAX_BYTES, got - base);
+    const u64 len = min((u64)UB_LL_MAX_BYTES, lined(got) - base);
     for (u64 i = threadIdx.x; i < (len + 7) / 8; i += blockDim.x) {
       u64 v = 0;
       if (!ll_wait(slot + UB_HEADER_BYTES + 16 * i, k + 1u, v, c, from)) v = ~0ull;
@@ -144,6 +175,26 @@ __device__ u32 recv_message(const Tp& tp, const P2PArea& a, int from, char* out,
     if (threadIdx.x == 0) st_release_sys(credit_word(tp.seg(from) + a.off, tp.rank, k & 1u), k + 1u);
   }
   return k;
+}
+
+// The block's part of receiving the pair's next message, its group's entry `entry`, from
+// rank `from` into the `cap` bytes at out (recv_lines' arguments): block 0 its LL lines,
+// the other blocks the header's verdict from block 0 (heard), then every block its share of
+// a bulk message's chunks, of the count the header carried (the sender's: every chunk it
+// sends is read, even where out is not written). Advances ct; `got`: the header's count.
+template <class Tp>
+__device__ void recv_message(const Tp& tp, const P2PArea& a, int from, char* out, u64 cap, const Expect& e,
+                             bool write, u32 entry, Count& ct, u64& got, Lane ln, WaitCtx& c) {
+  char* verdict = ln.blocks > 1 ? verdict_line(a.mine, a.slot_bytes, from, entry) : nullptr;
+  if (ln.j == 0) {
+    ct.k = recv_lines(tp, a, from, out, cap, e, write, ct.k, got, verdict, c);
+  } else {
+    if (!heard(verdict, ct.k, from, got, write, c)) return;
+    ct.k += chunks_of(lined(got));
+  }
+  if (!bulk(got)) return;
+  recv_bulk(a.mine, tp.seg(from) + a.off, a.slot_bytes, tp.rank, from, out, got, e.head | cap, write, ct.q, ln, c);
+  ct.q += bulk_chunks(got);
 }
 
 // The first and last entry of group g (entries of one kind and peer are adjacent).
@@ -159,28 +210,51 @@ __device__ void group_range(const P2PWork& w, u32 n, u32 g, u32& first, u32& las
   while (last < n && (w.w[2 * last + 1] >> 48) == (w.w[2 * first + 1] >> 48)) ++last;
 }
 
-// Batch of sends and receives: block g runs group g's entries in order.
+// Groups of a launch's n entries.
+__device__ u32 group_count(const P2PWork& w, u32 n) {
+  u32 groups = 1;
+  for (u32 e = 1; e < n; ++e) groups += (w.w[2 * e + 1] >> 48) != (w.w[2 * e - 1] >> 48);
+  return groups;
+}
+
+// The pair's counts at a block's start: its message count and its chunk count.
+__device__ __forceinline__ Count counts_at_start(const P2PArea& a, bool send, int peer) {
+  u32* counter = send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer);
+  return Count{ld_volatile_u32(counter), ld_volatile_u32(bulk_count_word(a.mine, a.slot_bytes, send, peer))};
+}
+
+// A block's end (thread 0, after the block's last access): the group's last block stores
+// the pair's counts (arrive); returns whether this block was that one.
+__device__ __forceinline__ bool counts_at_end(const P2PArea& a, bool send, int peer, const Count& ct, Lane ln) {
+  return arrive(arrivals_word(a.mine, a.slot_bytes, send, peer),
+                send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer),
+                bulk_count_word(a.mine, a.slot_bytes, send, peer), ct, ln);
+}
+
+// Batch of sends and receives: the blocks of group g (gridDim.x / groups of them) run group
+// g's entries in order.
 template <class Tp>
 __device__ void p2p_batch(const Tp& tp, const P2PArea& a, u32 n, u64 head, const P2PWork& w, WaitCtx& c) {
+  const u32 blocks = gridDim.x / group_count(w, n);
+  const Lane ln{blockIdx.x % blocks, blocks};
   u32 first, last;
-  group_range(w, n, blockIdx.x, first, last);
+  group_range(w, n, blockIdx.x / blocks, first, last);
   const u64 word = w.w[2 * first + 1];
   const int peer = (int)(word >> 48 & 0xffu);
   const bool send = (word >> 56) != 0u;
-  u32* counter = send ? sent_word(a.mine, peer) : recvd_word(a.mine, peer);
-  u32 k = ld_volatile_u32(counter);
+  Count ct = counts_at_start(a, send, peer);
   for (u32 e = first; e < last; ++e) {
     const u64 n_bytes = w.w[2 * e + 1] & ((1ull << 48) - 1ull);
     char* p = (char*)w.w[2 * e];
     if (send) {
-      k = send_message(tp, a, peer, p, n_bytes, head, k, c);
+      send_message(tp, a, peer, p, n_bytes, head, ct, ln, c);
     } else {
       u64 got;
-      k = recv_message(tp, a, peer, p, n_bytes, Expect{head, n_bytes, false}, true, k, got, c);
+      recv_message(tp, a, peer, p, n_bytes, Expect{head, n_bytes, false}, true, e - first, ct, got, ln, c);
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) *(volatile u32*)counter = k;
+  if (threadIdx.x == 0) counts_at_end(a, send, peer, ct, ln);
 }
 
 // One rank's split counts in device memory: `width`-byte signed ints (4: int32, 8: int64),
@@ -218,42 +292,45 @@ __device__ bool splits_fit(const Splits& s, long long bound, int r, long long& s
   return bad < 0;
 }
 
-// All-to-all with device splits: block b < N sends part peer(b) of x, block N + b receives
-// from peer(b). A sender whose in_splits are invalid sends only a header marking it
-// (kInvalidCount); a receiver whose out_splits are invalid, or whose count differs from the
-// sender's, reads the sender's chunks and writes nothing. Each reports kFailInput after its
-// messages, so that every pair's messages still travel: kSplitBadIn, kSplitBadOut (the block
+// All-to-all with device splits: the blocks of group g < N (gridDim.x / 2N of them) send
+// part peer(g) of x, those of group N + g receive from peer(g). A sender whose in_splits
+// are invalid sends only a header marking it (kInvalidCount); a receiver whose out_splits
+// are invalid, or whose count differs from the sender's, reads the sender's chunks and
+// writes nothing. Each reports kFailInput after its messages (the last of its group's
+// blocks to finish), so that every pair's messages still travel: kSplitBadIn, kSplitBadOut (the block
 // of its own pair, once; the first rank whose count is wrong, and that count),
 // kSplitDisagree (where rank `peer` sent another count: the rank, the count in rows).
 template <int N, class Tp>
 __device__ void p2p_alltoallv(const Tp& tp, const P2PArea& a, const char* x, char* out, u64 x_rows, u64 out_rows,
                               u64 row_bytes, const Splits& ins, const Splits& outs, u64 head, WaitCtx& c) {
-  const bool send = blockIdx.x < N;
-  const int peer = tp.peer((int)(blockIdx.x % N));
+  const u32 blocks = gridDim.x / (2 * N);
+  const Lane ln{blockIdx.x % blocks, blocks};
+  const u32 g = blockIdx.x / blocks;
+  const bool send = g < N;
+  const int peer = tp.peer((int)(g % N));
   long long start, value;
   int bad;
+  Count ct = counts_at_start(a, send, peer);
   if (send) {
-    u32* counter = sent_word(a.mine, peer);
     const bool fits = splits_fit<N>(ins, (long long)x_rows, peer, start, bad, value);
     const u64 n = fits ? (u64)split_at(ins, peer) * row_bytes : kInvalidCount;
-    const u32 k = send_message(tp, a, peer, x + (fits ? (u64)start * row_bytes : 0), n, head, ld_volatile_u32(counter), c);
+    send_message(tp, a, peer, x + (fits ? (u64)start * row_bytes : 0), n, head, ct, ln, c);
     __syncthreads();
     if (threadIdx.x == 0) {
-      *(volatile u32*)counter = k;
-      if (!fits && peer == tp.rank) fail(c, kFailInput, peer, kSplitBadIn, (u64)bad, (u64)value);
+      const bool last = counts_at_end(a, send, peer, ct, ln);
+      if (!fits && peer == tp.rank && last) fail(c, kFailInput, peer, kSplitBadIn, (u64)bad, (u64)value);
     }
   } else {
-    u32* counter = recvd_word(a.mine, peer);
     const bool fits = splits_fit<N>(outs, (long long)out_rows, peer, start, bad, value);
     const u64 want = fits ? (u64)split_at(outs, peer) * row_bytes : 0;
     u64 got;
-    const u32 k = recv_message(tp, a, peer, out + (fits ? (u64)start * row_bytes : 0), want,
-                               Expect{head, want, true}, fits, ld_volatile_u32(counter), got, c);
+    recv_message(tp, a, peer, out + (fits ? (u64)start * row_bytes : 0), want, Expect{head, want, true}, fits, 0u,
+                 ct, got, ln, c);
     __syncthreads();
     if (threadIdx.x == 0) {
-      *(volatile u32*)counter = k;
-      if (!fits && peer == tp.rank) fail(c, kFailInput, peer, kSplitBadOut, (u64)bad, (u64)value);
-      if (fits && got != kInvalidCount && got != want && !c.failed) {
+      const bool last = counts_at_end(a, send, peer, ct, ln);
+      if (!fits && peer == tp.rank && last) fail(c, kFailInput, peer, kSplitBadOut, (u64)bad, (u64)value);
+      if (last && fits && got != kInvalidCount && got != want && !c.failed) {
         fail(c, kFailInput, peer, kSplitDisagree, (u64)peer, row_bytes ? got / row_bytes : got);
       }
     }

@@ -21,7 +21,8 @@ from ubnext._engine import kernels as _kernels
 from ubnext._memory.heap import STATES, ll_slot_bytes, p2p_bytes, plan_layout
 from ubnext._protocol import signature as _signature
 from ubnext._protocol.algorithms import P2P_ENTRIES, P2P_SOURCE, ll_defines
-from ubnext._protocol.constants import HEADER_BYTES, LL_MAX_BYTES, P2P_MAX_ENTRIES
+from ubnext._protocol.constants import (HEADER_BYTES, LL_MAX_BYTES, MAX_RANKS, P2P_BULK_BLOCKS, P2P_BULK_CHUNK,
+                                        P2P_BULK_DEPTH, P2P_BULK_MIN_BYTES, P2P_MAX_ENTRIES)
 from ubnext._protocol.errors import UbnextError
 
 SHARED = "local ranks 0, 1 share one GPU"
@@ -86,17 +87,56 @@ def test_the_work_is_the_last_parameter_of_the_engines_words():
     assert len(set(alltoallv)) == len(_engine._PARAMS["ub_p2p_alltoallv"])
 
 
+@pytest.mark.parametrize("entry", P2P_ENTRIES)
+def test_the_bulk_form_stores_vectors_then_a_fenced_flag_and_reads_them_past_l1(entry):
+    """Bulk chunks (kernels/p2p_bulk.cuh): 16-byte stores into the receiver's slot, a
+    system-scope fence before the chunk's flag line (and after the receiver sees it), 16-byte relaxed system-scope loads
+    (never a stale L1 line of an earlier use of the slot), the group's arrival counted
+    with an atomic add."""
+    body = entry_ptx(entry)
+    assert re.search(r"st\.global\.v4\.u32", body)
+    assert "fence.acq_rel.sys;" in body
+    # no flag line (an LL line's 64-bit words) follows vector stores without a fence between
+    stored = False
+    for op in (line.split()[0] for line in body.splitlines() if line.split()):
+        if op.startswith("st.global.v4"):
+            stored = True
+        elif op == "fence.acq_rel.sys;":
+            stored = False
+        assert not (stored and op.startswith("st.relaxed.sys.global.v2.u64")), "a flag line without a fence"
+    assert re.search(r"ld\.relaxed\.sys\.global\.v4\.u32", body)
+    assert re.search(r"atom\.global\.add\.u32", body)
+
+
 def test_the_area_is_planned_with_its_state():
     plan = plan_layout(8, 1 << 20, 1 << 20, 8 << 20)
     assert "p2p.state" in STATES
-    assert plan.nbytes("p2p") == p2p_bytes(8) == 2 * HEADER_BYTES + 2 * 8 * (HEADER_BYTES + 2 * LL_MAX_BYTES)
+    lines = 2 * HEADER_BYTES + 2 * 8 * (HEADER_BYTES + 2 * LL_MAX_BYTES)
+    # bulk: a counters line, 4-byte credits and 16-byte flag lines per rank and slot, 16-byte
+    # verdict lines per rank and entry, the chunk slots
+    bulk = (HEADER_BYTES + (4 + 16) * MAX_RANKS * P2P_BULK_DEPTH + 16 * MAX_RANKS * P2P_MAX_ENTRIES
+            + 8 * P2P_BULK_DEPTH * P2P_BULK_CHUNK)
+    assert plan.nbytes("p2p") == p2p_bytes(8) == lines + bulk
+    assert p2p_bytes(8) - p2p_bytes(4) == 4 * (2 * (HEADER_BYTES + 2 * LL_MAX_BYTES) + P2P_BULK_DEPTH * P2P_BULK_CHUNK)
     assert plan.offset("p2p") % HEADER_BYTES == 0 and ll_slot_bytes() % HEADER_BYTES == 0
     assert plan.offset("p2p") + plan.nbytes("p2p") <= plan.offset("staging")  # zeroed by Engine.initialize
 
 
+def test_the_bulk_constants_keep_lines_aligned_and_the_rotation_whole():
+    """The bulk part's flag lines and chunk slots start on whole lines, chunks are whole
+    16-byte vectors, and the slot rotation q % depth stays consistent when the 32-bit chunk
+    count wraps (a power of two); a bulk message is past one LL line's chunk of data."""
+    assert (4 * MAX_RANKS * P2P_BULK_DEPTH) % HEADER_BYTES == 0
+    assert (20 * MAX_RANKS * P2P_BULK_DEPTH) % HEADER_BYTES == 0
+    assert (16 * MAX_RANKS * P2P_MAX_ENTRIES) % HEADER_BYTES == 0
+    assert P2P_BULK_CHUNK % HEADER_BYTES == 0
+    assert P2P_BULK_DEPTH & (P2P_BULK_DEPTH - 1) == 0 and P2P_BULK_DEPTH >= 2 * P2P_BULK_BLOCKS
+    assert P2P_BULK_MIN_BYTES >= P2P_BULK_CHUNK
+
+
 # ---- the engine's launch ---------------------------------------------------------------------
-def engine_stub():
-    return SimpleNamespace(_p2p_launcher=lambda entry: entry, nranks=4)
+def engine_stub(max_blocks=132):
+    return SimpleNamespace(_p2p_launcher=lambda entry: entry, nranks=4, _blocks=max_blocks)
 
 
 def test_the_engine_packs_groups_in_order_one_block_each():
@@ -115,6 +155,23 @@ def test_the_engine_packs_groups_in_order_one_block_each():
 def test_the_engines_alltoallv_runs_a_block_per_send_and_receive():
     launch = _engine.Engine.p2p_alltoallv(engine_stub(), 1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
     assert launch == ("ub_p2p_alltoallv", 8, 512, (1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+
+
+def test_a_launch_that_may_move_a_bulk_message_runs_several_blocks_per_group():
+    """A batch with a message of P2P_BULK_MIN_BYTES or more: P2P_BULK_BLOCKS blocks per
+    group (one byte less: one), within the engine's blocks; the all-to-all with device
+    splits by the largest part its arrays could hold (x's rows or out's)."""
+    big = [("send", 3, [(0x1000, 7), (0x2000, P2P_BULK_MIN_BYTES)]), ("recv", 0, [(0x3000, 9)])]
+    assert _engine.Engine.p2p(engine_stub(), big, 0)[1] == 2 * P2P_BULK_BLOCKS
+    assert _engine.Engine.p2p(engine_stub(3), big, 0)[1] == 2
+    assert _engine.Engine.p2p(engine_stub(2 * P2P_BULK_BLOCKS - 1), big, 0)[1] == 2 * (P2P_BULK_BLOCKS - 1)
+    small = [("send", 3, [(0x1000, P2P_BULK_MIN_BYTES - 1)]), ("recv", 0, [(0x3000, P2P_BULK_MIN_BYTES - 1)])]
+    assert _engine.Engine.p2p(engine_stub(), small, 0)[1] == 2
+    rows = P2P_BULK_MIN_BYTES // 16
+    assert _engine.Engine.p2p_alltoallv(engine_stub(), 1, 2, rows, 1, 16, 6, 4, 8, 4, 0)[1] == 8 * P2P_BULK_BLOCKS
+    assert _engine.Engine.p2p_alltoallv(engine_stub(), 1, 2, 1, rows, 16, 6, 4, 8, 4, 0)[1] == 8 * P2P_BULK_BLOCKS
+    assert _engine.Engine.p2p_alltoallv(engine_stub(), 1, 2, rows - 1, rows - 1, 16, 6, 4, 8, 4, 0)[1] == 8
+    assert _engine.Engine.p2p_alltoallv(engine_stub(20), 1, 2, rows, rows, 16, 6, 4, 8, 4, 0)[1] == 16
 
 
 def test_groups_keep_each_pairs_order():
@@ -268,7 +325,7 @@ def launched_args(monkeypatch, c, call) -> list:
                         lambda source, defines, device: SimpleNamespace(get_function=lambda entry: fake_kernel()))
     engine = object.__new__(_engine.Engine)
     engine.nranks, engine.pool, engine.dependent = RANKS, SimpleNamespace(device=0), False
-    engine._launchers, engine._modules = {}, {}
+    engine._launchers, engine._modules, engine._blocks = {}, {}, 132
     engine._fixed, engine._p2p = (0xBA5E, 0x10000, c.rank, 0), (0xA4EA, ll_slot_bytes(), 0x57A7E)
     c._node.engine = engine
     call()

@@ -23,6 +23,8 @@ from ubnext._protocol.constants import (
     LAUNCH_STATE_BYTES,
     MAX_BLOCKS,
     NORM_THREADS,
+    P2P_BULK_BLOCKS,
+    P2P_BULK_MIN_BYTES,
     P2P_MAX_ENTRIES,
     THREADS,
     TWOSHOT_ALIGN_VECS,
@@ -303,8 +305,9 @@ class Engine:
         """The launch of a batch of sends and receives (kernels/p2p.cu: ``ub_p2p``), as
         ``lamport`` gives it: ``groups``, a list of ``(kind, peer, [(address, bytes), ...])``
         ("send" or "recv"; local addresses of any alignment), each group's entries in issue
-        order, at most P2P_MAX_ENTRIES entries in all; one block per group. ``head``: the
-        call's signature without its count (each header carries its message's bytes)."""
+        order, at most P2P_MAX_ENTRIES entries in all; the same number of blocks per group
+        (``p2p_blocks``). ``head``: the call's signature without its count (each header
+        carries its message's bytes)."""
         words = []
         for kind, peer, entries in groups:
             for ptr, nbytes in entries:
@@ -313,7 +316,9 @@ class Engine:
         if not groups or n > P2P_MAX_ENTRIES:
             raise AssertionError(f"engine: a point-to-point launch takes 1 to {P2P_MAX_ENTRIES} entries, not {n}")
         words += [0] * (2 * P2P_MAX_ENTRIES - len(words))
-        return self._p2p_launcher("ub_p2p"), len(groups), THREADS[P2P_SOURCE], (n, head, *words)
+        largest = max(nbytes for _, _, entries in groups for _, nbytes in entries)
+        blocks = len(groups) * p2p_blocks(largest, len(groups), self._blocks)
+        return self._p2p_launcher("ub_p2p"), blocks, THREADS[P2P_SOURCE], (n, head, *words)
 
     def p2p_alltoallv(self, x: int, out: int, x_rows: int, out_rows: int, row_bytes: int, in_splits: int,
                       in_width: int, out_splits: int, out_width: int, head: int) -> tuple:
@@ -322,9 +327,12 @@ class Engine:
         ``in_splits`` and ``out_splits`` (kernels/p2p.cu: ``ub_p2p_alltoallv``), as
         ``lamport`` gives it: rows of ``row_bytes`` from the ``x_rows`` at local ``x`` into
         the ``out_rows`` at local ``out``; a block per send and per receive. ``head``: as
-        for ``p2p``."""
+        for ``p2p``; the same number of blocks per send and per receive (``p2p_blocks`` of the
+        largest part the arrays could hold)."""
         values = (x, out, x_rows, out_rows, row_bytes, in_splits, in_width, out_splits, out_width, head)
-        return self._p2p_launcher("ub_p2p_alltoallv"), 2 * self.nranks, THREADS[P2P_SOURCE], values
+        groups = 2 * self.nranks
+        blocks = groups * p2p_blocks(max(x_rows, out_rows) * row_bytes, groups, self._blocks)
+        return self._p2p_launcher("ub_p2p_alltoallv"), blocks, THREADS[P2P_SOURCE], values
 
     def _p2p_launcher(self, entry: str) -> Launcher:
         key = ("p2p", "-", "-", False, 1, entry)  # shaped as _kernel's keys
@@ -466,3 +474,11 @@ def norm_shape(alg, rows: int, vpr: int, nranks: int, max_blocks: int, clusters:
         wanted = max(rows, -(-rows * vpr // alg.threads))
         blocks = max(cluster, min(max_blocks, wanted) // cluster * cluster)
     return blocks, row_threads(vpr, cluster), cluster
+
+
+def p2p_blocks(largest: int, groups: int, max_blocks: int) -> int:
+    """Blocks per group of a point-to-point launch (kernels/p2p.cu) whose largest message
+    may be ``largest`` bytes: P2P_BULK_BLOCKS where it may take the bulk form (its chunks
+    shared among them), else 1; at most ``max_blocks`` in all, so that every block of the
+    launch runs at once (a group's blocks wait for another group's)."""
+    return max(1, min(P2P_BULK_BLOCKS if largest >= P2P_BULK_MIN_BYTES else 1, max_blocks // groups))

@@ -30,6 +30,9 @@ from ubnext._protocol.constants import (
     LL_MAX_BYTES,
     MAX_BLOCKS,
     MAX_RANKS,
+    P2P_BULK_CHUNK,
+    P2P_BULK_DEPTH,
+    P2P_MAX_ENTRIES,
     TWOSHOT_ALIGN_VECS,
     VEC_BYTES,
 )
@@ -337,8 +340,13 @@ def ll_slot_bytes() -> int:
 
 def p2p_bytes(nranks: int) -> int:
     """Bytes of the point-to-point area (kernels/p2p.cu): a line of credits and a line of
-    counters, then two slots of ``ll_slot_bytes`` per source rank (one per buffer)."""
-    return 2 * HEADER_BYTES + 2 * nranks * ll_slot_bytes()
+    counters, then two slots of ``ll_slot_bytes`` per source rank (one per buffer); then
+    the bulk part (kernels/p2p_bulk.cuh): a line of counters, a credit word and a 16-byte
+    flag line per rank and chunk slot, a 16-byte verdict line per rank and entry, and
+    P2P_BULK_DEPTH chunk slots per source rank."""
+    bulk = (HEADER_BYTES + 20 * MAX_RANKS * P2P_BULK_DEPTH + 16 * MAX_RANKS * P2P_MAX_ENTRIES
+            + nranks * P2P_BULK_DEPTH * P2P_BULK_CHUNK)
+    return 2 * HEADER_BYTES + 2 * nranks * ll_slot_bytes() + bulk
 
 
 def set_bytes(family: str, nranks: int, unit: int) -> int:

@@ -182,8 +182,9 @@ LL_ENTRIES = {"all_to_all": "ub_ll_alltoall", "broadcast": "ub_ll_broadcast"}
 P2P_SOURCE = "p2p.cu"
 P2P_ENTRIES = ("ub_p2p", "ub_p2p_alltoallv")
 P2P_ALGORITHMS = {
-    "ll": "low-latency kernel: a pair's messages in LL lines through the pair's own slots, polled, credits, no "
-          "barrier (messages of more than LL_MAX_BYTES in chunks of it)",
+    "ll": "point-to-point kernel: a pair's messages through the pair's own slots, polled, credits, no barrier; "
+          "in LL lines (chunks of LL_MAX_BYTES), or from P2P_BULK_MIN_BYTES on in 16-byte vectors of flagged "
+          "chunks, several blocks per pair",
     "nccl": "the NCCL library (grouped ncclSend/ncclRecv)",
 }
 

@@ -54,6 +54,14 @@ LL_MAX_BYTES = 64 << 10
 #: entries (sends and receives) of one point-to-point launch (kernels/p2p.cu: its work is
 #: two 64-bit words per entry, a kernel parameter)
 P2P_MAX_ENTRIES = 32
+#: the point-to-point kernel's bulk form (kernels/p2p.cu): a message of at least
+#: P2P_BULK_MIN_BYTES moves in chunks of P2P_BULK_CHUNK bytes (16-byte vectors, one flag
+#: line per chunk) through P2P_BULK_DEPTH chunk slots per source rank in the receiver's
+#: area, up to P2P_BULK_BLOCKS blocks per pair and direction; smaller ones in LL lines
+P2P_BULK_MIN_BYTES = 64 << 10
+P2P_BULK_CHUNK = 32 << 10
+P2P_BULK_DEPTH = 16
+P2P_BULK_BLOCKS = 8
 #: bits of a call signature's count field (ubnext/_protocol/signature.py), below its
 #: collective, dtype and op fields
 SIGNATURE_COUNT_BITS = 52
@@ -203,6 +211,9 @@ def header() -> str:
         "UB_MOE_ROUTE_OVERFLOW": f"({MOE_ROUTE_OVERFLOW})",
         "UB_LL_MAX_BYTES": LL_MAX_BYTES,
         "UB_P2P_MAX_ENTRIES": P2P_MAX_ENTRIES,
+        "UB_P2P_BULK_MIN_BYTES": f"{P2P_BULK_MIN_BYTES}ull",
+        "UB_P2P_BULK_CHUNK": f"{P2P_BULK_CHUNK}ull",
+        "UB_P2P_BULK_DEPTH": f"{P2P_BULK_DEPTH}u",
         "UB_SIG_COUNT_BITS": SIGNATURE_COUNT_BITS,
         "UB_MOE_FP8_GROUP": MOE_FP8_GROUP,
         **{f"UB_{source.removesuffix('.cu').upper()}_THREADS": n for source, n in THREADS.items()},

@@ -65,9 +65,9 @@ class AllToAll(PoolCopy, P2P):
         algorithm of the selector table's all_to_all rows where the machine has them
         (``python -m ubnext.tune --movers``); or, with splits, on the pool's point-to-point
         kernel (``"ll"``, which ``auto`` takes where NCCL cannot run: each rank pushes its
-        part for rank j through the pair's slots of rank j, in LL lines, a header with the
-        part's bytes first, which rank j checks against its own count; any size, in chunks
-        of ``LL_MAX_BYTES``). NCCL needs
+        part for rank j through the pair's slots of rank j, a header with the part's bytes
+        first, which rank j checks against its own count; any size: in LL lines below 64
+        KiB, in flagged chunks moved by several blocks per pair from there). NCCL needs
         the counts on the host: with device splits this call synchronizes the host with
         ``stream`` (a device-to-host copy of the splits, then a wait) and exchanges them
         over the bootstrap; that form blocks the host and cannot be captured in a CUDA

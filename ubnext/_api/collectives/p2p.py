@@ -2,24 +2,31 @@
 for ``send``, ``recv``, ``batch_isend_irecv`` and the all-to-all with uneven splits
 (``_p2p_algorithm``), and their launches.
 
-The kernel moves each message in LL lines (8 bytes and a flag per pushed 16-byte line,
-polled: no sentinel, so every byte pattern travels) through its pair's own slots in the
-receiver's segment, with the pair's own counters: only the two ranks of a pair take part,
-no barrier, no launch state shared with the other ranks' calls. Matching rule, per ordered
-pair (NCCL's): the k-th message rank a sends rank b is the k-th message b receives from a,
-counting single calls, a batch's entries in issue order and an all-to-all's one message per
-pair. Each message's header carries the call's signature and its bytes, and the receiver
-compares them with its own before it writes (a difference: CollectiveMismatchError). Up to
-two messages of a pair may be in flight before their receive is posted; a third send
-waits, bounded, for the receiver. Messages of more than ``LL_MAX_BYTES`` travel in chunks
-of it, two in flight per pair.
+The kernel moves each message through its pair's own slots in the receiver's segment,
+with the pair's own counters: only the two ranks of a pair take part, no barrier, no launch
+state shared with the other ranks' calls. Two forms, chosen by both ends from the
+message's bytes alone: below ``P2P_BULK_MIN_BYTES`` (64 KiB) LL lines (8 bytes and a flag
+per pushed 16-byte line, polled: no sentinel, so every byte pattern travels; one block per
+pair and direction); from there the bulk form, chunks of ``P2P_BULK_CHUNK`` (32 KiB) stored
+as 16-byte vectors into ``P2P_BULK_DEPTH`` (16) chunk slots per pair, one fenced flag line
+and one credit per chunk, the chunks shared by up to ``P2P_BULK_BLOCKS`` (8) blocks per pair
+and direction (``Engine.p2p``: every block of a launch within the SMs). Matching rule, per
+ordered pair (NCCL's): the k-th message rank a sends rank b is the k-th message b receives
+from a, whatever its form, counting single calls, a batch's entries in issue order and an
+all-to-all's one message per pair. Each message's header carries the call's signature and
+its bytes, and the receiver compares them with its own before it writes (a difference:
+CollectiveMismatchError). Up to two messages of a pair may be in flight before their
+receive is posted, a bulk one as far as its chunks fit the pair's free chunk slots (512
+KiB); a send past that waits, bounded, for the receiver.
 
 Failures: every wait is bounded (``timeout_s``). A receive whose send never comes times
 out on the receiving rank, which raises CollectiveTimeoutError naming the peer at its next
 call or ``synchronize()``; the failure is passed on to every rank of the communicator as
 for the collectives, whose later calls raise BrokenCommunicatorError ("rank r failed
 first"). The other ranks' queued work is not waited for: a rank that takes no part in the
-pair sees the failure only at its next call.
+pair sees the failure only at its next call. Where a receive fails, ``out`` holds all-ones
+bytes where a wait gave up (the bulk form: the chunks of the blocks that gave up) and is
+otherwise not written.
 
 :class:`P2P` is a base of the Communicator, under ``SendRecv`` and ``AllToAll``.
 """
@@ -57,7 +64,7 @@ class P2P(Rung):
     """The pool's point-to-point form: choice and launches (module docstring)."""
 
     def _p2p_algorithm(self, name: str, algorithm: str, entries: int = 0, why_nccl: str | None = None) -> str:
-        """``"ll"`` (this module's kernel) or ``"nccl"`` for a call of ``name`` of
+        """``"ll"`` (this module's kernel, both its forms) or ``"nccl"`` for a call of ``name`` of
         ``entries`` messages on this rank (``algorithm``: ``"auto"`` or one of
         ``P2P_ALGORITHMS``). ``auto`` takes NCCL where it runs (the kernel's speed against
         NCCL is not measured yet) and the kernel where it does not (ranks sharing a GPU).

@@ -32,10 +32,11 @@ class SendRecv(P2P):
 
         Matching rule: the module's (the k-th send to a peer matches the peer's k-th
         receive from this rank). Engines: NCCL (``"nccl"``), or the pool's point-to-point
-        kernel (``"ll"``: the pair's messages in LL lines through its own slots, no
-        barrier; a send completes before its receive is posted while fewer than two of the
-        pair's messages are in flight, else it waits, bounded, for the receiver:
-        ``ubnext._api.collectives.p2p``). ``auto`` takes NCCL where it runs and the kernel
+        kernel (``"ll"``: the pair's messages through its own slots, no barrier, in LL
+        lines below 64 KiB and in flagged chunks moved by several blocks from there; a send
+        completes before its receive is posted while fewer than two of the pair's messages
+        are in flight and a bulk one's chunks fit the pair's free chunk slots, else it waits,
+        bounded, for the receiver: ``ubnext._api.collectives.p2p``). ``auto`` takes NCCL where it runs and the kernel
         where it cannot (ranks sharing a GPU). The first NCCL call of a communicator sets
         NCCL up, collectively: every rank must have reached its first NCCL call (of any kind).
 
