@@ -25,17 +25,15 @@ def test_schemas():
     assert str(ops.moe_packed_combine.default._schema) == (
         "ubnext::moe_packed_combine(Tensor y, Tensor weights, Tensor topk_idx, int ep) -> Tensor")
     assert str(ops.moe_packed_dispatch_backward.default._schema) == (
-        "ubnext::moe_packed_dispatch_backward(Tensor grad_recv_x, Tensor topk_idx, int ep) -> Tensor")
-    assert str(ops.moe_packed_gather_weights.default._schema) == (
-        "ubnext::moe_packed_gather_weights(Tensor grad_weights, Tensor src, Tensor offsets, Tensor topk_idx, "
-        "int ep) -> Tensor")
+        "ubnext::moe_packed_dispatch_backward(Tensor? grad_recv_x, Tensor? grad_weights, Tensor src, "
+        "Tensor offsets, Tensor topk_idx, int ep) -> (Tensor, Tensor)")
 
 
 def test_every_op_is_side_effecting():
     """A rank without tokens has zero-size outputs: no compiler may drop its calls."""
     import torch.fx.node
 
-    for name in ("dispatch", "combine", "dispatch_backward", "gather_weights"):
+    for name in ("dispatch", "combine", "dispatch_backward"):
         assert getattr(torch.ops.ubnext, f"moe_packed_{name}").default in torch.fx.node._side_effectful_functions
 
 
@@ -52,10 +50,10 @@ def test_bad_shapes_raise_naming_the_op():
                   rf"moe_packed_combine: y must be float32 of shape \[{s.max_rows} x {s.hidden}\]"),
                  (lambda: torch.ops.ubnext.moe_packed_combine(rows, torch.zeros(s.max_rows - 1), idx, h),
                   rf"moe_packed_combine: weights must be float32 of shape \[{s.max_rows}\]"),
-                 (lambda: torch.ops.ubnext.moe_packed_gather_weights(
-                     torch.zeros(s.max_rows), torch.zeros(s.max_rows, dtype=torch.int32),
+                 (lambda: torch.ops.ubnext.moe_packed_dispatch_backward(
+                     None, torch.zeros(s.max_rows), torch.zeros(s.max_rows, dtype=torch.int32),
                      torch.zeros(s.local_experts, dtype=torch.int32), idx, h),
-                  rf"moe_packed_gather_weights: offsets must be int32 of shape \[{s.local_experts + 1}\]"),
+                  rf"moe_packed_dispatch_backward: offsets must be int32 of shape \[{s.local_experts + 1}\]"),
                  (lambda: torch.ops.ubnext.moe_packed_combine(rows, torch.zeros(s.max_rows), idx, h),
                   "moe_packed_combine: no dispatch of this object")]
         for call, words in cases:

@@ -34,9 +34,9 @@ def test_schemas():
     assert str(ops.moe_combine.default._schema) == (
         "ubnext::moe_combine(Tensor y, Tensor weights, Tensor topk_idx, int ep) -> Tensor")
     assert str(ops.moe_dispatch_backward.default._schema) == (
-        "ubnext::moe_dispatch_backward(Tensor grad_recv_x, Tensor topk_idx, int ep) -> Tensor")
-    assert str(ops.moe_gather_weights.default._schema) == (
-        "ubnext::moe_gather_weights(Tensor grad_weights, Tensor src, Tensor topk_idx, int ep) -> Tensor")
+        "ubnext::moe_dispatch_backward(Tensor? grad_recv_x, Tensor? grad_weights, Tensor src, Tensor topk_idx, "
+        "int ep) -> (Tensor, Tensor)")
+    assert not hasattr(ops, "moe_gather_weights")  # one backward op (test_compiled_backward_...)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -53,14 +53,13 @@ def test_fakes_give_the_static_shapes_and_run_nothing(nranks, mode):
         s, h = ep.shape, ut.handle(ep)
         rows, lo = row_dims(s), s.local_experts
         op = {call: getattr(torch.ops.ubnext, f"{m.prefix}_{call}")
-              for call in ("dispatch", "combine", "dispatch_backward", "gather_weights")}
+              for call in ("dispatch", "combine", "dispatch_backward")}
         with FakeTensorMode():
             x = torch.empty(4, s.hidden, dtype=torch.bfloat16)
             idx, w = torch.empty(4, s.top_k, dtype=torch.int32), torch.empty(4, s.top_k)
             recv_x, control, src, weights = op["dispatch"](x, idx, w, h)
             out = op["combine"](recv_x, weights, idx, h)
-            gx = op["dispatch_backward"](recv_x, idx, h)
-            gw = op["gather_weights"](weights, src, *((control,) if mode == "packed" else ()), idx, h)
+            gx, gw = op["dispatch_backward"](recv_x, weights, src, *((control,) if mode == "packed" else ()), idx, h)
         got = [(tuple(t.shape), t.dtype) for t in (recv_x, control, src, weights, out, gx, gw)]
         assert got == [((*rows, s.hidden), torch.bfloat16), ((lo + (mode == "packed"),), torch.int32),
                        (rows, torch.int32), (rows, torch.float32), ((4, s.hidden), torch.bfloat16),
@@ -208,6 +207,45 @@ def test_compiled_equals_eager_forward_and_backward(mode):
         return all(same_bits(a, to_numpy(b)) for a, b in zip(*results))
 
     assert run_ranks(1, body) == [True]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compiled_backward_makes_the_eager_collectives_in_order(mode, monkeypatch):
+    """Inductor (caches off) compiles forward and backward on a rank with tokens and on one
+    without (another graph: T = 0 is specialized); each makes eager's collectives in eager's
+    order. Two independent collectives in a backward are ordered by the compiler, and a
+    rank without tokens compiled them in another order than its peers (a deadlock, 2 ranks
+    on one H200): the dispatch's two gradients are one op."""
+    from ubnext.torch import _moe_ops
+
+    torch._dynamo.reset()
+    m = MODES[mode]
+    gather = _moe_ops.all_gather_any
+
+    def body(comm):
+        ep = m.host(comm, "small", "float32")
+        monkeypatch.setattr(_moe_ops, "all_gather_any", lambda c, t: (ep.calls.append("all_gather"), gather(c, t))[1])
+        scale = torch.linspace(0.5, 1.5, ep.shape.hidden)
+
+        def fn(x, idx, w):
+            recv_x, _, handle = m.dispatch(x, idx, w, ep)
+            return ut.moe.combine(torch.tanh(recv_x) * scale, handle)
+
+        sequences = {}
+        for tokens in (ep.shape.max_tokens, 0):
+            (x, idx, w), _ = rank_inputs(ep, "random", seed=7)
+            x, idx, w = x[:tokens], idx[:tokens], w[:tokens]
+            for name, f in (("eager", fn), ("inductor", torch.compile(fn, fullgraph=True, backend="inductor"))):
+                del ep.calls[:]
+                out = f(x.clone().requires_grad_(), idx, w.clone().requires_grad_())
+                out.backward(torch.ones_like(out))
+                sequences[name, tokens] = list(ep.calls)
+        return sequences
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        (sequences,) = run_ranks(1, body)
+    want = ["dispatch", "combine", "dispatch", "dispatch", "combine", "all_gather"]
+    assert sequences == {key: want for key in sequences}, sequences
 
 
 @pytest.mark.parametrize("mode", list(MODES))

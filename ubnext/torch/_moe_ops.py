@@ -12,27 +12,33 @@ from the table ``MOE_OPS``:
   counts are the same bits on every call.
 * ``moe_combine(y, weights, topk_idx, ep) -> out``: ``ExpertParallel.combine`` of the
   object's latest dispatch (made by ``moe_dispatch``), ``weights`` in place of the router's.
-* ``moe_dispatch_backward(grad_recv_x, topk_idx, ep) -> grad_x``: x's gradient, a combine
-  with unit weights. It dispatches first (zeros, with ``topk_idx``): the combine needs the
-  routing of the dispatch it is the transpose of, and in a backward other dispatches of the
-  object (combine's backward) come between; one op, so that no compiler puts another call
-  of the object between the two.
-* ``moe_gather_weights(grad_weights, src, topk_idx, ep) -> grad_topk_weights``: a value per
-  received row (``[L, C]`` fp32, on the expert's GPU) back into its slot of ``[T, K]`` on
-  the token's rank: every rank's rows and sources all-gathered (the communicator's
-  ``all_gather``: the bits move as they are), then each rank scatters its own tokens' values.
+* ``moe_dispatch_backward(grad_recv_x?, grad_weights?, src, topk_idx, ep) -> (grad_x,
+  grad_topk_weights)``: both of the dispatch's gradients, in this order, by one op. x's
+  (where ``grad_recv_x`` is given, else zeros) is a combine with unit weights; it
+  dispatches first (zeros, with ``topk_idx``): the combine needs the routing of the
+  dispatch it is the transpose of, and in a backward other dispatches of the object
+  (combine's backward) come between. topk_weights' (where ``grad_weights`` is given, else
+  zeros) brings a value per received row (``[L, C]`` fp32, on the expert's GPU) back into
+  its slot of ``[T, K]`` on the token's rank: every rank's rows and sources all-gathered
+  (the communicator's ``all_gather``: the bits move as they are), then each rank scatters
+  its own tokens' values. One op, not two: a compiler orders two independent collectives
+  of a backward as it likes (Inductor put the all-gather before the dispatch, where eager
+  has it after) and a rank without tokens compiles another graph, so the ranks' orders
+  need not agree (2 ranks on one H200 waited for each other in the compiled backward
+  until the test's bound); and no compiler puts another call of the object between the
+  dispatch and the combine.
 
 The throughput mode's ops (``moe_packed_*``, of a ``PackedExpertParallel``) are the same
-four, its ``sync=False`` form: a value per row ``[R]`` where these have ``[L, C]``,
+three, its ``sync=False`` form: a value per row ``[R]`` where these have ``[L, C]``,
 ``offsets`` ``[L + 1]`` where these have ``recv_counts``, rows from ``offsets[L]`` on zero,
-and ``moe_packed_gather_weights(grad_weights, src, offsets, topk_idx, ep)`` (a packed row's
-expert is the one whose span holds it; the offsets travel with the pairs). Both tables come
+and ``moe_packed_dispatch_backward(grad_recv_x?, grad_weights?, src, offsets, topk_idx, ep)``
+(a packed row's expert is the one whose span holds it; the offsets travel with the pairs). Both tables come
 from ``_table`` of a mode (``LowLatency``, ``Packed``): what the modes differ in is the
 rows' dims, which rows were received and each row's expert; the rest is shared.
 
 Gradients (fp32 arithmetic, orders fixed; docs/moe.md gives the formulas): dispatch's are
-``moe_dispatch_backward`` (x) and ``moe_gather_weights`` of its weights output's gradient
-(topk_weights); combine's are, from a dispatch of ``grad_out`` (``g``, laid out as
+``moe_dispatch_backward``'s (x from recv_x's gradient, topk_weights from its weights
+output's); combine's are, from a dispatch of ``grad_out`` (``g``, laid out as
 recv_x), ``y``'s ``round(g * w)`` (one fp32 product per element, then the dtype) and the
 weights' ``float32(sum_h float64(g) * float64(y))`` (every product exact in float64),
 both zero past the rows received. ``recv_counts`` (``offsets``) and ``src`` have no
@@ -186,16 +192,18 @@ def _dispatch_context(ctx, inputs, output):
 
 
 def _dispatch_backward(mode, ctx, grad_recv_x, grad_control, grad_src, grad_weights):
-    """x's gradient: the combine of recv_x's with unit weights; topk_weights': each row's
-    weight gradient back into its slot (the gather_weights op)."""
+    """x's gradient (the combine of recv_x's with unit weights) and topk_weights' (each row's
+    weight gradient back into its slot), by one op (the module's docstring says why)."""
     topk_idx, src, control = ctx.saved_tensors
-    grad_x = grad_w = None
-    if ctx.needs_input_grad[0] and grad_recv_x is not None:
-        grad_x = _op(mode, "dispatch_backward")(grad_recv_x.contiguous(), topk_idx, ctx.ep)
-    if ctx.needs_input_grad[2] and grad_weights is not None:
-        located = (control,) if mode.located else ()  # a packed row's expert is read from the offsets
-        grad_w = _op(mode, "gather_weights")(grad_weights.contiguous(), src, *located, topk_idx, ctx.ep)
-    return grad_x, None, grad_w, None
+    grad_recv_x = grad_recv_x if ctx.needs_input_grad[0] else None
+    grad_weights = grad_weights if ctx.needs_input_grad[2] else None
+    if grad_recv_x is None and grad_weights is None:
+        return None, None, None, None
+    located = (control,) if mode.located else ()  # a packed row's expert is read from the offsets
+    grad_x, grad_w = _op(mode, "dispatch_backward")(
+        None if grad_recv_x is None else grad_recv_x.contiguous(),
+        None if grad_weights is None else grad_weights.contiguous(), src, *located, topk_idx, ctx.ep)
+    return (None if grad_recv_x is None else grad_x), None, (None if grad_weights is None else grad_w), None
 
 
 # ---- combine -------------------------------------------------------------------------------
@@ -243,16 +251,32 @@ def _combine_backward(mode, ctx, grad_out):
     return grad_y, grad_w, None, None
 
 
-# ---- the backward-only ops -----------------------------------------------------------------
-def _dispatch_backward_check(mode, s, grad_recv_x, topk_idx):
+# ---- the backward-only op -----------------------------------------------------------------
+def _dispatch_backward_check(mode, s, grad_recv_x, grad_weights, src, control, topk_idx):
+    rows = mode.rows(s)
+    given = {} if grad_recv_x is None else {"grad_recv_x": (grad_recv_x, (*rows, s.hidden), s.dtype)}
+    if grad_weights is not None:
+        given["grad_weights"] = (grad_weights, rows, "float32")
+    located = {} if control is None else {mode.control: (control, mode.control_dims(s), "int32")}
     return _check(f"{mode.prefix}_dispatch_backward", s,
-                  {"grad_recv_x": (grad_recv_x, (*mode.rows(s), s.hidden), s.dtype), **_routing(s, topk_idx)})
+                  {**given, "src": (src, rows, "int32"), **located, **_routing(s, topk_idx)})
 
 
-def _dispatch_backward_run(mode, ep, grad_recv_x, topk_idx):
-    s = _dispatch_backward_check(mode, ep.shape, grad_recv_x, topk_idx)
-    tokens = topk_idx.shape[0]
-    zeros = grad_recv_x.new_zeros((tokens, s.hidden))
+def _dispatch_backward_run(mode, ep, grad_recv_x, grad_weights, src, *rest):
+    *located, topk_idx = rest
+    s = _dispatch_backward_check(mode, ep.shape, grad_recv_x, grad_weights, src, (located or [None])[0], topk_idx)
+    tokens, k = topk_idx.shape
+    grad_x = (torch.zeros((tokens, s.hidden), dtype=_torch_dtype(s.dtype), device=src.device)
+              if grad_recv_x is None else _x_gradient(mode, ep, s, grad_recv_x, topk_idx))
+    grad_w = (torch.zeros((tokens, k), dtype=torch.float32, device=src.device)
+              if grad_weights is None else _weights_gradient(mode, ep, s, grad_weights, src, located, topk_idx))
+    return grad_x, grad_w
+
+
+def _x_gradient(mode, ep, s, grad_recv_x, topk_idx):
+    """A dispatch of zeros with ``topk_idx`` (the routing again), then the combine of
+    ``grad_recv_x`` with unit weights."""
+    zeros = grad_recv_x.new_zeros((topk_idx.shape[0], s.hidden))
     _, _, handle = ep.dispatch(zeros, topk_idx.contiguous(), torch.zeros(topk_idx.shape, dtype=torch.float32,
                                                                          device=topk_idx.device))
     _latest[ep] = handle
@@ -260,26 +284,12 @@ def _dispatch_backward_run(mode, ep, grad_recv_x, topk_idx):
     return ep.combine(grad_recv_x.contiguous(), handle, weights=ones)
 
 
-def _dispatch_backward_fake(mode, grad_recv_x, topk_idx, ep):
-    s = _dispatch_backward_check(mode, lookup(ep).shape, grad_recv_x, topk_idx)
-    return grad_recv_x.new_empty((topk_idx.shape[0], s.hidden))
-
-
-def _gather_check(mode, s, grad_weights, src, control, topk_idx):
-    rows = mode.rows(s)
-    located = {} if control is None else {mode.control: (control, mode.control_dims(s), "int32")}
-    return _check(f"{mode.prefix}_gather_weights", s, {"grad_weights": (grad_weights, rows, "float32"),
-                                                       "src": (src, rows, "int32"), **located, **_routing(s, topk_idx)})
-
-
-def _gather_run(mode, ep, grad_weights, src, *rest):
+def _weights_gradient(mode, ep, s, grad_weights, src, located, topk_idx):
     """Every rank's (value, source) pairs gathered, with its control where a row's expert
     needs it (one all-gather); this rank's sources (``src // M == rank``) scattered into
     ``[T, K]`` at (token ``src % M``, the slot of the row's expert in the token's top-k);
     slots no row holds are zero."""
-    *located, topk_idx = rest
     control = located[0] if located else None
-    s = _gather_check(mode, ep.shape, grad_weights, src, control, topk_idx)
     comm, rows = ep.comm, src.numel()
     pairs = torch.stack([grad_weights.contiguous().view(torch.int32), src.contiguous()], dim=-1).reshape(-1)
     every = all_gather_any(comm, pairs if control is None else torch.cat([pairs, control])).view(s.nranks, -1)
@@ -298,14 +308,17 @@ def _gather_run(mode, ep, grad_weights, src, *rest):
     return out[:tokens * k].view(tokens, k)
 
 
-def _gather_fake(mode, grad_weights, src, *rest):
+def _dispatch_backward_fake(mode, grad_recv_x, grad_weights, src, *rest):
     *located, topk_idx, ep = rest
-    _gather_check(mode, lookup(ep).shape, grad_weights, src, located[0] if located else None, topk_idx)
-    return grad_weights.new_empty(tuple(topk_idx.shape))
+    s = _dispatch_backward_check(mode, lookup(ep).shape, grad_recv_x, grad_weights, src, (located or [None])[0],
+                                 topk_idx)
+    tokens, k = topk_idx.shape
+    return src.new_empty((tokens, s.hidden), dtype=_torch_dtype(s.dtype)), src.new_empty((tokens, k),
+                                                                                        dtype=torch.float32)
 
 
 def _table(mode) -> dict[str, Op]:
-    """The four ops of ``mode`` (``LowLatency`` or ``Packed``), named ``<prefix>_<call>``."""
+    """The three ops of ``mode`` (``LowLatency`` or ``Packed``), named ``<prefix>_<call>``."""
     p, bound = mode.prefix, (lambda f: functools.partial(f, mode))
     located = f"Tensor {mode.control}, " if mode.located else ""
     return {
@@ -314,10 +327,9 @@ def _table(mode) -> dict[str, Op]:
                             _dispatch_context),
         f"{p}_combine": Op("(Tensor y, Tensor weights, Tensor topk_idx, int ep) -> Tensor", (), bound(_combine_run),
                            bound(_combine_fake), bound(_combine_backward), _combine_context),
-        f"{p}_dispatch_backward": Op("(Tensor grad_recv_x, Tensor topk_idx, int ep) -> Tensor", (),
+        f"{p}_dispatch_backward": Op(f"(Tensor? grad_recv_x, Tensor? grad_weights, Tensor src, {located}"
+                                     "Tensor topk_idx, int ep) -> (Tensor, Tensor)", (),
                                      bound(_dispatch_backward_run), bound(_dispatch_backward_fake)),
-        f"{p}_gather_weights": Op(f"(Tensor grad_weights, Tensor src, {located}Tensor topk_idx, int ep) -> Tensor",
-                                  (), bound(_gather_run), bound(_gather_fake)),
     }
 
 
