@@ -7,7 +7,8 @@ with the pair's own counters: only the two ranks of a pair take part, no barrier
 state shared with the other ranks' calls. Two forms, chosen by both ends from the
 message's bytes alone: below ``P2P_BULK_MIN_BYTES`` (64 KiB) LL lines (8 bytes and a flag
 per pushed 16-byte line, polled: no sentinel, so every byte pattern travels; one block per
-pair and direction); from there the bulk form, chunks of ``P2P_BULK_CHUNK`` (32 KiB) stored
+pair and direction where the launch holds only LL messages, as many as a bulk message's
+where it holds one); from there the bulk form, chunks of ``P2P_BULK_CHUNK`` (32 KiB) stored
 as 16-byte vectors into ``P2P_BULK_DEPTH`` (16) chunk slots per pair, one fenced flag line
 and one credit per chunk, the chunks shared by up to ``P2P_BULK_BLOCKS`` (8) blocks per pair
 and direction (``Engine.p2p``: every block of a launch within the SMs). Matching rule, per
