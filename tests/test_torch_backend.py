@@ -8,6 +8,7 @@ collectives eager and compiled, the Gloo route)."""
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -20,7 +21,7 @@ from thread_ranks import run_threads
 import ubnext.torch  # noqa: F401 (registers "ubnext")
 from ubnext import UbnextError
 from ubnext.torch import backend
-from ubnext.torch.backend import _group
+from ubnext.torch.backend import _cpu, _group
 from ubnext.torch.backend._work import PendingWork, Work
 
 R = dist.ReduceOp
@@ -143,7 +144,7 @@ def test_split_group_makes_groups_of_their_own():
     assert got[2][:2] == (1, 2) and got[2][5] == [5.0, 5.0]
 
 
-# -- the communicator: lazy# -- the communicator: lazy, one per group, closed with it --
+# -- the communicator: lazy, one per group, closed with it --
 
 def test_the_communicator_comes_at_the_first_op_and_shutdown_closes_it():
     def body(pg, log):
@@ -165,6 +166,75 @@ def test_abort_aborts_the_communicator():
         return log[0].closed
 
     assert ranks(2, body) == ["abort", "abort"]
+
+
+def gloo_threads() -> set[int]:
+    """The ids of this process's Gloo threads (a Gloo backend's workers and its transport's loop)."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() in ("pt_gloo_runloop", "gloo_tcp_loop"):
+                    found.add(int(tid))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return found
+
+
+def gloo_threads_until(done, timeout_s: float = 5.0) -> set[int]:
+    """``gloo_threads()`` once ``done(threads)`` holds or ``timeout_s`` passed (a thread
+    takes its name a moment after it starts, and leaves /proc a moment after its join)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(threads := gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads
+
+
+def test_shutdown_destroys_the_gloo_backend_and_joins_its_threads():
+    """destroy_process_group's shutdown destroys the CPU route's Gloo backend there and
+    then, its threads joined, though the group itself lives on (FSDP2, device meshes and
+    torch's default arguments keep it): torch's ProcessGroupGloo.shutdown() does nothing,
+    its destructor joins the threads, so a backend still referenced would run until the
+    interpreter's exit and be torn down with it (docs/pytorch.md)."""
+    def body(pg, log):
+        before = gloo_threads()
+        pg.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
+        ours = gloo_threads_until(lambda now: len(now - before) >= 3) - before  # 2 workers, 1 loop
+        pg.shutdown()
+        return ours, ours & gloo_threads_until(lambda now: not now & ours), pg._cpu.backend, log
+
+    ((ours, left, gloo, log),) = ranks(1, body, device_type="cuda")
+    assert len(ours) == 3 and left == set() and gloo is None and log == []
+
+
+def test_a_cpu_op_after_shutdown_opens_a_new_gloo_backend():
+    """As the communicator, the CPU route's backend comes again at the next op."""
+    def body(pg, log):
+        t = torch.ones(2)
+        pg.allreduce([t], dist.AllreduceOptions()).wait()
+        first = pg._cpu.backend
+        pg.shutdown()
+        pg.allreduce([t], dist.AllreduceOptions()).wait()
+        second = pg._cpu.backend
+        pg.shutdown()
+        return first is not None and second is not None and second is not first, t.tolist()
+
+    assert ranks(2, body, device_type="cuda") == [(True, [4.0, 4.0])] * 2
+
+
+def test_abort_leaves_the_gloo_backend_undestroyed_and_unused():
+    """abort must return at once: the Gloo backend's destructor would wait for its ops in
+    flight (a dead peer's: up to the group's timeout), so the backend is kept, its threads
+    idle, and the group's next CPU op opens a new one."""
+    def body(pg, log):
+        pg.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
+        aborted = pg._cpu.backend
+        pg.abort()
+        return aborted, pg._cpu.backend, "allreduce" in vars(pg._cpu)
+
+    ((aborted, now, bound),) = ranks(1, body, device_type="cuda")
+    assert aborted is not None and now is None and not bound
+    assert any(kept is aborted for kept in _cpu._ABORTED)
 
 
 def test_tensors_of_another_device_raise():

@@ -4,6 +4,14 @@ backend to hold the group's name, see ``_group``).
 
 The route is explicit: the group sends CPU tensors here and nowhere else, under the
 method names of the torch it runs on; a CPU op Gloo does not have raises.
+
+Lifetime: torch's ``ProcessGroupGloo.shutdown()`` and ``abort()`` do nothing; its
+destructor drains its queue and joins its worker threads and its transport's loop thread.
+So ``close()`` (the group's shutdown, from ``destroy_process_group``) drops every reference
+to the backend, which destroys it there and then, while the group itself may live on
+(FSDP2, device meshes and torch's default arguments keep groups until exit): no Gloo
+thread is left to interpreter exit. ``abort()`` keeps the backend (``_ABORTED``): its
+destructor would wait for ops in flight, a dead peer's up to the group's timeout.
 """
 
 from __future__ import annotations
@@ -11,6 +19,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 __all__ = ["GlooOps"]
+
+# aborted Gloo backends, never destroyed (module docstring)
+_ABORTED: list = []
 
 # the group's op names -> the Gloo backend's (which kept torch 2.11's names)
 _NAMES = {
@@ -53,14 +64,18 @@ class GlooOps:
     """
 
     def __init__(self, store, rank: int, size: int, timeout):
-        self._args = (dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self._args = (store, rank, size, timeout)
+        self._opened = 0  # backends created so far: each rendezvous under a prefix of its own
         self.backend = None
 
     def open(self):
-        """The Gloo backend (created on the first call); binds the op names to it."""
+        """The Gloo backend (created on the first call, and on the first after a close);
+        binds the op names to it."""
         if self.backend is None:
             store, rank, size, timeout = self._args
-            self.backend = gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+            prefix = f"gloo/{self._opened}/"
+            self._opened += 1
+            self.backend = gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
             for ours, theirs in _NAMES.items():
                 setattr(self, ours, getattr(gloo, theirs))
         return self.backend
@@ -85,11 +100,23 @@ class GlooOps:
         return self.open().barrier(opts)
 
     def close(self) -> None:
-        gloo, self.backend = self.backend, None
+        """Destroys the Gloo backend (its threads joined), once its ops in flight finished.
+        Collective, as the group's shutdown."""
+        gloo = self._unbind()
         if gloo is not None:
             gloo.shutdown()
+        # the last reference goes here: the destructor (the GIL released) joins the threads
 
     def abort(self) -> None:
-        gloo, self.backend = self.backend, None
+        """Gives the Gloo backend up at once: unused from now on, never destroyed. Local."""
+        gloo = self._unbind()
         if gloo is not None:
             gloo.abort()
+            _ABORTED.append(gloo)
+
+    def _unbind(self):
+        """The backend, no longer referenced here (nor by the op names bound to it)."""
+        gloo, self.backend = self.backend, None
+        for ours in _NAMES:
+            self.__dict__.pop(ours, None)
+        return gloo
