@@ -199,12 +199,14 @@ def test_shutdown_destroys_the_gloo_backend_and_joins_its_threads():
     def body(pg, log):
         before = gloo_threads()
         pg.allreduce([torch.ones(2)], dist.AllreduceOptions()).wait()
-        ours = gloo_threads_until(lambda now: len(now - before) >= 3) - before  # 2 workers, 1 loop
+        # its 2 workers, and its transport's loop where that thread is named (torch 2.13's
+        # "gloo_tcp_loop"; 2.11 names only the workers)
+        ours = gloo_threads_until(lambda now: len(now - before) >= 3, timeout_s=2.0) - before
         pg.shutdown()
         return ours, ours & gloo_threads_until(lambda now: not now & ours), pg._cpu.backend, log
 
     ((ours, left, gloo, log),) = ranks(1, body, device_type="cuda")
-    assert len(ours) == 3 and left == set() and gloo is None and log == []
+    assert len(ours) >= 2 and left == set() and gloo is None and log == []
 
 
 def test_a_cpu_op_after_shutdown_opens_a_new_gloo_backend():
