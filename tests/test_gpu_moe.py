@@ -271,16 +271,17 @@ def test_combine_with_weights_of_its_own(comm, dtype):
         assert bad.size == 0, f"{what}: {bad.size} elements differ"
 
 
-@pytest.mark.parametrize("partials", list(layout.PARTIALS))
-def test_cuda_graph_replay(comm, partials):
-    """dispatch + combine captured once, replayed with new inputs copied into the captured
-    buffers: every replay matches the reference (the kernels advance their own state); the
-    combine's partials the object's default (``ExpertParallel(..., partials=)``)."""
+def captured_replays(comm, ep, shape, in_shape):
+    """dispatch + combine of ``ep`` (bfloat16) captured once in a CUDA graph after a warm-up
+    on the capture's stream, then replayed three times (routing random, dropped, skewed)
+    with new inputs copied into the captured buffers and the outputs poisoned first
+    (``in_shape``: the shape the inputs are drawn for). Yields, after each replay, its
+    name, every rank's (xs, idxs, ws) and ys, and the captured (recv_x, control, handle)
+    and out. Shared by both modes' graph tests."""
     import torch
 
-    ep, shape = make(comm, "small", "bfloat16", partials=partials)
-    r, tokens = comm.rank, tokens_of(shape)
-    xs, idxs, ws = inputs(shape, "random", tokens, seed=90)
+    r, tokens = comm.rank, tokens_of(in_shape)
+    xs, idxs, ws = inputs(in_shape, "random", tokens, seed=90)
     x, idx, w = to_device(xs[r]), to_device(idxs[r]), to_device(ws[r])
     y = to_device(expert_outputs(shape, 91)[r])
     out = torch.empty((tokens[r], shape.hidden), device="cuda", dtype=torch.bfloat16)
@@ -291,20 +292,30 @@ def test_cuda_graph_replay(comm, partials):
     s.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=s):
-        recv_x, counts, handle = ep.dispatch(x, idx, w)
-        ep.combine(y, handle, out=out)
+        dispatched = ep.dispatch(x, idx, w)
+        ep.combine(y, dispatched[2], out=out)
     torch.cuda.synchronize()
     for replay in range(3):
-        xs, idxs, ws = inputs(shape, ("random", "dropped", "skewed")[replay], tokens, seed=100 + replay)
+        xs, idxs, ws = inputs(in_shape, ("random", "dropped", "skewed")[replay], tokens, seed=100 + replay)
         ys = expert_outputs(shape, 200 + replay)
         for dst, src in ((x, xs[r]), (idx, idxs[r]), (w, ws[r]), (y, ys[r])):
             dst.copy_(to_device(src))
         poison_outputs(ep)
         graph.replay()
+        yield f"replay {replay}", (xs, idxs, ws), ys, dispatched, out
+
+
+@pytest.mark.parametrize("partials", list(layout.PARTIALS))
+def test_cuda_graph_replay(comm, partials):
+    """dispatch + combine captured once, replayed with new inputs copied into the captured
+    buffers: every replay matches the reference (the kernels advance their own state); the
+    combine's partials the object's default (``ExpertParallel(..., partials=)``)."""
+    ep, shape = make(comm, "small", "bfloat16", partials=partials)
+    for what, (xs, idxs, ws), ys, (recv_x, counts, handle), out in captured_replays(comm, ep, shape, shape):
         want = ref.dispatch(shape, xs, idxs, ws)
-        check_dispatch(comm, ep, shape, recv_x, counts, handle, want[r], f"replay {replay}")
-        bad = ref_mismatches(host(out), ref.combine(shape, want, ys, idxs, partials=partials)[r])
-        assert bad.size == 0, f"replay {replay}: {bad.size} elements of the combine differ"
+        check_dispatch(comm, ep, shape, recv_x, counts, handle, want[comm.rank], what)
+        bad = ref_mismatches(host(out), ref.combine(shape, want, ys, idxs, partials=partials)[comm.rank])
+        assert bad.size == 0, f"{what}: {bad.size} elements of the combine differ"
 
 
 def test_host_visible_errors_raise_before_any_launch(comm):

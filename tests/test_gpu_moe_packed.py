@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from gpu_support import Bordered, host, seed_of
 from moe_support import NP, inputs, tokens_of
-from test_gpu_moe import check_bad_routing, check_gaps, communicator, poison_outputs, raised, ref_mismatches, \
-    to_device
+from test_gpu_moe import captured_replays, check_bad_routing, check_gaps, communicator, poison_outputs, raised, \
+    ref_mismatches, to_device
 
 from ubnext._moe import layout, packed_layout
 from ubnext._moe import packed_reference as pref
@@ -171,35 +171,13 @@ def test_combine_with_weights_of_its_own(comm, dtype):
 def test_cuda_graph_replay(comm):
     """dispatch (sync=False) + combine captured once, replayed with new inputs copied into
     the captured buffers: every replay matches the reference."""
-    import torch
-
     ep, shape = make(comm, "small", "bfloat16")
-    r, tokens = comm.rank, tokens_of(shape.padded())
-    xs, idxs, ws = inputs(shape.padded(), "random", tokens, seed=90)
-    x, idx, w = to_device(xs[r]), to_device(idxs[r]), to_device(ws[r])
-    y = to_device(expert_outputs(shape, 91)[r])
-    out = torch.empty((tokens[r], shape.hidden), device="cuda", dtype=torch.bfloat16)
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):  # warm up on the capture's stream
-        ep.combine(y, ep.dispatch(x, idx, w)[2], out=out)
-    s.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        recv_x, offsets, handle = ep.dispatch(x, idx, w)
-        ep.combine(y, handle, out=out)
-    torch.cuda.synchronize()
-    for replay in range(3):
-        xs, idxs, ws = inputs(shape.padded(), ("random", "dropped", "skewed")[replay], tokens, seed=100 + replay)
-        ys = expert_outputs(shape, 200 + replay)
-        for dst, src in ((x, xs[r]), (idx, idxs[r]), (w, ws[r]), (y, ys[r])):
-            dst.copy_(to_device(src))
-        poison_outputs(ep)
-        graph.replay()
+    for what, (xs, idxs, ws), ys, (recv_x, offsets, handle), out in captured_replays(comm, ep, shape,
+                                                                                      shape.padded()):
         want = pref.dispatch(shape, xs, idxs, ws)
-        check_dispatch(comm, ep, shape, recv_x, offsets, handle, want[r], f"replay {replay}", False)
-        bad = ref_mismatches(host(out), pref.combine(shape, want, ys, idxs)[r])
-        assert bad.size == 0, f"replay {replay}: {bad.size} elements of the combine differ"
+        check_dispatch(comm, ep, shape, recv_x, offsets, handle, want[comm.rank], what, False)
+        bad = ref_mismatches(host(out), pref.combine(shape, want, ys, idxs)[comm.rank])
+        assert bad.size == 0, f"{what}: {bad.size} elements of the combine differ"
 
 
 def test_host_visible_errors_raise_before_any_launch(comm):

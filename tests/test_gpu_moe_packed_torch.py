@@ -16,12 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu_support import host, seed_of
-from moe_support import NP, combine_backward, dispatch_backward, expert_outputs, inputs, tokens_of
+from moe_support import NP, inputs, tokens_of
+from moe_torch_support import MODES
 from test_gpu_moe import communicator, to_device
-from test_gpu_moe_torch import COMPILE_SKEW_S, OPS_SIZE, same_bits
+from test_gpu_moe_torch import COMPILE_SKEW_S, OPS_SIZE, check_ops, same_bits
 
 from ubnext._moe import layout, packed_layout
-from ubnext._moe import packed_reference as pref
 
 pytestmark = pytest.mark.gpu
 
@@ -52,42 +52,14 @@ def make(comm, dtype: str, idxs=None):
 @pytest.mark.parametrize("kind", ["random", "dropped", "skewed"])
 @pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
 def test_ops_forward_and_backward_bit_for_bit(comm, dtype, kind, rows):
-    """packed_dispatch (rows from offsets[L] on zero), combine, and the gradients: y's and
-    topk_weights' from out's gradient G (through combine's weight gradient, brought back
-    to the tokens by the offsets), x's from recv_x's gradient R."""
-    import torch
-
-    import ubnext.torch as ut
-
-    r, n = comm.rank, comm.size
+    """packed_dispatch (rows from offsets[L] on zero), combine and the gradients
+    (test_gpu_moe_torch.check_ops), at the default R and at the tightest."""
+    n = comm.size
     seed = seed_of("moe_packed_torch", dtype, kind, rows)
     probe = packed_layout.shape(n, OPS_SIZE[0] * n, *OPS_SIZE[1:], dtype)
     xs, idxs, ws = inputs(probe, kind, tokens_of(probe), seed)
     ep, s = make(comm, dtype, idxs if rows == "tight" else None)
-    rng = np.random.default_rng(seed + 1)
-    gs = [rng.standard_normal((t, s.hidden)).astype(NP[dtype]) for t in tokens_of(s)]
-    rs = [rng.standard_normal((s.max_rows, s.hidden)).astype(NP[dtype]) for _ in range(n)]
-    ys = expert_outputs(s, seed + 2)
-    x, w, y = (to_device(a).clone().requires_grad_() for a in (xs[r], ws[r], ys[r]))
-    recv_x, offsets, handle = ut.moe.packed_dispatch(x, to_device(idxs[r]), w, ep)
-    out = ut.moe.combine(y, handle)
-    out.backward(to_device(gs[r]), retain_graph=True)
-    (gx,) = torch.autograd.grad(recv_x, x, to_device(rs[r]))
-    torch.cuda.synchronize()
-    comm.synchronize()
-
-    dispatched = pref.dispatch(s, xs, idxs, ws)
-    d = dispatched[r]
-    assert not d.overflow
-    assert np.array_equal(offsets.cpu().numpy(), pref.offsets(d))
-    assert same_bits(recv_x.detach(), d.recv_x), "recv_x (zero from offsets[L] on)"
-    assert np.array_equal(handle.src.cpu().numpy(), d.src) and same_bits(handle.weights.detach(), d.weights)
-    assert same_bits(out.detach(), pref.combine(s, dispatched, ys, idxs)[r]), "out"
-    grads = combine_backward(s, pref.dispatch(s, gs, idxs, ws), ys, [e.weights for e in dispatched])
-    back = dispatch_backward(s, dispatched, rs, [gw for _, gw in grads], idxs)
-    assert same_bits(y.grad, grads[r][0]), "y.grad"
-    assert same_bits(w.grad, back[r][1]), "topk_weights.grad"
-    assert same_bits(gx, back[r][0]), "x.grad"
+    check_ops(comm, ep, s, MODES["packed"], (xs, idxs, ws), seed)
 
 
 def forward(ep):

@@ -14,11 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpu_support import host, seed_of
-from moe_support import NP, combine_backward, dispatch_backward, expert_outputs, inputs, moe_block_module, tokens_of
+from moe_support import NP, combine_backward, dispatch_backward, expert_outputs, inputs, moe_block_module, row_dims, \
+    tokens_of
+from moe_torch_support import MODES
 from test_gpu_moe import communicator, ref_mismatches, to_device
 
 from ubnext._moe import layout
-from ubnext._moe import reference as ref
 
 pytestmark = pytest.mark.gpu
 
@@ -56,43 +57,53 @@ def same_bits(got, want: np.ndarray) -> bool:
     return ref_mismatches(host(got), np.asarray(want)).size == 0
 
 
-@pytest.mark.parametrize("kind", ["random", "dropped", "skewed"])
-@pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
-def test_ops_forward_and_backward_bit_for_bit(comm, dtype, kind):
-    """dispatch (rows past the counts zero), combine, and the gradients: y's and
-    topk_weights' from out's gradient G (through combine's weight gradient, brought back
-    to the tokens), x's from recv_x's gradient R."""
+def check_ops(comm, ep, s, mode, data, seed: int) -> None:
+    """``mode``'s ops (``moe_torch_support.MODES``: its dispatch, the combine of its handle)
+    on ``ep`` (of shape ``s``), this rank's part of ``data`` (every rank's xs, idxs, ws),
+    forward and backward, bit for bit against the mode's host references: the dispatch
+    (rows not received zero) and its control (counts, or offsets), combine, and the
+    gradients: y's and topk_weights' from out's gradient G (through combine's weight
+    gradient, brought back to the tokens), x's from recv_x's gradient R. Both modes'
+    tests call it."""
     import torch
 
     import ubnext.torch as ut
 
-    ep, s = expert_parallel(comm, OPS_SIZE, dtype)
+    xs, idxs, ws = data
     r, n = comm.rank, comm.size
-    seed = seed_of("moe_torch", dtype, kind)
-    xs, idxs, ws = inputs(s, kind, tokens_of(s), seed)
     rng = np.random.default_rng(seed + 1)
-    gs = [rng.standard_normal((t, s.hidden)).astype(NP[dtype]) for t in tokens_of(s)]
-    rs = [rng.standard_normal((s.local_experts, s.capacity, s.hidden)).astype(NP[dtype]) for _ in range(n)]
+    gs = [rng.standard_normal((t, s.hidden)).astype(NP[s.dtype]) for t in tokens_of(s)]
+    rs = [rng.standard_normal((*row_dims(s), s.hidden)).astype(NP[s.dtype]) for _ in range(n)]
     ys = expert_outputs(s, seed + 2)
     x, w, y = (to_device(a).clone().requires_grad_() for a in (xs[r], ws[r], ys[r]))
-    recv_x, counts, handle = ut.moe.dispatch(x, to_device(idxs[r]), w, ep)
+    recv_x, control, handle = mode.dispatch(x, to_device(idxs[r]), w, ep)
     out = ut.moe.combine(y, handle)
     out.backward(to_device(gs[r]), retain_graph=True)
     (gx,) = torch.autograd.grad(recv_x, x, to_device(rs[r]))
     torch.cuda.synchronize()
     comm.synchronize()
 
-    dispatched = ref.dispatch(s, xs, idxs, ws)
+    dispatched = mode.ref.dispatch(s, xs, idxs, ws)
     d = dispatched[r]
-    assert np.array_equal(counts.cpu().numpy(), d.counts)
-    assert same_bits(recv_x.detach(), d.recv_x), "recv_x (zero past the counts)"
+    assert not d.overflow
+    assert np.array_equal(control.cpu().numpy(), mode.control(d))
+    assert same_bits(recv_x.detach(), d.recv_x), "recv_x (zero past the rows received)"
     assert np.array_equal(handle.src.cpu().numpy(), d.src) and same_bits(handle.weights.detach(), d.weights)
-    assert same_bits(out.detach(), ref.combine(s, dispatched, ys, idxs)[r]), "out"
-    grads = combine_backward(s, ref.dispatch(s, gs, idxs, ws), ys, [e.weights for e in dispatched])
+    assert same_bits(out.detach(), mode.ref.combine(s, dispatched, ys, idxs)[r]), "out"
+    grads = combine_backward(s, mode.ref.dispatch(s, gs, idxs, ws), ys, [e.weights for e in dispatched])
     back = dispatch_backward(s, dispatched, rs, [gw for _, gw in grads], idxs)
     assert same_bits(y.grad, grads[r][0]), "y.grad"
     assert same_bits(w.grad, back[r][1]), "topk_weights.grad"
     assert same_bits(gx, back[r][0]), "x.grad"
+
+
+@pytest.mark.parametrize("kind", ["random", "dropped", "skewed"])
+@pytest.mark.parametrize("dtype", list(layout.MOE_DTYPES))
+def test_ops_forward_and_backward_bit_for_bit(comm, dtype, kind):
+    """dispatch (rows past the counts zero), combine and the gradients (check_ops)."""
+    ep, s = expert_parallel(comm, OPS_SIZE, dtype)
+    seed = seed_of("moe_torch", dtype, kind)
+    check_ops(comm, ep, s, MODES["low-latency"], inputs(s, kind, tokens_of(s), seed), seed)
 
 
 def block_data(comm, s, dtype: str, seed: int):
